@@ -1,0 +1,54 @@
+"""Hypothesis profiles, chosen by HYPOTHESIS_PROFILE, and the device the tests run the pools on."""
+
+import os
+
+import pytest
+from hypothesis import HealthCheck, Phase, settings
+
+# dev: the default on a laptop; modest budgets, the local example database replays failures.
+settings.register_profile("dev", max_examples=40, deadline=None)
+# ci: the CPU gate. Derandomized so a red build is reproducible from the log, no database to carry
+# between runs, and the reproduce blob printed with every failure.
+settings.register_profile(
+    "ci", max_examples=40, deadline=None, derandomize=True, database=None, print_blob=True,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+# gpu: the same suite on CUDA (select it with --device cuda); kernels launch asynchronously, so no deadline.
+settings.register_profile("gpu", max_examples=60, deadline=None, print_blob=True,
+                          suppress_health_check=[HealthCheck.too_slow])
+# fuzz: long local or nightly sessions with the database on, so every failure replays later.
+settings.register_profile("fuzz", max_examples=5_000, deadline=None, print_blob=True,
+                          phases=list(Phase), suppress_health_check=[HealthCheck.too_slow])
+
+_default = "ci" if os.environ.get("CI") else "dev"
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", _default))
+
+
+def pytest_addoption(parser):
+    parser.addoption("--device", default=os.environ.get("POOLFUZZ_DEVICE", "cpu"),
+                     help="torch device the pools are built on: cpu, cuda or cuda:N (default cpu)")
+
+
+@pytest.fixture(scope="session")
+def device(request):
+    from poolfuzz.pools.family import resolve_device
+    from poolfuzz.pools.errors import ConfigError
+
+    try:
+        return resolve_device(request.config.getoption("--device"))
+    except ConfigError as exc:
+        pytest.exit(str(exc), returncode=2)
+
+
+def pytest_collection_modifyitems(config, items):
+    # Probe CUDA once, after collection, never at import: CPU CI and xdist workers import cleanly.
+    if not any("requires_cuda" in item.keywords for item in items):
+        return
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="requires_cuda: no CUDA GPU is visible on this machine")
+    for item in items:
+        if "requires_cuda" in item.keywords:
+            item.add_marker(skip)

@@ -1,0 +1,140 @@
+"""The Hypothesis state machine: rules draw small ints, the engine plays them on real pools."""
+
+from __future__ import annotations
+
+from hypothesis import event
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from poolfuzz.harness.engine import NODES, Engine, EngineOptions, Phase
+from poolfuzz.pools.config import CONFIGS, ModelConfig
+from poolfuzz.strategies import chunk_sizes, extra_tokens, picks, prompt_lengths
+
+
+def _has(phase: Phase, node: str | None = None):
+    return lambda self: bool(self.engine.live(phase, node))
+
+
+class PoolMachine(RuleBasedStateMachine):
+    """Plays a small serving engine over a real family and its reference model.
+
+    Configure it with :func:`machine_for`; the class attributes are the defaults.
+    """
+
+    config: ModelConfig = CONFIGS["swa-ssm"]
+    device = "cpu"
+    faults: tuple[str, ...] = ()
+    backup_mode: str | None = None
+    options = EngineOptions()
+    family_factory = None
+
+    def __init__(self):
+        super().__init__()
+        cls = type(self)
+        kwargs = {} if cls.family_factory is None else {"family_factory": cls.family_factory}
+        self.engine = Engine(config=cls.config, device=cls.device, faults=cls.faults,
+                             backup_mode=cls.backup_mode, options=cls.options, **kwargs)
+
+    def _pick(self, phase: Phase, pick: int, node: str | None = None):
+        live = self.engine.live(phase, node)
+        return live[pick % len(live)]
+
+    @initialize()
+    def start(self):
+        event(f"config {self.engine.config.name}")
+
+    @rule(prompt_len=prompt_lengths)
+    def admit(self, prompt_len):
+        if self.engine.admit(prompt_len) is None:
+            event("pool full at admit")
+
+    @precondition(_has(Phase.PREFILLING))
+    @rule(pick=picks, chunk=chunk_sizes)
+    def prefill(self, pick, chunk):
+        if not self.engine.prefill(self._pick(Phase.PREFILLING, pick).rid, chunk):
+            event("pool full at prefill")
+
+    @precondition(_has(Phase.RUNNING))
+    @rule(picks=st.lists(picks, min_size=1, max_size=3))
+    def decode(self, picks):
+        live = self.engine.live(Phase.RUNNING)
+        rids = list(dict.fromkeys(live[p % len(live)].rid for p in picks))
+        if len(self.engine.decode(rids)) < len(rids):
+            event("pool full at decode")
+
+    @precondition(lambda self: self.engine.config.has_swa and self.engine.live(Phase.RUNNING))
+    @rule()
+    def evict_swa(self):
+        self.engine.evict_swa()
+        if self.engine.touched:
+            event("SWA evicted")
+
+    @precondition(_has(Phase.RUNNING))
+    @rule(pick=picks)
+    def retract(self, pick):
+        """Retract an arbitrary running request (a scheduler may pick any victim)."""
+        if self.engine.retract(self._pick(Phase.RUNNING, pick).rid) == "aborted":
+            event("retraction backup did not fit: aborted")
+
+    @precondition(lambda self: any(self.engine.sglang_victim(n) for n in NODES))
+    @rule()
+    def retract_sglang_order(self):
+        """Retract the victim SGLang would choose (fewest outputs, then longest prompt)."""
+        node = next(n for n in NODES if self.engine.sglang_victim(n))
+        self.engine.retract(self.engine.sglang_victim(node))
+
+    @precondition(_has(Phase.RETRACTED))
+    @rule()
+    def resume(self):
+        node = next(n for n in NODES if self.engine.retracted[n])
+        rid = self.engine.retracted[node][0]
+        before = self.engine.requests[rid].slots_before
+        if self.engine.resume(node) is None:
+            event("pool full at resume")
+        elif before and before.get("mamba") is not None:
+            same = self.engine.requests[rid].kv.mamba_pool_idx == before["mamba"]
+            event("resumed into its old mamba slot" if same else "resumed into a different mamba slot")
+
+    @precondition(_has(Phase.RETRACTED))
+    @rule(pick=picks)
+    def abort(self, pick):
+        self.engine.abort(self._pick(Phase.RETRACTED, pick).rid)
+
+    @precondition(_has(Phase.RUNNING))
+    @rule(pick=picks)
+    def finish(self, pick):
+        self.engine.finish(self._pick(Phase.RUNNING, pick).rid)
+
+    @precondition(_has(Phase.RUNNING, "prefill"))
+    @rule(pick=picks)
+    def transfer(self, pick):
+        if not self.engine.transfer(self._pick(Phase.RUNNING, pick, "prefill").rid):
+            event("decode node full at transfer")
+
+    @precondition(_has(Phase.RUNNING))
+    @rule(pick=picks, extra=extra_tokens)
+    def fork(self, pick, extra):
+        if self.engine.fork(self._pick(Phase.RUNNING, pick).rid, extra) is None:
+            event("pool full at fork")
+
+    @invariant()
+    def pools_agree_with_reference(self):
+        self.engine.check()
+
+    def teardown(self):
+        if not self.engine.broken:  # a step failed: its report stands, nothing more to check
+            self.engine.sweep()
+            self.engine.drain()
+
+
+def machine_for(config: ModelConfig | str, *, device="cpu", faults=(), backup_mode: str | None = None,
+                options: EngineOptions = EngineOptions(), family_factory=None) -> type[PoolMachine]:
+    """A PoolMachine subclass bound to one config, device, fault set and backup mode."""
+    if isinstance(config, str):
+        from poolfuzz.pools.config import get_config
+
+        config = get_config(config)
+    attrs = dict(config=config, device=device, faults=tuple(faults), backup_mode=backup_mode, options=options)
+    if family_factory is not None:
+        attrs["family_factory"] = staticmethod(family_factory)
+    return type("PoolMachine", (PoolMachine,), attrs)

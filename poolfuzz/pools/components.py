@@ -1,0 +1,28 @@
+"""Component buffers: the per-layer tensors a pool stores, named so a mismatch can say which one."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+DTYPES = {
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "float32": torch.float32,
+    # fp8 KV is stored as raw bytes, as SGLang's ``store_dtype`` is uint8 for fp8 dtypes.
+    "fp8_e4m3": torch.uint8,
+}
+
+
+@dataclass(frozen=True, kw_only=True)
+class Component:
+    """One addressable buffer: ``tensor[slot]`` is the row a slot of ``space`` owns in ``layer``."""
+
+    name: str  # "full.k", "full.v", "swa.k", "swa.v", "mamba.conv0", "mamba.temporal"
+    layer: int  # global layer id
+    space: str  # index space of dim 0: "full", "swa" or "mamba"
+    tensor: torch.Tensor
+
+    def __repr__(self) -> str:  # never dump the tensor
+        return f"Component({self.name} layer {self.layer}, {self.space} x{self.tensor.shape[0]})"

@@ -1,0 +1,195 @@
+"""Model configs: the layer mix and pool sizes a family is built from, and the shared SSM predicate."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from poolfuzz.pools.errors import ConfigError
+
+# Model architectures whose layers keep recurrent (conv / temporal) state besides attention KV.
+# This is poolfuzz's analogue of SGLang's ``uses_ssm_state``: a new SSM architecture that is
+# forgotten here silently takes the lossy retraction path. The harness audits this predicate
+# against the layers a built family really has.
+SSM_ARCHITECTURES = frozenset(
+    {"qwen3-next", "mamba2", "nemotron-h", "kimi-linear", "lightning", "inkling", "falcon-h1"}
+)
+
+KV_DTYPES = ("bfloat16", "float16", "float32", "fp8_e4m3")
+STATE_DTYPES = ("bfloat16", "float16", "float32")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelConfig:
+    """Shape of one model as its memory pools see it. Sizes are small so CPU tests reuse slots fast."""
+
+    name: str
+    architecture: str  # read by uses_ssm_state; the layer counts below say what the family builds
+    page_size: int = 1
+    full_layers: int = 1  # full-attention layers
+    swa_layers: int = 0  # sliding-window attention layers
+    mamba_layers: int = 0  # recurrent-state (mamba / GDN / short-conv) layers
+    sliding_window: int = 0  # tokens; required when swa_layers > 0
+    head_num: int = 2
+    head_dim: int = 8
+    kv_dtype: str = "bfloat16"
+    full_tokens: int = 64  # full-attention KV token slots (a multiple of page_size)
+    swa_tokens: int = 0  # sliding-window KV token slots (a multiple of page_size)
+    request_rows: int = 6
+    max_context: int = 64
+    mamba_slots: int = 0
+    conv_shapes: tuple[tuple[int, ...], ...] = ((6, 3),)  # per conv tensor: (conv_dim, kernel-1)
+    temporal_shape: tuple[int, int, int] = (2, 4, 4)  # (heads, head_dim, state_size)
+    state_dtype: str = "float32"
+    host_tokens: int = 0  # host (CPU) pool slots for host_pool retraction backup; 0 = derived
+
+    def __post_init__(self) -> None:
+        problems = _validate(self)
+        if problems:
+            raise ConfigError(f"config {self.name!r} is impossible: " + "; ".join(problems))
+
+    @property
+    def has_swa(self) -> bool:
+        return self.swa_layers > 0
+
+    @property
+    def has_mamba(self) -> bool:
+        return self.mamba_layers > 0
+
+    @property
+    def num_layers(self) -> int:
+        return self.full_layers + self.swa_layers + self.mamba_layers
+
+    @property
+    def full_layer_ids(self) -> tuple[int, ...]:
+        return tuple(range(self.full_layers))
+
+    @property
+    def swa_layer_ids(self) -> tuple[int, ...]:
+        return tuple(range(self.full_layers, self.full_layers + self.swa_layers))
+
+    @property
+    def mamba_layer_ids(self) -> tuple[int, ...]:
+        start = self.full_layers + self.swa_layers
+        return tuple(range(start, start + self.mamba_layers))
+
+    @property
+    def host_size(self) -> int:
+        """Host pool slots: as configured, else twice the full pool, rounded up to whole pages."""
+        size = self.host_tokens or 2 * self.full_tokens
+        ps = self.page_size
+        return -(-size // ps) * ps
+
+    def replace(self, **changes) -> "ModelConfig":
+        return dataclasses.replace(self, **changes)
+
+
+def _validate(c: ModelConfig) -> list[str]:
+    problems = []
+    if c.page_size < 1:
+        problems.append(f"page_size must be >= 1, got {c.page_size}")
+    if c.full_layers < 1:
+        problems.append("full_layers must be >= 1 (every supported family has full attention)")
+    if c.swa_layers < 0 or c.mamba_layers < 0:
+        problems.append("layer counts cannot be negative")
+    if c.kv_dtype not in KV_DTYPES:
+        problems.append(f"kv_dtype {c.kv_dtype!r} is not one of {', '.join(KV_DTYPES)}")
+    if c.state_dtype not in STATE_DTYPES:
+        problems.append(f"state_dtype {c.state_dtype!r} is not one of {', '.join(STATE_DTYPES)}")
+    if c.page_size >= 1:
+        if c.full_tokens < c.page_size or c.full_tokens % c.page_size:
+            problems.append(
+                f"full_tokens ({c.full_tokens}) must be a positive multiple of page_size ({c.page_size})"
+            )
+        if c.swa_layers and (c.swa_tokens < c.page_size or c.swa_tokens % c.page_size):
+            problems.append(
+                f"swa_tokens ({c.swa_tokens}) must be a positive multiple of page_size ({c.page_size})"
+            )
+    if c.swa_layers and c.sliding_window < 1:
+        problems.append("swa_layers > 0 needs sliding_window >= 1")
+    if not c.swa_layers and (c.swa_tokens or c.sliding_window):
+        problems.append("swa_tokens / sliding_window are set but swa_layers is 0")
+    if c.mamba_layers and c.mamba_slots < 1:
+        problems.append("mamba_layers > 0 needs mamba_slots >= 1")
+    if not c.mamba_layers and c.mamba_slots:
+        problems.append("mamba_slots is set but mamba_layers is 0")
+    if c.request_rows < 1:
+        problems.append("request_rows must be >= 1")
+    if c.max_context < 2:
+        problems.append("max_context must be >= 2")
+    # Rows carry a traceable tag of 12 values; smaller rows cannot say whose data they hold.
+    if c.head_num * c.head_dim < 12:
+        problems.append(f"head_num*head_dim must be >= 12 (got {c.head_num * c.head_dim})")
+    if c.mamba_layers:
+        for shape in c.conv_shapes:
+            if _prod(shape) < 12:
+                problems.append(f"conv shape {shape} holds fewer than 12 values")
+        if _prod(c.temporal_shape) < 12:
+            problems.append(f"temporal shape {c.temporal_shape} holds fewer than 12 values")
+    return problems
+
+
+def _prod(shape) -> int:
+    out = 1
+    for d in shape:
+        out *= d
+    return out
+
+
+def uses_ssm_state(config: ModelConfig) -> bool:
+    """Does this model keep recurrent state besides attention KV? Shared by every backup decision."""
+    return config.architecture in SSM_ARCHITECTURES
+
+
+def _base_configs() -> list[ModelConfig]:
+    dense = ModelConfig(
+        name="dense", architecture="llama", full_layers=2, full_tokens=48, request_rows=5,
+        max_context=48, kv_dtype="bfloat16",
+    )
+    swa = ModelConfig(
+        name="swa", architecture="gpt-oss", full_layers=1, swa_layers=2, sliding_window=6,
+        full_tokens=64, swa_tokens=32, request_rows=5, max_context=64, kv_dtype="float16",
+    )
+    hybrid = ModelConfig(
+        name="hybrid-linear", architecture="qwen3-next", full_layers=1, mamba_layers=2,
+        mamba_slots=4, full_tokens=48, request_rows=5, max_context=48, kv_dtype="bfloat16",
+        state_dtype="float32", conv_shapes=((6, 3), (4, 3)),
+    )
+    swa_ssm = ModelConfig(
+        name="swa-ssm", architecture="inkling", full_layers=1, swa_layers=1, mamba_layers=2,
+        sliding_window=6, mamba_slots=4, full_tokens=64, swa_tokens=32, request_rows=5,
+        max_context=64, kv_dtype="bfloat16", state_dtype="bfloat16",
+    )
+    return [dense, swa, hybrid, swa_ssm]
+
+
+def _paged(config: ModelConfig, page_size: int, kv_dtype: str) -> ModelConfig:
+    return config.replace(
+        name=f"{config.name}-ps{page_size}", page_size=page_size, kv_dtype=kv_dtype,
+        full_tokens=config.full_tokens * 2, swa_tokens=config.swa_tokens * 2,
+        sliding_window=config.sliding_window * 2 if config.has_swa else 0,
+    )
+
+
+def _all_configs() -> dict[str, ModelConfig]:
+    out = {}
+    paged_dtypes = {"dense": "fp8_e4m3", "swa": "bfloat16", "hybrid-linear": "float32",
+                    "swa-ssm": "float16"}
+    for base in _base_configs():
+        out[base.name] = base
+        paged = _paged(base, 4, paged_dtypes[base.name])
+        out[paged.name] = paged
+    return out
+
+
+CONFIGS: dict[str, ModelConfig] = _all_configs()
+
+
+def get_config(name: str) -> ModelConfig:
+    """The built-in config of that name, or a ConfigError that lists the names there are."""
+    try:
+        return CONFIGS[name]
+    except KeyError:
+        raise ConfigError(
+            f"unknown config {name!r}; choose one of: {', '.join(CONFIGS)}"
+        ) from None

@@ -1,0 +1,54 @@
+"""Typed errors raised by the pools instead of SGLang's ``None`` returns and bare asserts."""
+
+
+class PoolError(Exception):
+    """Base class of every error a pool raises on exhaustion or misuse."""
+
+
+class PoolExhausted(PoolError):
+    """An allocation asked for more than the pool has free; nothing was allocated."""
+
+    def __init__(self, *, space: str, requested: int, available: int):
+        self.space = space
+        self.requested = requested
+        self.available = available
+        super().__init__(f"{space} pool exhausted: requested {requested}, available {available}")
+
+
+class DoubleFree(PoolError):
+    """A slot, page or row was freed while it was already free."""
+
+    def __init__(self, *, space: str, slot: int):
+        self.space = space
+        self.slot = slot
+        super().__init__(f"double free in {space} pool: slot {slot} is already free")
+
+
+class DoubleAlloc(PoolError):
+    """A host slot was handed out while its ``slot_used`` flag was already set."""
+
+    def __init__(self, *, space: str, slot: int):
+        self.space = space
+        self.slot = slot
+        super().__init__(f"double allocation in {space} pool: slot {slot} is already in use")
+
+
+class InvalidSlot(PoolError):
+    """A reserved (padding) or out-of-range slot was passed to a pool."""
+
+    def __init__(self, *, space: str, slot: int, reason: str):
+        self.space = space
+        self.slot = slot
+        super().__init__(f"invalid slot {slot} in {space} pool: {reason}")
+
+
+class MisalignedAlloc(PoolError):
+    """A paged pool was asked for a count or range that is not a whole number of pages."""
+
+
+class UnsupportedBackup(PoolError):
+    """The chosen retraction backup mode cannot carry this model's state."""
+
+
+class ConfigError(ValueError):
+    """A model config, device or fault selection is impossible; the message names the fix."""

@@ -1,0 +1,196 @@
+"""The family builder: the pools of one config, wired as SGLang wires them, with optional faults."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Callable, Iterable
+
+import torch
+
+from poolfuzz.pools.allocator import FreeListener, TokenAllocator
+from poolfuzz.pools.components import Component
+from poolfuzz.pools.config import ModelConfig, uses_ssm_state
+from poolfuzz.pools.errors import ConfigError
+from poolfuzz.pools.host import HostKVPool
+from poolfuzz.pools.kv import HybridLinearKVPool, KVCache, MHATokenToKVPool, SWAKVPool
+from poolfuzz.pools.mamba import MambaPool
+from poolfuzz.pools.protocol import ServingProtocol
+from poolfuzz.pools.req_to_token import HybridReqToTokenPool, ReqToTokenPool
+from poolfuzz.pools.swa_allocator import SWATokenAllocator
+from poolfuzz.pools.transfer import PDTransfer
+
+BACKUP_MODES = ("cpu_tensor", "host_pool")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Blueprint:
+    """The classes (and the SSM predicate) a family is built from. A fault replaces one of them."""
+
+    mha_kv_pool: type = MHATokenToKVPool
+    swa_kv_pool: type = SWAKVPool
+    hybrid_kv_pool: type = HybridLinearKVPool
+    mamba_pool: type = MambaPool
+    req_pool: type = ReqToTokenPool
+    hybrid_req_pool: type = HybridReqToTokenPool
+    token_allocator: type = TokenAllocator
+    swa_allocator: type = SWATokenAllocator
+    host_pool: type = HostKVPool
+    protocol: type = ServingProtocol
+    transfer: type = PDTransfer
+    ssm_predicate: Callable[[ModelConfig], bool] = uses_ssm_state
+
+
+@dataclass(kw_only=True)
+class PoolFamily:
+    """Every pool of one serving node for one model, and the protocol that drives them."""
+
+    config: ModelConfig
+    device: torch.device
+    faults: tuple[str, ...]
+    req_pool: ReqToTokenPool
+    kv_pool: KVCache
+    allocator: TokenAllocator | SWATokenAllocator
+    backup_mode: str
+    host_pools: dict[str, HostKVPool] = field(default_factory=dict)
+    protocol: ServingProtocol = field(default_factory=ServingProtocol)
+    transfer: PDTransfer = field(default_factory=PDTransfer)
+    uses_ssm_state: bool = False
+
+    def __repr__(self) -> str:
+        faults = f", faults={list(self.faults)}" if self.faults else ""
+        return f"PoolFamily({self.config.name}, {self.device}, {self.backup_mode}{faults})"
+
+    # --- what the harness reads -------------------------------------------------------------
+    def components(self) -> list[Component]:
+        """Every device buffer a request's state lives in, each addressed by one index space."""
+        out = list(self.kv_pool.components())
+        if self.req_pool.mamba_pool is not None:
+            out += self.req_pool.mamba_pool.components()
+        return out
+
+    def host_components(self) -> list[Component]:
+        return [c for pool in self.host_pools.values() for c in pool.components()]
+
+    def has_recurrent_state(self) -> bool:
+        return self.req_pool.mamba_pool is not None
+
+    def host_device_pool(self, space: str) -> MHATokenToKVPool:
+        """The device sub-pool a host pool mirrors."""
+        if space == "host.swa":
+            return self.kv_pool.swa_kv_pool
+        return getattr(self.kv_pool, "full_kv_pool", self.kv_pool)
+
+    def copy_kv_rows(self, src_slots: torch.Tensor, dst_slots: torch.Tensor) -> None:
+        """Copy full KV rows, and SWA rows where the source is mapped (a radix prefix hit)."""
+        for comp in self.kv_pool.components():
+            if comp.space == "full":
+                comp.tensor[dst_slots.to(self.device)] = comp.tensor[src_slots.to(self.device)]
+        if self.config.has_swa:
+            s, d = self.allocator.translate(src_slots), self.allocator.translate(dst_slots)
+            live = (s > 0) & (d > 0)
+            for comp in self.kv_pool.components():
+                if comp.space == "swa":
+                    comp.tensor[d[live].to(self.device)] = comp.tensor[s[live].to(self.device)]
+
+    def free_lists(self) -> dict[str, object]:
+        """Every allocator by index space: rows, full, (swa), (mamba), host.*."""
+        out: dict[str, object] = {"rows": self.req_pool.rows}
+        out.update(self.allocator.sub_allocators())
+        if self.req_pool.mamba_pool is not None:
+            out["mamba"] = self.req_pool.mamba_allocator
+        out.update(self.host_pools)
+        return out
+
+    def set_free_listener(self, listener: FreeListener | None) -> None:
+        """Call ``listener(space, slots)`` after every free in every pool (the harness poisons them)."""
+        for pool in self.free_lists().values():
+            pool.on_free = listener
+
+
+def resolve_backup_mode(config: ModelConfig, kv_pool_cls: type, predicate) -> str:
+    """host_pool iff the model keeps no recurrent state and the KV pool has host entries."""
+    if not predicate(config) and kv_pool_cls.supports_host_pool_backup:
+        return "host_pool"
+    return "cpu_tensor"
+
+
+def resolve_device(device) -> torch.device:
+    """``auto`` is CUDA when present, else CPU; an unusable device is a ConfigError with the fix."""
+    if device is None or device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ConfigError(f"unknown device {device!r}; use auto, cpu, cuda or cuda:N") from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ConfigError(f"device {device!r} was asked for but no CUDA GPU is visible; "
+                              "use --device cpu (or auto) on this machine")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise ConfigError(f"device {device!r} does not exist: {torch.cuda.device_count()} GPU(s) visible")
+    elif dev.type != "cpu":
+        raise ConfigError(f"device type {dev.type!r} is not supported; use cpu or cuda")
+    return dev
+
+
+def build_family(config: ModelConfig, *, device="cpu", faults: Iterable[str] = (),
+                 backup_mode: str | None = None) -> PoolFamily:
+    """The pools for ``config`` on ``device``, correct unless ``faults`` name catalogue entries."""
+    from poolfuzz.pools.faults import blueprint_with  # the catalogue builds on this module
+
+    dev = resolve_device(device)
+    faults = tuple(faults)
+    bp = blueprint_with(faults, config)
+    c = config
+    mamba_pool = None
+    if c.has_mamba:
+        mamba_pool = bp.mamba_pool(size=c.mamba_slots, num_layers=c.mamba_layers, conv_shapes=c.conv_shapes,
+                                   temporal_shape=c.temporal_shape, dtype=c.state_dtype, device=dev,
+                                   layer_ids=c.mamba_layer_ids)
+        req_pool = bp.hybrid_req_pool(size=c.request_rows, max_context=c.max_context, device=dev,
+                                      mamba_pool=mamba_pool)
+    else:
+        req_pool = bp.req_pool(size=c.request_rows, max_context=c.max_context, device=dev)
+    kv_args = dict(page_size=c.page_size, dtype=c.kv_dtype, head_num=c.head_num, head_dim=c.head_dim, device=dev)
+    if c.has_swa:
+        kv_cls = bp.swa_kv_pool
+        kv_pool = kv_cls(size=c.full_tokens, size_swa=c.swa_tokens, full_layer_ids=c.full_layer_ids,
+                         swa_layer_ids=c.swa_layer_ids, **kv_args)
+        allocator = bp.swa_allocator(size=c.full_tokens, size_swa=c.swa_tokens, page_size=c.page_size)
+        kv_pool.register_mapping(allocator.full_to_swa)
+    elif c.has_mamba:
+        kv_cls = bp.hybrid_kv_pool
+        kv_pool = kv_cls(size=c.full_tokens, full_layer_ids=c.full_layer_ids, mamba_pool=mamba_pool, **kv_args)
+        allocator = bp.token_allocator(size=c.full_tokens, page_size=c.page_size)
+    else:
+        kv_cls = bp.mha_kv_pool
+        kv_pool = kv_cls(size=c.full_tokens, layer_ids=c.full_layer_ids, **kv_args)
+        allocator = bp.token_allocator(size=c.full_tokens, page_size=c.page_size)
+
+    resolved = resolve_backup_mode(c, kv_cls, bp.ssm_predicate)
+    if backup_mode is None:
+        backup_mode = resolved
+    elif backup_mode not in BACKUP_MODES:
+        raise ConfigError(f"unknown backup mode {backup_mode!r}; choose one of {', '.join(BACKUP_MODES)}")
+    elif backup_mode == "host_pool" and resolved != "host_pool":
+        raise ConfigError(
+            f"config {c.name!r}: host_pool retraction backup cannot carry recurrent state or this "
+            "KV pool's components; use backup_mode='cpu_tensor' (or leave it unset)"
+        )
+    host_pools = {}
+    if backup_mode == "host_pool":
+        full = getattr(kv_pool, "full_kv_pool", kv_pool)
+        host_pools["host.full"] = bp.host_pool(device_pool=full, size=c.host_size, page_size=c.page_size,
+                                               space="host.full")
+        if c.has_swa:
+            host_pools["host.swa"] = bp.host_pool(device_pool=kv_pool.swa_kv_pool, size=c.host_size,
+                                                  page_size=c.page_size, space="host.swa")
+    return PoolFamily(config=c, device=dev, faults=faults, req_pool=req_pool, kv_pool=kv_pool,
+                      allocator=allocator, backup_mode=backup_mode, host_pools=host_pools,
+                      protocol=bp.protocol(), transfer=bp.transfer(),
+                      uses_ssm_state=bp.ssm_predicate(c))
+
+
+def replace_blueprint(bp: Blueprint, **changes) -> Blueprint:
+    return dataclasses.replace(bp, **changes)

@@ -1,0 +1,94 @@
+"""Mamba (recurrent) state storage and its slot allocator; slot 0 is reserved."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from poolfuzz.pools.allocator import SlotAllocator, _as_index
+from poolfuzz.pools.components import DTYPES, Component
+
+
+@dataclass(frozen=True, kw_only=True)
+class MambaCpuCopy:
+    """The recurrent state of some slots on the CPU: conv tensors and temporal, nothing else."""
+
+    conv: tuple[torch.Tensor, ...]  # each [mamba_layers, n, *conv_shape]
+    temporal: torch.Tensor  # [mamba_layers, n, heads, head_dim, state]
+
+    def __repr__(self) -> str:
+        return f"MambaCpuCopy(slots={self.temporal.shape[1]})"
+
+
+def cpu_copy(t: torch.Tensor) -> torch.Tensor:
+    """A CPU copy that never aliases ``t``: on CPU ``.to("cpu")`` returns the tensor itself."""
+    return t.to("cpu", copy=True) if t.device.type == "cpu" else t.to("cpu")
+
+
+class MambaPool:
+    """Conv and temporal state, ``[mamba_layers, slots+1, ...]``; storage only, no allocator.
+
+    Created zeroed. Neither allocation nor free zeroes a slot: a fresh slot is cleared only by
+    ``clear_slots``, which the engine runs on an extend (prefill) forward, as SGLang does.
+    """
+
+    def __init__(self, *, size: int, num_layers: int, conv_shapes, temporal_shape, dtype: str,
+                 device: torch.device, layer_ids: tuple[int, ...]):
+        self.size = size
+        self.num_layers = num_layers
+        self.layer_ids = layer_ids
+        self.device = torch.device(device)
+        torch_dtype = DTYPES[dtype]
+        self.conv = [
+            torch.zeros((num_layers, size + 1, *shape), dtype=torch_dtype, device=self.device)
+            for shape in conv_shapes
+        ]
+        self.temporal = torch.zeros(
+            (num_layers, size + 1, *temporal_shape), dtype=torch_dtype, device=self.device
+        )
+
+    def _idx(self, idx) -> torch.Tensor:
+        return _as_index(idx).to(self.device)
+
+    def state_tensors(self) -> list[tuple[str, torch.Tensor]]:
+        return [(f"mamba.conv{i}", c) for i, c in enumerate(self.conv)] + [("mamba.temporal", self.temporal)]
+
+    def components(self) -> list[Component]:
+        return [
+            Component(name=name, layer=layer_id, space="mamba", tensor=t[local])
+            for name, t in self.state_tensors()
+            for local, layer_id in enumerate(self.layer_ids)
+        ]
+
+    def clear_slots(self, idx) -> None:
+        i = self._idx(idx)
+        for _, t in self.state_tensors():
+            t[:, i] = 0
+
+    def copy_from(self, src, dst) -> None:
+        s, d = self._idx(src), self._idx(dst)
+        for _, t in self.state_tensors():
+            t[:, d] = t[:, s]
+
+    def get_cpu_copy(self, idx) -> MambaCpuCopy:
+        i = self._idx(idx)
+        return MambaCpuCopy(conv=tuple(cpu_copy(c[:, i]) for c in self.conv),
+                            temporal=cpu_copy(self.temporal[:, i]))
+
+    def load_cpu_copy(self, cpu: MambaCpuCopy, idx) -> None:
+        i = self._idx(idx)
+        for c, saved in zip(self.conv, cpu.conv):
+            c[:, i] = saved.to(self.device)
+        self.temporal[:, i] = cpu.temporal.to(self.device)
+
+    def get_state_buf_infos(self) -> list[torch.Tensor]:
+        """The buffers PD registers for MAMBA state, one per (state tensor, layer); item = one slot."""
+        return [t[layer] for _, t in self.state_tensors() for layer in range(self.num_layers)]
+
+
+class MambaSlotAllocator(SlotAllocator):
+    """Free list of mamba slots ``1..size``; no zeroing on alloc or free."""
+
+    def __init__(self, *, size: int):
+        super().__init__(size=size, space="mamba")

@@ -1,0 +1,284 @@
+"""The request lifecycle over a family, in SGLang's call order: admit, extend, evict, retract, resume."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from poolfuzz.pools.errors import PoolError, PoolExhausted, UnsupportedBackup
+from poolfuzz.pools.mamba import MambaPool
+from poolfuzz.pools.request import HostTransfer, ReqKv, RetractionBackup
+
+if TYPE_CHECKING:
+    from poolfuzz.pools.family import PoolFamily
+
+
+def floor_page(n: int, ps: int) -> int:
+    return n // ps * ps
+
+
+def ceil_page(n: int, ps: int) -> int:
+    return -(-n // ps) * ps
+
+
+def page_expand(tokens: torch.Tensor, ps: int) -> torch.Tensor:
+    """All slots of the pages these slots lie on, pages in first-seen order."""
+    if ps == 1 or tokens.numel() == 0:
+        return tokens
+    pages = tokens[::ps] // ps  # valid: the ranges expanded here start on a page boundary
+    return (pages[:, None] * ps + torch.arange(ps, dtype=torch.int64)).reshape(-1)
+
+
+class ServingProtocol:
+    """SGLang's request-side memory operations (post-#35957), one method per call site.
+
+    Faults in the catalogue subclass this and override one method, so the correct code and
+    each historical bug read side by side.
+    """
+
+    # --- admission and prefill -------------------------------------------------------------
+    def admit(self, req: ReqKv, family: PoolFamily) -> None:
+        """A request row and, for recurrent-state models, a fresh mamba slot flagged for clearing."""
+        req.req_pool_idx = family.req_pool.alloc()
+        if family.req_pool.mamba_pool is not None:
+            try:
+                req.mamba_pool_idx = family.req_pool.alloc_mamba(req.req_pool_idx)
+            except PoolError:
+                family.req_pool.free(req.req_pool_idx)
+                req.req_pool_idx = None
+                raise
+            req.mamba_needs_clear = True
+
+    def extend(self, req: ReqKv, family: PoolFamily, new_len: int) -> torch.Tensor:
+        """KV slots for positions ``[kv_allocated_len, new_len)``, written into the request row."""
+        start = req.kv_allocated_len
+        last_loc = int(family.req_pool.req_to_token[req.req_pool_idx, start - 1]) if start else -1
+        slots = family.allocator.alloc_extend(prefix_len=start, seq_len=new_len, last_loc=last_loc)
+        family.req_pool.write(req.req_pool_idx, start, slots)
+        req.kv_allocated_len = new_len
+        return slots
+
+    def run_deferred_mamba_ops(self, reqs: list[ReqKv], family: PoolFamily) -> None:
+        """On an extend forward only: copy-on-write sources first, else clear fresh slots."""
+        pool = family.req_pool.mamba_pool
+        if pool is None:
+            return
+        for req in reqs:
+            if req.mamba_cow_src is not None:
+                pool.copy_from([req.mamba_cow_src], [req.mamba_pool_idx])
+                # Model simplification: the prefix-tree node had this request as its only
+                # consumer, so its checkpoint slot is evicted once copied.
+                family.req_pool.mamba_allocator.free([req.mamba_cow_src])
+            elif req.mamba_needs_clear:
+                pool.clear_slots([req.mamba_pool_idx])
+            req.mamba_cow_src = None
+            req.mamba_needs_clear = False
+
+    def fork(self, src: ReqKv, dst: ReqKv, family: PoolFamily) -> None:
+        """A new request matching ``src``'s committed tokens as a cached prefix (radix match).
+
+        The prefix KV is copied into the new request's own slots (our stand-in for shared
+        pages); the recurrent state is checkpointed now into a tree slot and copied into the
+        new request's slot by the deferred copy-on-write of its first extend forward.
+        """
+        prefix = src.kv_committed_len
+        self.admit(dst, family)
+        pool = family.req_pool.mamba_pool
+        try:
+            if pool is not None:
+                checkpoint = family.req_pool.mamba_allocator.alloc_one()
+                dst.mamba_cow_src = checkpoint
+                dst.mamba_needs_clear = False
+            slots = self.extend(dst, family, prefix)
+        except PoolError:
+            self.release_kv(dst, family)
+            raise
+        if pool is not None:
+            pool.copy_from([src.mamba_pool_idx], [checkpoint])
+        src_slots = family.req_pool.read(src.req_pool_idx, 0, prefix)
+        family.copy_kv_rows(src_slots, slots)
+        dst.kv_committed_len = prefix
+        if family.config.has_swa:
+            # Positions the source had evicted are outside the new request's window too.
+            self.evict_swa(dst, family, prefix)
+
+    # --- sliding window ----------------------------------------------------------------------
+    def evict_swa(self, req: ReqKv, family: PoolFamily, pre_len: int) -> None:
+        """Free SWA slots of positions that slid out of the window (chunk-cache threshold)."""
+        window = family.config.sliding_window
+        ps = family.config.page_size
+        new = floor_page(max(req.swa_evicted_seqlen, pre_len - window), ps)
+        if new > req.swa_evicted_seqlen:
+            family.allocator.free_swa(family.req_pool.read(req.req_pool_idx, req.swa_evicted_seqlen, new))
+            req.swa_evicted_seqlen = new
+
+    # --- release -------------------------------------------------------------------------------
+    def release_kv(self, req: ReqKv, family: PoolFamily) -> None:
+        """Free KV (full and SWA peers), then the mamba slot, then the row."""
+        row = req.req_pool_idx
+        if req.kv_allocated_len:
+            family.allocator.free(family.req_pool.read(row, 0, req.kv_allocated_len))
+        if req.mamba_pool_idx is not None:
+            family.req_pool.free_mamba(row, req.mamba_pool_idx)
+        if req.mamba_cow_src is not None:  # a copy-on-write that never ran: drop its checkpoint
+            family.req_pool.mamba_allocator.free([req.mamba_cow_src])
+            req.mamba_cow_src = None
+        family.req_pool.free(row)
+        req.req_pool_idx = None
+        req.mamba_pool_idx = None
+        req.kv_allocated_len = req.kv_committed_len = 0
+
+    def reset_for_retract(self, req: ReqKv) -> None:
+        req.retraction_count += 1
+        req.mamba_pool_idx = None
+        req.mamba_cow_src = None
+        req.mamba_needs_clear = False
+        req.kv_allocated_len = req.kv_committed_len = 0
+        req.swa_evicted_seqlen = 0
+
+    # --- retraction backup --------------------------------------------------------------------
+    def mamba_pool_needing_backup(self, req: ReqKv, family: PoolFamily) -> MambaPool | None:
+        """The pool whose state the caller must back up: only when the KV pool leaves it behind."""
+        if req.mamba_pool_idx is None:
+            return None
+        if family.kv_pool.cpu_copy_carries_mamba:
+            return None
+        return family.req_pool.mamba_pool
+
+    def offload_kv_cache(self, req: ReqKv, family: PoolFamily) -> RetractionBackup:
+        n = req.seqlen - 1
+        tokens = family.req_pool.read(req.req_pool_idx, 0, n)
+        mamba_pool = self.mamba_pool_needing_backup(req, family)
+        slot = None if req.mamba_pool_idx is None else torch.tensor([req.mamba_pool_idx])
+        return RetractionBackup(
+            mode="cpu_tensor",
+            num_tokens=n,
+            cpu_tensors=family.kv_pool.get_cpu_copy(tokens, mamba_indices=slot),
+            mamba_cpu=None if mamba_pool is None else mamba_pool.get_cpu_copy(slot),
+        )
+
+    def host_pool_backup(self, req: ReqKv, family: PoolFamily) -> RetractionBackup:
+        """KV of ``[0, n)`` padded to pages, SWA of the window; raises PoolExhausted("host")."""
+        n = req.seqlen - 1
+        ps = family.config.page_size
+        plan = self._host_plan(req, family, n)
+        needed = {space: ceil_page(len(pos), ps) for space, pos in plan.items()}
+        for space, count in needed.items():
+            host = family.host_pools[space]
+            if count > host.available_size():
+                raise PoolExhausted(space=space, requested=count, available=host.available_size())
+        transfers = []
+        for space, (first, tokens) in self._host_sources(req, family, plan).items():
+            host = family.host_pools[space]
+            dev = page_expand(tokens, ps)
+            host_idx = host.alloc(dev.numel())
+            host.backup_from_device(family.host_device_pool(space), host_idx, dev)
+            transfers.append(HostTransfer(space=space, host_indices=host_idx, first_position=first,
+                                          num_tokens=tokens.numel()))
+        return RetractionBackup(mode="host_pool", num_tokens=n, host_transfers=tuple(transfers))
+
+    def _host_plan(self, req: ReqKv, family: PoolFamily, n: int) -> dict[str, range]:
+        plan = {"host.full": range(0, n)}
+        if family.config.has_swa:
+            plan["host.swa"] = range(floor_page(max(0, n - family.config.sliding_window),
+                                                family.config.page_size), n)
+        return plan
+
+    def _host_sources(self, req, family, plan) -> dict[str, tuple[int, torch.Tensor]]:
+        out = {}
+        for space, positions in plan.items():
+            tokens = family.req_pool.read(req.req_pool_idx, positions.start, positions.stop)
+            if space == "host.swa":
+                tokens = family.allocator.translate(tokens)
+                if bool((tokens <= 0).any()):
+                    raise UnsupportedBackup(
+                        f"{req}: SWA window positions {positions.start}..{positions.stop} are not all mapped"
+                    )
+            out[space] = (positions.start, tokens)
+        return out
+
+    def backup(self, req: ReqKv, family: PoolFamily) -> RetractionBackup:
+        if family.backup_mode == "host_pool":
+            return self.host_pool_backup(req, family)
+        return self.offload_kv_cache(req, family)
+
+    def retract(self, req: ReqKv, family: PoolFamily) -> None:
+        """Back up while the request still owns its slots, then release everything.
+
+        A host_pool backup that does not fit raises PoolExhausted before anything is released;
+        the caller then aborts the request (SGLang: ``retraction_backup`` returns False).
+        """
+        req.retraction_backup = self.backup(req, family)
+        self.release_kv(req, family)
+        self.reset_for_retract(req)
+
+    def discard(self, req: ReqKv, family: PoolFamily) -> None:
+        """Abort of a retracted request: drop the backup and free any host slots it holds."""
+        backup = req.retraction_backup
+        req.retraction_backup = None
+        if backup is not None:
+            for t in backup.host_transfers:
+                family.host_pools[t.space].free(t.host_indices)
+
+    # --- resume ----------------------------------------------------------------------------------
+    def pre_alloc(self, req: ReqKv, family: PoolFamily, fill_len: int) -> None:
+        """New row, new (uncleared) mamba slot, and KV for ``[0, fill_len)``; all or nothing.
+
+        With SWA and page size > 1 only the window tail gets SWA slots (SGLang's
+        ``alloc_extend_swa_tail``); the positions before it count as already evicted.
+        """
+        self.admit(req, family)
+        cfg = family.config
+        try:
+            if cfg.has_swa and cfg.page_size > 1:
+                tail = fill_len - floor_page(max(0, fill_len - cfg.sliding_window), cfg.page_size)
+                slots = family.allocator.alloc_extend_swa_tail(seq_len=fill_len, swa_tail_len=tail)
+                req.swa_evicted_seqlen = fill_len - tail
+            else:
+                slots = family.allocator.alloc_extend(prefix_len=0, seq_len=fill_len, last_loc=-1)
+                req.swa_evicted_seqlen = 0
+        except PoolError:
+            if req.mamba_pool_idx is not None:
+                family.req_pool.free_mamba(req.req_pool_idx, req.mamba_pool_idx)
+            family.req_pool.free(req.req_pool_idx)
+            req.req_pool_idx = req.mamba_pool_idx = None
+            req.mamba_needs_clear = False
+            raise
+        family.req_pool.write(req.req_pool_idx, 0, slots)
+        req.kv_allocated_len = req.kv_committed_len = fill_len
+
+    def restore(self, req: ReqKv, family: PoolFamily) -> None:
+        """Load the backup into the newly allocated rows and slots, then drop it."""
+        backup = req.retraction_backup
+        assert backup is not None, f"{req} has no retraction backup to restore"
+        if backup.mode == "host_pool":
+            self._host_restore(req, family, backup)
+        else:
+            self.load_kv_cache(req, family, backup)
+        req.retraction_backup = None
+
+    def load_kv_cache(self, req: ReqKv, family: PoolFamily, backup: RetractionBackup) -> None:
+        tokens = family.req_pool.read(req.req_pool_idx, 0, backup.num_tokens)
+        slot = None if req.mamba_pool_idx is None else torch.tensor([req.mamba_pool_idx])
+        if backup.mamba_cpu is not None and slot is not None:
+            family.req_pool.mamba_pool.load_cpu_copy(backup.mamba_cpu, slot)
+        family.kv_pool.load_cpu_copy(backup.cpu_tensors, tokens, mamba_indices=slot)
+
+    def _host_restore(self, req: ReqKv, family: PoolFamily, backup: RetractionBackup) -> None:
+        ps = family.config.page_size
+        for t in backup.host_transfers:
+            tokens = family.req_pool.read(req.req_pool_idx, t.first_position, t.first_position + t.num_tokens)
+            if t.space == "host.swa":
+                tokens = family.allocator.translate(tokens)
+            dev = page_expand(tokens, ps)
+            assert dev.numel() == t.host_indices.numel(), "host restore: length differs from the backup"
+            host = family.host_pools[t.space]
+            host.load_to_device(family.host_device_pool(t.space), t.host_indices, dev)
+            host.free(t.host_indices)
+
+    def resume(self, req: ReqKv, family: PoolFamily) -> None:
+        """Re-admit a retracted request (``_pre_alloc``) and restore its backup."""
+        fill_len = req.retraction_backup.num_tokens
+        self.pre_alloc(req, family, fill_len)
+        self.restore(req, family)

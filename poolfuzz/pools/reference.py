@@ -1,0 +1,234 @@
+"""Reference model of a family: plain Python, no tensors; capacity and each request's logical contents.
+
+It predicts which operations exhaust which pool, and what every live request should hold:
+for each KV position, whose token it is; for the recurrent state, after how many tokens and
+along which token history. The harness compares the real family against it after every step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from poolfuzz.pools.config import ModelConfig
+from poolfuzz.pools.errors import PoolExhausted
+
+
+def _pages(n: int, ps: int) -> int:
+    return -(-n // ps)
+
+
+def _floor(n: int, ps: int) -> int:
+    return n // ps * ps
+
+
+Segment = tuple[int, int, int]  # (rid, start, end): that request's tokens at positions [start, end)
+
+
+@dataclass(kw_only=True)
+class RefRequest:
+    rid: int
+    seqlen: int = 0
+    allocated: int = 0  # positions with KV slots
+    committed: int = 0  # positions whose KV was written
+    swa_lo: int = 0  # SWA slots are held for positions [swa_lo, allocated)
+    holds_row: bool = False
+    holds_mamba: bool = False
+    kv_owner: list[int] = field(default_factory=list)  # per committed position: rid whose token it is
+    # The recurrent state as the tokens it consumed, in order; None while no state is defined
+    # (a fresh slot before its first extend clears it, or a pending copy-on-write).
+    state: tuple[Segment, ...] | None = None
+    pending_state: tuple[Segment, ...] | None = None  # applied at the first extend: () = clear, else COW
+    backup_tokens: int | None = None  # tokens in the retraction backup, None if not retracted
+    host_held: dict[str, int] = field(default_factory=dict)
+
+
+class ReferenceFamily:
+    """Counts free rows / pages / slots per space exactly as the real allocators must."""
+
+    def __init__(self, config: ModelConfig, *, backup_mode: str):
+        c = config
+        self.config = c
+        self.ps = c.page_size
+        self.backup_mode = backup_mode
+        self.free = {"rows": c.request_rows, "full": c.full_tokens // c.page_size}
+        if c.has_swa:
+            self.free["swa"] = c.swa_tokens // c.page_size
+        if c.has_mamba:
+            self.free["mamba"] = c.mamba_slots
+        if backup_mode == "host_pool":
+            self.free["host.full"] = c.host_size
+            if c.has_swa:
+                self.free["host.swa"] = c.host_size
+        self.requests: dict[int, RefRequest] = {}
+
+    def total(self, space: str) -> int:
+        c = self.config
+        return {"rows": c.request_rows, "full": c.full_tokens // c.page_size, "swa": c.swa_tokens // c.page_size,
+                "mamba": c.mamba_slots, "host.full": c.host_size, "host.swa": c.host_size}[space]
+
+    def available(self, space: str) -> int:
+        """In the real allocator's units: slots (pages x page size for token pools)."""
+        scale = self.ps if space in ("full", "swa") else 1
+        return self.free[space] * scale
+
+    def _need(self, needs: dict[str, int]) -> None:
+        """Raise as the real family would, checking spaces in the order it allocates them."""
+        for space, n in needs.items():
+            if n > self.free.get(space, 0):
+                scale = self.ps if space in ("full", "swa") else 1
+                raise PoolExhausted(space=space, requested=n * scale, available=self.available(space))
+
+    def _take(self, needs: dict[str, int]) -> None:
+        self._need(needs)
+        for space, n in needs.items():
+            self.free[space] -= n
+
+    # --- operations -------------------------------------------------------------------------
+    def admit(self, rid: int) -> RefRequest:
+        req = self.requests.get(rid) or RefRequest(rid=rid)
+        self._take({"rows": 1, **({"mamba": 1} if self.config.has_mamba else {})})
+        req.holds_row = True
+        req.holds_mamba = self.config.has_mamba
+        req.pending_state = () if self.config.has_mamba else None
+        self.requests[rid] = req
+        return req
+
+    def fork(self, src_rid: int, rid: int) -> RefRequest:
+        """A new request whose prefix is the source's committed tokens (shared KV, COW state).
+
+        Needs a row, a mamba slot for itself and one for the tree's checkpoint of the source
+        state, then full and SWA pages for the prefix.
+        """
+        src = self.requests[src_rid]
+        prefix = src.committed
+        pages = _pages(prefix, self.ps)
+        needs = {"rows": 1}
+        if self.config.has_mamba:
+            needs["mamba"] = 2
+        needs["full"] = pages
+        if self.config.has_swa:
+            needs["swa"] = pages
+        self._take(needs)
+        req = RefRequest(rid=rid, holds_row=True, holds_mamba=self.config.has_mamba, allocated=prefix,
+                         committed=prefix, seqlen=prefix, kv_owner=list(src.kv_owner[:prefix]))
+        req.pending_state = src.state if self.config.has_mamba else None
+        self.requests[rid] = req
+        if self.config.has_swa:
+            self.evict_swa(rid, prefix)
+        return req
+
+    def commit(self, rid: int, end: int) -> None:
+        """KV written for positions ``[committed, end)``; the state consumed those tokens."""
+        req = self.requests[rid]
+        start = req.committed
+        req.kv_owner.extend([rid] * (end - start))
+        if self.config.has_mamba:
+            if req.pending_state is not None:  # the extend forward ran the deferred clear / COW
+                if req.pending_state:  # the checkpoint slot is freed once copied
+                    self.free["mamba"] += 1
+                req.state = req.pending_state
+                req.pending_state = None
+            req.state = req.state + ((rid, start, end),)
+        req.committed = end
+
+    def extend(self, rid: int, new_len: int) -> None:
+        req = self.requests[rid]
+        pages = _pages(new_len, self.ps) - _pages(req.allocated, self.ps)
+        needs = {"full": pages}
+        if self.config.has_swa:
+            needs["swa"] = pages
+        self._take(needs)
+        req.allocated = new_len
+
+    def evict_swa(self, rid: int, pre_len: int) -> None:
+        req = self.requests[rid]
+        new = _floor(max(req.swa_lo, pre_len - self.config.sliding_window), self.ps)
+        if new > req.swa_lo:
+            self.free["swa"] += (new - req.swa_lo) // self.ps
+            req.swa_lo = new
+
+    def release(self, rid: int) -> None:
+        req = self.requests[rid]
+        self.free["full"] += _pages(req.allocated, self.ps)
+        if self.config.has_swa:
+            self.free["swa"] += _pages(req.allocated, self.ps) - req.swa_lo // self.ps
+        if req.holds_mamba:
+            self.free["mamba"] += 1
+        if req.pending_state:  # a copy-on-write that never ran: its checkpoint goes too
+            self.free["mamba"] += 1
+        req.pending_state = None
+        self.free["rows"] += 1
+        req.holds_row = req.holds_mamba = False
+        req.allocated = req.committed = req.swa_lo = 0
+
+    def host_needs(self, n: int) -> dict[str, int]:
+        needs = {"host.full": _pages(n, self.ps) * self.ps}
+        if self.config.has_swa:
+            start = _floor(max(0, n - self.config.sliding_window), self.ps)
+            needs["host.swa"] = _pages(n - start, self.ps) * self.ps
+        return needs
+
+    def retract(self, rid: int) -> None:
+        """Back up (host slots in host_pool mode; may raise PoolExhausted), then release."""
+        req = self.requests[rid]
+        n = req.seqlen - 1
+        if self.backup_mode == "host_pool":
+            needs = self.host_needs(n)
+            self._take(needs)
+            req.host_held = needs
+        req.backup_tokens = n
+        self.release(rid)
+
+    def discard(self, rid: int) -> None:
+        req = self.requests.pop(rid)
+        for space, n in req.host_held.items():
+            self.free[space] += n
+
+    def pre_alloc(self, rid: int, fill_len: int) -> RefRequest:
+        req = self.requests.get(rid) or RefRequest(rid=rid)
+        self.requests[rid] = req
+        c = self.config
+        needs = {"rows": 1}
+        if c.has_mamba:
+            needs["mamba"] = 1
+        needs["full"] = _pages(fill_len, self.ps)
+        swa_lo = 0
+        if c.has_swa:
+            if self.ps > 1:
+                swa_lo = _floor(max(0, fill_len - c.sliding_window), self.ps)
+            needs["swa"] = _pages(fill_len - swa_lo, self.ps)
+        self._take(needs)
+        req.holds_row = True
+        req.holds_mamba = c.has_mamba
+        req.allocated = req.committed = fill_len
+        req.swa_lo = swa_lo
+        return req
+
+    def resume(self, rid: int) -> None:
+        req = self.requests[rid]
+        self.pre_alloc(rid, req.backup_tokens)
+        for space, n in req.host_held.items():
+            self.free[space] += n
+        req.host_held = {}
+        req.backup_tokens = None
+
+    def finish(self, rid: int) -> None:
+        self.release(rid)
+        del self.requests[rid]
+
+    # --- what a request should hold -------------------------------------------------------------
+    def held(self, space: str) -> int:
+        """Units of ``space`` held by live requests and backups (conservation: free + held == total)."""
+        total = 0
+        for req in self.requests.values():
+            if space == "rows":
+                total += req.holds_row
+            elif space == "mamba":
+                total += req.holds_mamba + (1 if req.pending_state else 0)
+            elif space == "full":
+                total += _pages(req.allocated, self.ps)
+            elif space == "swa":
+                total += _pages(req.allocated, self.ps) - req.swa_lo // self.ps if req.allocated else 0
+            else:
+                total += req.host_held.get(space, 0)
+        return total

@@ -1,0 +1,76 @@
+"""Per-request KV bookkeeping and the retraction backup record."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from poolfuzz.pools.mamba import MambaCpuCopy
+
+
+@dataclass(frozen=True, kw_only=True)
+class HostTransfer:
+    """Host slots that hold one sub-pool's part of a host_pool backup."""
+
+    space: str  # "host.full" or "host.swa"
+    host_indices: torch.Tensor
+    first_position: int  # logical position of the first backed-up row
+    num_tokens: int
+
+    def __repr__(self) -> str:
+        return f"HostTransfer({self.space}, positions {self.first_position}..{self.first_position + self.num_tokens})"
+
+
+@dataclass(frozen=True, kw_only=True)
+class RetractionBackup:
+    """What a retracted request keeps while it owns no device slots (SGLang's ``RetractionBackup``).
+
+    ``cpu_tensors``: the KV pool's opaque CPU payload (cpu_tensor mode).
+    ``host_transfers``: host slots per sub-pool (host_pool mode).
+    ``mamba_cpu``: recurrent state the KV pool left behind (``cpu_copy_carries_mamba`` False);
+    None when the KV pool carries it or the model has none.
+    """
+
+    mode: str
+    num_tokens: int  # seqlen - 1 at retraction
+    cpu_tensors: Any = None
+    host_transfers: tuple[HostTransfer, ...] = ()
+    mamba_cpu: MambaCpuCopy | None = None
+
+    def __repr__(self) -> str:
+        return (f"RetractionBackup({self.mode}, tokens={self.num_tokens}, "
+                f"mamba_cpu={'yes' if self.mamba_cpu is not None else 'no'})")
+
+
+@dataclass(kw_only=True)
+class ReqKv:
+    """The KV side of one request (SGLang's ``ReqKvInfo``): which rows and slots it holds now.
+
+    ``seqlen`` counts prompt and output tokens; the last sampled token has no KV yet, so a
+    decoding request has ``kv_committed_len == seqlen - 1``.
+    """
+
+    rid: int
+    seqlen: int = 0
+    req_pool_idx: int | None = None
+    mamba_pool_idx: int | None = None
+    kv_allocated_len: int = 0
+    kv_committed_len: int = 0
+    swa_evicted_seqlen: int = 0
+    mamba_needs_clear: bool = False
+    mamba_cow_src: int | None = None
+    retraction_backup: RetractionBackup | None = None
+    retraction_count: int = 0
+
+    def __repr__(self) -> str:
+        return f"Req({self.rid})"
+
+    @property
+    def holds_kv(self) -> bool:
+        return self.req_pool_idx is not None
+
+    @property
+    def holds_mamba(self) -> bool:
+        return self.mamba_pool_idx is not None

@@ -1,0 +1,16 @@
+"""Small draws per step, so sequences stay long under Hypothesis's entropy cap per test case."""
+
+from hypothesis import strategies as st
+
+# An index into the requests live in the phase a rule needs, taken modulo their number:
+# every draw names a real request, so no step is wasted on a stale handle.
+picks = st.integers(min_value=0, max_value=7)
+
+# Prompts are short: the pools are small so that slots are reused within a few steps.
+prompt_lengths = st.integers(min_value=1, max_value=20)
+
+# Prefill chunk sizes: 1 token up to more than a page, so chunks straddle page boundaries.
+chunk_sizes = st.integers(min_value=1, max_value=16)
+
+# New tokens after a forked prefix.
+extra_tokens = st.integers(min_value=1, max_value=6)
