@@ -24,6 +24,14 @@ _default = "ci" if os.environ.get("CI") else "dev"
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", _default))
 
 
+def pytest_configure(config):
+    # The pools under test are tiny: torch's intra-op threads only spin against each other, and
+    # under xdist (one process per core) they oversubscribe the machine tenfold.
+    import torch
+
+    torch.set_num_threads(1)
+
+
 def pytest_addoption(parser):
     parser.addoption("--device", default=os.environ.get("POOLFUZZ_DEVICE", "cpu"),
                      help="torch device the pools are built on: cpu, cuda or cuda:N (default cpu)")

@@ -58,8 +58,13 @@ def run_cli(argv: list[str]) -> int:
 
 
 def _run(args) -> int:
+    import torch
+
     from poolfuzz.harness.runner import run_machine
 
+    # Per-step tensors are tiny: one intra-op thread per process is fastest and leaves the other
+    # cores to other workers.
+    torch.set_num_threads(1)
     device = resolve_device(args.device)
     names = args.config or list(CONFIGS)
     configs = [get_config(n) for n in names]

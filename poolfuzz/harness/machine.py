@@ -2,13 +2,23 @@
 
 from __future__ import annotations
 
-from hypothesis import event
+from hypothesis import event as _hypothesis_event
+from hypothesis.errors import InvalidArgument
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from poolfuzz.harness.engine import NODES, Engine, EngineOptions, Phase
 from poolfuzz.pools.config import CONFIGS, ModelConfig
 from poolfuzz.strategies import chunk_sizes, extra_tokens, picks, prompt_lengths
+
+
+def event(label: str) -> None:
+    """Label an interesting state for Hypothesis statistics; a no-op when a printed program is
+    replayed by hand, outside any test."""
+    try:
+        _hypothesis_event(label)
+    except InvalidArgument:
+        pass
 
 
 def _has(phase: Phase, node: str | None = None):

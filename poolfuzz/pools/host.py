@@ -55,8 +55,9 @@ class HostKVPool:
         idx = _as_index(indices)
         if idx.numel() == 0:
             return
-        if bool((idx < 0).any() | (idx >= self.size).any()):
-            raise InvalidSlot(space=self.space, slot=int(idx.max()), reason="out of range")
+        outside = (idx < 0) | (idx >= self.size)
+        if bool(outside.any()):
+            raise InvalidSlot(space=self.space, slot=int(idx[outside][0]), reason="out of range")
         if not bool(self.slot_used[idx].all()) or torch.unique(idx).numel() != idx.numel():
             bad = idx[~self.slot_used[idx]]
             raise DoubleFree(space=self.space, slot=int(bad[0]) if bad.numel() else int(idx[0]))

@@ -106,6 +106,8 @@ class ServingProtocol:
     # --- sliding window ----------------------------------------------------------------------
     def evict_swa(self, req: ReqKv, family: PoolFamily, pre_len: int) -> None:
         """Free SWA slots of positions that slid out of the window (chunk-cache threshold)."""
+        if not family.config.has_swa:
+            return
         window = family.config.sliding_window
         ps = family.config.page_size
         new = floor_page(max(req.swa_evicted_seqlen, pre_len - window), ps)

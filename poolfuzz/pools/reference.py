@@ -141,6 +141,8 @@ class ReferenceFamily:
         req.allocated = new_len
 
     def evict_swa(self, rid: int, pre_len: int) -> None:
+        if not self.config.has_swa:
+            return
         req = self.requests[rid]
         new = _floor(max(req.swa_lo, pre_len - self.config.sliding_window), self.ps)
         if new > req.swa_lo:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from poolfuzz.pools.allocator import AllocatorState, TokenAllocator, _as_index
-from poolfuzz.pools.errors import PoolExhausted
+from poolfuzz.pools.errors import MisalignedAlloc, PoolExhausted
 
 
 class SWATokenAllocator:
@@ -68,6 +68,9 @@ class SWATokenAllocator:
         pages = self.full.pages_needed(prefix_len=prefix_len, seq_len=seq_len)
         self._check(full_pages=pages, swa_pages=pages)
         swa_last = int(self.full_to_swa[last_loc]) if last_loc > 0 else -1
+        if prefix_len % self.page_size and swa_last <= 0:
+            raise MisalignedAlloc(f"swa: position {prefix_len - 1} (full slot {last_loc}) has no SWA slot "
+                                  "to continue its page from")
         full = self.full.alloc_extend(prefix_len=prefix_len, seq_len=seq_len, last_loc=last_loc)
         swa = self.swa.alloc_extend(prefix_len=prefix_len, seq_len=seq_len, last_loc=swa_last)
         self.full_to_swa[full] = swa

@@ -1,0 +1,78 @@
+"""SGLang #35957 is found, named and shrunk to a short program that pastes back and reproduces."""
+
+import pytest
+
+from poolfuzz.harness.failures import StateLost
+from poolfuzz.harness.machine import machine_for
+from poolfuzz.harness.runner import run_machine
+from poolfuzz.pools.config import CONFIGS
+
+FAULT = "swa-ignores-mamba-backup"
+
+# The shrunk program for swa-ssm (derandomized run). Four rules: a request is prefilled, retracted
+# with its recurrent state left behind by SWAKVPool.get_cpu_copy, and resumed onto a fresh slot.
+PINNED_PROGRAM = """\
+Falsifying example:
+state = PoolMachine()
+state.start()
+state.pools_agree_with_reference()
+state.admit(prompt_len=1)
+state.pools_agree_with_reference()
+state.prefill(chunk=1, pick=0)
+state.pools_agree_with_reference()
+state.retract(pick=0)
+state.pools_agree_with_reference()
+state.resume()
+state.pools_agree_with_reference()
+state.teardown()"""
+
+
+def _rule_steps(program: str) -> list[str]:
+    return [line for line in program.splitlines()
+            if line.startswith("state.") and not line.startswith(("state.pools_agree", "state.start",
+                                                                    "state.teardown"))]
+
+
+@pytest.fixture(scope="module")
+def found():
+    return run_machine(CONFIGS["swa-ssm"], faults=[FAULT], max_examples=200)
+
+
+class Test35957:
+    def test_fault_is_caught_as_state_lost_on_the_mamba_component(self, found):
+        """The resumed request's recurrent state is reported lost, naming the mamba component."""
+        assert not found.passed
+        assert found.failure.startswith("StateLost: req 1 resumed; component mamba.")
+        assert found.divergence["kind"] == "state-lost"
+        assert found.divergence["component"].startswith("mamba.")
+        assert found.divergence["op"] == "resume"
+
+    def test_shrunk_program_is_short_and_pinned(self, found):
+        """The shrunk program is the four-rule story, printed with no tensor dumps."""
+        program = found.program.split("\n\nYou can reproduce")[0].strip()
+        assert program == PINNED_PROGRAM
+        assert len(_rule_steps(program)) <= 10
+        assert "tensor(" not in found.program
+
+    def test_printed_program_pastes_back_and_reproduces(self, found):
+        """Executing the printed program against the faulty machine raises the same StateLost."""
+        program = found.program.split("\n\nYou can reproduce")[0].removeprefix("Falsifying example:\n")
+        namespace = {"PoolMachine": machine_for("swa-ssm", faults=[FAULT])}
+        with pytest.raises(StateLost, match=r"req 1 resumed; component mamba\."):
+            exec(program, namespace)
+
+    def test_the_same_program_passes_on_the_correct_family(self, found):
+        """Without the fault the program runs clean: the bug, not the program, is what fails."""
+        program = found.program.split("\n\nYou can reproduce")[0].removeprefix("Falsifying example:\n")
+        exec(program, {"PoolMachine": machine_for("swa-ssm")})
+
+    @pytest.mark.parametrize("config", ["swa-ssm", "swa-ssm-ps4"])
+    def test_caught_on_every_config_it_applies_to(self, config):
+        """Paged and unpaged SWA+SSM families both lose the state under the fault."""
+        result = run_machine(CONFIGS[config], faults=[FAULT], max_examples=200)
+        assert result.divergence is not None and result.divergence["component"].startswith("mamba.")
+
+    @pytest.mark.parametrize("config", ["swa-ssm", "swa-ssm-ps4"])
+    def test_correct_family_passes_the_same_budget(self, config):
+        """The correct family passes where the faulty one fails."""
+        assert run_machine(CONFIGS[config], max_examples=60).passed
