@@ -5,10 +5,10 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from hypothesis import HealthCheck, Phase, settings
 import contextlib
 
 import hypothesis.core
+from hypothesis import HealthCheck, Phase, settings
 from hypothesis.stateful import run_state_machine_as_test
 
 from poolfuzz.harness.failures import PoolfuzzFailure
@@ -27,6 +27,10 @@ class RunResult:
     failure: str | None  # the shrunk failure's message
     program: str | None  # the shrunk program as Hypothesis prints it
     divergence: dict | None
+    first_failure_examples: int | None = None  # examples run up to and including the first failing one
+    first_failure_seconds: float | None = None
+    engine_steps: tuple = ()  # the shrunk failure as engine operations (StepRecord), replayable
+    device: str = "cpu"
 
     @property
     def passed(self) -> bool:
@@ -42,17 +46,24 @@ def run_machine(config: ModelConfig, *, device="cpu", faults=(), backup_mode=Non
     next seed, until the budget is spent or a failure is found.
     """
     machine = machine_for(config, device=device, faults=faults, backup_mode=backup_mode)
-    counters = {"examples": 0, "steps": 0}
+    counters = {"examples": 0, "steps": 0, "first_examples": None, "first_seconds": None, "engine": None}
     started = time.perf_counter()
 
     class Counted(machine):
         def __init__(self):
             super().__init__()
             counters["examples"] += 1
+            counters["engine"] = self.engine  # after a failure: the final, shrunk reproduction
 
         def check_invariants(self, *args, **kwargs):  # hypothesis calls this once per step
             counters["steps"] += 1
             return super().check_invariants(*args, **kwargs)
+
+        def teardown(self):
+            if self.engine.broken and counters["first_examples"] is None:
+                counters["first_examples"] = counters["examples"]
+                counters["first_seconds"] = time.perf_counter() - started
+            super().teardown()
 
     Counted.__name__ = Counted.__qualname__ = "PoolMachine"
     chosen = settings(
@@ -62,6 +73,7 @@ def run_machine(config: ModelConfig, *, device="cpu", faults=(), backup_mode=Non
         suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
     )
     failure = program = divergence = None
+    engine_steps = ()
     rounds = [seed] if time_budget is None else _seeds(seed)
     try:
         for round_seed in rounds:
@@ -73,13 +85,16 @@ def run_machine(config: ModelConfig, *, device="cpu", faults=(), backup_mode=Non
                 break
     except PoolfuzzFailure as exc:
         failure = str(exc)
+        engine_steps = tuple(counters["engine"].log)
         program = "\n".join(n for n in getattr(exc, "__notes__", []) if not n.startswith("You can reproduce"))
         divergence = exc.divergence.to_json()
     return RunResult(config=config.name, faults=tuple(faults),
                      backup_mode=backup_mode or _resolved_mode(config, faults),
                      examples=counters["examples"], steps=counters["steps"],
                      seconds=time.perf_counter() - started, failure=failure, program=program,
-                     divergence=divergence)
+                     divergence=divergence, first_failure_examples=counters["first_examples"],
+                     first_failure_seconds=counters["first_seconds"], engine_steps=engine_steps,
+                     device=str(device))
 
 
 def _seeds(seed: int | None):

@@ -1,0 +1,27 @@
+"""``poolfuzz configs`` and ``poolfuzz faults``: what can be fuzzed and which bugs can be switched on."""
+
+from __future__ import annotations
+
+from poolfuzz.pools.config import CONFIGS
+from poolfuzz.pools.faults import FAULTS, applicable_configs
+
+
+def register(sub) -> None:
+    p = sub.add_parser("configs", help="list the built-in model configs")
+    p.set_defaults(handler=_configs)
+    p = sub.add_parser("faults", help="list the fault catalogue")
+    p.set_defaults(handler=_faults)
+
+
+def _configs(args) -> int:
+    for name, c in CONFIGS.items():
+        print(f"{name:20} {c.architecture:12} page_size={c.page_size} full={c.full_layers} "
+              f"swa={c.swa_layers} mamba={c.mamba_layers} kv={c.kv_dtype}")
+    return 0
+
+
+def _faults(args) -> int:
+    for f in FAULTS.values():
+        print(f"{f.id:34} {f.upstream:16} {f.description}")
+        print(f"{'':34} applies to: {', '.join(applicable_configs(f.id))}")
+    return 0
