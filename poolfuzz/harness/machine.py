@@ -25,6 +25,11 @@ def _has(phase: Phase, node: str | None = None):
     return lambda self: bool(self.engine.live(phase, node))
 
 
+def _supports(op: str):
+    """A family may decline a whole operation (``supports_fork = False``): plug-ins over real pools."""
+    return lambda self: getattr(self.engine.families["prefill"], f"supports_{op}", True)
+
+
 class PoolMachine(RuleBasedStateMachine):
     """Plays a small serving engine over a real family and its reference model.
 
@@ -115,13 +120,13 @@ class PoolMachine(RuleBasedStateMachine):
     def finish(self, pick):
         self.engine.finish(self._pick(Phase.RUNNING, pick).rid)
 
-    @precondition(_has(Phase.RUNNING, "prefill"))
+    @precondition(lambda self: _supports("transfer")(self) and _has(Phase.RUNNING, "prefill")(self))
     @rule(pick=picks)
     def transfer(self, pick):
         if not self.engine.transfer(self._pick(Phase.RUNNING, pick, "prefill").rid):
             event("decode node full at transfer")
 
-    @precondition(_has(Phase.RUNNING))
+    @precondition(lambda self: _supports("fork")(self) and _has(Phase.RUNNING)(self))
     @rule(pick=picks, extra=extra_tokens)
     def fork(self, pick, extra):
         if self.engine.fork(self._pick(Phase.RUNNING, pick).rid, extra) is None:

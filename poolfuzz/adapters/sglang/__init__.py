@@ -1,0 +1,37 @@
+"""Drive SGLang's real memory pools, installed from PyPI, with the poolfuzz harness.
+
+``poolfuzz run --family sglang`` builds SGLang's own pools for a config (``dense``, ``swa``,
+``hybrid-linear``, ``swa-ssm`` and their paged variants where the release can allocate pages
+on the device) and runs SGLang's own retraction code on them. Importing this module does not
+import SGLang; building a family does (behind the CPU import shims in :mod:`.shims`).
+"""
+
+from __future__ import annotations
+
+
+def build_family(config, *, device="cpu", faults=(), backup_mode=None):
+    """The family factory registered as ``sglang`` in the ``poolfuzz.families`` entry points."""
+    from poolfuzz.adapters.sglang.family import build_sglang_family
+
+    return build_sglang_family(config, device=device, faults=faults, backup_mode=backup_mode)
+
+
+def unsupported_reason(config) -> str | None:
+    """Why the installed SGLang cannot run ``config`` here (probed), or None."""
+    from poolfuzz.adapters.sglang.family import unsupported_reason as probe
+
+    return probe(config)
+
+
+def describe() -> dict:
+    """The installed SGLang and what the adapter found in it (for reports and the compat table)."""
+    from poolfuzz.adapters.sglang.api import load
+
+    api = load()
+    return {"version": api.version, "shims": api.shims, "kv_on_req": api.kv_on_req,
+            "mamba_slot_allocator": api.MambaSlotAllocator is not None,
+            "declares_cpu_copy_carries_mamba": api.kv_pools_declare_mamba,
+            "row_alloc_takes_reqs": api.row_alloc_takes_reqs}
+
+
+build_family.unsupported_reason = unsupported_reason

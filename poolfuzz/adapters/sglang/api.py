@@ -1,0 +1,173 @@
+"""What the installed SGLang offers, found by feature detection, never by version strings.
+
+Releases 0.5.9 to 0.5.23 drift: the allocators moved into ``mem_cache/allocator/`` (and mamba
+slot allocation was split out into ``MambaSlotAllocator``) in 0.5.13; the request's KV fields
+moved under ``req.kv`` (a ``ReqKvInfo``) in 0.5.19; constructor keywords come and go. Each
+difference is probed here once: try-imports for where a class lives, signature inspection for
+which keywords a callable takes, attribute probes for how an object stores its state.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import logging
+import warnings
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Any, Callable
+
+from poolfuzz.pools.errors import ConfigError
+
+INSTALL_HINT = ("install it beside poolfuzz (see the README section 'Driving real SGLang pools': "
+                "pip install 'poolfuzz[sglang]' with the CPU recipe)")
+
+
+class SGLangUnavailable(ConfigError):
+    """SGLang is not installed here, or lacks something the adapter cannot do without."""
+
+
+def _first(*candidates: str, required: bool = True) -> Any:
+    """The first ``module:attr`` that imports; None (or an error naming all tried) otherwise."""
+    tried = []
+    for target in candidates:
+        module_name, _, attr = target.partition(":")
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError as exc:
+            tried.append(f"{target} ({exc})")
+            continue
+        if hasattr(module, attr):
+            return getattr(module, attr)
+        tried.append(f"{target} (no such attribute)")
+    if required:
+        raise SGLangUnavailable("this SGLang has none of: " + "; ".join(tried))
+    return None
+
+
+def accepted_kwargs(fn: Callable, **kwargs) -> dict:
+    """The subset of ``kwargs`` that ``fn`` names as parameters (``**kwargs`` sinks are not used)."""
+    params = inspect.signature(fn).parameters
+    return {k: v for k, v in kwargs.items() if k in params}
+
+
+def call_with(fn: Callable, /, **kwargs):
+    """Call ``fn`` with the keywords it names; a required one we cannot supply is a clear error."""
+    params = inspect.signature(fn).parameters
+    missing = [n for n, p in params.items()
+               if n != "self" and p.default is inspect.Parameter.empty
+               and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and n not in kwargs]
+    if missing:
+        name = getattr(fn, "__qualname__", repr(fn))
+        raise SGLangUnavailable(f"{name} requires {', '.join(missing)}, which the adapter does not know how to give")
+    return fn(**accepted_kwargs(fn, **kwargs))
+
+
+def construct(cls: type, **kwargs):
+    return call_with(cls, **kwargs)
+
+
+@dataclass(frozen=True)
+class SGLangAPI:
+    """The classes and functions of the installed SGLang that the adapter drives."""
+
+    version: str
+    shims: dict
+    ReqToTokenPool: type
+    HybridReqToTokenPool: type
+    MambaPool: type
+    MHATokenToKVPool: type
+    HybridLinearKVPool: type
+    SWAKVPool: type
+    TokenToKVPoolAllocator: type
+    PagedTokenToKVPoolAllocator: type
+    SWATokenToKVPoolAllocator: type
+    MambaSlotAllocator: type | None  # None: slots are allocated by the MambaPool itself
+    Mamba2CacheParams: type
+    Mamba2StateShape: type
+    Mamba2StateDType: type | None
+    Req: type
+    ReqKvInfo: type | None  # None: the request's KV fields are flat on the Req
+    RetractionBackup: type | None  # None: the Req keeps its CPU copy in a field of its own
+    free_swa_out_of_window_slots: Callable | None
+    free_kv_row_segments: Callable | None
+    ComponentType: Any
+
+    @property
+    def kv_on_req(self) -> bool:
+        """True where the Req keeps its KV fields on ``req.kv`` (a ``ReqKvInfo`` with a row field;
+        some releases have a smaller ``ReqKvInfo`` that is not the request's KV record)."""
+        return self.ReqKvInfo is not None and "req_pool_idx" in inspect.signature(self.ReqKvInfo).parameters
+
+    @property
+    def row_alloc_takes_reqs(self) -> bool:
+        """``ReqToTokenPool.alloc(reqs)`` binds rows to requests; older ones take a count."""
+        return "reqs" in inspect.signature(self.ReqToTokenPool.alloc).parameters
+
+    @property
+    def kv_pools_declare_mamba(self) -> bool:
+        """Whether the KV pools declare ``cpu_copy_carries_mamba`` (SGLang's #35957 fix)."""
+        return any("cpu_copy_carries_mamba" in vars(c) for c in self.HybridLinearKVPool.__mro__)
+
+
+@lru_cache(maxsize=1)
+def load() -> SGLangAPI:
+    """Import SGLang (behind the CPU shims) and probe what it offers. Cached per process."""
+    try:
+        from importlib.metadata import PackageNotFoundError, version
+        try:
+            sglang_version = version("sglang")
+        except PackageNotFoundError:
+            raise SGLangUnavailable(f"SGLang is not installed in this environment; {INSTALL_HINT}") from None
+    except ImportError:  # pragma: no cover - Python < 3.8
+        sglang_version = "unknown"
+    from poolfuzz.adapters.sglang import shims
+
+    installed = shims.install()
+    logging.getLogger("sglang").setLevel(logging.WARNING)
+    with warnings.catch_warnings():
+        # Importing SGLang on a CPU machine warns about CUDA-only quantization methods, and
+        # its transitive imports raise deprecation warnings; none concern the pools.
+        warnings.simplefilter("ignore")
+        try:
+            return _probe(sglang_version, installed)
+        except SGLangUnavailable:
+            raise
+        except Exception as exc:
+            raise SGLangUnavailable(
+                f"SGLang {sglang_version} did not import here: {type(exc).__name__}: {exc}; {INSTALL_HINT}"
+            ) from exc
+
+
+def _probe(sglang_version: str, installed: dict) -> SGLangAPI:
+    mp = "sglang.srt.mem_cache.memory_pool"
+    alloc = "sglang.srt.mem_cache.allocator"
+    return SGLangAPI(
+        version=sglang_version,
+        shims=installed,
+        ReqToTokenPool=_first(f"{mp}:ReqToTokenPool"),
+        HybridReqToTokenPool=_first(f"{mp}:HybridReqToTokenPool"),
+        MambaPool=_first(f"{mp}:MambaPool"),
+        MHATokenToKVPool=_first(f"{mp}:MHATokenToKVPool"),
+        HybridLinearKVPool=_first(f"{mp}:HybridLinearKVPool"),
+        SWAKVPool=_first("sglang.srt.mem_cache.swa_memory_pool:SWAKVPool", f"{mp}:SWAKVPool"),
+        TokenToKVPoolAllocator=_first(f"{alloc}.token:TokenToKVPoolAllocator", f"{alloc}:TokenToKVPoolAllocator"),
+        PagedTokenToKVPoolAllocator=_first(f"{alloc}.paged:PagedTokenToKVPoolAllocator",
+                                           f"{alloc}:PagedTokenToKVPoolAllocator"),
+        SWATokenToKVPoolAllocator=_first(f"{alloc}.swa:SWATokenToKVPoolAllocator",
+                                         "sglang.srt.mem_cache.swa_memory_pool:SWATokenToKVPoolAllocator",
+                                         f"{alloc}:SWATokenToKVPoolAllocator"),
+        MambaSlotAllocator=_first(f"{alloc}.mamba:MambaSlotAllocator", required=False),
+        Mamba2CacheParams=_first("sglang.srt.configs.mamba_utils:Mamba2CacheParams"),
+        Mamba2StateShape=_first("sglang.srt.configs.mamba_utils:Mamba2StateShape"),
+        Mamba2StateDType=_first("sglang.srt.configs.mamba_utils:Mamba2StateDType", required=False),
+        Req=_first("sglang.srt.managers.schedule_batch:Req"),
+        ReqKvInfo=_first("sglang.srt.managers.schedule_batch:ReqKvInfo", required=False),
+        RetractionBackup=_first("sglang.srt.mem_cache.common:RetractionBackup", required=False),
+        free_swa_out_of_window_slots=_first("sglang.srt.mem_cache.common:free_swa_out_of_window_slots",
+                                            required=False),
+        free_kv_row_segments=_first("sglang.srt.mem_cache.common:free_kv_row_segments", required=False),
+        ComponentType=_first("sglang.srt.mem_cache.unified_cache.component_type:ComponentType",
+                             "sglang.srt.mem_cache.base_prefix_cache:ComponentType",
+                             "sglang.srt.mem_cache.common:ComponentType", required=False),
+    )

@@ -1,0 +1,426 @@
+"""A pool family built from SGLang's real pools, seen through thin views the harness reads.
+
+Every tensor the harness checksums is SGLang's own buffer (``k_buffer[l]``, ``v_buffer[l]``,
+the MambaPool's conv and temporal state); every free list is read from SGLang's allocator
+objects. The views only translate: ids to Python ints, ``None`` to typed errors, and free
+lists to the ``available_size`` / ``is_free_page`` / ``free_pages`` queries of
+:class:`poolfuzz.pools.family.PoolFamily`.
+
+SGLang's allocators have no free callback. After every protocol operation the family diffs
+each free list against the last one it saw and tells the harness's listener which slots were
+freed, so the harness can poison them before anything reuses them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from poolfuzz.adapters.sglang.api import SGLangAPI, SGLangUnavailable, construct, load
+from poolfuzz.pools.components import Component
+from poolfuzz.pools.config import ModelConfig, uses_ssm_state
+from poolfuzz.pools.errors import ConfigError
+from poolfuzz.pools.family import resolve_device
+
+KV_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32,
+             "fp8_e4m3": torch.float8_e4m3fn}
+STATE_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def _ints(t) -> list[int]:
+    if isinstance(t, torch.Tensor):
+        return [int(x) for x in t.reshape(-1).tolist()]
+    return [int(x) for x in t]
+
+
+# =============================================================================================
+# Free lists
+# =============================================================================================
+class FreeListView:
+    """One SGLang free list, in the units the harness counts: pages for token pools, slots else.
+
+    ``available_size`` is SGLang's own answer (token slots for token pools); the harness compares
+    it with its reference model. ``on_free`` is set by the harness and called by the family.
+    """
+
+    def __init__(self, *, space: str, owner, read: Callable[[], list[int]], available: Callable[[], int],
+                 page_size: int = 1):
+        self.space = space
+        self.owner = owner  # the SGLang object behind this view
+        self._read = read
+        self._available = available
+        self.page_size = page_size
+        self.on_free = None
+
+    def __repr__(self) -> str:
+        return f"FreeListView({self.space} of {type(self.owner).__name__})"
+
+    def available_size(self) -> int:
+        return int(self._available())
+
+    def free_pages(self) -> list[int]:
+        return self._read()
+
+    def is_free_page(self, unit: int) -> bool:
+        return unit in set(self._read())
+
+    def slots_of(self, units: list[int]) -> torch.Tensor:
+        """Token slots of these pages (slots themselves for page-size-1 spaces)."""
+        base = torch.as_tensor(sorted(units), dtype=torch.int64)
+        if self.page_size == 1:
+            return base
+        return (base[:, None] * self.page_size + torch.arange(self.page_size)).reshape(-1)
+
+
+def token_free_pages(allocator) -> list[int]:
+    """Free pages of an SGLang token or paged allocator, wherever this release keeps them."""
+    getter = getattr(allocator, "get_all_free_pages", None)
+    if callable(getter):
+        return _ints(getter())
+    parts = []
+    for name in ("free_pages", "release_pages"):
+        t = getattr(allocator, name, None)
+        if isinstance(t, torch.Tensor):
+            parts.append(t.reshape(-1))
+    for t in getattr(allocator, "staged_pages", None) or []:
+        parts.append(t.reshape(-1))
+    return _ints(torch.cat(parts)) if parts else []
+
+
+# =============================================================================================
+# Pools as the harness sees them
+# =============================================================================================
+def mamba_state_tensors(mamba_pool) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """(conv tensors, temporal) of an SGLang MambaPool, each ``[layers, slots+1, ...]``."""
+    cache = mamba_pool.mamba_cache
+    if hasattr(cache, "conv"):
+        conv, temporal = cache.conv, cache.temporal
+    else:  # older releases: a (conv, temporal) tuple
+        conv, temporal = cache[0], cache[1]
+    if isinstance(conv, torch.Tensor):
+        conv = [conv]
+    return list(conv), temporal
+
+
+class MambaPoolView:
+    """The recurrent state of SGLang's MambaPool as components; storage is SGLang's."""
+
+    def __init__(self, pool, layer_ids: tuple[int, ...]):
+        self.pool = pool
+        self.layer_ids = layer_ids
+
+    def state_tensors(self) -> list[tuple[str, torch.Tensor]]:
+        conv, temporal = mamba_state_tensors(self.pool)
+        return [(f"mamba.conv{i}", c) for i, c in enumerate(conv)] + [("mamba.temporal", temporal)]
+
+    def components(self) -> list[Component]:
+        return [Component(name=name, layer=layer_id, space="mamba", tensor=t[local])
+                for name, t in self.state_tensors() for local, layer_id in enumerate(self.layer_ids)]
+
+
+class ReqPoolView:
+    """SGLang's (Hybrid)ReqToTokenPool: rows, ``req_to_token`` and, if any, the MambaPool."""
+
+    def __init__(self, pool, *, mamba: MambaPoolView | None, rows: FreeListView, mamba_free: FreeListView | None):
+        self.pool = pool
+        self.mamba_pool = mamba
+        self.rows = rows
+        self.mamba_allocator = mamba_free
+
+    @property
+    def req_to_token(self) -> torch.Tensor:
+        return self.pool.req_to_token
+
+    def read(self, row: int, start: int, end: int) -> torch.Tensor:
+        return self.pool.req_to_token[row, start:end].to(device="cpu", dtype=torch.int64)
+
+    def available_size(self) -> int:
+        return self.pool.available_size()
+
+
+class KVPoolView:
+    """SGLang's KV pool as components. Subclassed per family so that the class attribute
+    ``cpu_copy_carries_mamba`` (which the harness audits) and the class name are SGLang's."""
+
+    cpu_copy_carries_mamba = False
+    declared = True  # False: SGLang declares nothing; the value was inferred (see build)
+
+    def __init__(self, pool, comps: list[Component]):
+        self.pool = pool
+        self._components = comps
+
+    def components(self) -> list[Component]:
+        return list(self._components)
+
+
+class AllocatorView:
+    """SGLang's token allocator; ``translate`` maps full slots to SWA slots (0 = unmapped)."""
+
+    def __init__(self, allocator, *, swa: bool):
+        self.allocator = allocator
+        self.swa = swa
+
+    def translate(self, indices) -> torch.Tensor:
+        if not self.swa:
+            raise ConfigError("translate() is only defined for SWA families")
+        mapping = self.allocator.full_to_swa_index_mapping
+        idx = torch.as_tensor(indices, dtype=torch.int64).reshape(-1).to(mapping.device)
+        return mapping[idx].to(device="cpu", dtype=torch.int64)
+
+
+# =============================================================================================
+# The family
+# =============================================================================================
+@dataclass(kw_only=True)
+class SGLangFamily:
+    """The pools of one serving node for one model, built by the installed SGLang.
+
+    Capabilities the harness's state machine reads:
+      ``supports_fork``: radix match + copy-on-write needs SGLang's tree cache, not driven here.
+      ``supports_transfer``: PD transfer needs SGLang's transfer engines, not driven here.
+    """
+
+    supports_fork = False
+    supports_transfer = False
+
+    api: SGLangAPI
+    config: ModelConfig
+    device: torch.device
+    faults: tuple[str, ...] = ()
+    backup_mode: str = "cpu_tensor"
+    uses_ssm_state: bool = False
+    sg_req_pool: object = None
+    sg_kv_pool: object = None
+    sg_allocator: object = None
+    req_pool: ReqPoolView = None
+    kv_pool: KVPoolView = None
+    allocator: AllocatorView = None
+    protocol: object = None
+    transfer: object = None
+    host_pools: dict = field(default_factory=dict)
+    standin_cls: type = None
+    # Backups whose tensors aliased a live pool buffer and were copied (CPU only; see protocol).
+    cpu_aliases: list = field(default_factory=list)
+    _free_views: dict = field(default_factory=dict)
+    _last_free: dict = field(default_factory=dict)
+    _listener: Callable | None = None
+
+    def __repr__(self) -> str:
+        return f"SGLangFamily({self.config.name}, sglang {self.api.version}, {self.device}, {self.backup_mode})"
+
+    # --- what the harness reads ----------------------------------------------------------------
+    def components(self) -> list[Component]:
+        out = self.kv_pool.components()
+        if self.req_pool.mamba_pool is not None:
+            out += self.req_pool.mamba_pool.components()
+        return out
+
+    def host_components(self) -> list[Component]:
+        return []
+
+    def has_recurrent_state(self) -> bool:
+        return self.req_pool.mamba_pool is not None
+
+    def free_lists(self) -> dict[str, FreeListView]:
+        return dict(self._free_views)
+
+    def set_free_listener(self, listener) -> None:
+        self._listener = listener
+        for view in self._free_views.values():
+            view.on_free = listener
+        self.snapshot_free_lists()
+
+    # --- free notification by diffing ---------------------------------------------------------
+    def snapshot_free_lists(self) -> None:
+        self._last_free = {space: set(v.free_pages()) for space, v in self._free_views.items()}
+
+    def notify_frees(self) -> None:
+        """Tell each view's listener which units became free since the last snapshot."""
+        for space, view in self._free_views.items():
+            now = set(view.free_pages())
+            freed = now - self._last_free.get(space, set())
+            self._last_free[space] = now
+            if freed and view.on_free is not None:
+                view.on_free(space, view.slots_of(sorted(freed)))
+
+    # --- helpers the protocol uses ------------------------------------------------------------
+    def space_short_of(self, needs: dict[str, int]) -> tuple[str, int, int] | None:
+        """The first space (in the harness's order) without ``needs[space]`` free units."""
+        for space, units in needs.items():
+            view = self._free_views[space]
+            have = view.available_size() // view.page_size
+            if units > have:
+                return space, units * view.page_size, view.available_size()
+        return None
+
+
+def unsupported_reason(config: ModelConfig) -> str | None:
+    """Why the installed SGLang cannot run ``config`` here, or None. Probes, never versions."""
+    api = load()
+    if config.page_size > 1:
+        problem = _paged_allocation_problem(api)
+        if problem:
+            return problem
+    return None
+
+
+_PAGED_PROBE: dict[str, str | None] = {}
+
+
+def _paged_allocation_problem(api: SGLangAPI) -> str | None:
+    """Try one paged allocation on a throwaway allocator: some releases always launch a Triton
+    kernel for it, which cannot run without a GPU."""
+    if "result" in _PAGED_PROBE:
+        return _PAGED_PROBE["result"]
+    problem = None
+    try:
+        kv = construct(api.MHATokenToKVPool, size=8, page_size=4, dtype=torch.float32, head_num=1, head_dim=4,
+                       layer_num=1, device="cpu", enable_memory_saver=False)
+        alloc = construct(api.PagedTokenToKVPoolAllocator, size=8, page_size=4, dtype=torch.float32, device="cpu",
+                          kvcache=kv, need_sort=False)
+        from poolfuzz.adapters.sglang.protocol import paged_alloc_extend
+
+        out = paged_alloc_extend(alloc, prefix_len=0, seq_len=3, last_loc=-1)
+        if out is None or _ints(out) != [4, 5, 6]:
+            problem = f"paged alloc_extend gave {out!r} on an empty pool"
+    except Exception as exc:  # a Triton launch without a GPU raises one of many types
+        problem = (f"SGLang {api.version}'s paged allocator cannot allocate on this device "
+                   f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); "
+                   "use a page-size-1 config")
+    _PAGED_PROBE["result"] = problem
+    return problem
+
+
+def build_sglang_family(config: ModelConfig, *, device="cpu", faults=(), backup_mode=None) -> SGLangFamily:
+    from poolfuzz.adapters.sglang.protocol import SGLangProtocol
+    from poolfuzz.adapters.sglang.standin import standin_class
+
+    faults = tuple(faults)
+    if faults:
+        raise ConfigError(f"the sglang family runs SGLang's own code; catalogue faults {list(faults)} "
+                          "only apply to the builtin family (drop --faults, or use --family builtin)")
+    if backup_mode not in (None, "cpu_tensor"):
+        raise ConfigError(f"the sglang family drives SGLang's cpu_tensor retraction backup only; "
+                          f"backup_mode={backup_mode!r} (SGLang's host_pool path needs its unified radix "
+                          "cache, which is not driven here)")
+    api = load()
+    reason = unsupported_reason(config)
+    if reason:
+        raise ConfigError(f"config {config.name!r} on sglang {api.version}: {reason}")
+    dev = resolve_device(device)
+    sdev = str(dev) if dev.type == "cpu" else f"cuda:{dev.index or 0}"
+    c = config
+    kv_dtype = KV_DTYPES[c.kv_dtype]
+    common = dict(page_size=c.page_size, dtype=kv_dtype, head_num=c.head_num, head_dim=c.head_dim, device=sdev,
+                  enable_memory_saver=False)
+
+    mamba_view = None
+    if c.has_mamba:
+        params = _mamba_cache_params(api, c)
+        sg_req_pool = construct(
+            api.HybridReqToTokenPool, size=c.request_rows, mamba_size=c.mamba_slots,
+            mamba_spec_state_size=c.request_rows, max_context_len=c.max_context, device=sdev,
+            enable_memory_saver=False, cache_params=params, mamba_layer_ids=list(c.mamba_layer_ids),
+            enable_mamba_extra_buffer=False, speculative_num_draft_tokens=None, enable_overlap_schedule=False,
+            start_layer=0)
+        mamba_view = MambaPoolView(sg_req_pool.mamba_pool, c.mamba_layer_ids)
+    else:
+        sg_req_pool = construct(api.ReqToTokenPool, size=c.request_rows, max_context_len=c.max_context,
+                                device=sdev, enable_memory_saver=False)
+
+    comps: list[Component] = []
+    if c.has_swa:
+        sg_kv = construct(api.SWAKVPool, size=c.full_tokens, size_swa=c.swa_tokens,
+                          swa_attention_layer_ids=list(c.swa_layer_ids),
+                          full_attention_layer_ids=list(c.full_layer_ids),
+                          token_to_kv_pool_class=api.MHATokenToKVPool, **common)
+        sg_alloc = construct(api.SWATokenToKVPoolAllocator, size=c.full_tokens, size_swa=c.swa_tokens,
+                             page_size=c.page_size, dtype=kv_dtype, device=sdev, kvcache=sg_kv, need_sort=False,
+                             req_to_token_pool=sg_req_pool)
+        if getattr(sg_kv, "full_to_swa_index_mapping", None) is None:
+            sg_kv.register_mapping(sg_alloc.full_to_swa_index_mapping)
+        comps += _mha_components(sg_kv.full_kv_pool, c.full_layer_ids, "full")
+        comps += _mha_components(sg_kv.swa_kv_pool, c.swa_layer_ids, "swa")
+        subs = {"full": sg_alloc.full_attn_allocator, "swa": sg_alloc.swa_attn_allocator}
+    else:
+        if c.has_mamba:
+            sg_kv = construct(api.HybridLinearKVPool, size=c.full_tokens,
+                              full_attention_layer_ids=list(c.full_layer_ids), mamba_pool=sg_req_pool.mamba_pool,
+                              use_mla=False, **common)
+            full_pool = sg_kv.full_kv_pool
+        else:
+            sg_kv = construct(api.MHATokenToKVPool, size=c.full_tokens, layer_num=c.full_layers, **common)
+            full_pool = sg_kv
+        comps += _mha_components(full_pool, c.full_layer_ids, "full")
+        alloc_cls = api.TokenToKVPoolAllocator if c.page_size == 1 else api.PagedTokenToKVPoolAllocator
+        sg_alloc = construct(alloc_cls, size=c.full_tokens, page_size=c.page_size, dtype=kv_dtype, device=sdev,
+                             kvcache=sg_kv, need_sort=False)
+        subs = {"full": sg_alloc}
+
+    views: dict[str, FreeListView] = {
+        "rows": FreeListView(space="rows", owner=sg_req_pool, read=lambda: _ints(sg_req_pool.free_slots),
+                             available=sg_req_pool.available_size)}
+    for space, sub in subs.items():
+        views[space] = FreeListView(space=space, owner=sub, read=lambda s=sub: token_free_pages(s),
+                                    available=sub.available_size, page_size=c.page_size)
+    mamba_free = None
+    if c.has_mamba:
+        owner = getattr(sg_req_pool, "mamba_allocator", None) or sg_req_pool.mamba_pool
+        mamba_free = FreeListView(space="mamba", owner=owner, read=lambda o=owner: _ints(o.free_slots),
+                                  available=owner.available_size)
+        views["mamba"] = mamba_free
+
+    carries, declared = _carries_mamba(api, sg_kv)
+    view_cls = type(type(sg_kv).__name__, (KVPoolView,),
+                    {"cpu_copy_carries_mamba": carries, "declared": declared, "__module__": __name__})
+    family = SGLangFamily(
+        api=api, config=c, device=dev, uses_ssm_state=uses_ssm_state(c), sg_req_pool=sg_req_pool,
+        sg_kv_pool=sg_kv, sg_allocator=sg_alloc,
+        req_pool=ReqPoolView(sg_req_pool, mamba=mamba_view, rows=views["rows"], mamba_free=mamba_free),
+        kv_pool=view_cls(sg_kv, comps), allocator=AllocatorView(sg_alloc, swa=c.has_swa),
+        protocol=SGLangProtocol(), standin_cls=standin_class(api))
+    family._free_views = views
+    family.snapshot_free_lists()
+    return family
+
+
+def _carries_mamba(api: SGLangAPI, kv_pool) -> tuple[bool, bool]:
+    """(does the KV pool's CPU copy carry the recurrent state, did SGLang declare it).
+
+    From #35957 on, SGLang declares it (``cpu_copy_carries_mamba``). Before, nothing does: the
+    adapter infers it from whether the pool holds a reference to the MambaPool (only
+    ``HybridLinearKVPool`` does). The harness audits the value against what the copy really
+    held at every retraction, so a wrong inference would be reported, not trusted.
+    """
+    for klass in type(kv_pool).__mro__:
+        if "cpu_copy_carries_mamba" in vars(klass):
+            return bool(vars(klass)["cpu_copy_carries_mamba"]), True
+    return getattr(kv_pool, "mamba_pool", None) is not None, False
+
+
+def _mha_components(pool, layer_ids, space: str) -> list[Component]:
+    out = []
+    for local, layer_id in enumerate(layer_ids):
+        out.append(Component(name=f"{space}.k", layer=layer_id, space=space, tensor=pool.k_buffer[local]))
+        out.append(Component(name=f"{space}.v", layer=layer_id, space=space, tensor=pool.v_buffer[local]))
+    return out
+
+
+def _mamba_cache_params(api: SGLangAPI, c: ModelConfig):
+    """SGLang's Mamba2 cache params for the config's conv and temporal shapes and dtype."""
+    dtype = STATE_DTYPES[c.state_dtype]
+    conv = [tuple(s) for s in c.conv_shapes]
+    heads, head_dim, state = c.temporal_shape
+    conv_kernel = conv[0][-1] + 1
+    shape = construct(api.Mamba2StateShape, conv=conv, temporal=tuple(c.temporal_shape),
+                      intermediate_size=heads * head_dim, conv_dim=conv[0][0], ssm_state_size=state,
+                      num_heads=heads, head_dim=head_dim, state_size=state, conv_kernel=conv_kernel)
+    kwargs = dict(shape=shape, layers=list(c.mamba_layer_ids))
+    if api.Mamba2StateDType is not None:
+        kwargs["dtype"] = construct(api.Mamba2StateDType, conv=dtype, temporal=dtype)
+    try:
+        return construct(api.Mamba2CacheParams, **kwargs)
+    except TypeError as exc:
+        raise SGLangUnavailable(f"cannot build Mamba2CacheParams on sglang {api.version}: {exc}") from exc

@@ -1,0 +1,441 @@
+"""The request lifecycle on SGLang's real pools, in SGLang's call order, with SGLang's own code.
+
+What runs is SGLang's: row and mamba-slot allocation (``HybridReqToTokenPool.alloc``), token
+allocation (``alloc`` / ``alloc_extend`` / ``alloc_decode`` / ``alloc_extend_swa_tail``), SWA
+window eviction (``free_swa_out_of_window_slots``), row release (``free_kv_row_segments``,
+``free_mamba_cache``, ``ReqToTokenPool.free``), and the retraction backup and restore
+(``Req.offload_kv_cache`` / ``Req.load_kv_cache``, borrowed onto a stand-in request). What the
+adapter adds is the glue a scheduler would be: it calls them in ``release_req`` and
+``_pre_alloc`` order, turns SGLang's ``None`` returns and asserts into poolfuzz's typed errors,
+and mirrors ids into the harness's :class:`~poolfuzz.pools.request.ReqKv`.
+
+CPU aliasing: on a CPU, ``tensor.to("cpu", non_blocking=True)`` returns the tensor itself, and
+indexing with a 0-d slot tensor gives a view, so a CPU "backup" can alias the live slot it was
+taken from; on a GPU the same call copies. The adapter copies any backup tensor that shares
+storage with a live pool buffer right after SGLang's ``offload_kv_cache`` returns (before any
+slot is released), records it in ``family.cpu_aliases``, and so reports what a GPU would do.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import TYPE_CHECKING
+
+import torch
+
+from poolfuzz.adapters.sglang.api import accepted_kwargs
+from poolfuzz.pools.errors import DoubleFree, PoolError, PoolExhausted
+from poolfuzz.pools.protocol import ServingProtocol, floor_page
+from poolfuzz.pools.request import ReqKv, RetractionBackup
+
+if TYPE_CHECKING:
+    from poolfuzz.adapters.sglang.family import SGLangFamily
+
+
+def _dev_tensor(values, device) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.int64, device=device)
+
+
+def paged_alloc_extend(allocator, *, prefix_len: int, seq_len: int, last_loc: int, **extra):
+    """One request's ``alloc_extend`` with the keywords this release takes."""
+    dev = allocator.device
+    kwargs = dict(prefix_lens=_dev_tensor([prefix_len], dev), prefix_lens_cpu=torch.tensor([prefix_len]),
+                  seq_lens=_dev_tensor([seq_len], dev), seq_lens_cpu=torch.tensor([seq_len]),
+                  last_loc=_dev_tensor([last_loc], dev), extend_num_tokens=seq_len - prefix_len, **extra)
+    fn = allocator.alloc_extend if not extra else allocator.alloc_extend_swa_tail
+    return fn(**accepted_kwargs(fn, **kwargs))
+
+
+def paged_alloc_decode(allocator, *, seq_len: int, last_loc: int):
+    dev = allocator.device
+    kwargs = dict(seq_lens=_dev_tensor([seq_len], dev), seq_lens_cpu=torch.tensor([seq_len]),
+                  last_loc=_dev_tensor([last_loc], dev))
+    return allocator.alloc_decode(**accepted_kwargs(allocator.alloc_decode, **kwargs))
+
+
+def _storage_ptr(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()
+
+
+class SGLangProtocol(ServingProtocol):
+    """SGLang's request-side memory operations on its real pools (see the module docstring)."""
+
+    def __init__(self):
+        self.standins: dict[int, object] = {}
+
+    # --- stand-in requests ---------------------------------------------------------------------
+    def standin(self, req: ReqKv, family: SGLangFamily):
+        got = self.standins.get(req.rid)
+        if got is None:
+            got = family.standin_cls(rid=req.rid, api=family.api)
+            self.standins[req.rid] = got
+        got.seqlen = req.seqlen
+        return got
+
+    def _done(self, family: SGLangFamily) -> None:
+        family.notify_frees()
+
+    # --- admission -----------------------------------------------------------------------------
+    def admit(self, req: ReqKv, family: SGLangFamily) -> None:
+        try:
+            self._alloc_row_and_mamba(req, family)
+            req.mamba_needs_clear = req.mamba_pool_idx is not None
+        finally:
+            self._done(family)
+
+    def _alloc_row_and_mamba(self, req: ReqKv, family: SGLangFamily) -> None:
+        sg = self.standin(req, family)
+        kv = sg
+        pool = family.sg_req_pool
+        short = family.space_short_of({"rows": 1})
+        if short:  # SGLang returns None here; name the space as the harness counts it
+            raise PoolExhausted(space=short[0], requested=short[1], available=short[2])
+        try:
+            if family.api.row_alloc_takes_reqs:
+                got = pool.alloc([sg])
+            else:
+                got = pool.alloc(1)
+                if got is not None:
+                    kv.req_pool_idx = got[0]
+        except AssertionError as exc:
+            # HybridReqToTokenPool asserts, rather than returning None, when mamba slots run
+            # out, after it has taken the row: give the row back and report the space.
+            if kv.req_pool_idx is not None:
+                pool.free(sg) if family.api.row_alloc_takes_reqs else pool.free(kv.req_pool_idx)
+                kv.req_pool_idx = None
+            if "mamba" in str(exc).lower():
+                view = family.free_lists()["mamba"]
+                raise PoolExhausted(space="mamba", requested=1, available=view.available_size()) from exc
+            raise
+        if got is None:
+            raise PoolExhausted(space="rows", requested=1, available=pool.available_size())
+        if family.has_recurrent_state() and kv.mamba_pool_idx is None:
+            self._alloc_mamba_flat(sg, family)
+        req.req_pool_idx = int(kv.req_pool_idx)
+        req.mamba_pool_idx = None if kv.mamba_pool_idx is None else int(kv.mamba_pool_idx)
+
+    def _alloc_mamba_flat(self, sg, family: SGLangFamily) -> None:
+        """Releases whose row allocation takes a count leave the mamba slot to the caller."""
+        kv = sg
+        pool = family.sg_req_pool
+        owner = getattr(pool, "mamba_allocator", None) or pool.mamba_pool
+        got = owner.alloc(1)
+        if got is None:
+            pool.free(kv.req_pool_idx)
+            kv.req_pool_idx = None
+            raise PoolExhausted(space="mamba", requested=1, available=owner.available_size())
+        kv.mamba_pool_idx = got[0]
+        pool.req_index_to_mamba_index_mapping[kv.req_pool_idx] = int(got[0])
+        kv.mamba_needs_clear = True
+
+    # --- token allocation -----------------------------------------------------------------------
+    def extend(self, req: ReqKv, family: SGLangFamily, new_len: int) -> torch.Tensor:
+        try:
+            start = req.kv_allocated_len
+            if new_len <= start:  # already allocated (the rest of a page kept after a speculative step)
+                return torch.empty(0, dtype=torch.int64)
+            last_loc = int(family.req_pool.req_to_token[req.req_pool_idx, start - 1]) if start else -1
+            slots = self._alloc_tokens(family, prefix_len=start, seq_len=new_len, last_loc=last_loc)
+            self._write_row(req, family, start, slots)
+            req.kv_allocated_len = new_len
+            self.standin(req, family).kv_allocated_len = new_len
+            return slots
+        finally:
+            self._done(family)
+
+    def free_speculative_tail(self, req: ReqKv, family: SGLangFamily) -> None:
+        """After verify, SGLang frees the over-allocated tail of rejected drafts, keeping the page
+        that holds the last committed token (``_release_overallocated_kv_indices``' alignment)."""
+        try:
+            ps = family.config.page_size
+            keep = min(req.kv_allocated_len, -(-req.kv_committed_len // ps) * ps)
+            if keep < req.kv_allocated_len:
+                tokens = family.sg_req_pool.req_to_token[req.req_pool_idx, keep:req.kv_allocated_len].to(torch.int64)
+                family.sg_allocator.free(tokens)
+                req.kv_allocated_len = keep
+                sg = self.standin(req, family)
+                sg.kv_allocated_len = keep
+        finally:
+            self._done(family)
+
+    def _needs(self, family: SGLangFamily, *, full_pages: int, swa_pages: int) -> dict[str, int]:
+        needs = {"full": full_pages}
+        if family.config.has_swa:
+            needs["swa"] = swa_pages
+        return needs
+
+    def _alloc_tokens(self, family: SGLangFamily, *, prefix_len: int, seq_len: int, last_loc: int) -> torch.Tensor:
+        ps = family.config.page_size
+        n = seq_len - prefix_len
+        if n <= 0:
+            return torch.empty(0, dtype=torch.int64)
+        pages = -(-seq_len // ps) - (-(-prefix_len // ps))
+        alloc = family.sg_allocator
+        if ps == 1:
+            out = alloc.alloc(n)
+        elif n == 1 and prefix_len > 0:
+            out = paged_alloc_decode(alloc, seq_len=seq_len, last_loc=last_loc)
+        else:
+            out = paged_alloc_extend(alloc, prefix_len=prefix_len, seq_len=seq_len, last_loc=last_loc)
+        if out is None:
+            short = family.space_short_of(self._needs(family, full_pages=pages, swa_pages=pages))
+            space, requested, available = short or ("full", pages * ps, alloc.available_size())
+            raise PoolExhausted(space=space, requested=requested, available=available)
+        return out.to(device="cpu", dtype=torch.int64)
+
+    def _write_row(self, req: ReqKv, family: SGLangFamily, start: int, slots: torch.Tensor) -> None:
+        pool = family.sg_req_pool
+        values = slots.to(device=pool.req_to_token.device, dtype=torch.int32)
+        pool.write((req.req_pool_idx, slice(start, start + slots.numel())), values)
+
+    def run_deferred_mamba_ops(self, reqs: list[ReqKv], family: SGLangFamily) -> None:
+        """What SGLang's attention backend does on an extend forward with the flag that
+        SGLang's own ``HybridReqToTokenPool.alloc`` set: clear the fresh slot."""
+        if not family.has_recurrent_state():
+            return
+        pool = family.sg_req_pool.mamba_pool
+        for req in reqs:
+            kv = self.standin(req, family)
+            if getattr(kv, "mamba_needs_clear", False) and kv.mamba_pool_idx is not None:
+                idx = torch.as_tensor(kv.mamba_pool_idx).reshape(1).to(torch.int64)
+                pool.clear_slots(idx.to(_tensor_device(pool)))
+            kv.mamba_needs_clear = False
+            req.mamba_needs_clear = False
+
+    # --- sliding window --------------------------------------------------------------------------
+    def evict_swa(self, req: ReqKv, family: SGLangFamily, pre_len: int) -> None:
+        if not family.config.has_swa:
+            return
+        try:
+            sg = self.standin(req, family)
+            fn = family.api.free_swa_out_of_window_slots
+            if fn is not None and "sliding_window_size" in inspect.signature(fn).parameters:
+                fn(sg, pre_len, **accepted_kwargs(
+                    fn, sliding_window_size=family.config.sliding_window, page_size=family.config.page_size,
+                    req_to_token_pool=family.sg_req_pool, token_to_kv_pool_allocator=family.sg_allocator,
+                    supports_prefix_sharing=False, is_chunk_cache=True))
+            else:
+                self._evict_swa_by_hand(sg, family, pre_len)
+            req.swa_evicted_seqlen = self._swa_evicted(sg, family)
+        finally:
+            self._done(family)
+
+    def _swa_evicted(self, sg, family: SGLangFamily) -> int:
+        """The SWA eviction frontier: per component on ``req.kv`` (newer), else one field."""
+        if hasattr(sg.kv, "get_evicted_seqlen") and family.api.ComponentType is not None:
+            return int(sg.kv.get_evicted_seqlen(family.api.ComponentType.SWA))
+        return int(getattr(sg, "swa_evicted_seqlen", 0) or 0)
+
+    def _set_swa_evicted(self, sg, family: SGLangFamily, value: int) -> None:
+        if hasattr(sg.kv, "set_evicted_seqlen") and family.api.ComponentType is not None:
+            sg.kv.set_evicted_seqlen(family.api.ComponentType.SWA, value)
+        else:
+            sg.swa_evicted_seqlen = value
+
+    def _evict_swa_by_hand(self, sg, family: SGLangFamily, pre_len: int) -> None:
+        old = self._swa_evicted(sg, family)
+        new = floor_page(max(old, pre_len - family.config.sliding_window), family.config.page_size)
+        if new > old:
+            family.sg_allocator.free_swa(family.sg_req_pool.req_to_token[sg.req_pool_idx, old:new])
+            self._set_swa_evicted(sg, family, new)
+
+    # --- release -----------------------------------------------------------------------------------
+    def release_kv(self, req: ReqKv, family: SGLangFamily) -> None:
+        try:
+            self._release(req, family)
+        finally:
+            self._done(family)
+
+    def _release(self, req: ReqKv, family: SGLangFamily) -> None:
+        """``release_kv_cache`` of a chunk cache: the KV row, then the mamba slot, then the row."""
+        sg = self.standin(req, family)
+        kv = sg
+        if kv.req_pool_idx is None:
+            raise DoubleFree(space="rows", slot=-1)
+        row = kv.req_pool_idx
+        allocated = kv.kv_allocated_len
+        if allocated:
+            tokens = family.sg_req_pool.req_to_token[row, :allocated].to(torch.int64)
+            evicted = self._swa_evicted(sg, family) if family.config.has_swa else 0
+            seg = family.api.free_kv_row_segments
+            if seg is not None and family.config.has_swa:
+                seg(family.sg_allocator, [(tokens, 0)], **accepted_kwargs(
+                    seg, swa_evicted_seqlen=evicted, swa_dead_lo=0))
+            else:
+                family.sg_allocator.free(tokens)
+        if kv.mamba_pool_idx is not None:
+            try:
+                if hasattr(family.sg_req_pool, "free_mamba_cache"):
+                    family.sg_req_pool.free_mamba_cache(sg)
+                else:
+                    owner = family.sg_req_pool.mamba_pool
+                    owner.free(torch.as_tensor(kv.mamba_pool_idx).reshape(1))
+                    kv.mamba_pool_idx = None
+            except AssertionError as exc:
+                raise DoubleFree(space="mamba", slot=-1) from exc
+        try:
+            if family.api.row_alloc_takes_reqs:
+                family.sg_req_pool.free(sg)
+            else:
+                family.sg_req_pool.free(row)
+                kv.req_pool_idx = None
+        except AssertionError as exc:
+            raise DoubleFree(space="rows", slot=int(row)) from exc
+        kv.req_pool_idx = None
+        kv.mamba_pool_idx = None
+        kv.kv_allocated_len = kv.kv_committed_len = 0
+        self._set_swa_evicted(sg, family, 0)
+        sg.release_kv_record()
+        req.req_pool_idx = req.mamba_pool_idx = None
+        req.kv_allocated_len = req.kv_committed_len = 0
+
+    # --- retraction (SGLang's release_req order: back up, release, reset) -------------------------
+    def retract(self, req: ReqKv, family: SGLangFamily) -> None:
+        try:
+            sg = self.standin(req, family)
+            kv = sg
+            kv.kv_committed_len = req.kv_committed_len
+            sg.offload_kv_cache(family.sg_req_pool, family.sg_allocator)
+            self._unalias_backup(sg, family, req)
+            req.retraction_backup = self._harness_backup(sg, req.seqlen - 1)
+            self._release(req, family)
+            self.reset_for_retract(req)
+            sg.is_retracted = True
+            sg.retraction_count += 1
+            for name in ("mamba_cow_src_index", "mamba_ping_pong_track_buffer"):
+                if hasattr(kv, name):
+                    setattr(kv, name, None)
+            kv.mamba_needs_clear = False
+        finally:
+            self._done(family)
+
+    @staticmethod
+    def _sglang_backup(sg):
+        kv = sg
+        backup = getattr(kv, "retraction_backup", None)
+        if backup is None:
+            backup = getattr(sg, "kv_cache_cpu", None)
+        return backup
+
+    def _harness_backup(self, sg, num_tokens: int) -> RetractionBackup:
+        backup = self._sglang_backup(sg)
+        cpu = getattr(backup, "cpu_tensors", backup)
+        mamba_cpu = getattr(backup, "mamba_cpu", None)
+        return RetractionBackup(mode="cpu_tensor", num_tokens=num_tokens, cpu_tensors=cpu, mamba_cpu=mamba_cpu)
+
+    def _unalias_backup(self, sg, family: SGLangFamily, req: ReqKv) -> None:
+        """Copy backup tensors that share storage with a live pool buffer (the CPU trap)."""
+        live = {_storage_ptr(c.tensor) for c in family.components()}
+        hits: list[str] = []
+
+        def fix(obj, path):
+            if isinstance(obj, torch.Tensor):
+                if obj.device.type == "cpu" and _storage_ptr(obj) in live:
+                    hits.append(f"{path} {tuple(obj.shape)}")
+                    return obj.clone()
+                return obj
+            if isinstance(obj, tuple) and hasattr(obj, "_fields"):
+                return type(obj)(*(fix(v, f"{path}.{f}") for f, v in zip(obj._fields, obj)))
+            if isinstance(obj, (list, tuple)):
+                return type(obj)(fix(v, f"{path}[{i}]") for i, v in enumerate(obj))
+            if isinstance(obj, dict):
+                return {k: fix(v, f"{path}[{k!r}]") for k, v in obj.items()}
+            return obj
+
+        kv = sg
+        if getattr(kv, "retraction_backup", None) is not None:
+            kv.retraction_backup = fix(kv.retraction_backup, "retraction_backup")
+        elif getattr(sg, "kv_cache_cpu", None) is not None:
+            sg.kv_cache_cpu = fix(sg.kv_cache_cpu, "kv_cache_cpu")
+        if hits:
+            family.cpu_aliases.append((req.rid, tuple(hits)))
+
+    def discard(self, req: ReqKv, family: SGLangFamily) -> None:
+        sg = self.standins.get(req.rid)
+        if sg is not None:
+            kv = sg
+            if hasattr(kv, "retraction_backup"):
+                kv.retraction_backup = None
+            if hasattr(sg, "kv_cache_cpu"):
+                sg.kv_cache_cpu = None
+        req.retraction_backup = None
+
+    # --- resume (``_pre_alloc``, then the load) --------------------------------------------------
+    def pre_alloc(self, req: ReqKv, family: SGLangFamily, fill_len: int) -> None:
+        try:
+            self._pre_alloc(req, family, fill_len)
+        finally:
+            self._done(family)
+
+    def _pre_alloc(self, req: ReqKv, family: SGLangFamily, fill_len: int) -> None:
+        cfg = family.config
+        ps = cfg.page_size
+        sg = self.standin(req, family)
+        kv = sg
+        self._alloc_row_and_mamba(req, family)
+        alloc = family.sg_allocator
+        try:
+            tail = None
+            if cfg.has_swa and ps > 1 and hasattr(alloc, "alloc_extend_swa_tail"):
+                tail = fill_len - floor_page(max(0, fill_len - cfg.sliding_window), ps)
+                full_pages, swa_pages = -(-fill_len // ps), -(-tail // ps)
+                out = paged_alloc_extend(alloc, prefix_len=0, seq_len=fill_len, last_loc=-1, swa_tail_len=tail)
+                if out is None:
+                    short = family.space_short_of(self._needs(family, full_pages=full_pages, swa_pages=swa_pages))
+                    space, requested, available = short or ("full", full_pages * ps, alloc.available_size())
+                    raise PoolExhausted(space=space, requested=requested, available=available)
+                slots = out.to(device="cpu", dtype=torch.int64)
+            else:
+                slots = self._alloc_tokens(family, prefix_len=0, seq_len=fill_len, last_loc=-1)
+        except PoolError:
+            self._undo_admit(sg, family)
+            req.req_pool_idx = req.mamba_pool_idx = None
+            req.mamba_needs_clear = False
+            raise
+        self._write_row(req, family, 0, slots)
+        evicted = fill_len - tail if tail is not None else 0
+        self._set_swa_evicted(sg, family, evicted)
+        req.swa_evicted_seqlen = evicted
+        kv.kv_allocated_len = kv.kv_committed_len = fill_len
+        req.kv_allocated_len = req.kv_committed_len = fill_len
+        # SGLang's alloc flagged the new slot for clearing, but a resumed request runs decode
+        # forwards only, which never clear: the state must come from the backup.
+        req.mamba_needs_clear = False
+
+    def _undo_admit(self, sg, family: SGLangFamily) -> None:
+        kv = sg
+        if kv.mamba_pool_idx is not None:
+            if hasattr(family.sg_req_pool, "free_mamba_cache"):
+                family.sg_req_pool.free_mamba_cache(sg)
+            else:
+                family.sg_req_pool.mamba_pool.free(torch.as_tensor(kv.mamba_pool_idx).reshape(1))
+                kv.mamba_pool_idx = None
+        if family.api.row_alloc_takes_reqs:
+            family.sg_req_pool.free(sg)
+        else:
+            family.sg_req_pool.free(kv.req_pool_idx)
+            kv.req_pool_idx = None
+        kv.mamba_needs_clear = False
+
+    def restore(self, req: ReqKv, family: SGLangFamily) -> None:
+        sg = self.standin(req, family)
+        sg.seqlen = req.retraction_backup.num_tokens + 1
+        try:
+            sg.load_kv_cache(family.sg_req_pool, family.sg_allocator)
+        except AssertionError as exc:
+            raise PoolError(f"SGLang's load_kv_cache asserted: {exc}") from exc
+        finally:
+            self._done(family)
+        if hasattr(sg, "kv_cache_cpu"):
+            sg.kv_cache_cpu = None
+        req.retraction_backup = None
+
+    # --- not driven on SGLang -----------------------------------------------------------------------
+    def fork(self, src: ReqKv, dst: ReqKv, family: SGLangFamily) -> None:
+        raise NotImplementedError("the sglang family does not drive radix prefix sharing (supports_fork = False)")
+
+
+def _tensor_device(mamba_pool) -> torch.device:
+    from poolfuzz.adapters.sglang.family import mamba_state_tensors
+
+    return mamba_state_tensors(mamba_pool)[1].device

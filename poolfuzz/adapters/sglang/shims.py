@@ -1,0 +1,180 @@
+"""Import stand-ins that let SGLang's memory pools import on a CPU-only machine.
+
+Two of SGLang's unconditional imports cannot be satisfied there from PyPI alone:
+
+* ``torchvision``: ``mem_cache/memory_pool.py`` imports ``sglang.srt.configs``, whose
+  ``__init__`` imports every model config, and one chain reaches ``torchvision.transforms``.
+  PyPI's torchvision wheels are CUDA-linked and fail to import beside a CPU torch. A
+  permissive stand-in works; transformers reads ``InterpolationMode.NEAREST_EXACT`` from it,
+  so that one enum is real.
+* ``triton``: imported at module level by the pools. The real wheel imports fine on CPU and
+  is used whenever it is installed; otherwise a permissive stand-in is put in its place
+  (kernel definitions become plain functions and are never launched on the CPU paths).
+
+Nothing here edits SGLang: the stand-ins go into ``sys.modules`` (through a meta-path finder
+for their submodules) before the first ``sglang`` import, and only for modules that are
+missing or fail to import. :func:`install` is idempotent and returns what it did.
+"""
+
+from __future__ import annotations
+
+import enum
+import importlib.abc
+import importlib.machinery
+import importlib.util
+import sys
+import types
+
+_INSTALLED: dict[str, str] = {}
+
+
+class _Permissive(types.ModuleType):
+    """A module whose every missing attribute is another permissive module or class.
+
+    Called with one callable it returns it unchanged (``@triton.jit``); called otherwise it
+    returns a pass-through decorator (``@triton.autotune(...)``). Capitalised names are
+    classes, so code may subclass or annotate with them.
+    """
+
+    def __init__(self, name: str):
+        super().__init__(name)
+        self.__path__ = []
+        self.__spec__ = importlib.machinery.ModuleSpec(name, _StubFinder.for_name(name), is_package=True)
+        self.__file__ = f"<poolfuzz stand-in for {name}>"
+
+    def __getattr__(self, attr: str):
+        if attr.startswith("__") and attr.endswith("__"):
+            raise AttributeError(attr)
+        full = f"{self.__name__}.{attr}"
+        if full in sys.modules:
+            value = sys.modules[full]
+        elif attr[:1].isupper():
+            value = type(attr, (_StandInBase,), {"__module__": self.__name__})
+        else:
+            value = _Permissive(full)
+            sys.modules[full] = value
+        setattr(self, attr, value)
+        return value
+
+    def __call__(self, *args, **kwargs):
+        if len(args) == 1 and callable(args[0]) and not kwargs:
+            return args[0]
+        return lambda fn: fn
+
+    def __repr__(self) -> str:
+        return f"<poolfuzz stand-in module {self.__name__!r}>"
+
+    def __bool__(self) -> bool:
+        return False
+
+    def __iter__(self):
+        return iter(())
+
+    def __mro_entries__(self, bases):
+        return (_StandInBase,)
+
+
+class _StandInBase:
+    """Base for stand-in classes: accepts any construction, any attribute is a stand-in."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def __class_getitem__(cls, item):
+        return cls
+
+
+class _StubFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Serves ``<root>`` and ``<root>.*`` imports from stand-ins for the roots it was given."""
+
+    _roots: set[str] = set()
+    _instance: "_StubFinder | None" = None
+
+    @classmethod
+    def for_name(cls, name: str) -> "_StubFinder":
+        if cls._instance is None:
+            cls._instance = cls()
+        return cls._instance
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname.split(".")[0] not in self._roots:
+            return None
+        return importlib.machinery.ModuleSpec(fullname, self, is_package=True)
+
+    def create_module(self, spec):
+        module = sys.modules.get(spec.name)
+        return module if module is not None else _Permissive(spec.name)
+
+    def exec_module(self, module):
+        parent, _, child = module.__name__.rpartition(".")
+        if parent and parent in sys.modules:
+            setattr(sys.modules[parent], child, module)
+
+
+def _stub_root(root: str) -> types.ModuleType:
+    _StubFinder._roots.add(root)
+    finder = _StubFinder.for_name(root)
+    if finder not in sys.meta_path:
+        sys.meta_path.insert(0, finder)
+    module = _Permissive(root)
+    sys.modules[root] = module
+    return module
+
+
+def _importable(name: str) -> bool:
+    """Whether ``name`` is installed and really imports; a failed import leaves no trace."""
+    if name in sys.modules:
+        return not isinstance(sys.modules[name], _Permissive)
+    if importlib.util.find_spec(name) is None:
+        return False
+    try:
+        importlib.import_module(name)
+        return True
+    except Exception:  # a CUDA-linked wheel beside a CPU torch raises OSError/RuntimeError/...
+        for mod in [m for m in sys.modules if m == name or m.startswith(name + ".")]:
+            del sys.modules[mod]
+        return False
+
+
+class InterpolationMode(enum.Enum):
+    """The one real piece of the torchvision stand-in: transformers reads its members."""
+
+    NEAREST = "nearest"
+    NEAREST_EXACT = "nearest-exact"
+    BILINEAR = "bilinear"
+    BICUBIC = "bicubic"
+    BOX = "box"
+    HAMMING = "hamming"
+    LANCZOS = "lanczos"
+
+
+def _install_torchvision() -> str:
+    if _importable("torchvision"):
+        return "real"
+    root = _stub_root("torchvision")
+    root.__version__ = "0.0.0+poolfuzz.stand.in"
+    transforms = importlib.import_module("torchvision.transforms")
+    transforms.InterpolationMode = InterpolationMode
+    functional = importlib.import_module("torchvision.transforms.functional")
+    functional.InterpolationMode = InterpolationMode
+    return "stand-in"
+
+
+def _install_triton() -> str:
+    if _importable("triton"):
+        return "real"
+    root = _stub_root("triton")
+    root.__version__ = "0.0.0"
+    root.cdiv = lambda a, b: -(a // -b)
+    root.next_power_of_2 = lambda n: 1 << (n - 1).bit_length() if n > 0 else 1
+    language = importlib.import_module("triton.language")
+    language.constexpr = type("constexpr", (_StandInBase,), {"__module__": "triton.language"})
+    return "stand-in"
+
+
+def install() -> dict[str, str]:
+    """Make ``torchvision`` and ``triton`` importable; returns ``{module: "real" | "stand-in"}``."""
+    if not _INSTALLED:
+        _INSTALLED["torchvision"] = _install_torchvision()
+        _INSTALLED["triton"] = _install_triton()
+    return dict(_INSTALLED)

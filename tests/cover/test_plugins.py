@@ -1,0 +1,79 @@
+"""Family plug-ins: ``--family`` resolves shipped names, entry points and module paths."""
+
+from __future__ import annotations
+
+import sys
+import types
+from importlib import metadata
+
+import pytest
+
+from poolfuzz.harness import plugins
+from poolfuzz.pools.config import CONFIGS
+from poolfuzz.pools.errors import ConfigError
+from poolfuzz.pools.family import build_family
+
+
+@pytest.fixture
+def toy_module(monkeypatch):
+    """An importable module with a factory that wraps the builtin family and declines swa."""
+    mod = types.ModuleType("toy_families")
+    calls = []
+
+    def factory(config, *, device="cpu", faults=(), backup_mode=None):
+        calls.append(config.name)
+        return build_family(config, device=device, faults=faults, backup_mode=backup_mode)
+
+    factory.unsupported_reason = lambda c: "toy pools have no sliding window" if c.has_swa else None
+    mod.factory = factory
+    mod.nested = types.SimpleNamespace(factory=factory)
+    mod.not_callable = 3
+    mod.calls = calls
+    monkeypatch.setitem(sys.modules, "toy_families", mod)
+    return mod
+
+
+class TestResolve:
+    def test_default_is_the_builtin_family(self):
+        plugin = plugins.resolve_family(None)
+        assert plugin.factory is build_family and plugin.origin == "shipped"
+
+    def test_module_path_with_dotted_attribute(self, toy_module):
+        assert plugins.resolve_family("toy_families:nested.factory").factory is toy_module.factory
+
+    def test_sglang_is_shipped_and_lazy(self):
+        """Resolving the sglang family imports the adapter but not SGLang itself."""
+        plugin = plugins.resolve_family("sglang")
+        assert plugin.target == "poolfuzz.adapters.sglang:build_family"
+        assert callable(plugin.factory.unsupported_reason)
+
+    def test_entry_point_group(self, toy_module, monkeypatch):
+        ep = metadata.EntryPoint(name="toy", value="toy_families:factory", group=plugins.ENTRY_POINT_GROUP)
+        monkeypatch.setattr(plugins, "_entry_points", lambda: [ep])
+        plugin = plugins.resolve_family("toy")
+        assert plugin.factory is toy_module.factory and plugin.origin.startswith("entry point")
+        assert plugins.installed_families()["toy"] == "toy_families:factory"
+
+    @pytest.mark.parametrize("spec, words", [
+        ("nope", "unknown pool family 'nope'"),
+        ("no_such_module_xyz:f", "cannot import 'no_such_module_xyz'"),
+        ("toy_families:missing", "has no attribute 'missing'"),
+        ("toy_families:not_callable", "not a callable factory"),
+        ("toy_families:", "package.module:factory"),
+    ])
+    def test_errors_say_what_to_do(self, toy_module, spec, words):
+        with pytest.raises(ConfigError, match=words.replace("(", r"\(").replace(")", r"\)")):
+            plugins.resolve_family(spec)
+
+
+class TestSelectConfigs:
+    def test_declined_configs_are_skipped_with_their_reason(self, toy_module):
+        plugin = plugins.resolve_family("toy_families:factory")
+        chosen, skipped = plugins.select_configs(plugin, [CONFIGS["dense"], CONFIGS["swa"]], explicit=False)
+        assert [c.name for c in chosen] == ["dense"]
+        assert skipped == [("swa", "toy pools have no sliding window")]
+
+    def test_a_declined_explicit_config_is_an_error(self, toy_module):
+        plugin = plugins.resolve_family("toy_families:factory")
+        with pytest.raises(ConfigError, match="does not support config 'swa'"):
+            plugins.select_configs(plugin, [CONFIGS["swa"]], explicit=True)

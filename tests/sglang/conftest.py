@@ -1,0 +1,75 @@
+"""Tests against the real SGLang installed in this environment (CI installs two, each in its own).
+
+``POOLFUZZ_SGLANG_EXPECT`` says what the installed release must do: ``pass`` (fixed releases,
+0.5.19 on) or ``35957`` (a release before the fix). CI sets it, and then a missing or broken
+SGLang is a failure. Without it the expectation is read from the release itself (does its KV
+pool declare ``cpu_copy_carries_mamba``, the fix's marker), and a missing SGLang skips.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis.stateful import run_state_machine_as_test
+
+from poolfuzz.harness.failures import PoolfuzzFailure
+from poolfuzz.harness.machine import machine_for
+
+EXPECT = os.environ.get("POOLFUZZ_SGLANG_EXPECT")
+
+
+@pytest.fixture(scope="session")
+def api():
+    from poolfuzz.adapters.sglang.api import SGLangUnavailable, load
+
+    try:
+        return load()
+    except SGLangUnavailable as exc:
+        if EXPECT:
+            pytest.fail(f"POOLFUZZ_SGLANG_EXPECT={EXPECT} but SGLang is unusable here: {exc}")
+        pytest.skip(f"SGLang is not installed in this environment ({exc}); CI runs these in its SGLang venvs")
+
+
+@pytest.fixture(scope="session")
+def expect(api) -> str:
+    if EXPECT:
+        assert EXPECT in ("pass", "35957"), f"POOLFUZZ_SGLANG_EXPECT must be pass or 35957, got {EXPECT!r}"
+        return EXPECT
+    return "pass" if api.kv_pools_declare_mamba else "35957"
+
+
+@dataclass
+class Outcome:
+    failure: PoolfuzzFailure | None
+    steps: list  # the failing (shrunk) example's engine steps
+
+
+def _fuzz(config, *, examples: int, steps: int = 30) -> Outcome:
+    """Run the state machine over the sglang family; the shrunk failure, if any."""
+    from poolfuzz.adapters.sglang import build_family
+
+    base = machine_for(config, family_factory=build_family)
+    last = {}
+
+    class Tracked(base):
+        def __init__(self):
+            super().__init__()
+            last["engine"] = self.engine
+
+    Tracked.__name__ = "PoolMachine"
+    try:
+        run_state_machine_as_test(Tracked, settings=settings(
+            max_examples=examples, stateful_step_count=steps, deadline=None, derandomize=True, database=None,
+            suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much]))
+    except PoolfuzzFailure as exc:
+        return Outcome(failure=exc, steps=list(last["engine"].log))
+    return Outcome(failure=None, steps=[])
+
+
+@pytest.fixture
+def fuzz():
+    """``fuzz(config, examples=N)``: the state machine over the sglang family, shrunk failure if any."""
+    return _fuzz

@@ -1,0 +1,159 @@
+"""The sglang family: SGLang's real pools and retraction code under the unchanged harness."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from poolfuzz.pools.config import CONFIGS
+from poolfuzz.pools.errors import ConfigError, DoubleFree, PoolExhausted
+from poolfuzz.pools.request import ReqKv
+
+BASE = ["dense", "swa", "hybrid-linear", "swa-ssm"]
+PAGED = [f"{name}-ps4" for name in BASE]
+
+
+def _family(api, name):
+    from poolfuzz.adapters.sglang import build_family, unsupported_reason
+
+    why = unsupported_reason(CONFIGS[name])
+    if why:
+        pytest.skip(f"sglang {api.version}: {why}")
+    return build_family(CONFIGS[name])
+
+
+class TestContract:
+    @pytest.mark.parametrize("name", BASE + PAGED)
+    def test_components_are_sglangs_own_buffers(self, api, name):
+        """Checksums read SGLang's tensors, not copies: every component shares their storage."""
+        fam = _family(api, name)
+        sg_tensors = {t.untyped_storage().data_ptr() for t in _sglang_buffers(fam)}
+        for comp in fam.components():
+            assert comp.tensor.untyped_storage().data_ptr() in sg_tensors, comp
+
+    @pytest.mark.parametrize("name", BASE)
+    def test_free_lists_report_sglangs_counts(self, api, name):
+        fam = _family(api, name)
+        c = fam.config
+        want = {"rows": c.request_rows, "full": c.full_tokens}
+        if c.has_swa:
+            want["swa"] = c.swa_tokens
+        if c.has_mamba:
+            want["mamba"] = c.mamba_slots
+        assert {s: v.available_size() for s, v in fam.free_lists().items()} == want
+        for view in fam.free_lists().values():
+            assert 0 not in view.free_pages(), f"{view}: the padding slot is in the free list"
+
+    def test_catalogue_faults_and_host_pool_are_refused(self, api):
+        from poolfuzz.adapters.sglang import build_family
+
+        with pytest.raises(ConfigError, match="catalogue faults"):
+            build_family(CONFIGS["swa-ssm"], faults=["swa-ignores-mamba-backup"])
+        with pytest.raises(ConfigError, match="cpu_tensor"):
+            build_family(CONFIGS["dense"], backup_mode="host_pool")
+
+
+class TestTypedErrors:
+    """SGLang answers exhaustion with None or an assert; the adapter raises the harness's errors."""
+
+    def test_rows_run_out(self, api):
+        fam = _family(api, "dense")
+        for rid in range(1, fam.config.request_rows + 1):
+            fam.protocol.admit(ReqKv(rid=rid, seqlen=1), fam)
+        with pytest.raises(PoolExhausted) as info:
+            fam.protocol.admit(ReqKv(rid=99, seqlen=1), fam)
+        assert info.value.space == "rows"
+
+    def test_mamba_slots_run_out_and_the_row_is_given_back(self, api):
+        fam = _family(api, "hybrid-linear")
+        for rid in range(1, fam.config.mamba_slots + 1):
+            fam.protocol.admit(ReqKv(rid=rid, seqlen=1), fam)
+        rows_before = fam.free_lists()["rows"].available_size()
+        with pytest.raises(PoolExhausted) as info:
+            fam.protocol.admit(ReqKv(rid=99, seqlen=1), fam)
+        assert info.value.space == "mamba"
+        assert fam.free_lists()["rows"].available_size() == rows_before
+
+    def test_tokens_run_out(self, api):
+        fam = _family(api, "swa")
+        req = ReqKv(rid=1, seqlen=40)
+        fam.protocol.admit(req, fam)
+        with pytest.raises(PoolExhausted) as info:
+            fam.protocol.extend(req, fam, fam.config.swa_tokens + 1)
+        assert info.value.space == "swa"
+
+    def test_second_release_is_a_double_free(self, api):
+        fam = _family(api, "hybrid-linear")
+        req = ReqKv(rid=1, seqlen=4)
+        fam.protocol.admit(req, fam)
+        fam.protocol.extend(req, fam, 3)
+        fam.protocol.release_kv(req, fam)
+        with pytest.raises(DoubleFree):
+            fam.protocol.release_kv(req, fam)
+
+
+class TestRetraction:
+    def test_backups_are_real_copies_on_cpu(self, api):
+        """SGLang's CPU copy of a 0-d mamba slot index is a view of the live slot on CPU; the
+        adapter records that and hands the harness a real copy, as a GPU would."""
+        fam = _family(api, "hybrid-linear")
+        req = ReqKv(rid=1, seqlen=4)
+        fam.protocol.admit(req, fam)
+        fam.protocol.extend(req, fam, 3)
+        conv = fam.req_pool.mamba_pool.components()[0].tensor
+        conv[req.mamba_pool_idx] = 7
+        old_slot = req.mamba_pool_idx
+        fam.protocol.retract(req, fam)
+        assert fam.cpu_aliases, "expected SGLang's HybridLinearKVPool CPU copy to alias the slot on CPU"
+        conv[old_slot] = -1  # a new owner writes the freed slot
+        fam.protocol.resume(req, fam)
+        assert bool((conv[req.mamba_pool_idx] == 7).all())
+
+    def test_retraction_runs_sglangs_own_code(self, api):
+        fam = _family(api, "swa-ssm")
+        assert {"offload_kv_cache", "load_kv_cache"} <= set(fam.standin_cls.borrowed)
+        assert fam.standin_cls.offload_kv_cache is vars(api.Req)["offload_kv_cache"]
+
+
+class TestHarness:
+    @pytest.mark.parametrize("name", ["dense", "swa", "hybrid-linear"])
+    def test_configs_without_both_swa_and_ssm_pass(self, api, fuzz, name):
+        _family(api, name)
+        outcome = fuzz(CONFIGS[name], examples=15)
+        assert outcome.failure is None, outcome.failure
+
+    @pytest.mark.parametrize("name", PAGED)
+    def test_paged_configs(self, api, expect, fuzz, name):
+        _family(api, name)
+        outcome = fuzz(CONFIGS[name], examples=10)
+        if expect == "35957" and name == "swa-ssm-ps4":
+            assert outcome.failure is not None
+        else:
+            assert outcome.failure is None, outcome.failure
+
+    def test_swa_ssm(self, api, expect, fuzz):
+        """#35957: fixed releases keep the recurrent state through a retraction; 0.5.18 loses it."""
+        outcome = fuzz(CONFIGS["swa-ssm"], examples=40 if expect == "pass" else 200)
+        if expect == "pass":
+            assert outcome.failure is None, outcome.failure
+            return
+        exc = outcome.failure
+        assert exc is not None, "#35957 was not found within the budget"
+        assert type(exc).__name__ == "StateLost"
+        assert exc.divergence.component.startswith("mamba."), exc
+        assert exc.divergence.op == "resume"
+        assert len(outcome.steps) <= 6, outcome.steps
+
+
+def _sglang_buffers(fam) -> list[torch.Tensor]:
+    out = []
+    kv = fam.sg_kv_pool
+    for pool in (getattr(kv, "full_kv_pool", None), getattr(kv, "swa_kv_pool", None), kv):
+        if pool is not None and getattr(pool, "k_buffer", None) is not None:
+            out += list(pool.k_buffer) + list(pool.v_buffer)
+    if fam.has_recurrent_state():
+        from poolfuzz.adapters.sglang.family import mamba_state_tensors
+
+        conv, temporal = mamba_state_tensors(fam.sg_req_pool.mamba_pool)
+        out += list(conv) + [temporal]
+    return out
