@@ -1,7 +1,8 @@
 """Traceable contents: every row written is derived from (request, position, layer, component).
 
 A row holds small integers (0..255, exact in bf16, fp16, fp32 and the uint8 fp8 store):
-  [0] kind   (0 zeros: never written or cleared; 1 KV; 2 recurrent state; 3 poison)
+  [0] kind   (0 zeros: never written or cleared; 1 KV; 2 recurrent state; 3 poison;
+             4 padding: the dummy write a padded (CUDA-graph) batch makes to slot 0)
   [1:3] rid, [3:5] position (KV) or tokens consumed (state) or step (poison)
   [5] layer, [6] component code, [7] chain: the recurrent state's history hash
   [8:] filler mixed from the fields, so every byte of a row depends on its owner.
@@ -15,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 TAG_WIDTH = 8
-KIND_ZERO, KIND_KV, KIND_STATE, KIND_POISON = 0, 1, 2, 3
+KIND_ZERO, KIND_KV, KIND_STATE, KIND_POISON, KIND_PADDING = 0, 1, 2, 3, 4
 CHAIN_MOD = 251  # prime below 256, so a chain byte is exact in every dtype
 CHAIN_MUL = 31
 
@@ -50,6 +51,8 @@ class Tag:
         if self.kind == KIND_POISON:
             who = "no request" if self.rid == 0xFFFF else f"req {self.rid}"
             return f"poison (freed from {who} at step {self.position})"
+        if self.kind == KIND_PADDING:
+            return f"padding (dummy write of a padded batch at step {self.position})"
         return "zeros (never written, or cleared)"
 
 
@@ -100,7 +103,7 @@ def describe_row(row: torch.Tensor) -> str:
     if bool((flat == 0).all()):
         return "zeros (never written, or cleared)"
     tag = decode_row(row)
-    if tag.kind not in (KIND_KV, KIND_STATE, KIND_POISON) or bool(((flat < 0) | (flat > 255)).any()):
+    if tag.kind not in (KIND_KV, KIND_STATE, KIND_POISON, KIND_PADDING) or bool(((flat < 0) | (flat > 255)).any()):
         return "unrecognised bytes (not written by poolfuzz)"
     expected = encode_rows(torch.tensor([[tag.kind, tag.rid, tag.position, tag.layer, tag.component, tag.chain]]),
                            flat.numel())[0].to(torch.float64)

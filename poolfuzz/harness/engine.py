@@ -13,9 +13,9 @@ from typing import Callable
 
 import torch
 
-from poolfuzz.harness import failures
-from poolfuzz.harness.checksums import row_checksums, slot_checksums
-from poolfuzz.harness.contents import KIND_KV, KIND_STATE, chain_affine, describe_row
+from poolfuzz.harness import failures, row_cache
+from poolfuzz.harness.checksums import SlotReader, row_checksums, slot_checksums
+from poolfuzz.harness.contents import KIND_KV, KIND_PADDING, KIND_STATE, chain_affine, describe_row
 from poolfuzz.harness.ledger import ComponentSpec, Ledger, build_rows, poison_rows
 from poolfuzz.pools.config import ModelConfig
 from poolfuzz.pools.errors import PoolError, PoolExhausted
@@ -89,7 +89,7 @@ class Engine:
         first = self.families["prefill"]
         self.device = first.device
         self.refs = {n: ReferenceFamily(config, backup_mode=f.backup_mode) for n, f in self.families.items()}
-        self.ledger = Ledger()
+        self.ledger = row_cache.shared_ledger()  # pure caches, shared across examples
         self.specs = {(c.name, c.layer): ComponentSpec.of(c) for c in first.components()}
         self.host_specs = {(c.name, c.layer): ComponentSpec.of(c) for c in first.host_components()}
         self.requests: dict[int, Request] = {}
@@ -102,6 +102,7 @@ class Engine:
         self.broken = False
         self.log: list[StepRecord] = []
         self.stats = {"checksum_calls": 0, "slots_checked": 0, "sweeps": 0}
+        self._readers: dict[tuple, SlotReader] = {}
         for node, fam in self.families.items():
             fam.set_free_listener(self._poisoner(node))
         self._audit_predicate()
@@ -172,6 +173,7 @@ class Engine:
         fam, ref = self.families[req.node], self.refs[req.node]
         start = req.kv.kv_committed_len
         end = min(req.prompt_len, start + chunk)
+        self._maybe_evict(req, start)
         err = self._both(req.node, rid, lambda: ref.extend(rid, end), lambda: fam.protocol.extend(req.kv, fam, end))
         if err:
             self._record("prefill", {"rid": rid, "chunk": chunk}, f"{err.space} exhausted")
@@ -196,6 +198,7 @@ class Engine:
             req = self.requests[rid]
             fam, ref = self.families[req.node], self.refs[req.node]
             pos = req.kv.seqlen - 1
+            self._maybe_evict(req, pos)
             err = self._both(req.node, rid, lambda: ref.extend(rid, pos + 1),
                              lambda: fam.protocol.extend(req.kv, fam, pos + 1))
             if err:
@@ -207,22 +210,59 @@ class Engine:
             req.verb = "decoded"
             self.touched.add(rid)
             done.append(rid)
+        for node in {self.requests[r].node for r in done}:
+            self._padding_writes(node)
         self._record("decode", {"rids": list(rids)}, f"decoded {done}")
         return done
+
+    def decode_speculative(self, rid: int, draft: int, accepted: int) -> bool:
+        """A speculative (MTP / EAGLE) step: KV slots and writes for the input token plus ``draft``
+        draft tokens, ``accepted`` of the drafts kept, then the over-allocated tail released."""
+        self._begin("decode_speculative")
+        accepted = min(accepted, draft)
+        req = self.requests[rid]
+        fam, ref = self.families[req.node], self.refs[req.node]
+        pos = req.kv.seqlen - 1
+        self._maybe_evict(req, pos)
+        err = self._both(req.node, rid, lambda: ref.extend(rid, pos + 1 + draft),
+                         lambda: fam.protocol.extend(req.kv, fam, pos + 1 + draft))
+        args = {"rid": rid, "draft": draft, "accepted": accepted}
+        if err:
+            self._record("decode_speculative", args, f"{err.space} exhausted")
+            return False
+        self._forward(req, pos, pos + 1 + accepted, written_end=pos + 1 + draft)
+        ref.commit(rid, pos + 1 + accepted)
+        req.kv.seqlen += 1 + accepted
+        ref.requests[rid].seqlen = req.kv.seqlen
+        self.culprit = rid
+        fam.protocol.free_speculative_tail(req.kv, fam)
+        self.culprit = NO_CULPRIT
+        ref.free_speculative_tail(rid)
+        req.verb = "decoded speculatively"
+        self.touched.add(rid)
+        self._padding_writes(req.node)
+        self._record("decode_speculative", args, f"committed {req.kv.kv_committed_len}, "
+                     f"allocated {req.kv.kv_allocated_len}")
+        return True
+
+    def _maybe_evict(self, req: Request, pre_len: int) -> None:
+        """``ScheduleBatch.maybe_evict_swa`` before each forward (eviction interval 1)."""
+        if not self.config.has_swa:
+            return
+        fam, ref = self.families[req.node], self.refs[req.node]
+        before = req.kv.swa_evicted_seqlen
+        ref.evict_swa(req.rid, pre_len)
+        self.culprit = req.rid
+        fam.protocol.evict_swa(req.kv, fam, pre_len)
+        self.culprit = NO_CULPRIT
+        if req.kv.swa_evicted_seqlen != before:
+            self.touched.add(req.rid)
 
     def evict_swa(self) -> None:
         """Free SWA slots that slid out of the window, for every running request."""
         self._begin("evict_swa")
-        for req in self.live(Phase.RUNNING) if self.config.has_swa else []:
-            fam, ref = self.families[req.node], self.refs[req.node]
-            pre_len = req.kv.seqlen - 1
-            before = req.kv.swa_evicted_seqlen
-            ref.evict_swa(req.rid, pre_len)
-            self.culprit = req.rid
-            fam.protocol.evict_swa(req.kv, fam, pre_len)
-            self.culprit = NO_CULPRIT
-            if req.kv.swa_evicted_seqlen != before:
-                self.touched.add(req.rid)
+        for req in self.live(Phase.RUNNING):
+            self._maybe_evict(req, req.kv.seqlen - 1)
         self._record("evict_swa", {}, f"touched {sorted(self.touched)}")
 
     def sglang_victim(self, node: str) -> int | None:
@@ -279,16 +319,19 @@ class Engine:
         return rid
 
     def abort(self, rid: int) -> None:
-        """Abort a retracted request: its backup is discarded and nothing may leak."""
+        """Abort a request in any phase; a retracted one's backup is discarded. Nothing may leak."""
         self._begin("abort")
         req = self.requests.pop(rid)
         fam, ref = self.families[req.node], self.refs[req.node]
         self.culprit = rid
-        fam.protocol.discard(req.kv, fam)
+        fam.protocol.abort(req.kv, fam)
         self.culprit = NO_CULPRIT
-        ref.discard(rid)
-        self.retracted[req.node].remove(rid)
-        self._record("abort", {"rid": rid}, "backup discarded")
+        if req.phase is Phase.RETRACTED:
+            ref.discard(rid)
+            self.retracted[req.node].remove(rid)
+        else:
+            ref.finish(rid)
+        self._record("abort", {"rid": rid}, f"was {req.phase.value}")
 
     def finish(self, rid: int) -> None:
         self._begin("finish")
@@ -360,17 +403,19 @@ class Engine:
     # ======================================================================================
     # The forward pass: traceable writes
     # ======================================================================================
-    def _forward(self, req: Request, start: int, end: int) -> None:
-        """Write KV for positions ``[start, end)`` in every layer and advance the recurrent state."""
+    def _forward(self, req: Request, start: int, end: int, *, written_end: int | None = None) -> None:
+        """Write KV for positions ``[start, written_end)`` in every layer, then commit ``[start, end)``:
+        the recurrent state consumes those tokens. A speculative step writes KV for its draft
+        tokens too (``written_end > end``) but commits only the accepted ones."""
         fam = self.families[req.node]
-        slots = fam.req_pool.read(req.kv.req_pool_idx, start, end)
-        positions = torch.arange(start, end)
+        written_end = end if written_end is None else written_end
+        slots = fam.req_pool.read(req.kv.req_pool_idx, start, written_end)
+        positions = torch.arange(start, written_end)
         swa_slots = fam.allocator.translate(slots) if self.config.has_swa else None
         for comp in fam.kv_pool.components():
             spec = self.specs[(comp.name, comp.layer)]
             target = swa_slots if comp.space == "swa" else slots
-            comp.tensor[target.to(self.device)] = build_rows(spec, kind=KIND_KV, rid=req.rid, position=positions,
-                                                             chain=0, device=self.device)
+            comp.tensor[target.to(self.device)] = row_cache.kv_rows(spec, req.rid, start, written_end, self.device)
             req.expected[spec.key] = torch.cat([req.expected.get(spec.key, _EMPTY),
                                                 self.ledger.kv(spec, req.rid, start, end)])
         req.kv.kv_committed_len = end
@@ -383,7 +428,16 @@ class Engine:
             spec = self.specs[(comp.name, comp.layer)]
             old_chain = comp.tensor[slot].reshape(1, -1)[:, 7].to(torch.int64)  # read the state
             new_chain = (old_chain * a + b) % 251
-            comp.tensor[slot] = build_rows(spec, kind=KIND_STATE, rid=req.rid, position=end, chain=new_chain,
+            comp.tensor[slot] = row_cache.state_rows(spec, req.rid, end, new_chain, self.device)
+
+    def _padding_writes(self, node: str) -> None:
+        """A padded (CUDA-graph) batch writes its dummy rows to slot 0 of every component:
+        harmless by design, unless slot 0 was handed to a request (SGLang #17404)."""
+        fam = self.families[node]
+        zero = torch.zeros(1, dtype=torch.int64, device=self.device)
+        for comp in fam.components():
+            spec = self.specs[(comp.name, comp.layer)]
+            comp.tensor[zero] = build_rows(spec, kind=KIND_PADDING, rid=NO_CULPRIT, position=self.step, chain=0,
                                            device=self.device)
 
     def _poisoner(self, node: str):
@@ -396,7 +450,7 @@ class Engine:
             for comp in comps:
                 if comp.space == space:
                     spec = specs[(comp.name, comp.layer)]
-                    comp.tensor[slots.to(comp.tensor.device)] = poison_rows(
+                    comp.tensor[slots.to(comp.tensor.device)] = row_cache.poison_rows(
                         spec, culprit=self.culprit, step=self.step, n=slots.numel(), device=comp.tensor.device)
         return poison
 
@@ -405,8 +459,8 @@ class Engine:
     # ======================================================================================
     def check(self) -> None:
         """Every invariant, after every step; contents of touched requests, all of them periodically."""
-        self._check_reference()
         self._check_holdings()
+        self._check_reference()
         sweep = self.options.sweep_interval and self.step % self.options.sweep_interval == 0
         rids = [r.rid for r in self.requests.values()] if sweep else sorted(self.touched)
         if sweep:
@@ -425,6 +479,14 @@ class Engine:
         return failures.invariant(step=self.step, op=self.op, detail=detail, node=node, kind=kind)
 
     def _check_reference(self) -> None:
+        for req in self.requests.values():
+            r = self.refs[req.node].requests[req.rid]
+            real = (req.kv.kv_allocated_len, req.kv.kv_committed_len, req.kv.swa_evicted_seqlen, req.kv.seqlen)
+            want = (r.allocated, r.committed, r.swa_lo, r.seqlen)
+            if req.phase is not Phase.RETRACTED and real != want:
+                raise failures.reference_mismatch(
+                    step=self.step, op=self.op, node=req.node, rid=req.rid,
+                    detail=f"req {req.rid} (allocated, committed, swa_evicted, seqlen) = {real}, reference {want}")
         for node, fam in self.families.items():
             ref = self.refs[node]
             for space, alloc in fam.free_lists().items():
@@ -439,14 +501,6 @@ class Engine:
             if set(ref.requests) != live:
                 raise failures.reference_mismatch(step=self.step, op=self.op, node=node,
                                                   detail=f"live requests {sorted(live)} vs reference {sorted(ref.requests)}")
-        for req in self.requests.values():
-            r = self.refs[req.node].requests[req.rid]
-            real = (req.kv.kv_allocated_len, req.kv.kv_committed_len, req.kv.swa_evicted_seqlen, req.kv.seqlen)
-            want = (r.allocated, r.committed, r.swa_lo, r.seqlen)
-            if req.phase is not Phase.RETRACTED and real != want:
-                raise failures.reference_mismatch(
-                    step=self.step, op=self.op, node=req.node, rid=req.rid,
-                    detail=f"req {req.rid} (allocated, committed, swa_evicted, seqlen) = {real}, reference {want}")
 
     def _check_holdings(self) -> None:
         """No slot held twice, none of them reserved, none of them in a free list."""
@@ -460,10 +514,9 @@ class Engine:
                 kv = req.kv
                 held["rows"].append(kv.req_pool_idx)
                 tokens = fam.req_pool.read(kv.req_pool_idx, 0, kv.kv_allocated_len)
-                held["full"] += sorted(set((tokens // ps).tolist()))
+                held["full"] += sorted({t // ps for t in tokens.tolist()})
                 if "swa" in held:
-                    swa = fam.allocator.translate(tokens)
-                    held["swa"] += sorted(set((swa[swa > 0] // ps).tolist()))
+                    held["swa"] += sorted({t // ps for t in fam.allocator.translate(tokens).tolist() if t > 0})
                 if kv.mamba_pool_idx is not None:
                     held["mamba"].append(kv.mamba_pool_idx)
                 if kv.mamba_cow_src is not None:
@@ -472,6 +525,9 @@ class Engine:
                 if space.startswith("host."):
                     continue
                 alloc = lists[space]
+                if alloc.is_free_page(0):
+                    raise self._fail_invariant(
+                        f"{space} free list holds the reserved slot/page 0 (padding): it will be handed out", node)
                 if len(set(units)) != len(units):
                     dup = next(u for u in units if units.count(u) > 1)
                     raise self._fail_invariant(f"{space} slot/page {dup} is held by two owners", node)
@@ -484,6 +540,11 @@ class Engine:
     def _check_free_lists(self) -> None:
         for node, fam in self.families.items():
             for space, alloc in fam.free_lists().items():
+                if hasattr(alloc, "free_list_problem"):  # O(pages freed so far), not O(pool)
+                    problem = alloc.free_list_problem()
+                    if problem:
+                        raise self._fail_invariant(f"{space} {problem}", node)
+                    continue
                 free = alloc.free_pages() if hasattr(alloc, "free_pages") else alloc.free_slots()
                 if len(set(free)) != len(free):
                     raise self._fail_invariant(f"{space} free list holds duplicates (a double free went unseen)", node)
@@ -497,15 +558,16 @@ class Engine:
             node_reqs = [r for r in reqs if r.node == node and r.phase is not Phase.RETRACTED]
             if not node_reqs:
                 continue
+            located: dict = {}  # (rid, space) -> (positions, slots): shared by the space's components
             for comp in fam.components():
                 spec = self.specs[(comp.name, comp.layer)]
-                parts = [self._expected_slots(fam, r, spec) for r in node_reqs]
+                parts = [self._expected_slots(fam, r, spec, located) for r in node_reqs]
                 parts = [(r, *p) for r, p in zip(node_reqs, parts) if p is not None and p[0].numel()]
                 if not parts:
                     continue
-                slots = torch.cat([p[2] for p in parts])
-                expected = torch.cat([p[3] for p in parts])
-                got = slot_checksums(comp.tensor, slots)
+                slots = parts[0][2] if len(parts) == 1 else torch.cat([p[2] for p in parts])
+                expected = parts[0][3] if len(parts) == 1 else torch.cat([p[3] for p in parts])
+                got = self._reader(node, comp)(slots)
                 self.stats["checksum_calls"] += 1
                 self.stats["slots_checked"] += slots.numel()
                 batches.append((comp, node, parts, slots, expected, got))
@@ -514,28 +576,50 @@ class Engine:
                     batches += self._host_batches(fam, node, req)
         if not batches:
             return
-        bad = torch.stack([(b[5] != b[4].to(b[5].device)).any() for b in batches])
-        if not bool(bad.any()):  # the one host sync of a passing check
-            return
+        if all(b[5].device.type == "cpu" for b in batches):
+            if all(torch.equal(b[5], b[4]) for b in batches):
+                return
+        else:
+            bad = torch.stack([(b[5] != b[4].to(b[5].device)).any() for b in batches])
+            if not bool(bad.any()):  # the one host sync of a passing check
+                return
         for comp, node, parts, slots, expected, got in batches:
             mismatch = (got.cpu() != expected).nonzero()
             if mismatch.numel():
                 raise self._explain(comp, node, parts, slots, int(mismatch[0]))
 
-    def _expected_slots(self, fam: PoolFamily, req: Request, spec: ComponentSpec):
-        """(positions, slots, expected checksums) of one component of one request, or None."""
+    def _reader(self, node: str, comp) -> SlotReader:
+        """The checksum reader of one component buffer, made once per buffer."""
+        key = (node, comp.name, comp.layer)
+        reader = self._readers.get(key)
+        if reader is None or reader.buffer.data_ptr() != comp.tensor.data_ptr() \
+                or reader.buffer.shape != comp.tensor.shape:
+            reader = self._readers[key] = SlotReader(comp.tensor)
+        return reader
+
+    def _expected_slots(self, fam: PoolFamily, req: Request, spec: ComponentSpec, located: dict | None = None):
+        """(positions, slots, expected checksums) of one component of one request, or None.
+        ``located`` memoises (positions, slots) per (request, space) across components."""
         kv = req.kv
         ref = self.refs[req.node].requests[req.rid]
         if spec.space == "mamba":
             if ref.pending_state is not None or ref.state is None:
                 return None
-            return (torch.tensor([-1]), torch.tensor([kv.mamba_pool_idx]),
-                    torch.tensor([self.ledger.state(spec, ref.state)]))
+            where = (req.rid, "mamba")
+            if located is None or where not in located:
+                located = {} if located is None else located
+                located[where] = (torch.tensor([-1]), torch.tensor([kv.mamba_pool_idx]))
+            return (*located[where], torch.tensor([self.ledger.state(spec, ref.state)]))
         committed = kv.kv_committed_len
         lo = max(0, committed - self.config.sliding_window) if spec.space == "swa" else 0
+        expected = req.expected.get(spec.key, _EMPTY)[lo:committed]
+        where = (req.rid, spec.space)
+        if located is not None and where in located:
+            return (*located[where], expected)
         tokens = fam.req_pool.read(kv.req_pool_idx, lo, committed)
         positions = torch.arange(lo, committed)
-        expected = req.expected.get(spec.key, _EMPTY)[lo:committed]
+        if located is not None and spec.space != "swa":
+            located[where] = (positions, tokens)
         if spec.space == "swa":
             slots = fam.allocator.translate(tokens)
             unmapped = (slots <= 0).nonzero()
@@ -546,6 +630,8 @@ class Engine:
                     position=lo + i, slot_before=self._before(req, "swa", lo + i), slot_after=0,
                     expected=f"req {ref.kv_owner[lo + i]} pos {lo + i}",
                     found="no SWA slot (unmapped inside the attention window)", verb=req.verb)
+            if located is not None:
+                located[where] = (positions, slots)
             return positions, slots, expected
         return positions, tokens, expected
 
@@ -578,7 +664,7 @@ class Engine:
         found = describe_row(comp.tensor[slot].cpu())
         ref = self.refs[node].requests[req.rid]
         if comp.space == "mamba":
-            want, position, before = Ledger.describe_state(ref.state), None, self._before(req, "mamba", None)
+            want, position, before = self.ledger.describe_state(ref.state), None, self._before(req, "mamba", None)
         else:
             want = f"req {ref.kv_owner[pos]} pos {pos}"
             position, before = pos, self._before(req, comp.space, pos)
@@ -608,6 +694,11 @@ class Engine:
     # ======================================================================================
     def _audit_predicate(self) -> None:
         fam = self.families["prefill"]
+        if fam.backup_mode == "host_pool" and fam.has_recurrent_state():
+            raise self._fail_invariant(
+                f"{self.config.name}: host_pool retraction backup chosen for a model with recurrent state; "
+                "PD transfers its MAMBA state but a host_pool backup carries only full KV and SWA, so a "
+                "retracted request would resume on a stale state", kind="predicate")
         if fam.uses_ssm_state != fam.has_recurrent_state():
             has = "has" if fam.has_recurrent_state() else "has no"
             raise self._fail_invariant(

@@ -118,13 +118,12 @@ class Ledger:
             self._state[key] = got
         return got
 
-    @staticmethod
-    def describe_state(history: tuple) -> str:
+    def describe_state(self, history: tuple) -> str:
         if history is None:
             return "no state"
         if not history:
             return "zeros (cleared)"
-        return f"req {history[-1][0]} gen {history[-1][2]}"
+        return f"req {history[-1][0]} gen {history[-1][2]} chain {self.chain(history)}"
 
 
 def poison_rows(spec: ComponentSpec, *, culprit: int, step: int, n: int, device) -> torch.Tensor:

@@ -77,12 +77,12 @@ class PoolMachine(RuleBasedStateMachine):
         if len(self.engine.decode(rids)) < len(rids):
             event("pool full at decode")
 
-    @precondition(lambda self: self.engine.config.has_swa and self.engine.live(Phase.RUNNING))
-    @rule()
-    def evict_swa(self):
-        self.engine.evict_swa()
-        if self.engine.touched:
-            event("SWA evicted")
+    @precondition(_has(Phase.RUNNING))
+    @rule(pick=picks, draft=st.integers(1, 3), accepted=st.integers(0, 3))
+    def decode_speculative(self, pick, draft, accepted):
+        """MTP / EAGLE: draft tokens get KV slots, rejected ones are released after verify."""
+        if not self.engine.decode_speculative(self._pick(Phase.RUNNING, pick).rid, draft, accepted):
+            event("pool full at speculative decode")
 
     @precondition(_has(Phase.RUNNING))
     @rule(pick=picks)
@@ -113,6 +113,11 @@ class PoolMachine(RuleBasedStateMachine):
     @precondition(_has(Phase.RETRACTED))
     @rule(pick=picks)
     def abort(self, pick):
+        """Abort a retracted request: its backup is discarded and nothing may leak.
+
+        (Aborting live requests too would give the shrinker an admit/abort pair to trip over:
+        it then stops at programs several times longer. ``finish`` releases live requests.)
+        """
         self.engine.abort(self._pick(Phase.RETRACTED, pick).rid)
 
     @precondition(_has(Phase.RUNNING))

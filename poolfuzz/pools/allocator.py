@@ -20,6 +20,77 @@ class AllocatorState:
     free_pages: tuple[int, ...]
 
 
+class FreeList:
+    """A deque of free pages whose never-used tail is kept as a range, not as a million ints.
+
+    It is ``front + [lo, lo+1, ..., hi] + back``: a fresh allocator is just the range, so making
+    one (and every ``clear``) costs O(1) whatever the pool size. It supports the deque operations
+    the allocators (and fault subclasses) use: ``popleft``, ``append``, ``appendleft``, ``extend``,
+    ``extendleft``, ``len`` and iteration, in exactly ``collections.deque`` order.
+    """
+
+    __slots__ = ("front", "lo", "hi", "back")
+
+    def __init__(self, pages=(), *, lo: int = 1, hi: int = 0):
+        self.front: deque[int] = deque()
+        self.lo, self.hi = lo, hi  # the range lo..hi (inclusive); empty when lo > hi
+        self.back: deque[int] = deque(pages)
+
+    def __len__(self) -> int:
+        return len(self.front) + max(0, self.hi - self.lo + 1) + len(self.back)
+
+    def __iter__(self):
+        yield from self.front
+        yield from range(self.lo, self.hi + 1)
+        yield from self.back
+
+    def popleft(self) -> int:
+        if self.front:
+            return self.front.popleft()
+        if self.lo <= self.hi:
+            self.lo += 1
+            return self.lo - 1
+        return self.back.popleft()
+
+    def take(self, n: int) -> list[int]:
+        """``n`` pops from the left at once (the caller checked ``n <= len(self)``)."""
+        out = [self.front.popleft() for _ in range(min(n, len(self.front)))]
+        if len(out) < n and self.lo <= self.hi:
+            k = min(n - len(out), self.hi - self.lo + 1)
+            out.extend(range(self.lo, self.lo + k))
+            self.lo += k
+        out.extend(self.back.popleft() for _ in range(n - len(out)))
+        return out
+
+    def append(self, page: int) -> None:
+        self.back.append(page)
+
+    def extend(self, pages) -> None:
+        self.back.extend(pages)
+
+    def appendleft(self, page: int) -> None:
+        self.front.appendleft(page)
+
+    def extendleft(self, pages) -> None:
+        self.front.extendleft(pages)
+
+    def explicit(self) -> list[int]:
+        """The pages held as ints (freed or given back), in list order, without the range."""
+        return [*self.front, *self.back]
+
+    def problem(self, *, reserved: int | None = 0) -> str | None:
+        """What is wrong with the list, in O(pages freed so far) not O(pool): a page listed twice
+        (a double free that went unseen), or the reserved page listed."""
+        seen = set()
+        for p in self.explicit():
+            if p in seen or self.lo <= p <= self.hi:
+                return f"free list holds duplicates: page {p} twice (a double free went unseen)"
+            seen.add(p)
+        if reserved is not None and (reserved in seen or self.lo <= reserved <= self.hi):
+            return f"free list holds the reserved slot/page {reserved}"
+        return None
+
+
 def _as_index(indices) -> torch.Tensor:
     if isinstance(indices, torch.Tensor):
         return indices.to(device="cpu", dtype=torch.int64).reshape(-1)
@@ -48,8 +119,9 @@ class TokenAllocator:
         self.clear()
 
     def clear(self) -> None:
-        self._free: deque[int] = deque(range(1, self.num_pages + 1))
-        self._is_free = bytearray(b"\x00" + b"\x01" * self.num_pages)
+        self._free = FreeList(lo=1, hi=self.num_pages)  # O(1): the pages are a range until used
+        self._is_free = bytearray(b"\x01") * (self.num_pages + 1)
+        self._is_free[0] = 0
 
     # --- queries -------------------------------------------------------------------------
     def sub_allocators(self) -> dict[str, "TokenAllocator"]:
@@ -60,6 +132,12 @@ class TokenAllocator:
 
     def free_pages(self) -> list[int]:
         return list(self._free)
+
+    def free_list_problem(self) -> str | None:
+        """Duplicates or the reserved page 0 in the free list; cost bounded by the frees done."""
+        if isinstance(self._free, FreeList):
+            return self._free.problem(reserved=0)
+        return FreeList(self._free).problem(reserved=0)  # a subclass swapped in a plain deque
 
     def is_free_page(self, page: int) -> bool:
         return bool(self._is_free[page])
@@ -73,7 +151,8 @@ class TokenAllocator:
         if n > len(self._free):
             raise PoolExhausted(space=self.space, requested=n * self.page_size,
                                 available=self.available_size())
-        pages = [self._free.popleft() for _ in range(n)]
+        free = self._free
+        pages = free.take(n) if isinstance(free, FreeList) else [free.popleft() for _ in range(n)]
         for p in pages:
             self._is_free[p] = 0
         return pages
@@ -145,7 +224,7 @@ class TokenAllocator:
         return AllocatorState(free_pages=tuple(self._free))
 
     def restore_state(self, state: AllocatorState) -> None:
-        self._free = deque(state.free_pages)
+        self._free = FreeList(state.free_pages)
         self._is_free = bytearray(self.num_pages + 1)
         for p in state.free_pages:
             self._is_free[p] = 1

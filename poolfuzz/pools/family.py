@@ -14,7 +14,7 @@ from poolfuzz.pools.config import ModelConfig, uses_ssm_state
 from poolfuzz.pools.errors import ConfigError
 from poolfuzz.pools.host import HostKVPool
 from poolfuzz.pools.kv import HybridLinearKVPool, KVCache, MHATokenToKVPool, SWAKVPool
-from poolfuzz.pools.mamba import MambaPool
+from poolfuzz.pools.mamba import MambaPool, MambaSlotAllocator
 from poolfuzz.pools.protocol import ServingProtocol
 from poolfuzz.pools.req_to_token import HybridReqToTokenPool, ReqToTokenPool
 from poolfuzz.pools.swa_allocator import SWATokenAllocator
@@ -38,7 +38,9 @@ class Blueprint:
     host_pool: type = HostKVPool
     protocol: type = ServingProtocol
     transfer: type = PDTransfer
+    mamba_allocator: type = MambaSlotAllocator
     ssm_predicate: Callable[[ModelConfig], bool] = uses_ssm_state
+    backup_resolver: Callable[..., str] = None  # None: resolve_backup_mode
 
 
 @dataclass(kw_only=True)
@@ -137,7 +139,7 @@ def resolve_device(device) -> torch.device:
 def build_family(config: ModelConfig, *, device="cpu", faults: Iterable[str] = (),
                  backup_mode: str | None = None) -> PoolFamily:
     """The pools for ``config`` on ``device``, correct unless ``faults`` name catalogue entries."""
-    from poolfuzz.pools.faults import blueprint_with  # the catalogue builds on this module
+    from poolfuzz.pools.faults import blueprint_with, required_backup_mode  # the catalogue builds on this module
 
     dev = resolve_device(device)
     faults = tuple(faults)
@@ -149,7 +151,7 @@ def build_family(config: ModelConfig, *, device="cpu", faults: Iterable[str] = (
                                    temporal_shape=c.temporal_shape, dtype=c.state_dtype, device=dev,
                                    layer_ids=c.mamba_layer_ids)
         req_pool = bp.hybrid_req_pool(size=c.request_rows, max_context=c.max_context, device=dev,
-                                      mamba_pool=mamba_pool)
+                                      mamba_pool=mamba_pool, mamba_allocator_cls=bp.mamba_allocator)
     else:
         req_pool = bp.req_pool(size=c.request_rows, max_context=c.max_context, device=dev)
     kv_args = dict(page_size=c.page_size, dtype=c.kv_dtype, head_num=c.head_num, head_dim=c.head_dim, device=dev)
@@ -168,12 +170,13 @@ def build_family(config: ModelConfig, *, device="cpu", faults: Iterable[str] = (
         kv_pool = kv_cls(size=c.full_tokens, layer_ids=c.full_layer_ids, **kv_args)
         allocator = bp.token_allocator(size=c.full_tokens, page_size=c.page_size)
 
-    resolved = resolve_backup_mode(c, kv_cls, bp.ssm_predicate)
+    resolved = (bp.backup_resolver or resolve_backup_mode)(c, kv_cls, bp.ssm_predicate)
     if backup_mode is None:
-        backup_mode = resolved
+        # A fault that lives on one retraction path (e.g. SWAKVPool.load_cpu_copy) selects it.
+        backup_mode = required_backup_mode(faults) or resolved
     elif backup_mode not in BACKUP_MODES:
         raise ConfigError(f"unknown backup mode {backup_mode!r}; choose one of {', '.join(BACKUP_MODES)}")
-    elif backup_mode == "host_pool" and resolved != "host_pool":
+    if backup_mode == "host_pool" and resolved != "host_pool":
         raise ConfigError(
             f"config {c.name!r}: host_pool retraction backup cannot carry recurrent state or this "
             "KV pool's components; use backup_mode='cpu_tensor' (or leave it unset)"

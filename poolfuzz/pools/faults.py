@@ -5,9 +5,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Iterable
 
+import torch
+
+from poolfuzz.pools.allocator import TokenAllocator, _as_index
 from poolfuzz.pools.config import ModelConfig
-from poolfuzz.pools.errors import ConfigError
+from poolfuzz.pools.errors import ConfigError, PoolExhausted
+from poolfuzz.pools.kv import SWAKVPool
+from poolfuzz.pools.mamba import MambaSlotAllocator
 from poolfuzz.pools.protocol import ServingProtocol
+from poolfuzz.pools.swa_allocator import SWATokenAllocator
+from poolfuzz.pools.transfer import PDTransfer
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -19,12 +26,16 @@ class Fault:
     upstream: str  # the SGLang PR or commit it mirrors
     applies_to: Callable[[ModelConfig], bool]
     overrides: dict  # Blueprint field -> replacement
+    backup_mode: str | None = None  # the retraction path the bug lives on; selected when none is asked for
 
     def __repr__(self) -> str:
         return f"Fault({self.id})"
 
 
-# --- #35957 ----------------------------------------------------------------------------------
+# Each fault is the smallest override of the correct class that reproduces one bug SGLang
+# shipped and fixed; the docstring says what the correct code does instead.
+
+# --- retraction backup --------------------------------------------------------------------------
 class CallerSkipsMambaBackup(ServingProtocol):
     """Pre-#35957 ``offload_kv_cache``: trusts the KV pool with ``mamba_indices``. SWAKVPool
     accepts and ignores them, so nobody backs the recurrent state up."""
@@ -33,20 +44,281 @@ class CallerSkipsMambaBackup(ServingProtocol):
         return None
 
 
+def resolve_backup_by_attention_only(config, kv_pool_cls, predicate) -> str:
+    """Pre-#35957 ``resolve_decode_retraction_backup``: looks at the attention layout only, so an
+    SWA+SSM model gets host_pool, whose backups carry full KV and SWA but no recurrent state."""
+    return "host_pool" if kv_pool_cls.supports_host_pool_backup else "cpu_tensor"
+
+
+class CallerAlwaysBacksUpMamba(ServingProtocol):
+    """Ignores ``cpu_copy_carries_mamba``: HybridLinearKVPool already copies the state, and the
+    caller copies it again (the second branch of the #35957 unit test)."""
+
+    def mamba_pool_needing_backup(self, req, family):
+        return None if req.mamba_pool_idx is None else family.req_pool.mamba_pool
+
+
+class BackupDropsLastToken(ServingProtocol):
+    """Backs up ``seqlen - 2`` tokens: the last written token's KV is lost (seqlen-1 contract)."""
+
+    def backup_tokens(self, req):
+        return req.seqlen - 2
+
+
+class BackupIncludesUnwrittenToken(ServingProtocol):
+    """Backs up ``seqlen`` tokens: includes the last sampled token, which has no KV slot yet."""
+
+    def backup_tokens(self, req):
+        return req.seqlen
+
+
+class SWAReloadIgnoresMasks(SWAKVPool):
+    """Reload writes the backed-up SWA rows into the first mapped positions of the new row,
+    instead of the positions mapped both then and now: rows land on the wrong positions."""
+
+    def load_cpu_copy(self, cpu, indices, mamba_indices=None):
+        idx = _as_index(indices)
+        self.full_kv_pool.load_cpu_copy(cpu.full, idx)
+        if cpu.swa is None:
+            return
+        new_swa = self.translate(idx)
+        mapped = new_swa[new_swa > 0][: cpu.swa.num_tokens]
+        self.swa_kv_pool.load_cpu_copy(_first_rows(cpu.swa, mapped.numel()), mapped)
+
+
+class ReloadIntoOldIndices(ServingProtocol):
+    """Reload recomputes the token indices from the slots the request held *before* retraction
+    (already freed and reused) instead of the newly allocated row."""
+
+    def offload_kv_cache(self, req, family):
+        self._old_tokens = getattr(self, "_old_tokens", {})
+        self._old_tokens[req.rid] = family.req_pool.read(req.req_pool_idx, 0, self.backup_tokens(req))
+        self._old_mamba = getattr(self, "_old_mamba", {})
+        self._old_mamba[req.rid] = req.mamba_pool_idx
+        return super().offload_kv_cache(req, family)
+
+    def load_kv_cache(self, req, family, backup):
+        tokens = self._old_tokens.pop(req.rid)
+        old = self._old_mamba.pop(req.rid)
+        slot = None if old is None else torch.tensor([old])
+        if backup.mamba_cpu is not None and slot is not None:
+            family.req_pool.mamba_pool.load_cpu_copy(backup.mamba_cpu, slot)
+        family.kv_pool.load_cpu_copy(backup.cpu_tensors, tokens, mamba_indices=slot)
+
+
+class KeepsEvictedSeqlenOnRetract(ServingProtocol):
+    """``reset_for_retract`` forgets ``swa_evicted_seqlen`` (#18059): the resumed request believes
+    positions are evicted that its new row maps, and later evictions start from a stale frontier."""
+
+    def reset_for_retract(self, req):
+        kept = req.swa_evicted_seqlen
+        super().reset_for_retract(req)
+        req.swa_evicted_seqlen = kept
+
+
+# --- mamba slots ----------------------------------------------------------------------------------
+class MambaSlotZeroAllocator(MambaSlotAllocator):
+    """Hands out slot 0, the dummy target of padded (CUDA-graph) batches (#17404)."""
+
+    def clear(self):
+        super().clear()
+        self._free.appendleft(0)
+        self._is_free[0] = 1
+
+
+class SkipsFreshSlotClear(ServingProtocol):
+    """A freshly allocated mamba slot is never cleared before its first extend (#10400 class):
+    the request starts from whatever the previous owner left."""
+
+    def run_deferred_mamba_ops(self, reqs, family):
+        for req in reqs:
+            req.mamba_needs_clear = False
+        super().run_deferred_mamba_ops(reqs, family)
+
+
+class ForkWithoutCopy(ServingProtocol):
+    """The deferred copy-on-write is dropped: the forked request starts from an uncopied slot."""
+
+    def run_deferred_mamba_ops(self, reqs, family):
+        for req in reqs:
+            if req.mamba_cow_src is not None:
+                family.req_pool.mamba_allocator.free([req.mamba_cow_src])
+                req.mamba_cow_src = None
+        super().run_deferred_mamba_ops(reqs, family)
+
+
+class StaleCowSource(ServingProtocol):
+    """The copy-on-write source is the matched request's *live* slot, not a checkpoint taken at
+    match time (#29354 class): if the source decodes first, the fork starts from a newer state."""
+
+    def fork(self, src, dst, family):
+        super().fork(src, dst, family)
+        if dst.mamba_cow_src is not None:
+            family.req_pool.mamba_allocator.free([dst.mamba_cow_src])  # no checkpoint kept
+            dst.mamba_cow_src = src.mamba_pool_idx
+            self._live_sources = getattr(self, "_live_sources", set()) | {dst.rid}
+
+    def run_deferred_mamba_ops(self, reqs, family):
+        live = getattr(self, "_live_sources", set())
+        pool = family.req_pool.mamba_pool
+        for req in reqs:
+            if req.rid in live and req.mamba_cow_src is not None:
+                pool.copy_from([req.mamba_cow_src], [req.mamba_pool_idx])
+                req.mamba_cow_src = None
+                req.mamba_needs_clear = False
+                live.discard(req.rid)
+        super().run_deferred_mamba_ops(reqs, family)
+
+    def release_kv(self, req, family):
+        if req.rid in getattr(self, "_live_sources", set()):
+            req.mamba_cow_src = None  # the source's slot is not ours to free
+            self._live_sources.discard(req.rid)
+        super().release_kv(req, family)
+
+
+class ResumeLeaksMambaOnAbort(ServingProtocol):
+    """A resume whose KV does not fit aborts its load-back but keeps the mamba slot it already
+    took (#12693 / #30986 class): a leak that grows with every failed resume."""
+
+    def pre_alloc(self, req, family, fill_len):
+        try:
+            super().pre_alloc(req, family, fill_len)
+        except PoolExhausted as exc:
+            if exc.space not in ("rows", "mamba"):  # the slot was taken before KV ran out
+                family.req_pool.mamba_allocator.alloc_one()  # ... and is never given back
+            raise
+
+
+# --- sliding window -------------------------------------------------------------------------------
+class EvictsOneTokenTooMany(ServingProtocol):
+    """Window eviction uses ``pre_len - window + 1``: frees a token still inside the window (#22470 class)."""
+
+    def evict_swa(self, req, family, pre_len):
+        super().evict_swa(req, family, pre_len + 1)
+
+
+class FreeSWAKeepsMapping(SWATokenAllocator):
+    """``free_swa`` frees the SWA slots but leaves ``full_to_swa`` pointing at them (#25805), so
+    releasing the row later frees the same SWA slots again."""
+
+    def free_swa(self, indices):
+        idx = self._widen_to_pages(_as_index(indices))
+        swa = self.full_to_swa[idx]
+        live = swa[swa > 0]
+        if live.numel():
+            self.swa.free(live)
+
+
+class SilentTokenAllocator(TokenAllocator):
+    """SGLang's production free list: no double-free detection, a second free appends again."""
+
+    def free(self, indices):
+        idx = _as_index(indices)
+        pages = sorted(set((idx // self.page_size).tolist()))
+        for p in pages:
+            self._is_free[p] = 1
+        if self.page_size == 1:
+            self._free.extend(pages)
+        else:
+            self._free.extendleft(reversed(pages))
+        if self.on_free is not None and pages:
+            self.on_free(self.space, self._tokens_of(pages))
+
+
+class SilentDoubleFreeSWAAllocator(FreeSWAKeepsMapping):
+    """#25805 as production saw it: the mapping is not zeroed and the SWA free list does not
+    notice the double free, so one SWA slot is later handed to two requests."""
+
+    def __init__(self, *, size, size_swa, page_size):
+        super().__init__(size=size, size_swa=size_swa, page_size=page_size)
+        self.swa = SilentTokenAllocator(size=size_swa, page_size=page_size, space="swa")
+
+
+class FreesPartialPages(ServingProtocol):
+    """Frees the rejected draft tokens' slots as they are, not whole pages past the committed
+    one: the paged allocator frees the whole page, still in use (#4977, #9989, #27779 class)."""
+
+    def free_speculative_tail(self, req, family):
+        if req.kv_committed_len < req.kv_allocated_len:
+            family.allocator.free(family.req_pool.read(req.req_pool_idx, req.kv_committed_len,
+                                                       req.kv_allocated_len))
+            req.kv_allocated_len = req.kv_committed_len
+
+
+# --- PD transfer ------------------------------------------------------------------------------------
+class TransferWithoutMambaFallback(PDTransfer):
+    """Appends only the state types the KV pool knows: an SWA+SSM model's recurrent state, which
+    lives in the request pool, never crosses to the decode node."""
+
+    def state_components(self, family):
+        return [(t, "kv_pool") for t in family.kv_pool.state_types]
+
+
+def _first_rows(copy, n):
+    from poolfuzz.pools.kv import _select_rows
+
+    keep = torch.zeros(copy.num_tokens, dtype=torch.bool)
+    keep[:n] = True
+    return _select_rows(copy, keep)
+
+
 def _swa_and_mamba(c: ModelConfig) -> bool:
     return c.has_swa and c.has_mamba
+
+
+def _mamba_carried_by_kv_pool(c: ModelConfig) -> bool:
+    return c.has_mamba and not c.has_swa
+
+
+def _paged(c: ModelConfig) -> bool:
+    return c.page_size > 1
+
+
+def _any(c: ModelConfig) -> bool:
+    return True
+
+
+def _f(id, upstream, applies_to, overrides, description=None, backup_mode=None):
+    cls = next(iter(overrides.values()))
+    text = description or (cls.__doc__ or "").strip().split("\n\n")[0].replace("\n", " ")
+    text = " ".join(text.split())
+    return Fault(id=id, description=text, upstream=upstream, applies_to=applies_to, overrides=overrides,
+                 backup_mode=backup_mode)
 
 
 FAULTS: dict[str, Fault] = {
     f.id: f
     for f in [
-        Fault(
-            id="swa-ignores-mamba-backup",
-            description="SWA pool ignores mamba_indices and the caller does not back the recurrent state up",
-            upstream="sglang#35957",
-            applies_to=_swa_and_mamba,
-            overrides={"protocol": CallerSkipsMambaBackup},
-        ),
+        _f("swa-ignores-mamba-backup", "sglang#35957", _swa_and_mamba, {"protocol": CallerSkipsMambaBackup},
+           "SWA pool accepts mamba_indices and ignores them; the caller does not back the recurrent state up"),
+        _f("host-pool-for-ssm", "sglang#35957", _swa_and_mamba,
+           {"backup_resolver": resolve_backup_by_attention_only},
+           "the backup-mode predicate looks only at the attention layout, so an SWA+SSM model takes "
+           "host_pool, which drops recurrent state"),
+        _f("mamba-backed-up-twice", "sglang#35957", _mamba_carried_by_kv_pool,
+           {"protocol": CallerAlwaysBacksUpMamba}),
+        _f("mamba-slot-zero", "sglang#17404", lambda c: c.has_mamba, {"mamba_allocator": MambaSlotZeroAllocator}),
+        _f("mamba-not-cleared", "sglang#10400", lambda c: c.has_mamba, {"protocol": SkipsFreshSlotClear}),
+        _f("backup-drops-last-token", "sglang#23346 (seqlen-1)", _any, {"protocol": BackupDropsLastToken}),
+        _f("backup-includes-unwritten-token", "sglang#23346 (seqlen-1)", _any,
+           {"protocol": BackupIncludesUnwrittenToken}),
+        _f("swa-reload-unmapped-rows", "sglang#35888", lambda c: c.has_swa, {"swa_kv_pool": SWAReloadIgnoresMasks},
+           backup_mode="cpu_tensor"),
+        _f("swa-evict-off-by-one", "sglang#22470", lambda c: c.has_swa, {"protocol": EvictsOneTokenTooMany}),
+        # Paged configs resume with tail-only SWA, which sets the frontier explicitly and masks it.
+        _f("swa-evicted-seqlen-not-reset", "sglang#18059", lambda c: c.has_swa and c.page_size == 1,
+           {"protocol": KeepsEvictedSeqlenOnRetract}),
+        _f("free-swa-keeps-mapping", "sglang#25805", lambda c: c.has_swa, {"swa_allocator": FreeSWAKeepsMapping}),
+        _f("paged-free-partial-page", "sglang#27779", _paged, {"protocol": FreesPartialPages}),
+        _f("pd-drops-mamba-fallback", "sglang#35957 (PD)", _swa_and_mamba,
+           {"transfer": TransferWithoutMambaFallback}),
+        _f("cow-without-copy", "sglang#29354", lambda c: c.has_mamba, {"protocol": ForkWithoutCopy}),
+        _f("stale-cow-source", "sglang#29354", lambda c: c.has_mamba, {"protocol": StaleCowSource}),
+        _f("reload-into-old-indices", "sglang#23346", _any, {"protocol": ReloadIntoOldIndices},
+           backup_mode="cpu_tensor"),
+        _f("mamba-leak-on-abort", "sglang#12693", lambda c: c.has_mamba, {"protocol": ResumeLeaksMambaOnAbort}),
+        _f("allocator-double-free-undetected", "sglang#25805", lambda c: c.has_swa,
+           {"swa_allocator": SilentDoubleFreeSWAAllocator}),
     ]
 }
 
@@ -56,6 +328,15 @@ def get_fault(fault_id: str) -> Fault:
         return FAULTS[fault_id]
     except KeyError:
         raise ConfigError(f"unknown fault {fault_id!r}; known faults: {', '.join(FAULTS)}") from None
+
+
+def required_backup_mode(fault_ids: Iterable[str]) -> str | None:
+    """The backup path the chosen faults live on, or None; two different paths are a ConfigError."""
+    modes = {get_fault(f).backup_mode for f in fault_ids} - {None}
+    if len(modes) > 1:
+        raise ConfigError(f"the chosen faults live on different backup paths ({', '.join(sorted(modes))}); "
+                          "switch them on one at a time")
+    return modes.pop() if modes else None
 
 
 def blueprint_with(fault_ids: Iterable[str], config: ModelConfig):

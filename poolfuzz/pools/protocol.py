@@ -53,11 +53,21 @@ class ServingProtocol:
     def extend(self, req: ReqKv, family: PoolFamily, new_len: int) -> torch.Tensor:
         """KV slots for positions ``[kv_allocated_len, new_len)``, written into the request row."""
         start = req.kv_allocated_len
+        if new_len <= start:  # already allocated (the rest of a page kept after a speculative step)
+            return torch.empty(0, dtype=torch.int64)
         last_loc = int(family.req_pool.req_to_token[req.req_pool_idx, start - 1]) if start else -1
         slots = family.allocator.alloc_extend(prefix_len=start, seq_len=new_len, last_loc=last_loc)
         family.req_pool.write(req.req_pool_idx, start, slots)
         req.kv_allocated_len = new_len
         return slots
+
+    def free_speculative_tail(self, req: ReqKv, family: PoolFamily) -> None:
+        """After verify, free the slots of rejected draft tokens — whole pages only: the page
+        holding the last committed token stays, with its spare slots, for the next steps."""
+        keep = min(req.kv_allocated_len, ceil_page(req.kv_committed_len, family.config.page_size))
+        if keep < req.kv_allocated_len:
+            family.allocator.free(family.req_pool.read(req.req_pool_idx, keep, req.kv_allocated_len))
+            req.kv_allocated_len = keep
 
     def run_deferred_mamba_ops(self, reqs: list[ReqKv], family: PoolFamily) -> None:
         """On an extend forward only: copy-on-write sources first, else clear fresh slots."""
@@ -148,8 +158,12 @@ class ServingProtocol:
             return None
         return family.req_pool.mamba_pool
 
+    def backup_tokens(self, req: ReqKv) -> int:
+        """The seqlen-1 contract: the last sampled token has no KV yet."""
+        return req.seqlen - 1
+
     def offload_kv_cache(self, req: ReqKv, family: PoolFamily) -> RetractionBackup:
-        n = req.seqlen - 1
+        n = self.backup_tokens(req)
         tokens = family.req_pool.read(req.req_pool_idx, 0, n)
         mamba_pool = self.mamba_pool_needing_backup(req, family)
         slot = None if req.mamba_pool_idx is None else torch.tensor([req.mamba_pool_idx])
@@ -162,7 +176,7 @@ class ServingProtocol:
 
     def host_pool_backup(self, req: ReqKv, family: PoolFamily) -> RetractionBackup:
         """KV of ``[0, n)`` padded to pages, SWA of the window; raises PoolExhausted("host")."""
-        n = req.seqlen - 1
+        n = self.backup_tokens(req)
         ps = family.config.page_size
         plan = self._host_plan(req, family, n)
         needed = {space: ceil_page(len(pos), ps) for space, pos in plan.items()}
@@ -215,6 +229,13 @@ class ServingProtocol:
         self.release_kv(req, family)
         self.reset_for_retract(req)
 
+    def abort(self, req: ReqKv, family: PoolFamily) -> None:
+        """FINISH_ABORT: a live request releases everything; a retracted one drops its backup."""
+        if req.req_pool_idx is None:
+            self.discard(req, family)
+        else:
+            self.release_kv(req, family)
+
     def discard(self, req: ReqKv, family: PoolFamily) -> None:
         """Abort of a retracted request: drop the backup and free any host slots it holds."""
         backup = req.retraction_backup
@@ -237,9 +258,8 @@ class ServingProtocol:
                 tail = fill_len - floor_page(max(0, fill_len - cfg.sliding_window), cfg.page_size)
                 slots = family.allocator.alloc_extend_swa_tail(seq_len=fill_len, swa_tail_len=tail)
                 req.swa_evicted_seqlen = fill_len - tail
-            else:
+            else:  # swa_evicted_seqlen was reset by reset_for_retract (or is 0 on a new request)
                 slots = family.allocator.alloc_extend(prefix_len=0, seq_len=fill_len, last_loc=-1)
-                req.swa_evicted_seqlen = 0
         except PoolError:
             if req.mamba_pool_idx is not None:
                 family.req_pool.free_mamba(req.req_pool_idx, req.mamba_pool_idx)

@@ -133,12 +133,24 @@ class ReferenceFamily:
 
     def extend(self, rid: int, new_len: int) -> None:
         req = self.requests[rid]
+        if new_len <= req.allocated:
+            return
         pages = _pages(new_len, self.ps) - _pages(req.allocated, self.ps)
         needs = {"full": pages}
         if self.config.has_swa:
             needs["swa"] = pages
         self._take(needs)
         req.allocated = new_len
+
+    def free_speculative_tail(self, rid: int) -> None:
+        """Rejected draft tokens give back every page past the one holding the last committed token."""
+        req = self.requests[rid]
+        keep = min(req.allocated, _pages(req.committed, self.ps) * self.ps)
+        freed = _pages(req.allocated, self.ps) - _pages(keep, self.ps)
+        self.free["full"] += freed
+        if self.config.has_swa:
+            self.free["swa"] += freed
+        req.allocated = keep
 
     def evict_swa(self, rid: int, pre_len: int) -> None:
         if not self.config.has_swa:

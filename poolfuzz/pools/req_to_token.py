@@ -51,10 +51,11 @@ class ReqToTokenPool:
 class HybridReqToTokenPool(ReqToTokenPool):
     """Request rows plus the MambaPool, its slot allocator and the row→mamba-slot mirror."""
 
-    def __init__(self, *, size: int, max_context: int, device: torch.device, mamba_pool: MambaPool):
+    def __init__(self, *, size: int, max_context: int, device: torch.device, mamba_pool: MambaPool,
+                 mamba_allocator_cls: type = MambaSlotAllocator):
         super().__init__(size=size, max_context=max_context, device=device)
         self.mamba_pool = mamba_pool
-        self.mamba_allocator = MambaSlotAllocator(size=mamba_pool.size)
+        self.mamba_allocator = mamba_allocator_cls(size=mamba_pool.size)
         self.req_to_mamba = torch.zeros(size + 1, dtype=torch.int32)
 
     def alloc_mamba(self, row: int) -> int:

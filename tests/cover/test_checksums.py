@@ -3,7 +3,16 @@
 import pytest
 import torch
 
-from poolfuzz.harness.checksums import _weights, as_words, row_checksums, slot_checksums
+from poolfuzz.harness.checksums import (
+    SlotReader,
+    _np_weights,
+    _torch_checksums,
+    _weights,
+    as_words,
+    reference_checksums,
+    row_checksums,
+    slot_checksums,
+)
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.uint8]
 
@@ -14,13 +23,15 @@ def _rows(dtype, n=6, width=16, seed=0):
 
 
 def _exact_python(rows: torch.Tensor) -> list[int]:
-    """The checksum computed with Python integers, as the float64 path must reproduce exactly."""
-    words = as_words(rows)
-    w = _weights(words.shape[1], torch.device("cpu")).to(torch.int64)
+    """The definition, written out here independently of the module: little-endian 64-bit words
+    of the zero-padded row bytes, times odd weights, summed mod 2**64, as a signed int64."""
+    raw = rows.reshape(rows.shape[0], -1).contiguous().view(torch.uint8).tolist()
     out = []
-    for row in words.tolist():
-        lanes = [sum(x * int(w[j, lane]) for j, x in enumerate(row)) for lane in (0, 1)]
-        value = (lanes[0] * 0x100000001B3 + lanes[1]) % (1 << 64)
+    for row in raw:
+        data = bytes(row) + bytes(-len(row) % 8)
+        words = [int.from_bytes(data[i:i + 8], "little") for i in range(0, len(data), 8)]
+        w = [int(v) for v in _np_weights(len(words))]
+        value = sum(x * wj for x, wj in zip(words, w)) % (1 << 64)
         out.append(value - (1 << 64) if value >= 1 << 63 else value)
     return out
 
@@ -28,9 +39,26 @@ def _exact_python(rows: torch.Tensor) -> list[int]:
 class TestRowChecksums:
     @pytest.mark.parametrize("dtype", DTYPES, ids=str)
     def test_matches_exact_integer_arithmetic(self, dtype):
-        """The float64 dot product equals the checksum computed in exact Python integers."""
+        """The vectorized checksum equals the definition computed in exact Python integers."""
         rows = _rows(dtype)
+        assert row_checksums(rows).tolist() == _exact_python(rows) == reference_checksums(rows)
+
+    @pytest.mark.parametrize("dtype", DTYPES, ids=str)
+    @pytest.mark.parametrize("nbytes", [4, 12, 16, 36, 4096])
+    def test_device_formulation_agrees_bit_for_bit(self, dtype, nbytes):
+        """The torch int64 path (what CUDA runs) and the numpy path (CPU) give the same bits, for
+        rows that are or are not a multiple of 8 bytes and whose words have their high bits set."""
+        g = torch.Generator().manual_seed(nbytes)
+        raw = torch.randint(0, 256, (7, nbytes), generator=g, dtype=torch.uint8)
+        rows = raw.view(dtype)
+        assert torch.equal(_torch_checksums(as_words(rows)), row_checksums(rows))
         assert row_checksums(rows).tolist() == _exact_python(rows)
+
+    def test_weights_are_odd_and_independent_of_row_length(self):
+        """Word j has the same odd weight in a row of any length, on every device."""
+        short, long = _np_weights(4), _np_weights(64)
+        assert (long[:4] == short).all() and (long & 1 == 1).all()
+        assert torch.equal(_weights(64, "cpu"), torch.from_numpy(long.view("int64").copy()))
 
     @pytest.mark.parametrize("dtype", DTYPES, ids=str)
     def test_equal_rows_equal_checksums_and_deterministic(self, dtype):
@@ -53,15 +81,33 @@ class TestRowChecksums:
         shifted = torch.roll(rows, 1, dims=1)
         assert row_checksums(rows)[0] != row_checksums(shifted)[0]
 
-    def test_every_single_bit_flip_is_seen(self):
-        """Flipping any one bit of a row changes its checksum."""
-        row = _rows(torch.uint8, n=1, width=16)
-        base = int(row_checksums(row)[0])
-        for byte in range(16):
+    @pytest.mark.parametrize("width", [16, 13])
+    def test_every_single_bit_flip_is_seen(self, width):
+        """Flipping any one bit of a row changes its checksum (all flips checked in one batch)."""
+        row = _rows(torch.uint8, n=1, width=width)
+        flips = row.repeat(width * 8, 1)
+        for byte in range(width):
             for bit in range(8):
-                flipped = row.clone()
-                flipped[0, byte] ^= 1 << bit
-                assert int(row_checksums(flipped)[0]) != base, (byte, bit)
+                flips[byte * 8 + bit, byte] ^= 1 << bit
+        assert (row_checksums(flips) != row_checksums(row)[0]).all()
+
+    def test_swapping_any_two_elements_changes_it(self):
+        """Every transposition of two distinct bf16 values of a KV-sized row is seen."""
+        row = _rows(torch.bfloat16, n=1, width=16)[0]
+        base = int(row_checksums(row[None])[0])
+        swapped = []
+        for i in range(16):
+            for j in range(i + 1, 16):
+                if row[i] != row[j]:
+                    s = row.clone()
+                    s[i], s[j] = row[j], row[i]
+                    swapped.append(s)
+        assert (row_checksums(torch.stack(swapped)) != base).all()
+
+    def test_rows_in_swapped_slots_are_caught(self):
+        """Two different rows exchanged between slots no longer match the slots' checksums."""
+        rows = _rows(torch.bfloat16, n=2, width=16)
+        assert (row_checksums(rows.flip(0)) != row_checksums(rows)).all()
 
     def test_odd_byte_rows_are_supported(self):
         """uint8 rows with an odd number of bytes are widened instead of reinterpreted."""
@@ -81,6 +127,23 @@ class TestSlotChecksums:
         buf = _rows(torch.bfloat16, n=10).reshape(10, 2, 8)
         slots = torch.tensor([7, 2, 7])
         assert torch.equal(slot_checksums(buf, slots), row_checksums(buf[slots]))
+
+    @pytest.mark.parametrize("shape", [(10, 2, 8), (10, 6, 3), (10, 15)])
+    def test_slot_reader_matches_gather(self, shape):
+        """SlotReader (numpy view on CPU, or the padded path) equals checksumming the gather."""
+        buf = torch.randint(0, 256, shape).to(torch.bfloat16 if shape[-1] != 15 else torch.uint8)
+        reader = SlotReader(buf)
+        for slots in ([3, 0, 9, 3], []):
+            idx = torch.tensor(slots, dtype=torch.int64)
+            assert torch.equal(reader(idx), row_checksums(buf[idx]))
+
+    def test_slot_reader_sees_later_writes(self):
+        """The reader views the buffer, it does not snapshot it."""
+        buf = torch.zeros(4, 2, 8, dtype=torch.bfloat16)
+        reader = SlotReader(buf)
+        before = reader(torch.tensor([2]))
+        buf[2, 0, 0] = 1
+        assert not torch.equal(reader(torch.tensor([2])), before)
 
     def test_row_in_the_wrong_slot_is_caught(self):
         """Two slots with swapped rows no longer match their expected checksums."""

@@ -1,0 +1,109 @@
+"""``poolfuzz hunt``: the detection matrix — for each catalogue fault and config, does poolfuzz find it, how fast."""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from dataclasses import asdict, dataclass
+
+from poolfuzz.pools.config import CONFIGS, get_config
+from poolfuzz.pools.faults import FAULTS, applicable_configs, get_fault
+
+
+@dataclass(frozen=True, kw_only=True)
+class HuntRow:
+    """One (fault, config) cell; ``fault`` None is the no-fault run, where detections are false alarms."""
+
+    fault: str | None
+    config: str
+    seeds: int
+    detected: int
+    median_examples: float | None
+    worst_examples: int | None
+    median_seconds: float | None
+    shrunk_steps: int | None
+    message: str | None
+
+
+def register(sub) -> None:
+    p = sub.add_parser("hunt", help="measure whether and how fast each catalogue fault is found")
+    p.add_argument("--faults", nargs="*", metavar="ID", help="faults to hunt (default: the whole catalogue)")
+    p.add_argument("--config", action="append", metavar="NAME", help="restrict to these configs (repeatable)")
+    p.add_argument("--seeds", type=int, default=3, help="seeds per (fault, config) (default 3)")
+    p.add_argument("--budget-examples", type=int, default=300, help="examples per seed before giving up")
+    p.add_argument("--shrink-seconds", type=float, default=30.0, help="time to shrink each failure (default 30)")
+    p.add_argument("--device", default="cpu", help="cpu (default), cuda or cuda:N")
+    p.add_argument("--json", metavar="FILE", help='write {"rows": [...]} to FILE')
+    p.add_argument("--no-baseline", action="store_true", help="skip the no-fault (false alarm) runs")
+    p.set_defaults(handler=main)
+
+
+def hunt_cell(config_name: str, fault: str | None, *, seeds: int, budget: int, shrink_seconds: float,
+              device="cpu") -> HuntRow:
+    from poolfuzz.harness.runner import run_machine
+
+    config = get_config(config_name)
+    found = []
+    for seed in range(seeds):
+        result = run_machine(config, device=device, faults=[fault] if fault else [], max_examples=budget,
+                             seed=seed, shrink_limit=shrink_seconds)
+        if not result.passed:
+            # A failure raised while building the machine happens in its first example.
+            examples = result.first_failure_examples or 1
+            seconds = result.first_failure_seconds if result.first_failure_seconds is not None else result.seconds
+            found.append((examples, seconds, len(result.engine_steps), result.failure))
+    return HuntRow(
+        fault=fault, config=config_name, seeds=seeds, detected=len(found),
+        median_examples=statistics.median(f[0] for f in found) if found else None,
+        worst_examples=max(f[0] for f in found) if found else None,
+        median_seconds=round(statistics.median(f[1] for f in found), 3) if found else None,
+        shrunk_steps=int(statistics.median(f[2] for f in found)) if found else None,
+        message=found[0][3] if found else None,
+    )
+
+
+def main(args) -> int:
+    import torch
+
+    from poolfuzz.harness.cli import UsageError
+    from poolfuzz.pools.family import resolve_device
+
+    torch.set_num_threads(1)
+    device = resolve_device(args.device)
+    if args.seeds < 1 or args.budget_examples < 1:
+        raise UsageError("--seeds and --budget-examples must be at least 1")
+    faults = args.faults if args.faults else list(FAULTS)
+    for fid in faults:
+        get_fault(fid)
+    configs = [get_config(n).name for n in args.config] if args.config else list(CONFIGS)
+    cells = [(fid, c) for fid in faults for c in applicable_configs(fid) if c in configs]
+    if not cells:
+        raise UsageError("no chosen fault applies to the chosen configs; see `poolfuzz faults`")
+    baseline = [] if args.no_baseline else [(None, c) for c in configs]
+    print(f"{'fault':34} {'config':18} {'found':>6} {'med ex':>7} {'worst':>6} {'med s':>7} {'steps':>5}  message")
+    rows = []
+    started = time.perf_counter()
+    for fid, config in cells + baseline:
+        row = hunt_cell(config, fid, seeds=args.seeds, budget=args.budget_examples,
+                        shrink_seconds=args.shrink_seconds, device=device)
+        rows.append(row)
+        print(_format(row), flush=True)
+    missed = [r for r in rows if r.fault and r.detected < r.seeds]
+    alarms = [r for r in rows if r.fault is None and r.detected]
+    print(f"hunt: {len(cells)} fault cells, {len(cells) - len(missed)} found in every seed; "
+          f"{len(alarms)} false alarm(s); {time.perf_counter() - started:.0f} s")
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump({"rows": [asdict(r) for r in rows]}, fh, indent=1)
+    return 1 if missed or alarms else 0
+
+
+def _format(row: HuntRow) -> str:
+    def num(v):
+        return "-" if v is None else (f"{v:g}" if isinstance(v, float) else str(v))
+
+    msg = (row.message or "").replace("\n", " ")
+    return (f"{row.fault or '(no fault)':34} {row.config:18} {row.detected:>2}/{row.seeds:<3} "
+            f"{num(row.median_examples):>7} {num(row.worst_examples):>6} {num(row.median_seconds):>7} "
+            f"{num(row.shrunk_steps):>5}  {msg[:160]}")
