@@ -43,9 +43,15 @@ def device(request):
     from poolfuzz.pools.errors import ConfigError
 
     try:
-        return resolve_device(request.config.getoption("--device"))
+        dev = resolve_device(request.config.getoption("--device"))
     except ConfigError as exc:
         pytest.exit(str(exc), returncode=2)
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")  # gw0, gw1, ...: one xdist worker per GPU
+    if dev.type == "cuda" and dev.index is None and worker.startswith("gw"):
+        import torch
+
+        dev = torch.device("cuda", int(worker[2:]) % torch.cuda.device_count())
+    return dev
 
 
 def pytest_collection_modifyitems(config, items):

@@ -13,6 +13,8 @@ COMMAND_MODULES = [
     "poolfuzz.harness.run_command",
     "poolfuzz.harness.catalogue_command",
     "poolfuzz.harness.hunt",
+    "poolfuzz.harness.replay_command",
+    "poolfuzz.harness.emit_command",
 ]
 
 

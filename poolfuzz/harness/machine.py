@@ -157,4 +157,8 @@ def machine_for(config: ModelConfig | str, *, device="cpu", faults=(), backup_mo
     attrs = dict(config=config, device=device, faults=tuple(faults), backup_mode=backup_mode, options=options)
     if family_factory is not None:
         attrs["family_factory"] = staticmethod(family_factory)
+    # Its own key in Hypothesis's example database, shared by ``poolfuzz run`` and a plain test of it.
+    from poolfuzz.harness.database import machine_identity
+
+    attrs["_hypothesis_internal_add_digest"] = machine_identity(config, faults, backup_mode, family_factory, options)
     return type("PoolMachine", (PoolMachine,), attrs)

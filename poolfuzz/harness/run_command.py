@@ -1,69 +1,105 @@
-"""``poolfuzz run``: the main job — fuzz configs on a device within a budget, exit 1 on any failure."""
+"""``poolfuzz run``: the main job — fuzz configs on a device within a budget, exit 1 on any failure.
+
+Exit status: 0 nothing failed, 1 a failure was found (its artifact is written), 2 bad usage
+(nothing written), 130 interrupted before anything failed.
+"""
 
 from __future__ import annotations
 
-import time
+from poolfuzz.harness.usage import one_line_errors
 
-from poolfuzz.pools.config import CONFIGS, get_config
-from poolfuzz.pools.family import resolve_device
-from poolfuzz.pools.faults import FAULTS, get_fault
+import random
+
+from poolfuzz.pools.config import CONFIGS
+from poolfuzz.pools.faults import FAULTS
+
+DEFAULT_MINUTES = 1.0
 
 
 def register(sub) -> None:
-    run = sub.add_parser("run", help="fuzz pool families and report any silent state loss")
-    run.add_argument("--config", action="append", metavar="NAME",
-                     help=f"config to fuzz (repeatable; default all: {', '.join(CONFIGS)})")
-    run.add_argument("--device", default="auto", help="auto (CUDA if present), cpu, cuda or cuda:N")
+    run = sub.add_parser(
+        "run", help="fuzz pool families and report any silent state loss",
+        description="Fuzz pool families; exit 0 if nothing failed, 1 if a failure was found "
+                    "(a JSON artifact is written for it), 2 on bad usage.")
+    run.add_argument("--config", action="extend", nargs="+", metavar="NAME",
+                     help=f"configs to fuzz (default all: {', '.join(CONFIGS)})")
+    run.add_argument("--device", default="auto", help="auto (CUDA if present; default), cpu, cuda or cuda:N")
     budget = run.add_mutually_exclusive_group()
-    budget.add_argument("--minutes", type=float, help="wall-clock budget for the whole run (default 1)")
+    budget.add_argument("--minutes", type=float,
+                        help=f"wall-clock budget for the whole run (default {DEFAULT_MINUTES:g})")
     budget.add_argument("--examples", type=int, help="examples per config instead of a time budget")
-    run.add_argument("--seed", type=int, help="seed for Hypothesis (default: derandomized)")
-    run.add_argument("--faults", nargs="*", default=[], metavar="ID",
+    run.add_argument("--seed", type=int, help="seed (default: a fresh random one, printed so it can be reused)")
+    run.add_argument("--faults", action="extend", nargs="+", default=[], metavar="ID",
                      help=f"switch on catalogue faults ({', '.join(FAULTS)})")
+    run.add_argument("--workers", type=int, default=1,
+                     help="processes that split configs and seeds (worker i uses cuda:i on several GPUs)")
+    run.add_argument("--db", metavar="PATH|redis://HOST:PORT",
+                     help="example database shared by workers and later runs: a directory (default "
+                          ".hypothesis/examples, where a plain pytest looks too), redis://HOST:PORT "
+                          "(needs the redis extra) or none")
+    run.add_argument("--out", default="poolfuzz-failures", metavar="DIR",
+                     help="where failure artifacts are written (default ./poolfuzz-failures/)")
     run.add_argument("--steps", type=int, default=40, help="steps per example (default 40)")
+    run.add_argument("--shrink-seconds", type=float, default=60.0, metavar="S",
+                     help="stop shrinking a failure after S seconds and keep the best so far (default 60)")
     run.set_defaults(handler=main)
+    one_line_errors(run)
+
+
+def plan_from_args(args):
+    """Validate every argument (nothing is written); the session plan, or a UsageError/ConfigError."""
+    import os
+
+    from poolfuzz.harness.cli import UsageError
+    from poolfuzz.harness.database import check_database
+    from poolfuzz.harness.session import Plan
+    from poolfuzz.pools.config import get_config
+    from poolfuzz.pools.family import resolve_device
+    from poolfuzz.pools.faults import applicable_configs, get_fault
+
+    if args.examples is not None and args.examples < 1:
+        raise UsageError(f"--examples must be at least 1, got {args.examples}")
+    if args.minutes is not None and not args.minutes > 0:
+        raise UsageError(f"--minutes must be positive, got {args.minutes:g}")
+    if args.workers < 1:
+        raise UsageError(f"--workers must be at least 1, got {args.workers}")
+    if args.steps < 1:
+        raise UsageError(f"--steps must be at least 1, got {args.steps}")
+    if not args.shrink_seconds > 0:
+        raise UsageError(f"--shrink-seconds must be positive, got {args.shrink_seconds:g}")
+    if args.seed is not None and not 0 <= args.seed < 2**32:
+        raise UsageError(f"--seed must be between 0 and 2**32-1, got {args.seed}")
+    resolve_device(args.device)  # a ConfigError with the fix when there is no such device
+    names = list(dict.fromkeys(args.config or CONFIGS))
+    for name in names:
+        get_config(name)
+    faults = list(dict.fromkeys(args.faults))
+    for fid in faults:
+        get_fault(fid)
+    if faults:
+        for fid in faults:
+            fits = applicable_configs(fid)
+            if args.config:
+                misfit = [n for n in names if n not in fits]
+                if misfit:
+                    raise UsageError(f"fault {fid!r} does not apply to config {misfit[0]!r}; it applies to "
+                                     f"{', '.join(fits)}: pick those with --config or drop the fault")
+        names = [n for n in names if all(n in applicable_configs(f) for f in faults)]
+        if not names:
+            raise UsageError(f"no config takes all of the faults {', '.join(faults)} at once; "
+                             "switch them on one at a time")
+    if os.path.exists(args.out) and not os.path.isdir(args.out):
+        raise UsageError(f"--out {args.out!r} is a file; pass a directory for the failure artifacts")
+    db = check_database(args.db)
+    minutes = args.minutes if args.minutes is not None else (None if args.examples else DEFAULT_MINUTES)
+    return Plan(configs=tuple(names), device=args.device, faults=tuple(faults),
+                seed=args.seed if args.seed is not None else random.SystemRandom().randrange(2**32),
+                examples=args.examples, seconds=None if minutes is None else minutes * 60, steps=args.steps,
+                db=db, out=args.out, workers=args.workers, shrink_seconds=args.shrink_seconds)
 
 
 def main(args) -> int:
-    import torch
+    from poolfuzz.harness.session import run_session
 
-    from poolfuzz.harness.cli import UsageError
-    from poolfuzz.harness.runner import run_machine
-
-    # Per-step tensors are tiny: one intra-op thread per process is fastest and leaves the other
-    # cores to other workers.
-    torch.set_num_threads(1)
-    device = resolve_device(args.device)
-    configs = [get_config(n) for n in (args.config or list(CONFIGS))]
-    for fid in args.faults:
-        get_fault(fid)
-    if args.faults:
-        configs = [c for c in configs if all(get_fault(f).applies_to(c) for f in args.faults)]
-        if not configs:
-            raise UsageError(f"no chosen config is one the faults {args.faults} apply to; pick one with --config")
-    if args.examples is not None and args.examples < 1:
-        raise UsageError("--examples must be at least 1")
-    if args.minutes is not None and args.minutes <= 0:
-        raise UsageError("--minutes must be positive")
-    minutes = args.minutes if args.minutes is not None else (None if args.examples else 1.0)
-    deadline = None if minutes is None else time.monotonic() + minutes * 60
-    results = []
-    print(f"poolfuzz: {len(configs)} config(s) on {device}" + (f", faults {args.faults}" if args.faults else ""))
-    for i, config in enumerate(configs):
-        if deadline is not None:
-            share, examples = max(1.0, (deadline - time.monotonic()) / (len(configs) - i)), 1_000_000
-        else:
-            share, examples = None, args.examples
-        result = run_machine(config, device=device, faults=args.faults, max_examples=examples,
-                             steps_per_example=args.steps, seed=args.seed, time_budget=share)
-        results.append(result)
-        status = "PASS" if result.passed else "FAIL"
-        print(f"  {config.name:20} {status}  {result.examples} examples, {result.steps} steps, "
-              f"{result.steps / max(result.seconds, 1e-9):.0f} steps/s", flush=True)
-        if not result.passed:
-            print(f"    {result.failure}")
-            for step in result.engine_steps:
-                print(f"      {step!r}")
-    failed = [r for r in results if not r.passed]
-    print(f"poolfuzz: {len(results) - len(failed)} passed, {len(failed)} failed")
-    return 1 if failed else 0
+    plan = plan_from_args(args)
+    return run_session(plan).exit_code

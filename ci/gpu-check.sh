@@ -1,0 +1,112 @@
+#!/usr/bin/env bash
+# The GPU checks, on one machine with a CUDA GPU, in under 8 minutes; a short table is printed last.
+#
+#   bash ci/gpu-check.sh            # from anywhere; poolfuzz must be installed (pip install -e .)
+#
+# Checks: the test suite on CUDA; `poolfuzz run` on CUDA passes on the correct families and finds
+# SGLang #35957 with its fault on; the CUDA artifact replays on CPU and on CUDA; the emitted
+# regression test fails on CUDA with the bug and passes without it; two workers share one database.
+# Exit 0 when every check passed, 1 when one failed, 2 when no GPU is visible.
+# GPU_CHECK_DEVICE=cpu runs the same checks on the CPU (to try the script on a machine without a GPU).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+
+PY=${PYTHON:-python}
+DEVICE=${GPU_CHECK_DEVICE:-cuda}
+XDIST=${GPU_CHECK_XDIST:-4}
+TESTS=${GPU_CHECK_TESTS:-tests}
+FAULT=swa-ignores-mamba-backup
+WORK=$(mktemp -d "${TMPDIR:-/tmp}/gpu-check.XXXXXX")
+trap 'rm -rf "$WORK"' EXIT
+START=$(date +%s)
+ROWS=()
+FAILED=0
+
+# --- preflight: a GPU, and poolfuzz importable -------------------------------------------------
+if ! INFO=$("$PY" - "$DEVICE" 2>&1 <<'EOF'
+import sys
+try:
+    import torch
+    import poolfuzz.harness.cli  # noqa: F401
+except Exception as exc:
+    print(f"cannot import torch and poolfuzz ({exc}); install them first: python -m pip install -e .")
+    sys.exit(2)
+if sys.argv[1].startswith("cuda"):
+    if not torch.cuda.is_available():
+        print(f"no CUDA GPU is visible (torch {torch.__version__}, CUDA build {torch.version.cuda}); "
+              "run this on a GPU machine with a CUDA build of torch")
+        sys.exit(2)
+    print(f"{torch.cuda.get_device_name(0)} x{torch.cuda.device_count()}, torch {torch.__version__}, "
+          f"CUDA {torch.version.cuda}")
+else:
+    print(f"CPU dry run, torch {torch.__version__}")
+EOF
+); then
+  echo "gpu-check: $INFO" >&2
+  exit 2
+fi
+echo "gpu-check: $INFO"
+
+# check NAME TIMEOUT EXPECTED_EXIT DETAIL_CMD -- COMMAND...: runs COMMAND with a time limit, logs
+# to $WORK/NAME.log, records ok / FAIL / timeout and a detail line in the table.
+check() {
+  local name=$1 limit=$2 want=$3 detail=$4
+  shift 5
+  local t0 rc result
+  t0=$(date +%s)
+  echo "== $name: $*"
+  timeout --signal=INT --kill-after=10 "$limit" "$@" >"$WORK/$name.log" 2>&1
+  rc=$?
+  if [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ]; then
+    result=timeout
+  elif [ "$rc" -eq "$want" ]; then
+    result=ok
+  else
+    result="FAIL(rc=$rc)"
+  fi
+  if [ "$result" != ok ]; then
+    FAILED=1
+    tail -n 25 "$WORK/$name.log"
+  fi
+  ROWS+=("$(printf '%-24s %-12s %5ss  %s' "$name" "$result" "$(( $(date +%s) - t0 ))" "$(eval "$detail" 2>/dev/null | head -c 70)")")
+}
+
+last_summary() { grep -E '^poolfuzz: [0-9]+ passed' "$WORK/$1.log" | tail -n 1 | sed 's/^poolfuzz: //'; }
+
+check tests 210 0 "tail -n 1 '$WORK/tests.log' | tr -d '='" -- \
+  env HYPOTHESIS_PROFILE=gpu "$PY" -m pytest -q -p no:cacheprovider --device "$DEVICE" -n "$XDIST" $TESTS
+
+check run-correct 50 0 "last_summary run-correct" -- \
+  poolfuzz run --device "$DEVICE" --minutes 0.5 --seed 1 --db none --out "$WORK/pass"
+
+check run-fault 50 1 "grep -m1 -o 'StateLost: req [0-9]* resumed; component [a-z.0-9]*' '$WORK/run-fault.log'" -- \
+  poolfuzz run --device "$DEVICE" --config swa-ssm --faults "$FAULT" --examples 300 --seed 9 \
+  --db "$WORK/db" --out "$WORK/fail" --shrink-seconds 20
+
+ARTIFACT=$(ls "$WORK"/fail/*.json 2>/dev/null | head -n 1)
+ARTIFACT=${ARTIFACT:-"$WORK/fail/missing.json"}
+
+check replay-on-cpu 25 1 "grep -m1 -E 'REPRODUCED|did not reproduce' '$WORK/replay-on-cpu.log'" -- \
+  poolfuzz replay "$ARTIFACT" --device cpu
+check replay-on-device 25 1 "grep -m1 -E 'REPRODUCED|did not reproduce' '$WORK/replay-on-device.log'" -- \
+  poolfuzz replay "$ARTIFACT" --device "$DEVICE"
+
+# The emitted test, run by a plain pytest on the device: the copy with the bug must fail, the fixed one pass.
+check emit-test 40 0 "tail -n 1 '$WORK/emit-test.log'" -- \
+  bash -c "poolfuzz emit-test '$ARTIFACT' -o '$WORK/test_regression_bug.py' || exit 3
+    sed 's/^FAULTS = .*/FAULTS = []/' '$WORK/test_regression_bug.py' > '$WORK/test_regression_fixed.py'
+    POOLFUZZ_DEVICE='$DEVICE' '$PY' -m pytest -q -p no:cacheprovider --rootdir '$WORK' \
+      '$WORK/test_regression_bug.py' '$WORK/test_regression_fixed.py' > '$WORK/emitted.log' 2>&1
+    tail -n 1 '$WORK/emitted.log'
+    grep -q '1 failed, 1 passed' '$WORK/emitted.log'"
+
+check two-workers 40 0 "last_summary two-workers" -- \
+  poolfuzz run --device "$DEVICE" --workers 2 --config dense swa --examples 20 --seed 1 \
+  --db "$WORK/db2" --out "$WORK/pass2"
+
+echo
+echo "gpu-check on $INFO ($(( $(date +%s) - START ))s)"
+printf '%-24s %-12s %6s  %s\n' check result time detail
+for row in "${ROWS[@]}"; do echo "$row"; done
+if [ "$FAILED" -eq 0 ]; then echo "gpu-check: all ${#ROWS[@]} checks ok"; else echo "gpu-check: FAILED"; fi
+exit "$FAILED"

@@ -1,0 +1,231 @@
+"""Failure artifacts: one JSON file per failure, written atomically, with a schema version.
+
+An artifact holds everything needed to replay a failure without Hypothesis: the config, device,
+faults and backup mode, the engine-level program (``program``: steps with their arguments),
+the structured divergence, and for reference Hypothesis's printed program and reproduce blob.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import os
+import re
+import tempfile
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from poolfuzz.harness.cli import UsageError
+from poolfuzz.harness.engine import StepRecord
+from poolfuzz.harness.program import check_steps, step_to_json
+
+SCHEMA = "poolfuzz-failure"
+VERSION = 1
+DEFAULT_OUT = "poolfuzz-failures"
+STATUSES = ("shrunk", "shrinking", "interrupted", "shrink-limit")
+
+
+class ArtifactError(UsageError):
+    """A file that is not a readable artifact of this schema: one line, exit 2."""
+
+
+@dataclass(kw_only=True)
+class Artifact:
+    config: str
+    device: str
+    faults: list[str]
+    backup_mode: str
+    seed: int | None
+    failure: str  # the one-line report
+    error_type: str  # StateLost, InvariantViolation, ReferenceMismatch, or a crash's exception class
+    divergence: dict
+    program: list[StepRecord]
+    status: str = "shrunk"  # shrunk | shrinking (best so far, still going) | interrupted | shrink-limit
+    in_teardown: bool = False  # the failure came from the final sweep / drain, after the program
+    engine_options: dict = field(default_factory=dict)
+    hypothesis_program: str | None = None
+    reproduce_blob: str | None = None
+    database: str | None = None
+    database_key: str | None = None
+    examples: int | None = None
+    seconds: float | None = None
+    created: str = ""
+    hypothesis_version: str = ""
+    torch_version: str = ""
+    poolfuzz_version: str = ""
+    version: int = VERSION
+    schema: str = SCHEMA
+
+    def to_json(self) -> dict:
+        out = asdict(self)
+        out["program"] = [step_to_json(s) for s in self.program]
+        # the identifying fields first, for a reader of the raw file
+        head = ("schema", "version", "status", "config", "device", "faults", "backup_mode", "seed", "failure",
+                "error_type", "divergence", "in_teardown", "program")
+        return {k: out[k] for k in head} | {k: v for k, v in out.items() if k not in head}
+
+
+def stamp(**fields) -> Artifact:
+    """An artifact with the versions of this environment and the current time filled in."""
+    import hypothesis
+    import torch
+
+    from poolfuzz import __version__ as _pv
+
+    return Artifact(created=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+                    hypothesis_version=hypothesis.__version__, torch_version=torch.__version__,
+                    poolfuzz_version=_pv, **fields)
+
+
+def artifact_name(config: str, faults, when: _dt.datetime | None = None, tag: str = "") -> str:
+    when = when or _dt.datetime.now()
+    parts = [config] + list(faults)
+    base = re.sub(r"[^A-Za-z0-9_.+-]", "_", "+".join(parts))
+    return f"{base}-{when:%Y%m%d-%H%M%S}{'-' + tag if tag else ''}.json"
+
+
+def dumps(artifact: Artifact) -> str:
+    """Indented JSON with one step of the program per line."""
+    data = artifact.to_json()
+    steps = data["program"]
+    text = json.dumps(data | {"program": "@PROGRAM@"}, indent=2)
+    lines = ",\n".join("    " + json.dumps(s) for s in steps)
+    return text.replace('"@PROGRAM@"', "[\n" + lines + "\n  ]" if steps else "[]") + "\n"
+
+
+def write_atomic(path: str | os.PathLike, artifact: Artifact) -> Path:
+    """Write to a temp file in the same folder, fsync, then rename over ``path``."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    text = dumps(artifact)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+    return path
+
+
+_REQUIRED = {"config": str, "device": str, "faults": list, "backup_mode": str, "failure": str,
+             "divergence": dict, "program": list}
+
+
+def load(path: str | os.PathLike) -> Artifact:
+    """Read and validate an artifact; any problem is an ArtifactError naming it and the fix."""
+    name = str(path)
+    rerecord = "re-record it with poolfuzz run (or take the copy CI uploaded)"
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ArtifactError(f"artifact {name} does not exist; pass the path of a .json file that "
+                            f"poolfuzz run wrote (by default under ./{DEFAULT_OUT}/)") from None
+    except IsADirectoryError:
+        raise ArtifactError(f"{name} is a directory; pass one .json artifact from it") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ArtifactError(f"cannot read artifact {name} ({exc}); check the path and permissions") from None
+    try:
+        raw = json.loads(text)
+    except json.JSONDecodeError as exc:
+        body = text.rstrip()
+        cut = exc.pos >= len(body) - 1 or exc.msg.startswith("Unterminated") or (
+            body.startswith("{") and not body.endswith("}"))
+        raise ArtifactError(f"artifact {name} is {'truncated' if cut else 'malformed'} JSON ({exc.msg}: line "
+                            f"{exc.lineno}, column {exc.colno}); {rerecord}") from None
+    if not isinstance(raw, dict) or raw.get("schema") != SCHEMA:
+        raise ArtifactError(f"{name} is not a poolfuzz failure artifact (no \"schema\": \"{SCHEMA}\"); "
+                            f"pass a file that poolfuzz run wrote under ./{DEFAULT_OUT}/")
+    version = raw.get("version")
+    if not isinstance(version, int) or isinstance(version, bool) or version < 1:
+        raise ArtifactError(f"artifact {name} has no valid schema version ({version!r}); {rerecord}")
+    if version > VERSION:
+        raise ArtifactError(f"artifact {name} uses schema version {version}, newer than this poolfuzz reads "
+                            f"(up to {VERSION}); upgrade poolfuzz (pip install -U poolfuzz) to replay it")
+    for key, typ in _REQUIRED.items():
+        if key not in raw:
+            raise ArtifactError(f"artifact {name} lacks the field {key!r}; {rerecord}")
+        if not isinstance(raw[key], typ):
+            raise ArtifactError(f"artifact {name}: field {key!r} must be {typ.__name__}, "
+                                f"got {type(raw[key]).__name__}; {rerecord}")
+    if not all(isinstance(f, str) for f in raw["faults"]):
+        raise ArtifactError(f"artifact {name}: 'faults' must be a list of fault ids; {rerecord}")
+    try:
+        program = check_steps(raw["program"])
+    except ValueError as exc:
+        raise ArtifactError(f"artifact {name}: {exc}; {rerecord}") from None
+    options = raw.get("engine_options") or {}
+    if not isinstance(options, dict):
+        raise ArtifactError(f"artifact {name}: 'engine_options' must be an object; {rerecord}")
+    known = {f for f in Artifact.__dataclass_fields__}
+    fields = {k: v for k, v in raw.items() if k in known and k != "program"}
+    fields.setdefault("seed", None)
+    fields.setdefault("error_type", raw["failure"].split(":", 1)[0])
+    return Artifact(program=program, **fields)
+
+
+def resolve(artifact: Artifact, name: str):
+    """The config and checked faults an artifact names, or an ArtifactError with the fix."""
+    from poolfuzz.pools.config import CONFIGS
+    from poolfuzz.pools.faults import FAULTS
+
+    if artifact.config not in CONFIGS:
+        raise ArtifactError(f"artifact {name} names config {artifact.config!r}, which this poolfuzz does not "
+                            f"have (built-in: {', '.join(CONFIGS)}); replay it with the poolfuzz that recorded "
+                            f"it ({artifact.poolfuzz_version or 'unknown version'})")
+    unknown = [f for f in artifact.faults if f not in FAULTS]
+    if unknown:
+        raise ArtifactError(f"artifact {name} switches on fault {unknown[0]!r}, which this poolfuzz's catalogue "
+                            f"lacks (known: {', '.join(FAULTS)}); replay it with the poolfuzz that recorded it")
+    return CONFIGS[artifact.config], list(artifact.faults)
+
+
+def engine_options(artifact: Artifact, name: str) -> dict:
+    from poolfuzz.harness.engine import EngineOptions
+
+    known = EngineOptions.__dataclass_fields__
+    bad = [k for k in artifact.engine_options if k not in known]
+    if bad:
+        raise ArtifactError(f"artifact {name}: unknown engine option {bad[0]!r} (known: {', '.join(known)}); "
+                            "replay it with the poolfuzz that recorded it")
+    return dict(artifact.engine_options)
+
+
+def from_program(config: str, steps, *, faults=(), device="cpu", backup_mode: str | None = None,
+                 seed: int | None = None) -> Artifact:
+    """Run a hand-written program (steps as dicts or StepRecords) and record how it fails.
+
+    Useful to pin a known failure as an artifact without fuzzing; raises ValueError if the program
+    does not fail.
+    """
+    from dataclasses import asdict as _asdict
+
+    from poolfuzz.harness.engine import EngineOptions
+    from poolfuzz.harness.failures import PoolfuzzFailure
+    from poolfuzz.harness.program import new_engine, replay
+    from poolfuzz.pools.config import get_config
+
+    records = check_steps([s if isinstance(s, dict) else step_to_json(s) for s in steps])
+    engine = new_engine(config=get_config(config), device=device, faults=faults, backup_mode=backup_mode)
+    recorded: list[StepRecord] = []
+    for ev in replay(engine, records):
+        if ev.cannot_run:
+            raise ValueError(f"step {ev.index} cannot run: {ev.cannot_run}")
+        if ev.step is not None:
+            recorded.append(StepRecord(op=ev.step.op, args=ev.step.args, outcome=ev.outcome))
+        if ev.failure is not None:
+            exc = ev.failure
+            div = exc.divergence.to_json() if isinstance(exc, PoolfuzzFailure) else {
+                "kind": "exception", "step": engine.step, "op": engine.op, "detail": f"{type(exc).__name__}: {exc}"}
+            msg = str(exc) if isinstance(exc, PoolfuzzFailure) else f"{type(exc).__name__}: {exc}"
+            return stamp(config=config, device=str(engine.device), faults=list(faults),
+                         backup_mode=engine.families["prefill"].backup_mode, seed=seed, failure=msg,
+                         error_type=type(exc).__name__, divergence=div, program=recorded,
+                         in_teardown=ev.step is None, engine_options=_asdict(EngineOptions()))
+    raise ValueError(f"the program ran clean on {config} (faults {list(faults)}): nothing to record")

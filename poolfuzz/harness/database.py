@@ -1,0 +1,101 @@
+"""Hypothesis example databases for fuzz sessions: a local directory or a shared Redis.
+
+``poolfuzz run`` saves every failing example under a key that names the machine it fails on
+(config, faults, backup mode), the same key a plain ``run_state_machine_as_test`` of that
+machine uses, so a later ``pytest`` or ``poolfuzz run`` in the same place replays it first.
+"""
+
+from __future__ import annotations
+
+import os
+from urllib.parse import urlsplit
+
+from hypothesis.database import DirectoryBasedExampleDatabase, ExampleDatabase
+
+from poolfuzz.harness.cli import UsageError
+
+# Hypothesis's own default location, so a plain ``pytest`` (dev profile) in the same folder shares it.
+DEFAULT_DB = os.path.join(".hypothesis", "examples")
+REDIS_EXTRA = "pip install 'poolfuzz[redis]'"
+
+
+def check_database(spec: str | None) -> str | None:
+    """Validate ``--db`` without writing anything: a path, ``redis://HOST:PORT[/N]`` or ``none``.
+
+    Returns the normalised spec (``None`` for no database). A Redis server is pinged here, so an
+    unreachable one is a usage error before any fuzzing starts.
+    """
+    spec = DEFAULT_DB if spec is None else spec.strip()
+    if spec.lower() in ("none", "off", ""):
+        return None
+    if "://" in spec:
+        scheme = urlsplit(spec).scheme
+        if scheme not in ("redis", "rediss"):
+            raise UsageError(f"--db {spec!r}: unsupported scheme {scheme!r}; "
+                             "use a directory path, redis://HOST:PORT, or none")
+        _redis_client(spec, ping=True)
+        return spec
+    if os.path.exists(spec) and not os.path.isdir(spec):
+        raise UsageError(f"--db {spec!r} is a file, not a directory; pass a directory for the example "
+                         "database (it is created if missing) or redis://HOST:PORT")
+    return spec
+
+
+def open_database(spec: str | None) -> ExampleDatabase | None:
+    """The database a checked spec names (``None``: no database)."""
+    if spec is None:
+        return None
+    if "://" in spec:
+        from hypothesis.extra.redis import RedisExampleDatabase
+
+        return RedisExampleDatabase(_redis_client(spec, ping=False))
+    return DirectoryBasedExampleDatabase(spec)
+
+
+def _redis_client(spec: str, *, ping: bool):
+    try:
+        import redis
+    except ImportError:
+        raise UsageError(f"--db {spec} needs the optional redis extra, which is not installed; "
+                         f"install it with: {REDIS_EXTRA}") from None
+    try:
+        client = redis.Redis.from_url(spec, socket_connect_timeout=3, socket_timeout=30)
+    except ValueError as exc:
+        raise UsageError(f"--db {spec!r} is not a valid Redis URL ({exc}); use redis://HOST:PORT") from None
+    if ping:
+        try:
+            client.ping()
+        except redis.exceptions.RedisError as exc:
+            reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            raise UsageError(f"cannot reach Redis at {spec} ({reason}); start redis-server there, check the "
+                             "host and port, or use a local directory with --db PATH") from None
+    return client
+
+
+def machine_identity(config, faults=(), backup_mode: str | None = None, family_factory=None,
+                     options=None) -> bytes:
+    """What a failing example's database key is derived from: the machine it fails on.
+
+    The backup mode is resolved (``None`` becomes the mode the family picks), so ``poolfuzz run``
+    and a test that names the mode explicitly share one key.
+    """
+    name = getattr(config, "name", config)
+    mode = backup_mode
+    if mode is None:
+        try:
+            from poolfuzz.pools.config import get_config
+            from poolfuzz.pools.family import build_family
+
+            cfg = get_config(config) if isinstance(config, str) else config
+            mode = build_family(cfg, device="cpu", faults=faults).backup_mode
+        except Exception:  # an impossible combination: the engine reports it when the machine runs
+            mode = "default"
+    parts = [f"config={name}", f"faults={','.join(sorted(faults))}", f"backup={mode}"]
+    if family_factory is not None:
+        parts.append(f"family={getattr(family_factory, '__module__', '')}.{getattr(family_factory, '__qualname__', '')}")
+    if options is not None:
+        from poolfuzz.harness.engine import EngineOptions
+
+        if options != EngineOptions():
+            parts.append(f"options={options!r}")
+    return ("poolfuzz-machine/1 " + " ".join(parts)).encode()

@@ -1,0 +1,140 @@
+"""``poolfuzz emit-test FILE -o PATH``: turn a failure artifact into a standalone pytest module.
+
+The module builds the family and runs the shrunk program as plain engine calls, each followed by
+``engine.check()``, which asserts that every component of every touched request survived. It
+fails while the bug is present and passes once it is fixed.
+"""
+
+from __future__ import annotations
+
+from poolfuzz.harness.usage import one_line_errors
+
+import os
+import re
+import sys
+from pathlib import Path
+
+
+def register(sub) -> None:
+    p = sub.add_parser("emit-test", help="write a standalone pytest regression test from a failure artifact",
+                       description="Write a readable pytest module that replays a failure artifact's program; "
+                                   "it fails while the bug is present and passes once it is fixed.")
+    p.add_argument("file", metavar="FILE", help="a JSON artifact written by poolfuzz run")
+    p.add_argument("-o", "--output", required=True, metavar="PATH", help="the test module to write (a .py file)")
+    p.set_defaults(handler=main)
+    one_line_errors(p)
+
+
+def main(args, out=None) -> int:
+    from poolfuzz.harness import artifacts
+    from poolfuzz.harness.cli import UsageError
+
+    out = out or sys.stdout
+    art = artifacts.load(args.file)
+    artifacts.resolve(art, args.file)
+    artifacts.engine_options(art, args.file)
+    path = Path(args.output)
+    if path.is_dir():
+        raise UsageError(f"-o {args.output!r} is a directory; name the file, e.g. "
+                         f"{path / f'test_regression_{_slug(art.config)}.py'}")
+    if path.suffix != ".py":
+        raise UsageError(f"-o {args.output!r} must name a .py file (pytest collects test_*.py); "
+                         f"for example -o test_regression_{_slug(art.config)}.py")
+    if not path.parent.is_dir():
+        raise UsageError(f"-o {args.output!r}: the directory {str(path.parent)!r} does not exist; create it first")
+    source = render(art, source_name=os.path.basename(str(args.file)))
+    compile(source, str(path), "exec")  # never write a module that does not parse
+    _write_atomic(path, source)
+    out.write(f"wrote {path}: {len(art.program)} steps on {art.config}"
+              + (f" with {', '.join(art.faults)}" if art.faults else "")
+              + f"; run it with: python -m pytest {path}\n")
+    if not path.name.startswith("test_"):
+        out.write(f"note: pytest collects test_*.py files by default; name it test_{path.name} to have it collected\n")
+    return 0
+
+
+def render(art, *, source_name: str = "") -> str:
+    """The test module's source."""
+    kind = (art.divergence or {}).get("kind") or art.error_type
+    op = (art.divergence or {}).get("op") or "teardown"
+    name = f"test_{_slug(art.config)}_{_slug(kind)}_at_{_slug(op)}"
+    failure = art.failure.replace('"""', "'''")
+    lines = [
+        '"""Regression test from a shrunk poolfuzz failure.',
+        "",
+        f"Recorded on {art.device} ({art.status}) with poolfuzz {art.poolfuzz_version or '?'}, "
+        f"Hypothesis {art.hypothesis_version or '?'}" + (f", from {source_name}" if source_name else "") + ":",
+        "",
+        *_wrap(failure, "    "),
+        "",
+        "Each step is one engine operation on a real pool family (a prefill and a decode node) and its",
+        "reference model; engine.check() after it compares every component of every request the step",
+        "touched, slot by slot, and raises StateLost / InvariantViolation / ReferenceMismatch naming",
+        "whose data is where. The test fails while the bug is present and passes once it is fixed.",
+        '"""',
+        "",
+        "import os",
+        "",
+        "from poolfuzz.harness.engine import Engine, EngineOptions",
+        "from poolfuzz.pools.config import get_config",
+        "",
+        f"CONFIG = {art.config!r}",
+        "# Catalogue faults the failure was found with; the family without them is the fixed one.",
+        f"FAULTS = {list(art.faults)!r}",
+        f"BACKUP_MODE = {art.backup_mode!r}",
+        "DEVICE = os.environ.get(\"POOLFUZZ_DEVICE\", \"cpu\")",
+        "",
+        "",
+        f"def {name}():",
+        f"    engine = Engine(config=get_config(CONFIG), device=DEVICE, faults=FAULTS, backup_mode=BACKUP_MODE,",
+        f"                    options=EngineOptions({_kwargs(art.engine_options)}))",
+    ]
+    failing_step = None if art.in_teardown else len(art.program)
+    for i, step in enumerate(art.program, 1):
+        call = f"    engine.{step.op}({_kwargs(step.args)})"
+        comment = f"  # {step.outcome}" if step.outcome and not step.outcome.startswith("raised ") else ""
+        if i == failing_step and step.outcome.startswith("raised "):
+            comment = f"  # failed here: {_short(art.failure)}"
+        lines.append(call + comment)
+        check = "    engine.check()"
+        if i == failing_step and not step.outcome.startswith("raised "):
+            check += f"  # failed here: {_short(art.failure)}"
+        lines.append(check)
+    lines.append("    # teardown: every live slot checked once more, then every request ends and no pool may leak")
+    lines.append("    engine.sweep()" + (f"  # failed here: {_short(art.failure)}" if art.in_teardown else ""))
+    lines.append("    engine.drain()")
+    return "\n".join(lines) + "\n"
+
+
+def _kwargs(args: dict) -> str:
+    return ", ".join(f"{k}={v!r}" for k, v in args.items())
+
+
+def _short(text: str, limit: int = 60) -> str:
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _wrap(text: str, indent: str, width: int = 96) -> list[str]:
+    import textwrap
+
+    return textwrap.wrap(text, width=width, initial_indent=indent, subsequent_indent=indent) or [indent]
+
+
+def _slug(text: str) -> str:
+    return re.sub(r"_+", "_", re.sub(r"[^A-Za-z0-9]", "_", str(text))).strip("_").lower() or "x"
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    import tempfile
+
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise

@@ -1,0 +1,109 @@
+"""``poolfuzz replay FILE``: re-run a failure artifact's program step by step and report.
+
+Exit status: 1 the failure reproduces, 0 it does not (the bug may be fixed), 2 bad input.
+An artifact recorded on CUDA replays on CPU and the other way round: the program is engine
+operations, and the checks compare checksums, not device pointers.
+"""
+
+from __future__ import annotations
+
+from poolfuzz.harness.usage import one_line_errors
+
+import sys
+
+
+def register(sub) -> None:
+    p = sub.add_parser("replay", help="replay a failure artifact step by step; exit 1 if it reproduces",
+                       description="Replay a failure artifact's program deterministically; exit 1 if the failure "
+                                   "reproduces, 0 if it does not, 2 on bad input.")
+    p.add_argument("file", metavar="FILE", help="a JSON artifact written by poolfuzz run")
+    p.add_argument("--device", default="auto", help="auto (CUDA if present; default), cpu, cuda or cuda:N")
+    p.add_argument("--verbose", "-v", action="store_true",
+                   help="also show the recorded outcome of each step and every live request after it")
+    p.set_defaults(handler=main)
+    one_line_errors(p)
+
+
+def main(args, out=None) -> int:
+    from poolfuzz.harness import artifacts
+    from poolfuzz.harness.program import new_engine, replay
+    from poolfuzz.pools.family import resolve_device
+
+    out = out or sys.stdout
+    art = artifacts.load(args.file)
+    config, faults = artifacts.resolve(art, args.file)
+    options = artifacts.engine_options(art, args.file)
+    device = resolve_device(args.device)
+    w = out.write
+    w(f"replaying {args.file}\n  config {art.config}, faults {', '.join(faults) or 'none'}, backup mode "
+      f"{art.backup_mode}; recorded on {art.device} ({art.status}), replaying on {device}\n"
+      f"  recorded: {art.failure}\n")
+    try:
+        engine = new_engine(config=config, device=device, faults=faults, backup_mode=art.backup_mode,
+                            options=options)
+    except Exception as exc:  # the engine's audits run at construction: a failure at step 0
+        w(f"\nREPRODUCED at step 0 (building the families):\n")
+        _report(w, exc, art)
+        return 1
+    w(f"     0  start\n          {engine.occupancy()}\n")
+    for ev in replay(engine, art.program):
+        label = "teardown: sweep, drain" if ev.step is None else _call(ev.step)
+        if ev.cannot_run:
+            w(f"{ev.index:6}  {label}\n\ndid not reproduce: step {ev.index} cannot run here: {ev.cannot_run}; "
+              "the pools behaved differently before the recorded failure: the bug may be fixed\n")
+            return 0
+        w(f"{ev.index:6}  {label}" + (f"  -> {ev.outcome}" if ev.outcome else "") + "\n")
+        if args.verbose and ev.step is not None and ev.step.outcome and ev.step.outcome != ev.outcome:
+            w(f"          recorded: {ev.step.outcome}\n")
+        w(f"          {ev.occupancy}\n")
+        if args.verbose:
+            for line in _requests(engine):
+                w(f"          {line}\n")
+        if ev.failure is not None:
+            where = "the teardown checks" if ev.step is None else f"step {ev.index} ({ev.step.op})"
+            w(f"\nREPRODUCED at {where}:\n")
+            _report(w, ev.failure, art)
+            return 1
+    w(f"\ndid not reproduce: the bug may be fixed (all {len(art.program)} steps and the teardown checks passed "
+      f"on {device})\n")
+    return 0
+
+
+def _call(step) -> str:
+    return f"{step.op}({', '.join(f'{k}={v!r}' for k, v in step.args.items())})"
+
+
+def _requests(engine) -> list[str]:
+    rows = []
+    for rid, req in sorted(engine.requests.items()):
+        kv = req.kv
+        mamba = "" if kv.mamba_pool_idx is None else f" mamba slot {kv.mamba_pool_idx}"
+        rows.append(f"req {rid}: {req.phase.value} on {req.node}, seqlen {kv.seqlen}, committed "
+                    f"{kv.kv_committed_len}, row {kv.req_pool_idx}{mamba}")
+    return rows or ["no live requests"]
+
+
+def _report(w, exc: BaseException, art) -> None:
+    from poolfuzz.harness.failures import PoolfuzzFailure
+
+    message = str(exc) if isinstance(exc, PoolfuzzFailure) else f"{type(exc).__name__}: {exc}"
+    w(f"{message}\n")
+    d = exc.divergence.to_json() if isinstance(exc, PoolfuzzFailure) else {}
+    if d:
+        rows = [("kind", d.get("kind")), ("step", f"{d.get('step')} ({d.get('op')})"),
+                ("request", _opt(d.get("rid")) + (f" on node {d['node']}" if d.get("node") else "")),
+                ("component", _opt(d.get("component")) + (f", layer {d['layer']}" if d.get("layer") is not None else "")),
+                ("position", _opt(d.get("position"))),
+                ("slots", f"before {_opt(d.get('slot_before'))}, after {_opt(d.get('slot_after'))}"),
+                ("expected", _opt(d.get("expected"))), ("found", _opt(d.get("found"))),
+                ("detail", d.get("detail") or "-")]
+        for k, v in rows:
+            w(f"  {k:10} {v}\n")
+    recorded = art.divergence or {}
+    same = (type(exc).__name__ == art.error_type
+            and all(d.get(k) == recorded.get(k) for k in ("kind", "op", "rid", "component", "layer")))
+    w("the same failure as recorded\n" if same else f"a different failure than recorded ({art.failure})\n")
+
+
+def _opt(v) -> str:
+    return "-" if v is None else str(v)

@@ -1,0 +1,494 @@
+"""A fuzz session: configs split into lanes over worker processes, live progress, artifacts, summary.
+
+A *lane* fuzzes one config with one seed stream. With ``workers <= configs`` each worker takes
+every ``workers``-th config in turn and splits its time between them; with more workers than
+configs, several lanes fuzz the same config with different seeds. Every lane writes its failure
+artifact itself (atomically, and again each time the shrink improves), so an interrupted or
+crashed session still leaves the best shrink so far on disk. Worker ``i`` uses ``cuda:i`` on a
+machine with several GPUs.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import queue as queue_mod
+import shutil
+import signal
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, TextIO
+
+EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
+
+
+@dataclass(frozen=True, kw_only=True)
+class Plan:
+    """What ``poolfuzz run`` was asked to do, validated; picklable for spawned workers."""
+
+    configs: tuple[str, ...]
+    device: str  # auto | cpu | cuda | cuda:N, as given (each worker resolves it)
+    faults: tuple[str, ...] = ()
+    seed: int = 0
+    examples: int | None = None  # per config; None: the time budget rules
+    seconds: float | None = None  # wall-clock budget of the whole session
+    steps: int = 40
+    db: str | None = None  # checked database spec (None: no database)
+    out: str = "poolfuzz-failures"
+    workers: int = 1
+    shrink_seconds: float | None = 60.0
+
+
+@dataclass(frozen=True, kw_only=True)
+class Lane:
+    index: int
+    worker: int
+    config: str
+    seed: int
+    examples: int | None
+
+
+def plan_lanes(plan: Plan) -> list[list[Lane]]:
+    """The lanes of each worker."""
+    configs, w = list(plan.configs), max(1, plan.workers)
+    per_worker: list[list[Lane]] = [[] for _ in range(w)]
+    if w <= len(configs):
+        for i, name in enumerate(configs):
+            per_worker[i % w].append(Lane(index=i, worker=i % w, config=name, seed=_lane_seed(plan.seed, i),
+                                          examples=plan.examples))
+    else:
+        owners = [[wi for wi in range(w) if wi % len(configs) == ci] for ci in range(len(configs))]
+        for wi in range(w):
+            ci = wi % len(configs)
+            examples = None if plan.examples is None else math.ceil(plan.examples / len(owners[ci]))
+            per_worker[wi].append(Lane(index=wi, worker=wi, config=configs[ci], seed=_lane_seed(plan.seed, wi),
+                                       examples=examples))
+    return [lanes for lanes in per_worker if lanes]
+
+
+def _lane_seed(base: int, lane: int) -> int:
+    return (base + lane * 1_000_003) % 2**32
+
+
+def worker_device(device: str, worker: int, workers: int) -> str:
+    """The device a worker fuzzes on: worker i takes cuda:i when several GPUs are visible."""
+    from poolfuzz.pools.family import resolve_device
+
+    dev = resolve_device(device)
+    if dev.type == "cuda" and dev.index is None:
+        import torch
+
+        count = torch.cuda.device_count()
+        return f"cuda:{worker % count}" if workers > 1 and count > 1 else "cuda"
+    return str(dev)
+
+
+# ======================================================================================
+# One worker: its lanes in turn. Events go to ``emit`` (the display, or the parent's queue).
+# ======================================================================================
+def run_lanes(plan: Plan, lanes: list[Lane], emit: Callable[[dict], None], *, deadline: float | None) -> bool:
+    """Run lanes one after the other; returns False when interrupted."""
+    import torch
+
+    from poolfuzz.harness.database import open_database
+    from poolfuzz.harness.runner import run_machine
+    from poolfuzz.pools.config import get_config
+
+    torch.set_num_threads(1)
+    device = worker_device(plan.device, lanes[0].worker, plan.workers)
+    database = open_database(plan.db)
+    for j, lane in enumerate(lanes):
+        budget = None
+        if deadline is not None:
+            budget = max(0.0, (deadline - time.time()) / (len(lanes) - j))
+        emit({"type": "start", "lane": lane.index, "config": lane.config, "device": device})
+        writer = _ArtifactWriter(plan, lane, device)
+        last = [0.0]
+
+        def progress(snap, lane=lane, last=last):
+            now = time.monotonic()
+            if now - last[0] >= 0.5:
+                last[0] = now
+                emit({"type": "progress", "lane": lane.index, **snap})
+
+        def failure(candidate, lane=lane, writer=writer):
+            path = writer.interim(candidate)
+            emit({"type": "failure", "lane": lane.index, "message": candidate.message,
+                  "size": len(candidate.steps), "artifact": str(path)})
+
+        result = run_machine(get_config(lane.config), device=device, faults=plan.faults,
+                             max_examples=lane.examples if lane.examples is not None else 1_000_000,
+                             steps_per_example=plan.steps, seed=lane.seed, database=database,
+                             time_budget=budget if lane.examples is None else None,
+                             shrink_limit=plan.shrink_seconds, on_progress=progress, on_failure=failure)
+        path = writer.final(result, plan.db) if not result.passed else None
+        emit({"type": "done", "lane": lane.index, "config": lane.config, "passed": result.passed,
+              "failure": result.failure, "examples": result.examples, "steps": result.steps,
+              "seconds": result.seconds, "artifact": None if path is None else str(path),
+              "interrupted": result.interrupted, "shrunk": result.shrunk,
+              "program_steps": len(result.engine_steps)})
+        if result.interrupted:
+            return False
+    return True
+
+
+class _ArtifactWriter:
+    """One lane's artifact: written at the first failure, rewritten as the shrink improves."""
+
+    def __init__(self, plan: Plan, lane: Lane, device: str):
+        self.plan, self.lane, self.device = plan, lane, device
+        self.path: Path | None = None
+
+    def _path(self) -> Path:
+        if self.path is None:
+            from poolfuzz.harness.artifacts import artifact_name
+
+            out = Path(self.plan.out)
+            tag = f"lane{self.lane.index}" if self.plan.workers > 1 else ""
+            path = out / artifact_name(self.lane.config, self.plan.faults, tag=tag)
+            k = 1
+            while path.exists():
+                k += 1
+                path = out / artifact_name(self.lane.config, self.plan.faults, tag=f"{tag}{'-' if tag else ''}{k}")
+            self.path = path
+        return self.path
+
+    def _backup_mode(self) -> str:
+        from poolfuzz.harness.runner import _resolved_mode
+        from poolfuzz.pools.config import get_config
+
+        return _resolved_mode(get_config(self.lane.config), self.plan.faults)
+
+    def interim(self, candidate):
+        from poolfuzz.harness.artifacts import stamp, write_atomic
+
+        art = stamp(config=self.lane.config, device=self.device, faults=list(self.plan.faults),
+                    backup_mode=self._backup_mode(), seed=self.lane.seed, failure=candidate.message,
+                    error_type=candidate.error_type, divergence=candidate.divergence,
+                    program=list(candidate.steps), status="shrinking", in_teardown=candidate.in_teardown,
+                    database=self.plan.db, engine_options=_engine_options())
+        return write_atomic(self._path(), art)
+
+    def final(self, result, db):
+        from poolfuzz.harness.artifacts import stamp, write_atomic
+
+        status = "shrunk" if result.shrunk else ("interrupted" if result.interrupted else "shrink-limit")
+        art = stamp(config=result.config, device=self.device, faults=list(result.faults),
+                    backup_mode=result.backup_mode, seed=result.seed, failure=result.failure,
+                    error_type=result.error_type or result.failure.split(":", 1)[0],
+                    divergence=result.divergence or {}, program=list(result.engine_steps), status=status,
+                    in_teardown=result.in_teardown, hypothesis_program=result.program,
+                    reproduce_blob=result.reproduce_blob, database=db, database_key=result.database_key,
+                    examples=result.examples, seconds=round(result.seconds, 3), engine_options=_engine_options())
+        return write_atomic(self._path(), art)
+
+
+def _engine_options() -> dict:
+    from dataclasses import asdict
+
+    from poolfuzz.harness.engine import EngineOptions
+
+    return asdict(EngineOptions())  # what the machine runs with; replay uses the same
+
+
+def _worker_main(plan: Plan, lanes: list[Lane], events, deadline: float | None) -> None:
+    """Entry point of a spawned worker: the first SIGINT interrupts, later ones are ignored."""
+
+    def first_interrupt(signum, frame):
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGINT, first_interrupt)
+    worker = lanes[0].worker
+    try:
+        run_lanes(plan, lanes, events.put, deadline=deadline)
+    except KeyboardInterrupt:
+        pass
+    except BaseException as exc:  # report, never a traceback on the user's terminal
+        events.put({"type": "error", "worker": worker, "message": f"{type(exc).__name__}: {exc}"})
+    finally:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        events.put({"type": "exit", "worker": worker})
+
+
+# ======================================================================================
+# The session: display, workers, summary.
+# ======================================================================================
+@dataclass
+class LaneState:
+    lane: Lane
+    label: str = ""  # the config, or config#k when several lanes fuzz it
+    status: str = "waiting"  # waiting | running | shrinking | PASS | FAIL | stopped | ERROR
+    examples: int = 0
+    steps: int = 0
+    seconds: float = 0.0
+    failure: str | None = None
+    first_failure: str | None = None
+    artifact: str | None = None
+    program_steps: int | None = None
+    device: str = ""
+
+
+@dataclass
+class SessionResult:
+    exit_code: int
+    lanes: list[LaneState] = field(default_factory=list)
+    interrupted: bool = False
+    errors: list[str] = field(default_factory=list)
+
+    @property
+    def artifacts(self) -> list[str]:
+        return [s.artifact for s in self.lanes if s.artifact]
+
+
+class Display:
+    """Live block on a terminal; plain timestamped lines otherwise (CI logs)."""
+
+    HEARTBEAT = 30.0
+
+    def __init__(self, plan: Plan, lanes: list[LaneState], stream: TextIO, tty: bool):
+        self.plan, self.lanes, self.stream, self.tty = plan, lanes, stream, tty
+        self.started = time.monotonic()
+        self.deadline = None if plan.seconds is None else self.started + plan.seconds
+        self.drawn = 0
+        self.last_draw = 0.0
+        self.last_beat = self.started
+        self.by_index = {s.lane.index: s for s in lanes}
+
+    # --- events ---------------------------------------------------------------------------
+    def handle(self, ev: dict) -> None:
+        kind = ev["type"]
+        if kind in ("error", "exit"):
+            if kind == "error":
+                self.line(f"worker {ev['worker']} failed: {ev['message']}")
+            return
+        st = self.by_index[ev["lane"]]
+        if kind == "start":
+            st.status, st.device = "running", ev.get("device", "")
+            self.line(f"{st.label}: started on {st.device}", quiet_on_tty=True)
+        elif kind == "progress":
+            st.examples, st.steps, st.seconds = ev["examples"], ev["steps"], ev["seconds"]
+            if ev["status"] == "shrinking":
+                st.status = "shrinking"
+        elif kind == "failure":
+            first = st.first_failure is None
+            if first:
+                st.first_failure = ev["message"]
+            st.status, st.failure, st.artifact, st.program_steps = "shrinking", ev["message"], ev["artifact"], ev["size"]
+            if first:
+                self.line(f"{st.label}: FAIL {ev['message']}")
+                self.line(f"{st.label}: shrinking; best so far ({ev['size']} steps) in {ev['artifact']}")
+        elif kind == "done":
+            st.examples, st.steps, st.seconds = ev["examples"], ev["steps"], ev["seconds"]
+            st.failure, st.artifact, st.program_steps = ev["failure"], ev["artifact"], ev["program_steps"]
+            if ev["passed"]:
+                st.status = "stopped" if ev["interrupted"] else "PASS"
+                self.line(f"{st.label}: {st.status}  {_n(st.examples)} examples, {_n(st.steps)} steps, "
+                          f"{_rate(st)} steps/s")
+            else:
+                st.status = "FAIL"
+                how = "shrunk" if ev["shrunk"] else ("interrupted while shrinking" if ev["interrupted"]
+                                                      else "shrink cut at --shrink-seconds")
+                if st.failure != st.first_failure:
+                    self.line(f"{st.label}: FAIL {st.failure}")
+                self.line(f"{st.label}: {how} to {st.program_steps} steps -> {st.artifact}")
+        self.refresh()
+
+    def line(self, text: str, quiet_on_tty: bool = False) -> None:
+        if self.tty:
+            if quiet_on_tty:
+                return
+            self._clear()
+            self.stream.write(text + "\n")
+        else:
+            self.stream.write(f"[{self._clock(time.monotonic() - self.started)}] {text}\n")
+        self.stream.flush()
+
+    # --- the live block / heartbeat -------------------------------------------------------
+    def refresh(self, force: bool = False) -> None:
+        now = time.monotonic()
+        if not self.tty:
+            if now - self.last_beat >= self.HEARTBEAT:
+                self.last_beat = now
+                self.stream.write(f"[{self._clock(now - self.started)}] {self._totals(now)}\n")
+                self.stream.flush()
+            return
+        if not force and now - self.last_draw < 0.2:
+            return
+        self.last_draw = now
+        width = max(40, shutil.get_terminal_size((100, 24)).columns - 1)
+        rows = [self._totals(now), f"  {'config':20} {'status':10} {'examples':>9} {'steps/s':>8} {'time':>7}"]
+        for st in self.lanes:
+            rows.append(f"  {st.label:20} {st.status:10} {_n(st.examples):>9} {_rate(st):>8} "
+                        f"{st.seconds:6.1f}s  {st.failure or ''}")
+        self._clear()
+        self.stream.write("".join(r[:width] + "\n" for r in rows))
+        self.stream.flush()
+        self.drawn = len(rows)
+
+    def _clear(self) -> None:
+        if self.tty and self.drawn:
+            self.stream.write(f"\x1b[{self.drawn}F\x1b[J")
+            self.drawn = 0
+
+    def _totals(self, now: float) -> str:
+        examples = sum(s.examples for s in self.lanes)
+        steps = sum(s.steps for s in self.lanes)
+        failures = sum(1 for s in self.lanes if s.failure)
+        rate = steps / max(now - self.started, 1e-9)
+        left = "" if self.deadline is None else f", {self._clock(max(0.0, self.deadline - now))} left"
+        return (f"{self._clock(now - self.started)} elapsed{left}: {_n(examples)} examples, {_n(int(rate))} steps/s, "
+                f"{failures} failure{'s' if failures != 1 else ''} so far")
+
+    @staticmethod
+    def _clock(seconds: float) -> str:
+        s = int(seconds)
+        return f"{s // 60}:{s % 60:02d}"
+
+    def finish(self) -> None:
+        self._clear()
+
+
+def _n(x: int) -> str:
+    return f"{x:,}"
+
+
+def _rate(st: LaneState) -> str:
+    return _n(int(st.steps / st.seconds)) if st.seconds > 0 else "-"
+
+
+def run_session(plan: Plan, *, stream: TextIO | None = None, tty: bool | None = None) -> SessionResult:
+    """Run the plan; print progress and the summary to ``stream``; return the exit code and lanes."""
+    stream = stream or sys.stdout
+    tty = stream.isatty() if tty is None else tty
+    per_worker = plan_lanes(plan)
+    states = [LaneState(lane=lane) for lanes in per_worker for lane in lanes]
+    states.sort(key=lambda s: s.lane.index)
+    counts: dict[str, int] = {}
+    for st in states:
+        counts[st.lane.config] = counts.get(st.lane.config, 0) + 1
+        st.label = st.lane.config if plan.workers <= len(plan.configs) else f"{st.lane.config}#{counts[st.lane.config]}"
+    display = Display(plan, states, stream, tty)
+    budget = f"{plan.seconds:g}s budget" if plan.seconds is not None else f"{plan.examples} examples per config"
+    from poolfuzz.pools.family import resolve_device
+
+    device = str(resolve_device(plan.device))
+    stream.write(f"poolfuzz run: {len(plan.configs)} config(s) on {device}, {len(per_worker)} worker(s), "
+                 f"{budget}, seed {plan.seed}" + (f", faults {', '.join(plan.faults)}" if plan.faults else "")
+                 + f"; database {plan.db or 'off'}; failures to {plan.out}/\n")
+    stream.flush()
+    deadline = None if plan.seconds is None else time.time() + plan.seconds
+    result = SessionResult(exit_code=EXIT_OK, lanes=states)
+    try:
+        if len(per_worker) == 1:
+            ok = run_lanes(plan, per_worker[0], display.handle, deadline=deadline)
+            result.interrupted = not ok
+        else:
+            _run_workers(plan, per_worker, display, deadline, result)
+    except KeyboardInterrupt:
+        result.interrupted = True
+    display.finish()
+    _summary(plan, result, stream)
+    failed = any(s.failure for s in states) or result.errors
+    result.exit_code = EXIT_FAILED if failed else (EXIT_INTERRUPTED if result.interrupted else EXIT_OK)
+    return result
+
+
+def _run_workers(plan: Plan, per_worker: list[list[Lane]], display: Display, deadline, result) -> None:
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    events = ctx.Queue()
+    procs = {lanes[0].worker: ctx.Process(target=_worker_main, args=(plan, lanes, events, deadline),
+                                          name=f"poolfuzz-worker-{lanes[0].worker}")
+             for lanes in per_worker}
+    for p in procs.values():
+        p.start()
+    exited: set[int] = set()
+    interrupted_at = None
+    signalled = False
+    try:
+        while len(exited) < len(procs):
+            try:
+                ev = events.get(timeout=0.2)
+            except queue_mod.Empty:
+                ev = None
+            except KeyboardInterrupt:
+                if interrupted_at is not None:  # a second Ctrl-C: stop at once
+                    break
+                interrupted_at = time.monotonic()
+                result.interrupted = True
+                display.line("interrupted: workers are saving their best shrink (Ctrl-C again to stop now)")
+                continue
+            if ev is not None:
+                if ev["type"] == "exit":
+                    exited.add(ev["worker"])
+                elif ev["type"] == "error":
+                    result.errors.append(f"worker {ev['worker']}: {ev['message']}")
+                display.handle(ev)
+            else:
+                display.refresh()
+            if interrupted_at is not None and not signalled and time.monotonic() - interrupted_at > 0.5:
+                signalled = True  # a SIGINT sent to the parent alone reaches the workers too
+                for w, p in procs.items():
+                    if w not in exited and p.is_alive():
+                        os.kill(p.pid, signal.SIGINT)
+            if interrupted_at is not None and time.monotonic() - interrupted_at > 20:
+                break
+            for w, p in procs.items():  # a worker that died without saying goodbye
+                if w not in exited and not p.is_alive() and p.exitcode is not None and events.empty():
+                    exited.add(w)
+                    if p.exitcode != 0:
+                        result.errors.append(f"worker {w} died (exit code {p.exitcode})")
+                        display.line(f"worker {w} died (exit code {p.exitcode}); its lanes are incomplete")
+    finally:
+        for p in procs.values():
+            p.join(timeout=5)
+            if p.is_alive():
+                p.terminate()
+                p.join(timeout=5)
+        events.close()
+
+
+def _summary(plan: Plan, result: SessionResult, stream: TextIO) -> None:
+    by_config: dict[str, list[LaneState]] = {}
+    for st in result.lanes:
+        by_config.setdefault(st.lane.config, []).append(st)
+    w = max(20, *(len(c) for c in by_config))
+    stream.write("\n" + f"{'config':{w}}  {'status':8} {'examples':>9} {'steps':>9} {'steps/s':>8} {'time':>7}  artifact\n")
+    for config, sts in by_config.items():
+        statuses = {s.status for s in sts}
+        status = ("FAIL" if "FAIL" in statuses or any(s.failure for s in sts) else
+                  "PASS" if statuses == {"PASS"} else
+                  "ERROR" if result.errors and statuses & {"running", "shrinking", "waiting"} else
+                  "stopped" if statuses & {"stopped", "running", "shrinking"} else "not run")
+        examples, steps = sum(s.examples for s in sts), sum(s.steps for s in sts)
+        seconds = max(s.seconds for s in sts)
+        rate = _n(int(steps / seconds)) if seconds > 0 else "-"
+        artifact = ", ".join(s.artifact for s in sts if s.artifact)
+        stream.write(f"{config:{w}}  {status:8} {_n(examples):>9} {_n(steps):>9} {rate:>8} {seconds:6.1f}s  {artifact}\n")
+    failures, seen = [], set()
+    for s in sorted((s for s in result.lanes if s.failure), key=lambda s: s.program_steps or 0):
+        if (s.lane.config, s.failure) not in seen:
+            seen.add((s.lane.config, s.failure))
+            failures.append(s)
+    for s in failures:
+        stream.write(f"\n{s.lane.config}: {s.failure}\n  replay:    poolfuzz replay {s.artifact}\n"
+                     f"  as a test: poolfuzz emit-test {s.artifact} -o test_regression_{_slug(s.lane.config)}.py\n")
+    for e in result.errors:
+        stream.write(f"\nerror: {e}\n")
+    passed = sum(1 for c, sts in by_config.items() if all(s.status == "PASS" for s in sts))
+    failed = sum(1 for c, sts in by_config.items() if any(s.failure for s in sts))
+    tail = ""
+    if result.interrupted:
+        tail = " (interrupted)"
+    elif passed + failed < len(by_config):
+        tail = f" ({len(by_config) - passed - failed} not finished)"
+    stream.write(f"\npoolfuzz: {passed} passed, {failed} failed{tail}\n")
+    stream.flush()
+
+
+def _slug(text: str) -> str:
+    return "".join(c if c.isalnum() else "_" for c in text)

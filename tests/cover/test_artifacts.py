@@ -1,0 +1,105 @@
+"""Failure artifacts: versioned JSON written atomically, read back whole, and bad files refused in one line."""
+
+import json
+import os
+
+import pytest
+
+from poolfuzz.harness import artifacts
+from poolfuzz.harness.artifacts import ArtifactError, from_program, load, write_atomic
+from poolfuzz.harness.cli import run_cli
+
+FAULT = "swa-ignores-mamba-backup"
+# SGLang #35957 as an engine program: the recurrent state is not backed up, the resume reads a new slot.
+PROGRAM = [
+    {"op": "admit", "args": {"prompt_len": 1}},
+    {"op": "prefill", "args": {"rid": 1, "chunk": 1}},
+    {"op": "retract", "args": {"rid": 1}},
+    {"op": "resume", "args": {"node": "prefill"}},
+]
+
+
+@pytest.fixture
+def artifact_path(tmp_path):
+    return write_atomic(tmp_path / "a.json", from_program("swa-ssm", PROGRAM, faults=[FAULT], seed=7))
+
+
+def test_artifact_records_config_program_and_structured_divergence(artifact_path):
+    """Everything a replay needs, plus the versions it was found with, survives a round trip."""
+    raw = json.loads(artifact_path.read_text())
+    assert raw["schema"] == "poolfuzz-failure" and raw["version"] == artifacts.VERSION
+    assert (raw["config"], raw["device"], raw["faults"], raw["seed"]) == ("swa-ssm", "cpu", [FAULT], 7)
+    assert raw["hypothesis_version"] and raw["torch_version"] and raw["poolfuzz_version"]
+    assert [(s["op"], s["args"]) for s in raw["program"]] == [(s["op"], s["args"]) for s in PROGRAM]
+    d = raw["divergence"]
+    assert (d["kind"], d["op"], d["rid"], d["component"], d["layer"]) == ("state-lost", "resume", 1, "mamba.conv0", 2)
+    assert d["slot_before"] == 1 and isinstance(d["slot_after"], int)
+    assert d["expected"].startswith("req 1") and d["found"]
+    art = load(artifact_path)
+    assert [s.op for s in art.program] == ["admit", "prefill", "retract", "resume"]
+    assert art.program[0].outcome.startswith("Req(1)")
+    assert art.failure.startswith("StateLost: req 1 resumed")
+
+
+def test_write_is_atomic_and_leaves_no_temp_files(tmp_path, artifact_path):
+    """A write that fails half way leaves the previous artifact intact and no temp file behind."""
+    before = artifact_path.read_text()
+    art = load(artifact_path)
+    art.divergence = {"bad": object()}  # not JSON-serialisable: the write fails
+    with pytest.raises(TypeError):
+        write_atomic(artifact_path, art)
+    assert artifact_path.read_text() == before
+    assert sorted(os.listdir(artifact_path.parent)) == ["a.json"]
+
+
+def _corrupt(path, mutate):
+    raw = json.loads(path.read_text())
+    mutate(raw)
+    path.write_text(json.dumps(raw))
+
+
+BAD = {
+    "truncated": (lambda p: p.write_text(p.read_text()[: len(p.read_text()) // 2]), "truncated JSON"),
+    "malformed": (lambda p: p.write_text('{"version": 1,, "config": "swa-ssm"}'), "malformed JSON"),
+    "not-an-artifact": (lambda p: p.write_text('{"hello": 1}'), "not a poolfuzz failure artifact"),
+    "newer-schema": (lambda p: _corrupt(p, lambda r: r.update(version=99)), "upgrade poolfuzz"),
+    "no-version": (lambda p: _corrupt(p, lambda r: r.pop("version")), "no valid schema version"),
+    "missing-field": (lambda p: _corrupt(p, lambda r: r.pop("program")), "lacks the field 'program'"),
+    "unknown-op": (lambda p: _corrupt(p, lambda r: r["program"].append({"op": "explode", "args": {}})),
+                   "unknown operation 'explode'"),
+    "bad-args": (lambda p: _corrupt(p, lambda r: r["program"][0].update(args={"size": 3})), "do not fit admit"),
+    "unknown-config": (lambda p: _corrupt(p, lambda r: r.update(config="gpt-9")), "names config 'gpt-9'"),
+    "unknown-fault": (lambda p: _corrupt(p, lambda r: r.update(faults=["no-such-fault"])),
+                      "fault 'no-such-fault'"),
+    "missing-file": (lambda p: p.unlink(), "does not exist"),
+}
+
+
+@pytest.mark.parametrize("command", ["replay", "emit-test"])
+@pytest.mark.parametrize("case", sorted(BAD))
+def test_bad_artifact_is_one_line_exit_2_and_nothing_written(case, command, artifact_path, tmp_path, capsys):
+    """Each problem is named in one line with its fix; no traceback, no output file."""
+    spoil, expected = BAD[case]
+    spoil(artifact_path)
+    out_file = tmp_path / "test_regression.py"
+    argv = [command, str(artifact_path)] + (["-o", str(out_file)] if command == "emit-test" else ["--device", "cpu"])
+    assert run_cli(argv) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    err = captured.err.strip()
+    assert "\n" not in err and err.startswith("poolfuzz: error: ")
+    assert expected in err
+    assert "Traceback" not in err
+    assert not out_file.exists()
+
+
+def test_artifact_error_is_a_usage_error():
+    """The CLI turns it into exit status 2."""
+    with pytest.raises(ArtifactError, match="does not exist"):
+        load("/nonexistent/x.json")
+
+
+def test_from_program_refuses_a_program_that_passes():
+    """Recording a clean program is a mistake, not an artifact."""
+    with pytest.raises(ValueError, match="ran clean"):
+        from_program("swa-ssm", PROGRAM)

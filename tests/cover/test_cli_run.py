@@ -1,0 +1,196 @@
+"""``poolfuzz run``: exit codes, bad usage, artifacts, the example database, output modes and workers."""
+
+import io
+import os
+
+import pytest
+from hypothesis import Phase, settings
+from hypothesis.database import DirectoryBasedExampleDatabase
+from hypothesis.stateful import run_state_machine_as_test
+
+from poolfuzz.harness.artifacts import load
+from poolfuzz.harness.cli import run_cli
+from poolfuzz.harness.failures import StateLost
+from poolfuzz.harness.machine import machine_for
+from poolfuzz.harness.runner import database_key, run_machine
+from poolfuzz.harness.session import Plan, plan_lanes, run_session, worker_device
+from poolfuzz.pools.config import CONFIGS
+
+FAULT = "swa-ignores-mamba-backup"
+
+
+def _no_gpu_case():
+    import torch
+
+    return pytest.param(["--device", "cuda"], "no CUDA GPU is visible",
+                        marks=pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA GPU is visible here"))
+
+
+BAD_USAGE = [
+    (["--config", "gpt-9"], "unknown config 'gpt-9'; choose one of"),
+    (["--faults", "no-such-fault"], "unknown fault 'no-such-fault'; known faults"),
+    (["--config", "dense", "--faults", FAULT], f"fault '{FAULT}' does not apply to config 'dense'"),
+    (["--examples", "0"], "--examples must be at least 1"),
+    (["--minutes", "-1"], "--minutes must be positive"),
+    (["--workers", "0"], "--workers must be at least 1"),
+    (["--device", "tpu"], "unknown device 'tpu'"),
+    (["--db", "a-file"], "is a file, not a directory"),
+    (["--db", "mongodb://x"], "unsupported scheme 'mongodb'"),
+    (["--out", "a-file"], "is a file; pass a directory"),
+    _no_gpu_case(),
+]
+
+
+@pytest.mark.parametrize("argv, problem", BAD_USAGE)
+def test_bad_usage_is_one_line_exit_2_and_nothing_written(argv, problem, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "a-file").write_text("x")
+    budget = [] if "--minutes" in argv else ["--examples", "1"]
+    assert run_cli(["run", *budget, *argv]) == 2
+    captured = capsys.readouterr()
+    err = captured.err.strip()
+    assert captured.out == ""
+    assert "\n" not in err and err.startswith("poolfuzz: error: ") and problem in err
+    assert sorted(os.listdir(tmp_path)) == ["a-file"]  # no database, no failures folder
+
+
+@pytest.mark.parametrize("argv, problem", [
+    (["run", "--examples", "many"], "invalid int value"),
+    (["run", "--minutes", "1", "--examples", "3"], "not allowed with argument"),
+    (["replay"], "the following arguments are required: FILE"),
+    (["emit-test", "x.json"], "the following arguments are required: -o/--output"),
+])
+def test_argument_errors_are_one_line_exit_2(argv, problem, capsys):
+    assert run_cli(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and problem in err and "--help" in err
+
+
+def test_passing_run_exits_0_writes_no_artifact_and_prints_a_summary(tmp_path, capsys):
+    out = tmp_path / "failures"
+    code = run_cli(["run", "--config", "dense", "swa", "--device", "cpu", "--examples", "3", "--seed", "1",
+                    "--db", "none", "--out", str(out)])
+    text = capsys.readouterr().out
+    assert code == 0, text
+    assert not out.exists()
+    assert "dense: PASS" in text and "swa: PASS" in text
+    assert text.rstrip().endswith("poolfuzz: 2 passed, 0 failed")
+    assert "\x1b[" not in text  # not a terminal: plain lines for CI logs
+
+
+def test_faults_with_default_configs_fuzz_only_the_configs_they_apply_to(tmp_path, capsys):
+    assert run_cli(["run", "--faults", FAULT, "--device", "cpu", "--examples", "1", "--seed", "2", "--db", "none",
+                    "--out", str(tmp_path), "--shrink-seconds", "0.5"]) in (0, 1)
+    text = capsys.readouterr().out
+    assert "2 config(s)" in text and "swa-ssm-ps4" in text and "dense" not in text
+
+
+@pytest.fixture(scope="module")
+def found(tmp_path_factory):
+    """One failing run: --examples, a seed, a short shrink, a directory database."""
+    base = tmp_path_factory.mktemp("found")
+    db, out = base / "db", base / "failures"
+    stream = io.StringIO()
+    plan = Plan(configs=("swa-ssm",), device="cpu", faults=(FAULT,), seed=9, examples=300, db=str(db),
+                out=str(out), shrink_seconds=3.0)
+    result = run_session(plan, stream=stream, tty=False)
+    return result, stream.getvalue(), db, out
+
+
+def test_failing_run_exits_1_and_writes_one_artifact(found):
+    result, text, db, out = found
+    assert result.exit_code == 1, text
+    files = [f for f in os.listdir(out) if f.endswith(".json")]
+    assert len(files) == 1 and not [f for f in os.listdir(out) if f.endswith(".tmp")]
+    art = load(out / files[0])
+    assert art.config == "swa-ssm" and art.faults == [FAULT] and art.seed is not None
+    assert art.status in ("shrunk", "shrink-limit")
+    assert art.divergence["component"].startswith("mamba.") and art.error_type == "StateLost"
+    assert art.database == str(db) and art.database_key
+    assert "poolfuzz replay" in text and "0 passed, 1 failed" in text
+    assert run_cli(["replay", str(out / files[0]), "--device", "cpu"]) == 1
+
+
+def test_failure_is_in_the_database_for_a_plain_hypothesis_run(found):
+    """A plain run_state_machine_as_test of the same machine, replay phase only, fails at once."""
+    _, _, db, _ = found
+    machine = machine_for("swa-ssm", faults=[FAULT], backup_mode="cpu_tensor")
+    with pytest.raises(StateLost):
+        run_state_machine_as_test(machine, settings=settings(
+            database=DirectoryBasedExampleDatabase(str(db)), phases=[Phase.reuse], max_examples=5, deadline=None))
+
+
+def test_failure_is_replayed_first_by_a_later_run(found):
+    _, _, db, _ = found
+    result = run_machine(CONFIGS["swa-ssm"], faults=[FAULT], max_examples=50, seed=12345,
+                         database=DirectoryBasedExampleDatabase(str(db)), shrink_limit=0.5)
+    assert not result.passed and result.first_failure_examples == 1
+
+
+def test_each_machine_has_its_own_database_key(found):
+    """Config, faults and backup mode pick the key: the fault's failure is not replayed on the correct family."""
+    _, _, db, _ = found
+    database = DirectoryBasedExampleDatabase(str(db))
+    faulty = database_key(machine_for("swa-ssm", faults=[FAULT]))
+    assert faulty == database_key(machine_for("swa-ssm", faults=[FAULT], backup_mode="cpu_tensor"))
+    assert list(database.fetch(faulty))
+    for other in (machine_for("swa-ssm"), machine_for("swa-ssm-ps4", faults=[FAULT]), machine_for("dense")):
+        assert database_key(other) != faulty
+        assert not list(database.fetch(database_key(other)))
+
+
+def test_terminal_output_is_a_live_block(tmp_path):
+    stream = io.StringIO()
+    plan = Plan(configs=("dense",), device="cpu", seed=1, examples=4, db=None, out=str(tmp_path))
+    assert run_session(plan, stream=stream, tty=True).exit_code == 0
+    text = stream.getvalue()
+    assert "\x1b[" in text and "elapsed" in text and "failures so far" in text and "steps/s" in text
+    assert "poolfuzz: 1 passed, 0 failed" in text
+
+
+def test_time_budget_is_kept(tmp_path):
+    """--minutes is the wall clock of the whole run: checked before every example."""
+    stream = io.StringIO()
+    plan = Plan(configs=("dense", "swa"), device="cpu", seed=1, seconds=2.0, db=None, out=str(tmp_path))
+    result = run_session(plan, stream=stream, tty=False)
+    assert result.exit_code == 0
+    assert all(s.status == "PASS" and s.examples >= 1 for s in result.lanes)
+    assert sum(s.seconds for s in result.lanes) < 6
+
+
+def test_lanes_split_configs_and_seeds():
+    plan = Plan(configs=("a", "b", "c"), device="cpu", seed=5, examples=10, workers=2)
+    lanes = plan_lanes(plan)
+    assert [[l.config for l in w] for w in lanes] == [["a", "c"], ["b"]]
+    assert len({l.seed for w in lanes for l in w}) == 3
+    many = plan_lanes(Plan(configs=("a",), device="cpu", seed=5, examples=10, workers=3))
+    assert [w[0].config for w in many] == ["a", "a", "a"]
+    assert len({w[0].seed for w in many}) == 3 and all(w[0].examples == 4 for w in many)
+
+
+def test_worker_i_uses_gpu_i_on_a_multi_gpu_machine(monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    assert [worker_device("cuda", i, 4) for i in range(4)] == ["cuda:0", "cuda:1", "cuda:2", "cuda:3"]
+    assert worker_device("cuda", 5, 6) == "cuda:1"
+    assert worker_device("cuda:2", 1, 4) == "cuda:2"  # an explicit GPU is kept
+    assert worker_device("cuda", 0, 1) == "cuda"
+    assert worker_device("cpu", 1, 4) == "cpu"
+
+
+def test_two_workers_share_the_database(tmp_path, capsys):
+    """Two spawned processes split the configs; the faulty config's failure lands in the shared database."""
+    db, out = tmp_path / "db", tmp_path / "failures"
+    code = run_cli(["run", "--workers", "2", "--config", "swa-ssm", "swa-ssm-ps4", "--faults", FAULT,
+                    "--device", "cpu", "--examples", "300", "--seed", "6", "--db", str(db), "--out", str(out),
+                    "--shrink-seconds", "0.5"])
+    text = capsys.readouterr().out
+    assert code == 1, text
+    assert "2 worker(s)" in text and "0 passed, 2 failed" in text
+    assert len([f for f in os.listdir(out) if f.endswith(".json")]) == 2
+    for config in ("swa-ssm", "swa-ssm-ps4"):
+        result = run_machine(CONFIGS[config], faults=[FAULT], max_examples=20, seed=99,
+                             database=DirectoryBasedExampleDatabase(str(db)), shrink_limit=0.2)
+        assert result.first_failure_examples == 1

@@ -1,0 +1,132 @@
+"""``poolfuzz replay``: step by step, stops at the first divergence, exit 1 if it reproduces, 0 if not."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from poolfuzz.harness.artifacts import from_program, load, write_atomic
+from poolfuzz.harness.cli import run_cli
+
+FAULT = "swa-ignores-mamba-backup"
+PROGRAM = [
+    {"op": "admit", "args": {"prompt_len": 1}},
+    {"op": "prefill", "args": {"rid": 1, "chunk": 1}},
+    {"op": "admit", "args": {"prompt_len": 3}},
+    {"op": "retract", "args": {"rid": 1}},
+    {"op": "resume", "args": {"node": "prefill"}},
+    {"op": "finish", "args": {"rid": 1}},
+]
+
+
+@pytest.fixture
+def artifact_path(tmp_path):
+    return write_atomic(tmp_path / "a.json", from_program("swa-ssm", PROGRAM, faults=[FAULT]))
+
+
+def _edit(path, **changes):
+    raw = json.loads(path.read_text())
+    raw.update(changes)
+    path.write_text(json.dumps(raw))
+
+
+def test_replay_prints_each_step_and_occupancy_and_stops_at_the_divergence(artifact_path, capsys):
+    assert run_cli(["replay", str(artifact_path), "--device", "cpu"]) == 1
+    out = capsys.readouterr().out
+    assert "admit(prompt_len=1)  -> Req(1) row 1" in out
+    assert "retract(rid=1)" in out
+    assert "prefill[rows=" in out and "decode[rows=" in out  # occupancy after every step
+    assert "REPRODUCED at step 5 (resume)" in out
+    assert "finish(rid=1)" not in out  # stopped at the first divergence
+    for field in ("request    1 on node prefill", "component  mamba.conv0, layer 2", "slots      before 1",
+                  "expected   req 1", "found      "):
+        assert field in out
+    assert "the same failure as recorded" in out
+
+
+def test_replay_verbose_shows_live_requests(artifact_path, capsys):
+    assert run_cli(["replay", str(artifact_path), "--device", "cpu", "--verbose"]) == 1
+    assert "req 1: retracted on prefill" in capsys.readouterr().out
+
+
+def test_fixed_family_does_not_reproduce(artifact_path, capsys):
+    """The same program without the fault runs clean, through the teardown checks: exit 0."""
+    _edit(artifact_path, faults=[])
+    assert run_cli(["replay", str(artifact_path), "--device", "cpu"]) == 0
+    out = capsys.readouterr().out
+    assert "did not reproduce: the bug may be fixed" in out
+    assert "teardown: sweep, drain" in out
+
+
+def test_a_step_that_cannot_run_any_more_does_not_reproduce(artifact_path, capsys):
+    """If the pools behave differently earlier, a later step may name a request that is gone."""
+    raw = json.loads(artifact_path.read_text())
+    raw["program"].insert(1, {"op": "finish", "args": {"rid": 7}, "outcome": ""})
+    artifact_path.write_text(json.dumps(raw))
+    assert run_cli(["replay", str(artifact_path), "--device", "cpu"]) == 0
+    assert "did not reproduce: step 2 cannot run here: req 7 does not exist" in capsys.readouterr().out
+
+
+def test_artifact_recorded_on_cuda_replays_on_cpu(artifact_path, capsys):
+    """The program is engine operations, not device pointers: any device replays it."""
+    _edit(artifact_path, device="cuda:3")
+    assert run_cli(["replay", str(artifact_path), "--device", "cpu"]) == 1
+    assert "recorded on cuda:3" in capsys.readouterr().out
+
+
+@pytest.mark.requires_cuda
+def test_artifact_recorded_on_cpu_replays_on_cuda(artifact_path, capsys):
+    assert run_cli(["replay", str(artifact_path), "--device", "cuda"]) == 1
+    assert "replaying on cuda" in capsys.readouterr().out
+
+
+def test_replay_on_a_missing_gpu_is_a_usage_error(artifact_path, capsys):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA GPU is visible: --device cuda is valid here")
+    assert run_cli(["replay", str(artifact_path), "--device", "cuda"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "no CUDA GPU is visible" in err and "--device cpu" in err
+
+
+def _wait_for(pattern_dir, proc, timeout=60.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        found = [f for f in os.listdir(pattern_dir) if f.endswith(".json")] if os.path.isdir(pattern_dir) else []
+        if found:
+            return os.path.join(pattern_dir, found[0])
+        if proc.poll() is not None:
+            pytest.fail(f"poolfuzz run exited ({proc.returncode}) before writing an artifact:\n"
+                        + proc.stdout.read())
+        time.sleep(0.05)
+    proc.kill()
+    pytest.fail("no artifact appeared")
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGKILL], ids=["ctrl-c", "crash"])
+def test_interrupted_run_leaves_its_best_shrink(tmp_path, sig):
+    """A failure found, then Ctrl-C (or a kill) mid-shrink: the artifact on disk is whole and replays."""
+    out = tmp_path / "failures"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "poolfuzz.cli", "run", "--config", "swa-ssm", "--faults", FAULT, "--device", "cpu",
+         "--examples", "500", "--seed", "9", "--db", "none", "--out", str(out), "--shrink-seconds", "120"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tmp_path)
+    path = _wait_for(out, proc)
+    proc.send_signal(sig)
+    stdout, _ = proc.communicate(timeout=60)
+    art = load(path)
+    if sig == signal.SIGINT:
+        assert proc.returncode == 1, stdout
+        assert art.status in ("interrupted", "shrunk")
+        assert "1 failed (interrupted)" in stdout or "1 failed" in stdout
+        assert "Traceback" not in stdout
+    else:
+        assert art.status in ("shrinking", "shrunk")
+    assert art.failure.startswith("StateLost")
+    assert not [f for f in os.listdir(out) if f.endswith(".tmp")]
+    assert run_cli(["replay", path, "--device", "cpu"]) == 1
