@@ -42,6 +42,9 @@ def register(sub) -> None:
     run.add_argument("--steps", type=int, default=40, help="steps per example (default 40)")
     run.add_argument("--shrink-seconds", type=float, default=60.0, metavar="S",
                      help="stop shrinking a failure after S seconds and keep the best so far (default 60)")
+    run.add_argument("--family", metavar="NAME|module:factory",
+                     help="pool family to fuzz: builtin (default), an installed plug-in such as sglang, "
+                          "or package.module:factory (see the README)")
     run.set_defaults(handler=main)
     one_line_errors(run)
 
@@ -91,11 +94,25 @@ def plan_from_args(args):
     if os.path.exists(args.out) and not os.path.isdir(args.out):
         raise UsageError(f"--out {args.out!r} is a file; pass a directory for the failure artifacts")
     db = check_database(args.db)
+    if args.family:
+        from poolfuzz.harness.plugins import resolve_family, select_configs
+
+        if faults:
+            raise UsageError(f"--faults switch on catalogue faults of the builtin family; family {args.family!r} "
+                             "runs its own code as shipped: drop --faults or --family")
+        plugin = resolve_family(args.family)
+        chosen, skipped = select_configs(plugin, [get_config(n) for n in names], explicit=bool(args.config))
+        for name, why in skipped:
+            print(f"poolfuzz: family {plugin.name} skips {name}: {why}")
+        names = [c.name for c in chosen]
+        if not names:
+            raise UsageError(f"family {plugin.name!r} supports none of the chosen configs")
     minutes = args.minutes if args.minutes is not None else (None if args.examples else DEFAULT_MINUTES)
     return Plan(configs=tuple(names), device=args.device, faults=tuple(faults),
                 seed=args.seed if args.seed is not None else random.SystemRandom().randrange(2**32),
                 examples=args.examples, seconds=None if minutes is None else minutes * 60, steps=args.steps,
-                db=db, out=args.out, workers=args.workers, shrink_seconds=args.shrink_seconds)
+                db=db, out=args.out, workers=args.workers, shrink_seconds=args.shrink_seconds,
+                family=args.family)
 
 
 def main(args) -> int:

@@ -39,6 +39,7 @@ class Plan:
     out: str = "poolfuzz-failures"
     workers: int = 1
     shrink_seconds: float | None = 60.0
+    family: str | None = None  # --family: a plug-in name or module:factory (None: builtin)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -122,7 +123,8 @@ def run_lanes(plan: Plan, lanes: list[Lane], emit: Callable[[dict], None], *, de
                              max_examples=lane.examples if lane.examples is not None else 1_000_000,
                              steps_per_example=plan.steps, seed=lane.seed, database=database,
                              time_budget=budget if lane.examples is None else None,
-                             shrink_limit=plan.shrink_seconds, on_progress=progress, on_failure=failure)
+                             shrink_limit=plan.shrink_seconds, on_progress=progress, on_failure=failure,
+                             family_factory=_family_factory(plan))
         path = writer.final(result, plan.db) if not result.passed else None
         emit({"type": "done", "lane": lane.index, "config": lane.config, "passed": result.passed,
               "failure": result.failure, "examples": result.examples, "steps": result.steps,
@@ -492,3 +494,12 @@ def _summary(plan: Plan, result: SessionResult, stream: TextIO) -> None:
 
 def _slug(text: str) -> str:
     return "".join(c if c.isalnum() else "_" for c in text)
+
+
+def _family_factory(plan: Plan):
+    """The factory ``--family`` names, resolved in the worker (factories need not pickle)."""
+    if not plan.family:
+        return None
+    from poolfuzz.harness.plugins import resolve_family
+
+    return resolve_family(plan.family).factory
