@@ -40,6 +40,7 @@ class Artifact:
     error_type: str  # StateLost, InvariantViolation, ReferenceMismatch, or a crash's exception class
     divergence: dict
     program: list[StepRecord]
+    family: str = "builtin"  # the pool family (--family): builtin, a plug-in name or module:factory
     status: str = "shrunk"  # shrunk | shrinking (best so far, still going) | interrupted | shrink-limit
     in_teardown: bool = False  # the failure came from the final sweep / drain, after the program
     engine_options: dict = field(default_factory=dict)
@@ -60,7 +61,7 @@ class Artifact:
         out = asdict(self)
         out["program"] = [step_to_json(s) for s in self.program]
         # the identifying fields first, for a reader of the raw file
-        head = ("schema", "version", "status", "config", "device", "faults", "backup_mode", "seed", "failure",
+        head = ("schema", "version", "status", "config", "family", "device", "faults", "backup_mode", "seed", "failure",
                 "error_type", "divergence", "in_teardown", "program")
         return {k: out[k] for k in head} | {k: v for k, v in out.items() if k not in head}
 
@@ -183,6 +184,17 @@ def resolve(artifact: Artifact, name: str):
     if unknown:
         raise ArtifactError(f"artifact {name} switches on fault {unknown[0]!r}, which this poolfuzz's catalogue "
                             f"lacks (known: {', '.join(FAULTS)}); replay it with the poolfuzz that recorded it")
+    if not isinstance(artifact.family, str) or not artifact.family:
+        raise ArtifactError(f"artifact {name}: 'family' must be a pool family name; re-record it with poolfuzz run")
+    if artifact.family != "builtin":
+        from poolfuzz.harness.plugins import resolve_family
+        from poolfuzz.pools.errors import ConfigError
+
+        try:
+            resolve_family(artifact.family)
+        except ConfigError as exc:
+            raise ArtifactError(f"artifact {name} was recorded on pool family {artifact.family!r}, which does not "
+                                f"load here: {exc}") from None
     return CONFIGS[artifact.config], list(artifact.faults)
 
 
@@ -198,7 +210,7 @@ def engine_options(artifact: Artifact, name: str) -> dict:
 
 
 def from_program(config: str, steps, *, faults=(), device="cpu", backup_mode: str | None = None,
-                 seed: int | None = None) -> Artifact:
+                 seed: int | None = None, family: str = "builtin") -> Artifact:
     """Run a hand-written program (steps as dicts or StepRecords) and record how it fails.
 
     Useful to pin a known failure as an artifact without fuzzing; raises ValueError if the program
@@ -212,7 +224,8 @@ def from_program(config: str, steps, *, faults=(), device="cpu", backup_mode: st
     from poolfuzz.pools.config import get_config
 
     records = check_steps([s if isinstance(s, dict) else step_to_json(s) for s in steps])
-    engine = new_engine(config=get_config(config), device=device, faults=faults, backup_mode=backup_mode)
+    engine = new_engine(config=get_config(config), device=device, faults=faults, backup_mode=backup_mode,
+                        family=family)
     recorded: list[StepRecord] = []
     for ev in replay(engine, records):
         if ev.cannot_run:
@@ -224,7 +237,7 @@ def from_program(config: str, steps, *, faults=(), device="cpu", backup_mode: st
             div = exc.divergence.to_json() if isinstance(exc, PoolfuzzFailure) else {
                 "kind": "exception", "step": engine.step, "op": engine.op, "detail": f"{type(exc).__name__}: {exc}"}
             msg = str(exc) if isinstance(exc, PoolfuzzFailure) else f"{type(exc).__name__}: {exc}"
-            return stamp(config=config, device=str(engine.device), faults=list(faults),
+            return stamp(config=config, family=family, device=str(engine.device), faults=list(faults),
                          backup_mode=engine.families["prefill"].backup_mode, seed=seed, failure=msg,
                          error_type=type(exc).__name__, divergence=div, program=recorded,
                          in_teardown=ev.step is None, engine_options=_asdict(EngineOptions()))

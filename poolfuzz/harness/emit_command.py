@@ -56,6 +56,7 @@ def main(args, out=None) -> int:
 def render(art, *, source_name: str = "") -> str:
     """The test module's source."""
     kind = (art.divergence or {}).get("kind") or art.error_type
+    plugin = art.family != "builtin"
     op = (art.divergence or {}).get("op") or "teardown"
     name = f"test_{_slug(art.config)}_{_slug(kind)}_at_{_slug(op)}"
     failure = art.failure.replace('"""', "'''")
@@ -76,8 +77,10 @@ def render(art, *, source_name: str = "") -> str:
         "import os",
         "",
         "from poolfuzz.harness.engine import Engine, EngineOptions",
+        *(["from poolfuzz.harness.plugins import resolve_family"] if plugin else []),
         "from poolfuzz.pools.config import get_config",
         "",
+        *([f"FAMILY = {art.family!r}  # the pool family (--family) it was found on"] if plugin else []),
         f"CONFIG = {art.config!r}",
         "# Catalogue faults the failure was found with; the family without them is the fixed one.",
         f"FAULTS = {list(art.faults)!r}",
@@ -87,7 +90,8 @@ def render(art, *, source_name: str = "") -> str:
         "",
         f"def {name}():",
         f"    engine = Engine(config=get_config(CONFIG), device=DEVICE, faults=FAULTS, backup_mode=BACKUP_MODE,",
-        f"                    options=EngineOptions({_kwargs(art.engine_options)}))",
+        f"                    options=EngineOptions({_kwargs(art.engine_options)})"
+        + (", family_factory=resolve_family(FAMILY).factory)" if plugin else ")"),
     ]
     failing_step = None if art.in_teardown else len(art.program)
     for i, step in enumerate(art.program, 1):

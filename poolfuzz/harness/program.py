@@ -149,6 +149,13 @@ def _teardown_outcome(engine: Engine, start: int) -> str:
     return "sweep, then drain: " + (", ".join(ended) if ended else "nothing live")
 
 
-def new_engine(*, config, device="cpu", faults=(), backup_mode=None, options: dict | None = None) -> Engine:
+def new_engine(*, config, device="cpu", faults=(), backup_mode=None, options: dict | None = None,
+               family: str | None = None) -> Engine:
+    """A fresh engine as the machine builds it; ``family`` names a --family plug-in (None: builtin)."""
     opts = EngineOptions(**options) if options else EngineOptions()
-    return Engine(config=config, device=device, faults=tuple(faults), backup_mode=backup_mode, options=opts)
+    extra = {}
+    if family and family != "builtin":
+        from poolfuzz.harness.plugins import resolve_family
+
+        extra["family_factory"] = resolve_family(family).factory
+    return Engine(config=config, device=device, faults=tuple(faults), backup_mode=backup_mode, options=opts, **extra)

@@ -35,12 +35,13 @@ def main(args, out=None) -> int:
     options = artifacts.engine_options(art, args.file)
     device = resolve_device(args.device)
     w = out.write
-    w(f"replaying {args.file}\n  config {art.config}, faults {', '.join(faults) or 'none'}, backup mode "
+    family = "" if art.family == "builtin" else f"family {art.family}, "
+    w(f"replaying {args.file}\n  {family}config {art.config}, faults {', '.join(faults) or 'none'}, backup mode "
       f"{art.backup_mode}; recorded on {art.device} ({art.status}), replaying on {device}\n"
       f"  recorded: {art.failure}\n")
     try:
         engine = new_engine(config=config, device=device, faults=faults, backup_mode=art.backup_mode,
-                            options=options)
+                            options=options, family=art.family)
     except Exception as exc:  # the engine's audits run at construction: a failure at step 0
         w(f"\nREPRODUCED at step 0 (building the families):\n")
         _report(w, exc, art)

@@ -157,6 +157,9 @@ class _ArtifactWriter:
             self.path = path
         return self.path
 
+    def _family(self) -> str:
+        return getattr(self.plan, "family", None) or "builtin"
+
     def _backup_mode(self) -> str:
         from poolfuzz.harness.runner import _resolved_mode
         from poolfuzz.pools.config import get_config
@@ -166,7 +169,7 @@ class _ArtifactWriter:
     def interim(self, candidate):
         from poolfuzz.harness.artifacts import stamp, write_atomic
 
-        art = stamp(config=self.lane.config, device=self.device, faults=list(self.plan.faults),
+        art = stamp(config=self.lane.config, family=self._family(), device=self.device, faults=list(self.plan.faults),
                     backup_mode=self._backup_mode(), seed=self.lane.seed, failure=candidate.message,
                     error_type=candidate.error_type, divergence=candidate.divergence,
                     program=list(candidate.steps), status="shrinking", in_teardown=candidate.in_teardown,
@@ -177,7 +180,7 @@ class _ArtifactWriter:
         from poolfuzz.harness.artifacts import stamp, write_atomic
 
         status = "shrunk" if result.shrunk else ("interrupted" if result.interrupted else "shrink-limit")
-        art = stamp(config=result.config, device=self.device, faults=list(result.faults),
+        art = stamp(config=result.config, family=self._family(), device=self.device, faults=list(result.faults),
                     backup_mode=result.backup_mode, seed=result.seed, failure=result.failure,
                     error_type=result.error_type or result.failure.split(":", 1)[0],
                     divergence=result.divergence or {}, program=list(result.engine_steps), status=status,

@@ -72,6 +72,8 @@ BAD = {
     "unknown-fault": (lambda p: _corrupt(p, lambda r: r.update(faults=["no-such-fault"])),
                       "fault 'no-such-fault'"),
     "missing-file": (lambda p: p.unlink(), "does not exist"),
+    "unknown-family": (lambda p: _corrupt(p, lambda r: r.update(family="no-such-family")),
+                       "recorded on pool family 'no-such-family', which does not load here"),
 }
 
 
