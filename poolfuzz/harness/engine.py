@@ -288,6 +288,12 @@ class Engine:
             del self.requests[rid]
             self._record("retract", {"rid": rid}, f"aborted: {err.space} exhausted")
             return "aborted"
+        backed_up = req.kv.retraction_backup.num_tokens
+        if backed_up != ref.requests[rid].backup_tokens:
+            raise failures.reference_mismatch(
+                step=self.step, op=self.op, node=req.node, rid=rid,
+                detail=f"req {rid}'s retraction backup holds {backed_up} tokens; the seqlen-1 contract says "
+                       f"{ref.requests[rid].backup_tokens} (seqlen {req.kv.seqlen})")
         self._audit_backup(req)
         req.phase = Phase.RETRACTED
         req.slots_before = snapshot
@@ -459,6 +465,7 @@ class Engine:
     # ======================================================================================
     def check(self) -> None:
         """Every invariant, after every step; contents of touched requests, all of them periodically."""
+        self.broken = True  # until every check below has passed
         self._check_holdings()
         self._check_reference()
         sweep = self.options.sweep_interval and self.step % self.options.sweep_interval == 0
@@ -470,8 +477,8 @@ class Engine:
         self.broken = False
 
     def sweep(self) -> None:
-        self._check_reference()
         self._check_holdings()
+        self._check_reference()
         self._check_free_lists()
         self._check_contents(list(self.requests.values()))
 
@@ -747,6 +754,16 @@ class Engine:
                     raise self._fail_invariant(
                         f"after every request ended, {space} has {alloc.available_size()} of {total} free (leak)",
                         node)
+
+    def pressure(self) -> float:
+        """The fullest device pool's used fraction, over both nodes (0 empty, 1 exhausted)."""
+        worst = 0.0
+        for node, fam in self.families.items():
+            for space, alloc in fam.free_lists().items():
+                total = self.refs[node].total(space) * (self.config.page_size if space in ("full", "swa") else 1)
+                if total and not space.startswith("host."):
+                    worst = max(worst, 1.0 - alloc.available_size() / total)
+        return worst
 
     def occupancy(self) -> str:
         parts = []

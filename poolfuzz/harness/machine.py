@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from hypothesis import event as _hypothesis_event
+from hypothesis import target as _hypothesis_target
 from hypothesis.errors import InvalidArgument
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
@@ -17,6 +18,13 @@ def event(label: str) -> None:
     replayed by hand, outside any test."""
     try:
         _hypothesis_event(label)
+    except InvalidArgument:
+        pass
+
+
+def _target(value: float, label: str) -> None:
+    try:
+        _hypothesis_target(value, label=label)
     except InvalidArgument:
         pass
 
@@ -140,8 +148,12 @@ class PoolMachine(RuleBasedStateMachine):
     @invariant()
     def pools_agree_with_reference(self):
         self.engine.check()
+        self._pressure = max(getattr(self, "_pressure", 0.0), self.engine.pressure())
 
     def teardown(self):
+        # Steer Hypothesis's targeted phase towards full pools: exhaustion, reuse and failed
+        # resumes are where the allocation bugs live.
+        _target(getattr(self, "_pressure", 0.0), "peak pool pressure")
         if not self.engine.broken:  # a step failed: its report stands, nothing more to check
             self.engine.sweep()
             self.engine.drain()

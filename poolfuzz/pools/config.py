@@ -165,8 +165,10 @@ def _base_configs() -> list[ModelConfig]:
 
 def _paged(config: ModelConfig, page_size: int, kv_dtype: str) -> ModelConfig:
     return config.replace(
+        # The full pool keeps its size in tokens (so fewer, larger pages fill up as fast); the
+        # SWA side doubles along with the window.
         name=f"{config.name}-ps{page_size}", page_size=page_size, kv_dtype=kv_dtype,
-        full_tokens=config.full_tokens * 2, swa_tokens=config.swa_tokens * 2,
+        full_tokens=config.full_tokens, swa_tokens=config.swa_tokens * 2,
         sliding_window=config.sliding_window * 2 if config.has_swa else 0,
     )
 

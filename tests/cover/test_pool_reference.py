@@ -135,11 +135,11 @@ class TestReferenceAgreement:
             (22, "rows", 1, 0),  # requests 1, 4, 5, 6, 7 hold every row
         ]
 
-    def test_swa_ps4_resume_waits_for_swa_pages(self):
-        """swa-ps4: while request 3 holds 40 positions the resume's 16-slot SWA tail does not fit."""
-        # SWA 64 slots: request 2 holds 16 (window 12 evicts nothing at pre_len 14), request 3
-        # holds 40 -> 8 free; the resume needs the window tail [8, 22) = 4 pages = 16 slots.
-        assert run_script("swa-ps4", "host_pool") == [(11, "swa", 16, 8), (22, "rows", 1, 0)]
+    def test_swa_ps4_resume_waits_for_full_pages(self):
+        """swa-ps4: while request 3 holds 40 positions the resume's 22 positions do not fit."""
+        # Full 64 slots: request 2 holds 16, request 3 holds 40 -> 8 free; the resume needs
+        # fill_len 22 = 6 pages = 24 slots. The full side is checked before the SWA tail.
+        assert run_script("swa-ps4", "host_pool") == [(11, "full", 24, 8), (22, "rows", 1, 0)]
 
     def test_hybrid_linear_runs_out_of_mamba_slots_before_rows(self):
         """hybrid-linear has 4 mamba slots for 5 rows: the admit that finds no slot names mamba."""
@@ -154,7 +154,7 @@ class TestReferenceAgreement:
         """A fresh reference reports every space at full capacity, in slots."""
         ref = ReferenceFamily(CONFIGS["swa-ps4"], backup_mode="host_pool")
         assert {s: ref.available(s) for s in ref.free} == {
-            "rows": 5, "full": 128, "swa": 64, "host.full": 256, "host.swa": 256}
+            "rows": 5, "full": 64, "swa": 64, "host.full": 128, "host.swa": 128}
 
     def test_reference_host_needs_are_page_padded(self):
         """host_needs pads the backup to pages and covers the SWA window from its page floor."""
