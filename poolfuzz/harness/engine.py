@@ -701,17 +701,17 @@ class Engine:
     # ======================================================================================
     def _audit_predicate(self) -> None:
         fam = self.families["prefill"]
-        if fam.backup_mode == "host_pool" and fam.has_recurrent_state():
-            raise self._fail_invariant(
-                f"{self.config.name}: host_pool retraction backup chosen for a model with recurrent state; "
-                "PD transfers its MAMBA state but a host_pool backup carries only full KV and SWA, so a "
-                "retracted request would resume on a stale state", kind="predicate")
         if fam.uses_ssm_state != fam.has_recurrent_state():
             has = "has" if fam.has_recurrent_state() else "has no"
             raise self._fail_invariant(
                 f"uses_ssm_state({self.config.name}) is {fam.uses_ssm_state} but the built family {has} "
                 "recurrent-state components: backup decisions read the predicate and would silently "
                 "take the wrong path", kind="predicate")
+        if fam.backup_mode == "host_pool" and fam.has_recurrent_state():
+            raise self._fail_invariant(
+                f"{self.config.name}: host_pool retraction backup chosen for a model with recurrent state; "
+                "PD transfers its MAMBA state but a host_pool backup carries only full KV and SWA, so a "
+                "retracted request would resume on a stale state", kind="predicate")
 
     def _audit_backup(self, req: Request) -> None:
         """What the KV pool's CPU copy really carried (seen through checksums) vs what it declares."""
