@@ -9,6 +9,7 @@ still hands back (and lets the caller write) its best shrink.
 from __future__ import annotations
 
 import inspect
+import re
 import sys
 import time
 from dataclasses import dataclass, field
@@ -41,7 +42,7 @@ class RunResult:
     device: str = "cpu"
     seed: int | None = None
     error_type: str | None = None  # the failure's class name (StateLost, ...)
-    reproduce_blob: str | None = None  # Hypothesis's @reproduce_failure line
+    reproduce_blob: str | None = None  # @reproduce_failure(version, blob) of the reported example
     shrunk: bool = True  # False: shrinking was cut short (time limit or interrupt); best so far
     interrupted: bool = False  # Ctrl-C arrived; a failure, if any, is the best shrink so far
     database_key: str | None = None  # hex key of the machine in the example database
@@ -61,6 +62,7 @@ class FailureCandidate:
     message: str
     divergence: dict
     in_teardown: bool  # the failure came from the final sweep / drain
+    reproduce: str | None = None  # @reproduce_failure(...) for this example
 
     @property
     def size(self) -> tuple[int, int]:
@@ -127,6 +129,17 @@ def _is_final() -> bool:
         return bool(current_build_context().is_final)
     except Exception:
         return False
+
+
+def _reproduction() -> str | None:
+    """The @reproduce_failure decorator of the example running now (None where Hypothesis hides it)."""
+    try:
+        from hypothesis.control import current_build_context
+        from hypothesis.core import reproduction_decorator
+
+        return reproduction_decorator(current_build_context().data.choices)
+    except Exception:
+        return None
 
 
 def _divergence(exc: BaseException, engine) -> dict:
@@ -226,7 +239,8 @@ def run_machine(config: ModelConfig, *, device="cpu", faults=(), backup_mode=Non
                         steps.append(StepRecord(op=op, args=args, outcome=f"raised {type(exc).__name__}"))
                     tracker.saw_failure(FailureCandidate(
                         steps=tuple(steps), error_type=type(exc).__name__, message=_message(exc),
-                        divergence=_divergence(exc, self.engine), in_teardown=raised is not None))
+                        divergence=_divergence(exc, self.engine), in_teardown=raised is not None,
+                        reproduce=_reproduction()))
 
     Counted.__name__ = Counted.__qualname__ = "PoolMachine"
     key = database_key(base)
@@ -267,7 +281,8 @@ def run_machine(config: ModelConfig, *, device="cpu", faults=(), backup_mode=Non
         failure, error_type = _message(error), type(error).__name__
         notes = getattr(error, "__notes__", [])
         program = "\n".join(n for n in notes if not n.startswith("You can reproduce")) or None
-        blob = next((n for n in notes if n.startswith("You can reproduce")), None)
+        note = next((n for n in notes if n.startswith("You can reproduce")), "")
+        blob = next(iter(re.findall(r"@reproduce_failure\(.*?\)", note)), None)
         divergence = _divergence(error, None) if final is None else final.divergence
         if isinstance(error, PoolfuzzFailure):
             divergence = error.divergence.to_json()
@@ -275,6 +290,7 @@ def run_machine(config: ModelConfig, *, device="cpu", faults=(), backup_mode=Non
         failure, error_type, divergence = final.message, final.error_type, final.divergence
     if final is not None:
         engine_steps = final.steps
+        blob = blob or final.reproduce
     return RunResult(config=config.name, faults=tuple(faults),
                      backup_mode=backup_mode or _resolved_mode(config, faults),
                      examples=tracker.examples, steps=tracker.steps,

@@ -111,6 +111,20 @@ def test_failing_run_exits_1_and_writes_one_artifact(found):
     assert run_cli(["replay", str(out / files[0]), "--device", "cpu"]) == 1
 
 
+def test_artifact_keeps_hypothesis_reproduce_blob(found):
+    """Besides the engine program, the artifact carries @reproduce_failure for the same example."""
+    import re
+
+    from hypothesis import reproduce_failure
+
+    _, _, _, out = found
+    art = load(next(out.glob("*.json")))
+    version, blob = re.fullmatch(r"@reproduce_failure\('(.*)', b'(.*)'\)", art.reproduce_blob).groups()
+    machine = reproduce_failure(version, blob.encode())(machine_for("swa-ssm", faults=[FAULT]))
+    with pytest.raises(StateLost):
+        run_state_machine_as_test(machine, settings=settings(database=None, deadline=None, print_blob=False))
+
+
 def test_failure_is_in_the_database_for_a_plain_hypothesis_run(found):
     """A plain run_state_machine_as_test of the same machine, replay phase only, fails at once."""
     _, _, db, _ = found
