@@ -22,9 +22,15 @@ class UsageError(Exception):
     """Bad input: printed as one line, exit status 2, nothing written."""
 
 
+class _Parser(argparse.ArgumentParser):
+    """Usage errors as one line that names the problem and where to look, exit status 2."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message} (see '{self.prog} --help')\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="poolfuzz",
-                                     description="Property-based fuzzing of LLM serving memory pools.")
+    parser = _Parser(prog="poolfuzz", description="Property-based fuzzing of LLM serving memory pools.")
     sub = parser.add_subparsers(dest="command", required=True)
     for name in COMMAND_MODULES:
         importlib.import_module(name).register(sub)

@@ -115,6 +115,7 @@ class Engine:
         self.step += 1
         self.op = op
         self.touched = set()
+        self.events: set[str] = set()  # labels for Hypothesis statistics (``hypothesis.event``)
 
     def _record(self, op: str, args: dict, outcome: str) -> None:
         self.log.append(StepRecord(op=op, args=args, outcome=outcome))
@@ -257,6 +258,7 @@ class Engine:
         self.culprit = NO_CULPRIT
         if req.kv.swa_evicted_seqlen != before:
             self.touched.add(req.rid)
+            self.events.add("SWA evicted")
 
     def evict_swa(self) -> None:
         """Free SWA slots that slid out of the window, for every running request."""

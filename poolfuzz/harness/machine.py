@@ -148,6 +148,8 @@ class PoolMachine(RuleBasedStateMachine):
     @invariant()
     def pools_agree_with_reference(self):
         self.engine.check()
+        for label in sorted(getattr(self.engine, "events", ())):
+            event(label)
         self._pressure = max(getattr(self, "_pressure", 0.0), self.engine.pressure())
 
     def teardown(self):

@@ -214,15 +214,8 @@ class SilentTokenAllocator(TokenAllocator):
 
     def free(self, indices):
         idx = _as_index(indices)
-        pages = sorted(set((idx // self.page_size).tolist()))
-        for p in pages:
-            self._is_free[p] = 1
-        if self.page_size == 1:
-            self._free.extend(pages)
-        else:
-            self._free.extendleft(reversed(pages))
-        if self.on_free is not None and pages:
-            self.on_free(self.space, self._tokens_of(pages))
+        if idx.numel():
+            self._release(sorted(set((idx // self.page_size).tolist())))
 
 
 class SilentDoubleFreeSWAAllocator(FreeSWAKeepsMapping):
