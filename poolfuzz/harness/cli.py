@@ -12,6 +12,7 @@ from poolfuzz.pools.errors import ConfigError
 COMMAND_MODULES = [
     "poolfuzz.harness.run_command",
     "poolfuzz.harness.catalogue_command",
+    "poolfuzz.harness.bench",
     "poolfuzz.harness.hunt",
     "poolfuzz.harness.replay_command",
     "poolfuzz.harness.emit_command",

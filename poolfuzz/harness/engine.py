@@ -11,21 +11,26 @@ import enum
 from dataclasses import dataclass, field
 from typing import Callable
 
+import numpy as np
 import torch
 
 from poolfuzz.harness import failures, row_cache
 from poolfuzz.harness.checksums import SlotReader, row_checksums, slot_checksums
 from poolfuzz.harness.contents import KIND_KV, KIND_PADDING, KIND_STATE, chain_affine, describe_row
 from poolfuzz.harness.ledger import ComponentSpec, Ledger, build_rows, poison_rows
+from poolfuzz.pools.allocator import TokenAllocator
 from poolfuzz.pools.config import ModelConfig
 from poolfuzz.pools.errors import PoolError, PoolExhausted
 from poolfuzz.pools.family import PoolFamily, build_family
 from poolfuzz.pools.reference import ReferenceFamily
+from poolfuzz.pools.req_to_token import ReqToTokenPool
+from poolfuzz.pools.swa_allocator import SWATokenAllocator
 from poolfuzz.pools.request import ReqKv
 
 NODES = ("prefill", "decode")
 NO_CULPRIT = 0xFFFF
 _EMPTY = torch.empty(0, dtype=torch.int64)
+_NO_POSITION = np.array([-1], dtype=np.int64)
 
 
 class Phase(enum.Enum):
@@ -102,7 +107,8 @@ class Engine:
         self.broken = False
         self.log: list[StepRecord] = []
         self.stats = {"checksum_calls": 0, "slots_checked": 0, "sweeps": 0}
-        self._readers: dict[tuple, SlotReader] = {}
+        self._readers: dict[str, list] = {}
+        self._views: dict[int, tuple] = {}  # id(host tensor) -> (tensor, its numpy view)
         for node, fam in self.families.items():
             fam.set_free_listener(self._poisoner(node))
         self._audit_predicate()
@@ -445,19 +451,20 @@ class Engine:
         zero = torch.zeros(1, dtype=torch.int64, device=self.device)
         for comp in fam.components():
             spec = self.specs[(comp.name, comp.layer)]
-            comp.tensor[zero] = build_rows(spec, kind=KIND_PADDING, rid=NO_CULPRIT, position=self.step, chain=0,
-                                           device=self.device)
+            comp.tensor[zero] = row_cache.tagged_rows(spec, kind=KIND_PADDING, rid=NO_CULPRIT, position=self.step,
+                                                      chain=0, n=1, device=self.device)
 
     def _poisoner(self, node: str):
         def poison(space: str, slots: torch.Tensor) -> None:
             if not self.options.poison or slots.numel() == 0:
                 return
             fam = self.families[node]
-            comps = fam.host_components() if space.startswith("host.") else fam.components()
-            specs = self.host_specs if space.startswith("host.") else self.specs
-            for comp in comps:
+            if space.startswith("host."):
+                plan = [(c, self.host_specs[(c.name, c.layer)]) for c in fam.host_components()]
+            else:  # the device components, listed once per node
+                plan = [(c, spec) for c, spec, _ in self._component_readers(node, fam)]
+            for comp, spec in plan:
                 if comp.space == space:
-                    spec = specs[(comp.name, comp.layer)]
                     comp.tensor[slots.to(comp.tensor.device)] = row_cache.poison_rows(
                         spec, culprit=self.culprit, step=self.step, n=slots.numel(), device=comp.tensor.device)
         return poison
@@ -522,10 +529,10 @@ class Engine:
                     continue
                 kv = req.kv
                 held["rows"].append(kv.req_pool_idx)
-                tokens = fam.req_pool.read(kv.req_pool_idx, 0, kv.kv_allocated_len)
+                tokens = self._tokens(fam, kv.req_pool_idx, 0, kv.kv_allocated_len)
                 held["full"] += sorted({t // ps for t in tokens.tolist()})
                 if "swa" in held:
-                    held["swa"] += sorted({t // ps for t in fam.allocator.translate(tokens).tolist() if t > 0})
+                    held["swa"] += sorted({t // ps for t in self._swa_slots(fam, tokens).tolist() if t > 0})
                 if kv.mamba_pool_idx is not None:
                     held["mamba"].append(kv.mamba_pool_idx)
                 if kv.mamba_cow_src is not None:
@@ -534,6 +541,8 @@ class Engine:
                 if space.startswith("host."):
                     continue
                 alloc = lists[space]
+                is_free = (alloc._is_free.__getitem__ if type(alloc).is_free_page is TokenAllocator.is_free_page
+                           else alloc.is_free_page)
                 if alloc.is_free_page(0):
                     raise self._fail_invariant(
                         f"{space} free list holds the reserved slot/page 0 (padding): it will be handed out", node)
@@ -543,7 +552,7 @@ class Engine:
                 for u in units:
                     if u == 0:
                         raise self._fail_invariant(f"{space} slot/page 0 (reserved padding) was handed out", node)
-                    if alloc.is_free_page(u):
+                    if is_free(u):
                         raise self._fail_invariant(f"{space} slot/page {u} is held but also in the free list", node)
 
     def _check_free_lists(self) -> None:
@@ -561,25 +570,30 @@ class Engine:
                     raise self._fail_invariant(f"{space} free list holds the reserved slot/page 0", node)
 
     def _check_contents(self, reqs: list[Request]) -> None:
-        """Compare, per component in one batched gather, every expected slot with its checksum."""
-        batches = []  # (comp, req list, slots, expected, positions)
+        """Compare, per component in one batched gather, every expected slot with its checksum.
+        Slots are worked out once per (request, index space), as numpy index arrays."""
+        batches = []  # (comp, node, parts, slots, expected, got)
         for node, fam in self.families.items():
             node_reqs = [r for r in reqs if r.node == node and r.phase is not Phase.RETRACTED]
-            if not node_reqs:
-                continue
-            located: dict = {}  # (rid, space) -> (positions, slots): shared by the space's components
-            for comp in fam.components():
-                spec = self.specs[(comp.name, comp.layer)]
-                parts = [self._expected_slots(fam, r, spec, located) for r in node_reqs]
-                parts = [(r, *p) for r, p in zip(node_reqs, parts) if p is not None and p[0].numel()]
-                if not parts:
-                    continue
-                slots = parts[0][2] if len(parts) == 1 else torch.cat([p[2] for p in parts])
-                expected = parts[0][3] if len(parts) == 1 else torch.cat([p[3] for p in parts])
-                got = self._reader(node, comp)(slots)
-                self.stats["checksum_calls"] += 1
-                self.stats["slots_checked"] += slots.numel()
-                batches.append((comp, node, parts, slots, expected, got))
+            if node_reqs:
+                located: dict = {}  # (rid, space) -> (positions, slots), shared by the space's components
+                for comp, spec, reader in self._component_readers(node, fam):
+                    parts = []
+                    for r in node_reqs:
+                        p = self._expected_slots(fam, r, spec, located)
+                        if p is not None and len(p[0]):
+                            parts.append((r, *p))
+                    if not parts:
+                        continue
+                    if len(parts) == 1:
+                        slots, expected = parts[0][2], parts[0][3]
+                    else:
+                        slots = np.concatenate([p[2] for p in parts])
+                        expected = torch.cat([p[3] for p in parts])
+                    got = reader(slots)
+                    self.stats["checksum_calls"] += 1
+                    self.stats["slots_checked"] += len(slots)
+                    batches.append((comp, node, parts, slots, expected, got))
             for req in reqs:
                 if req.node == node and req.phase is Phase.RETRACTED:
                     batches += self._host_batches(fam, node, req)
@@ -597,52 +611,68 @@ class Engine:
             if mismatch.numel():
                 raise self._explain(comp, node, parts, slots, int(mismatch[0]))
 
-    def _reader(self, node: str, comp) -> SlotReader:
-        """The checksum reader of one component buffer, made once per buffer."""
-        key = (node, comp.name, comp.layer)
-        reader = self._readers.get(key)
-        if reader is None or reader.buffer.data_ptr() != comp.tensor.data_ptr() \
-                or reader.buffer.shape != comp.tensor.shape:
-            reader = self._readers[key] = SlotReader(comp.tensor)
-        return reader
+    def _tokens(self, fam: PoolFamily, row: int, lo: int, hi: int) -> np.ndarray:
+        """``req_pool.read(row, lo, hi)`` as int64 numpy; the stock host-side pool is read in place."""
+        pool = fam.req_pool
+        if type(pool).read is ReqToTokenPool.read and pool.req_to_token.device.type == "cpu":
+            view = self._views.get(id(pool.req_to_token))
+            if view is None:
+                view = self._views[id(pool.req_to_token)] = (pool.req_to_token, pool.req_to_token.numpy())
+            return view[1][row, lo:hi].astype(np.int64)
+        return pool.read(row, lo, hi).cpu().numpy()
+
+    def _swa_slots(self, fam: PoolFamily, tokens: np.ndarray) -> np.ndarray:
+        """``allocator.translate(tokens)`` as int64 numpy; the stock mapping is read in place."""
+        alloc = fam.allocator
+        if type(alloc).translate is SWATokenAllocator.translate and alloc.full_to_swa.device.type == "cpu":
+            view = self._views.get(id(alloc.full_to_swa))
+            if view is None:
+                view = self._views[id(alloc.full_to_swa)] = (alloc.full_to_swa, alloc.full_to_swa.numpy())
+            return view[1][tokens]
+        return alloc.translate(torch.from_numpy(tokens)).cpu().numpy()
+
+    def _component_readers(self, node: str, fam: PoolFamily) -> list:
+        """(component, spec, checksum reader) of every device component of a node, made once: the
+        pools allocate their buffers at construction (checked cheaply on every use)."""
+        plan = self._readers.get(node)
+        if plan is None or any(r.buffer.data_ptr() != c.tensor.data_ptr() or r.buffer.shape != c.tensor.shape
+                               for c, _, r in plan[:1]):
+            plan = [(c, self.specs[(c.name, c.layer)], SlotReader(c.tensor)) for c in fam.components()]
+            self._readers[node] = plan
+        return plan
 
     def _expected_slots(self, fam: PoolFamily, req: Request, spec: ComponentSpec, located: dict | None = None):
         """(positions, slots, expected checksums) of one component of one request, or None.
         ``located`` memoises (positions, slots) per (request, space) across components."""
         kv = req.kv
         ref = self.refs[req.node].requests[req.rid]
+        located = {} if located is None else located
         if spec.space == "mamba":
             if ref.pending_state is not None or ref.state is None:
                 return None
             where = (req.rid, "mamba")
-            if located is None or where not in located:
-                located = {} if located is None else located
-                located[where] = (torch.tensor([-1]), torch.tensor([kv.mamba_pool_idx]))
+            if where not in located:
+                located[where] = (_NO_POSITION, np.array([kv.mamba_pool_idx], dtype=np.int64))
             return (*located[where], torch.tensor([self.ledger.state(spec, ref.state)]))
         committed = kv.kv_committed_len
         lo = max(0, committed - self.config.sliding_window) if spec.space == "swa" else 0
         expected = req.expected.get(spec.key, _EMPTY)[lo:committed]
         where = (req.rid, spec.space)
-        if located is not None and where in located:
-            return (*located[where], expected)
-        tokens = fam.req_pool.read(kv.req_pool_idx, lo, committed)
-        positions = torch.arange(lo, committed)
-        if located is not None and spec.space != "swa":
-            located[where] = (positions, tokens)
-        if spec.space == "swa":
-            slots = fam.allocator.translate(tokens)
-            unmapped = (slots <= 0).nonzero()
-            if unmapped.numel():
-                i = int(unmapped[0])
-                raise failures.state_lost(
-                    step=self.step, op=self.op, node=req.node, rid=req.rid, component=spec.name, layer=spec.layer,
-                    position=lo + i, slot_before=self._before(req, "swa", lo + i), slot_after=0,
-                    expected=f"req {ref.kv_owner[lo + i]} pos {lo + i}",
-                    found="no SWA slot (unmapped inside the attention window)", verb=req.verb)
-            if located is not None:
-                located[where] = (positions, slots)
-            return positions, slots, expected
-        return positions, tokens, expected
+        found = located.get(where)
+        if found is None:
+            slots = self._tokens(fam, kv.req_pool_idx, lo, committed)
+            if spec.space == "swa":
+                slots = self._swa_slots(fam, slots)
+                unmapped = np.flatnonzero(slots <= 0)
+                if unmapped.size:
+                    i = int(unmapped[0])
+                    raise failures.state_lost(
+                        step=self.step, op=self.op, node=req.node, rid=req.rid, component=spec.name,
+                        layer=spec.layer, position=lo + i, slot_before=self._before(req, "swa", lo + i),
+                        slot_after=0, expected=f"req {ref.kv_owner[lo + i]} pos {lo + i}",
+                        found="no SWA slot (unmapped inside the attention window)", verb=req.verb)
+            found = located[where] = (np.arange(lo, committed), slots)
+        return (*found, expected)
 
     def _host_batches(self, fam: PoolFamily, node: str, req: Request) -> list:
         backup = req.kv.retraction_backup
@@ -665,9 +695,9 @@ class Engine:
 
     def _explain(self, comp, node, parts, slots, index):
         for req, positions, req_slots, expected in parts:
-            if index < req_slots.numel():
+            if index < len(req_slots):
                 break
-            index -= req_slots.numel()
+            index -= len(req_slots)
         slot = int(req_slots[index])
         pos = int(positions[index])
         found = describe_row(comp.tensor[slot].cpu())

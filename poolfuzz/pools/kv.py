@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from poolfuzz.pools.allocator import _as_index
-from poolfuzz.pools.components import DTYPES, Component
+from poolfuzz.pools.components import DTYPES, Component, zeros
 from poolfuzz.pools.mamba import MambaCpuCopy, MambaPool, cpu_copy
 
 CPU_COPY_CHUNK = 8192  # SGLang's cpu_offloading_chunk_size
@@ -78,8 +78,8 @@ class MHATokenToKVPool(KVCache):
         self.device = torch.device(device)
         self.name = name
         shape = (size + page_size, head_num, head_dim)
-        self.k_buffer = [torch.zeros(shape, dtype=self.store_dtype, device=self.device) for _ in layer_ids]
-        self.v_buffer = [torch.zeros(shape, dtype=self.store_dtype, device=self.device) for _ in layer_ids]
+        self.k_buffer = [zeros(shape, dtype=self.store_dtype, device=self.device) for _ in layer_ids]
+        self.v_buffer = [zeros(shape, dtype=self.store_dtype, device=self.device) for _ in layer_ids]
 
     def components(self) -> list[Component]:
         out = []

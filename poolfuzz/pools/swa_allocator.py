@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from poolfuzz.pools.allocator import AllocatorState, TokenAllocator, _as_index
+from poolfuzz.pools.components import zeros
 from poolfuzz.pools.errors import MisalignedAlloc, PoolExhausted
 
 
@@ -22,7 +23,7 @@ class SWATokenAllocator:
         self.page_size = page_size
         self.full = TokenAllocator(size=size, page_size=page_size, space="full")
         self.swa = TokenAllocator(size=size_swa, page_size=page_size, space="swa")
-        self.full_to_swa = torch.zeros(size + page_size + 1, dtype=torch.int64)
+        self.full_to_swa = zeros((size + page_size + 1,), dtype=torch.int64)  # lazily zeroed pages
         self.full_to_swa[-1] = -1
 
     @property
