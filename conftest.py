@@ -13,7 +13,7 @@ settings.register_profile(
     "ci", max_examples=40, deadline=None, derandomize=True, database=None, print_blob=True,
     suppress_health_check=[HealthCheck.too_slow],
 )
-# gpu: the same suite on CUDA (select it with --device cuda); kernels launch asynchronously, so no deadline.
+# gpu: the same suite on CUDA (the --device default becomes cuda); kernels launch asynchronously, so no deadline.
 settings.register_profile("gpu", max_examples=60, deadline=None, print_blob=True,
                           suppress_health_check=[HealthCheck.too_slow])
 # fuzz: long local or nightly sessions with the database on, so every failure replays later.
@@ -21,7 +21,8 @@ settings.register_profile("fuzz", max_examples=5_000, deadline=None, print_blob=
                           phases=list(Phase), suppress_health_check=[HealthCheck.too_slow])
 
 _default = "ci" if os.environ.get("CI") else "dev"
-settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", _default))
+PROFILE = os.environ.get("HYPOTHESIS_PROFILE", _default)
+settings.load_profile(PROFILE)
 
 
 def pytest_configure(config):
@@ -33,8 +34,10 @@ def pytest_configure(config):
 
 
 def pytest_addoption(parser):
-    parser.addoption("--device", default=os.environ.get("POOLFUZZ_DEVICE", "cpu"),
-                     help="torch device the pools are built on: cpu, cuda or cuda:N (default cpu)")
+    default = os.environ.get("POOLFUZZ_DEVICE", "cuda" if PROFILE == "gpu" else "cpu")
+    parser.addoption("--device", default=default,
+                     help="torch device the pools are built on: cpu, cuda or cuda:N "
+                          "(default cpu; cuda under HYPOTHESIS_PROFILE=gpu)")
 
 
 @pytest.fixture(scope="session")
