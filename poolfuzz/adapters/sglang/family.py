@@ -313,8 +313,10 @@ def build_sglang_family(config: ModelConfig, *, device="cpu", faults=(), backup_
     sdev = str(dev) if dev.type == "cpu" else f"cuda:{dev.index or 0}"
     c = config
     kv_dtype = KV_DTYPES[c.kv_dtype]
+    # enable_kvcache_transpose (required by SWAKVPool / HybridLinearKVPool in some releases, which
+    # assert it False): False asks for the standard [slots, heads, head_dim] layout poolfuzz reads.
     common = dict(page_size=c.page_size, dtype=kv_dtype, head_num=c.head_num, head_dim=c.head_dim, device=sdev,
-                  enable_memory_saver=False)
+                  enable_memory_saver=False, enable_kvcache_transpose=False)
 
     mamba_view = None
     if c.has_mamba:

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from poolfuzz.adapters.sglang.api import accepted_kwargs
+from poolfuzz.adapters.sglang.shims import cpu_synchronize
 from poolfuzz.pools.errors import DoubleFree, PoolError, PoolExhausted
 from poolfuzz.pools.protocol import ServingProtocol, floor_page
 from poolfuzz.pools.request import ReqKv, RetractionBackup
@@ -295,7 +296,8 @@ class SGLangProtocol(ServingProtocol):
             sg = self.standin(req, family)
             kv = sg
             kv.kv_committed_len = req.kv_committed_len
-            sg.offload_kv_cache(family.sg_req_pool, family.sg_allocator)
+            with cpu_synchronize(family.device):
+                sg.offload_kv_cache(family.sg_req_pool, family.sg_allocator)
             self._unalias_backup(sg, family, req)
             req.retraction_backup = self._harness_backup(sg, req.seqlen - 1)
             self._release(req, family)
@@ -421,7 +423,8 @@ class SGLangProtocol(ServingProtocol):
         sg = self.standin(req, family)
         sg.seqlen = req.retraction_backup.num_tokens + 1
         try:
-            sg.load_kv_cache(family.sg_req_pool, family.sg_allocator)
+            with cpu_synchronize(family.device):
+                sg.load_kv_cache(family.sg_req_pool, family.sg_allocator)
         except AssertionError as exc:
             raise PoolError(f"SGLang's load_kv_cache asserted: {exc}") from exc
         finally:

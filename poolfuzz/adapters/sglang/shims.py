@@ -11,6 +11,12 @@ Two of SGLang's unconditional imports cannot be satisfied there from PyPI alone:
   is used whenever it is installed; otherwise a permissive stand-in is put in its place
   (kernel definitions become plain functions and are never launched on the CPU paths).
 
+One call-time stand-in: some releases' ``get_cpu_copy`` / ``load_cpu_copy`` (the retraction
+backup) call ``torch.cuda.synchronize()`` unconditionally, which a torch without CUDA answers with
+an AssertionError. For pools on the CPU, whose work is synchronous, that call has nothing to wait
+for; :func:`cpu_synchronize` makes it a no-op for the duration of the call, and only where torch
+has no usable CUDA (with CUDA it is left alone).
+
 Nothing here edits SGLang: the stand-ins go into ``sys.modules`` (through a meta-path finder
 for their submodules) before the first ``sglang`` import, and only for modules that are
 missing or fail to import. :func:`install` is idempotent and returns what it did.
@@ -18,6 +24,7 @@ missing or fail to import. :func:`install` is idempotent and returns what it did
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import importlib.abc
 import importlib.machinery
@@ -178,3 +185,24 @@ def install() -> dict[str, str]:
         _INSTALLED["torchvision"] = _install_torchvision()
         _INSTALLED["triton"] = _install_triton()
     return dict(_INSTALLED)
+
+
+def _no_sync(device=None) -> None:
+    """``torch.cuda.synchronize`` for CPU pools on a torch without CUDA: nothing to wait for."""
+
+
+@contextlib.contextmanager
+def cpu_synchronize(device):
+    """Within the block, ``torch.cuda.synchronize()`` is a no-op if the pools live on the CPU and
+    this torch has no usable CUDA (where SGLang calls it unconditionally; see the module docstring)."""
+    import torch
+
+    if torch.device(device).type != "cpu" or torch.cuda.is_available():
+        yield
+        return
+    real = torch.cuda.synchronize
+    torch.cuda.synchronize = _no_sync
+    try:
+        yield
+    finally:
+        torch.cuda.synchronize = real
