@@ -1,6 +1,6 @@
 """Import stand-ins that let SGLang's memory pools import on a CPU-only machine.
 
-Two of SGLang's unconditional imports cannot be satisfied there from PyPI alone:
+Three of SGLang's unconditional imports cannot be satisfied there from PyPI alone:
 
 * ``torchvision``: ``mem_cache/memory_pool.py`` imports ``sglang.srt.configs``, whose
   ``__init__`` imports every model config, and one chain reaches ``torchvision.transforms``.
@@ -10,6 +10,9 @@ Two of SGLang's unconditional imports cannot be satisfied there from PyPI alone:
 * ``triton``: imported at module level by the pools. The real wheel imports fine on CPU and
   is used whenever it is installed; otherwise a permissive stand-in is put in its place
   (kernel definitions become plain functions and are never launched on the CPU paths).
+* ``sgl_kernel``: imported at module level by some releases' pools (e.g. the host pool's
+  transfer functions); unless the real one imports, a stand-in makes its names importable and
+  raises if one is ever called.
 
 One call-time stand-in: some releases' ``get_cpu_copy`` / ``load_cpu_copy`` (the retraction
 backup) call ``torch.cuda.synchronize()`` unconditionally, which a torch without CUDA answers with
@@ -58,7 +61,7 @@ class _Permissive(types.ModuleType):
         elif attr[:1].isupper():
             value = type(attr, (_StandInBase,), {"__module__": self.__name__})
         else:
-            value = _Permissive(full)
+            value = type(self)(full)
             sys.modules[full] = value
         setattr(self, attr, value)
         return value
@@ -81,6 +84,16 @@ class _Permissive(types.ModuleType):
         return (_StandInBase,)
 
 
+class _CallRaises(_Permissive):
+    """A permissive stand-in whose functions are importable but raise when called: for a kernel
+    library whose names are imported at module level but whose kernels the CPU paths must never
+    run (a silent no-op there would corrupt what the harness checks)."""
+
+    def __call__(self, *args, **kwargs):
+        raise RuntimeError(f"{self.__name__} was called, but it is poolfuzz's import-only stand-in "
+                           "(the real kernel library is not installed or does not import here)")
+
+
 class _StandInBase:
     """Base for stand-in classes: accepts any construction, any attribute is a stand-in."""
 
@@ -94,7 +107,7 @@ class _StandInBase:
 class _StubFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     """Serves ``<root>`` and ``<root>.*`` imports from stand-ins for the roots it was given."""
 
-    _roots: set[str] = set()
+    _roots: dict[str, type] = {}
     _instance: "_StubFinder | None" = None
 
     @classmethod
@@ -110,7 +123,7 @@ class _StubFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 
     def create_module(self, spec):
         module = sys.modules.get(spec.name)
-        return module if module is not None else _Permissive(spec.name)
+        return module if module is not None else self._roots[spec.name.split(".")[0]](spec.name)
 
     def exec_module(self, module):
         parent, _, child = module.__name__.rpartition(".")
@@ -118,12 +131,12 @@ class _StubFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
             setattr(sys.modules[parent], child, module)
 
 
-def _stub_root(root: str) -> types.ModuleType:
-    _StubFinder._roots.add(root)
+def _stub_root(root: str, kind: type = _Permissive) -> types.ModuleType:
+    _StubFinder._roots[root] = kind
     finder = _StubFinder.for_name(root)
     if finder not in sys.meta_path:
         sys.meta_path.insert(0, finder)
-    module = _Permissive(root)
+    module = kind(root)
     sys.modules[root] = module
     return module
 
@@ -179,11 +192,24 @@ def _install_triton() -> str:
     return "stand-in"
 
 
+def _install_sgl_kernel() -> str:
+    """Some releases import ``sgl_kernel`` (CUDA kernels, not on PyPI for CPU) at module level on
+    the pools' import chain, e.g. ``memory_pool_host`` imports the ``sgl_kernel.kvcacheio`` transfer
+    functions that only the host-pool backup (not driven here) calls. The stand-in makes those
+    names importable; calling one raises, so no kernel silently becomes a no-op."""
+    if _importable("sgl_kernel"):
+        return "real"
+    _stub_root("sgl_kernel", _CallRaises)
+    return "stand-in"
+
+
 def install() -> dict[str, str]:
-    """Make ``torchvision`` and ``triton`` importable; returns ``{module: "real" | "stand-in"}``."""
+    """Make ``torchvision``, ``triton`` and ``sgl_kernel`` importable; returns
+    ``{module: "real" | "stand-in"}``."""
     if not _INSTALLED:
         _INSTALLED["torchvision"] = _install_torchvision()
         _INSTALLED["triton"] = _install_triton()
+        _INSTALLED["sgl_kernel"] = _install_sgl_kernel()
     return dict(_INSTALLED)
 
 

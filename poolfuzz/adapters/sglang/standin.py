@@ -38,9 +38,13 @@ _FLAT_FIELDS = {
     "retraction_backup": None,
     "inflight_middle_chunks": 0,
     "is_chunked": 0,
+    "dllm_config": None,  # not a diffusion LLM request (read by Req.is_dllm)
 }
 
 BORROWED = ("offload_kv_cache", "load_kv_cache")
+# Req methods that some releases' pools call on the requests handed to them (e.g.
+# ``ReqToTokenPool.alloc`` asks ``r.is_dllm()``); borrowed where this Req has them.
+BORROWED_IF_PRESENT = ("is_dllm",)
 
 
 class StandInBase:
@@ -112,7 +116,7 @@ def _referenced_methods(req_cls: type, names) -> list[str]:
 
 def standin_class(api: SGLangAPI) -> type:
     """A stand-in class carrying SGLang's own ``offload_kv_cache`` / ``load_kv_cache``."""
-    methods = {name: inspect.getattr_static(api.Req, name) for name in _referenced_methods(api.Req, BORROWED)}
+    methods = {name: inspect.getattr_static(api.Req, name) for name in _referenced_methods(api.Req, BORROWED + BORROWED_IF_PRESENT)}
     missing = [n for n in BORROWED if n not in methods]
     if missing:
         from poolfuzz.adapters.sglang.api import SGLangUnavailable
