@@ -5,7 +5,8 @@
 #
 # Checks: the test suite on CUDA; `poolfuzz run` on CUDA passes on the correct families and finds
 # SGLang #35957 with its fault on; the CUDA artifact replays on CPU and on CUDA; the emitted
-# regression test fails on CUDA with the bug and passes without it; two workers share one database.
+# regression test fails on CUDA with the bug and passes without it; two workers share one database;
+# `poolfuzz bench`: checksums at >= 50% of the device's copy bandwidth (its table is printed last).
 # Exit 0 when every check passed, 1 when one failed, 2 when no GPU is visible.
 # GPU_CHECK_DEVICE=cpu runs the same checks on the CPU (to try the script on a machine without a GPU).
 set -uo pipefail
@@ -104,9 +105,25 @@ check two-workers 40 0 "last_summary two-workers" -- \
   poolfuzz run --device "$DEVICE" --workers 2 --config dense swa --examples 20 --seed 1 \
   --db "$WORK/db2" --out "$WORK/pass2"
 
+# Speed (issue 6): checksums of a 256 MiB bf16 buffer must run at >= 50% of the device's copy
+# bandwidth measured in the same run (on a CPU dry run: of a plain sum); the table is printed last.
+cat >"$WORK/bench_gate.py" <<'EOF'
+import json, sys
+d = json.load(open(sys.argv[1]))
+ceiling, name = (d["copy_gbps"], "copy") if "copy_gbps" in d else (d["sum_gbps"], "sum")
+ratio = d["checksum_gbps"] / ceiling
+print(f"checksum {d['checksum_gbps']:.0f} GB/s = {ratio:.2f} x {name} (>= 0.5)")
+sys.exit(0 if ratio >= 0.5 else 1)
+EOF
+bench_detail() { "$PY" "$WORK/bench_gate.py" "$WORK/bench.json"; }
+check bench 240 0 "bench_detail" -- \
+  bash -c "poolfuzz bench --device '$DEVICE' --examples 50 --seeds 3 --json '$WORK/bench.json' &&
+    '$PY' '$WORK/bench_gate.py' '$WORK/bench.json'"
+
 echo
 echo "gpu-check on $INFO ($(( $(date +%s) - START ))s)"
 printf '%-24s %-12s %6s  %s\n' check result time detail
 for row in "${ROWS[@]}"; do echo "$row"; done
+sed -n '/^  figure/,$p' "$WORK/bench.log" 2>/dev/null
 if [ "$FAILED" -eq 0 ]; then echo "gpu-check: all ${#ROWS[@]} checks ok"; else echo "gpu-check: FAILED"; fi
 exit "$FAILED"

@@ -8,8 +8,11 @@ Figures (all from the same process, one after the other):
   ``--reps`` interleaved passes, in GB/s of buffer read, with ``--threads`` intra-op threads.
   On CUDA ``copy_gbps`` (bytes copied per second by ``copy_``) is measured too.
 * ``steps_per_second`` / ``steps_per_second_large`` / ``scaling_ratio``: state-machine steps per
-  second on the default config (swa-ssm) and on the same config with a million token slots,
-  Hypothesis included, as ``poolfuzz run`` runs them (one intra-op thread).
+  second on the default config (swa-ssm) with a small pool (4096 token slots) and with a million
+  token slots (the request rows and mamba slots stay as configured, so both run the same kind of
+  programs), Hypothesis included, as ``poolfuzz run`` runs them (one intra-op thread).
+  ``steps_per_second_builtin`` is the built-in config itself (64 slots: pools run full, so more
+  programs take the exhaustion paths).
 * ``seconds_to_first_failure``: median over ``--seeds`` seeds of the wall time to the first
   failing example with SGLang #35957 (``swa-ignores-mamba-backup``) switched on.
 """
@@ -24,6 +27,7 @@ from poolfuzz.pools.family import resolve_device
 
 FAULT_35957 = "swa-ignores-mamba-backup"
 DEFAULT_CONFIG = "swa-ssm"
+SMALL_TOKENS = 1 << 12
 LARGE_TOKENS = 1 << 20
 
 TARGETS = {  # key -> (comparison, threshold, devices it applies to)
@@ -69,7 +73,7 @@ def main(args) -> int:
     results.update(bandwidth(device, mib=args.buffer_mib, row_bytes=args.row_bytes, reps=args.reps,
                              threads=args.threads))
     torch.set_num_threads(1)  # what poolfuzz run and the tests use
-    results.update(steps(device, examples=args.examples, large_tokens=LARGE_TOKENS))
+    results.update(steps(device, examples=args.examples, small_tokens=SMALL_TOKENS, large_tokens=LARGE_TOKENS))
     results.update(first_failure(device, seeds=args.seeds))
     results["targets"] = verdicts(results, device.type)
 
@@ -128,16 +132,20 @@ def bandwidth(device, *, mib: int, row_bytes: int, reps: int, threads: int) -> d
 # --------------------------------------------------------------------------------------------
 # State machine
 # --------------------------------------------------------------------------------------------
-def steps(device, *, examples: int, large_tokens: int) -> dict:
+def steps(device, *, examples: int, small_tokens: int, large_tokens: int) -> dict:
     from poolfuzz.harness.runner import run_machine
     from poolfuzz.pools.config import CONFIGS
 
-    small = CONFIGS[DEFAULT_CONFIG]
-    ps = small.page_size
-    large = small.replace(name=f"{small.name}-1m", full_tokens=large_tokens // ps * ps,
-                          swa_tokens=large_tokens // ps * ps)
+    builtin = CONFIGS[DEFAULT_CONFIG]
+    ps = builtin.page_size
+
+    def sized(tokens: int, tag: str):
+        tokens = tokens // ps * ps
+        return builtin.replace(name=f"{builtin.name}-{tag}", full_tokens=tokens, swa_tokens=tokens)
+
     out = {}
-    for key, config in (("", small), ("_large", large)):
+    for key, config in (("", sized(small_tokens, "small")), ("_large", sized(large_tokens, "large")),
+                        ("_builtin", builtin)):
         run_machine(config, device=device, max_examples=2, seed=1)  # warm caches and imports
         r = run_machine(config, device=device, max_examples=examples, seed=0)
         if not r.passed:
@@ -219,6 +227,8 @@ def print_table(results: dict) -> None:
         ("steps_per_second", "steps/s", f"{DEFAULT_CONFIG}, {results.get('token_slots', '?')} token slots"),
         ("steps_per_second_large", "steps/s", f"{DEFAULT_CONFIG}, {results.get('token_slots_large', '?')} token slots"),
         ("scaling_ratio", "", "large / small"),
+        ("steps_per_second_builtin", "steps/s",
+         f"{DEFAULT_CONFIG} as built in, {results.get('token_slots_builtin', '?')} token slots"),
         ("hypothesis_trivial_steps_per_second", "steps/s", "plain Hypothesis, trivial rules (machine load)"),
         ("seconds_to_first_failure", "s", f"median, #35957 ({FAULT_35957})"),
     ]

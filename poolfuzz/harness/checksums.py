@@ -35,7 +35,7 @@ import torch
 
 WORD_BYTES = 8
 _SEED = 0x5EED_C0DE_F00D_BA5E
-_CUDA_CHUNK_BYTES = 8 << 20  # rows per CUDA pass: products of one chunk stay in L2
+_CUDA_CHUNK_BYTES = 32 << 20  # rows per device pass: the products of one chunk stay (mostly) in L2
 _np_weights_cache: dict[int, np.ndarray] = {}
 _weights_cache: dict[tuple[int, str], torch.Tensor] = {}
 
@@ -159,21 +159,26 @@ class SlotReader:
             if nbytes:
                 self._np_w = _np_weights(-(-nbytes // WORD_BYTES))
 
+    def words(self, slots) -> np.ndarray | None:
+        """The named rows as uint64 words ``[n, W]``, gathered on the host; None off the CPU."""
+        if self._np_w is None:
+            return None
+        if isinstance(slots, torch.Tensor):
+            if slots.dtype != torch.int64 or slots.device.type != "cpu":
+                slots = slots.to("cpu", torch.int64)
+            idx = slots.numpy()
+        else:
+            idx = np.asarray(slots, dtype=np.int64)
+        if self._np_words is not None:
+            return self._np_words[idx]
+        raw = self._np_bytes[idx]
+        padded = np.zeros((raw.shape[0], self._np_w.shape[0] * WORD_BYTES), dtype=np.uint8)
+        padded[:, :raw.shape[1]] = raw
+        return padded.view(np.uint64)
+
     def __call__(self, slots) -> torch.Tensor:
-        if self._np_w is not None:
-            if isinstance(slots, torch.Tensor):
-                if slots.dtype != torch.int64 or slots.device.type != "cpu":
-                    slots = slots.to("cpu", torch.int64)
-                idx = slots.numpy()
-            else:
-                idx = np.asarray(slots, dtype=np.int64)
-            if self._np_words is not None:
-                words = self._np_words[idx]
-            else:
-                raw = self._np_bytes[idx]
-                padded = np.zeros((raw.shape[0], self._np_w.shape[0] * WORD_BYTES), dtype=np.uint8)
-                padded[:, :raw.shape[1]] = raw
-                words = padded.view(np.uint64)
+        words = self.words(slots)
+        if words is not None:
             return torch.from_numpy(_np_checksums(words, self._np_w).view(np.int64))
         if not isinstance(slots, torch.Tensor):
             slots = torch.as_tensor(np.asarray(slots, dtype=np.int64))

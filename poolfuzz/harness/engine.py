@@ -109,6 +109,7 @@ class Engine:
         self.stats = {"checksum_calls": 0, "slots_checked": 0, "sweeps": 0}
         self._readers: dict[str, list] = {}
         self._views: dict[int, tuple] = {}  # id(host tensor) -> (tensor, its numpy view)
+        self._scalars: dict[int, torch.Tensor] = {}  # expected state checksum -> 1-element tensor
         for node, fam in self.families.items():
             fam.set_free_listener(self._poisoner(node))
         self._audit_predicate()
@@ -437,6 +438,13 @@ class Engine:
         if pool is None:
             return
         a, b = chain_affine(req.rid, start, end)
+        if self.device.type == "cpu":  # the same fold on host ints: no tensor ops, nothing to sync
+            idx = req.kv.mamba_pool_idx
+            for comp in pool.components():
+                spec = self.specs[(comp.name, comp.layer)]
+                old_chain = int(comp.tensor[idx].reshape(-1)[7:8].to(torch.int64))  # read the state
+                comp.tensor[idx] = row_cache.state_row(spec, req.rid, end, (old_chain * a + b) % 251)
+            return
         slot = torch.tensor([req.kv.mamba_pool_idx], device=self.device)
         for comp in pool.components():
             spec = self.specs[(comp.name, comp.layer)]
@@ -653,7 +661,15 @@ class Engine:
             where = (req.rid, "mamba")
             if where not in located:
                 located[where] = (_NO_POSITION, np.array([kv.mamba_pool_idx], dtype=np.int64))
-            return (*located[where], torch.tensor([self.ledger.state(spec, ref.state)]))
+            if ref.state:  # the ledger's state checksum, from the table the write used
+                rid, _, gen = ref.state[-1]
+                value = row_cache.state_checksum(spec, rid, gen, self.ledger.chain(ref.state))
+            else:
+                value = self.ledger.state(spec, ref.state)
+            expected = self._scalars.get(value)
+            if expected is None:
+                expected = self._scalars[value] = torch.tensor([value])
+            return (*located[where], expected)
         committed = kv.kv_committed_len
         lo = max(0, committed - self.config.sliding_window) if spec.space == "swa" else 0
         expected = req.expected.get(spec.key, _EMPTY)[lo:committed]

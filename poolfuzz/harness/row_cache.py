@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import torch
 
+from poolfuzz.harness.checksums import row_checksums
 from poolfuzz.harness.contents import CHAIN_MOD, KIND_KV, KIND_POISON, KIND_STATE
 from poolfuzz.harness.ledger import POISON_CHAIN, ComponentSpec, Ledger, build_rows
 
 MAX_ENTRIES = 50_000
+_CPU = torch.device("cpu")
 _cache: dict[tuple, torch.Tensor] = {}
 
 
@@ -54,6 +56,25 @@ def tagged_rows(spec: ComponentSpec, *, kind: int, rid: int, position: int, chai
 def poison_rows(spec: ComponentSpec, *, culprit: int, step: int, n: int, device) -> torch.Tensor:
     """``ledger.poison_rows``: ``n`` copies of the poison row of (culprit, step)."""
     return tagged_rows(spec, kind=KIND_POISON, rid=culprit, position=step, chain=POISON_CHAIN, n=n, device=device)
+
+
+def _state_table(spec: ComponentSpec, rid: int, position: int) -> torch.Tensor:
+    """The state rows of (request, position) for every chain value, on the host."""
+    return _get(("state", spec, rid, position, _CPU), CHAIN_MOD, lambda _: build_rows(
+        spec, kind=KIND_STATE, rid=rid, position=position, chain=torch.arange(CHAIN_MOD), device=_CPU))
+
+
+def state_row(spec: ComponentSpec, rid: int, position: int, chain: int) -> torch.Tensor:
+    """The host-side ``state_rows`` for one chain value known as an int: a view of the table."""
+    return _state_table(spec, rid, position)[chain]
+
+
+def state_checksum(spec: ComponentSpec, rid: int, position: int, chain: int) -> int:
+    """``row_checksums`` of ``state_row(...)``: the ledger's expected state, from the same table
+    the engine's write used (one build for both), all chain values checksummed at once."""
+    sums = _get(("state-sum", spec, rid, position), CHAIN_MOD,
+                lambda _: row_checksums(_state_table(spec, rid, position)))
+    return int(sums[chain])
 
 
 def state_rows(spec: ComponentSpec, rid: int, position: int, chain: torch.Tensor, device) -> torch.Tensor:

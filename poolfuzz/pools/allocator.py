@@ -192,6 +192,8 @@ class TokenAllocator:
         ps = self.page_size
         if not pages:
             return torch.empty(0, dtype=torch.int64)
+        if ps == 1:  # a page is its slot: one op instead of four
+            return torch.tensor(pages, dtype=torch.int64)
         base = torch.as_tensor(pages, dtype=torch.int64) * ps
         return (base[:, None] + torch.arange(ps, dtype=torch.int64)).reshape(-1)
 
@@ -200,7 +202,8 @@ class TokenAllocator:
         idx = _as_index(indices)
         if idx.numel() == 0:
             return
-        pages = sorted(set((idx // self.page_size).tolist()))
+        ps = self.page_size
+        pages = sorted({t // ps for t in idx.tolist()})
         for p in pages:
             if p <= 0 or p > self.num_pages:
                 raise InvalidSlot(space=self.space, slot=p * self.page_size,

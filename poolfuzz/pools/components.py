@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
+import mmap
+
 import torch
 
 DTYPES = {
@@ -32,15 +33,21 @@ class Component:
 def zeros(shape, *, dtype: torch.dtype, device="cpu") -> torch.Tensor:
     """``torch.zeros``, but on the CPU a large buffer costs nothing until its pages are touched.
 
-    numpy's ``zeros`` takes fresh zero pages from the OS (calloc) instead of writing them, so a
-    pool of a million slots is built in microseconds and only the slots a run uses are ever
-    faulted in. A plain torch tensor over that memory; on other devices ``torch.zeros``.
+    A large host buffer is an anonymous private mapping, which the OS hands out as untouched
+    zero pages: a pool of a million slots is built in microseconds and only the slots a run
+    uses are ever faulted in (malloc'd memory would have to be cleared, and glibc's adaptive
+    mmap threshold makes even calloc clear reused heap memory). It is a plain torch tensor over
+    that memory, freed with the tensor. Small buffers and other devices: ``torch.zeros``.
     """
     device = torch.device(device)
-    if device.type != "cpu":
-        return torch.zeros(shape, dtype=dtype, device=device)
     n = 1
     for d in shape:
         n *= d
     nbytes = n * torch.empty(0, dtype=dtype).element_size()
-    return torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(dtype).reshape(shape)
+    if device.type != "cpu" or nbytes < _LAZY_BYTES:
+        return torch.zeros(shape, dtype=dtype, device=device)
+    pages = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    return torch.frombuffer(pages, dtype=torch.uint8).view(dtype).reshape(shape)
+
+
+_LAZY_BYTES = 1 << 20

@@ -18,6 +18,7 @@ REQUIRED = ["checksum_gbps", "sum_gbps", "checksum_ratio", "steps_per_second", "
 @pytest.fixture
 def tiny(monkeypatch):
     """A million slots is the real figure; a few thousand keep this test quick."""
+    monkeypatch.setattr(bench, "SMALL_TOKENS", 1 << 8)
     monkeypatch.setattr(bench, "LARGE_TOKENS", 1 << 12)
 
 
@@ -31,7 +32,8 @@ def test_bench_writes_every_figure(tiny, tmp_path, capsys):
     assert figures["checksum_ratio"] == pytest.approx(figures["checksum_gbps"] / figures["sum_gbps"])
     assert figures["scaling_ratio"] == pytest.approx(figures["steps_per_second_large"] / figures["steps_per_second"])
     assert figures["bandwidth_threads"] == 1 and figures["device"] == "cpu"
-    assert figures["token_slots_large"] == 1 << 12
+    assert figures["token_slots"] == 1 << 8 and figures["token_slots_large"] == 1 << 12
+    assert figures["token_slots_builtin"] == 64 and figures["steps_per_second_builtin"] > 0
     assert set(figures["targets"]) == {"checksum_ratio", "steps_per_second", "scaling_ratio",
                                        "seconds_to_first_failure"}
     table = capsys.readouterr().out

@@ -54,6 +54,16 @@ class TestRowChecksums:
         assert torch.equal(_torch_checksums(as_words(rows)), row_checksums(rows))
         assert row_checksums(rows).tolist() == _exact_python(rows)
 
+    def test_device_path_in_many_chunks(self, monkeypatch):
+        """The device path sums chunk by chunk; any chunking gives the same bits."""
+        import poolfuzz.harness.checksums as checksums
+
+        rows = torch.randint(0, 256, (37, 4096), dtype=torch.uint8)
+        whole = _torch_checksums(as_words(rows))
+        monkeypatch.setattr(checksums, "_CUDA_CHUNK_BYTES", 3 * 4096)
+        assert torch.equal(_torch_checksums(as_words(rows)), whole)
+        assert torch.equal(whole, row_checksums(rows))
+
     def test_weights_are_odd_and_independent_of_row_length(self):
         """Word j has the same odd weight in a row of any length, on every device."""
         short, long = _np_weights(4), _np_weights(64)
@@ -157,3 +167,25 @@ class TestSlotChecksums:
         """An empty slot list gives an empty result."""
         buf = torch.zeros(4, 2, 8)
         assert slot_checksums(buf, torch.empty(0, dtype=torch.int64)).numel() == 0
+
+
+@pytest.mark.requires_cuda
+class TestOnCuda:
+    @pytest.mark.parametrize("dtype", DTYPES, ids=str)
+    @pytest.mark.parametrize("nbytes", [16, 36, 4096])
+    def test_cuda_and_cpu_agree_bit_for_bit(self, dtype, nbytes):
+        """The ledger computes expected checksums on the CPU; the device must produce the same bits."""
+        g = torch.Generator().manual_seed(nbytes)
+        rows = torch.randint(0, 256, (33, nbytes), generator=g, dtype=torch.uint8).view(dtype)
+        assert torch.equal(row_checksums(rows.cuda()).cpu(), row_checksums(rows))
+
+    def test_slot_reader_on_cuda(self):
+        """Gathering and checksumming named slots on the device equals the CPU computation."""
+        buf = torch.randint(0, 256, (64, 6, 6), dtype=torch.uint8).view(torch.bfloat16)
+        slots = torch.tensor([5, 0, 63, 5])
+        assert torch.equal(SlotReader(buf.cuda())(slots).cpu(), SlotReader(buf)(slots))
+
+    def test_large_buffer_in_chunks(self):
+        """A buffer larger than one device chunk gives the CPU's checksums."""
+        rows = torch.randint(0, 256, ((40 << 20) // 4096, 4096), dtype=torch.uint8)
+        assert torch.equal(row_checksums(rows.cuda()).cpu(), row_checksums(rows))

@@ -179,3 +179,28 @@ def test_engines_build_without_touching_the_pool(config):
         for space, alloc in fam.free_lists().items():
             if isinstance(alloc, TokenAllocator):
                 assert alloc._free.explicit() == [] or space == "mamba", space
+
+
+@pytest.mark.parametrize("config", ["swa-ssm", "hybrid-linear-ps4"])
+def test_cached_rows_are_the_ledgers_rows(config):
+    """The memoised rows and state checksums equal what build_rows and the ledger compute."""
+    import torch
+
+    from poolfuzz.harness import row_cache
+    from poolfuzz.harness.contents import KIND_KV, KIND_POISON, KIND_STATE
+    from poolfuzz.harness.ledger import POISON_CHAIN, Ledger, build_rows
+
+    engine = Engine(config=CONFIGS[config])
+    ledger = Ledger()
+    for spec in engine.specs.values():
+        rows = build_rows(spec, kind=KIND_KV, rid=3, position=torch.arange(2, 9), chain=0, device="cpu")
+        assert torch.equal(row_cache.kv_rows(spec, 3, 2, 9, "cpu"), rows)
+        poison = build_rows(spec, kind=KIND_POISON, rid=4, position=torch.full((3,), 17), chain=POISON_CHAIN,
+                            device="cpu")
+        assert torch.equal(row_cache.poison_rows(spec, culprit=4, step=17, n=3, device="cpu"), poison)
+        history = ((3, 0, 5), (3, 5, 6))
+        chain = ledger.chain(history)
+        state = build_rows(spec, kind=KIND_STATE, rid=3, position=6, chain=chain, device="cpu")
+        assert torch.equal(row_cache.state_row(spec, 3, 6, chain), state[0])
+        assert torch.equal(row_cache.state_rows(spec, 3, 6, torch.tensor([chain]), "cpu"), state)
+        assert row_cache.state_checksum(spec, 3, 6, chain) == ledger.state(spec, history)
