@@ -75,10 +75,10 @@ class TestDerivedFields:
         assert CONFIGS["dense-ps4"].replace(host_tokens=10).host_size == 12
 
     def test_paged_variants(self):
-        """The -ps4 variants keep the full pool's size, double the SWA pool and the window, with their own KV dtype."""
+        """The -ps4 variants keep the full pool's size and the window, double the SWA pool, with their own KV dtype."""
         base, paged = CONFIGS["swa"], CONFIGS["swa-ps4"]
         assert (paged.page_size, paged.full_tokens, paged.swa_tokens, paged.sliding_window) == (
-            4, base.full_tokens, 2 * base.swa_tokens, 2 * base.sliding_window)
+            4, base.full_tokens, 2 * base.swa_tokens, base.sliding_window)
         assert {n: CONFIGS[n].kv_dtype for n in ("dense-ps4", "swa-ps4", "hybrid-linear-ps4", "swa-ssm-ps4")} == {
             "dense-ps4": "fp8_e4m3", "swa-ps4": "bfloat16", "hybrid-linear-ps4": "float32", "swa-ssm-ps4": "float16"}
 

@@ -159,4 +159,4 @@ class TestReferenceAgreement:
     def test_reference_host_needs_are_page_padded(self):
         """host_needs pads the backup to pages and covers the SWA window from its page floor."""
         ref = ReferenceFamily(CONFIGS["swa-ps4"], backup_mode="host_pool")
-        assert ref.host_needs(22) == {"host.full": 24, "host.swa": 16}  # window [8, 22)
+        assert ref.host_needs(22) == {"host.full": 24, "host.swa": 8}  # window 6: [16, 22) -> 2 pages

@@ -348,17 +348,17 @@ class TestProtocolSteps:
         assert family.req_pool.read(req.req_pool_idx, 0, 6).tolist() == [4, 5, 6, 7, 8, 9]
 
     def test_evict_swa_advances_by_whole_pages(self):
-        """swa-ps4 (window 12): at pre_len 22 positions [0, 8) leave the window, two SWA pages freed."""
+        """swa-ps4 (window 6): at pre_len 22 positions [0, 16) leave the window, four SWA pages freed."""
         family = build_family(CONFIGS["swa-ps4"], device="cpu")
         req = ReqKv(rid=1, seqlen=23)
         family.protocol.admit(req, family)
         family.protocol.extend(req, family, 22)
         before = family.allocator.swa_available_size()
         family.protocol.evict_swa(req, family, pre_len=22)
-        assert req.swa_evicted_seqlen == 8
-        assert family.allocator.swa_available_size() == before + 8
+        assert req.swa_evicted_seqlen == 16  # floor_page(22 - 6)
+        assert family.allocator.swa_available_size() == before + 16
         family.protocol.evict_swa(req, family, pre_len=22)  # nothing new slid out
-        assert family.allocator.swa_available_size() == before + 8
+        assert family.allocator.swa_available_size() == before + 16
 
     def test_pre_alloc_is_all_or_nothing(self):
         """A pre_alloc that cannot get its KV returns the row and the mamba slot it took."""
