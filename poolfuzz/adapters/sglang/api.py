@@ -130,13 +130,31 @@ def load() -> SGLangAPI:
         # its transitive imports raise deprecation warnings; none concern the pools.
         warnings.simplefilter("ignore")
         try:
-            return _probe(sglang_version, installed)
+            _import_with_on_demand_shims(shims)
+            return _probe(sglang_version, shims.install())
         except SGLangUnavailable:
             raise
         except Exception as exc:
             raise SGLangUnavailable(
                 f"SGLang {sglang_version} did not import here: {type(exc).__name__}: {exc}; {INSTALL_HINT}"
             ) from exc
+
+
+# The modules whose import chains reach everything _probe reads.
+_ENTRY_MODULES = ("sglang.srt.mem_cache.memory_pool", "sglang.srt.managers.schedule_batch")
+
+
+def _import_with_on_demand_shims(shims) -> None:
+    """Import the entry modules; where one fails for want of a module that has an on-demand stand-in
+    (``sgl_kernel``), put that in and retry (Python drops the modules whose import failed)."""
+    for module in _ENTRY_MODULES:
+        while True:
+            try:
+                importlib.import_module(module)
+                break
+            except ImportError as exc:
+                if not (isinstance(exc, ModuleNotFoundError) and shims.install_on_demand(exc.name)):
+                    break  # _probe names what is missing
 
 
 def _probe(sglang_version: str, installed: dict) -> SGLangAPI:

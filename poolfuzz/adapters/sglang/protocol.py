@@ -214,7 +214,9 @@ class SGLangProtocol(ServingProtocol):
                 fn(sg, pre_len, **accepted_kwargs(
                     fn, sliding_window_size=family.config.sliding_window, page_size=family.config.page_size,
                     req_to_token_pool=family.sg_req_pool, token_to_kv_pool_allocator=family.sg_allocator,
-                    supports_prefix_sharing=False, is_chunk_cache=True))
+                    # the chunk-cache path (no prefix sharing), however this release spells it:
+                    # ScheduleBatch passes drop_page_margin=tree_cache.is_chunk_cache() where it exists
+                    supports_prefix_sharing=False, is_chunk_cache=True, drop_page_margin=True))
             else:
                 self._evict_swa_by_hand(sg, family, pre_len)
             req.swa_evicted_seqlen = self._swa_evicted(sg, family)

@@ -11,8 +11,8 @@ Three of SGLang's unconditional imports cannot be satisfied there from PyPI alon
   is used whenever it is installed; otherwise a permissive stand-in is put in its place
   (kernel definitions become plain functions and are never launched on the CPU paths).
 * ``sgl_kernel``: imported at module level by some releases' pools (e.g. the host pool's
-  transfer functions); unless the real one imports, a stand-in makes its names importable and
-  raises if one is ever called.
+  transfer functions). Only when an import fails for want of it (:func:`install_on_demand`), a
+  stand-in makes its names importable and raises if one is ever called.
 
 One call-time stand-in: some releases' ``get_cpu_copy`` / ``load_cpu_copy`` (the retraction
 backup) call ``torch.cuda.synchronize()`` unconditionally, which a torch without CUDA answers with
@@ -203,14 +203,28 @@ def _install_sgl_kernel() -> str:
     return "stand-in"
 
 
+ON_DEMAND = {"sgl_kernel": _install_sgl_kernel}
+
+
 def install() -> dict[str, str]:
-    """Make ``torchvision``, ``triton`` and ``sgl_kernel`` importable; returns
-    ``{module: "real" | "stand-in"}``."""
+    """Make ``torchvision`` and ``triton`` importable; returns ``{module: "real" | "stand-in"}``
+    (plus any on-demand stand-in put in since, see :func:`install_on_demand`)."""
     if not _INSTALLED:
         _INSTALLED["torchvision"] = _install_torchvision()
         _INSTALLED["triton"] = _install_triton()
-        _INSTALLED["sgl_kernel"] = _install_sgl_kernel()
     return dict(_INSTALLED)
+
+
+def install_on_demand(missing: str | None) -> bool:
+    """After an import failed with ``ModuleNotFoundError(name=missing)``: put in the stand-in for
+    that module if there is one and it is not in yet; True if one was put in (retry the import).
+    On demand only, so releases that import without it never see a stand-in that a
+    ``try: import sgl_kernel ... except ImportError`` fallback would mistake for the real one."""
+    root = (missing or "").split(".")[0]
+    if root not in ON_DEMAND or root in _INSTALLED:
+        return False
+    _INSTALLED[root] = ON_DEMAND[root]()
+    return _INSTALLED[root] == "stand-in"
 
 
 def _no_sync(device=None) -> None:
