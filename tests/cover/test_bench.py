@@ -60,7 +60,7 @@ def test_verdicts_name_each_target_met_or_missed():
     assert "checksum_vs_copy" not in got
 
 
-@pytest.mark.parametrize("argv", [["--threads", "0"], ["--row-bytes", "12"], ["--examples", "0"]])
+@pytest.mark.parametrize("argv", [["--threads", "0"], ["--row-bytes", "12"], ["--examples", "0"], ["--step-reps", "0"]])
 def test_bad_arguments_are_usage_errors(argv, capsys):
     """Impossible sizes exit 2 with one line, before anything runs."""
     assert run_cli(["bench", *argv]) == 2
