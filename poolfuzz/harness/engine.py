@@ -425,32 +425,40 @@ class Engine:
         fam = self.families[req.node]
         written_end = end if written_end is None else written_end
         slots = fam.req_pool.read(req.kv.req_pool_idx, start, written_end)
-        positions = torch.arange(start, written_end)
         swa_slots = fam.allocator.translate(slots) if self.config.has_swa else None
-        for comp in fam.kv_pool.components():
-            spec = self.specs[(comp.name, comp.layer)]
+        kv_plan, mamba_plan = self._write_plan(req.node)
+        for comp, spec in kv_plan:
             target = swa_slots if comp.space == "swa" else slots
             comp.tensor[target.to(self.device)] = row_cache.kv_rows(spec, req.rid, start, written_end, self.device)
             req.expected[spec.key] = torch.cat([req.expected.get(spec.key, _EMPTY),
                                                 self.ledger.kv(spec, req.rid, start, end)])
         req.kv.kv_committed_len = end
-        pool = fam.req_pool.mamba_pool
-        if pool is None:
+        if not mamba_plan:
             return
         a, b = chain_affine(req.rid, start, end)
         if self.device.type == "cpu":  # the same fold on host ints: no tensor ops, nothing to sync
             idx = req.kv.mamba_pool_idx
-            for comp in pool.components():
-                spec = self.specs[(comp.name, comp.layer)]
+            for comp, spec in mamba_plan:
                 old_chain = int(comp.tensor[idx].reshape(-1)[7:8].to(torch.int64))  # read the state
                 comp.tensor[idx] = row_cache.state_row(spec, req.rid, end, (old_chain * a + b) % 251)
             return
         slot = torch.tensor([req.kv.mamba_pool_idx], device=self.device)
-        for comp in pool.components():
-            spec = self.specs[(comp.name, comp.layer)]
+        for comp, spec in mamba_plan:
             old_chain = comp.tensor[slot].reshape(1, -1)[:, 7].to(torch.int64)  # read the state
             new_chain = (old_chain * a + b) % 251
             comp.tensor[slot] = row_cache.state_rows(spec, req.rid, end, new_chain, self.device)
+
+    def _write_plan(self, node: str):
+        """(component, spec) pairs of a node's KV pool and of its mamba pool, listed once."""
+        plans = self.__dict__.setdefault("_write_plans", {})
+        plan = plans.get(node)
+        if plan is None:
+            fam = self.families[node]
+            pool = fam.req_pool.mamba_pool
+            plan = plans[node] = (
+                [(c, self.specs[(c.name, c.layer)]) for c in fam.kv_pool.components()],
+                [] if pool is None else [(c, self.specs[(c.name, c.layer)]) for c in pool.components()])
+        return plan
 
     def _padding_writes(self, node: str) -> None:
         """A padded (CUDA-graph) batch writes its dummy rows to slot 0 of every component:
@@ -805,13 +813,13 @@ class Engine:
 
     def pressure(self) -> float:
         """The fullest device pool's used fraction, over both nodes (0 empty, 1 exhausted)."""
-        worst = 0.0
-        for node, fam in self.families.items():
-            for space, alloc in fam.free_lists().items():
-                total = self.refs[node].total(space) * (self.config.page_size if space in ("full", "swa") else 1)
-                if total and not space.startswith("host."):
-                    worst = max(worst, 1.0 - alloc.available_size() / total)
-        return worst
+        plan = getattr(self, "_pressure_plan", None)
+        if plan is None:  # the allocators of a family never change: list them once
+            plan = self._pressure_plan = [
+                (alloc, self.refs[node].total(space) * (self.config.page_size if space in ("full", "swa") else 1))
+                for node, fam in self.families.items()
+                for space, alloc in fam.free_lists().items() if not space.startswith("host.")]
+        return max((1.0 - alloc.available_size() / total for alloc, total in plan if total), default=0.0)
 
     def occupancy(self) -> str:
         parts = []

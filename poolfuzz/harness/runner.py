@@ -161,9 +161,15 @@ def _operation_names() -> list[str]:
     return list(operations())
 
 
+_SIGNATURES: dict[tuple[type, str], inspect.Signature] = {}
+
+
 def _noting_call(machine, name: str, bound):
     """``bound`` that notes (op, args) on the machine while it runs: an op that raises never records itself."""
-    signature = inspect.signature(bound)
+    key = (type(bound.__self__), name)
+    signature = _SIGNATURES.get(key)
+    if signature is None:  # once per engine class and op, not once per example
+        signature = _SIGNATURES[key] = inspect.signature(bound)
 
     def call(*args, **kwargs):
         machine._pending = (name, dict(signature.bind(*args, **kwargs).arguments))
