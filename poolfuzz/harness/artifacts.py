@@ -95,10 +95,15 @@ def dumps(artifact: Artifact) -> str:
 
 
 def write_atomic(path: str | os.PathLike, artifact: Artifact) -> Path:
-    """Write to a temp file in the same folder, fsync, then rename over ``path``."""
+    """Write the artifact so a reader sees the old file or the new one, never a torn one."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    text = dumps(artifact)
+    write_text_atomic(path, dumps(artifact))
+    return path
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    """Write to a temp file in the same folder, fsync, then rename over ``path``."""
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
@@ -112,7 +117,6 @@ def write_atomic(path: str | os.PathLike, artifact: Artifact) -> Path:
         except OSError:
             pass
         raise
-    return path
 
 
 _REQUIRED = {"config": str, "device": str, "faults": list, "backup_mode": str, "failure": str,

@@ -44,7 +44,7 @@ def main(args, out=None) -> int:
         raise UsageError(f"-o {args.output!r}: the directory {str(path.parent)!r} does not exist; create it first")
     source = render(art, source_name=os.path.basename(str(args.file)))
     compile(source, str(path), "exec")  # never write a module that does not parse
-    _write_atomic(path, source)
+    artifacts.write_text_atomic(path, source)
     out.write(f"wrote {path}: {len(art.program)} steps on {art.config}"
               + (f" with {', '.join(art.faults)}" if art.faults else "")
               + f"; run it with: python -m pytest {path}\n")
@@ -128,17 +128,3 @@ def _slug(text: str) -> str:
     return re.sub(r"_+", "_", re.sub(r"[^A-Za-z0-9]", "_", str(text))).strip("_").lower() or "x"
 
 
-def _write_atomic(path: Path, text: str) -> None:
-    import tempfile
-
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise

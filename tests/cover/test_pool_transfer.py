@@ -8,30 +8,12 @@ from poolfuzz.pools.protocol import floor_page
 from poolfuzz.pools.request import ReqKv
 from poolfuzz.pools.transfer import PDTransfer, TransferMismatch, TransferRecord
 
+from pool_patterns import MAMBA_POS, pattern, rows_of
+
 POISON = 253  # decode rows start out holding this; patterns only use 1..250
-MAMBA_POS = 999
 LENGTH = 21  # committed prompt positions: past every sliding window, not page-aligned
 
 
-def pattern(comp_i: int, rid: int, positions: list[int], row_shape, dtype) -> torch.Tensor:
-    """Rows for (component, request, position): small distinct integers 1..250, exact in every store dtype."""
-    numel = 1
-    for d in row_shape:
-        numel *= d
-    base = torch.tensor([(rid * 61 + p * 7 + comp_i * 13) % 250 for p in positions], dtype=torch.int64)
-    return ((base[:, None] + torch.arange(numel)) % 250 + 1).reshape(len(positions), *row_shape).to(dtype)
-
-
-def rows_of(family, comp, req: ReqKv, positions: list[int]) -> tuple[list[int], list[int]]:
-    """(positions, rows) of a component for a request; SWA positions without a mapped slot are dropped."""
-    if comp.space == "mamba":
-        return [MAMBA_POS], [req.mamba_pool_idx]
-    full = family.req_pool.read(req.req_pool_idx, 0, max(positions) + 1)[positions]
-    if comp.space == "full":
-        return positions, full.tolist()
-    swa = family.allocator.translate(full)
-    keep = [i for i, s in enumerate(swa.tolist()) if s > 0]
-    return [positions[i] for i in keep], [int(swa[i]) for i in keep]
 
 
 def window_start(config, length: int) -> int:
