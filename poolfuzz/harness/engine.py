@@ -62,10 +62,13 @@ class Request:
 
 @dataclass(frozen=True, kw_only=True)
 class EngineOptions:
-    """``sweep_interval``: every N steps check every live slot, not just the touched ones."""
+    """``sweep_interval``: every N steps check every live slot, not just the touched ones.
+    ``resume_after_decode``: after a decode step, try to resume the node's first retracted request,
+    as SGLang's decode loop does every iteration (so resumes also happen under pool pressure)."""
 
     sweep_interval: int = 8
     poison: bool = True
+    resume_after_decode: bool = True
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -218,9 +221,15 @@ class Engine:
             req.verb = "decoded"
             self.touched.add(rid)
             done.append(rid)
-        for node in {self.requests[r].node for r in done}:
+        outcome = f"decoded {done}"
+        for node in NODES:
+            if not any(self.requests[r].node == node for r in done):
+                continue
             self._padding_writes(node)
-        self._record("decode", {"rids": list(rids)}, f"decoded {done}")
+            if self.options.resume_after_decode and self.retracted[node]:
+                _, resumed = self._try_resume(node)
+                outcome += f"; resume: {resumed}"
+        self._record("decode", {"rids": list(rids)}, outcome)
         return done
 
     def decode_speculative(self, rid: int, draft: int, accepted: int) -> bool:
@@ -315,23 +324,25 @@ class Engine:
     def resume(self, node: str) -> int | None:
         """Resume the first retracted request of the node, if it fits (SGLang walks in order)."""
         self._begin("resume")
+        rid, outcome = self._try_resume(node)
+        self._record("resume", {"node": node}, outcome)
+        return rid
+
+    def _try_resume(self, node: str) -> tuple[int | None, str]:
         if not self.retracted[node]:
-            self._record("resume", {"node": node}, "nothing retracted")
-            return None
+            return None, "nothing retracted"
         rid = self.retracted[node][0]
         req = self.requests[rid]
         fam, ref = self.families[node], self.refs[node]
         err = self._both(node, rid, lambda: ref.resume(rid), lambda: fam.protocol.resume(req.kv, fam))
         if err:
-            self._record("resume", {"node": node}, f"Req({rid}) waits: {err.space} exhausted")
-            return None
+            return None, f"Req({rid}) waits: {err.space} exhausted"
         self.retracted[node].pop(0)
         req.phase = Phase.RUNNING
         req.verb = "resumed"
         self.touched.add(rid)
-        self._record("resume", {"node": node}, f"Req({rid}) row {req.kv.req_pool_idx}"
+        return rid, (f"Req({rid}) row {req.kv.req_pool_idx}"
                      + (f" mamba slot {req.kv.mamba_pool_idx}" if req.kv.mamba_pool_idx is not None else ""))
-        return rid
 
     def abort(self, rid: int) -> None:
         """Abort a request in any phase; a retracted one's backup is discarded. Nothing may leak."""

@@ -157,7 +157,7 @@ def _base_configs() -> list[ModelConfig]:
     )
     swa_ssm = ModelConfig(
         name="swa-ssm", architecture="inkling", full_layers=1, swa_layers=1, mamba_layers=2,
-        sliding_window=6, mamba_slots=4, full_tokens=64, swa_tokens=32, request_rows=5,
+        sliding_window=6, mamba_slots=4, full_tokens=48, swa_tokens=32, request_rows=5,
         max_context=64, kv_dtype="bfloat16", state_dtype="bfloat16",
     )
     return [dense, swa, hybrid, swa_ssm]

@@ -10,6 +10,7 @@ import pytest
 
 from poolfuzz.harness import bench
 from poolfuzz.harness.cli import run_cli
+from poolfuzz.pools.config import CONFIGS
 
 REQUIRED = ["checksum_gbps", "sum_gbps", "checksum_ratio", "steps_per_second", "steps_per_second_large",
             "scaling_ratio", "seconds_to_first_failure"]
@@ -33,7 +34,7 @@ def test_bench_writes_every_figure(tiny, tmp_path, capsys):
     assert figures["scaling_ratio"] == pytest.approx(figures["steps_per_second_large"] / figures["steps_per_second"])
     assert figures["bandwidth_threads"] == 1 and figures["device"] == "cpu"
     assert figures["token_slots"] == 1 << 8 and figures["token_slots_large"] == 1 << 12
-    assert figures["token_slots_builtin"] == 64 and figures["steps_per_second_builtin"] > 0
+    assert figures["token_slots_builtin"] == CONFIGS["swa-ssm"].full_tokens and figures["steps_per_second_builtin"] > 0
     assert set(figures["targets"]) == {"checksum_ratio", "steps_per_second", "scaling_ratio",
                                        "seconds_to_first_failure"}
     table = capsys.readouterr().out

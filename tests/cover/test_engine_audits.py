@@ -1,7 +1,7 @@
 """The engine's audits: capability declarations, the SSM predicate, and messages that name whose data."""
 
 import pytest
-from poolfuzz.harness.engine import Engine
+from poolfuzz.harness.engine import Engine, EngineOptions
 from poolfuzz.harness.failures import InvariantViolation, ReferenceMismatch, StateLost
 from poolfuzz.pools.config import CONFIGS
 from poolfuzz.pools.family import build_family
@@ -89,7 +89,9 @@ class TestMessages:
 
     def test_a_leak_on_a_failed_resume_is_a_reference_mismatch(self):
         """A resume that runs out of KV must give back its mamba slot; the leak is named by pool."""
-        engine = Engine(config=CONFIGS["hybrid-linear"], faults=["mamba-leak-on-abort"])
+        # Resumes only when asked: the decodes below must not resume request 1 on their own.
+        engine = Engine(config=CONFIGS["hybrid-linear"], faults=["mamba-leak-on-abort"],
+                        options=EngineOptions(resume_after_decode=False))
         for _ in range(4):  # 4 x 10 tokens of 48, all 4 mamba slots
             _prefilled(engine, prompt_len=10)
         engine.retract(1)  # 18 tokens and one mamba slot free
@@ -100,6 +102,17 @@ class TestMessages:
         assert engine.resume("prefill") is None  # waits: full exhausted
         with pytest.raises(ReferenceMismatch, match="mamba pool has 0 free but the reference says 1"):
             engine.check()
+
+    def test_a_decode_step_tries_to_resume_like_the_scheduler(self):
+        """After a decode, the node's first retracted request is resumed if it fits (resume_retracted_reqs)."""
+        engine = Engine(config=CONFIGS["dense"])
+        first, second = _prefilled(engine), _prefilled(engine)
+        engine.retract(first)
+        engine.check()
+        engine.decode([second])
+        engine.check()
+        assert engine.requests[first].verb == "resumed" and not engine.retracted["prefill"]
+        assert engine.log[-1].op == "decode" and "resume: Req(1)" in engine.log[-1].outcome
 
     def test_program_is_deterministic(self):
         """The same operations on two fresh engines give the same step log and slot choices."""
