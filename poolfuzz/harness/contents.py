@@ -109,7 +109,3 @@ def describe_row(row: torch.Tensor) -> str:
                            flat.numel())[0].to(torch.float64)
     text = tag.describe()
     return text if torch.equal(expected, flat) else text + ", torn (row partly overwritten)"
-
-
-def fields_tensor(rows: list[tuple[int, int, int, int, int, int]]) -> torch.Tensor:
-    return torch.tensor(rows, dtype=torch.int64).reshape(-1, 6)

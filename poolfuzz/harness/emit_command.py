@@ -89,7 +89,7 @@ def render(art, *, source_name: str = "") -> str:
         "",
         "",
         f"def {name}():",
-        f"    engine = Engine(config=get_config(CONFIG), device=DEVICE, faults=FAULTS, backup_mode=BACKUP_MODE,",
+        "    engine = Engine(config=get_config(CONFIG), device=DEVICE, faults=FAULTS, backup_mode=BACKUP_MODE,",
         f"                    options=EngineOptions({_kwargs(art.engine_options)})"
         + (", family_factory=resolve_family(FAMILY).factory)" if plugin else ")"),
     ]

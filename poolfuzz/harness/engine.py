@@ -16,8 +16,8 @@ import torch
 
 from poolfuzz.harness import failures, row_cache
 from poolfuzz.harness.checksums import SlotReader, row_checksums, slot_checksums
-from poolfuzz.harness.contents import KIND_KV, KIND_PADDING, KIND_STATE, chain_affine, describe_row
-from poolfuzz.harness.ledger import ComponentSpec, Ledger, build_rows, poison_rows
+from poolfuzz.harness.contents import KIND_PADDING, chain_affine, describe_row
+from poolfuzz.harness.ledger import ComponentSpec
 from poolfuzz.pools.allocator import TokenAllocator
 from poolfuzz.pools.config import ModelConfig
 from poolfuzz.pools.errors import PoolError, PoolExhausted

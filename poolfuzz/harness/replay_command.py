@@ -43,7 +43,7 @@ def main(args, out=None) -> int:
         engine = new_engine(config=config, device=device, faults=faults, backup_mode=art.backup_mode,
                             options=options, family=art.family)
     except Exception as exc:  # the engine's audits run at construction: a failure at step 0
-        w(f"\nREPRODUCED at step 0 (building the families):\n")
+        w("\nREPRODUCED at step 0 (building the families):\n")
         _report(w, exc, art)
         return 1
     w(f"     0  start\n          {engine.occupancy()}\n")

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 from typing import Callable, Iterable
 
@@ -193,7 +192,3 @@ def build_family(config: ModelConfig, *, device="cpu", faults: Iterable[str] = (
                       allocator=allocator, backup_mode=backup_mode, host_pools=host_pools,
                       protocol=bp.protocol(), transfer=bp.transfer(),
                       uses_ssm_state=bp.ssm_predicate(c))
-
-
-def replace_blueprint(bp: Blueprint, **changes) -> Blueprint:
-    return dataclasses.replace(bp, **changes)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Callable, Iterable
 
@@ -90,10 +91,13 @@ class ReloadIntoOldIndices(ServingProtocol):
     """Reload recomputes the token indices from the slots the request held *before* retraction
     (already freed and reused) instead of the newly allocated row."""
 
+    def __init__(self):
+        super().__init__()
+        self._old_tokens: dict[int, torch.Tensor] = {}  # rid -> token slots held at retraction
+        self._old_mamba: dict[int, int | None] = {}
+
     def offload_kv_cache(self, req, family):
-        self._old_tokens = getattr(self, "_old_tokens", {})
         self._old_tokens[req.rid] = family.req_pool.read(req.req_pool_idx, 0, self.backup_tokens(req))
-        self._old_mamba = getattr(self, "_old_mamba", {})
         self._old_mamba[req.rid] = req.mamba_pool_idx
         return super().offload_kv_cache(req, family)
 
@@ -151,15 +155,19 @@ class StaleCowSource(ServingProtocol):
     """The copy-on-write source is the matched request's *live* slot, not a checkpoint taken at
     match time (#29354 class): if the source decodes first, the fork starts from a newer state."""
 
+    def __init__(self):
+        super().__init__()
+        self._live_sources: set[int] = set()  # rids whose COW source is another request's live slot
+
     def fork(self, src, dst, family):
         super().fork(src, dst, family)
         if dst.mamba_cow_src is not None:
             family.req_pool.mamba_allocator.free([dst.mamba_cow_src])  # no checkpoint kept
             dst.mamba_cow_src = src.mamba_pool_idx
-            self._live_sources = getattr(self, "_live_sources", set()) | {dst.rid}
+            self._live_sources.add(dst.rid)
 
     def run_deferred_mamba_ops(self, reqs, family):
-        live = getattr(self, "_live_sources", set())
+        live = self._live_sources
         pool = family.req_pool.mamba_pool
         for req in reqs:
             if req.rid in live and req.mamba_cow_src is not None:
@@ -170,7 +178,7 @@ class StaleCowSource(ServingProtocol):
         super().run_deferred_mamba_ops(reqs, family)
 
     def release_kv(self, req, family):
-        if req.rid in getattr(self, "_live_sources", set()):
+        if req.rid in self._live_sources:
             req.mamba_cow_src = None  # the source's slot is not ours to free
             self._live_sources.discard(req.rid)
         super().release_kv(req, family)
@@ -334,7 +342,7 @@ def required_backup_mode(fault_ids: Iterable[str]) -> str | None:
 
 def blueprint_with(fault_ids: Iterable[str], config: ModelConfig):
     """The default blueprint with each named fault's overrides applied; validates the ids."""
-    from poolfuzz.pools.family import Blueprint, replace_blueprint
+    from poolfuzz.pools.family import Blueprint
 
     bp = Blueprint()
     seen: dict[str, str] = {}
@@ -348,7 +356,7 @@ def blueprint_with(fault_ids: Iterable[str], config: ModelConfig):
                 raise ConfigError(f"faults {seen[role]!r} and {fid!r} both replace the {role}; "
                                   "switch them on one at a time")
             seen[role] = fid
-        bp = replace_blueprint(bp, **fault.overrides)
+        bp = dataclasses.replace(bp, **fault.overrides)
     return bp
 
 

@@ -8,7 +8,7 @@ from poolfuzz.pools.faults import FAULTS, applicable_configs
 from poolfuzz.pools.protocol import ServingProtocol, floor_page
 from poolfuzz.pools.request import ReqKv
 
-from pool_patterns import MAMBA_POS, pattern, rows_of
+from pool_patterns import pattern, rows_of
 
 POISON = 253  # scribbled into freed rows; patterns only use 1..250
 SEQLEN = 23  # 22 committed positions: past every sliding window, not page-aligned

@@ -8,7 +8,7 @@ from poolfuzz.pools.protocol import floor_page
 from poolfuzz.pools.request import ReqKv
 from poolfuzz.pools.transfer import PDTransfer, TransferMismatch, TransferRecord
 
-from pool_patterns import MAMBA_POS, pattern, rows_of
+from pool_patterns import pattern, rows_of
 
 POISON = 253  # decode rows start out holding this; patterns only use 1..250
 LENGTH = 21  # committed prompt positions: past every sliding window, not page-aligned

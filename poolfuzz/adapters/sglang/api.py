@@ -123,7 +123,7 @@ def load() -> SGLangAPI:
         sglang_version = "unknown"
     from poolfuzz.adapters.sglang import shims
 
-    installed = shims.install()
+    shims.install()  # the stand-ins must be in sys.modules before the first sglang import
     logging.getLogger("sglang").setLevel(logging.WARNING)
     with warnings.catch_warnings():
         # Importing SGLang on a CPU machine warns about CUDA-only quantization methods, and
