@@ -64,11 +64,15 @@ class Request:
 class EngineOptions:
     """``sweep_interval``: every N steps check every live slot, not just the touched ones.
     ``resume_after_decode``: after a decode step, try to resume the node's first retracted request,
-    as SGLang's decode loop does every iteration (so resumes also happen under pool pressure)."""
+    as SGLang's decode loop does every iteration (so resumes also happen under pool pressure).
+    ``retract_on_decode_oom``: a decode that finds no KV slot retracts SGLang's victim and tries
+    again, as ``retract_decode`` does, so retractions (and the resumes after them) happen exactly
+    when the pools are short."""
 
     sweep_interval: int = 8
     poison: bool = True
     resume_after_decode: bool = True
+    retract_on_decode_oom: bool = True
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -202,16 +206,27 @@ class Engine:
         return True
 
     def decode(self, rids: list[int]) -> list[int]:
-        """One decode step for these running requests; a request whose slot does not fit waits."""
+        """One decode step for these running requests. A request whose slot does not fit makes the
+        node retract SGLang's victim and tries once more (``retract_decode``); if it still does not
+        fit, or it was the victim, it waits."""
         self._begin("decode")
-        done = []
+        done, notes = [], []
         for rid in rids:
-            req = self.requests[rid]
+            req = self.requests.get(rid)
+            if req is None or req.phase is not Phase.RUNNING:  # retracted (or aborted) as a victim above
+                continue
             fam, ref = self.families[req.node], self.refs[req.node]
             pos = req.kv.seqlen - 1
             self._maybe_evict(req, pos)
             err = self._both(req.node, rid, lambda: ref.extend(rid, pos + 1),
                              lambda: fam.protocol.extend(req.kv, fam, pos + 1))
+            victim = self.sglang_victim(req.node) if err and self.options.retract_on_decode_oom else None
+            if victim is not None:
+                notes.append(f"{err.space} exhausted: retract Req({victim}), {self._retract(victim)[1]}")
+                if victim == rid:
+                    continue
+                err = self._both(req.node, rid, lambda: ref.extend(rid, pos + 1),
+                                 lambda: fam.protocol.extend(req.kv, fam, pos + 1))
             if err:
                 continue
             self._forward(req, pos, pos + 1)
@@ -221,9 +236,9 @@ class Engine:
             req.verb = "decoded"
             self.touched.add(rid)
             done.append(rid)
-        outcome = f"decoded {done}"
+        outcome = "; ".join([f"decoded {done}"] + notes)
         for node in NODES:
-            if not any(self.requests[r].node == node for r in done):
+            if not any(r in self.requests and self.requests[r].node == node for r in done):
                 continue
             self._padding_writes(node)
             if self.options.resume_after_decode and self.retracted[node]:
@@ -294,6 +309,12 @@ class Engine:
     def retract(self, rid: int) -> str:
         """Back up, release and queue a running request; a backup that does not fit aborts it."""
         self._begin("retract")
+        status, detail = self._retract(rid)
+        self._record("retract", {"rid": rid}, detail)
+        return status
+
+    def _retract(self, rid: int) -> tuple[str, str]:
+        """``("retracted" | "aborted", what happened)``; the step's record is the caller's."""
         req = self.requests[rid]
         fam, ref = self.families[req.node], self.refs[req.node]
         snapshot = self._slot_snapshot(req)
@@ -304,8 +325,7 @@ class Engine:
             self.culprit = NO_CULPRIT
             ref.finish(rid)
             del self.requests[rid]
-            self._record("retract", {"rid": rid}, f"aborted: {err.space} exhausted")
-            return "aborted"
+            return "aborted", f"aborted: {err.space} exhausted"
         backed_up = req.kv.retraction_backup.num_tokens
         if backed_up != ref.requests[rid].backup_tokens:
             raise failures.reference_mismatch(
@@ -318,8 +338,7 @@ class Engine:
         req.verb = "retracted"
         self.retracted[req.node].append(rid)
         self.touched.add(rid)
-        self._record("retract", {"rid": rid}, f"backup {req.kv.retraction_backup!r}")
-        return "retracted"
+        return "retracted", f"backup {req.kv.retraction_backup!r}"
 
     def resume(self, node: str) -> int | None:
         """Resume the first retracted request of the node, if it fits (SGLang walks in order)."""

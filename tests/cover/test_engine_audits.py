@@ -114,6 +114,34 @@ class TestMessages:
         assert engine.requests[first].verb == "resumed" and not engine.retracted["prefill"]
         assert engine.log[-1].op == "decode" and "resume: Req(1)" in engine.log[-1].outcome
 
+    def test_a_decode_that_finds_no_slot_retracts_sglangs_victim(self):
+        """retract_decode: the decode that runs out retracts the victim, then decodes in its room."""
+        engine = Engine(config=CONFIGS["dense"])
+        rids = [_prefilled(engine, prompt_len=12) for _ in range(4)]  # 4 x 12 of 48 tokens: full
+        assert engine.decode([rids[0]]) == [rids[0]]
+        engine.check()
+        victim = rids[-1]  # no outputs yet, equal prompts: the last admitted
+        assert engine.requests[victim].phase.value == "retracted"
+        outcome = engine.log[-1].outcome
+        assert f"full exhausted: retract Req({victim}), backup RetractionBackup(host_pool, tokens=12" in outcome
+        # The resume after the decode needs the victim's 12 tokens back; 11 are free.
+        assert outcome.endswith(f"resume: Req({victim}) waits: full exhausted")
+
+    def test_the_victim_of_its_own_decode_waits_retracted(self):
+        """When the request that ran out is SGLang's victim, it is retracted instead of decoded."""
+        engine = Engine(config=CONFIGS["dense"])
+        first, second = _prefilled(engine, prompt_len=24), _prefilled(engine, prompt_len=24)
+        assert engine.decode([second]) == []
+        engine.check()
+        assert engine.retracted["prefill"] == [second] and engine.requests[first].phase.value == "running"
+
+    def test_without_retract_on_oom_the_request_just_waits(self):
+        engine = Engine(config=CONFIGS["dense"], options=EngineOptions(retract_on_decode_oom=False))
+        rids = [_prefilled(engine, prompt_len=12) for _ in range(4)]
+        assert engine.decode([rids[0]]) == []
+        engine.check()
+        assert not engine.retracted["prefill"] and engine.log[-1].outcome == "decoded []"
+
     def test_program_is_deterministic(self):
         """The same operations on two fresh engines give the same step log and slot choices."""
         logs = []
