@@ -62,9 +62,21 @@ class PoolMachine(RuleBasedStateMachine):
         live = self.engine.live(phase, node)
         return live[pick % len(live)]
 
-    @initialize()
-    def start(self):
+    @initialize(prompts=st.lists(prompt_lengths, min_size=1, max_size=3))
+    def warm_start(self, prompts):
+        """A server already serving: requests admitted and prefilled in one go.
+
+        Initialize rules always run, whichever rules Hypothesis's swarm testing switches off for
+        the example, so every example starts with running requests (and pools in use) rather
+        than stalling when ``admit`` or ``prefill`` is off."""
         event(f"config {self.engine.config.name}")
+        self.engine.check()  # step 0 is a full sweep: the empty pools, before anything runs
+        for prompt_len in prompts:
+            rid = self.engine.admit(prompt_len)
+            self.engine.check()  # every engine step is checked, as after a rule
+            if rid is not None:
+                self.engine.prefill(rid, prompt_len)
+                self.engine.check()
 
     @rule(prompt_len=prompt_lengths)
     def admit(self, prompt_len):

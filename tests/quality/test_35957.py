@@ -9,28 +9,34 @@ from poolfuzz.pools.config import CONFIGS
 
 FAULT = "swa-ignores-mamba-backup"
 
-# The shrunk program for swa-ssm (derandomized run). Four rules: a request is prefilled, retracted
-# with its recurrent state left behind by SWAKVPool.get_cpu_copy, and resumed onto a fresh slot.
+# The shrunk program for swa-ssm (derandomized run). Three rules: a warm start admits and prefills
+# two requests, SGLang's victim is retracted with its recurrent state left behind by
+# SWAKVPool.get_cpu_copy, and it resumes onto a fresh slot.
 PINNED_PROGRAM = """\
 Falsifying example:
 state = PoolMachine()
-state.start()
+state.warm_start(prompts=[1, 1])
 state.pools_agree_with_reference()
-state.admit(prompt_len=1)
-state.pools_agree_with_reference()
-state.prefill(chunk=1, pick=0)
-state.pools_agree_with_reference()
-state.retract(pick=0)
+state.retract_sglang_order()
 state.pools_agree_with_reference()
 state.resume()
 state.pools_agree_with_reference()
 state.teardown()"""
 
+# The same failure as engine operations (what ``replay`` and ``emit-test`` work from).
+PINNED_STEPS = [
+    "admit(prompt_len=1)  # Req(1) row 1 mamba slot 1",
+    "prefill(rid=1, chunk=1)  # positions 0..1",
+    "admit(prompt_len=1)  # Req(2) row 2 mamba slot 2",
+    "prefill(rid=2, chunk=1)  # positions 0..1",
+    "retract(rid=2)  # backup RetractionBackup(cpu_tensor, tokens=1, mamba_cpu=no)",
+    "resume(node='prefill')  # Req(2) row 3 mamba slot 3",
+]
+
 
 def _rule_steps(program: str) -> list[str]:
     return [line for line in program.splitlines()
-            if line.startswith("state.") and not line.startswith(("state.pools_agree", "state.start",
-                                                                    "state.teardown"))]
+            if line.startswith("state.") and not line.startswith(("state.pools_agree", "state.teardown"))]
 
 
 @pytest.fixture(scope="module")
@@ -42,23 +48,27 @@ class Test35957:
     def test_fault_is_caught_as_state_lost_on_the_mamba_component(self, found):
         """The resumed request's recurrent state is reported lost, naming the mamba component."""
         assert not found.passed
-        assert found.failure.startswith("StateLost: req 1 resumed; component mamba.")
+        assert found.failure.startswith("StateLost: req 2 resumed; component mamba.")
         assert found.divergence["kind"] == "state-lost"
         assert found.divergence["component"].startswith("mamba.")
         assert found.divergence["op"] == "resume"
 
     def test_shrunk_program_is_short_and_pinned(self, found):
-        """The shrunk program is the four-rule story, printed with no tensor dumps."""
+        """The shrunk program is the three-rule story, printed with no tensor dumps."""
         program = found.program.split("\n\nYou can reproduce")[0].strip()
         assert program == PINNED_PROGRAM
         assert len(_rule_steps(program)) <= 10
         assert "tensor(" not in found.program
 
+    def test_shrunk_engine_program_is_the_human_minimal_story(self, found):
+        """As engine operations: two requests served, one retracted without its state, resumed."""
+        assert [repr(step) for step in found.engine_steps] == PINNED_STEPS
+
     def test_printed_program_pastes_back_and_reproduces(self, found):
         """Executing the printed program against the faulty machine raises the same StateLost."""
         program = found.program.split("\n\nYou can reproduce")[0].removeprefix("Falsifying example:\n")
         namespace = {"PoolMachine": machine_for("swa-ssm", faults=[FAULT])}
-        with pytest.raises(StateLost, match=r"req 1 resumed; component mamba\."):
+        with pytest.raises(StateLost, match=r"req 2 resumed; component mamba\."):
             exec(program, namespace)
 
     def test_the_same_program_passes_on_the_correct_family(self, found):
