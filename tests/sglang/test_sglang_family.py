@@ -82,6 +82,22 @@ class TestTypedErrors:
             fam.protocol.extend(req, fam, fam.config.swa_tokens + 1)
         assert info.value.space == "swa"
 
+    def test_a_paged_decode_that_does_not_fit_takes_nothing(self, api):
+        """Full pages run out while SWA pages are free: the decode is refused and no SWA page is
+        taken (SGLang checks decode memory first; its ``alloc_decode`` would keep the SWA page)."""
+        fam = _family(api, "swa-ps4")
+        reqs = [ReqKv(rid=rid, seqlen=33) for rid in (1, 2)]
+        for req in reqs:
+            fam.protocol.admit(req, fam)
+            fam.protocol.extend(req, fam, fam.config.full_tokens // 2)
+        fam.protocol.evict_swa(reqs[0], fam, pre_len=32)  # SWA pages of positions 0..24 go back
+        before = {s: v.available_size() for s, v in fam.free_lists().items()}
+        assert before["full"] == 0 and before["swa"] > 0
+        with pytest.raises(PoolExhausted) as info:
+            fam.protocol.extend(reqs[0], fam, 33)  # position 32 starts a new page
+        assert info.value.space == "full"
+        assert {s: v.available_size() for s, v in fam.free_lists().items()} == before
+
     def test_second_release_is_a_double_free(self, api):
         fam = _family(api, "hybrid-linear")
         req = ReqKv(rid=1, seqlen=4)

@@ -175,6 +175,14 @@ class SGLangProtocol(ServingProtocol):
         if ps == 1:
             out = alloc.alloc(n)
         elif n == 1 and prefix_len > 0:
+            # SGLang's scheduler checks decode memory before it allocates (``check_decode_mem``,
+            # retracting if short) and treats a None from ``alloc_decode`` as fatal ("Decode out of
+            # memory"). The paged SWA allocator's ``alloc_decode`` takes from both sides before it
+            # looks (0.5.23), so calling it short leaks the side that fitted: check first, as the
+            # scheduler does.
+            short = pages and family.space_short_of(self._needs(family, full_pages=pages, swa_pages=pages))
+            if short:
+                raise PoolExhausted(space=short[0], requested=short[1], available=short[2])
             out = paged_alloc_decode(alloc, seq_len=seq_len, last_loc=last_loc)
         else:
             out = paged_alloc_extend(alloc, prefix_len=prefix_len, seq_len=seq_len, last_loc=last_loc)
