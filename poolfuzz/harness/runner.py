@@ -34,7 +34,7 @@ class RunResult:
     steps: int
     seconds: float
     failure: str | None  # the shrunk failure's message
-    program: str | None  # the shrunk program as Hypothesis prints it
+    program: str | None  # the shrunk program as runnable Python (see _runnable_program)
     divergence: dict | None
     first_failure_examples: int | None = None  # examples run up to and including the first failing one
     first_failure_seconds: float | None = None
@@ -286,7 +286,7 @@ def run_machine(config: ModelConfig, *, device="cpu", faults=(), backup_mode=Non
     if error is not None:
         failure, error_type = _message(error), type(error).__name__
         notes = getattr(error, "__notes__", [])
-        program = "\n".join(n for n in notes if not n.startswith("You can reproduce")) or None
+        program = _runnable_program(notes)
         note = next((n for n in notes if n.startswith("You can reproduce")), "")
         blob = next(iter(re.findall(r"@reproduce_failure\(.*?\)", note)), None)
         divergence = _divergence(error, None) if final is None else final.divergence
@@ -307,6 +307,18 @@ def run_machine(config: ModelConfig, *, device="cpu", faults=(), backup_mode=Non
                      shrunk=error is not None, interrupted=interrupted,
                      database_key=None if key is None else key.hex(),
                      in_teardown=final is not None and final.in_teardown)
+
+
+def _runnable_program(notes: list[str]) -> str | None:
+    """The ``state = ...`` through ``state.teardown()`` lines of Hypothesis's report, and nothing
+    else: its header ("Falsifying example:", "Failing test case: <state machine>" from 6.16x on)
+    and trailing notes change between releases and are not Python."""
+    lines = "\n".join(notes).splitlines()
+    start = next((i for i, line in enumerate(lines) if line.startswith("state = ")), None)
+    if start is None:
+        return None
+    end = next((i for i in range(start, len(lines)) if lines[i] == "state.teardown()"), len(lines) - 1)
+    return "\n".join(lines[start:end + 1])
 
 
 def _seeds(seed: int | None):

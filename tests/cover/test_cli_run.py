@@ -208,3 +208,17 @@ def test_two_workers_share_the_database(tmp_path, capsys):
         result = run_machine(CONFIGS[config], faults=[FAULT], max_examples=20, seed=99,
                              database=DirectoryBasedExampleDatabase(str(db)), shrink_limit=0.2)
         assert result.first_failure_examples == 1
+
+
+@pytest.mark.parametrize("header", ["Falsifying example:", "Failing test case: <state machine>"])
+def test_the_reported_program_is_python_whatever_hypothesis_calls_it(header):
+    """Hypothesis renamed its report header (6.16x); the program kept is only the runnable lines."""
+    from poolfuzz.harness.runner import _runnable_program
+
+    notes = [f"{header}\nstate = PoolMachine()\nstate.warm_start(prompts=[1])\nstate.teardown()",
+             "\nYou can reproduce this example by temporarily adding @reproduce_failure(...)",
+             "Highest target score: 1  (label='peak pool pressure')"]
+    program = _runnable_program(notes)
+    assert program == "state = PoolMachine()\nstate.warm_start(prompts=[1])\nstate.teardown()"
+    compile(program, "<program>", "exec")
+    assert _runnable_program(["Flaky: nothing runnable here"]) is None
