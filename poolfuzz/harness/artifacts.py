@@ -210,7 +210,11 @@ def engine_options(artifact: Artifact, name: str) -> dict:
     if bad:
         raise ArtifactError(f"artifact {name}: unknown engine option {bad[0]!r} (known: {', '.join(known)}); "
                             "replay it with the poolfuzz that recorded it")
-    return dict(artifact.engine_options)
+    options = dict(artifact.engine_options)
+    if options:  # every option the recording poolfuzz had is listed; a later one was off then
+        for key, then in EngineOptions.RECORDED_BEFORE.items():
+            options.setdefault(key, then)
+    return options
 
 
 def from_program(config: str, steps, *, faults=(), device="cpu", backup_mode: str | None = None,

@@ -32,7 +32,7 @@ def main(args, out=None) -> int:
     out = out or sys.stdout
     art = artifacts.load(args.file)
     artifacts.resolve(art, args.file)
-    artifacts.engine_options(art, args.file)
+    artifacts.engine_options(art, args.file)  # unknown options: one line, exit 2, nothing written
     path = Path(args.output)
     if path.is_dir():
         raise UsageError(f"-o {args.output!r} is a directory; name the file, e.g. "
@@ -55,6 +55,9 @@ def main(args, out=None) -> int:
 
 def render(art, *, source_name: str = "") -> str:
     """The test module's source."""
+    from poolfuzz.harness.artifacts import engine_options
+
+    options = engine_options(art, source_name or "artifact")
     kind = (art.divergence or {}).get("kind") or art.error_type
     plugin = art.family != "builtin"
     op = (art.divergence or {}).get("op") or "teardown"
@@ -90,7 +93,7 @@ def render(art, *, source_name: str = "") -> str:
         "",
         f"def {name}():",
         "    engine = Engine(config=get_config(CONFIG), device=DEVICE, faults=FAULTS, backup_mode=BACKUP_MODE,",
-        f"                    options=EngineOptions({_kwargs(art.engine_options)})"
+        f"                    options=EngineOptions({_kwargs(options)})"
         + (", family_factory=resolve_family(FAMILY).factory)" if plugin else ")"),
     ]
     failing_step = None if art.in_teardown else len(art.program)

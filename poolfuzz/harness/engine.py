@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, ClassVar
 
 import numpy as np
 import torch
@@ -73,6 +73,10 @@ class EngineOptions:
     poison: bool = True
     resume_after_decode: bool = True
     retract_on_decode_oom: bool = True
+
+    # What a program recorded before an option existed ran with: replaying an old artifact must
+    # play its steps as they were recorded, not under behaviour added since.
+    RECORDED_BEFORE: ClassVar[dict[str, object]] = {"retract_on_decode_oom": False}
 
 
 @dataclass(frozen=True, kw_only=True)

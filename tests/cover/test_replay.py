@@ -142,3 +142,32 @@ def test_interrupted_run_leaves_its_best_shrink(tmp_path, sig):
     assert art.failure.startswith("StateLost")
     assert not [f for f in os.listdir(out) if f.endswith(".tmp")]
     assert run_cli(["replay", path, "--device", "cpu"]) == 1
+
+
+FULL_POOL_DECODE = [
+    *[{"op": "admit", "args": {"prompt_len": 12}} for _ in range(4)],
+    *[{"op": "prefill", "args": {"rid": rid, "chunk": 12}} for rid in range(1, 5)],
+    {"op": "decode", "args": {"rids": [1]}},  # 48 of 48 tokens held: no slot for request 1
+]
+
+
+@pytest.mark.parametrize(("recorded", "decode_outcome"), [
+    # Recorded before retract_on_decode_oom existed: the request waited, and so it does on replay.
+    ({"sweep_interval": 8, "poison": True, "resume_after_decode": True}, "-> decoded []"),
+    # Recorded now: SGLang's victim is retracted and the decode goes ahead.
+    (None, "-> decoded [1]; full exhausted: retract Req(4)"),
+])
+def test_an_artifact_replays_under_the_options_it_was_recorded_with(tmp_path, capsys, recorded, decode_outcome):
+    from poolfuzz.harness.artifacts import engine_options
+
+    path = write_atomic(tmp_path / "a.json", from_program("swa-ssm", PROGRAM, faults=[FAULT]))
+    _edit(path, config="dense", faults=[], backup_mode="host_pool", program=FULL_POOL_DECODE)
+    if recorded is not None:
+        _edit(path, engine_options=recorded)
+    assert engine_options(load(path), str(path))["retract_on_decode_oom"] is (recorded is None)
+    assert run_cli(["replay", str(path), "--device", "cpu"]) == 0
+    assert decode_outcome in capsys.readouterr().out
+    # A regression test emitted from it pins the same behaviour.
+    from poolfuzz.harness.emit_command import render
+
+    assert f"retract_on_decode_oom={recorded is None}" in render(load(path))
