@@ -287,8 +287,7 @@ def run_machine(config: ModelConfig, *, device="cpu", faults=(), backup_mode=Non
         failure, error_type = _message(error), type(error).__name__
         notes = getattr(error, "__notes__", [])
         program = _runnable_program(notes)
-        note = next((n for n in notes if n.startswith("You can reproduce")), "")
-        blob = next(iter(re.findall(r"@reproduce_failure\(.*?\)", note)), None)
+        blob = next(iter(re.findall(r"@reproduce_failure\(.*?\)", "\n".join(notes))), None)
         divergence = _divergence(error, None) if final is None else final.divergence
         if isinstance(error, PoolfuzzFailure):
             divergence = error.divergence.to_json()
