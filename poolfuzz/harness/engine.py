@@ -839,7 +839,7 @@ class Engine:
             self.check()
         for node, fam in self.families.items():
             for space, alloc in fam.free_lists().items():
-                total = self.refs[node].total(space) * (self.config.page_size if space in ("full", "swa") else 1)
+                total = self.refs[node].capacity[space]
                 if alloc.available_size() != total:
                     raise self._fail_invariant(
                         f"after every request ended, {space} has {alloc.available_size()} of {total} free (leak)",
@@ -850,7 +850,7 @@ class Engine:
         plan = getattr(self, "_pressure_plan", None)
         if plan is None:  # the allocators of a family never change: list them once
             plan = self._pressure_plan = [
-                (alloc, self.refs[node].total(space) * (self.config.page_size if space in ("full", "swa") else 1))
+                (alloc, self.refs[node].capacity[space])
                 for node, fam in self.families.items()
                 for space, alloc in fam.free_lists().items() if not space.startswith("host.")]
         return max((1.0 - alloc.available_size() / total for alloc, total in plan if total), default=0.0)

@@ -80,6 +80,15 @@ class ModelConfig:
         ps = self.page_size
         return -(-size // ps) * ps
 
+    def device_capacity(self) -> dict[str, int]:
+        """Free units of each device space of a fresh family: rows, mamba slots, token slots."""
+        out = {"rows": self.request_rows, "full": self.full_tokens}
+        if self.has_swa:
+            out["swa"] = self.swa_tokens
+        if self.has_mamba:
+            out["mamba"] = self.mamba_slots
+        return out
+
     def replace(self, **changes) -> "ModelConfig":
         return dataclasses.replace(self, **changes)
 

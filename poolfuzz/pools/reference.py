@@ -50,33 +50,32 @@ class ReferenceFamily:
         self.config = c
         self.ps = c.page_size
         self.backup_mode = backup_mode
-        self.free = {"rows": c.request_rows, "full": c.full_tokens // c.page_size}
-        if c.has_swa:
-            self.free["swa"] = c.swa_tokens // c.page_size
-        if c.has_mamba:
-            self.free["mamba"] = c.mamba_slots
+        # Each space's size in the real allocator's units (slots); counted below in pages for
+        # the device token spaces, which are allocated and freed by the page.
+        self.capacity = c.device_capacity()
         if backup_mode == "host_pool":
-            self.free["host.full"] = c.host_size
+            self.capacity["host.full"] = c.host_size
             if c.has_swa:
-                self.free["host.swa"] = c.host_size
+                self.capacity["host.swa"] = c.host_size
+        self.free = {space: n // self._scale(space) for space, n in self.capacity.items()}
         self.requests: dict[int, RefRequest] = {}
 
+    def _scale(self, space: str) -> int:
+        return self.ps if space in ("full", "swa") else 1
+
     def total(self, space: str) -> int:
-        c = self.config
-        return {"rows": c.request_rows, "full": c.full_tokens // c.page_size, "swa": c.swa_tokens // c.page_size,
-                "mamba": c.mamba_slots, "host.full": c.host_size, "host.swa": c.host_size}[space]
+        """The space's size in the units ``free`` counts."""
+        return self.capacity[space] // self._scale(space)
 
     def available(self, space: str) -> int:
         """In the real allocator's units: slots (pages x page size for token pools)."""
-        scale = self.ps if space in ("full", "swa") else 1
-        return self.free[space] * scale
+        return self.free[space] * self._scale(space)
 
     def _need(self, needs: dict[str, int]) -> None:
         """Raise as the real family would, checking spaces in the order it allocates them."""
         for space, n in needs.items():
             if n > self.free.get(space, 0):
-                scale = self.ps if space in ("full", "swa") else 1
-                raise PoolExhausted(space=space, requested=n * scale, available=self.available(space))
+                raise PoolExhausted(space=space, requested=n * self._scale(space), available=self.available(space))
 
     def _take(self, needs: dict[str, int]) -> None:
         self._need(needs)

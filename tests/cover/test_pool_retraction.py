@@ -61,13 +61,7 @@ def scribble_freed(family) -> None:
 
 
 def full_availability(family) -> dict[str, int]:
-    c = family.config
-    out = {"rows": c.request_rows, "full": c.full_tokens}
-    if c.has_swa:
-        out["swa"] = c.swa_tokens
-    if c.has_mamba:
-        out["mamba"] = c.mamba_slots
-    return out
+    return family.config.device_capacity()
 
 
 def availability(family, *, host: bool = False) -> dict[str, int]:

@@ -34,12 +34,7 @@ class TestContract:
     @pytest.mark.parametrize("name", BASE)
     def test_free_lists_report_sglangs_counts(self, api, name):
         fam = _family(api, name)
-        c = fam.config
-        want = {"rows": c.request_rows, "full": c.full_tokens}
-        if c.has_swa:
-            want["swa"] = c.swa_tokens
-        if c.has_mamba:
-            want["mamba"] = c.mamba_slots
+        want = fam.config.device_capacity()
         assert {s: v.available_size() for s, v in fam.free_lists().items()} == want
         for view in fam.free_lists().values():
             assert 0 not in view.free_pages(), f"{view}: the padding slot is in the free list"
