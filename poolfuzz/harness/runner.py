@@ -62,6 +62,7 @@ class FailureCandidate:
     message: str
     divergence: dict
     in_teardown: bool  # the failure came from the final sweep / drain
+    backup_mode: str  # the retraction path of the family that failed (plug-ins may refuse others)
     reproduce: str | None = None  # @reproduce_failure(...) for this example
 
     @property
@@ -246,7 +247,7 @@ def run_machine(config: ModelConfig, *, device="cpu", faults=(), backup_mode=Non
                     tracker.saw_failure(FailureCandidate(
                         steps=tuple(steps), error_type=type(exc).__name__, message=_message(exc),
                         divergence=_divergence(exc, self.engine), in_teardown=raised is not None,
-                        reproduce=_reproduction()))
+                        backup_mode=self.engine.families["prefill"].backup_mode, reproduce=_reproduction()))
 
     Counted.__name__ = Counted.__qualname__ = "PoolMachine"
     key = database_key(base)
@@ -297,7 +298,8 @@ def run_machine(config: ModelConfig, *, device="cpu", faults=(), backup_mode=Non
         engine_steps = final.steps
         blob = blob or final.reproduce
     return RunResult(config=config.name, faults=tuple(faults),
-                     backup_mode=backup_mode or _resolved_mode(config, faults),
+                     backup_mode=final.backup_mode if final is not None else resolved_backup_mode(
+                         config, faults, backup_mode, family_factory),
                      examples=tracker.examples, steps=tracker.steps,
                      seconds=time.perf_counter() - started, failure=failure, program=program,
                      divergence=divergence, first_failure_examples=tracker.first_examples,
@@ -328,10 +330,11 @@ def _seeds(seed: int | None):
         k += 1
 
 
-def _resolved_mode(config, faults) -> str:
-    from poolfuzz.pools.family import build_family
-
+def resolved_backup_mode(config, faults, backup_mode=None, family_factory=None) -> str:
+    """The retraction path a family of this config, faults and (plug-in) factory runs with."""
+    if family_factory is None:
+        from poolfuzz.pools.family import build_family as family_factory
     try:
-        return build_family(config, device="cpu", faults=faults).backup_mode
+        return family_factory(config, device="cpu", faults=faults, backup_mode=backup_mode).backup_mode
     except Exception:
-        return "unknown"
+        return backup_mode or "unknown"

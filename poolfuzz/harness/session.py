@@ -160,17 +160,11 @@ class _ArtifactWriter:
     def _family(self) -> str:
         return getattr(self.plan, "family", None) or "builtin"
 
-    def _backup_mode(self) -> str:
-        from poolfuzz.harness.runner import _resolved_mode
-        from poolfuzz.pools.config import get_config
-
-        return _resolved_mode(get_config(self.lane.config), self.plan.faults)
-
     def interim(self, candidate):
         from poolfuzz.harness.artifacts import stamp, write_atomic
 
         art = stamp(config=self.lane.config, family=self._family(), device=self.device, faults=list(self.plan.faults),
-                    backup_mode=self._backup_mode(), seed=self.lane.seed, failure=candidate.message,
+                    backup_mode=candidate.backup_mode, seed=self.lane.seed, failure=candidate.message,
                     error_type=candidate.error_type, divergence=candidate.divergence,
                     program=list(candidate.steps), status="shrinking", in_teardown=candidate.in_teardown,
                     database=self.plan.db, engine_options=_engine_options())
