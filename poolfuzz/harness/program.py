@@ -15,7 +15,7 @@ from typing import Iterator
 from poolfuzz.harness.engine import Engine, EngineOptions, Phase, StepRecord
 
 # Public Engine methods that are queries or checks, not operations of a program.
-NOT_OPERATIONS = frozenset({"check", "sweep", "drain", "live", "occupancy", "sglang_victim"})
+NOT_OPERATIONS = frozenset({"check", "sweep", "drain", "live", "occupancy", "pressure", "sglang_victim"})
 
 
 def operations() -> dict[str, inspect.Signature]:
@@ -88,7 +88,7 @@ def precondition(engine: Engine, step: StepRecord) -> None:
     elif step.op == "decode":
         for rid in a["rids"]:
             _need(engine, rid, Phase.RUNNING)
-    elif step.op in ("retract", "finish"):
+    elif step.op in ("retract", "finish", "decode_speculative"):
         _need(engine, a["rid"], Phase.RUNNING)
     elif step.op == "transfer":
         _need(engine, a["rid"], Phase.RUNNING, "prefill")

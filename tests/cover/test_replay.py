@@ -71,6 +71,26 @@ def test_a_step_that_cannot_run_any_more_does_not_reproduce(artifact_path, capsy
     assert "did not reproduce: step 2 cannot run here: req 7 does not exist" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize(("step", "why"), [
+    ({"op": "decode_speculative", "args": {"rid": 2, "draft": 1, "accepted": 1}},
+     "req 2 is prefilling, the step needs it running"),
+    ({"op": "decode_speculative", "args": {"rid": 7, "draft": 1, "accepted": 1}}, "req 7 does not exist"),
+])
+def test_a_speculative_step_on_a_request_not_running_does_not_reproduce(artifact_path, capsys, step, why):
+    """The machine only drafts for running requests; on replay that is checked, not crashed into."""
+    raw = json.loads(artifact_path.read_text())
+    raw["program"].insert(3, {**step, "outcome": ""})
+    artifact_path.write_text(json.dumps(raw))
+    assert run_cli(["replay", str(artifact_path), "--device", "cpu"]) == 0
+    assert f"did not reproduce: step 4 cannot run here: {why}" in capsys.readouterr().out
+
+
+def test_queries_are_not_program_operations():
+    from poolfuzz.harness.program import operations
+
+    assert "pressure" not in operations() and "decode_speculative" in operations()
+
+
 def test_artifact_recorded_on_cuda_replays_on_cpu(artifact_path, capsys):
     """The program is engine operations, not device pointers: any device replays it."""
     _edit(artifact_path, device="cuda:3")
