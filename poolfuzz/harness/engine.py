@@ -166,6 +166,12 @@ class Engine:
                                               detail=f"req {rid}: reference predicts {want}, pools gave {got}")
         return actual
 
+    def _extend(self, req: Request, end: int) -> PoolExhausted | None:
+        """KV for ``req``'s positions up to ``end``, in the reference and the real family."""
+        fam, ref = self.families[req.node], self.refs[req.node]
+        return self._both(req.node, req.rid, lambda: ref.extend(req.rid, end),
+                          lambda: fam.protocol.extend(req.kv, fam, end))
+
     def admit(self, prompt_len: int) -> int | None:
         self._begin("admit")
         node = "prefill"
@@ -193,7 +199,7 @@ class Engine:
         start = req.kv.kv_committed_len
         end = min(req.prompt_len, start + chunk)
         self._maybe_evict(req, start)
-        err = self._both(req.node, rid, lambda: ref.extend(rid, end), lambda: fam.protocol.extend(req.kv, fam, end))
+        err = self._extend(req, end)
         if err:
             self._record("prefill", {"rid": rid, "chunk": chunk}, f"{err.space} exhausted")
             return False
@@ -211,26 +217,26 @@ class Engine:
 
     def decode(self, rids: list[int]) -> list[int]:
         """One decode step for these running requests. A request whose slot does not fit makes the
-        node retract SGLang's victim and tries once more (``retract_decode``); if it still does not
-        fit, or it was the victim, it waits."""
+        node retract SGLang's victim and tries once more (``retract_decode``). One that still does not
+        fit waits; the victim itself is retracted (aborted, if its backup does not fit)."""
         self._begin("decode")
-        done, notes = [], []
+        done, notes, decoded_nodes = [], [], set()
         for rid in rids:
             req = self.requests.get(rid)
             if req is None or req.phase is not Phase.RUNNING:  # retracted (or aborted) as a victim above
                 continue
-            fam, ref = self.families[req.node], self.refs[req.node]
+            ref = self.refs[req.node]
             pos = req.kv.seqlen - 1
             self._maybe_evict(req, pos)
-            err = self._both(req.node, rid, lambda: ref.extend(rid, pos + 1),
-                             lambda: fam.protocol.extend(req.kv, fam, pos + 1))
-            victim = self.sglang_victim(req.node) if err and self.options.retract_on_decode_oom else None
-            if victim is not None:
-                notes.append(f"{err.space} exhausted: retract Req({victim}), {self._retract(victim)[1]}")
-                if victim == rid:
-                    continue
-                err = self._both(req.node, rid, lambda: ref.extend(rid, pos + 1),
-                                 lambda: fam.protocol.extend(req.kv, fam, pos + 1))
+            err = self._extend(req, pos + 1)
+            if err and self.options.retract_on_decode_oom:
+                victim = self.sglang_victim(req.node)
+                if victim is not None:
+                    _, detail = self._retract(victim)
+                    notes.append(f"{err.space} exhausted: retract Req({victim}), {detail}")
+                    if victim == rid:
+                        continue
+                    err = self._extend(req, pos + 1)
             if err:
                 continue
             self._forward(req, pos, pos + 1)
@@ -240,9 +246,10 @@ class Engine:
             req.verb = "decoded"
             self.touched.add(rid)
             done.append(rid)
+            decoded_nodes.add(req.node)
         outcome = "; ".join([f"decoded {done}"] + notes)
         for node in NODES:
-            if not any(r in self.requests and self.requests[r].node == node for r in done):
+            if node not in decoded_nodes:
                 continue
             self._padding_writes(node)
             if self.options.resume_after_decode and self.retracted[node]:
@@ -260,8 +267,7 @@ class Engine:
         fam, ref = self.families[req.node], self.refs[req.node]
         pos = req.kv.seqlen - 1
         self._maybe_evict(req, pos)
-        err = self._both(req.node, rid, lambda: ref.extend(rid, pos + 1 + draft),
-                         lambda: fam.protocol.extend(req.kv, fam, pos + 1 + draft))
+        err = self._extend(req, pos + 1 + draft)
         args = {"rid": rid, "draft": draft, "accepted": accepted}
         if err:
             self._record("decode_speculative", args, f"{err.space} exhausted")

@@ -70,13 +70,14 @@ class PoolMachine(RuleBasedStateMachine):
         the example, so every example starts with running requests (and pools in use) rather
         than stalling when ``admit`` or ``prefill`` is off."""
         event(f"config {self.engine.config.name}")
-        self.engine.check()  # step 0 is a full sweep: the empty pools, before anything runs
+        # Every engine step is checked, as after a rule: each check here covers the step before
+        # it (step 0 is a full sweep of the empty pools), and the invariant after this rule the last.
         for prompt_len in prompts:
+            self.engine.check()
             rid = self.engine.admit(prompt_len)
-            self.engine.check()  # every engine step is checked, as after a rule
             if rid is not None:
-                self.engine.prefill(rid, prompt_len)
                 self.engine.check()
+                self.engine.prefill(rid, prompt_len)
 
     @rule(prompt_len=prompt_lengths)
     def admit(self, prompt_len):
