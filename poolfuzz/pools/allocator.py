@@ -135,9 +135,7 @@ class TokenAllocator:
 
     def free_list_problem(self) -> str | None:
         """Duplicates or the reserved page 0 in the free list; cost bounded by the frees done."""
-        if isinstance(self._free, FreeList):
-            return self._free.problem(reserved=0)
-        return FreeList(self._free).problem(reserved=0)  # a subclass swapped in a plain deque
+        return self._free.problem(reserved=0)
 
     def is_free_page(self, page: int) -> bool:
         return bool(self._is_free[page])
@@ -147,12 +145,15 @@ class TokenAllocator:
         return -(-seq_len // ps) - (-(-prefix_len // ps))
 
     # --- allocation ----------------------------------------------------------------------
-    def alloc_pages(self, n: int) -> list[int]:
+    def require_pages(self, n: int) -> None:
+        """PoolExhausted unless ``n`` pages are free; takes nothing."""
         if n > len(self._free):
             raise PoolExhausted(space=self.space, requested=n * self.page_size,
                                 available=self.available_size())
-        free = self._free
-        pages = free.take(n) if isinstance(free, FreeList) else [free.popleft() for _ in range(n)]
+
+    def alloc_pages(self, n: int) -> list[int]:
+        self.require_pages(n)
+        pages = self._free.take(n)
         for p in pages:
             self._is_free[p] = 0
         return pages
@@ -170,23 +171,20 @@ class TokenAllocator:
         n = seq_len - prefix_len
         if n <= 0:
             return torch.empty(0, dtype=torch.int64)
-        pages = self.alloc_pages(self.pages_needed(prefix_len=prefix_len, seq_len=seq_len))
-        head = []
+        needed = self.pages_needed(prefix_len=prefix_len, seq_len=seq_len)
+        self.require_pages(needed)  # exhaustion is reported before a misaligned last_loc
+        room = 0
         if prefix_len % ps:
             if last_loc <= 0 or (last_loc + 1) % ps != prefix_len % ps:
-                self._give_back(pages)
                 raise MisalignedAlloc(
                     f"{self.space}: last_loc {last_loc} is not the slot of position {prefix_len - 1}"
                 )
             room = min(ps - prefix_len % ps, n)
-            head = list(range(last_loc + 1, last_loc + 1 + room))
-        tail = self._tokens_of(pages)[: n - len(head)]
-        return torch.cat([torch.as_tensor(head, dtype=torch.int64), tail])
-
-    def _give_back(self, pages: list[int]) -> None:
-        for p in reversed(pages):
-            self._free.appendleft(p)
-            self._is_free[p] = 1
+        tail = self._tokens_of(self.alloc_pages(needed))[: n - room]
+        if not room:  # page size 1, or a prefix ending on a page boundary: nothing to join
+            return tail
+        head = torch.arange(last_loc + 1, last_loc + 1 + room, dtype=torch.int64)
+        return torch.cat([head, tail]) if tail.numel() else head
 
     def _tokens_of(self, pages: list[int]) -> torch.Tensor:
         ps = self.page_size

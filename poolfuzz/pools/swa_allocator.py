@@ -6,7 +6,7 @@ import torch
 
 from poolfuzz.pools.allocator import AllocatorState, TokenAllocator, _as_index
 from poolfuzz.pools.components import zeros
-from poolfuzz.pools.errors import MisalignedAlloc, PoolExhausted
+from poolfuzz.pools.errors import MisalignedAlloc
 
 
 class SWATokenAllocator:
@@ -52,11 +52,8 @@ class SWATokenAllocator:
 
     # --- allocation ----------------------------------------------------------------------
     def _check(self, *, full_pages: int, swa_pages: int) -> None:
-        ps = self.page_size
-        if full_pages > len(self.full._free):
-            raise PoolExhausted(space="full", requested=full_pages * ps, available=self.full.available_size())
-        if swa_pages > len(self.swa._free):
-            raise PoolExhausted(space="swa", requested=swa_pages * ps, available=self.swa.available_size())
+        self.full.require_pages(full_pages)
+        self.swa.require_pages(swa_pages)
 
     def alloc(self, n: int) -> torch.Tensor:
         ps = self.page_size
