@@ -54,6 +54,15 @@ class TestRowChecksums:
         assert torch.equal(_torch_checksums(as_words(rows)), row_checksums(rows))
         assert row_checksums(rows).tolist() == _exact_python(rows)
 
+    @pytest.mark.parametrize(("dtype", "nbytes"), [(torch.bfloat16, 4096), (torch.uint8, 4092)], ids=str)
+    def test_large_inputs_take_the_bulk_path_and_agree(self, dtype, nbytes):
+        """At 2^15 words and up the CPU path switches formulation (einsum); it gives the same bits."""
+        g = torch.Generator().manual_seed(nbytes)
+        rows = torch.randint(0, 256, (80, nbytes), generator=g, dtype=torch.uint8).view(dtype)
+        assert as_words(rows).numel() >= 1 << 15
+        assert row_checksums(rows).tolist() == reference_checksums(rows)
+        assert torch.equal(_torch_checksums(as_words(rows)), row_checksums(rows))
+
     def test_device_path_in_many_chunks(self, monkeypatch):
         """The device path sums chunk by chunk; any chunking gives the same bits."""
         import poolfuzz.harness.checksums as checksums

@@ -83,6 +83,13 @@ def test_cpu_workflow_runs_the_suite_under_the_ci_profile_on_every_core():
     assert argv[argv.index("-n") + 1] == "auto"
 
 
+def test_ci_entry_point_runs_the_suite_under_the_ci_profile():
+    """.ci/run must be reproducible from its log even where the runner does not export CI."""
+    script = (ROOT / ".ci" / "run").read_text()
+    assert 'export HYPOTHESIS_PROFILE="${HYPOTHESIS_PROFILE:-ci}"' in script
+    assert script.index("export HYPOTHESIS_PROFILE") < script.index("python -m pytest -n 2")
+
+
 ALLOWED_TOOLS = {"nvidia-smi", "sudo"}
 PYTEST_OPTIONS = {"--device": 1, "-n": 1, "-q": 0, "-x": 0, "-p": 1}
 

@@ -8,6 +8,7 @@ from poolfuzz.harness.runner import run_machine
 from poolfuzz.pools.config import CONFIGS
 
 FAULT = "swa-ignores-mamba-backup"
+BUDGET = 200  # examples, derandomized: the faulty and the correct family get the same
 
 # The shrunk program for swa-ssm (derandomized run). Three rules: a warm start admits and prefills
 # two requests, SGLang's victim is retracted with its recurrent state left behind by
@@ -40,7 +41,7 @@ def _rule_steps(program: str) -> list[str]:
 
 @pytest.fixture(scope="module")
 def found():
-    return run_machine(CONFIGS["swa-ssm"], faults=[FAULT], max_examples=200)
+    return run_machine(CONFIGS["swa-ssm"], faults=[FAULT], max_examples=BUDGET)
 
 
 class Test35957:
@@ -75,10 +76,10 @@ class Test35957:
     @pytest.mark.parametrize("config", ["swa-ssm", "swa-ssm-ps4"])
     def test_caught_on_every_config_it_applies_to(self, config):
         """Paged and unpaged SWA+SSM families both lose the state under the fault."""
-        result = run_machine(CONFIGS[config], faults=[FAULT], max_examples=200)
+        result = run_machine(CONFIGS[config], faults=[FAULT], max_examples=BUDGET)
         assert result.divergence is not None and result.divergence["component"].startswith("mamba.")
 
     @pytest.mark.parametrize("config", ["swa-ssm", "swa-ssm-ps4"])
     def test_correct_family_passes_the_same_budget(self, config):
         """The correct family passes where the faulty one fails."""
-        assert run_machine(CONFIGS[config], max_examples=60).passed
+        assert run_machine(CONFIGS[config], max_examples=BUDGET).passed
