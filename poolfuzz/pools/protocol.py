@@ -22,6 +22,12 @@ def ceil_page(n: int, ps: int) -> int:
     return -(-n // ps) * ps
 
 
+def window_start(config, seq_len: int) -> int:
+    """The first position whose SWA KV a request of ``seq_len`` tokens keeps: the window, widened
+    back to a page boundary. Host backups, resumes (the SWA tail) and PD transfer all cover this."""
+    return floor_page(max(0, seq_len - config.sliding_window), config.page_size)
+
+
 def page_expand(tokens: torch.Tensor, ps: int) -> torch.Tensor:
     """All slots of the pages these slots lie on, pages in first-seen order."""
     if ps == 1 or tokens.numel() == 0:
@@ -197,8 +203,7 @@ class ServingProtocol:
     def _host_plan(self, req: ReqKv, family: PoolFamily, n: int) -> dict[str, range]:
         plan = {"host.full": range(0, n)}
         if family.config.has_swa:
-            plan["host.swa"] = range(floor_page(max(0, n - family.config.sliding_window),
-                                                family.config.page_size), n)
+            plan["host.swa"] = range(window_start(family.config, n), n)
         return plan
 
     def _host_sources(self, req, family, plan) -> dict[str, tuple[int, torch.Tensor]]:
@@ -255,7 +260,7 @@ class ServingProtocol:
         cfg = family.config
         try:
             if cfg.has_swa and cfg.page_size > 1:
-                tail = fill_len - floor_page(max(0, fill_len - cfg.sliding_window), cfg.page_size)
+                tail = fill_len - window_start(cfg, fill_len)
                 slots = family.allocator.alloc_extend_swa_tail(seq_len=fill_len, swa_tail_len=tail)
                 req.swa_evicted_seqlen = fill_len - tail
             else:  # swa_evicted_seqlen was reset by reset_for_retract (or is 0 on a new request)

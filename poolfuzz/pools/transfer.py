@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from poolfuzz.pools.errors import PoolError
-from poolfuzz.pools.protocol import floor_page
+from poolfuzz.pools.protocol import window_start
 from poolfuzz.pools.request import ReqKv
 
 if TYPE_CHECKING:
@@ -65,7 +65,7 @@ class PDTransfer:
     def state_items(self, req: ReqKv, family: PoolFamily, state_type: str, length: int) -> torch.Tensor:
         ps = family.config.page_size
         if state_type == "SWA":
-            start = floor_page(max(0, length - family.config.sliding_window), ps)
+            start = window_start(family.config, length)
             tokens = family.req_pool.read(req.req_pool_idx, start, length)
             return _pages(family.allocator.translate(tokens), ps)
         if state_type == "MAMBA":

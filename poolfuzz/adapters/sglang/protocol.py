@@ -26,7 +26,7 @@ import torch
 from poolfuzz.adapters.sglang.api import accepted_kwargs
 from poolfuzz.adapters.sglang.shims import cpu_synchronize
 from poolfuzz.pools.errors import DoubleFree, PoolError, PoolExhausted
-from poolfuzz.pools.protocol import ServingProtocol, floor_page
+from poolfuzz.pools.protocol import ServingProtocol, floor_page, window_start
 from poolfuzz.pools.request import ReqKv, RetractionBackup
 
 if TYPE_CHECKING:
@@ -389,7 +389,7 @@ class SGLangProtocol(ServingProtocol):
         try:
             tail = None
             if cfg.has_swa and ps > 1 and hasattr(alloc, "alloc_extend_swa_tail"):
-                tail = fill_len - floor_page(max(0, fill_len - cfg.sliding_window), ps)
+                tail = fill_len - window_start(cfg, fill_len)
                 full_pages, swa_pages = -(-fill_len // ps), -(-tail // ps)
                 out = paged_alloc_extend(alloc, prefix_len=0, seq_len=fill_len, last_loc=-1, swa_tail_len=tail)
                 if out is None:
