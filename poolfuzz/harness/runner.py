@@ -156,29 +156,25 @@ def _message(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
 
 
-def _operation_names() -> list[str]:
-    from poolfuzz.harness.program import operations
-
-    return list(operations())
-
-
-_SIGNATURES: dict[tuple[type, str], inspect.Signature] = {}
-
-
 def _noting_call(machine, name: str, bound):
-    """``bound`` that notes (op, args) on the machine while it runs: an op that raises never records itself."""
-    key = (type(bound.__self__), name)
-    signature = _SIGNATURES.get(key)
-    if signature is None:  # once per engine class and op, not once per example
-        signature = _SIGNATURES[key] = inspect.signature(bound)
+    """``bound`` that notes its call on the machine while it runs: an op that raises never records
+    itself. The arguments are bound to names only if it does (see ``_pending_step``)."""
 
     def call(*args, **kwargs):
-        machine._pending = (name, dict(signature.bind(*args, **kwargs).arguments))
+        machine._pending = (name, args, kwargs)
         result = bound(*args, **kwargs)
         machine._pending = None
         return result
 
     return call
+
+
+def _pending_step(engine, pending, exc: BaseException) -> StepRecord:
+    """The step that raised, as the record it would have written: named arguments, no outcome."""
+    name, args, kwargs = pending
+    bound = inspect.signature(getattr(type(engine), name)).bind(engine, *args, **kwargs).arguments
+    bound.pop("self")
+    return StepRecord(op=name, args=dict(bound), outcome=f"raised {type(exc).__name__}")
 
 
 def database_key(machine_cls) -> bytes | None:
@@ -211,7 +207,9 @@ def run_machine(config: ModelConfig, *, device="cpu", faults=(), backup_mode=Non
     started = time.perf_counter()
     tracker = _Tracker(started=started, deadline=None if time_budget is None else started + time_budget,
                        shrink_limit=shrink_limit, on_progress=on_progress, on_failure=on_failure)
-    ops = _operation_names()
+    from poolfuzz.harness.program import operations
+
+    ops = list(operations())
 
     class Counted(base):
         def __init__(self):
@@ -242,8 +240,7 @@ def run_machine(config: ModelConfig, *, device="cpu", faults=(), backup_mode=Non
                 if isinstance(exc, Exception):
                     steps = list(self.engine.log[:start])
                     if raised is None and self._pending is not None:  # the failing op never recorded itself
-                        op, args = self._pending
-                        steps.append(StepRecord(op=op, args=args, outcome=f"raised {type(exc).__name__}"))
+                        steps.append(_pending_step(self.engine, self._pending, exc))
                     tracker.saw_failure(FailureCandidate(
                         steps=tuple(steps), error_type=type(exc).__name__, message=_message(exc),
                         divergence=_divergence(exc, self.engine), in_teardown=raised is not None,

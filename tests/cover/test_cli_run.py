@@ -222,3 +222,12 @@ def test_the_reported_program_is_python_whatever_hypothesis_calls_it(header):
     assert program == "state = PoolMachine()\nstate.warm_start(prompts=[1])\nstate.teardown()"
     compile(program, "<program>", "exec")
     assert _runnable_program(["Flaky: nothing runnable here"]) is None
+
+
+def test_a_step_that_raises_is_kept_in_the_program_with_named_arguments():
+    """The seqlen-1 check fails inside retract, before the step records itself: the runner adds it."""
+    result = run_machine(CONFIGS["dense"], faults=["backup-drops-last-token"], max_examples=50, shrink_limit=2)
+    last = result.engine_steps[-1]
+    assert (last.op, list(last.args), last.outcome) == ("retract", ["rid"], "raised ReferenceMismatch")
+    admitted = [step.outcome for step in result.engine_steps if step.op == "admit"]
+    assert any(outcome.startswith(f"Req({last.args['rid']}) ") for outcome in admitted)
