@@ -7,7 +7,6 @@ fails while the bug is present and passes once it is fixed.
 
 from __future__ import annotations
 
-from poolfuzz.harness.usage import one_line_errors
 
 import os
 import re
@@ -22,7 +21,6 @@ def register(sub) -> None:
     p.add_argument("file", metavar="FILE", help="a JSON artifact written by poolfuzz run")
     p.add_argument("-o", "--output", required=True, metavar="PATH", help="the test module to write (a .py file)")
     p.set_defaults(handler=main)
-    one_line_errors(p)
 
 
 def main(args, out=None) -> int:

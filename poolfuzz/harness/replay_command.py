@@ -7,7 +7,6 @@ operations, and the checks compare checksums, not device pointers.
 
 from __future__ import annotations
 
-from poolfuzz.harness.usage import one_line_errors
 
 import sys
 
@@ -21,7 +20,6 @@ def register(sub) -> None:
     p.add_argument("--verbose", "-v", action="store_true",
                    help="also show the recorded outcome of each step and every live request after it")
     p.set_defaults(handler=main)
-    one_line_errors(p)
 
 
 def main(args, out=None) -> int:

@@ -6,7 +6,6 @@ Exit status: 0 nothing failed, 1 a failure was found (its artifact is written), 
 
 from __future__ import annotations
 
-from poolfuzz.harness.usage import one_line_errors
 
 import random
 
@@ -46,7 +45,6 @@ def register(sub) -> None:
                      help="pool family to fuzz: builtin (default), an installed plug-in such as sglang, "
                           "or package.module:factory (see the README)")
     run.set_defaults(handler=main)
-    one_line_errors(run)
 
 
 def plan_from_args(args):

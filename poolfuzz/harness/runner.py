@@ -12,7 +12,7 @@ import inspect
 import re
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable
 
 from hypothesis import HealthCheck, Phase, settings
@@ -90,18 +90,14 @@ class _Tracker:
     first_seconds: float | None = None
     best: FailureCandidate | None = None
     last: FailureCandidate | None = None
-    stopped: str | None = None  # why _BudgetSpent was raised
-    last_progress: float = field(default=0.0)
 
     def new_example(self) -> None:
         now = time.perf_counter()
         if self.examples and not _is_final():
             if self.first_seconds is None and self.deadline is not None and now >= self.deadline:
-                self.stopped = "time budget spent"
                 raise _BudgetSpent()
             if (self.first_seconds is not None and self.shrink_limit is not None
                     and now - self.started - self.first_seconds >= self.shrink_limit):
-                self.stopped = f"shrink limit of {self.shrink_limit:g}s reached"
                 raise _BudgetSpent()
         self.examples += 1
         if self.on_progress is not None:

@@ -66,11 +66,3 @@ class ReqKv:
 
     def __repr__(self) -> str:
         return f"Req({self.rid})"
-
-    @property
-    def holds_kv(self) -> bool:
-        return self.req_pool_idx is not None
-
-    @property
-    def holds_mamba(self) -> bool:
-        return self.mamba_pool_idx is not None

@@ -205,7 +205,6 @@ class SGLangFamily:
     cpu_aliases: list = field(default_factory=list)
     _free_views: dict = field(default_factory=dict)
     _last_free: dict = field(default_factory=dict)
-    _listener: Callable | None = None
 
     def __repr__(self) -> str:
         return f"SGLangFamily({self.config.name}, sglang {self.api.version}, {self.device}, {self.backup_mode})"
@@ -227,7 +226,6 @@ class SGLangFamily:
         return dict(self._free_views)
 
     def set_free_listener(self, listener) -> None:
-        self._listener = listener
         for view in self._free_views.values():
             view.on_free = listener
         self.snapshot_free_lists()
