@@ -227,7 +227,7 @@ def from_program(config: str, steps, *, faults=(), device="cpu", backup_mode: st
     from dataclasses import asdict as _asdict
 
     from poolfuzz.harness.engine import EngineOptions
-    from poolfuzz.harness.failures import PoolfuzzFailure
+    from poolfuzz.harness.failures import divergence_of, message_of
     from poolfuzz.harness.program import new_engine, replay
     from poolfuzz.pools.config import get_config
 
@@ -242,11 +242,8 @@ def from_program(config: str, steps, *, faults=(), device="cpu", backup_mode: st
             recorded.append(StepRecord(op=ev.step.op, args=ev.step.args, outcome=ev.outcome))
         if ev.failure is not None:
             exc = ev.failure
-            div = exc.divergence.to_json() if isinstance(exc, PoolfuzzFailure) else {
-                "kind": "exception", "step": engine.step, "op": engine.op, "detail": f"{type(exc).__name__}: {exc}"}
-            msg = str(exc) if isinstance(exc, PoolfuzzFailure) else f"{type(exc).__name__}: {exc}"
             return stamp(config=config, family=family, device=str(engine.device), faults=list(faults),
-                         backup_mode=engine.families["prefill"].backup_mode, seed=seed, failure=msg,
-                         error_type=type(exc).__name__, divergence=div, program=recorded,
+                         backup_mode=engine.families["prefill"].backup_mode, seed=seed, failure=message_of(exc),
+                         error_type=type(exc).__name__, divergence=divergence_of(exc, engine), program=recorded,
                          in_teardown=ev.step is None, engine_options=_asdict(EngineOptions()))
     raise ValueError(f"the program ran clean on {config} (faults {list(faults)}): nothing to record")

@@ -79,3 +79,17 @@ def invariant(*, step, op, detail, node="", kind="invariant") -> InvariantViolat
 def reference_mismatch(*, step, op, detail, node="", rid=None) -> ReferenceMismatch:
     return ReferenceMismatch(Divergence(kind="reference", step=step, op=op, node=node, rid=rid, detail=detail),
                              f"{detail} [step {step}, {op}{', node ' + node if node else ''}]")
+
+
+def message_of(exc: BaseException) -> str:
+    """The one-line report of a failure: a poolfuzz failure's own text, else ``Type: text``."""
+    return str(exc) if isinstance(exc, PoolfuzzFailure) else f"{type(exc).__name__}: {exc}"
+
+
+def divergence_of(exc: BaseException, engine=None) -> dict:
+    """A failure's divergence as JSON; a crash in the pools becomes an ``exception`` divergence at
+    the engine's current step."""
+    if isinstance(exc, PoolfuzzFailure):
+        return exc.divergence.to_json()
+    return {"kind": "exception", "step": getattr(engine, "step", 0), "op": getattr(engine, "op", ""),
+            "detail": message_of(exc)}

@@ -83,10 +83,9 @@ def _requests(engine) -> list[str]:
 
 
 def _report(w, exc: BaseException, art) -> None:
-    from poolfuzz.harness.failures import PoolfuzzFailure
+    from poolfuzz.harness.failures import PoolfuzzFailure, message_of
 
-    message = str(exc) if isinstance(exc, PoolfuzzFailure) else f"{type(exc).__name__}: {exc}"
-    w(f"{message}\n")
+    w(f"{message_of(exc)}\n")
     d = exc.divergence.to_json() if isinstance(exc, PoolfuzzFailure) else {}
     if d:
         rows = [("kind", d.get("kind")), ("step", f"{d.get('step')} ({d.get('op')})"),

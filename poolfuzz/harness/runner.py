@@ -20,7 +20,7 @@ from hypothesis.reporting import with_reporter
 from hypothesis.stateful import get_state_machine_test
 
 from poolfuzz.harness.engine import StepRecord
-from poolfuzz.harness.failures import PoolfuzzFailure
+from poolfuzz.harness.failures import PoolfuzzFailure, divergence_of, message_of
 from poolfuzz.harness.machine import machine_for
 from poolfuzz.pools.config import ModelConfig
 
@@ -139,19 +139,6 @@ def _reproduction() -> str | None:
         return None
 
 
-def _divergence(exc: BaseException, engine) -> dict:
-    if isinstance(exc, PoolfuzzFailure):
-        return exc.divergence.to_json()
-    return {"kind": "exception", "step": getattr(engine, "step", 0), "op": getattr(engine, "op", ""),
-            "detail": f"{type(exc).__name__}: {exc}"}
-
-
-def _message(exc: BaseException) -> str:
-    if isinstance(exc, PoolfuzzFailure):
-        return str(exc)
-    return f"{type(exc).__name__}: {exc}"
-
-
 def _noting_call(machine, name: str, bound):
     """``bound`` that notes its call on the machine while it runs: an op that raises never records
     itself. The arguments are bound to names only if it does (see ``_pending_step``)."""
@@ -238,8 +225,8 @@ def run_machine(config: ModelConfig, *, device="cpu", faults=(), backup_mode=Non
                     if raised is None and self._pending is not None:  # the failing op never recorded itself
                         steps.append(_pending_step(self.engine, self._pending, exc))
                     tracker.saw_failure(FailureCandidate(
-                        steps=tuple(steps), error_type=type(exc).__name__, message=_message(exc),
-                        divergence=_divergence(exc, self.engine), in_teardown=raised is not None,
+                        steps=tuple(steps), error_type=type(exc).__name__, message=message_of(exc),
+                        divergence=divergence_of(exc, self.engine), in_teardown=raised is not None,
                         backup_mode=self.engine.families["prefill"].backup_mode, reproduce=_reproduction()))
 
     Counted.__name__ = Counted.__qualname__ = "PoolMachine"
@@ -278,13 +265,13 @@ def run_machine(config: ModelConfig, *, device="cpu", faults=(), backup_mode=Non
     failure = program = blob = divergence = error_type = None
     engine_steps: tuple = ()
     if error is not None:
-        failure, error_type = _message(error), type(error).__name__
+        failure, error_type = message_of(error), type(error).__name__
         notes = getattr(error, "__notes__", [])
         program = _runnable_program(notes)
         blob = next(iter(re.findall(r"@reproduce_failure\(.*?\)", "\n".join(notes))), None)
-        divergence = _divergence(error, None) if final is None else final.divergence
-        if isinstance(error, PoolfuzzFailure):
-            divergence = error.divergence.to_json()
+        # A crash's divergence is the one seen with its engine; a poolfuzz failure carries its own.
+        divergence = (final.divergence if final is not None and not isinstance(error, PoolfuzzFailure)
+                      else divergence_of(error))
     elif final is not None:  # stopped or interrupted while shrinking: the best so far
         failure, error_type, divergence = final.message, final.error_type, final.divergence
     if final is not None:
