@@ -68,13 +68,15 @@ class Ledger:
     """Expected per-slot checksums, computed on the host from the reference's logical contents."""
 
     def __init__(self):
-        self._kv: dict[tuple, torch.Tensor] = {}  # (key, dtype, owner) -> checksums by position
+        # Keyed by everything a row's bytes depend on: the ledger is shared by every engine in the
+        # process, and two configs may give a component of the same name and layer other shapes.
+        self._kv: dict[tuple, torch.Tensor] = {}  # (key, dtype, row shape, owner) -> checksums by position
         self._chain: dict[tuple, int] = {(): 0}
         self._state: dict[tuple, int] = {}
 
     def kv(self, spec: ComponentSpec, owner: int, start: int, end: int) -> torch.Tensor:
         """Expected checksums of positions ``[start, end)`` holding ``owner``'s tokens."""
-        cache_key = (spec.key, spec.dtype, owner)
+        cache_key = (spec.key, spec.dtype, spec.row_shape, owner)
         have = self._kv.get(cache_key)
         if have is None or have.numel() < end:
             size = max(64, 1 << (max(end, 1) - 1).bit_length())
@@ -104,7 +106,7 @@ class Ledger:
 
     def state(self, spec: ComponentSpec, history: tuple) -> int:
         """Expected checksum of a recurrent-state row after consuming ``history``."""
-        key = (spec.key, spec.dtype, history)
+        key = (spec.key, spec.dtype, spec.row_shape, history)
         got = self._state.get(key)
         if got is None:
             if not history:

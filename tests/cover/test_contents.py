@@ -78,3 +78,22 @@ class TestChain:
     def test_different_histories_differ(self):
         """Another request's tokens give another hash (a resumed request on a foreign state shows)."""
         assert fold_chain(0, 1, 0, 8) != fold_chain(0, 2, 0, 8)
+
+
+def test_the_shared_ledger_tells_shapes_apart():
+    """One ledger serves every config in the process: the same component, layer and dtype with
+    another row shape (another head size) has other expected checksums, not the first one's."""
+    from poolfuzz.harness.ledger import Ledger
+
+    def spec(name, space, dtype, shape):
+        return ComponentSpec(name=name, layer=1, space=space, dtype=dtype, row_shape=shape)
+
+    narrow, wide = spec("full.k", "full", torch.bfloat16, (2, 4)), spec("full.k", "full", torch.bfloat16, (2, 8))
+    shared = Ledger()
+    shared.kv(narrow, owner=1, start=0, end=4)
+    assert torch.equal(shared.kv(wide, owner=1, start=0, end=4), Ledger().kv(wide, owner=1, start=0, end=4))
+
+    short, long = spec("mamba.conv0", "mamba", torch.float32, (4, 3)), spec("mamba.conv0", "mamba", torch.float32, (6, 3))
+    history = ((1, 0, 3),)
+    shared.state(short, history)
+    assert shared.state(long, history) == Ledger().state(long, history)
