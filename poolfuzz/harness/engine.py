@@ -697,6 +697,14 @@ class Engine:
             self._readers[node] = plan
         return plan
 
+    def _state_checksum(self, spec: ComponentSpec, history: tuple) -> int:
+        """The expected checksum of a state row after ``history``: from the table the write used
+        (one build serves every chain value), or the cleared row's."""
+        if not history:
+            return self.ledger.state(spec, history)
+        rid, _, gen = history[-1]
+        return row_cache.state_checksum(spec, rid, gen, self.ledger.chain(history))
+
     def _expected_slots(self, fam: PoolFamily, req: Request, spec: ComponentSpec, located: dict | None = None):
         """(positions, slots, expected checksums) of one component of one request, or None.
         ``located`` memoises (positions, slots) per (request, space) across components."""
@@ -709,11 +717,7 @@ class Engine:
             where = (req.rid, "mamba")
             if where not in located:
                 located[where] = (_NO_POSITION, np.array([kv.mamba_pool_idx], dtype=np.int64))
-            if ref.state:  # the ledger's state checksum, from the table the write used
-                rid, _, gen = ref.state[-1]
-                value = row_cache.state_checksum(spec, rid, gen, self.ledger.chain(ref.state))
-            else:
-                value = self.ledger.state(spec, ref.state)
+            value = self._state_checksum(spec, ref.state)
             expected = self._scalars.get(value)
             if expected is None:
                 expected = self._scalars[value] = torch.tensor([value])
@@ -817,7 +821,7 @@ class Engine:
         if backup.mode != "cpu_tensor" or not fam.has_recurrent_state() or not ref.state:
             return
         specs = [s for s in self.specs.values() if s.space == "mamba"]
-        wanted = {self.ledger.state(s, ref.state) for s in specs}
+        wanted = {self._state_checksum(s, ref.state) for s in specs}
         carried = _checksums_in(backup.cpu_tensors, {s.row_shape for s in specs}) >= wanted
         in_mamba_cpu = backup.mamba_cpu is not None
         declared = type(fam.kv_pool).cpu_copy_carries_mamba
