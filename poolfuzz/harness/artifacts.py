@@ -202,6 +202,13 @@ def resolve(artifact: Artifact, name: str):
     return CONFIGS[artifact.config], list(artifact.faults)
 
 
+def current_engine_options() -> dict:
+    """The engine options this poolfuzz's machine runs with, as an artifact records them."""
+    from poolfuzz.harness.engine import EngineOptions
+
+    return asdict(EngineOptions())
+
+
 def engine_options(artifact: Artifact, name: str) -> dict:
     from poolfuzz.harness.engine import EngineOptions
 
@@ -224,9 +231,7 @@ def from_program(config: str, steps, *, faults=(), device="cpu", backup_mode: st
     Useful to pin a known failure as an artifact without fuzzing; raises ValueError if the program
     does not fail.
     """
-    from dataclasses import asdict as _asdict
 
-    from poolfuzz.harness.engine import EngineOptions
     from poolfuzz.harness.failures import divergence_of, message_of
     from poolfuzz.harness.program import new_engine, replay
     from poolfuzz.pools.config import get_config
@@ -245,5 +250,5 @@ def from_program(config: str, steps, *, faults=(), device="cpu", backup_mode: st
             return stamp(config=config, family=family, device=str(engine.device), faults=list(faults),
                          backup_mode=engine.families["prefill"].backup_mode, seed=seed, failure=message_of(exc),
                          error_type=type(exc).__name__, divergence=divergence_of(exc, engine), program=recorded,
-                         in_teardown=ev.step is None, engine_options=_asdict(EngineOptions()))
+                         in_teardown=ev.step is None, engine_options=current_engine_options())
     raise ValueError(f"the program ran clean on {config} (faults {list(faults)}): nothing to record")

@@ -157,39 +157,28 @@ class _ArtifactWriter:
             self.path = path
         return self.path
 
-    def _family(self) -> str:
-        return getattr(self.plan, "family", None) or "builtin"
+    def _write(self, **varying):
+        """The artifact of this lane: what the lane fixes, plus what the failure says."""
+        from poolfuzz.harness.artifacts import current_engine_options, stamp, write_atomic
+
+        art = stamp(config=self.lane.config, family=self.plan.family or "builtin", device=self.device,
+                    faults=list(self.plan.faults), seed=self.lane.seed, engine_options=current_engine_options(),
+                    **varying)
+        return write_atomic(self._path(), art)
 
     def interim(self, candidate):
-        from poolfuzz.harness.artifacts import stamp, write_atomic
-
-        art = stamp(config=self.lane.config, family=self._family(), device=self.device, faults=list(self.plan.faults),
-                    backup_mode=candidate.backup_mode, seed=self.lane.seed, failure=candidate.message,
-                    error_type=candidate.error_type, divergence=candidate.divergence,
-                    program=list(candidate.steps), status="shrinking", in_teardown=candidate.in_teardown,
-                    database=self.plan.db, engine_options=_engine_options())
-        return write_atomic(self._path(), art)
+        return self._write(backup_mode=candidate.backup_mode, failure=candidate.message,
+                           error_type=candidate.error_type, divergence=candidate.divergence,
+                           program=list(candidate.steps), status="shrinking", in_teardown=candidate.in_teardown,
+                           database=self.plan.db)
 
     def final(self, result, db):
-        from poolfuzz.harness.artifacts import stamp, write_atomic
-
         status = "shrunk" if result.shrunk else ("interrupted" if result.interrupted else "shrink-limit")
-        art = stamp(config=result.config, family=self._family(), device=self.device, faults=list(result.faults),
-                    backup_mode=result.backup_mode, seed=result.seed, failure=result.failure,
-                    error_type=result.error_type or result.failure.split(":", 1)[0],
-                    divergence=result.divergence or {}, program=list(result.engine_steps), status=status,
-                    in_teardown=result.in_teardown, hypothesis_program=result.program,
-                    reproduce_blob=result.reproduce_blob, database=db, database_key=result.database_key,
-                    examples=result.examples, seconds=round(result.seconds, 3), engine_options=_engine_options())
-        return write_atomic(self._path(), art)
-
-
-def _engine_options() -> dict:
-    from dataclasses import asdict
-
-    from poolfuzz.harness.engine import EngineOptions
-
-    return asdict(EngineOptions())  # what the machine runs with; replay uses the same
+        return self._write(backup_mode=result.backup_mode, failure=result.failure, error_type=result.error_type,
+                           divergence=result.divergence, program=list(result.engine_steps), status=status,
+                           in_teardown=result.in_teardown, hypothesis_program=result.program,
+                           reproduce_blob=result.reproduce_blob, database=db, database_key=result.database_key,
+                           examples=result.examples, seconds=round(result.seconds, 3))
 
 
 def _worker_main(plan: Plan, lanes: list[Lane], events, deadline: float | None) -> None:
