@@ -202,6 +202,14 @@ def resolve(artifact: Artifact, name: str):
     return CONFIGS[artifact.config], list(artifact.faults)
 
 
+def load_checked(path) -> tuple[Artifact, object, list[str], dict]:
+    """An artifact that replays here: (artifact, config, faults, engine options), or ArtifactError
+    naming what does not (a bad file, an unknown config, fault, family or engine option)."""
+    art = load(path)
+    config, faults = resolve(art, str(path))
+    return art, config, faults, engine_options(art, str(path))
+
+
 def current_engine_options() -> dict:
     """The engine options this poolfuzz's machine runs with, as an artifact records them."""
     from poolfuzz.harness.engine import EngineOptions
@@ -231,7 +239,6 @@ def from_program(config: str, steps, *, faults=(), device="cpu", backup_mode: st
     Useful to pin a known failure as an artifact without fuzzing; raises ValueError if the program
     does not fail.
     """
-
     from poolfuzz.harness.failures import divergence_of, message_of
     from poolfuzz.harness.program import new_engine, replay
     from poolfuzz.pools.config import get_config

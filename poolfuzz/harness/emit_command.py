@@ -28,16 +28,14 @@ def main(args, out=None) -> int:
     from poolfuzz.harness.cli import UsageError
 
     out = out or sys.stdout
-    art = artifacts.load(args.file)
-    artifacts.resolve(art, args.file)
-    artifacts.engine_options(art, args.file)  # unknown options: one line, exit 2, nothing written
+    art = artifacts.load_checked(args.file)[0]  # what cannot replay here: one line, exit 2, nothing written
     path = Path(args.output)
     if path.is_dir():
         raise UsageError(f"-o {args.output!r} is a directory; name the file, e.g. "
-                         f"{path / f'test_regression_{_slug(art.config)}.py'}")
+                         f"{path / f'test_regression_{slug(art.config)}.py'}")
     if path.suffix != ".py":
         raise UsageError(f"-o {args.output!r} must name a .py file (pytest collects test_*.py); "
-                         f"for example -o test_regression_{_slug(art.config)}.py")
+                         f"for example -o test_regression_{slug(art.config)}.py")
     if not path.parent.is_dir():
         raise UsageError(f"-o {args.output!r}: the directory {str(path.parent)!r} does not exist; create it first")
     source = render(art, source_name=os.path.basename(str(args.file)))
@@ -59,7 +57,7 @@ def render(art, *, source_name: str = "") -> str:
     kind = (art.divergence or {}).get("kind") or art.error_type
     plugin = art.family != "builtin"
     op = (art.divergence or {}).get("op") or "teardown"
-    name = f"test_{_slug(art.config)}_{_slug(kind)}_at_{_slug(op)}"
+    name = f"test_{slug(art.config)}_{slug(kind)}_at_{slug(op)}"
     failure = art.failure.replace('"""', "'''")
     lines = [
         '"""Regression test from a shrunk poolfuzz failure.',
@@ -125,7 +123,8 @@ def _wrap(text: str, indent: str, width: int = 96) -> list[str]:
     return textwrap.wrap(text, width=width, initial_indent=indent, subsequent_indent=indent) or [indent]
 
 
-def _slug(text: str) -> str:
+def slug(text: str) -> str:
+    """A lower-case identifier fragment: what a test file or function may be named after."""
     return re.sub(r"_+", "_", re.sub(r"[^A-Za-z0-9]", "_", str(text))).strip("_").lower() or "x"
 
 

@@ -28,9 +28,7 @@ def main(args, out=None) -> int:
     from poolfuzz.pools.family import resolve_device
 
     out = out or sys.stdout
-    art = artifacts.load(args.file)
-    config, faults = artifacts.resolve(art, args.file)
-    options = artifacts.engine_options(art, args.file)
+    art, config, faults, options = artifacts.load_checked(args.file)
     device = resolve_device(args.device)
     w = out.write
     family = "" if art.family == "builtin" else f"family {art.family}, "

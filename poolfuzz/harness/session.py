@@ -441,6 +441,8 @@ def _run_workers(plan: Plan, per_worker: list[list[Lane]], display: Display, dea
 
 
 def _summary(plan: Plan, result: SessionResult, stream: TextIO) -> None:
+    from poolfuzz.harness.emit_command import slug
+
     by_config: dict[str, list[LaneState]] = {}
     for st in result.lanes:
         by_config.setdefault(st.lane.config, []).append(st)
@@ -464,7 +466,7 @@ def _summary(plan: Plan, result: SessionResult, stream: TextIO) -> None:
             failures.append(s)
     for s in failures:
         stream.write(f"\n{s.lane.config}: {s.failure}\n  replay:    poolfuzz replay {s.artifact}\n"
-                     f"  as a test: poolfuzz emit-test {s.artifact} -o test_regression_{_slug(s.lane.config)}.py\n")
+                     f"  as a test: poolfuzz emit-test {s.artifact} -o test_regression_{slug(s.lane.config)}.py\n")
     for e in result.errors:
         stream.write(f"\nerror: {e}\n")
     passed = sum(1 for c, sts in by_config.items() if all(s.status == "PASS" for s in sts))
@@ -476,10 +478,6 @@ def _summary(plan: Plan, result: SessionResult, stream: TextIO) -> None:
         tail = f" ({len(by_config) - passed - failed} not finished)"
     stream.write(f"\npoolfuzz: {passed} passed, {failed} failed{tail}\n")
     stream.flush()
-
-
-def _slug(text: str) -> str:
-    return "".join(c if c.isalnum() else "_" for c in text)
 
 
 def _family_factory(plan: Plan):
