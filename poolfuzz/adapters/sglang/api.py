@@ -45,15 +45,28 @@ def _first(*candidates: str, required: bool = True) -> Any:
     return None
 
 
+_SIGNATURES: dict[tuple, inspect.Signature] = {}
+
+
+def parameters(fn: Callable):
+    """``inspect.signature(fn).parameters``, computed once per function (a bound method's is its
+    function's, less the instance): the adapter asks on every allocation, free and eviction."""
+    key = (getattr(fn, "__func__", fn), hasattr(fn, "__func__"))
+    sig = _SIGNATURES.get(key)
+    if sig is None:
+        sig = _SIGNATURES[key] = inspect.signature(fn)
+    return sig.parameters
+
+
 def accepted_kwargs(fn: Callable, **kwargs) -> dict:
     """The subset of ``kwargs`` that ``fn`` names as parameters (``**kwargs`` sinks are not used)."""
-    params = inspect.signature(fn).parameters
+    params = parameters(fn)
     return {k: v for k, v in kwargs.items() if k in params}
 
 
 def call_with(fn: Callable, /, **kwargs):
     """Call ``fn`` with the keywords it names; a required one we cannot supply is a clear error."""
-    params = inspect.signature(fn).parameters
+    params = parameters(fn)
     missing = [n for n, p in params.items()
                if n != "self" and p.default is inspect.Parameter.empty
                and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and n not in kwargs]
@@ -97,12 +110,12 @@ class SGLangAPI:
     def kv_on_req(self) -> bool:
         """True where the Req keeps its KV fields on ``req.kv`` (a ``ReqKvInfo`` with a row field;
         some releases have a smaller ``ReqKvInfo`` that is not the request's KV record)."""
-        return self.ReqKvInfo is not None and "req_pool_idx" in inspect.signature(self.ReqKvInfo).parameters
+        return self.ReqKvInfo is not None and "req_pool_idx" in parameters(self.ReqKvInfo)
 
     @property
     def row_alloc_takes_reqs(self) -> bool:
         """``ReqToTokenPool.alloc(reqs)`` binds rows to requests; older ones take a count."""
-        return "reqs" in inspect.signature(self.ReqToTokenPool.alloc).parameters
+        return "reqs" in parameters(self.ReqToTokenPool.alloc)
 
     @property
     def kv_pools_declare_mamba(self) -> bool:

@@ -18,12 +18,11 @@ slot is released), records it in ``family.cpu_aliases``, and so reports what a G
 
 from __future__ import annotations
 
-import inspect
 from typing import TYPE_CHECKING
 
 import torch
 
-from poolfuzz.adapters.sglang.api import accepted_kwargs
+from poolfuzz.adapters.sglang.api import accepted_kwargs, parameters
 from poolfuzz.adapters.sglang.shims import cpu_synchronize
 from poolfuzz.pools.errors import DoubleFree, PoolError, PoolExhausted
 from poolfuzz.pools.protocol import ServingProtocol, floor_page, window_start
@@ -218,7 +217,7 @@ class SGLangProtocol(ServingProtocol):
         try:
             sg = self.standin(req, family)
             fn = family.api.free_swa_out_of_window_slots
-            if fn is not None and "sliding_window_size" in inspect.signature(fn).parameters:
+            if fn is not None and "sliding_window_size" in parameters(fn):
                 fn(sg, pre_len, **accepted_kwargs(
                     fn, sliding_window_size=family.config.sliding_window, page_size=family.config.page_size,
                     req_to_token_pool=family.sg_req_pool, token_to_kv_pool_allocator=family.sg_allocator,
