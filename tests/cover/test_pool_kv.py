@@ -159,6 +159,13 @@ class TestSWAKVPoolCpuCopy:
         assert copy.swa_mask.tolist() == [False, False, True, True]
         assert copy.full.num_tokens == 4 and copy.swa.num_tokens == 2
         assert repr(copy) == "SWACpuCopy(tokens=4, swa_rows=2)"
+        # ... and they are the rows of those slots, in position order (one chunk per layer here).
+        def constants(part):
+            return [[(int(k[i].float().unique()), int(v[i].float().unique())) for i in range(part.num_tokens)]
+                    for ((k, v),) in part.layers]
+
+        assert constants(copy.full) == [[(20 + s, 120 + s) for s in (1, 2, 3, 4)]]
+        assert constants(copy.swa) == [[(60 + s, 160 + s) for s in (3, 4)]]
 
     def test_copy_without_any_mapped_position_has_no_swa_part(self):
         """With every position evicted the SWA part is None."""
