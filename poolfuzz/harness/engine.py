@@ -531,21 +531,25 @@ class Engine:
     def check(self) -> None:
         """Every invariant, after every step; contents of touched requests, all of them periodically."""
         self.broken = True  # until every check below has passed
-        self._check_holdings()
-        self._check_reference()
         sweep = self.options.sweep_interval and self.step % self.options.sweep_interval == 0
-        rids = [r.rid for r in self.requests.values()] if sweep else sorted(self.touched)
         if sweep:
             self.stats["sweeps"] += 1
-            self._check_free_lists()
-        self._check_contents([self.requests[r] for r in rids if r in self.requests])
+            self._run_checks(list(self.requests.values()), free_lists=True)
+        else:
+            self._run_checks([self.requests[r] for r in sorted(self.touched) if r in self.requests],
+                             free_lists=False)
         self.broken = False
 
     def sweep(self) -> None:
+        """Every invariant over every live request and free list (teardown)."""
+        self._run_checks(list(self.requests.values()), free_lists=True)
+
+    def _run_checks(self, reqs: list[Request], *, free_lists: bool) -> None:
         self._check_holdings()
         self._check_reference()
-        self._check_free_lists()
-        self._check_contents(list(self.requests.values()))
+        if free_lists:
+            self._check_free_lists()
+        self._check_contents(reqs)
 
     def _fail_invariant(self, detail: str, node: str = "", kind: str = "invariant"):
         return failures.invariant(step=self.step, op=self.op, detail=detail, node=node, kind=kind)
