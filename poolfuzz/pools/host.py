@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-from collections import deque
-
 import torch
 
-from poolfuzz.pools.allocator import FreeListener, _as_index
-from poolfuzz.pools.components import Component
+from poolfuzz.pools.allocator import FreeList, FreeListener, _as_index
+from poolfuzz.pools.components import Component, zeros
 from poolfuzz.pools.errors import DoubleAlloc, DoubleFree, InvalidSlot, MisalignedAlloc, PoolExhausted
 from poolfuzz.pools.kv import MHATokenToKVPool
 
@@ -28,11 +26,15 @@ class HostKVPool:
         self.layer_ids = device_pool.layer_ids
         pin = device_pool.device.type != "cpu"
         shape = (len(device_pool.layer_ids), size, *device_pool.k_buffer[0].shape[1:])
-        self.k = torch.zeros(shape, dtype=device_pool.store_dtype, pin_memory=pin)
-        self.v = torch.zeros(shape, dtype=device_pool.store_dtype, pin_memory=pin)
-        self.slot_used = torch.zeros(size, dtype=torch.bool)
+        if pin:  # page-locked for asynchronous copies: allocated (and cleared) up front
+            self.k = torch.zeros(shape, dtype=device_pool.store_dtype, pin_memory=True)
+            self.v = torch.zeros(shape, dtype=device_pool.store_dtype, pin_memory=True)
+        else:  # untouched zero pages until a backup writes them, like the device pools on the CPU
+            self.k = zeros(shape, dtype=device_pool.store_dtype)
+            self.v = zeros(shape, dtype=device_pool.store_dtype)
+        self.slot_used = zeros((size,), dtype=torch.bool)
         self.on_free: FreeListener | None = None
-        self._free: deque[int] = deque(range(size))
+        self._free = FreeList(lo=0, hi=size - 1)  # O(1) to build, however large the pool
 
     def available_size(self) -> int:
         return len(self._free)
@@ -45,7 +47,7 @@ class HostKVPool:
             raise MisalignedAlloc(f"{self.space}: alloc({n}) is not a multiple of page size {self.page_size}")
         if n > len(self._free):
             raise PoolExhausted(space=self.space, requested=n, available=len(self._free))
-        slots = torch.as_tensor([self._free.popleft() for _ in range(n)], dtype=torch.int64)
+        slots = torch.as_tensor(self._free.take(n), dtype=torch.int64)
         if bool(self.slot_used[slots].any()):
             raise DoubleAlloc(space=self.space, slot=int(slots[self.slot_used[slots]][0]))
         self.slot_used[slots] = True
