@@ -28,7 +28,7 @@ if ! INFO=$("$PY" - "$DEVICE" 2>&1 <<'EOF'
 import sys
 try:
     import torch
-    import poolfuzz.harness.cli  # noqa: F401
+    import poolfuzz.cli  # noqa: F401
 except Exception as exc:
     print(f"cannot import torch and poolfuzz ({exc}); install them first: python -m pip install -e .")
     sys.exit(2)

@@ -1,2 +1,2 @@
-"""The harness: a serving engine over a real family and its reference, per-slot checksums,
-the invariants, the Hypothesis state machine and the command line."""
+"""The checking core: traceable contents, per-slot checksums, the ledger, the engine that plays a
+serving node over a family and its reference, its checks, and the Hypothesis state machine."""

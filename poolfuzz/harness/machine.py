@@ -185,7 +185,7 @@ def machine_for(config: ModelConfig | str, *, device="cpu", faults=(), backup_mo
     if family_factory is not None:
         attrs["family_factory"] = staticmethod(family_factory)
     # Its own key in Hypothesis's example database, shared by ``poolfuzz run`` and a plain test of it.
-    from poolfuzz.harness.database import machine_identity
+    from poolfuzz.orchestration.database import machine_identity
 
     attrs["_hypothesis_internal_add_digest"] = machine_identity(config, faults, backup_mode, family_factory, options)
     return type("PoolMachine", (PoolMachine,), attrs)

@@ -155,7 +155,7 @@ def new_engine(*, config, device="cpu", faults=(), backup_mode=None, options: di
     opts = EngineOptions(**options) if options else EngineOptions()
     extra = {}
     if family and family != "builtin":
-        from poolfuzz.harness.plugins import resolve_family
+        from poolfuzz.orchestration.plugins import resolve_family
 
         extra["family_factory"] = resolve_family(family).factory
     return Engine(config=config, device=device, faults=tuple(faults), backup_mode=backup_mode, options=opts, **extra)

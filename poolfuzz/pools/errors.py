@@ -1,5 +1,10 @@
 """Typed errors raised by the pools instead of SGLang's ``None`` returns and bare asserts."""
 
+from poolfuzz.errors import ConfigError  # re-exported: the pools raise it for impossible configs
+
+__all__ = ["ConfigError", "DoubleAlloc", "DoubleFree", "InvalidSlot", "MisalignedAlloc", "PoolError",
+           "PoolExhausted", "UnsupportedBackup"]
+
 
 class PoolError(Exception):
     """Base class of every error a pool raises on exhaustion or misuse."""
@@ -48,7 +53,3 @@ class MisalignedAlloc(PoolError):
 
 class UnsupportedBackup(PoolError):
     """The chosen retraction backup mode cannot carry this model's state."""
-
-
-class ConfigError(ValueError):
-    """A model config, device or fault selection is impossible; the message names the fix."""

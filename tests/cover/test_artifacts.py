@@ -5,9 +5,9 @@ import os
 
 import pytest
 
-from poolfuzz.harness import artifacts
-from poolfuzz.harness.artifacts import ArtifactError, from_program, load, write_atomic
-from poolfuzz.harness.cli import run_cli
+from poolfuzz.orchestration import artifacts
+from poolfuzz.orchestration.artifacts import ArtifactError, from_program, load, write_atomic
+from poolfuzz.cli import run_cli
 
 FAULT = "swa-ignores-mamba-backup"
 # SGLang #35957 as an engine program: the recurrent state is not backed up, the resume reads a new slot.

@@ -8,8 +8,8 @@ import json
 
 import pytest
 
-from poolfuzz.harness import bench
-from poolfuzz.harness.cli import run_cli
+from poolfuzz.orchestration import bench
+from poolfuzz.cli import run_cli
 from poolfuzz.pools.config import CONFIGS
 
 REQUIRED = ["checksum_gbps", "sum_gbps", "checksum_ratio", "steps_per_second", "steps_per_second_large",

@@ -8,12 +8,12 @@ from hypothesis import Phase, settings
 from hypothesis.database import DirectoryBasedExampleDatabase
 from hypothesis.stateful import run_state_machine_as_test
 
-from poolfuzz.harness.artifacts import load
-from poolfuzz.harness.cli import run_cli
+from poolfuzz.orchestration.artifacts import load
+from poolfuzz.cli import run_cli
 from poolfuzz.harness.failures import StateLost
 from poolfuzz.harness.machine import machine_for
-from poolfuzz.harness.runner import database_key, run_machine
-from poolfuzz.harness.session import Plan, plan_lanes, run_session, worker_device
+from poolfuzz.orchestration.runner import database_key, run_machine
+from poolfuzz.orchestration.session import Plan, plan_lanes, run_session, worker_device
 from poolfuzz.pools.config import CONFIGS
 
 FAULT = "swa-ignores-mamba-backup"
@@ -168,7 +168,7 @@ def test_time_budget_is_kept(tmp_path, monkeypatch):
     bookkeeping, not the speed of the machine the test runs on."""
     import types
 
-    from poolfuzz.harness import runner, session
+    from poolfuzz.orchestration import runner, session
 
     readings = [0.0]
 
@@ -230,7 +230,7 @@ def test_two_workers_share_the_database(tmp_path, capsys):
 @pytest.mark.parametrize("header", ["Falsifying example:", "Failing test case: <state machine>"])
 def test_the_reported_program_is_python_whatever_hypothesis_calls_it(header):
     """Hypothesis renamed its report header (6.16x); the program kept is only the runnable lines."""
-    from poolfuzz.harness.runner import _runnable_program
+    from poolfuzz.orchestration.runner import _runnable_program
 
     notes = [f"{header}\nstate = PoolMachine()\nstate.warm_start(prompts=[1])\nstate.teardown()",
              "\nYou can reproduce this example by temporarily adding @reproduce_failure(...)",

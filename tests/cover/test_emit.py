@@ -6,8 +6,8 @@ import sys
 
 import pytest
 
-from poolfuzz.harness.artifacts import from_program, write_atomic
-from poolfuzz.harness.cli import run_cli
+from poolfuzz.orchestration.artifacts import from_program, write_atomic
+from poolfuzz.cli import run_cli
 from poolfuzz.harness.failures import StateLost
 
 FAULT = "swa-ignores-mamba-backup"

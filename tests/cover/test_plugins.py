@@ -8,7 +8,7 @@ from importlib import metadata
 
 import pytest
 
-from poolfuzz.harness import plugins
+from poolfuzz.orchestration import plugins
 from poolfuzz.pools.config import CONFIGS
 from poolfuzz.pools.errors import ConfigError
 from poolfuzz.pools.family import build_family
@@ -89,7 +89,7 @@ def cpu_tensor_only(config, *, device="cpu", faults=(), backup_mode=None):
 def test_a_plug_in_failure_records_the_backup_mode_it_ran_with(tmp_path):
     """dense would take host_pool as built in; the record must name the plug-in's own path, or a
     replay builds the family with a mode it refuses and 'reproduces' that error instead."""
-    from poolfuzz.harness.runner import resolved_backup_mode, run_machine
+    from poolfuzz.orchestration.runner import resolved_backup_mode, run_machine
 
     assert build_family(CONFIGS["dense"]).backup_mode == "host_pool"
     result = run_machine(CONFIGS["dense"], faults=["backup-drops-last-token"], family_factory=cpu_tensor_only,

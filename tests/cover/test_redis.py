@@ -12,9 +12,9 @@ import time
 
 import pytest
 
-from poolfuzz.harness.cli import run_cli
+from poolfuzz.cli import run_cli
 from poolfuzz.harness.machine import machine_for
-from poolfuzz.harness.runner import database_key, run_machine
+from poolfuzz.orchestration.runner import database_key, run_machine
 from poolfuzz.pools.config import CONFIGS
 
 FAULT = "swa-ignores-mamba-backup"

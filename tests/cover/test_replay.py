@@ -9,8 +9,8 @@ import time
 
 import pytest
 
-from poolfuzz.harness.artifacts import from_program, load, write_atomic
-from poolfuzz.harness.cli import run_cli
+from poolfuzz.orchestration.artifacts import from_program, load, write_atomic
+from poolfuzz.cli import run_cli
 
 FAULT = "swa-ignores-mamba-backup"
 PROGRAM = [
@@ -178,7 +178,7 @@ FULL_POOL_DECODE = [
     (None, "-> decoded [1]; full exhausted: retract Req(4)"),
 ])
 def test_an_artifact_replays_under_the_options_it_was_recorded_with(tmp_path, capsys, recorded, decode_outcome):
-    from poolfuzz.harness.artifacts import engine_options
+    from poolfuzz.orchestration.artifacts import engine_options
 
     path = write_atomic(tmp_path / "a.json", from_program("swa-ssm", PROGRAM, faults=[FAULT]))
     _edit(path, config="dense", faults=[], backup_mode="host_pool", program=FULL_POOL_DECODE)
@@ -188,6 +188,6 @@ def test_an_artifact_replays_under_the_options_it_was_recorded_with(tmp_path, ca
     assert run_cli(["replay", str(path), "--device", "cpu"]) == 0
     assert decode_outcome in capsys.readouterr().out
     # A regression test emitted from it pins the same behaviour.
-    from poolfuzz.harness.emit_command import render
+    from poolfuzz.cli.emit import render
 
     assert f"retract_on_decode_oom={recorded is None}" in render(load(path))

@@ -98,7 +98,7 @@ PYTEST_OPTIONS = {"--device": 1, "-n": 1, "-q": 0, "-x": 0, "-p": 1}
 def test_every_command_exists(path):
     from hypothesis import settings
 
-    from poolfuzz.harness.cli import build_parser
+    from poolfuzz.cli import build_parser
 
     parser = build_parser()
     for job, env, argv in _commands(_load(path)):

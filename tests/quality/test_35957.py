@@ -4,7 +4,7 @@ import pytest
 
 from poolfuzz.harness.failures import StateLost
 from poolfuzz.harness.machine import machine_for
-from poolfuzz.harness.runner import run_machine
+from poolfuzz.orchestration.runner import run_machine
 from poolfuzz.pools.config import CONFIGS
 
 FAULT = "swa-ignores-mamba-backup"

@@ -8,7 +8,7 @@ import re
 
 import pytest
 
-from poolfuzz.harness.runner import run_machine
+from poolfuzz.orchestration.runner import run_machine
 from poolfuzz.pools.config import CONFIGS
 from poolfuzz.pools.faults import FAULTS, applicable_configs
 

@@ -1,4 +1,4 @@
-"""Command line entry: each subcommand lives in its own module and registers itself here."""
+"""The ``poolfuzz`` command line: one argparse parser, a module per command that registers itself."""
 
 from __future__ import annotations
 
@@ -6,21 +6,17 @@ import argparse
 import importlib
 import sys
 
-from poolfuzz.pools.errors import ConfigError
+from poolfuzz.errors import ConfigError, UsageError
 
 # Each module defines ``register(subparsers)`` which adds its parser and sets ``handler``.
 COMMAND_MODULES = [
-    "poolfuzz.harness.run_command",
-    "poolfuzz.harness.catalogue_command",
-    "poolfuzz.harness.bench",
-    "poolfuzz.harness.hunt",
-    "poolfuzz.harness.replay_command",
-    "poolfuzz.harness.emit_command",
+    "poolfuzz.cli.run",
+    "poolfuzz.cli.catalogue",
+    "poolfuzz.cli.bench",
+    "poolfuzz.cli.hunt",
+    "poolfuzz.cli.replay",
+    "poolfuzz.cli.emit",
 ]
-
-
-class UsageError(Exception):
-    """Bad input: printed as one line, exit status 2, nothing written."""
 
 
 class _Parser(argparse.ArgumentParser):
@@ -49,3 +45,7 @@ def run_cli(argv: list[str]) -> int:
     except (UsageError, ConfigError) as exc:
         print(f"poolfuzz: error: {exc}", file=sys.stderr)
         return 2
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_cli(sys.argv[1:] if argv is None else argv)

@@ -15,7 +15,7 @@ import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from poolfuzz.harness.cli import UsageError
+from poolfuzz.errors import UsageError
 from poolfuzz.harness.engine import StepRecord
 from poolfuzz.harness.program import check_steps, step_to_json
 
@@ -191,7 +191,7 @@ def resolve(artifact: Artifact, name: str):
     if not isinstance(artifact.family, str) or not artifact.family:
         raise ArtifactError(f"artifact {name}: 'family' must be a pool family name; re-record it with poolfuzz run")
     if artifact.family != "builtin":
-        from poolfuzz.harness.plugins import resolve_family
+        from poolfuzz.orchestration.plugins import resolve_family
         from poolfuzz.pools.errors import ConfigError
 
         try:
@@ -259,3 +259,8 @@ def from_program(config: str, steps, *, faults=(), device="cpu", backup_mode: st
                          error_type=type(exc).__name__, divergence=divergence_of(exc, engine), program=recorded,
                          in_teardown=ev.step is None, engine_options=current_engine_options())
     raise ValueError(f"the program ran clean on {config} (faults {list(faults)}): nothing to record")
+
+
+def slug(text: str) -> str:
+    """A lower-case identifier fragment: what a test file or function may be named after."""
+    return re.sub(r"_+", "_", re.sub(r"[^A-Za-z0-9]", "_", str(text))).strip("_").lower() or "x"

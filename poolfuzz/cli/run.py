@@ -51,9 +51,9 @@ def plan_from_args(args):
     """Validate every argument (nothing is written); the session plan, or a UsageError/ConfigError."""
     import os
 
-    from poolfuzz.harness.cli import UsageError
-    from poolfuzz.harness.database import check_database
-    from poolfuzz.harness.session import Plan
+    from poolfuzz.errors import UsageError
+    from poolfuzz.orchestration.database import check_database
+    from poolfuzz.orchestration.session import Plan
     from poolfuzz.pools.config import get_config
     from poolfuzz.pools.family import resolve_device
     from poolfuzz.pools.faults import applicable_configs, get_fault
@@ -93,7 +93,7 @@ def plan_from_args(args):
         raise UsageError(f"--out {args.out!r} is a file; pass a directory for the failure artifacts")
     db = check_database(args.db)
     if args.family:
-        from poolfuzz.harness.plugins import resolve_family, select_configs
+        from poolfuzz.orchestration.plugins import resolve_family, select_configs
 
         if faults:
             raise UsageError(f"--faults switch on catalogue faults of the builtin family; family {args.family!r} "
@@ -114,7 +114,7 @@ def plan_from_args(args):
 
 
 def main(args) -> int:
-    from poolfuzz.harness.session import run_session
+    from poolfuzz.orchestration.session import run_session
 
     plan = plan_from_args(args)
     return run_session(plan).exit_code

@@ -9,9 +9,10 @@ from __future__ import annotations
 
 
 import os
-import re
 import sys
 from pathlib import Path
+
+from poolfuzz.orchestration.artifacts import slug
 
 
 def register(sub) -> None:
@@ -24,8 +25,8 @@ def register(sub) -> None:
 
 
 def main(args, out=None) -> int:
-    from poolfuzz.harness import artifacts
-    from poolfuzz.harness.cli import UsageError
+    from poolfuzz.orchestration import artifacts
+    from poolfuzz.errors import UsageError
 
     out = out or sys.stdout
     art = artifacts.load_checked(args.file)[0]  # what cannot replay here: one line, exit 2, nothing written
@@ -51,7 +52,7 @@ def main(args, out=None) -> int:
 
 def render(art, *, source_name: str = "") -> str:
     """The test module's source."""
-    from poolfuzz.harness.artifacts import engine_options
+    from poolfuzz.orchestration.artifacts import engine_options
 
     options = engine_options(art, source_name or "artifact")
     kind = (art.divergence or {}).get("kind") or art.error_type
@@ -76,7 +77,7 @@ def render(art, *, source_name: str = "") -> str:
         "import os",
         "",
         "from poolfuzz.harness.engine import Engine, EngineOptions",
-        *(["from poolfuzz.harness.plugins import resolve_family"] if plugin else []),
+        *(["from poolfuzz.orchestration.plugins import resolve_family"] if plugin else []),
         "from poolfuzz.pools.config import get_config",
         "",
         *([f"FAMILY = {art.family!r}  # the pool family (--family) it was found on"] if plugin else []),
@@ -121,10 +122,3 @@ def _wrap(text: str, indent: str, width: int = 96) -> list[str]:
     import textwrap
 
     return textwrap.wrap(text, width=width, initial_indent=indent, subsequent_indent=indent) or [indent]
-
-
-def slug(text: str) -> str:
-    """A lower-case identifier fragment: what a test file or function may be named after."""
-    return re.sub(r"_+", "_", re.sub(r"[^A-Za-z0-9]", "_", str(text))).strip("_").lower() or "x"
-
-

@@ -12,7 +12,7 @@ from urllib.parse import urlsplit
 
 from hypothesis.database import DirectoryBasedExampleDatabase, ExampleDatabase
 
-from poolfuzz.harness.cli import UsageError
+from poolfuzz.errors import UsageError
 
 # Hypothesis's own default location, so a plain ``pytest`` (dev profile) in the same folder shares it.
 DEFAULT_DB = os.path.join(".hypothesis", "examples")

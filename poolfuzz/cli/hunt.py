@@ -1,29 +1,13 @@
-"""``poolfuzz hunt``: the detection matrix — for each catalogue fault and config, does poolfuzz find it, how fast."""
+"""``poolfuzz hunt``: print the detection matrix; exit 1 if a fault is missed or a clean run fails."""
 
 from __future__ import annotations
 
 import json
-import statistics
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 
 from poolfuzz.pools.config import CONFIGS, get_config
 from poolfuzz.pools.faults import FAULTS, applicable_configs, get_fault
-
-
-@dataclass(frozen=True, kw_only=True)
-class HuntRow:
-    """One (fault, config) cell; ``fault`` None is the no-fault run, where detections are false alarms."""
-
-    fault: str | None
-    config: str
-    seeds: int
-    detected: int
-    median_examples: float | None
-    worst_examples: int | None
-    median_seconds: float | None
-    shrunk_steps: int | None
-    message: str | None
 
 
 def register(sub) -> None:
@@ -39,34 +23,11 @@ def register(sub) -> None:
     p.set_defaults(handler=main)
 
 
-def hunt_cell(config_name: str, fault: str | None, *, seeds: int, budget: int, shrink_seconds: float,
-              device="cpu") -> HuntRow:
-    from poolfuzz.harness.runner import run_machine
-
-    config = get_config(config_name)
-    found = []
-    for seed in range(seeds):
-        result = run_machine(config, device=device, faults=[fault] if fault else [], max_examples=budget,
-                             seed=seed, shrink_limit=shrink_seconds)
-        if not result.passed:
-            # A failure raised while building the machine happens in its first example.
-            examples = result.first_failure_examples or 1
-            seconds = result.first_failure_seconds if result.first_failure_seconds is not None else result.seconds
-            found.append((examples, seconds, len(result.engine_steps), result.failure))
-    return HuntRow(
-        fault=fault, config=config_name, seeds=seeds, detected=len(found),
-        median_examples=statistics.median(f[0] for f in found) if found else None,
-        worst_examples=max(f[0] for f in found) if found else None,
-        median_seconds=round(statistics.median(f[1] for f in found), 3) if found else None,
-        shrunk_steps=int(statistics.median(f[2] for f in found)) if found else None,
-        message=found[0][3] if found else None,
-    )
-
-
 def main(args) -> int:
     import torch
 
-    from poolfuzz.harness.cli import UsageError
+    from poolfuzz.errors import UsageError
+    from poolfuzz.orchestration.hunt import format_row, hunt_cell
     from poolfuzz.pools.family import resolve_device
 
     torch.set_num_threads(1)
@@ -88,7 +49,7 @@ def main(args) -> int:
         row = hunt_cell(config, fid, seeds=args.seeds, budget=args.budget_examples,
                         shrink_seconds=args.shrink_seconds, device=device)
         rows.append(row)
-        print(_format(row), flush=True)
+        print(format_row(row), flush=True)
     missed = [r for r in rows if r.fault and r.detected < r.seeds]
     alarms = [r for r in rows if r.fault is None and r.detected]
     print(f"hunt: {len(cells)} fault cells, {len(cells) - len(missed)} found in every seed; "
@@ -97,13 +58,3 @@ def main(args) -> int:
         with open(args.json, "w") as fh:
             json.dump({"rows": [asdict(r) for r in rows]}, fh, indent=1)
     return 1 if missed or alarms else 0
-
-
-def _format(row: HuntRow) -> str:
-    def num(v):
-        return "-" if v is None else (f"{v:g}" if isinstance(v, float) else str(v))
-
-    msg = (row.message or "").replace("\n", " ")
-    return (f"{row.fault or '(no fault)':34} {row.config:18} {row.detected:>2}/{row.seeds:<3} "
-            f"{num(row.median_examples):>7} {num(row.worst_examples):>6} {num(row.median_seconds):>7} "
-            f"{num(row.shrunk_steps):>5}  {msg[:160]}")

@@ -93,8 +93,8 @@ def run_lanes(plan: Plan, lanes: list[Lane], emit: Callable[[dict], None], *, de
     """Run lanes one after the other; returns False when interrupted."""
     import torch
 
-    from poolfuzz.harness.database import open_database
-    from poolfuzz.harness.runner import run_machine
+    from poolfuzz.orchestration.database import open_database
+    from poolfuzz.orchestration.runner import run_machine
     from poolfuzz.pools.config import get_config
 
     torch.set_num_threads(1)
@@ -145,7 +145,7 @@ class _ArtifactWriter:
 
     def _path(self) -> Path:
         if self.path is None:
-            from poolfuzz.harness.artifacts import artifact_name
+            from poolfuzz.orchestration.artifacts import artifact_name
 
             out = Path(self.plan.out)
             tag = f"lane{self.lane.index}" if self.plan.workers > 1 else ""
@@ -159,7 +159,7 @@ class _ArtifactWriter:
 
     def _write(self, **varying):
         """The artifact of this lane: what the lane fixes, plus what the failure says."""
-        from poolfuzz.harness.artifacts import current_engine_options, stamp, write_atomic
+        from poolfuzz.orchestration.artifacts import current_engine_options, stamp, write_atomic
 
         art = stamp(config=self.lane.config, family=self.plan.family or "builtin", device=self.device,
                     faults=list(self.plan.faults), seed=self.lane.seed, engine_options=current_engine_options(),
@@ -441,7 +441,7 @@ def _run_workers(plan: Plan, per_worker: list[list[Lane]], display: Display, dea
 
 
 def _summary(plan: Plan, result: SessionResult, stream: TextIO) -> None:
-    from poolfuzz.harness.emit_command import slug
+    from poolfuzz.orchestration.artifacts import slug
 
     by_config: dict[str, list[LaneState]] = {}
     for st in result.lanes:
@@ -484,6 +484,6 @@ def _family_factory(plan: Plan):
     """The factory ``--family`` names, resolved in the worker (factories need not pickle)."""
     if not plan.family:
         return None
-    from poolfuzz.harness.plugins import resolve_family
+    from poolfuzz.orchestration.plugins import resolve_family
 
     return resolve_family(plan.family).factory

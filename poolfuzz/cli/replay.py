@@ -23,7 +23,7 @@ def register(sub) -> None:
 
 
 def main(args, out=None) -> int:
-    from poolfuzz.harness import artifacts
+    from poolfuzz.orchestration import artifacts
     from poolfuzz.harness.program import new_engine, replay
     from poolfuzz.pools.family import resolve_device
 

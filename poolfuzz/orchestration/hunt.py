@@ -1,0 +1,56 @@
+"""The detection matrix: for each catalogue fault and config, is it found, how fast, how short."""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass
+
+from poolfuzz.orchestration.runner import run_machine
+from poolfuzz.pools.config import get_config
+
+
+@dataclass(frozen=True, kw_only=True)
+class HuntRow:
+    """One (fault, config) cell; ``fault`` None is the no-fault run, where detections are false alarms."""
+
+    fault: str | None
+    config: str
+    seeds: int
+    detected: int
+    median_examples: float | None
+    worst_examples: int | None
+    median_seconds: float | None
+    shrunk_steps: int | None
+    message: str | None
+
+
+def hunt_cell(config_name: str, fault: str | None, *, seeds: int, budget: int, shrink_seconds: float,
+              device="cpu") -> HuntRow:
+    config = get_config(config_name)
+    found = []
+    for seed in range(seeds):
+        result = run_machine(config, device=device, faults=[fault] if fault else [], max_examples=budget,
+                             seed=seed, shrink_limit=shrink_seconds)
+        if not result.passed:
+            # A failure raised while building the machine happens in its first example.
+            examples = result.first_failure_examples or 1
+            seconds = result.first_failure_seconds if result.first_failure_seconds is not None else result.seconds
+            found.append((examples, seconds, len(result.engine_steps), result.failure))
+    return HuntRow(
+        fault=fault, config=config_name, seeds=seeds, detected=len(found),
+        median_examples=statistics.median(f[0] for f in found) if found else None,
+        worst_examples=max(f[0] for f in found) if found else None,
+        median_seconds=round(statistics.median(f[1] for f in found), 3) if found else None,
+        shrunk_steps=int(statistics.median(f[2] for f in found)) if found else None,
+        message=found[0][3] if found else None,
+    )
+
+
+def format_row(row: HuntRow) -> str:
+    def num(v):
+        return "-" if v is None else (f"{v:g}" if isinstance(v, float) else str(v))
+
+    msg = (row.message or "").replace("\n", " ")
+    return (f"{row.fault or '(no fault)':34} {row.config:18} {row.detected:>2}/{row.seeds:<3} "
+            f"{num(row.median_examples):>7} {num(row.worst_examples):>6} {num(row.median_seconds):>7} "
+            f"{num(row.shrunk_steps):>5}  {msg[:160]}")
