@@ -37,7 +37,7 @@ def main(args, out=None) -> int:
       f"  recorded: {art.failure}\n")
     try:
         engine = new_engine(config=config, device=device, faults=faults, backup_mode=art.backup_mode,
-                            options=options, family=art.family)
+                            options=options, family_factory=artifacts.family_factory(art.family))
     except Exception as exc:  # the engine's audits run at construction: a failure at step 0
         w("\nREPRODUCED at step 0 (building the families):\n")
         _report(w, exc, art)

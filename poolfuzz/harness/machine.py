@@ -2,15 +2,22 @@
 
 from __future__ import annotations
 
+import sys
+from typing import ClassVar, Protocol
+
 from hypothesis import event as _hypothesis_event
 from hypothesis import target as _hypothesis_target
 from hypothesis.errors import InvalidArgument
-from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from poolfuzz.harness.engine import NODES, Engine, EngineOptions, Phase
-from poolfuzz.pools.config import CONFIGS, ModelConfig
-from poolfuzz.strategies import chunk_sizes, extra_tokens, picks, prompt_lengths
+from poolfuzz.errors import ConfigError
+from poolfuzz.harness.engine import Engine
+from poolfuzz.harness.hypothesis_compat import set_database_identity
+from poolfuzz.harness.records import NODES, EngineOptions, Phase, StepRecord
+from poolfuzz.pools.config import CONFIGS, ModelConfig, get_config
+from poolfuzz.pools.family import build_family, resolved_backup_mode
+from poolfuzz.strategies import (accepted_drafts, chunk_sizes, decode_picks, draft_lengths, extra_tokens, picks,
+                                 prompt_lengths, warm_prompts)
 
 
 def event(label: str) -> None:
@@ -29,6 +36,20 @@ def _target(value: float, label: str) -> None:
         pass
 
 
+class MachineObserver(Protocol):
+    """Told what each example does, by the machine itself: how a runner counts and records."""
+
+    def example_started(self) -> None:
+        """A new example is about to build its engine (raising here stops the run)."""
+
+    def step_ran(self, engine: Engine) -> None:
+        """A step (or the warm start) ran; its checks run next."""
+
+    def example_failed(self, engine: Engine, exc: BaseException, steps: tuple[StepRecord, ...],
+                       in_teardown: bool) -> None:
+        """The example failed: ``steps`` is its program up to and including the failing operation."""
+
+
 def _has(phase: Phase, node: str | None = None):
     return lambda self: bool(self.engine.live(phase, node))
 
@@ -44,25 +65,29 @@ class PoolMachine(RuleBasedStateMachine):
     Configure it with :func:`machine_for`; the class attributes are the defaults.
     """
 
-    config: ModelConfig = CONFIGS["swa-ssm"]
-    device = "cpu"
-    faults: tuple[str, ...] = ()
-    backup_mode: str | None = None
-    options = EngineOptions()
-    family_factory = None
+    config: ClassVar[ModelConfig] = CONFIGS["swa-ssm"]
+    device: ClassVar[str] = "cpu"
+    faults: ClassVar[tuple[str, ...]] = ()
+    backup_mode: ClassVar[str | None] = None
+    options: ClassVar[EngineOptions] = EngineOptions()
+    family_factory = None  # a staticmethod when set: factory(config, *, device, faults, backup_mode)
+    observer: ClassVar[MachineObserver | None] = None
 
     def __init__(self):
         super().__init__()
         cls = type(self)
+        if cls.observer is not None:
+            cls.observer.example_started()
         kwargs = {} if cls.family_factory is None else {"family_factory": cls.family_factory}
         self.engine = Engine(config=cls.config, device=cls.device, faults=cls.faults,
                              backup_mode=cls.backup_mode, options=cls.options, **kwargs)
+        self.peak_pressure = 0.0  # the fullest any device pool got in this example
 
     def _pick(self, phase: Phase, pick: int, node: str | None = None):
         live = self.engine.live(phase, node)
         return live[pick % len(live)]
 
-    @initialize(prompts=st.lists(prompt_lengths, min_size=1, max_size=3))
+    @initialize(prompts=warm_prompts)
     def warm_start(self, prompts):
         """A server already serving: requests admitted and prefilled in one go.
 
@@ -91,7 +116,7 @@ class PoolMachine(RuleBasedStateMachine):
             event("pool full at prefill")
 
     @precondition(_has(Phase.RUNNING))
-    @rule(picks=st.lists(picks, min_size=1, max_size=3))
+    @rule(picks=decode_picks)
     def decode(self, picks):
         live = self.engine.live(Phase.RUNNING)
         rids = list(dict.fromkeys(live[p % len(live)].rid for p in picks))
@@ -99,7 +124,7 @@ class PoolMachine(RuleBasedStateMachine):
             event("pool full at decode")
 
     @precondition(_has(Phase.RUNNING))
-    @rule(pick=picks, draft=st.integers(1, 3), accepted=st.integers(0, 3))
+    @rule(pick=picks, draft=draft_lengths, accepted=accepted_drafts)
     def decode_speculative(self, pick, draft, accepted):
         """MTP / EAGLE: draft tokens get KV slots, rejected ones are released after verify."""
         if not self.engine.decode_speculative(self._pick(Phase.RUNNING, pick).rid, draft, accepted):
@@ -160,32 +185,78 @@ class PoolMachine(RuleBasedStateMachine):
 
     @invariant()
     def pools_agree_with_reference(self):
+        if type(self).observer is not None:
+            type(self).observer.step_ran(self.engine)
         self.engine.check()
-        for label in sorted(getattr(self.engine, "events", ())):
+        for label in sorted(self.engine.events):
             event(label)
-        self._pressure = max(getattr(self, "_pressure", 0.0), self.engine.pressure())
+        self.peak_pressure = max(self.peak_pressure, self.engine.pressure())
 
     def teardown(self):
+        # Hypothesis tears down in a ``finally``: a step that failed is the exception in flight.
+        step_failure = sys.exc_info()[1]
         # Steer Hypothesis's targeted phase towards full pools: exhaustion, reuse and failed
         # resumes are where the allocation bugs live.
-        _target(getattr(self, "_pressure", 0.0), "peak pool pressure")
-        if not self.engine.broken:  # a step failed: its report stands, nothing more to check
-            self.engine.sweep()
-            self.engine.drain()
+        _target(self.peak_pressure, "peak pool pressure")
+        engine = getattr(self, "engine", None)
+        if engine is None:  # the engine could not be built: nothing ran, nothing to check
+            return
+        start = len(engine.log)
+        try:
+            if not engine.broken:  # a step failed: its report stands, nothing more to check
+                engine.sweep()
+                engine.drain()
+        except Exception as exc:
+            self._report(engine, exc, engine.log[:start], in_teardown=True)
+            raise
+        if engine.broken and isinstance(step_failure, Exception):
+            steps = list(engine.log)
+            pending = engine.pending_step(step_failure)
+            if pending is not None:  # the failing operation never recorded itself
+                steps.append(pending)
+            self._report(engine, step_failure, steps, in_teardown=False)
+
+    def _report(self, engine: Engine, exc: BaseException, steps, *, in_teardown: bool) -> None:
+        if type(self).observer is not None:
+            type(self).observer.example_failed(engine, exc, tuple(steps), in_teardown)
+
+
+def machine_identity(config: ModelConfig, faults=(), backup_mode: str | None = None, family_factory=None,
+                     options: EngineOptions | None = None) -> bytes:
+    """What a failing example's database key is derived from: the machine it fails on.
+
+    The backup mode is the built-in family's resolution of the config and faults (a pure function
+    of the blueprint, no pools are built), so ``poolfuzz run`` and a test that names the mode
+    explicitly share one key, and keys recorded before this module existed still match.
+    """
+    mode = backup_mode
+    if mode is None:
+        try:
+            mode = resolved_backup_mode(config, faults)
+        except ConfigError:  # an impossible combination: the engine reports it when the machine runs
+            mode = "default"
+    parts = [f"config={config.name}", f"faults={','.join(sorted(faults))}", f"backup={mode}"]
+    if family_factory is not None and family_factory is not build_family:
+        parts.append(f"family={getattr(family_factory, '__module__', '')}.{getattr(family_factory, '__qualname__', '')}")
+    if options is not None and options != EngineOptions():
+        parts.append(f"options={options!r}")
+    return ("poolfuzz-machine/1 " + " ".join(parts)).encode()
 
 
 def machine_for(config: ModelConfig | str, *, device="cpu", faults=(), backup_mode: str | None = None,
-                options: EngineOptions = EngineOptions(), family_factory=None) -> type[PoolMachine]:
-    """A PoolMachine subclass bound to one config, device, fault set and backup mode."""
-    if isinstance(config, str):
-        from poolfuzz.pools.config import get_config
+                options: EngineOptions = EngineOptions(), family_factory=None,
+                observer: MachineObserver | None = None) -> type[PoolMachine]:
+    """A PoolMachine subclass bound to one config, device, fault set, backup mode and family.
 
+    Its examples are filed in Hypothesis's database under a key of their own, the same for
+    ``poolfuzz run`` and a plain test of it; ``observer`` is told what each example does.
+    """
+    if isinstance(config, str):
         config = get_config(config)
-    attrs = dict(config=config, device=device, faults=tuple(faults), backup_mode=backup_mode, options=options)
+    attrs = dict(config=config, device=device, faults=tuple(faults), backup_mode=backup_mode, options=options,
+                 observer=observer)
     if family_factory is not None:
         attrs["family_factory"] = staticmethod(family_factory)
-    # Its own key in Hypothesis's example database, shared by ``poolfuzz run`` and a plain test of it.
-    from poolfuzz.orchestration.database import machine_identity
-
-    attrs["_hypothesis_internal_add_digest"] = machine_identity(config, faults, backup_mode, family_factory, options)
-    return type("PoolMachine", (PoolMachine,), attrs)
+    cls = type("PoolMachine", (PoolMachine,), attrs)
+    set_database_identity(cls, machine_identity(config, faults, backup_mode, family_factory, options))
+    return cls

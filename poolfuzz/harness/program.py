@@ -12,19 +12,13 @@ import inspect
 from dataclasses import dataclass
 from typing import Iterator
 
-from poolfuzz.harness.engine import Engine, EngineOptions, Phase, StepRecord
-
-# Public Engine methods that are queries or checks, not operations of a program.
-NOT_OPERATIONS = frozenset({"check", "sweep", "drain", "live", "occupancy", "pressure", "sglang_victim"})
+from poolfuzz.harness.engine import Engine
+from poolfuzz.harness.records import EngineOptions, Phase, StepRecord
 
 
 def operations() -> dict[str, inspect.Signature]:
     """Every engine operation a program may call, with its signature."""
-    out = {}
-    for name, fn in inspect.getmembers(Engine, inspect.isfunction):
-        if not name.startswith("_") and name not in NOT_OPERATIONS:
-            out[name] = inspect.signature(fn)
-    return out
+    return {name: inspect.signature(getattr(Engine, name)) for name in Engine.OPERATIONS}
 
 
 def step_to_json(step: StepRecord) -> dict:
@@ -150,12 +144,8 @@ def _teardown_outcome(engine: Engine, start: int) -> str:
 
 
 def new_engine(*, config, device="cpu", faults=(), backup_mode=None, options: dict | None = None,
-               family: str | None = None) -> Engine:
-    """A fresh engine as the machine builds it; ``family`` names a --family plug-in (None: builtin)."""
+               family_factory=None) -> Engine:
+    """A fresh engine as the machine builds it; ``family_factory`` None is the built-in family."""
     opts = EngineOptions(**options) if options else EngineOptions()
-    extra = {}
-    if family and family != "builtin":
-        from poolfuzz.orchestration.plugins import resolve_family
-
-        extra["family_factory"] = resolve_family(family).factory
+    extra = {} if family_factory is None else {"family_factory": family_factory}
     return Engine(config=config, device=device, faults=tuple(faults), backup_mode=backup_mode, options=opts, **extra)

@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from poolfuzz.errors import UsageError
-from poolfuzz.harness.engine import StepRecord
+from poolfuzz.harness.records import StepRecord
 from poolfuzz.harness.program import check_steps, step_to_json
 
 SCHEMA = "poolfuzz-failure"
@@ -210,15 +210,24 @@ def load_checked(path) -> tuple[Artifact, object, list[str], dict]:
     return art, config, faults, engine_options(art, str(path))
 
 
+def family_factory(family: str | None):
+    """The factory of a family an artifact names (None for the built-in family)."""
+    if not family or family == "builtin":
+        return None
+    from poolfuzz.orchestration.plugins import resolve_family
+
+    return resolve_family(family).factory
+
+
 def current_engine_options() -> dict:
     """The engine options this poolfuzz's machine runs with, as an artifact records them."""
-    from poolfuzz.harness.engine import EngineOptions
+    from poolfuzz.harness.records import EngineOptions
 
     return asdict(EngineOptions())
 
 
 def engine_options(artifact: Artifact, name: str) -> dict:
-    from poolfuzz.harness.engine import EngineOptions
+    from poolfuzz.harness.records import EngineOptions
 
     known = EngineOptions.__dataclass_fields__
     bad = [k for k in artifact.engine_options if k not in known]
@@ -245,7 +254,7 @@ def from_program(config: str, steps, *, faults=(), device="cpu", backup_mode: st
 
     records = check_steps([s if isinstance(s, dict) else step_to_json(s) for s in steps])
     engine = new_engine(config=get_config(config), device=device, faults=faults, backup_mode=backup_mode,
-                        family=family)
+                        family_factory=family_factory(family))
     recorded: list[StepRecord] = []
     for ev in replay(engine, records):
         if ev.cannot_run:
@@ -255,7 +264,7 @@ def from_program(config: str, steps, *, faults=(), device="cpu", backup_mode: st
         if ev.failure is not None:
             exc = ev.failure
             return stamp(config=config, family=family, device=str(engine.device), faults=list(faults),
-                         backup_mode=engine.families["prefill"].backup_mode, seed=seed, failure=message_of(exc),
+                         backup_mode=engine.backup_mode, seed=seed, failure=message_of(exc),
                          error_type=type(exc).__name__, divergence=divergence_of(exc, engine), program=recorded,
                          in_teardown=ev.step is None, engine_options=current_engine_options())
     raise ValueError(f"the program ran clean on {config} (faults {list(faults)}): nothing to record")

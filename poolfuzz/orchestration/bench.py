@@ -23,7 +23,6 @@ from __future__ import annotations
 import statistics
 import time
 
-from poolfuzz.pools.family import resolve_device
 
 FAULT_35957 = "swa-ignores-mamba-backup"
 DEFAULT_CONFIG = "swa-ssm"

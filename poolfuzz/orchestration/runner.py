@@ -8,21 +8,21 @@ still hands back (and lets the caller write) its best shrink.
 
 from __future__ import annotations
 
-import inspect
 import re
-import sys
 import time
 from dataclasses import dataclass
 from typing import Callable
 
 from hypothesis import HealthCheck, Phase, settings
-from hypothesis.reporting import with_reporter
-from hypothesis.stateful import get_state_machine_test
+from hypothesis import seed as hypothesis_seed
 
-from poolfuzz.harness.engine import StepRecord
+from poolfuzz.errors import ConfigError
 from poolfuzz.harness.failures import PoolfuzzFailure, divergence_of, message_of
+from poolfuzz.harness.hypothesis_compat import (current_reproduction, database_key, in_final_replay,
+                                                runnable_program, silenced, state_machine_test)
 from poolfuzz.harness.machine import machine_for
 from poolfuzz.pools.config import ModelConfig
+from poolfuzz.pools.family import build_family, resolved_backup_mode
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -79,6 +79,8 @@ class _BudgetSpent(KeyboardInterrupt):
 
 @dataclass
 class _Tracker:
+    """The machine's observer for one run: counts examples and steps, keeps the failures."""
+
     started: float
     deadline: float | None
     shrink_limit: float | None
@@ -90,10 +92,12 @@ class _Tracker:
     first_seconds: float | None = None
     best: FailureCandidate | None = None
     last: FailureCandidate | None = None
+    backup_mode: str | None = None  # the retraction path the families ran, from the first engine
 
-    def new_example(self) -> None:
+    # --- MachineObserver ----------------------------------------------------------------------
+    def example_started(self) -> None:
         now = time.perf_counter()
-        if self.examples and not _is_final():
+        if self.examples and not in_final_replay():
             if self.first_seconds is None and self.deadline is not None and now >= self.deadline:
                 raise _BudgetSpent()
             if (self.first_seconds is not None and self.shrink_limit is not None
@@ -103,6 +107,18 @@ class _Tracker:
         if self.on_progress is not None:
             self.on_progress(self.snapshot())
 
+    def step_ran(self, engine) -> None:
+        self.steps += 1
+        if self.backup_mode is None:
+            self.backup_mode = engine.backup_mode
+
+    def example_failed(self, engine, exc, steps, in_teardown) -> None:
+        self.saw_failure(FailureCandidate(
+            steps=steps, error_type=type(exc).__name__, message=message_of(exc),
+            divergence=divergence_of(exc, engine), in_teardown=in_teardown, backup_mode=engine.backup_mode,
+            reproduce=current_reproduction()))
+
+    # --- the run's view -----------------------------------------------------------------------
     def snapshot(self) -> dict:
         return {"examples": self.examples, "steps": self.steps, "seconds": time.perf_counter() - self.started,
                 "status": "running" if self.first_seconds is None else "shrinking",
@@ -117,57 +133,6 @@ class _Tracker:
             self.best = candidate
             if self.on_failure is not None:
                 self.on_failure(candidate)
-
-
-def _is_final() -> bool:
-    try:
-        from hypothesis.control import current_build_context
-
-        return bool(current_build_context().is_final)
-    except Exception:
-        return False
-
-
-def _reproduction() -> str | None:
-    """The @reproduce_failure decorator of the example running now (None where Hypothesis hides it)."""
-    try:
-        from hypothesis.control import current_build_context
-        from hypothesis.core import reproduction_decorator
-
-        return reproduction_decorator(current_build_context().data.choices)
-    except Exception:
-        return None
-
-
-def _noting_call(machine, name: str, bound):
-    """``bound`` that notes its call on the machine while it runs: an op that raises never records
-    itself. The arguments are bound to names only if it does (see ``_pending_step``)."""
-
-    def call(*args, **kwargs):
-        machine._pending = (name, args, kwargs)
-        result = bound(*args, **kwargs)
-        machine._pending = None
-        return result
-
-    return call
-
-
-def _pending_step(engine, pending, exc: BaseException) -> StepRecord:
-    """The step that raised, as the record it would have written: named arguments, no outcome."""
-    name, args, kwargs = pending
-    bound = inspect.signature(getattr(type(engine), name)).bind(engine, *args, **kwargs).arguments
-    bound.pop("self")
-    return StepRecord(op=name, args=dict(bound), outcome=f"raised {type(exc).__name__}")
-
-
-def database_key(machine_cls) -> bytes | None:
-    """The key a plain ``run_state_machine_as_test(machine_cls)`` files its examples under."""
-    try:
-        from hypothesis.internal.reflection import function_digest
-
-        return function_digest(get_state_machine_test(machine_cls).hypothesis.inner_test)
-    except Exception:  # a Hypothesis without these internals: it picks a key of its own
-        return None
 
 
 def run_machine(config: ModelConfig, *, device="cpu", faults=(), backup_mode=None, max_examples=100,
@@ -185,52 +150,12 @@ def run_machine(config: ModelConfig, *, device="cpu", faults=(), backup_mode=Non
     so far with ``interrupted`` set. ``on_progress(snapshot)`` is called before every example and
     ``on_failure(candidate)`` whenever a smaller failing example is seen.
     """
-    base = machine_for(config, device=device, faults=faults, backup_mode=backup_mode,
-                       **({"family_factory": family_factory} if family_factory is not None else {}))
     started = time.perf_counter()
     tracker = _Tracker(started=started, deadline=None if time_budget is None else started + time_budget,
                        shrink_limit=shrink_limit, on_progress=on_progress, on_failure=on_failure)
-    from poolfuzz.harness.program import operations
-
-    ops = list(operations())
-
-    class Counted(base):
-        def __init__(self):
-            tracker.new_example()
-            super().__init__()
-            self._pending = None
-            self._wrap_operations()
-
-        def _wrap_operations(self):
-            for name in ops:
-                setattr(self.engine, name, _noting_call(self, name, getattr(self.engine, name)))
-
-        def check_invariants(self, *args, **kwargs):  # hypothesis calls this once per step
-            tracker.steps += 1
-            return super().check_invariants(*args, **kwargs)
-
-        def teardown(self):
-            pending_exc = sys.exc_info()[1]
-            start = len(self.engine.log)
-            raised = None
-            try:
-                super().teardown()
-            except Exception as exc:
-                raised = exc
-                raise
-            finally:
-                exc = raised if raised is not None else (pending_exc if self.engine.broken else None)
-                if isinstance(exc, Exception):
-                    steps = list(self.engine.log[:start])
-                    if raised is None and self._pending is not None:  # the failing op never recorded itself
-                        steps.append(_pending_step(self.engine, self._pending, exc))
-                    tracker.saw_failure(FailureCandidate(
-                        steps=tuple(steps), error_type=type(exc).__name__, message=message_of(exc),
-                        divergence=divergence_of(exc, self.engine), in_teardown=raised is not None,
-                        backup_mode=self.engine.families["prefill"].backup_mode, reproduce=_reproduction()))
-
-    Counted.__name__ = Counted.__qualname__ = "PoolMachine"
-    key = database_key(base)
+    machine = machine_for(config, device=device, faults=faults, backup_mode=backup_mode,
+                          family_factory=family_factory, observer=tracker)
+    key = database_key(machine)
     chosen = settings(
         max_examples=max_examples, stateful_step_count=steps_per_example, deadline=None, database=database,
         derandomize=seed is None and database is None, print_blob=True, report_multiple_bugs=False,
@@ -246,11 +171,12 @@ def run_machine(config: ModelConfig, *, device="cpu", faults=(), backup_mode=Non
         for round_seed in rounds:
             if time_budget is not None:
                 chosen = settings(chosen, max_examples=round_examples, derandomize=False)
-            Counted._hypothesis_internal_use_seed = round_seed
-            test = get_state_machine_test(Counted, settings=chosen)
-            if key is not None:
-                test._hypothesis_internal_database_key = key
-            with with_reporter(lambda *_: None):
+            if round_seed is not None:
+                # @seed on the machine class, as Hypothesis documents for state machines (on the
+                # test function it would also switch the example database off).
+                hypothesis_seed(round_seed)(machine)
+            test = state_machine_test(machine, settings=chosen)
+            with silenced():
                 test()
             if time_budget is None or time.perf_counter() - started >= time_budget:
                 break
@@ -267,7 +193,7 @@ def run_machine(config: ModelConfig, *, device="cpu", faults=(), backup_mode=Non
     if error is not None:
         failure, error_type = message_of(error), type(error).__name__
         notes = getattr(error, "__notes__", [])
-        program = _runnable_program(notes)
+        program = runnable_program(notes)
         blob = next(iter(re.findall(r"@reproduce_failure\(.*?\)", "\n".join(notes))), None)
         # A crash's divergence is the one seen with its engine; a poolfuzz failure carries its own.
         divergence = (final.divergence if final is not None and not isinstance(error, PoolfuzzFailure)
@@ -277,29 +203,26 @@ def run_machine(config: ModelConfig, *, device="cpu", faults=(), backup_mode=Non
     if final is not None:
         engine_steps = final.steps
         blob = blob or final.reproduce
-    return RunResult(config=config.name, faults=tuple(faults),
-                     backup_mode=final.backup_mode if final is not None else resolved_backup_mode(
-                         config, faults, backup_mode, family_factory),
+    mode = final.backup_mode if final is not None else tracker.backup_mode
+    if mode is None:  # no engine was built: the built-in family's answer, or what was asked for
+        mode = _expected_backup_mode(config, faults, backup_mode, family_factory)
+    return RunResult(config=config.name, faults=tuple(faults), backup_mode=mode,
                      examples=tracker.examples, steps=tracker.steps,
                      seconds=time.perf_counter() - started, failure=failure, program=program,
                      divergence=divergence, first_failure_examples=tracker.first_examples,
                      first_failure_seconds=tracker.first_seconds, engine_steps=engine_steps,
                      device=str(device), seed=seed, error_type=error_type, reproduce_blob=blob,
-                     shrunk=error is not None, interrupted=interrupted,
-                     database_key=None if key is None else key.hex(),
+                     shrunk=error is not None, interrupted=interrupted, database_key=key.hex(),
                      in_teardown=final is not None and final.in_teardown)
 
 
-def _runnable_program(notes: list[str]) -> str | None:
-    """The ``state = ...`` through ``state.teardown()`` lines of Hypothesis's report, and nothing
-    else: its header ("Falsifying example:", "Failing test case: <state machine>" from 6.16x on)
-    and trailing notes change between releases and are not Python."""
-    lines = "\n".join(notes).splitlines()
-    start = next((i for i, line in enumerate(lines) if line.startswith("state = ")), None)
-    if start is None:
-        return None
-    end = next((i for i in range(start, len(lines)) if lines[i] == "state.teardown()"), len(lines) - 1)
-    return "\n".join(lines[start:end + 1])
+def _expected_backup_mode(config, faults, backup_mode, family_factory) -> str:
+    if family_factory is not None and family_factory is not build_family:
+        return backup_mode or "unknown"
+    try:
+        return resolved_backup_mode(config, faults, backup_mode)
+    except ConfigError:
+        return backup_mode or "unknown"
 
 
 def _seeds(seed: int | None):
@@ -308,13 +231,3 @@ def _seeds(seed: int | None):
     while True:
         yield base + k
         k += 1
-
-
-def resolved_backup_mode(config, faults, backup_mode=None, family_factory=None) -> str:
-    """The retraction path a family of this config, faults and (plug-in) factory runs with."""
-    if family_factory is None:
-        from poolfuzz.pools.family import build_family as family_factory
-    try:
-        return family_factory(config, device="cpu", faults=faults, backup_mode=backup_mode).backup_mode
-    except Exception:
-        return backup_mode or "unknown"

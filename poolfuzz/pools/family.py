@@ -3,43 +3,23 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Iterable
+from typing import Iterable
 
 import torch
 
 from poolfuzz.pools.allocator import FreeListener, TokenAllocator
 from poolfuzz.pools.components import Component
-from poolfuzz.pools.config import ModelConfig, uses_ssm_state
+from poolfuzz.pools.config import ModelConfig
 from poolfuzz.pools.errors import ConfigError
 from poolfuzz.pools.host import HostKVPool
-from poolfuzz.pools.kv import HybridLinearKVPool, KVCache, MHATokenToKVPool, SWAKVPool
-from poolfuzz.pools.mamba import MambaPool, MambaSlotAllocator
+from poolfuzz.pools.kv import KVCache, MHATokenToKVPool
 from poolfuzz.pools.protocol import ServingProtocol
-from poolfuzz.pools.req_to_token import HybridReqToTokenPool, ReqToTokenPool
+from poolfuzz.pools.req_to_token import ReqToTokenPool
 from poolfuzz.pools.swa_allocator import SWATokenAllocator
+from poolfuzz.pools.faults import blueprint_with, required_backup_mode
 from poolfuzz.pools.transfer import PDTransfer
 
 BACKUP_MODES = ("cpu_tensor", "host_pool")
-
-
-@dataclass(frozen=True, kw_only=True)
-class Blueprint:
-    """The classes (and the SSM predicate) a family is built from. A fault replaces one of them."""
-
-    mha_kv_pool: type = MHATokenToKVPool
-    swa_kv_pool: type = SWAKVPool
-    hybrid_kv_pool: type = HybridLinearKVPool
-    mamba_pool: type = MambaPool
-    req_pool: type = ReqToTokenPool
-    hybrid_req_pool: type = HybridReqToTokenPool
-    token_allocator: type = TokenAllocator
-    swa_allocator: type = SWATokenAllocator
-    host_pool: type = HostKVPool
-    protocol: type = ServingProtocol
-    transfer: type = PDTransfer
-    mamba_allocator: type = MambaSlotAllocator
-    ssm_predicate: Callable[[ModelConfig], bool] = uses_ssm_state
-    backup_resolver: Callable[..., str] = None  # None: resolve_backup_mode
 
 
 @dataclass(kw_only=True)
@@ -116,6 +96,25 @@ def resolve_backup_mode(config: ModelConfig, kv_pool_cls: type, predicate) -> st
     return "cpu_tensor"
 
 
+def resolved_backup_mode(config: ModelConfig, faults: Iterable[str] = (), backup_mode: str | None = None) -> str:
+    """The retraction path the built-in family of ``config`` with ``faults`` runs: resolved from the
+    blueprint alone, without building a pool (``build_family`` uses this same answer)."""
+    faults = tuple(faults)
+    bp = blueprint_with(faults, config)
+    resolved = (bp.backup_resolver or resolve_backup_mode)(config, bp.kv_pool_class(config), bp.ssm_predicate)
+    if backup_mode is None:
+        # A fault that lives on one retraction path (e.g. SWAKVPool.load_cpu_copy) selects it.
+        return required_backup_mode(faults) or resolved
+    if backup_mode not in BACKUP_MODES:
+        raise ConfigError(f"unknown backup mode {backup_mode!r}; choose one of {', '.join(BACKUP_MODES)}")
+    if backup_mode == "host_pool" and resolved != "host_pool":
+        raise ConfigError(
+            f"config {config.name!r}: host_pool retraction backup cannot carry recurrent state or this "
+            "KV pool's components; use backup_mode='cpu_tensor' (or leave it unset)"
+        )
+    return backup_mode
+
+
 def resolve_device(device) -> torch.device:
     """``auto`` is CUDA when present, else CPU; an unusable device is a ConfigError with the fix."""
     if device is None or device == "auto":
@@ -138,8 +137,6 @@ def resolve_device(device) -> torch.device:
 def build_family(config: ModelConfig, *, device="cpu", faults: Iterable[str] = (),
                  backup_mode: str | None = None) -> PoolFamily:
     """The pools for ``config`` on ``device``, correct unless ``faults`` name catalogue entries."""
-    from poolfuzz.pools.faults import blueprint_with, required_backup_mode  # the catalogue builds on this module
-
     dev = resolve_device(device)
     faults = tuple(faults)
     bp = blueprint_with(faults, config)
@@ -169,17 +166,7 @@ def build_family(config: ModelConfig, *, device="cpu", faults: Iterable[str] = (
         kv_pool = kv_cls(size=c.full_tokens, layer_ids=c.full_layer_ids, **kv_args)
         allocator = bp.token_allocator(size=c.full_tokens, page_size=c.page_size)
 
-    resolved = (bp.backup_resolver or resolve_backup_mode)(c, kv_cls, bp.ssm_predicate)
-    if backup_mode is None:
-        # A fault that lives on one retraction path (e.g. SWAKVPool.load_cpu_copy) selects it.
-        backup_mode = required_backup_mode(faults) or resolved
-    elif backup_mode not in BACKUP_MODES:
-        raise ConfigError(f"unknown backup mode {backup_mode!r}; choose one of {', '.join(BACKUP_MODES)}")
-    if backup_mode == "host_pool" and resolved != "host_pool":
-        raise ConfigError(
-            f"config {c.name!r}: host_pool retraction backup cannot carry recurrent state or this "
-            "KV pool's components; use backup_mode='cpu_tensor' (or leave it unset)"
-        )
+    backup_mode = resolved_backup_mode(c, faults, backup_mode)
     host_pools = {}
     if backup_mode == "host_pool":
         full = getattr(kv_pool, "full_kv_pool", kv_pool)

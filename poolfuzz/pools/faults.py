@@ -9,6 +9,7 @@ from typing import Callable, Iterable
 import torch
 
 from poolfuzz.pools.allocator import TokenAllocator, _as_index
+from poolfuzz.pools.blueprint import Blueprint
 from poolfuzz.pools.config import ModelConfig
 from poolfuzz.pools.errors import ConfigError, PoolExhausted
 from poolfuzz.pools.kv import SWAKVPool
@@ -340,24 +341,61 @@ def required_backup_mode(fault_ids: Iterable[str]) -> str | None:
     return modes.pop() if modes else None
 
 
-def blueprint_with(fault_ids: Iterable[str], config: ModelConfig):
-    """The default blueprint with each named fault's overrides applied; validates the ids."""
-    from poolfuzz.pools.family import Blueprint
+def blueprint_with(fault_ids: Iterable[str], config: ModelConfig) -> Blueprint:
+    """The default blueprint with each named fault's overrides applied; validates the ids.
 
+    Faults compose: two faults that replace the same class with overrides of different methods
+    are switched on together (a class deriving from both, each override calling ``super()``).
+    Two that override the same method, or replace the same function, conflict: a ConfigError.
+    """
     bp = Blueprint()
-    seen: dict[str, str] = {}
+    default = Blueprint()
+    owners: dict[str, list[str]] = {}  # role -> the faults that replaced it so far
     for fid in fault_ids:
         fault = get_fault(fid)
         if not fault.applies_to(config):
             raise ConfigError(f"fault {fid!r} does not apply to config {config.name!r}; "
                               f"configs it applies to: {', '.join(applicable_configs(fid))}")
-        for role in fault.overrides:
-            if role in seen:
-                raise ConfigError(f"faults {seen[role]!r} and {fid!r} both replace the {role}; "
-                                  "switch them on one at a time")
-            seen[role] = fid
-        bp = dataclasses.replace(bp, **fault.overrides)
+        changes = {}
+        for role, replacement in fault.overrides.items():
+            current = getattr(bp, role)
+            if role in owners:
+                base = getattr(default, role)
+                clash = _clash(base, current, replacement)
+                if clash:
+                    raise ConfigError(f"faults {', '.join(map(repr, owners[role]))} and {fid!r} both change "
+                                      f"{clash}; switch them on one at a time")
+                replacement = type(f"{current.__name__}+{replacement.__name__}", (replacement, current),
+                                   {"__doc__": f"{current.__doc__}\n\n{replacement.__doc__}"})
+            owners.setdefault(role, []).append(fid)
+            changes[role] = replacement
+        bp = dataclasses.replace(bp, **changes)
     return bp
+
+
+# Names a fault class may define without changing behaviour another fault could also change.
+_HARMLESS = frozenset({"__init__", "__doc__", "__module__", "__qualname__", "__dict__", "__weakref__"})
+
+
+def _overridden(cls: type, base: type) -> set[str]:
+    """What ``cls`` changes of ``base``: every name defined between them in the MRO."""
+    names: set[str] = set()
+    for klass in cls.__mro__:
+        if klass is base or (isinstance(base, type) and issubclass(base, klass)):
+            continue
+        names.update(vars(klass))
+    return names - _HARMLESS
+
+
+def _clash(base, current, replacement) -> str | None:
+    """What two replacements of one role both change (None: they compose), as words."""
+    if not (isinstance(base, type) and isinstance(current, type) and isinstance(replacement, type)):
+        name = getattr(base, "__name__", "it")
+        return f"the function {name}"
+    shared = sorted(_overridden(current, base) & _overridden(replacement, base))
+    if shared:
+        return f"{base.__name__}.{shared[0]}"
+    return None
 
 
 def applicable_configs(fault_id: str) -> list[str]:

@@ -42,6 +42,14 @@ class HostKVPool:
     def free_slots(self) -> list[int]:
         return list(self._free)
 
+    def free_pages(self) -> list[int]:
+        """The free list in its units (host slots), as every allocator answers it."""
+        return list(self._free)
+
+    def free_list_problem(self) -> str | None:
+        """A slot listed twice; host slot 0 is an ordinary slot, so none is reserved."""
+        return self._free.problem(reserved=None)
+
     def alloc(self, n: int) -> torch.Tensor:
         if n % self.page_size:
             raise MisalignedAlloc(f"{self.space}: alloc({n}) is not a multiple of page size {self.page_size}")

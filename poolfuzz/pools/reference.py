@@ -82,17 +82,28 @@ class ReferenceFamily:
         for space, n in needs.items():
             self.free[space] -= n
 
+    # --- queries ------------------------------------------------------------------------------
+    def request(self, rid: int) -> RefRequest:
+        """What a live request should hold (read it, never write it: the operations below do)."""
+        return self.requests[rid]
+
+    def live(self) -> list[int]:
+        """The rids of live requests, retracted ones included."""
+        return list(self.requests)
+
     # --- operations -------------------------------------------------------------------------
-    def admit(self, rid: int) -> RefRequest:
+    def admit(self, rid: int, *, seqlen: int = 0) -> RefRequest:
+        """A row (and a fresh mamba slot) for a new request of ``seqlen`` prompt tokens."""
         req = self.requests.get(rid) or RefRequest(rid=rid)
         self._take({"rows": 1, **({"mamba": 1} if self.config.has_mamba else {})})
+        req.seqlen = seqlen
         req.holds_row = True
         req.holds_mamba = self.config.has_mamba
         req.pending_state = () if self.config.has_mamba else None
         self.requests[rid] = req
         return req
 
-    def fork(self, src_rid: int, rid: int) -> RefRequest:
+    def fork(self, src_rid: int, rid: int, *, seqlen: int | None = None) -> RefRequest:
         """A new request whose prefix is the source's committed tokens (shared KV, COW state).
 
         Needs a row, a mamba slot for itself and one for the tree's checkpoint of the source
@@ -109,7 +120,8 @@ class ReferenceFamily:
             needs["swa"] = pages
         self._take(needs)
         req = RefRequest(rid=rid, holds_row=True, holds_mamba=self.config.has_mamba, allocated=prefix,
-                         committed=prefix, seqlen=prefix, kv_owner=list(src.kv_owner[:prefix]))
+                         committed=prefix, seqlen=prefix if seqlen is None else seqlen,
+                         kv_owner=list(src.kv_owner[:prefix]))
         req.pending_state = src.state if self.config.has_mamba else None
         self.requests[rid] = req
         if self.config.has_swa:
@@ -129,6 +141,17 @@ class ReferenceFamily:
                 req.pending_state = None
             req.state = req.state + ((rid, start, end),)
         req.committed = end
+
+    def sample(self, rid: int, tokens: int = 1) -> None:
+        """A forward sampled ``tokens`` new tokens (committed KV comes later, with the next forward)."""
+        self.requests[rid].seqlen += tokens
+
+    def adopt(self, rid: int, source: RefRequest) -> None:
+        """PD: the request pre-allocated here receives the source node's tokens and state."""
+        req = self.requests[rid]
+        req.seqlen = source.seqlen
+        req.kv_owner = list(source.kv_owner)
+        req.state = source.state
 
     def extend(self, rid: int, new_len: int) -> None:
         req = self.requests[rid]
@@ -198,8 +221,8 @@ class ReferenceFamily:
             self.free[space] += n
 
     def pre_alloc(self, rid: int, fill_len: int) -> RefRequest:
+        """Row, mamba slot and KV for ``[0, fill_len)``; a new request is registered only if they fit."""
         req = self.requests.get(rid) or RefRequest(rid=rid)
-        self.requests[rid] = req
         c = self.config
         needs = {"rows": 1}
         if c.has_mamba:
@@ -211,6 +234,7 @@ class ReferenceFamily:
                 swa_lo = _floor(max(0, fill_len - c.sliding_window), self.ps)
             needs["swa"] = _pages(fill_len - swa_lo, self.ps)
         self._take(needs)
+        self.requests[rid] = req
         req.holds_row = True
         req.holds_mamba = c.has_mamba
         req.allocated = req.committed = fill_len

@@ -1,6 +1,16 @@
-"""Hypothesis strategies for poolfuzz: configs, prompt lengths, chunk sizes and victim picks."""
+"""Hypothesis strategies for poolfuzz: every draw the state machine makes, and the configs."""
 
-from poolfuzz.strategies.ops import chunk_sizes, extra_tokens, picks, prompt_lengths
 from poolfuzz.strategies.configs import configs
+from poolfuzz.strategies.ops import (
+    accepted_drafts,
+    chunk_sizes,
+    decode_picks,
+    draft_lengths,
+    extra_tokens,
+    picks,
+    prompt_lengths,
+    warm_prompts,
+)
 
-__all__ = ["chunk_sizes", "configs", "extra_tokens", "picks", "prompt_lengths"]
+__all__ = ["accepted_drafts", "chunk_sizes", "configs", "decode_picks", "draft_lengths", "extra_tokens", "picks",
+           "prompt_lengths", "warm_prompts"]

@@ -1,4 +1,4 @@
-"""Small draws per step, so sequences stay long under Hypothesis's entropy cap per test case."""
+"""Every draw the state machine makes, kept small so sequences stay long under Hypothesis's entropy cap."""
 
 from hypothesis import strategies as st
 
@@ -14,3 +14,13 @@ chunk_sizes = st.integers(min_value=1, max_value=16)
 
 # New tokens after a forked prefix.
 extra_tokens = st.integers(min_value=1, max_value=6)
+
+# The prompts of the requests a warm start admits and prefills before the first rule.
+warm_prompts = st.lists(prompt_lengths, min_size=1, max_size=3)
+
+# The running requests one decode step batches (picks, deduplicated by the machine).
+decode_picks = st.lists(picks, min_size=1, max_size=3)
+
+# A speculative step's draft tokens, and how many of them verification accepts.
+draft_lengths = st.integers(1, 3)
+accepted_drafts = st.integers(0, 3)

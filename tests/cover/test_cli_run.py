@@ -230,7 +230,7 @@ def test_two_workers_share_the_database(tmp_path, capsys):
 @pytest.mark.parametrize("header", ["Falsifying example:", "Failing test case: <state machine>"])
 def test_the_reported_program_is_python_whatever_hypothesis_calls_it(header):
     """Hypothesis renamed its report header (6.16x); the program kept is only the runnable lines."""
-    from poolfuzz.orchestration.runner import _runnable_program
+    from poolfuzz.harness.hypothesis_compat import runnable_program as _runnable_program
 
     notes = [f"{header}\nstate = PoolMachine()\nstate.warm_start(prompts=[1])\nstate.teardown()",
              "\nYou can reproduce this example by temporarily adding @reproduce_failure(...)",

@@ -89,11 +89,10 @@ def cpu_tensor_only(config, *, device="cpu", faults=(), backup_mode=None):
 def test_a_plug_in_failure_records_the_backup_mode_it_ran_with(tmp_path):
     """dense would take host_pool as built in; the record must name the plug-in's own path, or a
     replay builds the family with a mode it refuses and 'reproduces' that error instead."""
-    from poolfuzz.orchestration.runner import resolved_backup_mode, run_machine
+    from poolfuzz.orchestration.runner import run_machine
 
     assert build_family(CONFIGS["dense"]).backup_mode == "host_pool"
     result = run_machine(CONFIGS["dense"], faults=["backup-drops-last-token"], family_factory=cpu_tensor_only,
                          max_examples=50, shrink_limit=0)
     assert not result.passed and result.backup_mode == "cpu_tensor"
-    assert resolved_backup_mode(CONFIGS["dense"], (), None, cpu_tensor_only) == "cpu_tensor"
     assert run_machine(CONFIGS["dense"], family_factory=cpu_tensor_only, max_examples=3).backup_mode == "cpu_tensor"

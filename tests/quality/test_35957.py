@@ -1,23 +1,33 @@
 """SGLang #35957 is found, named and shrunk to a short program that pastes back and reproduces."""
 
+import re
+
 import pytest
 
 from poolfuzz.harness.failures import StateLost
 from poolfuzz.harness.machine import machine_for
+from poolfuzz.orchestration.artifacts import from_program
 from poolfuzz.orchestration.runner import run_machine
 from poolfuzz.pools.config import CONFIGS
 
 FAULT = "swa-ignores-mamba-backup"
 BUDGET = 200  # examples, derandomized: the faulty and the correct family get the same
 
-# The shrunk program for swa-ssm (derandomized run). Three rules: a warm start admits and prefills
-# two requests, SGLang's victim is retracted with its recurrent state left behind by
-# SWAKVPool.get_cpu_copy, and it resumes onto a fresh slot.
+# What the shrunk program may be: the three-rule story (a warm start admits and prefills one or two
+# requests, one is retracted with its recurrent state left behind by SWAKVPool.get_cpu_copy, and it
+# resumes onto a fresh slot). Which of the two it is depends on more than the seed: Hypothesis
+# (6.13x on) seeds generation with literals from every local module imported so far, so a
+# derandomized run in a pytest worker that has imported other test modules draws differently.
+STORY_RULES = r"state\.warm_start\(prompts=\[1(, 1)?\]\)\nstate\.(retract\(pick=0\)|retract_sglang_order\(\))\nstate\.resume\(\)"
+STORY_OPS = [["admit", "prefill", "retract", "resume"],
+             ["admit", "prefill", "admit", "prefill", "retract", "resume"]]
+
+# Both stories, pinned: each must keep reproducing (and pass on the correct family).
 PINNED_PROGRAM = """\
 state = PoolMachine()
-state.warm_start(prompts=[1, 1])
+state.warm_start(prompts=[1])
 state.pools_agree_with_reference()
-state.retract_sglang_order()
+state.retract(pick=0)
 state.pools_agree_with_reference()
 state.resume()
 state.pools_agree_with_reference()
@@ -27,10 +37,24 @@ state.teardown()"""
 PINNED_STEPS = [
     "admit(prompt_len=1)  # Req(1) row 1 mamba slot 1",
     "prefill(rid=1, chunk=1)  # positions 0..1",
-    "admit(prompt_len=1)  # Req(2) row 2 mamba slot 2",
-    "prefill(rid=2, chunk=1)  # positions 0..1",
-    "retract(rid=2)  # backup RetractionBackup(cpu_tensor, tokens=1, mamba_cpu=no)",
-    "resume(node='prefill')  # Req(2) row 3 mamba slot 3",
+    "retract(rid=1)  # backup RetractionBackup(cpu_tensor, tokens=1, mamba_cpu=no)",
+    "resume(node='prefill')  # Req(1) row 2 mamba slot 2",
+]
+
+# The two-request story, as pinned before the machine was restructured.
+EARLIER_PROGRAM = """\
+state = PoolMachine()
+state.warm_start(prompts=[1, 1])
+state.pools_agree_with_reference()
+state.retract_sglang_order()
+state.pools_agree_with_reference()
+state.resume()
+state.pools_agree_with_reference()
+state.teardown()"""
+EARLIER_STEPS = [
+    {"op": "admit", "args": {"prompt_len": 1}}, {"op": "prefill", "args": {"rid": 1, "chunk": 1}},
+    {"op": "admit", "args": {"prompt_len": 1}}, {"op": "prefill", "args": {"rid": 2, "chunk": 1}},
+    {"op": "retract", "args": {"rid": 2}}, {"op": "resume", "args": {"node": "prefill"}},
 ]
 
 
@@ -48,26 +72,46 @@ class Test35957:
     def test_fault_is_caught_as_state_lost_on_the_mamba_component(self, found):
         """The resumed request's recurrent state is reported lost, naming the mamba component."""
         assert not found.passed
-        assert found.failure.startswith("StateLost: req 2 resumed; component mamba.")
+        assert re.match(r"StateLost: req \d+ resumed; component mamba\.", found.failure), found.failure
         assert found.divergence["kind"] == "state-lost"
         assert found.divergence["component"].startswith("mamba.")
         assert found.divergence["op"] == "resume"
 
     def test_shrunk_program_is_short_and_pinned(self, found):
         """The shrunk program is the three-rule story, printed with no tensor dumps."""
-        assert found.program == PINNED_PROGRAM
+        assert re.fullmatch(STORY_RULES, "\n".join(_rule_steps(found.program))), found.program
         assert len(_rule_steps(found.program)) <= 10
         assert "tensor(" not in found.program
 
     def test_shrunk_engine_program_is_the_human_minimal_story(self, found):
-        """As engine operations: two requests served, one retracted without its state, resumed."""
-        assert [repr(step) for step in found.engine_steps] == PINNED_STEPS
+        """As engine operations: a request served, retracted without its state, resumed."""
+        assert [step.op for step in found.engine_steps] in STORY_OPS, found.engine_steps
 
     def test_printed_program_pastes_back_and_reproduces(self, found):
         """Executing the printed program against the faulty machine raises the same StateLost."""
         namespace = {"PoolMachine": machine_for("swa-ssm", faults=[FAULT])}
-        with pytest.raises(StateLost, match=r"req 2 resumed; component mamba\."):
+        with pytest.raises(StateLost, match=r"req \d+ resumed; component mamba\."):
             exec(found.program, namespace)
+
+    def test_the_pinned_programs_still_reproduce(self):
+        """The one-request story, as a rule program and as engine steps, fails as pinned."""
+        with pytest.raises(StateLost, match=r"req 1 resumed; component mamba\."):
+            exec(PINNED_PROGRAM, {"PoolMachine": machine_for("swa-ssm", faults=[FAULT])})
+        exec(PINNED_PROGRAM, {"PoolMachine": machine_for("swa-ssm")})
+        steps = [{"op": "admit", "args": {"prompt_len": 1}}, {"op": "prefill", "args": {"rid": 1, "chunk": 1}},
+                 {"op": "retract", "args": {"rid": 1}}, {"op": "resume", "args": {"node": "prefill"}}]
+        art = from_program("swa-ssm", steps, faults=[FAULT])
+        assert [repr(step) for step in art.program] == PINNED_STEPS
+
+    def test_the_earlier_pinned_programs_still_reproduce(self):
+        """The program and engine steps pinned before the restructuring fail as they did, and pass
+        on the correct family."""
+        with pytest.raises(StateLost, match=r"req 2 resumed; component mamba\."):
+            exec(EARLIER_PROGRAM, {"PoolMachine": machine_for("swa-ssm", faults=[FAULT])})
+        exec(EARLIER_PROGRAM, {"PoolMachine": machine_for("swa-ssm")})
+        art = from_program("swa-ssm", EARLIER_STEPS, faults=[FAULT])
+        assert art.failure.startswith("StateLost: req 2 resumed; component mamba.")
+        assert len(art.program) == len(EARLIER_STEPS)
 
     def test_the_same_program_passes_on_the_correct_family(self, found):
         """Without the fault the program runs clean: the bug, not the program, is what fails."""

@@ -1,7 +1,9 @@
 """Every catalogue fault is found on every config it applies to, within a fixed modest budget.
 
-Derandomized, shrinking cut short: this suite asks "is it found, and what does poolfuzz say",
-not "how fast" (that is ``poolfuzz hunt``'s matrix).
+Seeded (hunt's first seed), shrinking cut short: this suite asks "is it found, and what does
+poolfuzz say", not "how fast" (that is ``poolfuzz hunt``'s matrix). An explicit seed, not
+derandomization: a derandomized run draws from a stream keyed by the machine class's digest, which
+any refactoring of the machine changes.
 """
 
 import re
@@ -31,7 +33,9 @@ SIGNATURES = {
     "pd-drops-mamba-fallback": r"^StateLost: .*transferred; component mamba\.",
     "cow-without-copy": r"^StateLost: .*component mamba\.",
     "stale-cow-source": r"^(StateLost: .*component mamba\.|ReferenceMismatch: mamba pool|InvariantViolation: mamba slot/page \d+ is held by two owners)",
-    "reload-into-old-indices": r"^StateLost: .*resumed",
+    # The load-back lands in freed slots; the resumed request (or, where the old and new slots
+    # coincide up to some position, its next decode) reads another position's rows.
+    "reload-into-old-indices": r"^StateLost: .*(resumed|decoded); component ",
     "mamba-leak-on-abort": r"^ReferenceMismatch: mamba pool has \d+ free but the reference says",
     "allocator-double-free-undetected": r"(swa slot/page \d+ is held|swa free list holds duplicates|swa pool has)",
 }
@@ -47,6 +51,6 @@ def test_every_fault_has_a_signature():
 @pytest.mark.parametrize(("fault", "config"), CELLS)
 def test_fault_is_found_and_named(fault, config):
     """The harness fails the faulty family, and its report points at the bug."""
-    result = run_machine(CONFIGS[config], faults=[fault], max_examples=BUDGET, shrink_limit=0)
+    result = run_machine(CONFIGS[config], faults=[fault], max_examples=BUDGET, seed=0, shrink_limit=0)
     assert not result.passed, f"{fault} on {config} survived {result.examples} examples"
     assert re.search(SIGNATURES[fault], result.failure), result.failure

@@ -18,39 +18,15 @@ slot is released), records it in ``family.cpu_aliases``, and so reports what a G
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
 from poolfuzz.adapters.sglang.api import accepted_kwargs, parameters
+from poolfuzz.adapters.sglang.calls import paged_alloc_decode, paged_alloc_extend
 from poolfuzz.adapters.sglang.shims import cpu_synchronize
 from poolfuzz.pools.errors import DoubleFree, PoolError, PoolExhausted
 from poolfuzz.pools.protocol import ServingProtocol, floor_page, window_start
+from poolfuzz.adapters.sglang.views import mamba_state_tensors
 from poolfuzz.pools.request import ReqKv, RetractionBackup
-
-if TYPE_CHECKING:
-    from poolfuzz.adapters.sglang.family import SGLangFamily
-
-
-def _dev_tensor(values, device) -> torch.Tensor:
-    return torch.tensor(values, dtype=torch.int64, device=device)
-
-
-def paged_alloc_extend(allocator, *, prefix_len: int, seq_len: int, last_loc: int, **extra):
-    """One request's ``alloc_extend`` with the keywords this release takes."""
-    dev = allocator.device
-    kwargs = dict(prefix_lens=_dev_tensor([prefix_len], dev), prefix_lens_cpu=torch.tensor([prefix_len]),
-                  seq_lens=_dev_tensor([seq_len], dev), seq_lens_cpu=torch.tensor([seq_len]),
-                  last_loc=_dev_tensor([last_loc], dev), extend_num_tokens=seq_len - prefix_len, **extra)
-    fn = allocator.alloc_extend if not extra else allocator.alloc_extend_swa_tail
-    return fn(**accepted_kwargs(fn, **kwargs))
-
-
-def paged_alloc_decode(allocator, *, seq_len: int, last_loc: int):
-    dev = allocator.device
-    kwargs = dict(seq_lens=_dev_tensor([seq_len], dev), seq_lens_cpu=torch.tensor([seq_len]),
-                  last_loc=_dev_tensor([last_loc], dev))
-    return allocator.alloc_decode(**accepted_kwargs(allocator.alloc_decode, **kwargs))
 
 
 def _storage_ptr(t: torch.Tensor) -> int:
@@ -64,7 +40,7 @@ class SGLangProtocol(ServingProtocol):
         self.standins: dict[int, object] = {}
 
     # --- stand-in requests ---------------------------------------------------------------------
-    def standin(self, req: ReqKv, family: SGLangFamily):
+    def standin(self, req: ReqKv, family):
         got = self.standins.get(req.rid)
         if got is None:
             got = family.standin_cls(rid=req.rid, api=family.api)
@@ -72,18 +48,18 @@ class SGLangProtocol(ServingProtocol):
         got.seqlen = req.seqlen
         return got
 
-    def _done(self, family: SGLangFamily) -> None:
+    def _done(self, family) -> None:
         family.notify_frees()
 
     # --- admission -----------------------------------------------------------------------------
-    def admit(self, req: ReqKv, family: SGLangFamily) -> None:
+    def admit(self, req: ReqKv, family) -> None:
         try:
             self._alloc_row_and_mamba(req, family)
             req.mamba_needs_clear = req.mamba_pool_idx is not None
         finally:
             self._done(family)
 
-    def _alloc_row_and_mamba(self, req: ReqKv, family: SGLangFamily) -> None:
+    def _alloc_row_and_mamba(self, req: ReqKv, family) -> None:
         sg = self.standin(req, family)
         kv = sg
         pool = family.sg_req_pool
@@ -114,7 +90,7 @@ class SGLangProtocol(ServingProtocol):
         req.req_pool_idx = int(kv.req_pool_idx)
         req.mamba_pool_idx = None if kv.mamba_pool_idx is None else int(kv.mamba_pool_idx)
 
-    def _alloc_mamba_flat(self, sg, family: SGLangFamily) -> None:
+    def _alloc_mamba_flat(self, sg, family) -> None:
         """Releases whose row allocation takes a count leave the mamba slot to the caller."""
         kv = sg
         pool = family.sg_req_pool
@@ -129,7 +105,7 @@ class SGLangProtocol(ServingProtocol):
         kv.mamba_needs_clear = True
 
     # --- token allocation -----------------------------------------------------------------------
-    def extend(self, req: ReqKv, family: SGLangFamily, new_len: int) -> torch.Tensor:
+    def extend(self, req: ReqKv, family, new_len: int) -> torch.Tensor:
         try:
             start = req.kv_allocated_len
             if new_len <= start:  # already allocated (the rest of a page kept after a speculative step)
@@ -143,7 +119,7 @@ class SGLangProtocol(ServingProtocol):
         finally:
             self._done(family)
 
-    def free_speculative_tail(self, req: ReqKv, family: SGLangFamily) -> None:
+    def free_speculative_tail(self, req: ReqKv, family) -> None:
         """After verify, SGLang frees the over-allocated tail of rejected drafts, keeping the page
         that holds the last committed token (``_release_overallocated_kv_indices``' alignment)."""
         try:
@@ -158,13 +134,13 @@ class SGLangProtocol(ServingProtocol):
         finally:
             self._done(family)
 
-    def _needs(self, family: SGLangFamily, *, full_pages: int, swa_pages: int) -> dict[str, int]:
+    def _needs(self, family, *, full_pages: int, swa_pages: int) -> dict[str, int]:
         needs = {"full": full_pages}
         if family.config.has_swa:
             needs["swa"] = swa_pages
         return needs
 
-    def _alloc_tokens(self, family: SGLangFamily, *, prefix_len: int, seq_len: int, last_loc: int) -> torch.Tensor:
+    def _alloc_tokens(self, family, *, prefix_len: int, seq_len: int, last_loc: int) -> torch.Tensor:
         ps = family.config.page_size
         n = seq_len - prefix_len
         if n <= 0:
@@ -191,12 +167,12 @@ class SGLangProtocol(ServingProtocol):
             raise PoolExhausted(space=space, requested=requested, available=available)
         return out.to(device="cpu", dtype=torch.int64)
 
-    def _write_row(self, req: ReqKv, family: SGLangFamily, start: int, slots: torch.Tensor) -> None:
+    def _write_row(self, req: ReqKv, family, start: int, slots: torch.Tensor) -> None:
         pool = family.sg_req_pool
         values = slots.to(device=pool.req_to_token.device, dtype=torch.int32)
         pool.write((req.req_pool_idx, slice(start, start + slots.numel())), values)
 
-    def run_deferred_mamba_ops(self, reqs: list[ReqKv], family: SGLangFamily) -> None:
+    def run_deferred_mamba_ops(self, reqs: list[ReqKv], family) -> None:
         """What SGLang's attention backend does on an extend forward with the flag that
         SGLang's own ``HybridReqToTokenPool.alloc`` set: clear the fresh slot."""
         if not family.has_recurrent_state():
@@ -211,7 +187,7 @@ class SGLangProtocol(ServingProtocol):
             req.mamba_needs_clear = False
 
     # --- sliding window --------------------------------------------------------------------------
-    def evict_swa(self, req: ReqKv, family: SGLangFamily, pre_len: int) -> None:
+    def evict_swa(self, req: ReqKv, family, pre_len: int) -> None:
         if not family.config.has_swa:
             return
         try:
@@ -230,19 +206,19 @@ class SGLangProtocol(ServingProtocol):
         finally:
             self._done(family)
 
-    def _swa_evicted(self, sg, family: SGLangFamily) -> int:
+    def _swa_evicted(self, sg, family) -> int:
         """The SWA eviction frontier: per component on ``req.kv`` (newer), else one field."""
         if hasattr(sg.kv, "get_evicted_seqlen") and family.api.ComponentType is not None:
             return int(sg.kv.get_evicted_seqlen(family.api.ComponentType.SWA))
         return int(getattr(sg, "swa_evicted_seqlen", 0) or 0)
 
-    def _set_swa_evicted(self, sg, family: SGLangFamily, value: int) -> None:
+    def _set_swa_evicted(self, sg, family, value: int) -> None:
         if hasattr(sg.kv, "set_evicted_seqlen") and family.api.ComponentType is not None:
             sg.kv.set_evicted_seqlen(family.api.ComponentType.SWA, value)
         else:
             sg.swa_evicted_seqlen = value
 
-    def _evict_swa_by_hand(self, sg, family: SGLangFamily, pre_len: int) -> None:
+    def _evict_swa_by_hand(self, sg, family, pre_len: int) -> None:
         old = self._swa_evicted(sg, family)
         new = floor_page(max(old, pre_len - family.config.sliding_window), family.config.page_size)
         if new > old:
@@ -250,13 +226,13 @@ class SGLangProtocol(ServingProtocol):
             self._set_swa_evicted(sg, family, new)
 
     # --- release -----------------------------------------------------------------------------------
-    def release_kv(self, req: ReqKv, family: SGLangFamily) -> None:
+    def release_kv(self, req: ReqKv, family) -> None:
         try:
             self._release(req, family)
         finally:
             self._done(family)
 
-    def _release(self, req: ReqKv, family: SGLangFamily) -> None:
+    def _release(self, req: ReqKv, family) -> None:
         """``release_kv_cache`` of a chunk cache: the KV row, then the mamba slot, then the row."""
         sg = self.standin(req, family)
         kv = sg
@@ -300,7 +276,7 @@ class SGLangProtocol(ServingProtocol):
         req.kv_allocated_len = req.kv_committed_len = 0
 
     # --- retraction (SGLang's release_req order: back up, release, reset) -------------------------
-    def retract(self, req: ReqKv, family: SGLangFamily) -> None:
+    def retract(self, req: ReqKv, family) -> None:
         try:
             sg = self.standin(req, family)
             kv = sg
@@ -334,7 +310,7 @@ class SGLangProtocol(ServingProtocol):
         mamba_cpu = getattr(backup, "mamba_cpu", None)
         return RetractionBackup(mode="cpu_tensor", num_tokens=num_tokens, cpu_tensors=cpu, mamba_cpu=mamba_cpu)
 
-    def _unalias_backup(self, sg, family: SGLangFamily, req: ReqKv) -> None:
+    def _unalias_backup(self, sg, family, req: ReqKv) -> None:
         """Copy backup tensors that share storage with a live pool buffer (the CPU trap)."""
         live = {_storage_ptr(c.tensor) for c in family.components()}
         hits: list[str] = []
@@ -361,7 +337,7 @@ class SGLangProtocol(ServingProtocol):
         if hits:
             family.cpu_aliases.append((req.rid, tuple(hits)))
 
-    def discard(self, req: ReqKv, family: SGLangFamily) -> None:
+    def discard(self, req: ReqKv, family) -> None:
         sg = self.standins.get(req.rid)
         if sg is not None:
             kv = sg
@@ -372,13 +348,13 @@ class SGLangProtocol(ServingProtocol):
         req.retraction_backup = None
 
     # --- resume (``_pre_alloc``, then the load) --------------------------------------------------
-    def pre_alloc(self, req: ReqKv, family: SGLangFamily, fill_len: int) -> None:
+    def pre_alloc(self, req: ReqKv, family, fill_len: int) -> None:
         try:
             self._pre_alloc(req, family, fill_len)
         finally:
             self._done(family)
 
-    def _pre_alloc(self, req: ReqKv, family: SGLangFamily, fill_len: int) -> None:
+    def _pre_alloc(self, req: ReqKv, family, fill_len: int) -> None:
         cfg = family.config
         ps = cfg.page_size
         sg = self.standin(req, family)
@@ -413,7 +389,7 @@ class SGLangProtocol(ServingProtocol):
         # forwards only, which never clear: the state must come from the backup.
         req.mamba_needs_clear = False
 
-    def _undo_admit(self, sg, family: SGLangFamily) -> None:
+    def _undo_admit(self, sg, family) -> None:
         kv = sg
         if kv.mamba_pool_idx is not None:
             if hasattr(family.sg_req_pool, "free_mamba_cache"):
@@ -428,7 +404,7 @@ class SGLangProtocol(ServingProtocol):
             kv.req_pool_idx = None
         kv.mamba_needs_clear = False
 
-    def restore(self, req: ReqKv, family: SGLangFamily) -> None:
+    def restore(self, req: ReqKv, family) -> None:
         sg = self.standin(req, family)
         sg.seqlen = req.retraction_backup.num_tokens + 1
         try:
@@ -443,11 +419,9 @@ class SGLangProtocol(ServingProtocol):
         req.retraction_backup = None
 
     # --- not driven on SGLang -----------------------------------------------------------------------
-    def fork(self, src: ReqKv, dst: ReqKv, family: SGLangFamily) -> None:
+    def fork(self, src: ReqKv, dst: ReqKv, family) -> None:
         raise NotImplementedError("the sglang family does not drive radix prefix sharing (supports_fork = False)")
 
 
 def _tensor_device(mamba_pool) -> torch.device:
-    from poolfuzz.adapters.sglang.family import mamba_state_tensors
-
     return mamba_state_tensors(mamba_pool)[1].device

@@ -1,0 +1,28 @@
+"""SGLang's paged allocator calls, with the keywords the installed release accepts."""
+
+from __future__ import annotations
+
+import torch
+
+from poolfuzz.adapters.sglang.api import accepted_kwargs
+
+
+def _dev_tensor(values, device) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.int64, device=device)
+
+
+def paged_alloc_extend(allocator, *, prefix_len: int, seq_len: int, last_loc: int, **extra):
+    """One request's ``alloc_extend`` with the keywords this release takes."""
+    dev = allocator.device
+    kwargs = dict(prefix_lens=_dev_tensor([prefix_len], dev), prefix_lens_cpu=torch.tensor([prefix_len]),
+                  seq_lens=_dev_tensor([seq_len], dev), seq_lens_cpu=torch.tensor([seq_len]),
+                  last_loc=_dev_tensor([last_loc], dev), extend_num_tokens=seq_len - prefix_len, **extra)
+    fn = allocator.alloc_extend if not extra else allocator.alloc_extend_swa_tail
+    return fn(**accepted_kwargs(fn, **kwargs))
+
+
+def paged_alloc_decode(allocator, *, seq_len: int, last_loc: int):
+    dev = allocator.device
+    kwargs = dict(seq_lens=_dev_tensor([seq_len], dev), seq_lens_cpu=torch.tensor([seq_len]),
+                  last_loc=_dev_tensor([last_loc], dev))
+    return allocator.alloc_decode(**accepted_kwargs(allocator.alloc_decode, **kwargs))

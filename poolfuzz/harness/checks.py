@@ -1,0 +1,292 @@
+"""The checks run after every engine step: reference agreement, slot ownership, free lists and,
+slot by slot, the contents of every component of every request the step touched."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from poolfuzz.harness import failures, row_cache
+from poolfuzz.harness.audits import audit_backup, audit_predicate
+from poolfuzz.harness.checksums import SlotReader, slot_checksums
+from poolfuzz.harness.contents import describe_row
+from poolfuzz.harness.ledger import ComponentSpec
+from poolfuzz.harness.records import Phase, Request
+from poolfuzz.pools.allocator import TokenAllocator
+
+
+class Checker:
+    """Every invariant of one engine, and the report that names whose data is where."""
+
+    def __init__(self, engine):
+        self.engine = engine
+        # Per node: (component, spec, checksum reader) of every device component, made once (the
+        # pools allocate their buffers at construction; checked cheaply on every use).
+        self._readers: dict[str, list] = {}
+        self._scalars: dict[int, torch.Tensor] = {}  # expected state checksum -> 1-element tensor
+        self._pressure_plan: list | None = None  # (allocator, capacity) of every device space
+
+    def fail_invariant(self, detail: str, node: str = "", kind: str = "invariant"):
+        e = self.engine
+        return failures.invariant(step=e.step, op=e.op, detail=detail, node=node, kind=kind)
+
+    # --- entry points ----------------------------------------------------------------------
+    def check(self) -> None:
+        e = self.engine
+        e.broken = True  # until every check below has passed
+        sweep = e.options.sweep_interval and e.step % e.options.sweep_interval == 0
+        if sweep:
+            e.stats["sweeps"] += 1
+            self._run(list(e.requests.values()), free_lists=True)
+        else:
+            self._run([e.requests[r] for r in sorted(e.touched) if r in e.requests], free_lists=False)
+        e.broken = False
+
+    def sweep(self) -> None:
+        self._run(list(self.engine.requests.values()), free_lists=True)
+
+    def _run(self, reqs: list[Request], *, free_lists: bool) -> None:
+        self._check_holdings()
+        self._check_reference()
+        if free_lists:
+            self._check_free_lists()
+        self._check_contents(reqs)
+
+    def check_whole(self) -> None:
+        """After every request ended: every pool is back to its full size."""
+        e = self.engine
+        for node, fam in e.families.items():
+            for space, alloc in fam.free_lists().items():
+                total = e.refs[node].capacity[space]
+                if alloc.available_size() != total:
+                    raise self.fail_invariant(
+                        f"after every request ended, {space} has {alloc.available_size()} of {total} free (leak)",
+                        node)
+
+    def audit_predicate(self) -> None:
+        audit_predicate(self.engine, self.fail_invariant)
+
+    def audit_backup(self, req: Request) -> None:
+        audit_backup(self.engine, req, self.fail_invariant, self.state_checksum)
+
+    def pressure(self) -> float:
+        e = self.engine
+        if self._pressure_plan is None:  # the allocators of a family never change: list them once
+            self._pressure_plan = [
+                (alloc, e.refs[node].capacity[space])
+                for node, fam in e.families.items()
+                for space, alloc in fam.free_lists().items() if e.state_types[space].on_device]
+        return max((1.0 - alloc.available_size() / total for alloc, total in self._pressure_plan if total),
+                   default=0.0)
+
+    # --- structure -------------------------------------------------------------------------
+    def _check_reference(self) -> None:
+        e = self.engine
+        for req in e.requests.values():
+            r = e.refs[req.node].request(req.rid)
+            real = (req.kv.kv_allocated_len, req.kv.kv_committed_len, req.kv.swa_evicted_seqlen, req.kv.seqlen)
+            want = (r.allocated, r.committed, r.swa_lo, r.seqlen)
+            if req.phase is not Phase.RETRACTED and real != want:
+                raise failures.reference_mismatch(
+                    step=e.step, op=e.op, node=req.node, rid=req.rid,
+                    detail=f"req {req.rid} (allocated, committed, swa_evicted, seqlen) = {real}, reference {want}")
+        for node, fam in e.families.items():
+            ref = e.refs[node]
+            for space, alloc in fam.free_lists().items():
+                real = alloc.available_size()
+                want = ref.available(space)
+                if real != want:
+                    raise failures.reference_mismatch(
+                        step=e.step, op=e.op, node=node,
+                        detail=f"{space} pool has {real} free but the reference says {want} "
+                               f"(leak, double free or lost free)")
+            live = {r.rid for r in e.requests.values() if r.node == node}
+            if set(ref.live()) != live:
+                raise failures.reference_mismatch(step=e.step, op=e.op, node=node,
+                                                  detail=f"live requests {sorted(live)} vs reference {sorted(ref.live())}")
+
+    def _check_holdings(self) -> None:
+        """No slot held twice, none of them reserved, none of them in a free list."""
+        e = self.engine
+        for node, fam in e.families.items():
+            lists = fam.free_lists()
+            owned = [(space, e.state_types[space]) for space in lists if e.state_types[space].on_device]
+            held: dict[str, list[int]] = {space: [] for space, _ in owned}
+            for req in e.requests.values():
+                if req.node != node or req.phase is Phase.RETRACTED:
+                    continue
+                tokens = e.lookup.tokens(fam, req.kv.req_pool_idx, 0, req.kv.kv_allocated_len)
+                for space, state_type in owned:
+                    held[space] += state_type.held_units(e.lookup, fam, req.kv, tokens)
+            for space, units in held.items():
+                alloc = lists[space]
+                is_free = (alloc._is_free.__getitem__ if type(alloc).is_free_page is TokenAllocator.is_free_page
+                           else alloc.is_free_page)
+                if alloc.is_free_page(0):
+                    raise self.fail_invariant(
+                        f"{space} free list holds the reserved slot/page 0 (padding): it will be handed out", node)
+                if len(set(units)) != len(units):
+                    dup = next(u for u in units if units.count(u) > 1)
+                    raise self.fail_invariant(f"{space} slot/page {dup} is held by two owners", node)
+                for u in units:
+                    if u == 0:
+                        raise self.fail_invariant(f"{space} slot/page 0 (reserved padding) was handed out", node)
+                    if is_free(u):
+                        raise self.fail_invariant(f"{space} slot/page {u} is held but also in the free list", node)
+
+    def _check_free_lists(self) -> None:
+        e = self.engine
+        for node, fam in e.families.items():
+            for space, alloc in fam.free_lists().items():
+                problem = alloc.free_list_problem()  # O(pages freed so far), not O(pool)
+                if problem:
+                    raise self.fail_invariant(f"{space} {problem}", node)
+
+    # --- contents --------------------------------------------------------------------------
+    def component_readers(self, node: str, fam) -> list:
+        """(component, spec, checksum reader) of every device component of a node."""
+        plan = self._readers.get(node)
+        if plan is None or any(r.buffer.data_ptr() != c.tensor.data_ptr() or r.buffer.shape != c.tensor.shape
+                               for c, _, r in plan[:1]):
+            e = self.engine
+            plan = [(c, e.specs[(c.name, c.layer)], SlotReader(c.tensor)) for c in fam.components()]
+            self._readers[node] = plan
+        return plan
+
+    def state_checksum(self, spec: ComponentSpec, history: tuple) -> int:
+        """The expected checksum of a state row after ``history``: from the table the write used
+        (one build serves every chain value), or the cleared row's."""
+        ledger = self.engine.ledger
+        if not history:
+            return ledger.state(spec, history)
+        rid, _, gen = history[-1]
+        return row_cache.state_checksum(spec, rid, gen, ledger.chain(history))
+
+    def _check_contents(self, reqs: list[Request]) -> None:
+        """Compare, per component in one batched gather, every expected slot with its checksum.
+        Slots are worked out once per (request, index space), as numpy index arrays."""
+        e = self.engine
+        batches = []  # (comp, node, parts, slots, expected, got)
+        for node, fam in e.families.items():
+            node_reqs = [r for r in reqs if r.node == node and r.phase is not Phase.RETRACTED]
+            if node_reqs:
+                located: dict = {}  # (rid, space) -> (positions, slots), shared by the space's components
+                for comp, spec, reader in self.component_readers(node, fam):
+                    parts = []
+                    for r in node_reqs:
+                        p = self._expected_slots(fam, r, spec, located)
+                        if p is not None and len(p[0]):
+                            parts.append((r, *p))
+                    if not parts:
+                        continue
+                    if len(parts) == 1:
+                        slots, expected = parts[0][2], parts[0][3]
+                    else:
+                        slots = np.concatenate([p[2] for p in parts])
+                        expected = torch.cat([p[3] for p in parts])
+                    got = reader(slots)
+                    e.stats["checksum_calls"] += 1
+                    e.stats["slots_checked"] += len(slots)
+                    batches.append((comp, node, parts, slots, expected, got))
+            for req in reqs:
+                if req.node == node and req.phase is Phase.RETRACTED:
+                    batches += self._host_batches(fam, node, req)
+        if not batches:
+            return
+        if all(b[5].device.type == "cpu" for b in batches):
+            if all(torch.equal(b[5], b[4]) for b in batches):
+                return
+        else:
+            bad = torch.stack([(b[5] != b[4].to(b[5].device)).any() for b in batches])
+            if not bool(bad.any()):  # the one host sync of a passing check
+                return
+        for comp, node, parts, slots, expected, got in batches:
+            mismatch = (got.cpu() != expected).nonzero()
+            if mismatch.numel():
+                raise self._explain(comp, node, parts, slots, int(mismatch[0]))
+
+    def _expected_slots(self, fam, req: Request, spec: ComponentSpec, located: dict):
+        """(positions, slots, expected checksums) of one component of one request, or None."""
+        e = self.engine
+        ref = e.refs[req.node].request(req.rid)
+        state_type = e.state_types[spec.space]
+        if state_type.recurrent:
+            if ref.pending_state is not None or ref.state is None:
+                return None  # a fresh slot before its first extend, or a pending copy-on-write
+            where = (req.rid, spec.space)
+            if where not in located:
+                located[where] = state_type.locate(e.lookup, fam, req, e.config)
+            value = self.state_checksum(spec, ref.state)
+            expected = self._scalars.get(value)
+            if expected is None:
+                expected = self._scalars[value] = torch.tensor([value])
+            return (*located[where], expected)
+        where = (req.rid, spec.space)
+        found = located.get(where)
+        if found is None:
+            positions, slots = state_type.locate(e.lookup, fam, req, e.config)
+            i = state_type.unmapped(slots)
+            if i is not None:
+                position = int(positions[i])
+                raise failures.state_lost(
+                    step=e.step, op=e.op, node=req.node, rid=req.rid, component=spec.name,
+                    layer=spec.layer, position=position, slot_before=self._before(req, spec.space, position),
+                    slot_after=0, expected=f"req {ref.kv_owner[position]} pos {position}",
+                    found=f"no {spec.space.upper()} slot (unmapped inside the attention window)", verb=req.verb)
+            found = located[where] = (positions, slots)
+        return (*found, state_type.expected(req, spec, found[0]))
+
+    def _host_batches(self, fam, node: str, req: Request) -> list:
+        backup = req.kv.retraction_backup
+        if backup is None or not backup.host_transfers:
+            return []
+        e = self.engine
+        out = []
+        ref = e.refs[node].request(req.rid)
+        for t in backup.host_transfers:
+            pool = fam.host_pools[t.space]
+            for comp in pool.components():
+                spec = e.host_specs[(comp.name, comp.layer)]
+                first, n = t.first_position, t.num_tokens
+                positions = torch.arange(first, first + n)
+                expected = e.ledger.kv_for_owners(spec, ref.kv_owner, first, first + n)
+                slots = t.host_indices[:n]
+                got = slot_checksums(comp.tensor, slots)
+                e.stats["checksum_calls"] += 1
+                out.append((comp, node, [(req, positions, slots, expected)], slots, expected, got))
+        return out
+
+    def _explain(self, comp, node, parts, slots, index):
+        e = self.engine
+        for req, positions, req_slots, expected in parts:
+            if index < len(req_slots):
+                break
+            index -= len(req_slots)
+        slot = int(req_slots[index])
+        state_type = e.state_types[comp.space]
+        position = None if state_type.recurrent else int(positions[index])
+        ref = e.refs[node].request(req.rid)
+        return failures.state_lost(step=e.step, op=e.op, node=node, rid=req.rid, component=comp.name,
+                                   layer=comp.layer, position=position,
+                                   slot_before=self._before(req, comp.space, position), slot_after=slot,
+                                   expected=state_type.describe_expected(e.ledger, ref, position),
+                                   found=describe_row(comp.tensor[slot].cpu()), verb=req.verb)
+
+    # --- where a request's slots were ------------------------------------------------------
+    def slot_snapshot(self, req: Request) -> dict:
+        """Every device slot the request holds now, by space: kept across a retract or transfer."""
+        e = self.engine
+        fam = e.families[req.node]
+        tokens = e.lookup.tokens(fam, req.kv.req_pool_idx, 0, req.kv.kv_committed_len)
+        out = {}
+        for space, state_type in e.state_types.items():
+            snap = state_type.snapshot(e.lookup, fam, req.kv, tokens)
+            if snap is not None or state_type.recurrent:
+                out[space] = snap
+        return out
+
+    def _before(self, req: Request, space: str, position: int | None):
+        snap = req.slots_before
+        if snap is None or space not in snap:
+            return None
+        return self.engine.state_types[space].slot_before(snap[space], position)

@@ -1,0 +1,103 @@
+"""The forward pass as the pools see it: traceable KV and state writes, padded-batch writes, poison.
+
+Every row written is derived from (request, position, layer, component), so a checksum mismatch
+names whose data sits in a slot; every freed slot is overwritten with poison naming the request
+whose operation freed it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from poolfuzz.harness import row_cache
+from poolfuzz.harness.contents import KIND_PADDING, chain_affine
+from poolfuzz.harness.records import NO_CULPRIT, Request
+
+_EMPTY = torch.empty(0, dtype=torch.int64)
+
+
+class Writer:
+    """The writes of one engine's forward passes, onto the families' own buffers."""
+
+    def __init__(self, engine):
+        self.engine = engine
+        # Per node: ((component, spec, state type) of the KV pool, (component, spec) of the recurrent
+        # state), listed once: a family's components never change after it is built.
+        self._plans: dict[str, tuple[list, list]] = {}
+
+    def _plan(self, node: str) -> tuple[list, list]:
+        plan = self._plans.get(node)
+        if plan is None:
+            e = self.engine
+            fam = e.families[node]
+            pool = fam.req_pool.mamba_pool
+            plan = self._plans[node] = (
+                [(c, e.specs[(c.name, c.layer)], e.state_types[c.space]) for c in fam.kv_pool.components()],
+                [] if pool is None else [(c, e.specs[(c.name, c.layer)]) for c in pool.components()])
+        return plan
+
+    def forward(self, req: Request, start: int, end: int, *, written_end: int | None = None) -> None:
+        """Write KV for positions ``[start, written_end)`` in every layer, then commit ``[start, end)``:
+        the recurrent state consumes those tokens. A speculative step writes KV for its draft
+        tokens too (``written_end > end``) but commits only the accepted ones."""
+        e = self.engine
+        fam = e.families[req.node]
+        written_end = end if written_end is None else written_end
+        slots = fam.req_pool.read(req.kv.req_pool_idx, start, written_end)
+        kv_plan, state_plan = self._plan(req.node)
+        targets: dict[str, torch.Tensor] = {}  # space -> this forward's slots in it, worked out once
+        for comp, spec, state_type in kv_plan:
+            target = targets.get(comp.space)
+            if target is None:
+                target = targets[comp.space] = state_type.write_targets(fam, slots).to(e.device)
+            comp.tensor[target] = row_cache.kv_rows(spec, req.rid, start, written_end, e.device)
+            req.expected[spec.key] = torch.cat([req.expected.get(spec.key, _EMPTY),
+                                                e.ledger.kv(spec, req.rid, start, end)])
+        req.kv.kv_committed_len = end
+        if state_plan:
+            self._fold_state(req, state_plan, start, end)
+
+    def _fold_state(self, req: Request, plan: list, start: int, end: int) -> None:
+        """The recurrent state consumes ``[start, end)``: read the chain it holds, write the next."""
+        e = self.engine
+        a, b = chain_affine(req.rid, start, end)
+        if e.device.type == "cpu":  # the same fold on host ints: no tensor ops, nothing to sync
+            idx = req.kv.mamba_pool_idx
+            for comp, spec in plan:
+                old_chain = int(comp.tensor[idx].reshape(-1)[7:8].to(torch.int64))  # read the state
+                comp.tensor[idx] = row_cache.state_row(spec, req.rid, end, (old_chain * a + b) % 251)
+            return
+        slot = torch.tensor([req.kv.mamba_pool_idx], device=e.device)
+        for comp, spec in plan:
+            old_chain = comp.tensor[slot].reshape(1, -1)[:, 7].to(torch.int64)  # read the state
+            new_chain = (old_chain * a + b) % 251
+            comp.tensor[slot] = row_cache.state_rows(spec, req.rid, end, new_chain, e.device)
+
+    def padding(self, node: str) -> None:
+        """A padded (CUDA-graph) batch writes its dummy rows to slot 0 of every component:
+        harmless by design, unless slot 0 was handed to a request (SGLang #17404)."""
+        e = self.engine
+        fam = e.families[node]
+        zero = torch.zeros(1, dtype=torch.int64, device=e.device)
+        for comp in fam.components():
+            spec = e.specs[(comp.name, comp.layer)]
+            comp.tensor[zero] = row_cache.tagged_rows(spec, kind=KIND_PADDING, rid=NO_CULPRIT, position=e.step,
+                                                      chain=0, n=1, device=e.device)
+
+    def poisoner(self, node: str):
+        """The free listener of one node: overwrite freed slots with poison naming the culprit."""
+        e = self.engine
+
+        def poison(space: str, slots: torch.Tensor) -> None:
+            if not e.options.poison or slots.numel() == 0:
+                return
+            fam = e.families[node]
+            if e.state_types[space].on_device:  # the device components, listed once per node
+                plan = [(c, spec) for c, spec, _ in e.checker.component_readers(node, fam)]
+            else:
+                plan = [(c, e.host_specs[(c.name, c.layer)]) for c in fam.host_components()]
+            for comp, spec in plan:
+                if comp.space == space:
+                    comp.tensor[slots.to(comp.tensor.device)] = row_cache.poison_rows(
+                        spec, culprit=e.culprit, step=e.step, n=slots.numel(), device=comp.tensor.device)
+        return poison

@@ -1,0 +1,199 @@
+"""One small object per kind of state a request holds: how it is addressed, held, expected and blamed.
+
+The engine and its checks never branch on a space's name: each index space of a family is mapped
+once, by :func:`state_types_for`, to the object that knows its rules (as vLLM gives each attention
+type its own single-type manager). A new kind of state (an MLA latent, an NSA index buffer, an
+extra-buffer mamba slot) is one more class here and one entry in ``KINDS``.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar, Iterable
+
+import numpy as np
+import torch
+
+from poolfuzz.pools.req_to_token import ReqToTokenPool
+from poolfuzz.pools.swa_allocator import SWATokenAllocator
+
+_EMPTY = torch.empty(0, dtype=torch.int64)
+NO_POSITION = np.array([-1], dtype=np.int64)  # a per-request state has no token position
+
+
+class SlotLookup:
+    """Reads a request's token slots (and their SWA peers) as int64 numpy arrays. The stock
+    host-side pools are read in place through a cached numpy view: no tensor op per read."""
+
+    def __init__(self):
+        self._views: dict[int, tuple] = {}  # id(host tensor) -> (tensor kept alive, its numpy view)
+
+    def _view(self, tensor: torch.Tensor) -> np.ndarray:
+        view = self._views.get(id(tensor))
+        if view is None:
+            view = self._views[id(tensor)] = (tensor, tensor.numpy())
+        return view[1]
+
+    def tokens(self, fam, row: int, lo: int, hi: int) -> np.ndarray:
+        """``req_pool.read(row, lo, hi)``."""
+        pool = fam.req_pool
+        if type(pool).read is ReqToTokenPool.read and pool.req_to_token.device.type == "cpu":
+            return self._view(pool.req_to_token)[row, lo:hi].astype(np.int64)
+        return pool.read(row, lo, hi).cpu().numpy()
+
+    def swa_slots(self, fam, tokens: np.ndarray) -> np.ndarray:
+        """``allocator.translate(tokens)``: the SWA slot of each full slot, 0 where unmapped."""
+        alloc = fam.allocator
+        if type(alloc).translate is SWATokenAllocator.translate and alloc.full_to_swa.device.type == "cpu":
+            return self._view(alloc.full_to_swa)[tokens]
+        return alloc.translate(torch.from_numpy(tokens)).cpu().numpy()
+
+
+class StateType:
+    """The rules of one index space. Class attributes are capabilities the checks read."""
+
+    space: str = ""
+    on_device: ClassVar[bool] = True  # counts toward pool pressure; host copies do not
+    reserves_zero: ClassVar[bool] = True  # slot/page 0 is padding: never handed out, never free
+    recurrent: ClassVar[bool] = False  # one state per request, rewritten by every forward
+
+    def held_units(self, lookup: SlotLookup, fam, kv, tokens: np.ndarray) -> list[int]:
+        """The units (pages, slots or rows) a live request holds in this space."""
+        return []
+
+    def snapshot(self, lookup: SlotLookup, fam, kv, tokens: np.ndarray):
+        """What the request's slots are now, kept to say "was slot N before" after a move."""
+        return None
+
+    def slot_before(self, snapshot, position: int | None) -> int | None:
+        return None
+
+
+class RequestRows(StateType):
+    """A request's row of ``req_to_token``."""
+
+    space = "rows"
+
+    def held_units(self, lookup, fam, kv, tokens):
+        return [kv.req_pool_idx]
+
+
+class FullKV(StateType):
+    """Full-attention KV: one slot per position, from position 0, addressed by the row's token slots."""
+
+    space = "full"
+
+    def first_position(self, config, committed: int) -> int:
+        """The first position whose KV a live request must still hold."""
+        return 0
+
+    def physical(self, lookup: SlotLookup, fam, tokens: np.ndarray) -> np.ndarray:
+        """The slot in this space of each token slot."""
+        return tokens
+
+    def write_targets(self, fam, slots: torch.Tensor) -> torch.Tensor:
+        return slots
+
+    def unmapped(self, slots: np.ndarray) -> int | None:
+        """The index of the first position without a slot in this space, if any."""
+        return None
+
+    def held_units(self, lookup, fam, kv, tokens):
+        ps = fam.config.page_size
+        return sorted({t // ps for t in tokens.tolist()})
+
+    def locate(self, lookup: SlotLookup, fam, req, config) -> tuple[np.ndarray, np.ndarray]:
+        """(positions, slots) the request's components of this space must hold their data in."""
+        committed = req.kv.kv_committed_len
+        lo = self.first_position(config, committed)
+        tokens = lookup.tokens(fam, req.kv.req_pool_idx, lo, committed)
+        return np.arange(lo, committed), self.physical(lookup, fam, tokens)
+
+    def expected(self, req, spec, positions: np.ndarray) -> torch.Tensor:
+        if not len(positions):
+            return _EMPTY
+        return req.expected.get(spec.key, _EMPTY)[int(positions[0]):int(positions[-1]) + 1]
+
+    def describe_expected(self, ledger, ref, position: int) -> str:
+        return f"req {ref.kv_owner[position]} pos {position}"
+
+    def snapshot(self, lookup, fam, kv, tokens):
+        return self.physical(lookup, fam, tokens).tolist()
+
+    def slot_before(self, snapshot, position):
+        return snapshot[position] if position is not None and position < len(snapshot) else None
+
+
+class SlidingWindowKV(FullKV):
+    """SWA KV: positions inside the window only, each mapped from its full slot by ``full_to_swa``."""
+
+    space = "swa"
+
+    def first_position(self, config, committed):
+        return max(0, committed - config.sliding_window)
+
+    def physical(self, lookup, fam, tokens):
+        return lookup.swa_slots(fam, tokens)
+
+    def write_targets(self, fam, slots):
+        return fam.allocator.translate(slots)
+
+    def unmapped(self, slots):
+        missing = np.flatnonzero(slots <= 0)
+        return int(missing[0]) if missing.size else None
+
+    def held_units(self, lookup, fam, kv, tokens):
+        ps = fam.config.page_size
+        return sorted({t // ps for t in self.physical(lookup, fam, tokens).tolist() if t > 0})
+
+
+class RecurrentState(StateType):
+    """Mamba conv and temporal state: one slot per request (plus a pending copy-on-write source)."""
+
+    space = "mamba"
+    recurrent = True
+
+    def held_units(self, lookup, fam, kv, tokens):
+        return [s for s in (kv.mamba_pool_idx, kv.mamba_cow_src) if s is not None]
+
+    def locate(self, lookup, fam, req, config) -> tuple[np.ndarray, np.ndarray]:
+        return NO_POSITION, np.array([req.kv.mamba_pool_idx], dtype=np.int64)
+
+    def describe_expected(self, ledger, ref, position) -> str:
+        return ledger.describe_state(ref.state)
+
+    def snapshot(self, lookup, fam, kv, tokens):
+        return kv.mamba_pool_idx
+
+    def slot_before(self, snapshot, position):
+        return snapshot
+
+
+class HostCopy(StateType):
+    """A host pool holding retraction backups; its slot 0 is an ordinary slot."""
+
+    on_device = False
+    reserves_zero = False
+
+    def __init__(self, space: str):
+        self.space = space
+
+    def describe_expected(self, ledger, ref, position: int) -> str:
+        return f"req {ref.kv_owner[position]} pos {position}"
+
+
+KINDS: dict[str, type[StateType]] = {"rows": RequestRows, "full": FullKV, "swa": SlidingWindowKV,
+                                     "mamba": RecurrentState}
+HOST_PREFIX = "host."
+
+
+def state_types_for(spaces: Iterable[str]) -> dict[str, StateType]:
+    """The state type of each index space a family has (its free lists' keys)."""
+    out = {}
+    for space in spaces:
+        if space in KINDS:
+            out[space] = KINDS[space]()
+        elif space.startswith(HOST_PREFIX):
+            out[space] = HostCopy(space)
+        else:
+            raise ValueError(f"index space {space!r} has no state type; add one to poolfuzz.harness.state_types")
+    return out

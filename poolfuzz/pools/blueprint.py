@@ -1,0 +1,42 @@
+"""The classes a family is built from; a catalogue fault replaces one of them (or composes with another)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from poolfuzz.pools.allocator import TokenAllocator
+from poolfuzz.pools.config import ModelConfig, uses_ssm_state
+from poolfuzz.pools.host import HostKVPool
+from poolfuzz.pools.kv import HybridLinearKVPool, MHATokenToKVPool, SWAKVPool
+from poolfuzz.pools.mamba import MambaPool, MambaSlotAllocator
+from poolfuzz.pools.protocol import ServingProtocol
+from poolfuzz.pools.req_to_token import HybridReqToTokenPool, ReqToTokenPool
+from poolfuzz.pools.swa_allocator import SWATokenAllocator
+from poolfuzz.pools.transfer import PDTransfer
+
+
+@dataclass(frozen=True, kw_only=True)
+class Blueprint:
+    """The classes (and the SSM predicate) a family is built from. A fault replaces one of them."""
+
+    mha_kv_pool: type = MHATokenToKVPool
+    swa_kv_pool: type = SWAKVPool
+    hybrid_kv_pool: type = HybridLinearKVPool
+    mamba_pool: type = MambaPool
+    req_pool: type = ReqToTokenPool
+    hybrid_req_pool: type = HybridReqToTokenPool
+    token_allocator: type = TokenAllocator
+    swa_allocator: type = SWATokenAllocator
+    host_pool: type = HostKVPool
+    protocol: type = ServingProtocol
+    transfer: type = PDTransfer
+    mamba_allocator: type = MambaSlotAllocator
+    ssm_predicate: Callable[[ModelConfig], bool] = uses_ssm_state
+    backup_resolver: Callable[..., str] = None  # None: resolve_backup_mode
+
+    def kv_pool_class(self, config: ModelConfig) -> type:
+        """The KV pool class a config is built with: SWA, hybrid-linear (mamba) or plain MHA."""
+        if config.has_swa:
+            return self.swa_kv_pool
+        return self.hybrid_kv_pool if config.has_mamba else self.mha_kv_pool
