@@ -55,7 +55,7 @@ def plan_from_args(args):
     from poolfuzz.orchestration.database import check_database
     from poolfuzz.orchestration.session import Plan
     from poolfuzz.pools.config import get_config
-    from poolfuzz.pools.family import resolve_device
+    from poolfuzz.pools.family import resolve_device, resolved_backup_mode
     from poolfuzz.pools.faults import applicable_configs, get_fault
 
     if args.examples is not None and args.examples < 1:
@@ -89,6 +89,8 @@ def plan_from_args(args):
         if not names:
             raise UsageError(f"no config takes all of the faults {', '.join(faults)} at once; "
                              "switch them on one at a time")
+        for name in names:  # faults that change the same method, or live on different backup paths
+            resolved_backup_mode(get_config(name), faults)
     if os.path.exists(args.out) and not os.path.isdir(args.out):
         raise UsageError(f"--out {args.out!r} is a file; pass a directory for the failure artifacts")
     db = check_database(args.db)

@@ -9,6 +9,7 @@ instead of the harness silently losing its database keys or reproduction blobs.
 from __future__ import annotations
 
 import importlib
+import re
 from contextlib import AbstractContextManager
 
 import hypothesis
@@ -94,3 +95,8 @@ def runnable_program(notes: list[str]) -> str | None:
         return None
     end = next((i for i in range(start, len(lines)) if lines[i] == "state.teardown()"), len(lines) - 1)
     return "\n".join(lines[start:end + 1])
+
+
+def reproduction_in(notes: list[str]) -> str | None:
+    """The ``@reproduce_failure(...)`` line Hypothesis added to a failure's notes, if any."""
+    return next(iter(re.findall(r"@reproduce_failure\(.*?\)", "\n".join(notes))), None)

@@ -8,7 +8,6 @@ still hands back (and lets the caller write) its best shrink.
 
 from __future__ import annotations
 
-import re
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -19,7 +18,7 @@ from hypothesis import seed as hypothesis_seed
 from poolfuzz.errors import ConfigError
 from poolfuzz.harness.failures import PoolfuzzFailure, divergence_of, message_of
 from poolfuzz.harness.hypothesis_compat import (current_reproduction, database_key, in_final_replay,
-                                                runnable_program, silenced, state_machine_test)
+                                                reproduction_in, runnable_program, silenced, state_machine_test)
 from poolfuzz.harness.machine import machine_for
 from poolfuzz.pools.config import ModelConfig
 from poolfuzz.pools.family import build_family, resolved_backup_mode
@@ -194,7 +193,7 @@ def run_machine(config: ModelConfig, *, device="cpu", faults=(), backup_mode=Non
         failure, error_type = message_of(error), type(error).__name__
         notes = getattr(error, "__notes__", [])
         program = runnable_program(notes)
-        blob = next(iter(re.findall(r"@reproduce_failure\(.*?\)", "\n".join(notes))), None)
+        blob = reproduction_in(notes)
         # A crash's divergence is the one seen with its engine; a poolfuzz failure carries its own.
         divergence = (final.divergence if final is not None and not isinstance(error, PoolfuzzFailure)
                       else divergence_of(error))

@@ -42,6 +42,9 @@ class HostKVPool:
     def free_slots(self) -> list[int]:
         return list(self._free)
 
+    def is_free_page(self, unit: int) -> bool:
+        return not bool(self.slot_used[unit])
+
     def free_pages(self) -> list[int]:
         """The free list in its units (host slots), as every allocator answers it."""
         return list(self._free)

@@ -11,7 +11,7 @@ from poolfuzz.pools.mamba import MambaPool
 from poolfuzz.pools.request import HostTransfer, ReqKv, RetractionBackup
 
 if TYPE_CHECKING:
-    from poolfuzz.pools.family import PoolFamily
+    from poolfuzz.pools.interface import PoolFamilyInterface as PoolFamily
 
 
 def floor_page(n: int, ps: int) -> int:

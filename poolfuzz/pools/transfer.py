@@ -12,7 +12,7 @@ from poolfuzz.pools.protocol import window_start
 from poolfuzz.pools.request import ReqKv
 
 if TYPE_CHECKING:
-    from poolfuzz.pools.family import PoolFamily
+    from poolfuzz.pools.interface import PoolFamilyInterface as PoolFamily
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -160,3 +160,30 @@ class TestReferenceAgreement:
         """host_needs pads the backup to pages and covers the SWA window from its page floor."""
         ref = ReferenceFamily(CONFIGS["swa-ps4"], backup_mode="host_pool")
         assert ref.host_needs(22) == {"host.full": 24, "host.swa": 8}  # window 6: [16, 22) -> 2 pages
+
+
+def test_the_harness_never_writes_into_the_reference():
+    """The engine and its checks drive the reference through its operations only: no assignment,
+    deletion or pop on anything reached from a reference object."""
+    import ast
+    from pathlib import Path
+
+    import poolfuzz.harness
+
+    offenders = []
+    for path in Path(poolfuzz.harness.__file__).parent.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            targets = []
+            if isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign, ast.Delete)):
+                targets = node.targets if isinstance(node, (ast.Assign, ast.Delete)) else [node.target]
+            elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in (
+                    "pop", "append", "extend", "update", "clear", "setdefault"):
+                targets = [node.func.value]
+            for target in targets:
+                if isinstance(target, (ast.Name, ast.Tuple)):
+                    continue  # binding a local name is not writing into what it names
+                text = ast.unparse(target)
+                root = text.split(".")[0].split("[")[0]
+                if root.endswith("ref") or "refs[" in text or ".request(" in text:
+                    offenders.append(f"{path.name}:{node.lineno}: {text}")
+    assert offenders == []

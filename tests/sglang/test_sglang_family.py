@@ -39,6 +39,20 @@ class TestContract:
         for view in fam.free_lists().values():
             assert 0 not in view.free_pages(), f"{view}: the padding slot is in the free list"
 
+    @pytest.mark.parametrize("name", BASE + PAGED)
+    def test_keeps_the_family_contract(self, api, expect, name):
+        """The contract every family keeps (tests/cover/test_family_contract.py); before #35957 the
+        contract program's retract and resume lose the SWA+SSM recurrent state."""
+        from poolfuzz.adapters.sglang import build_family
+        from poolfuzz.harness.contract import ContractViolation, check_family
+
+        _family(api, name)  # skips what this release cannot build on this machine
+        if expect == "35957" and name.startswith("swa-ssm"):
+            with pytest.raises(ContractViolation, match=r"StateLost: .*component mamba\."):
+                check_family(build_family, CONFIGS[name])
+        else:
+            check_family(build_family, CONFIGS[name])
+
     def test_catalogue_faults_and_host_pool_are_refused(self, api):
         from poolfuzz.adapters.sglang import build_family
 

@@ -1,0 +1,146 @@
+"""The pool-family interface: every attribute and method the harness reads or calls on a family.
+
+A family is one serving node's pools for one model. The harness builds one per node (a prefill
+and a decode node) for every Hypothesis example, through a *factory*
+``factory(config, *, device, faults, backup_mode)``, and drives it only through what is declared
+here (``poolfuzz.harness.contract.check_family`` checks a family against it). The harness owns the
+request record (:class:`poolfuzz.pools.request.ReqKv`) it passes to the protocol; the family fills
+in its slot ids and lengths and, on retraction, its ``retraction_backup``.
+
+Optional capabilities, read with a default where a family does not declare them:
+
+* ``supports_fork`` / ``supports_transfer`` (class attributes, default True): False makes the
+  state machine skip the ``fork`` / ``transfer`` rules for this family;
+* ``factory.unsupported_reason(config) -> str | None``: the configs a factory declines, saying why
+  (``poolfuzz run`` skips them instead of failing on them).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Iterable, Protocol, runtime_checkable
+
+import torch
+
+from poolfuzz.pools.components import Component
+from poolfuzz.pools.config import ModelConfig
+from poolfuzz.pools.request import ReqKv
+
+FreeListener = Callable[[str, torch.Tensor], None]  # (index space, token slots freed)
+
+
+@runtime_checkable
+class FreeListLike(Protocol):
+    """One index space's allocator, in its units: pages for token spaces, slots or rows else."""
+
+    on_free: FreeListener | None  # set by the harness; called with the slots of every free
+
+    def available_size(self) -> int:
+        """Free capacity in slots (pages x page size for token spaces), as SGLang counts it."""
+
+    def is_free_page(self, unit: int) -> bool: ...
+
+    def free_pages(self) -> list[int]:
+        """The free units, in hand-out order."""
+
+    def free_list_problem(self) -> str | None:
+        """What is wrong with the free list (a unit listed twice, a reserved unit listed), or None."""
+
+
+@runtime_checkable
+class ComponentPool(Protocol):
+    """A pool whose buffers hold request state, each addressed by one index space."""
+
+    def components(self) -> list[Component]: ...
+
+
+@runtime_checkable
+class KVPoolLike(ComponentPool, Protocol):
+    # Class attribute: does ``get_cpu_copy`` carry the recurrent state too? The harness audits the
+    # declaration against what every retraction backup really held.
+    cpu_copy_carries_mamba: bool
+
+
+@runtime_checkable
+class ReqPoolLike(Protocol):
+    mamba_pool: ComponentPool | None  # the recurrent-state pool, or None for attention-only models
+
+    def read(self, row: int, start: int, end: int) -> torch.Tensor:
+        """The full-KV token slots of positions ``[start, end)`` of a request row (int64, CPU)."""
+
+
+@runtime_checkable
+class AllocatorLike(Protocol):
+    def translate(self, indices) -> torch.Tensor:
+        """SWA families: the SWA slot of each full token slot, 0 where unmapped (int64, CPU)."""
+
+
+@runtime_checkable
+class ServingProtocolLike(Protocol):
+    """The request lifecycle in the engine's call order; a full pool raises PoolExhausted(space)
+    and leaves nothing allocated, any other misuse raises a PoolError."""
+
+    def admit(self, req: ReqKv, family) -> None: ...
+
+    def extend(self, req: ReqKv, family, new_len: int): ...
+
+    def run_deferred_mamba_ops(self, reqs: list[ReqKv], family) -> None: ...
+
+    def free_speculative_tail(self, req: ReqKv, family) -> None: ...
+
+    def evict_swa(self, req: ReqKv, family, pre_len: int) -> None: ...
+
+    def retract(self, req: ReqKv, family) -> None: ...
+
+    def resume(self, req: ReqKv, family) -> None: ...
+
+    def pre_alloc(self, req: ReqKv, family, fill_len: int) -> None: ...
+
+    def release_kv(self, req: ReqKv, family) -> None: ...
+
+    def abort(self, req: ReqKv, family) -> None: ...
+
+    def fork(self, src: ReqKv, dst: ReqKv, family) -> None: ...
+
+
+@runtime_checkable
+class TransferLike(Protocol):
+    def transfer(self, *, src: ReqKv, src_family, dst: ReqKv, dst_family):
+        """PD: move one request's state to ``dst_family``; returns a record with ``state_types``.
+        Only the prefill node's family's ``transfer`` is called."""
+
+
+@runtime_checkable
+class PoolFamilyInterface(Protocol):
+    """Everything the harness uses of a family."""
+
+    config: ModelConfig
+    device: torch.device
+    backup_mode: str  # the retraction path this family runs: "cpu_tensor" or "host_pool"
+    uses_ssm_state: bool  # the family's SSM predicate for its config (audited against its pools)
+    req_pool: ReqPoolLike
+    kv_pool: KVPoolLike
+    allocator: AllocatorLike
+    protocol: ServingProtocolLike
+    transfer: TransferLike | None  # None only where supports_transfer is False
+    host_pools: dict[str, ComponentPool]  # by host space ("host.full", ...), for host_pool backups
+
+    def components(self) -> list[Component]:
+        """Every device buffer a request's state lives in, each addressed by one index space."""
+
+    def host_components(self) -> list[Component]: ...
+
+    def has_recurrent_state(self) -> bool: ...
+
+    def free_lists(self) -> dict[str, FreeListLike]:
+        """Every allocator by index space: ``rows``, ``full``, and ``swa``, ``mamba``, ``host.*``
+        where the family has them. The harness compares each with its reference every step."""
+
+    def set_free_listener(self, listener: FreeListener | None) -> None:
+        """Call ``listener(space, slots)`` after every free in every space (the harness poisons them)."""
+
+
+class FamilyFactory(Protocol):
+    """Builds one family; called once per node (twice per example) and once per replay node."""
+
+    def __call__(self, config: ModelConfig, *, device, faults: Iterable[str],
+                 backup_mode: str | None) -> PoolFamilyInterface: ...
