@@ -43,7 +43,9 @@ def main(args) -> int:
 
     results.update(figures.bandwidth(device, mib=args.buffer_mib, row_bytes=args.row_bytes, reps=args.reps,
                                      threads=args.threads))
-    torch.set_num_threads(1)  # what poolfuzz run and the tests use
+    from poolfuzz.orchestration.runner import prepare_process
+
+    prepare_process()  # what poolfuzz run's workers do before fuzzing
     results.update(figures.steps(device, examples=args.examples, small_tokens=figures.SMALL_TOKENS,
                                  large_tokens=figures.LARGE_TOKENS, reps=args.step_reps))
     results.update(figures.first_failure(device, seeds=args.seeds))

@@ -24,13 +24,14 @@ def register(sub) -> None:
 
 
 def main(args) -> int:
-    import torch
 
     from poolfuzz.errors import UsageError
     from poolfuzz.orchestration.hunt import format_row, hunt_cell
     from poolfuzz.pools.family import resolve_device
 
-    torch.set_num_threads(1)
+    from poolfuzz.orchestration.runner import prepare_process
+
+    prepare_process()
     device = resolve_device(args.device)
     if args.seeds < 1 or args.budget_examples < 1:
         raise UsageError("--seeds and --budget-examples must be at least 1")

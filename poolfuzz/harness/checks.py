@@ -14,6 +14,8 @@ from poolfuzz.harness.ledger import ComponentSpec
 from poolfuzz.harness.records import Phase, Request
 from poolfuzz.pools.allocator import TokenAllocator
 
+_EMPTY = torch.empty(0, dtype=torch.int64)
+
 
 class Checker:
     """Every invariant of one engine, and the report that names whose data is where."""
@@ -25,6 +27,7 @@ class Checker:
         self._readers: dict[str, list] = {}
         self._scalars: dict[int, torch.Tensor] = {}  # expected state checksum -> 1-element tensor
         self._pressure_plan: list | None = None  # (allocator, capacity) of every device space
+        self._owned: dict[str, list] = {}  # per node: (space, state type) of every device space
 
     def fail_invariant(self, detail: str, node: str = "", kind: str = "invariant"):
         e = self.engine
@@ -101,7 +104,7 @@ class Checker:
                         detail=f"{space} pool has {real} free but the reference says {want} "
                                f"(leak, double free or lost free)")
             live = {r.rid for r in e.requests.values() if r.node == node}
-            if set(ref.live()) != live:
+            if ref.live() != live:
                 raise failures.reference_mismatch(step=e.step, op=e.op, node=node,
                                                   detail=f"live requests {sorted(live)} vs reference {sorted(ref.live())}")
 
@@ -110,7 +113,9 @@ class Checker:
         e = self.engine
         for node, fam in e.families.items():
             lists = fam.free_lists()
-            owned = [(space, e.state_types[space]) for space in lists if e.state_types[space].on_device]
+            owned = self._owned.get(node)
+            if owned is None:
+                owned = self._owned[node] = [(s, e.state_types[s]) for s in lists if e.state_types[s].on_device]
             held: dict[str, list[int]] = {space: [] for space, _ in owned}
             for req in e.requests.values():
                 if req.node != node or req.phase is Phase.RETRACTED:
@@ -233,8 +238,10 @@ class Checker:
                     layer=spec.layer, position=position, slot_before=self._before(req, spec.space, position),
                     slot_after=0, expected=f"req {ref.kv_owner[position]} pos {position}",
                     found=f"no {spec.space.upper()} slot (unmapped inside the attention window)", verb=req.verb)
-            found = located[where] = (positions, slots)
-        return (*found, state_type.expected(req, spec, found[0]))
+            lo = int(positions[0]) if len(positions) else 0
+            found = located[where] = (positions, slots, lo)
+        positions, slots, lo = found
+        return positions, slots, req.expected.get(spec.key, _EMPTY)[lo:req.kv.kv_committed_len]
 
     def _host_batches(self, fam, node: str, req: Request) -> list:
         backup = req.kv.retraction_backup

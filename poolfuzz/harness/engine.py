@@ -8,8 +8,7 @@ touched. The forward pass's traceable writes live in :mod:`poolfuzz.harness.forw
 
 from __future__ import annotations
 
-from contextlib import contextmanager
-from typing import Callable, Iterator
+from typing import Callable
 
 from poolfuzz.harness import failures, row_cache
 from poolfuzz.harness.checks import Checker
@@ -26,6 +25,28 @@ from poolfuzz.pools.request import ReqKv
 __all__ = ["NODES", "NO_CULPRIT", "Engine", "EngineOptions", "Phase", "Request", "StepRecord"]
 
 FamilyFactory = Callable[..., object]  # factory(config, *, device, faults, backup_mode) -> a pool family
+
+
+class _Blame:
+    """``with engine._blame(rid):``: slots freed inside are poisoned with ``rid`` as the culprit, so a
+    reader of one names it. One reusable object per engine: it is entered on every pool call."""
+
+    __slots__ = ("engine", "rid")
+
+    def __init__(self, engine: "Engine"):
+        self.engine = engine
+        self.rid = NO_CULPRIT
+
+    def __call__(self, rid: int) -> "_Blame":
+        self.rid = rid
+        return self
+
+    def __enter__(self) -> None:
+        self.engine.culprit = self.rid
+
+    def __exit__(self, *exc) -> bool:
+        self.engine.culprit = NO_CULPRIT
+        return False
 
 
 class Engine:
@@ -60,6 +81,7 @@ class Engine:
         self.op = "init"  # the operation running (or last run)
         self.pending: tuple[str, dict] | None = None  # (op, args) of the operation running until it records
         self.culprit = NO_CULPRIT  # the request whose operation frees slots now (see _blame)
+        self._blame = _Blame(self)  # ``with self._blame(rid):`` sets and resets the culprit
         self.touched: set[int] = set()  # requests this step changed: their contents are checked
         self.events: set[str] = set()  # labels of this step for Hypothesis statistics
         self.broken = False  # True from the start of an operation until its check has passed
@@ -93,15 +115,6 @@ class Engine:
             return None
         op, args = self.pending
         return StepRecord(op=op, args=dict(args), outcome=f"raised {type(exc).__name__}")
-
-    @contextmanager
-    def _blame(self, rid: int) -> Iterator[None]:
-        """Slots freed inside are poisoned with ``rid`` as the culprit, so a reader of one names it."""
-        self.culprit = rid
-        try:
-            yield
-        finally:
-            self.culprit = NO_CULPRIT
 
     def live(self, phase: Phase, node: str | None = None) -> list[Request]:
         return [r for r in self.requests.values() if r.phase is phase and (node is None or r.node == node)]

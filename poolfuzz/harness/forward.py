@@ -87,17 +87,20 @@ class Writer:
     def poisoner(self, node: str):
         """The free listener of one node: overwrite freed slots with poison naming the culprit."""
         e = self.engine
+        plans: dict[str, list] = {}  # space -> (component, spec) of the node's buffers in it, listed once
 
         def poison(space: str, slots: torch.Tensor) -> None:
             if not e.options.poison or slots.numel() == 0:
                 return
-            fam = e.families[node]
-            if e.state_types[space].on_device:  # the device components, listed once per node
-                plan = [(c, spec) for c, spec, _ in e.checker.component_readers(node, fam)]
-            else:
-                plan = [(c, e.host_specs[(c.name, c.layer)]) for c in fam.host_components()]
+            plan = plans.get(space)
+            if plan is None:
+                fam = e.families[node]
+                if e.state_types[space].on_device:
+                    listed = [(c, spec) for c, spec, _ in e.checker.component_readers(node, fam)]
+                else:
+                    listed = [(c, e.host_specs[(c.name, c.layer)]) for c in fam.host_components()]
+                plan = plans[space] = [(c, spec) for c, spec in listed if c.space == space]
             for comp, spec in plan:
-                if comp.space == space:
-                    comp.tensor[slots.to(comp.tensor.device)] = row_cache.poison_rows(
-                        spec, culprit=e.culprit, step=e.step, n=slots.numel(), device=comp.tensor.device)
+                comp.tensor[slots.to(comp.tensor.device)] = row_cache.poison_rows(
+                    spec, culprit=e.culprit, step=e.step, n=slots.numel(), device=comp.tensor.device)
         return poison

@@ -16,7 +16,6 @@ import torch
 from poolfuzz.pools.req_to_token import ReqToTokenPool
 from poolfuzz.pools.swa_allocator import SWATokenAllocator
 
-_EMPTY = torch.empty(0, dtype=torch.int64)
 NO_POSITION = np.array([-1], dtype=np.int64)  # a per-request state has no token position
 
 
@@ -107,11 +106,6 @@ class FullKV(StateType):
         lo = self.first_position(config, committed)
         tokens = lookup.tokens(fam, req.kv.req_pool_idx, lo, committed)
         return np.arange(lo, committed), self.physical(lookup, fam, tokens)
-
-    def expected(self, req, spec, positions: np.ndarray) -> torch.Tensor:
-        if not len(positions):
-            return _EMPTY
-        return req.expected.get(spec.key, _EMPTY)[int(positions[0]):int(positions[-1]) + 1]
 
     def describe_expected(self, ledger, ref, position: int) -> str:
         return f"req {ref.kv_owner[position]} pos {position}"

@@ -91,13 +91,12 @@ def worker_device(device: str, worker: int, workers: int) -> str:
 # ======================================================================================
 def run_lanes(plan: Plan, lanes: list[Lane], emit: Callable[[dict], None], *, deadline: float | None) -> bool:
     """Run lanes one after the other; returns False when interrupted."""
-    import torch
 
     from poolfuzz.orchestration.database import open_database
-    from poolfuzz.orchestration.runner import run_machine
+    from poolfuzz.orchestration.runner import prepare_process, run_machine
     from poolfuzz.pools.config import get_config
 
-    torch.set_num_threads(1)
+    prepare_process()
     device = worker_device(plan.device, lanes[0].worker, plan.workers)
     database = open_database(plan.db)
     for j, lane in enumerate(lanes):

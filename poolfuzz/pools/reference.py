@@ -87,9 +87,9 @@ class ReferenceFamily:
         """What a live request should hold (read it, never write it: the operations below do)."""
         return self.requests[rid]
 
-    def live(self) -> list[int]:
-        """The rids of live requests, retracted ones included."""
-        return list(self.requests)
+    def live(self):
+        """The rids of live requests, retracted ones included (a read-only view)."""
+        return self.requests.keys()
 
     # --- operations -------------------------------------------------------------------------
     def admit(self, rid: int, *, seqlen: int = 0) -> RefRequest:
