@@ -17,6 +17,7 @@ from pathlib import Path
 
 from poolfuzz.errors import UsageError
 from poolfuzz.harness.engine import StepRecord
+from poolfuzz.orchestration import schema
 from poolfuzz.harness.program import check_steps, step_to_json
 
 SCHEMA = "poolfuzz-failure"
@@ -161,22 +162,39 @@ def load(path: str | os.PathLike) -> Artifact:
                                 f"got {type(raw[key]).__name__}; {rerecord}")
     if not all(isinstance(f, str) for f in raw["faults"]):
         raise ArtifactError(f"artifact {name}: 'faults' must be a list of fault ids; {rerecord}")
+    options = raw.get("engine_options") or {}
+    if not isinstance(options, dict):
+        raise ArtifactError(f"artifact {name}: 'engine_options' must be an object; {rerecord}")
+    problem = schema.field_problem(raw)
+    if problem is None and raw["backup_mode"] not in schema.BACKUP_MODES:
+        problem = (f"backup_mode {raw['backup_mode']!r} is not a retraction path (known: "
+                   f"{', '.join(schema.BACKUP_MODES)})")
+    if problem is None:
+        problem = schema.divergence_problem(raw["divergence"])
+    if problem is not None:
+        raise ArtifactError(f"artifact {name}: {problem}; {rerecord}")
     try:
         program = check_steps(raw["program"])
     except ValueError as exc:
         raise ArtifactError(f"artifact {name}: {exc}; {rerecord}") from None
-    options = raw.get("engine_options") or {}
-    if not isinstance(options, dict):
-        raise ArtifactError(f"artifact {name}: 'engine_options' must be an object; {rerecord}")
+    # Each argument's type and range too: a step the engine would choke on is a bad file, not a bug found.
+    problem = next(filter(None, (schema.step_problem(i, s) for i, s in enumerate(raw["program"], 1))), None)
+    if problem is not None:
+        raise ArtifactError(f"artifact {name}: program {problem}; {rerecord}")
     known = {f for f in Artifact.__dataclass_fields__}
     fields = {k: v for k, v in raw.items() if k in known and k != "program"}
+    fields["engine_options"] = options
     fields.setdefault("seed", None)
     fields.setdefault("error_type", raw["failure"].split(":", 1)[0])
     return Artifact(program=program, **fields)
 
 
-def resolve(artifact: Artifact, name: str):
-    """The config and checked faults an artifact names, or an ArtifactError with the fix."""
+def resolve(artifact: Artifact, name: str, *, trusted_family: str | None = None):
+    """The config and checked faults an artifact names, or an ArtifactError with the fix.
+
+    The artifact's family is resolved only if it is shipped, an installed plug-in, or equal to
+    ``trusted_family`` (the ``--family`` the user typed): a file never chooses code to run.
+    """
     from poolfuzz.pools.config import CONFIGS
     from poolfuzz.pools.faults import FAULTS
 
@@ -190,24 +208,24 @@ def resolve(artifact: Artifact, name: str):
                             f"lacks (known: {', '.join(FAULTS)}); replay it with the poolfuzz that recorded it")
     if not isinstance(artifact.family, str) or not artifact.family:
         raise ArtifactError(f"artifact {name}: 'family' must be a pool family name; re-record it with poolfuzz run")
-    if artifact.family != "builtin":
-        from poolfuzz.orchestration.plugins import resolve_family
+    if artifact.family != "builtin" or trusted_family not in (None, "builtin"):
+        from poolfuzz.orchestration.plugins import resolve_recorded
         from poolfuzz.pools.errors import ConfigError
 
         try:
-            resolve_family(artifact.family)
+            resolve_recorded(artifact.family, trusted=trusted_family)
         except ConfigError as exc:
-            raise ArtifactError(f"artifact {name} was recorded on pool family {artifact.family!r}, which does not "
-                                f"load here: {exc}") from None
+            raise ArtifactError(f"artifact {name} was {exc}") from None
     return CONFIGS[artifact.config], list(artifact.faults)
 
 
-def load_checked(path) -> tuple[Artifact, object, list[str], dict]:
+def load_checked(path, *, trusted_family: str | None = None) -> tuple[Artifact, object, list[str], dict]:
     """An artifact that replays here: (artifact, config, faults, engine options), or ArtifactError
-    naming what does not (a bad file, an unknown config, fault, family or engine option)."""
+    naming what does not (a bad file, an unknown config, fault, untrusted family or engine option)."""
     art = load(path)
-    config, faults = resolve(art, str(path))
-    return art, config, faults, engine_options(art, str(path))
+    options = engine_options(art, str(path))
+    config, faults = resolve(art, str(path), trusted_family=trusted_family)
+    return art, config, faults, options
 
 
 def current_engine_options() -> dict:
@@ -225,6 +243,9 @@ def engine_options(artifact: Artifact, name: str) -> dict:
     if bad:
         raise ArtifactError(f"artifact {name}: unknown engine option {bad[0]!r} (known: {', '.join(known)}); "
                             "replay it with the poolfuzz that recorded it")
+    problem = schema.option_problem(artifact.engine_options, current_engine_options())
+    if problem is not None:
+        raise ArtifactError(f"artifact {name}: {problem}; replay it with the poolfuzz that recorded it")
     options = dict(artifact.engine_options)
     if options:  # every option the recording poolfuzz had is listed; a later one was off then
         for key, then in EngineOptions.RECORDED_BEFORE.items():

@@ -99,14 +99,14 @@ def test_artifact_recorded_on_cuda_replays_on_cpu(artifact_path, capsys):
 
 
 def test_a_plugin_family_is_recorded_and_replayed_on_it(tmp_path, capsys):
-    """An artifact found with --family replays (and emits a test) on that family."""
+    """An artifact found with --family replays (and emits a test) on that family, once the user trusts it."""
     family = "poolfuzz.pools.family:build_family"  # the builtin pools, named as a module:factory plug-in
     path = write_atomic(tmp_path / "f.json", from_program("swa-ssm", PROGRAM, faults=[FAULT], family=family))
     assert load(path).family == family
-    assert run_cli(["replay", str(path), "--device", "cpu"]) == 1
+    assert run_cli(["replay", str(path), "--device", "cpu", "--family", family]) == 1
     assert f"family {family}, config swa-ssm" in capsys.readouterr().out
     test = tmp_path / "test_family.py"
-    assert run_cli(["emit-test", str(path), "-o", str(test)]) == 0
+    assert run_cli(["emit-test", str(path), "-o", str(test), "--family", family]) == 0
     assert f"FAMILY = {family!r}" in test.read_text() and "family_factory=resolve_family(FAMILY).factory" in test.read_text()
 
 
