@@ -22,6 +22,7 @@ def register(sub) -> None:
                                    "it fails while the bug is present and passes once it is fixed.")
     p.add_argument("file", metavar="FILE", help="a JSON artifact written by poolfuzz run")
     p.add_argument("-o", "--output", required=True, metavar="PATH", help="the test module to write (a .py file)")
+    p.add_argument("--force", action="store_true", help="overwrite PATH if it exists (default: refuse)")
     p.add_argument("--family", metavar="NAME|module:factory",
                    help="trust this pool family: an artifact that names a module:factory (not an installed "
                         "plug-in) is emitted only when it is passed here, since a file never chooses code to run")
@@ -44,9 +45,15 @@ def main(args, out=None) -> int:
                          f"for example -o test_regression_{slug(art.config)}.py")
     if not path.parent.is_dir():
         raise UsageError(f"-o {args.output!r}: the directory {str(path.parent)!r} does not exist; create it first")
+    if path.exists() and not args.force:
+        raise UsageError(f"-o {args.output!r} exists; pass --force to overwrite it, or name another file")
     source = render(art, source_name=os.path.basename(str(args.file)))
     compile(source, str(path), "exec")  # never write a module that does not parse
-    artifacts.write_text_atomic(path, source)
+    try:
+        artifacts.write_text_atomic(path, source)
+    except OSError as exc:
+        raise UsageError(f"cannot write -o {args.output!r} ({exc.strerror or exc}); pick a folder you can "
+                         "write to") from None
     out.write(f"wrote {path}: {len(art.program)} steps on {art.config}"
               + (f" with {', '.join(art.faults)}" if art.faults else "")
               + f"; run it with: python -m pytest {path}\n")

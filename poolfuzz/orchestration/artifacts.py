@@ -104,12 +104,17 @@ def write_atomic(path: str | os.PathLike, artifact: Artifact) -> Path:
 
 
 def write_text_atomic(path: Path, text: str) -> None:
-    """Write to a temp file in the same folder, fsync, then rename over ``path``."""
+    """Write to a temp file in the same folder, fsync, then rename over ``path``.
+
+    The file gets the mode any tool would give it (``0o666`` less the umask): mkstemp makes
+    it 0600, which would hide artifacts and emitted tests from the rest of a team.
+    """
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(text)
             f.flush()
+            os.fchmod(f.fileno(), 0o666 & ~_umask())
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
@@ -118,6 +123,29 @@ def write_text_atomic(path: Path, text: str) -> None:
         except OSError:
             pass
         raise
+
+
+def _umask() -> int:
+    mask = os.umask(0o022)  # the only way to read it; set it straight back
+    os.umask(mask)
+    return mask
+
+
+def reserve_name(folder: Path, name_for) -> Path:
+    """Create an empty file ``folder / name_for(k)`` for the first k = 1, 2, ... whose name is free,
+    atomically (O_EXCL): two runs writing to one folder at the same second never share a file.
+    The caller then writes it with write_atomic, which renames over the reserved name."""
+    folder.mkdir(parents=True, exist_ok=True)
+    k = 1
+    while True:
+        path = folder / name_for(k)
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+        except FileExistsError:
+            k += 1
+            continue
+        os.close(fd)
+        return path
 
 
 _REQUIRED = {"config": str, "device": str, "faults": list, "backup_mode": str, "failure": str,

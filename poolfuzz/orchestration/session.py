@@ -145,16 +145,16 @@ class _ArtifactWriter:
 
     def _path(self) -> Path:
         if self.path is None:
-            from poolfuzz.orchestration.artifacts import artifact_name
+            from poolfuzz.orchestration.artifacts import artifact_name, reserve_name
 
-            out = Path(self.plan.out)
             tag = f"lane{self.lane.index}" if self.plan.workers > 1 else ""
-            path = out / artifact_name(self.lane.config, self.plan.faults, tag=tag)
-            k = 1
-            while path.exists():
-                k += 1
-                path = out / artifact_name(self.lane.config, self.plan.faults, tag=f"{tag}{'-' if tag else ''}{k}")
-            self.path = path
+
+            def name(k: int) -> str:
+                return artifact_name(self.lane.config, self.plan.faults,
+                                     tag=tag if k == 1 else f"{tag}{'-' if tag else ''}{k}")
+
+            # Reserved atomically: another run with the same --out in the same second gets another name.
+            self.path = reserve_name(Path(self.plan.out), name)
         return self.path
 
     def _write(self, **varying):
