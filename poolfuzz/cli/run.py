@@ -53,6 +53,7 @@ def plan_from_args(args):
 
     from poolfuzz.errors import UsageError
     from poolfuzz.orchestration.database import check_database
+    from poolfuzz.orchestration.paths import check_writable_dir
     from poolfuzz.orchestration.session import Plan
     from poolfuzz.pools.config import get_config
     from poolfuzz.pools.family import resolve_device
@@ -91,6 +92,7 @@ def plan_from_args(args):
                              "switch them on one at a time")
     if os.path.exists(args.out) and not os.path.isdir(args.out):
         raise UsageError(f"--out {args.out!r} is a file; pass a directory for the failure artifacts")
+    check_writable_dir(args.out, "--out")  # a failure found after an hour must have somewhere to go
     db = check_database(args.db)
     if args.family:
         from poolfuzz.orchestration.plugins import resolve_family, select_configs

@@ -38,6 +38,9 @@ def check_database(spec: str | None) -> str | None:
     if os.path.exists(spec) and not os.path.isdir(spec):
         raise UsageError(f"--db {spec!r} is a file, not a directory; pass a directory for the example "
                          "database (it is created if missing) or redis://HOST:PORT")
+    from poolfuzz.orchestration.paths import check_writable_dir
+
+    check_writable_dir(spec, "--db")  # Hypothesis would drop every save into it silently
     return spec
 
 

@@ -115,9 +115,10 @@ def run_lanes(plan: Plan, lanes: list[Lane], emit: Callable[[dict], None], *, de
                 emit({"type": "progress", "lane": lane.index, **snap})
 
         def failure(candidate, lane=lane, writer=writer):
-            path = writer.interim(candidate)
+            path = writer.interim(candidate)  # never raises: this runs inside Hypothesis's test
             emit({"type": "failure", "lane": lane.index, "message": candidate.message,
-                  "size": len(candidate.steps), "artifact": str(path)})
+                  "size": len(candidate.steps), "artifact": None if path is None else str(path),
+                  "artifact_error": writer.error})
 
         result = run_machine(get_config(lane.config), device=device, faults=plan.faults,
                              max_examples=lane.examples if lane.examples is not None else 1_000_000,
@@ -126,9 +127,11 @@ def run_lanes(plan: Plan, lanes: list[Lane], emit: Callable[[dict], None], *, de
                              shrink_limit=plan.shrink_seconds, on_progress=progress, on_failure=failure,
                              family_factory=_family_factory(plan))
         path = writer.final(result, plan.db) if not result.passed else None
+        unwritten = None if result.passed or path is not None else writer.text
         emit({"type": "done", "lane": lane.index, "config": lane.config, "passed": result.passed,
               "failure": result.failure, "examples": result.examples, "steps": result.steps,
               "seconds": result.seconds, "artifact": None if path is None else str(path),
+              "artifact_error": None if unwritten is None else writer.error, "artifact_text": unwritten,
               "interrupted": result.interrupted, "shrunk": result.shrunk,
               "program_steps": len(result.engine_steps)})
         if result.interrupted:
@@ -142,6 +145,8 @@ class _ArtifactWriter:
     def __init__(self, plan: Plan, lane: Lane, device: str):
         self.plan, self.lane, self.device = plan, lane, device
         self.path: Path | None = None
+        self.error: str | None = None  # why the last write failed (None: it did not)
+        self.text: str | None = None  # the last artifact as JSON, written or not
 
     def _path(self) -> Path:
         if self.path is None:
@@ -157,14 +162,25 @@ class _ArtifactWriter:
             self.path = reserve_name(Path(self.plan.out), name)
         return self.path
 
-    def _write(self, **varying):
-        """The artifact of this lane: what the lane fixes, plus what the failure says."""
-        from poolfuzz.orchestration.artifacts import current_engine_options, stamp, write_atomic
+    def _write(self, **varying) -> Path | None:
+        """Write the artifact of this lane (what the lane fixes, plus what the failure says); the path,
+        or None when the disk refuses (``error`` says why, ``text`` holds the JSON for the terminal)."""
+        from poolfuzz.orchestration import artifacts
 
-        art = stamp(config=self.lane.config, family=self.plan.family or "builtin", device=self.device,
-                    faults=list(self.plan.faults), seed=self.lane.seed, engine_options=current_engine_options(),
-                    **varying)
-        return write_atomic(self._path(), art)
+        art = artifacts.stamp(config=self.lane.config, family=self.plan.family or "builtin", device=self.device,
+                              faults=list(self.plan.faults), seed=self.lane.seed,
+                              engine_options=artifacts.current_engine_options(), **varying)
+        self.text = artifacts.dumps(art)
+        try:
+            path = artifacts.write_atomic(self._path(), art)
+        except OSError as exc:  # the disk filled up or went away after the checks: keep fuzzing
+            self.error = str(exc.strerror or exc)
+            if self.path is not None and self.path.exists() and self.path.stat().st_size == 0:
+                self.path.unlink()  # no empty reserved file left for a later replay to choke on
+                self.path = None
+            return None
+        self.error = None
+        return path
 
     def interim(self, candidate):
         return self._write(backup_mode=candidate.backup_mode, failure=candidate.message,
@@ -217,6 +233,7 @@ class LaneState:
     artifact: str | None = None
     program_steps: int | None = None
     device: str = ""
+    unwritten: str | None = None  # the artifact JSON when it could not be written (printed instead)
 
 
 @dataclass
@@ -267,7 +284,8 @@ class Display:
             st.status, st.failure, st.artifact, st.program_steps = "shrinking", ev["message"], ev["artifact"], ev["size"]
             if first:
                 self.line(f"{st.label}: FAIL {ev['message']}")
-                self.line(f"{st.label}: shrinking; best so far ({ev['size']} steps) in {ev['artifact']}")
+                where = ev["artifact"] or f"memory only: cannot write under {self.plan.out}/ ({ev.get('artifact_error')})"
+                self.line(f"{st.label}: shrinking; best so far ({ev['size']} steps) in {where}")
         elif kind == "done":
             st.examples, st.steps, st.seconds = ev["examples"], ev["steps"], ev["seconds"]
             st.failure, st.artifact, st.program_steps = ev["failure"], ev["artifact"], ev["program_steps"]
@@ -281,8 +299,21 @@ class Display:
                                                       else "shrink cut at --shrink-seconds")
                 if st.failure != st.first_failure:
                     self.line(f"{st.label}: FAIL {st.failure}")
-                self.line(f"{st.label}: {how} to {st.program_steps} steps -> {st.artifact}")
+                if st.artifact is not None:
+                    self.line(f"{st.label}: {how} to {st.program_steps} steps -> {st.artifact}")
+                else:  # the failure must not be lost with the file: print the artifact itself
+                    st.unwritten = ev.get("artifact_text")
+                    self.line(f"{st.label}: {how} to {st.program_steps} steps; could not write the artifact under "
+                              f"{self.plan.out}/ ({ev.get('artifact_error')}); it follows, save it as a .json "
+                              "file to replay it")
+                    self.raw(f"--- artifact ---\n{st.unwritten}--- end of artifact ---\n")
         self.refresh()
+
+    def raw(self, text: str) -> None:
+        """Text as it is (no timestamp), e.g. an artifact to copy from the terminal."""
+        self._clear()
+        self.stream.write(text)
+        self.stream.flush()
 
     def line(self, text: str, quiet_on_tty: bool = False) -> None:
         if self.tty:
@@ -465,6 +496,11 @@ def _summary(plan: Plan, result: SessionResult, stream: TextIO) -> None:
             seen.add((s.lane.config, s.failure))
             failures.append(s)
     for s in failures:
+        if s.artifact is None:
+            stream.write(f"\n{s.lane.config}: {s.failure}\n  the artifact could not be written under {plan.out}/; "
+                         "it is printed above between '--- artifact ---' lines: save it as FILE.json, then\n"
+                         "  replay:    poolfuzz replay FILE.json\n")
+            continue
         stream.write(f"\n{s.lane.config}: {s.failure}\n  replay:    poolfuzz replay {s.artifact}\n"
                      f"  as a test: poolfuzz emit-test {s.artifact} -o test_regression_{slug(s.lane.config)}.py\n")
     for e in result.errors:
