@@ -95,7 +95,7 @@ def plan_from_args(args):
     check_writable_dir(args.out, "--out")  # a failure found after an hour must have somewhere to go
     db = check_database(args.db)
     if args.family:
-        from poolfuzz.orchestration.plugins import resolve_family, select_configs
+        from poolfuzz.orchestration.plugins import probe_family, resolve_family, select_configs
 
         if faults:
             raise UsageError(f"--faults switch on catalogue faults of the builtin family; family {args.family!r} "
@@ -107,6 +107,9 @@ def plan_from_args(args):
         names = [c.name for c in chosen]
         if not names:
             raise UsageError(f"family {plugin.name!r} supports none of the chosen configs")
+        # One family built here, on the CPU: a factory that raises or returns something else is bad
+        # usage (exit 2), not a failure found in the pools with an artifact and a database entry.
+        probe_family(plugin, get_config(names[0]))
     minutes = args.minutes if args.minutes is not None else (None if args.examples else DEFAULT_MINUTES)
     return Plan(configs=tuple(names), device=args.device, faults=tuple(faults),
                 seed=args.seed if args.seed is not None else random.SystemRandom().randrange(2**32),

@@ -41,6 +41,7 @@ BAD_USAGE = [
     (["--out", "/proc/poolfuzz-failures"], "--out '/proc/poolfuzz-failures': cannot create files in '/proc'"),
     (["--db", "a-file/db"], "--db 'a-file/db' is under the file 'a-file'"),
     (["--db", "/proc/poolfuzz-db"], "--db '/proc/poolfuzz-db': cannot create files in '/proc'"),
+    (["--family", "os:getcwd"], "family 'os:getcwd' (os:getcwd) cannot build config"),
     _no_gpu_case(),
 ]
 

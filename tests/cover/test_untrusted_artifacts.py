@@ -350,3 +350,11 @@ def test_fuzzed_artifacts_give_0_1_or_2_and_never_run_their_code(sentinel_path, 
         else:
             assert not os.path.exists(out)
     assert not sentinel_path.exists() and SENTINEL_MODULE not in sys.modules
+
+
+def test_a_trusted_family_that_is_not_a_factory_is_exit_2_not_a_reproduction(base_json, tmp_path, capsys):
+    path = _write(tmp_path, {**base_json, "family": "os:getcwd"})
+    assert run_cli(_argv("replay", path, tmp_path, "--family", "os:getcwd")) == 2
+    captured = capsys.readouterr()
+    assert "REPRODUCED" not in captured.out
+    assert "family 'os:getcwd' (os:getcwd) cannot build config 'swa-ssm' on cpu: TypeError" in captured.err
