@@ -104,48 +104,71 @@ def write_atomic(path: str | os.PathLike, artifact: Artifact) -> Path:
 
 
 def write_text_atomic(path: Path, text: str) -> None:
-    """Write to a temp file in the same folder, fsync, then rename over ``path``.
+    """Write to a temp file in the same folder, fsync, then rename over ``path``."""
+    tmp = _temp_copy(path.parent, path.name, text)
+    try:
+        os.replace(tmp, path)
+    except BaseException:
+        _unlink(tmp)
+        raise
 
-    The file gets the mode any tool would give it (``0o666`` less the umask): mkstemp makes
-    it 0600, which would hide artifacts and emitted tests from the rest of a team.
-    """
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+
+def write_new_atomic(folder: str | os.PathLike, name_for, artifact: Artifact) -> Path:
+    """Write the artifact under ``folder / name_for(k)`` for the first k = 1, 2, ... whose name is
+    free, and return that path. Choosing the name and creating the file are one atomic step (a hard
+    link of the finished temp file, which fails if the name exists): two runs with one --out in the
+    same second never share a file, and no reader ever sees an empty or partial artifact."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    tmp = _temp_copy(folder, name_for(1), dumps(artifact))
+    try:
+        k = 1
+        while True:
+            path = folder / name_for(k)
+            try:
+                os.link(tmp, path)
+                return path
+            except FileExistsError:
+                k += 1
+            except OSError:  # a filesystem without hard links: reserve the name, then rename over it
+                try:
+                    os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
+                except FileExistsError:
+                    k += 1
+                    continue
+                os.replace(tmp, path)
+                return path
+    finally:
+        _unlink(tmp)
+
+
+def _temp_copy(folder: Path, name: str, text: str) -> str:
+    """``text`` in a fsynced temp file in ``folder``, with the mode any tool would give it (0o666
+    less the umask: mkstemp's 0600 would hide artifacts and emitted tests from a team)."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{name}.", suffix=".tmp", dir=folder)
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(text)
             f.flush()
             os.fchmod(f.fileno(), 0o666 & ~_umask())
             os.fsync(f.fileno())
-        os.replace(tmp, path)
     except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
+        _unlink(tmp)
         raise
+    return tmp
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
 
 
 def _umask() -> int:
     mask = os.umask(0o022)  # the only way to read it; set it straight back
     os.umask(mask)
     return mask
-
-
-def reserve_name(folder: Path, name_for) -> Path:
-    """Create an empty file ``folder / name_for(k)`` for the first k = 1, 2, ... whose name is free,
-    atomically (O_EXCL): two runs writing to one folder at the same second never share a file.
-    The caller then writes it with write_atomic, which renames over the reserved name."""
-    folder.mkdir(parents=True, exist_ok=True)
-    k = 1
-    while True:
-        path = folder / name_for(k)
-        try:
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
-        except FileExistsError:
-            k += 1
-            continue
-        os.close(fd)
-        return path
 
 
 _REQUIRED = {"config": str, "device": str, "faults": list, "backup_mode": str, "failure": str,

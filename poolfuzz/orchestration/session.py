@@ -148,19 +148,11 @@ class _ArtifactWriter:
         self.error: str | None = None  # why the last write failed (None: it did not)
         self.text: str | None = None  # the last artifact as JSON, written or not
 
-    def _path(self) -> Path:
-        if self.path is None:
-            from poolfuzz.orchestration.artifacts import artifact_name, reserve_name
+    def _name(self, k: int) -> str:
+        from poolfuzz.orchestration.artifacts import artifact_name
 
-            tag = f"lane{self.lane.index}" if self.plan.workers > 1 else ""
-
-            def name(k: int) -> str:
-                return artifact_name(self.lane.config, self.plan.faults,
-                                     tag=tag if k == 1 else f"{tag}{'-' if tag else ''}{k}")
-
-            # Reserved atomically: another run with the same --out in the same second gets another name.
-            self.path = reserve_name(Path(self.plan.out), name)
-        return self.path
+        tag = f"lane{self.lane.index}" if self.plan.workers > 1 else ""
+        return artifact_name(self.lane.config, self.plan.faults, tag=tag if k == 1 else f"{tag}{'-' if tag else ''}{k}")
 
     def _write(self, **varying) -> Path | None:
         """Write the artifact of this lane (what the lane fixes, plus what the failure says); the path,
@@ -172,15 +164,15 @@ class _ArtifactWriter:
                               engine_options=artifacts.current_engine_options(), **varying)
         self.text = artifacts.dumps(art)
         try:
-            path = artifacts.write_atomic(self._path(), art)
+            if self.path is None:  # the first write picks a free name atomically
+                self.path = artifacts.write_new_atomic(self.plan.out, self._name, art)
+            else:
+                artifacts.write_atomic(self.path, art)
         except OSError as exc:  # the disk filled up or went away after the checks: keep fuzzing
             self.error = str(exc.strerror or exc)
-            if self.path is not None and self.path.exists() and self.path.stat().st_size == 0:
-                self.path.unlink()  # no empty reserved file left for a later replay to choke on
-                self.path = None
             return None
         self.error = None
-        return path
+        return self.path
 
     def interim(self, candidate):
         return self._write(backup_mode=candidate.backup_mode, failure=candidate.message,
@@ -197,16 +189,20 @@ class _ArtifactWriter:
                            examples=result.examples, seconds=round(result.seconds, 3))
 
 
-def _worker_main(plan: Plan, lanes: list[Lane], events, deadline: float | None) -> None:
-    """Entry point of a spawned worker: the first SIGINT interrupts, later ones are ignored."""
+def _worker_main(plan: Plan, lanes: list[Lane], events, deadline: float | None, parent_pid: int | None = None) -> None:
+    """Entry point of a spawned worker: the first SIGINT or SIGTERM interrupts, later ones are
+    ignored; when the parent dies (even by SIGKILL) the worker saves its best shrink and exits."""
+    from poolfuzz.orchestration.stopping import STOP_SIGNALS, Interrupts, watch_parent, worker_ready
 
-    def first_interrupt(signum, frame):
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-        raise KeyboardInterrupt
-
-    signal.signal(signal.SIGINT, first_interrupt)
+    interrupts = Interrupts(once=True)
+    for s in STOP_SIGNALS:
+        signal.signal(s, interrupts)
     worker = lanes[0].worker
     try:
+        if parent_pid is not None:
+            # Orphaned, nobody reads the queue: do not wait at exit for it to drain.
+            watch_parent(parent_pid, on_orphaned=events.cancel_join_thread)
+        worker_ready()  # a Ctrl-C that came during start-up is taken here, as a clean interrupt
         run_lanes(plan, lanes, events.put, deadline=deadline)
     except KeyboardInterrupt:
         pass

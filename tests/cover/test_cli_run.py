@@ -262,10 +262,11 @@ def test_an_artifact_that_cannot_be_written_is_printed_and_the_run_exits_1(tmp_p
 
     from poolfuzz.orchestration import artifacts
 
-    def no_space(path, artifact):
+    def no_space(*args):
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(artifacts, "write_atomic", no_space)
+    monkeypatch.setattr(artifacts, "write_new_atomic", no_space)
     out = tmp_path / "failures"
     code = run_cli(["run", "--config", "swa-ssm", "--faults", FAULT, "--device", "cpu", "--examples", "300",
                     "--seed", "9", "--db", "none", "--out", str(out), "--shrink-seconds", "1"])
@@ -280,4 +281,4 @@ def test_an_artifact_that_cannot_be_written_is_printed_and_the_run_exits_1(tmp_p
     saved = tmp_path / "saved.json"
     saved.write_text(json.dumps(raw))
     assert run_cli(["replay", str(saved), "--device", "cpu"]) == 1
-    assert not [p for p in out.iterdir()] if out.exists() else True  # no empty reserved file left behind
+    assert not out.exists() or not list(out.iterdir())  # nothing half-written left behind

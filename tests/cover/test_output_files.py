@@ -67,17 +67,27 @@ def test_an_unwritable_output_is_one_line_exit_2(artifact, tmp_path, capsys):
 
 
 def test_two_runs_never_share_an_artifact_name(tmp_path, monkeypatch):
-    """Two identical runs with one --out, in the same second: each reserves its own file (O_EXCL)
-    before the other has written anything."""
+    """Two identical runs with one --out, in the same second: each one's check that the name is free
+    ran before the other wrote it (``exists`` says False throughout), yet each gets its own file."""
+    from pathlib import Path
+
+    from poolfuzz.harness.engine import StepRecord
     from poolfuzz.orchestration import artifacts
+    from poolfuzz.orchestration.runner import FailureCandidate
     from poolfuzz.orchestration.session import Lane, Plan, _ArtifactWriter
 
     monkeypatch.setattr(artifacts, "artifact_name",
                         lambda config, faults, when=None, tag="": f"{config}-20250101-000000{'-' + tag if tag else ''}.json")
     plan = Plan(configs=("swa-ssm",), device="cpu", faults=(FAULT,), seed=1, examples=1, out=str(tmp_path / "out"))
     lane = Lane(index=0, worker=0, config="swa-ssm", seed=1, examples=1)
+    candidate = FailureCandidate(steps=(StepRecord(op="admit", args={"prompt_len": 1}, outcome=""),),
+                                 error_type="StateLost", message="StateLost: x", divergence={}, in_teardown=False,
+                                 backup_mode="cpu_tensor")
     first, second = _ArtifactWriter(plan, lane, "cpu"), _ArtifactWriter(plan, lane, "cpu")
-    a, b = first._path(), second._path()
-    assert a != b and a.exists() and b.exists()
+    monkeypatch.setattr(Path, "exists", lambda self: False)
+    a, b = first.interim(candidate), second.interim(candidate)
+    monkeypatch.undo()
+    assert a is not None and b is not None and a != b
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [
         "swa-ssm-20250101-000000-2.json", "swa-ssm-20250101-000000.json"]
+    assert artifacts.load(a).failure == artifacts.load(b).failure == "StateLost: x"
