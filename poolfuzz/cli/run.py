@@ -71,7 +71,8 @@ def plan_from_args(args):
         raise UsageError(f"--shrink-seconds must be positive, got {args.shrink_seconds:g}")
     if args.seed is not None and not 0 <= args.seed < 2**32:
         raise UsageError(f"--seed must be between 0 and 2**32-1, got {args.seed}")
-    resolve_device(args.device)  # a ConfigError with the fix when there is no such device
+    device = resolve_device(args.device)  # a ConfigError with the fix when there is no such device
+    _warn_about_workers(args.workers, device)
     names = list(dict.fromkeys(args.config or CONFIGS))
     for name in names:
         get_config(name)
@@ -116,6 +117,22 @@ def plan_from_args(args):
                 examples=args.examples, seconds=None if minutes is None else minutes * 60, steps=args.steps,
                 db=db, out=args.out, workers=args.workers, shrink_seconds=args.shrink_seconds,
                 family=args.family)
+
+
+def _warn_about_workers(workers: int, device) -> None:
+    """More workers than CPUs (or GPUs) only makes them take turns, each slower: say so, run anyway."""
+    import os
+    import sys
+
+    if device.type == "cuda":
+        import torch
+
+        have, what = torch.cuda.device_count(), "GPUs"
+    else:
+        have, what = os.cpu_count() or 1, "CPUs"
+    if workers > have:
+        print(f"poolfuzz: warning: --workers {workers} is more than the {have} {what} here; the workers will "
+              f"take turns on them, each slower (--workers {have} fuzzes as fast)", file=sys.stderr)
 
 
 def main(args) -> int:

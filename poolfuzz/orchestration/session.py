@@ -21,6 +21,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, TextIO
 
+from poolfuzz.orchestration.stopping import Interrupts, stop_signals_blocked
+
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 
 
@@ -209,7 +211,8 @@ def _worker_main(plan: Plan, lanes: list[Lane], events, deadline: float | None, 
     except BaseException as exc:  # report, never a traceback on the user's terminal
         events.put({"type": "error", "worker": worker, "message": f"{type(exc).__name__}: {exc}"})
     finally:
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        for s in STOP_SIGNALS:
+            signal.signal(s, signal.SIG_IGN)
         events.put({"type": "exit", "worker": worker})
 
 
@@ -396,18 +399,21 @@ def run_session(plan: Plan, *, stream: TextIO | None = None, tty: bool | None = 
     stream.flush()
     deadline = None if plan.seconds is None else time.time() + plan.seconds
     result = SessionResult(exit_code=EXIT_OK, lanes=states)
-    try:
-        if len(per_worker) == 1:
-            ok = run_lanes(plan, per_worker[0], display.handle, deadline=deadline)
-            result.interrupted = not ok
-        else:
-            _run_workers(plan, per_worker, display, deadline, result)
-    except KeyboardInterrupt:
-        result.interrupted = True
-    display.finish()
-    _summary(plan, result, stream)
+    # SIGTERM (a CI timeout, systemd, kill) stops the run as Ctrl-C does: summary, artifacts kept.
+    with Interrupts().installed() as interrupts:
+        try:
+            if len(per_worker) == 1:
+                ok = run_lanes(plan, per_worker[0], display.handle, deadline=deadline)
+                result.interrupted = not ok
+            else:
+                _run_workers(plan, per_worker, display, deadline, result)
+        except KeyboardInterrupt:
+            result.interrupted = True
+        display.finish()
+        _summary(plan, result, stream)
     failed = any(s.failure for s in states) or result.errors
-    result.exit_code = EXIT_FAILED if failed else (EXIT_INTERRUPTED if result.interrupted else EXIT_OK)
+    stopped = 128 + interrupts.signum if interrupts.signum else EXIT_INTERRUPTED  # 130 Ctrl-C, 143 SIGTERM
+    result.exit_code = EXIT_FAILED if failed else (stopped if result.interrupted else EXIT_OK)
     return result
 
 
@@ -416,41 +422,54 @@ def _run_workers(plan: Plan, per_worker: list[list[Lane]], display: Display, dea
 
     ctx = mp.get_context("spawn")
     events = ctx.Queue()
-    procs = {lanes[0].worker: ctx.Process(target=_worker_main, args=(plan, lanes, events, deadline),
+    procs = {lanes[0].worker: ctx.Process(target=_worker_main, args=(plan, lanes, events, deadline, os.getpid()),
                                           name=f"poolfuzz-worker-{lanes[0].worker}")
              for lanes in per_worker}
-    for p in procs.values():
-        p.start()
     exited: set[int] = set()
     interrupted_at = None
-    signalled = False
+    forwarded = 0.0
+
+    def interrupted() -> None:
+        nonlocal interrupted_at
+        interrupted_at = time.monotonic()
+        result.interrupted = True
+        display.line("interrupted: workers are saving their best shrink (Ctrl-C again to stop now)")
+
     try:
+        try:
+            with stop_signals_blocked():  # workers inherit the mask: no start-up tracebacks
+                for p in procs.values():
+                    p.start()
+        except KeyboardInterrupt:  # the signal that came while they started
+            interrupted()
         while len(exited) < len(procs):
             try:
-                ev = events.get(timeout=0.2)
-            except queue_mod.Empty:
-                ev = None
+                try:
+                    ev = events.get(timeout=0.2)
+                except queue_mod.Empty:
+                    ev = None
+                if ev is not None:
+                    if ev["type"] == "exit":
+                        exited.add(ev["worker"])
+                    elif ev["type"] == "error":
+                        result.errors.append(f"worker {ev['worker']}: {ev['message']}")
+                    display.handle(ev)
+                else:
+                    display.refresh()
             except KeyboardInterrupt:
                 if interrupted_at is not None:  # a second Ctrl-C: stop at once
                     break
-                interrupted_at = time.monotonic()
-                result.interrupted = True
-                display.line("interrupted: workers are saving their best shrink (Ctrl-C again to stop now)")
+                interrupted()
                 continue
-            if ev is not None:
-                if ev["type"] == "exit":
-                    exited.add(ev["worker"])
-                elif ev["type"] == "error":
-                    result.errors.append(f"worker {ev['worker']}: {ev['message']}")
-                display.handle(ev)
-            else:
-                display.refresh()
-            if interrupted_at is not None and not signalled and time.monotonic() - interrupted_at > 0.5:
-                signalled = True  # a SIGINT sent to the parent alone reaches the workers too
+            now = time.monotonic()
+            # A signal sent to the parent alone (SIGTERM, kill -INT) reaches the workers too; it is
+            # re-sent each second, as a worker ignores it until its imports are done.
+            if interrupted_at is not None and now - interrupted_at > 0.5 and now - forwarded >= 1.0:
+                forwarded = now
                 for w, p in procs.items():
                     if w not in exited and p.is_alive():
                         os.kill(p.pid, signal.SIGINT)
-            if interrupted_at is not None and time.monotonic() - interrupted_at > 20:
+            if interrupted_at is not None and now - interrupted_at > 20:
                 break
             for w, p in procs.items():  # a worker that died without saying goodbye
                 if w not in exited and not p.is_alive() and p.exitcode is not None and events.empty():
@@ -460,10 +479,15 @@ def _run_workers(plan: Plan, per_worker: list[list[Lane]], display: Display, dea
                         display.line(f"worker {w} died (exit code {p.exitcode}); its lanes are incomplete")
     finally:
         for p in procs.values():
+            if p.pid is None:  # never started
+                continue
             p.join(timeout=5)
             if p.is_alive():
                 p.terminate()
                 p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+                p.join()
         events.close()
 
 

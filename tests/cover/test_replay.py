@@ -140,9 +140,9 @@ def _wait_for(pattern_dir, proc, timeout=60.0):
     pytest.fail("no artifact appeared")
 
 
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGKILL], ids=["ctrl-c", "crash"])
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGKILL], ids=["ctrl-c", "sigterm", "crash"])
 def test_interrupted_run_leaves_its_best_shrink(tmp_path, sig):
-    """A failure found, then Ctrl-C (or a kill) mid-shrink: the artifact on disk is whole and replays."""
+    """A failure found, then Ctrl-C, SIGTERM or a kill mid-shrink: the artifact on disk is whole and replays."""
     out = tmp_path / "failures"
     proc = subprocess.Popen(
         [sys.executable, "-m", "poolfuzz.cli", "run", "--config", "swa-ssm", "--faults", FAULT, "--device", "cpu",
@@ -152,7 +152,7 @@ def test_interrupted_run_leaves_its_best_shrink(tmp_path, sig):
     proc.send_signal(sig)
     stdout, _ = proc.communicate(timeout=60)
     art = load(path)
-    if sig == signal.SIGINT:
+    if sig in (signal.SIGINT, signal.SIGTERM):  # SIGTERM stops a run as Ctrl-C does
         assert proc.returncode == 1, stdout
         assert art.status in ("interrupted", "shrunk")
         assert "1 failed (interrupted)" in stdout or "1 failed" in stdout
