@@ -191,3 +191,17 @@ def test_an_artifact_replays_under_the_options_it_was_recorded_with(tmp_path, ca
     from poolfuzz.cli.emit import render
 
     assert f"retract_on_decode_oom={recorded is None}" in render(load(path))
+
+
+def test_replay_into_a_closed_pipe_keeps_its_verdict_and_prints_no_traceback(artifact_path):
+    """``poolfuzz replay FILE | head -1``: the reader is gone before the first line (its end of the
+    pipe is closed up front, so the test does not depend on timing)."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        proc = subprocess.run([sys.executable, "-m", "poolfuzz.cli", "replay", str(artifact_path), "--device", "cpu"],
+                              stdout=write_end, stderr=subprocess.PIPE, text=True, timeout=120)
+    finally:
+        os.close(write_end)
+    assert proc.returncode == 1, proc.stderr  # it reproduces: the verdict is not lost with the output
+    assert "Traceback" not in proc.stderr and "BrokenPipe" not in proc.stderr, proc.stderr
