@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 from poolfuzz.errors import ConfigError, UsageError
@@ -47,5 +48,46 @@ def run_cli(argv: list[str]) -> int:
         return 2
 
 
+class _PipeSafe:
+    """stdout that outlives its reader (``poolfuzz replay FILE | head``): once the pipe is closed,
+    output goes to /dev/null and the command runs on to its verdict, so the exit status still
+    says whether the failure reproduced, with no BrokenPipeError traceback."""
+
+    def __init__(self, stream):
+        self._stream = stream
+        self._gone = False
+
+    def write(self, text: str) -> int:
+        if not self._gone:
+            try:
+                return self._stream.write(text)
+            except BrokenPipeError:
+                self._drop()
+        return len(text)
+
+    def flush(self) -> None:
+        if not self._gone:
+            try:
+                self._stream.flush()
+            except BrokenPipeError:
+                self._drop()
+
+    def _drop(self) -> None:
+        self._gone = True
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        try:  # also what the interpreter flushes at exit
+            os.dup2(devnull, self._stream.fileno())
+        finally:
+            os.close(devnull)
+
+    def __getattr__(self, name):
+        return getattr(self._stream, name)
+
+
 def main(argv: list[str] | None = None) -> int:
-    return run_cli(sys.argv[1:] if argv is None else argv)
+    stdout = sys.stdout
+    sys.stdout = _PipeSafe(stdout)
+    try:
+        return run_cli(sys.argv[1:] if argv is None else argv)
+    finally:
+        sys.stdout = stdout

@@ -8,6 +8,7 @@ fails while the bug is present and passes once it is fixed.
 from __future__ import annotations
 
 
+import ast
 import os
 import sys
 from pathlib import Path
@@ -21,6 +22,10 @@ def register(sub) -> None:
                                    "it fails while the bug is present and passes once it is fixed.")
     p.add_argument("file", metavar="FILE", help="a JSON artifact written by poolfuzz run")
     p.add_argument("-o", "--output", required=True, metavar="PATH", help="the test module to write (a .py file)")
+    p.add_argument("--force", action="store_true", help="overwrite PATH if it exists (default: refuse)")
+    p.add_argument("--family", metavar="NAME|module:factory",
+                   help="trust this pool family: an artifact that names a module:factory (not an installed "
+                        "plug-in) is emitted only when it is passed here, since a file never chooses code to run")
     p.set_defaults(handler=main)
 
 
@@ -29,7 +34,8 @@ def main(args, out=None) -> int:
     from poolfuzz.errors import UsageError
 
     out = out or sys.stdout
-    art = artifacts.load_checked(args.file)[0]  # what cannot replay here: one line, exit 2, nothing written
+    # what cannot replay here (or names a family the user did not trust): one line, exit 2, nothing written
+    art = artifacts.load_checked(args.file, trusted_family=args.family)[0]
     path = Path(args.output)
     if path.is_dir():
         raise UsageError(f"-o {args.output!r} is a directory; name the file, e.g. "
@@ -39,9 +45,15 @@ def main(args, out=None) -> int:
                          f"for example -o test_regression_{slug(art.config)}.py")
     if not path.parent.is_dir():
         raise UsageError(f"-o {args.output!r}: the directory {str(path.parent)!r} does not exist; create it first")
+    if path.exists() and not args.force:
+        raise UsageError(f"-o {args.output!r} exists; pass --force to overwrite it, or name another file")
     source = render(art, source_name=os.path.basename(str(args.file)))
     compile(source, str(path), "exec")  # never write a module that does not parse
-    artifacts.write_text_atomic(path, source)
+    try:
+        artifacts.write_text_atomic(path, source)
+    except OSError as exc:
+        raise UsageError(f"cannot write -o {args.output!r} ({exc.strerror or exc}); pick a folder you can "
+                         "write to") from None
     out.write(f"wrote {path}: {len(art.program)} steps on {art.config}"
               + (f" with {', '.join(art.faults)}" if art.faults else "")
               + f"; run it with: python -m pytest {path}\n")
@@ -51,7 +63,12 @@ def main(args, out=None) -> int:
 
 
 def render(art, *, source_name: str = "") -> str:
-    """The test module's source."""
+    """The test module's source.
+
+    Every artifact value is untrusted text. It reaches the module as a Python literal (``repr``),
+    in the docstring through :func:`_docstring` or in a comment through :func:`_comment`: no value
+    can end a string or a comment and add a statement.
+    """
     from poolfuzz.orchestration.artifacts import engine_options
 
     options = engine_options(art, source_name or "artifact")
@@ -59,20 +76,22 @@ def render(art, *, source_name: str = "") -> str:
     plugin = art.family != "builtin"
     op = (art.divergence or {}).get("op") or "teardown"
     name = f"test_{slug(art.config)}_{slug(kind)}_at_{slug(op)}"
-    failure = art.failure.replace('"""', "'''")
-    lines = [
-        '"""Regression test from a shrunk poolfuzz failure.',
+    doc = [
+        "Regression test from a shrunk poolfuzz failure.",
         "",
         f"Recorded on {art.device} ({art.status}) with poolfuzz {art.poolfuzz_version or '?'}, "
         f"Hypothesis {art.hypothesis_version or '?'}" + (f", from {source_name}" if source_name else "") + ":",
         "",
-        *_wrap(failure, "    "),
+        *_wrap(art.failure, "    "),
         "",
         "Each step is one engine operation on a real pool family (a prefill and a decode node) and its",
         "reference model; engine.check() after it compares every component of every request the step",
         "touched, slot by slot, and raises StateLost / InvariantViolation / ReferenceMismatch naming",
         "whose data is where. The test fails while the bug is present and passes once it is fixed.",
-        '"""',
+        "",
+    ]
+    lines = [
+        _docstring("\n".join(doc)),
         "",
         "import os",
         "",
@@ -96,21 +115,22 @@ def render(art, *, source_name: str = "") -> str:
     failing_step = None if art.in_teardown else len(art.program)
     for i, step in enumerate(art.program, 1):
         call = f"    engine.{step.op}({_kwargs(step.args)})"
-        comment = f"  # {step.outcome}" if step.outcome and not step.outcome.startswith("raised ") else ""
+        comment = _comment(step.outcome) if step.outcome and not step.outcome.startswith("raised ") else ""
         if i == failing_step and step.outcome.startswith("raised "):
-            comment = f"  # failed here: {_short(art.failure)}"
+            comment = _comment(f"failed here: {_short(art.failure)}")
         lines.append(call + comment)
         check = "    engine.check()"
         if i == failing_step and not step.outcome.startswith("raised "):
-            check += f"  # failed here: {_short(art.failure)}"
+            check += _comment(f"failed here: {_short(art.failure)}")
         lines.append(check)
     lines.append("    # teardown: every live slot checked once more, then every request ends and no pool may leak")
-    lines.append("    engine.sweep()" + (f"  # failed here: {_short(art.failure)}" if art.in_teardown else ""))
+    lines.append("    engine.sweep()" + (_comment(f"failed here: {_short(art.failure)}") if art.in_teardown else ""))
     lines.append("    engine.drain()")
     return "\n".join(lines) + "\n"
 
 
 def _kwargs(args: dict) -> str:
+    # Keys are parameter names and values plain ints, lists and names: artifacts.load checked both.
     return ", ".join(f"{k}={v!r}" for k, v in args.items())
 
 
@@ -118,7 +138,32 @@ def _short(text: str, limit: int = 60) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
+def _comment(text: str) -> str:
+    """``  # text`` on one line: printable text as it is (it cannot end the comment), anything else as
+    its ``repr``, where a newline is the two characters backslash and n."""
+    return f"  # {text if text.isprintable() else repr(text)}"
+
+
+def _docstring(text: str) -> str:
+    """A triple-quoted literal whose value is exactly ``text``: readable lines, every backslash and
+    double quote escaped (so nothing in it can close the string), unprintable characters as escapes."""
+    out = []
+    for ch in text:
+        if ch in '\\"':
+            out.append("\\" + ch)
+        elif ch == "\n" or ch.isprintable():
+            out.append(ch)
+        else:
+            out.append(repr(ch)[1:-1])  # \x00, \r, \t, \u2028, a lone surrogate: never raw in the file
+    literal = '"""' + "".join(out) + '"""'
+    if ast.literal_eval(literal) != text:  # cannot happen; never write a module that says something else
+        raise AssertionError(f"docstring escaping changed the text {text!r}")
+    return literal
+
+
 def _wrap(text: str, indent: str, width: int = 96) -> list[str]:
     import textwrap
 
-    return textwrap.wrap(text, width=width, initial_indent=indent, subsequent_indent=indent) or [indent]
+    # Keep every character (tabs, carriage returns): the docstring quotes the failure as recorded.
+    return textwrap.wrap(text, width=width, initial_indent=indent, subsequent_indent=indent,
+                         expand_tabs=False, replace_whitespace=False) or [indent]

@@ -17,6 +17,9 @@ def register(sub) -> None:
                                    "reproduces, 0 if it does not, 2 on bad input.")
     p.add_argument("file", metavar="FILE", help="a JSON artifact written by poolfuzz run")
     p.add_argument("--device", default="auto", help="auto (CUDA if present; default), cpu, cuda or cuda:N")
+    p.add_argument("--family", metavar="NAME|module:factory",
+                   help="trust this pool family: an artifact that names a module:factory (not an installed "
+                        "plug-in) replays only when it is passed here, since a file never chooses code to run")
     p.add_argument("--verbose", "-v", action="store_true",
                    help="also show the recorded outcome of each step and every live request after it")
     p.set_defaults(handler=main)
@@ -28,8 +31,12 @@ def main(args, out=None) -> int:
     from poolfuzz.pools.family import resolve_device
 
     out = out or sys.stdout
-    art, config, faults, options = artifacts.load_checked(args.file)
+    art, config, faults, options = artifacts.load_checked(args.file, trusted_family=args.family)
     device = resolve_device(args.device)
+    if art.family != "builtin":  # a factory that cannot build a family is bad usage, not a reproduction
+        from poolfuzz.orchestration.plugins import probe_family, resolve_family
+
+        probe_family(resolve_family(art.family), config, device=device, faults=faults, backup_mode=art.backup_mode)
     w = out.write
     family = "" if art.family == "builtin" else f"family {art.family}, "
     w(f"replaying {args.file}\n  {family}config {art.config}, faults {', '.join(faults) or 'none'}, backup mode "

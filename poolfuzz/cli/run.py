@@ -53,6 +53,7 @@ def plan_from_args(args):
 
     from poolfuzz.errors import UsageError
     from poolfuzz.orchestration.database import check_database
+    from poolfuzz.orchestration.paths import check_writable_dir
     from poolfuzz.orchestration.session import Plan
     from poolfuzz.pools.config import get_config
     from poolfuzz.pools.family import resolve_device, resolved_backup_mode
@@ -70,7 +71,8 @@ def plan_from_args(args):
         raise UsageError(f"--shrink-seconds must be positive, got {args.shrink_seconds:g}")
     if args.seed is not None and not 0 <= args.seed < 2**32:
         raise UsageError(f"--seed must be between 0 and 2**32-1, got {args.seed}")
-    resolve_device(args.device)  # a ConfigError with the fix when there is no such device
+    device = resolve_device(args.device)  # a ConfigError with the fix when there is no such device
+    _warn_about_workers(args.workers, device)
     names = list(dict.fromkeys(args.config or CONFIGS))
     for name in names:
         get_config(name)
@@ -93,9 +95,10 @@ def plan_from_args(args):
             resolved_backup_mode(get_config(name), faults)
     if os.path.exists(args.out) and not os.path.isdir(args.out):
         raise UsageError(f"--out {args.out!r} is a file; pass a directory for the failure artifacts")
+    check_writable_dir(args.out, "--out")  # a failure found after an hour must have somewhere to go
     db = check_database(args.db)
     if args.family:
-        from poolfuzz.orchestration.plugins import resolve_family, select_configs
+        from poolfuzz.orchestration.plugins import probe_family, resolve_family, select_configs
 
         if faults:
             raise UsageError(f"--faults switch on catalogue faults of the builtin family; family {args.family!r} "
@@ -107,12 +110,31 @@ def plan_from_args(args):
         names = [c.name for c in chosen]
         if not names:
             raise UsageError(f"family {plugin.name!r} supports none of the chosen configs")
+        # One family built here, on the CPU: a factory that raises or returns something else is bad
+        # usage (exit 2), not a failure found in the pools with an artifact and a database entry.
+        probe_family(plugin, get_config(names[0]))
     minutes = args.minutes if args.minutes is not None else (None if args.examples else DEFAULT_MINUTES)
     return Plan(configs=tuple(names), device=args.device, faults=tuple(faults),
                 seed=args.seed if args.seed is not None else random.SystemRandom().randrange(2**32),
                 examples=args.examples, seconds=None if minutes is None else minutes * 60, steps=args.steps,
                 db=db, out=args.out, workers=args.workers, shrink_seconds=args.shrink_seconds,
                 family=args.family)
+
+
+def _warn_about_workers(workers: int, device) -> None:
+    """More workers than CPUs (or GPUs) only makes them take turns, each slower: say so, run anyway."""
+    import os
+    import sys
+
+    if device.type == "cuda":
+        import torch
+
+        have, what = torch.cuda.device_count(), "GPUs"
+    else:
+        have, what = os.cpu_count() or 1, "CPUs"
+    if workers > have:
+        print(f"poolfuzz: warning: --workers {workers} is more than the {have} {what} here; the workers will "
+              f"take turns on them, each slower (--workers {have} fuzzes as fast)", file=sys.stderr)
 
 
 def main(args) -> int:

@@ -16,8 +16,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from poolfuzz.errors import UsageError
-from poolfuzz.harness.records import StepRecord
 from poolfuzz.harness.program import check_steps, step_to_json
+from poolfuzz.harness.records import StepRecord
+from poolfuzz.orchestration import schema
 
 SCHEMA = "poolfuzz-failure"
 VERSION = 1
@@ -104,19 +105,70 @@ def write_atomic(path: str | os.PathLike, artifact: Artifact) -> Path:
 
 def write_text_atomic(path: Path, text: str) -> None:
     """Write to a temp file in the same folder, fsync, then rename over ``path``."""
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    tmp = _temp_copy(path.parent, path.name, text)
+    try:
+        os.replace(tmp, path)
+    except BaseException:
+        _unlink(tmp)
+        raise
+
+
+def write_new_atomic(folder: str | os.PathLike, name_for, artifact: Artifact) -> Path:
+    """Write the artifact under ``folder / name_for(k)`` for the first k = 1, 2, ... whose name is
+    free, and return that path. Choosing the name and creating the file are one atomic step (a hard
+    link of the finished temp file, which fails if the name exists): two runs with one --out in the
+    same second never share a file, and no reader ever sees an empty or partial artifact."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    tmp = _temp_copy(folder, name_for(1), dumps(artifact))
+    try:
+        k = 1
+        while True:
+            path = folder / name_for(k)
+            try:
+                os.link(tmp, path)
+                return path
+            except FileExistsError:
+                k += 1
+            except OSError:  # a filesystem without hard links: reserve the name, then rename over it
+                try:
+                    os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
+                except FileExistsError:
+                    k += 1
+                    continue
+                os.replace(tmp, path)
+                return path
+    finally:
+        _unlink(tmp)
+
+
+def _temp_copy(folder: Path, name: str, text: str) -> str:
+    """``text`` in a fsynced temp file in ``folder``, with the mode any tool would give it (0o666
+    less the umask: mkstemp's 0600 would hide artifacts and emitted tests from a team)."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{name}.", suffix=".tmp", dir=folder)
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(text)
             f.flush()
+            os.fchmod(f.fileno(), 0o666 & ~_umask())
             os.fsync(f.fileno())
-        os.replace(tmp, path)
     except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
+        _unlink(tmp)
         raise
+    return tmp
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
+
+
+def _umask() -> int:
+    mask = os.umask(0o022)  # the only way to read it; set it straight back
+    os.umask(mask)
+    return mask
 
 
 _REQUIRED = {"config": str, "device": str, "faults": list, "backup_mode": str, "failure": str,
@@ -161,22 +213,39 @@ def load(path: str | os.PathLike) -> Artifact:
                                 f"got {type(raw[key]).__name__}; {rerecord}")
     if not all(isinstance(f, str) for f in raw["faults"]):
         raise ArtifactError(f"artifact {name}: 'faults' must be a list of fault ids; {rerecord}")
+    options = raw.get("engine_options") or {}
+    if not isinstance(options, dict):
+        raise ArtifactError(f"artifact {name}: 'engine_options' must be an object; {rerecord}")
+    problem = schema.field_problem(raw)
+    if problem is None and raw["backup_mode"] not in schema.BACKUP_MODES:
+        problem = (f"backup_mode {raw['backup_mode']!r} is not a retraction path (known: "
+                   f"{', '.join(schema.BACKUP_MODES)})")
+    if problem is None:
+        problem = schema.divergence_problem(raw["divergence"])
+    if problem is not None:
+        raise ArtifactError(f"artifact {name}: {problem}; {rerecord}")
     try:
         program = check_steps(raw["program"])
     except ValueError as exc:
         raise ArtifactError(f"artifact {name}: {exc}; {rerecord}") from None
-    options = raw.get("engine_options") or {}
-    if not isinstance(options, dict):
-        raise ArtifactError(f"artifact {name}: 'engine_options' must be an object; {rerecord}")
+    # Each argument's type and range too: a step the engine would choke on is a bad file, not a bug found.
+    problem = next(filter(None, (schema.step_problem(i, s) for i, s in enumerate(raw["program"], 1))), None)
+    if problem is not None:
+        raise ArtifactError(f"artifact {name}: program {problem}; {rerecord}")
     known = {f for f in Artifact.__dataclass_fields__}
     fields = {k: v for k, v in raw.items() if k in known and k != "program"}
+    fields["engine_options"] = options
     fields.setdefault("seed", None)
     fields.setdefault("error_type", raw["failure"].split(":", 1)[0])
     return Artifact(program=program, **fields)
 
 
-def resolve(artifact: Artifact, name: str):
-    """The config and checked faults an artifact names, or an ArtifactError with the fix."""
+def resolve(artifact: Artifact, name: str, *, trusted_family: str | None = None):
+    """The config and checked faults an artifact names, or an ArtifactError with the fix.
+
+    The artifact's family is resolved only if it is shipped, an installed plug-in, or equal to
+    ``trusted_family`` (the ``--family`` the user typed): a file never chooses code to run.
+    """
     from poolfuzz.pools.config import CONFIGS
     from poolfuzz.pools.faults import FAULTS
 
@@ -190,24 +259,24 @@ def resolve(artifact: Artifact, name: str):
                             f"lacks (known: {', '.join(FAULTS)}); replay it with the poolfuzz that recorded it")
     if not isinstance(artifact.family, str) or not artifact.family:
         raise ArtifactError(f"artifact {name}: 'family' must be a pool family name; re-record it with poolfuzz run")
-    if artifact.family != "builtin":
-        from poolfuzz.orchestration.plugins import resolve_family
+    if artifact.family != "builtin" or trusted_family not in (None, "builtin"):
+        from poolfuzz.orchestration.plugins import resolve_recorded
         from poolfuzz.pools.errors import ConfigError
 
         try:
-            resolve_family(artifact.family)
+            resolve_recorded(artifact.family, trusted=trusted_family)
         except ConfigError as exc:
-            raise ArtifactError(f"artifact {name} was recorded on pool family {artifact.family!r}, which does not "
-                                f"load here: {exc}") from None
+            raise ArtifactError(f"artifact {name} was {exc}") from None
     return CONFIGS[artifact.config], list(artifact.faults)
 
 
-def load_checked(path) -> tuple[Artifact, object, list[str], dict]:
+def load_checked(path, *, trusted_family: str | None = None) -> tuple[Artifact, object, list[str], dict]:
     """An artifact that replays here: (artifact, config, faults, engine options), or ArtifactError
-    naming what does not (a bad file, an unknown config, fault, family or engine option)."""
+    naming what does not (a bad file, an unknown config, fault, untrusted family or engine option)."""
     art = load(path)
-    config, faults = resolve(art, str(path))
-    return art, config, faults, engine_options(art, str(path))
+    options = engine_options(art, str(path))
+    config, faults = resolve(art, str(path), trusted_family=trusted_family)
+    return art, config, faults, options
 
 
 def family_factory(family: str | None):
@@ -234,6 +303,9 @@ def engine_options(artifact: Artifact, name: str) -> dict:
     if bad:
         raise ArtifactError(f"artifact {name}: unknown engine option {bad[0]!r} (known: {', '.join(known)}); "
                             "replay it with the poolfuzz that recorded it")
+    problem = schema.option_problem(artifact.engine_options, current_engine_options())
+    if problem is not None:
+        raise ArtifactError(f"artifact {name}: {problem}; replay it with the poolfuzz that recorded it")
     options = dict(artifact.engine_options)
     if options:  # every option the recording poolfuzz had is listed; a later one was off then
         for key, then in EngineOptions.RECORDED_BEFORE.items():

@@ -38,18 +38,92 @@ def check_database(spec: str | None) -> str | None:
     if os.path.exists(spec) and not os.path.isdir(spec):
         raise UsageError(f"--db {spec!r} is a file, not a directory; pass a directory for the example "
                          "database (it is created if missing) or redis://HOST:PORT")
+    from poolfuzz.orchestration.paths import check_writable_dir
+
+    check_writable_dir(spec, "--db")  # Hypothesis would drop every save into it silently
     return spec
 
 
 def open_database(spec: str | None) -> ExampleDatabase | None:
-    """The database a checked spec names (``None``: no database)."""
+    """The database a checked spec names (``None``: no database), wrapped so that its outage is
+    an infrastructure warning, never a failure (see :class:`TolerantDatabase`)."""
     if spec is None:
         return None
     if "://" in spec:
         from hypothesis.extra.redis import RedisExampleDatabase
 
-        return RedisExampleDatabase(_redis_client(spec, ping=False))
-    return DirectoryBasedExampleDatabase(spec)
+        return TolerantDatabase(RedisExampleDatabase(_redis_client(spec, ping=False)), spec)
+    return TolerantDatabase(DirectoryBasedExampleDatabase(spec), spec)
+
+
+def _backend_errors() -> tuple[type[BaseException], ...]:
+    errors: tuple[type[BaseException], ...] = (OSError,)
+    try:
+        import redis
+
+        errors += (redis.exceptions.RedisError,)
+    except ImportError:
+        pass
+    return errors
+
+
+class TolerantDatabase(ExampleDatabase):
+    """An example database whose backend may go away mid-run (Redis stopped, a disk gone).
+
+    Hypothesis calls the database from inside a test, so a backend error there became the test's
+    error: a Redis outage was reported as ``FAIL ConnectionError`` with an artifact, and during
+    shrinking it replaced the real failure. Here the first such error prints one warning to
+    stderr; from then on the database is empty and drops writes, and the run goes on without it.
+    """
+
+    def __init__(self, backend: ExampleDatabase, spec: str, *, stream=None):
+        super().__init__()
+        self.backend, self.spec, self._stream = backend, spec, stream
+        self.down: str | None = None  # why the backend was given up on
+        self._errors = _backend_errors()
+
+    def __repr__(self) -> str:
+        return f"TolerantDatabase({self.backend!r})"
+
+    def _give_up(self, exc: BaseException) -> None:
+        first = self.down is None
+        reason = (str(exc).splitlines() or [""])[0] or type(exc).__name__
+        self.down = f"{type(exc).__name__}: {reason}"
+        if first:
+            import sys
+
+            stream = self._stream or sys.stderr
+            state = "unreachable" if "://" in self.spec else "unusable"
+            stream.write(f"poolfuzz: warning: example database {self.spec} {state} ({self.down}); "
+                         "continuing without it: failures found from now on are not saved there\n")
+            stream.flush()
+
+    def fetch(self, key: bytes):
+        if self.down is not None:
+            return
+        try:
+            values = list(self.backend.fetch(key))  # a generator: its errors come while iterating
+        except self._errors as exc:
+            self._give_up(exc)
+            return
+        yield from values
+
+    def save(self, key: bytes, value: bytes) -> None:
+        self._call(self.backend.save, key, value)
+
+    def delete(self, key: bytes, value: bytes) -> None:
+        self._call(self.backend.delete, key, value)
+
+    def move(self, src: bytes, dest: bytes, value: bytes) -> None:
+        self._call(self.backend.move, src, dest, value)
+
+    def _call(self, method, *args) -> None:
+        if self.down is not None:
+            return
+        try:
+            method(*args)
+        except self._errors as exc:
+            self._give_up(exc)
 
 
 def _redis_client(spec: str, *, ping: bool):
@@ -70,32 +144,3 @@ def _redis_client(spec: str, *, ping: bool):
             raise UsageError(f"cannot reach Redis at {spec} ({reason}); start redis-server there, check the "
                              "host and port, or use a local directory with --db PATH") from None
     return client
-
-
-def machine_identity(config, faults=(), backup_mode: str | None = None, family_factory=None,
-                     options=None) -> bytes:
-    """What a failing example's database key is derived from: the machine it fails on.
-
-    The backup mode is resolved (``None`` becomes the mode the family picks), so ``poolfuzz run``
-    and a test that names the mode explicitly share one key.
-    """
-    name = getattr(config, "name", config)
-    mode = backup_mode
-    if mode is None:
-        try:
-            from poolfuzz.pools.config import get_config
-            from poolfuzz.pools.family import build_family
-
-            cfg = get_config(config) if isinstance(config, str) else config
-            mode = build_family(cfg, device="cpu", faults=faults).backup_mode
-        except Exception:  # an impossible combination: the engine reports it when the machine runs
-            mode = "default"
-    parts = [f"config={name}", f"faults={','.join(sorted(faults))}", f"backup={mode}"]
-    if family_factory is not None:
-        parts.append(f"family={getattr(family_factory, '__module__', '')}.{getattr(family_factory, '__qualname__', '')}")
-    if options is not None:
-        from poolfuzz.harness.engine import EngineOptions
-
-        if options != EngineOptions():
-            parts.append(f"options={options!r}")
-    return ("poolfuzz-machine/1 " + " ".join(parts)).encode()

@@ -104,6 +104,46 @@ def _load(target: str, name: str) -> Callable:
     return obj
 
 
+def resolve_recorded(spec: str, *, trusted: str | None = None) -> FamilyPlugin:
+    """The family a file (an artifact) names, resolved only if it cannot choose what code runs.
+
+    A file is untrusted input: ``module:attr`` in it would import and call anything (``this:s``
+    prints the Zen of Python). So only the shipped names and installed plug-ins (the entry-point
+    group) resolve on their own; any other name must equal ``trusted``, the ``--family`` the user
+    typed. Names are checked before anything is imported. A ConfigError says what to pass.
+    """
+    if trusted is not None and spec != trusted:
+        raise ConfigError(f"recorded on pool family {spec!r}, but --family names {trusted!r}; pass "
+                          f"--family {spec} to trust the family it was recorded on")
+    if spec != trusted and (":" in spec or spec not in installed_families()):
+        raise ConfigError(f"recorded on pool family {spec!r}, which does not load here: it is not installed as a "
+                          f"plug-in (installed: {', '.join(installed_families())}); a file never chooses code to "
+                          f"run, so if you trust {spec!r}, pass --family {spec}")
+    return resolve_family(spec)
+
+
+# What the harness calls on every family; a factory whose result lacks these is not a family factory.
+FAMILY_SURFACE = ("backup_mode", "components", "free_lists", "protocol", "req_pool")
+
+
+def probe_family(plugin: FamilyPlugin, config: ModelConfig, *, device="cpu", faults=(),
+                 backup_mode: str | None = None) -> None:
+    """Build one family with the factory; a ConfigError naming the factory if it raises or returns
+    something without the family surface. What a factory does wrong is bad usage, not a found bug."""
+    try:
+        family = plugin.factory(config, device=device, faults=tuple(faults), backup_mode=backup_mode)
+    except Exception as exc:
+        reason = str(exc).splitlines()[0] if str(exc) else ""
+        raise ConfigError(f"family {plugin.name!r} ({plugin.target}) cannot build config {config.name!r} on "
+                          f"{device}: {type(exc).__name__}{': ' + reason if reason else ''}; pass a factory "
+                          f"factory(config, *, device, faults, backup_mode) that returns a pool family") from None
+    missing = [a for a in FAMILY_SURFACE if not hasattr(family, a)]
+    if missing:
+        raise ConfigError(f"family {plugin.name!r} ({plugin.target}) returned a {type(family).__name__}, not a pool "
+                          f"family (it lacks {', '.join(missing)}); pass a factory that returns one (see the README "
+                          "section 'Pointing poolfuzz at your own pools')")
+
+
 def select_configs(plugin: FamilyPlugin, configs: Iterable[ModelConfig], *,
                    explicit: bool) -> tuple[list[ModelConfig], list[tuple[str, str]]]:
     """(configs to run, [(skipped config, reason)]). A declined explicit config is an error."""

@@ -21,6 +21,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, TextIO
 
+from poolfuzz.orchestration.stopping import Interrupts, stop_signals_blocked
+
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 
 
@@ -114,9 +116,10 @@ def run_lanes(plan: Plan, lanes: list[Lane], emit: Callable[[dict], None], *, de
                 emit({"type": "progress", "lane": lane.index, **snap})
 
         def failure(candidate, lane=lane, writer=writer):
-            path = writer.interim(candidate)
+            path = writer.interim(candidate)  # never raises: this runs inside Hypothesis's test
             emit({"type": "failure", "lane": lane.index, "message": candidate.message,
-                  "size": len(candidate.steps), "artifact": str(path)})
+                  "size": len(candidate.steps), "artifact": None if path is None else str(path),
+                  "artifact_error": writer.error})
 
         result = run_machine(get_config(lane.config), device=device, faults=plan.faults,
                              max_examples=lane.examples if lane.examples is not None else 1_000_000,
@@ -125,9 +128,11 @@ def run_lanes(plan: Plan, lanes: list[Lane], emit: Callable[[dict], None], *, de
                              shrink_limit=plan.shrink_seconds, on_progress=progress, on_failure=failure,
                              family_factory=_family_factory(plan))
         path = writer.final(result, plan.db) if not result.passed else None
+        unwritten = None if result.passed or path is not None else writer.text
         emit({"type": "done", "lane": lane.index, "config": lane.config, "passed": result.passed,
               "failure": result.failure, "examples": result.examples, "steps": result.steps,
               "seconds": result.seconds, "artifact": None if path is None else str(path),
+              "artifact_error": None if unwritten is None else writer.error, "artifact_text": unwritten,
               "interrupted": result.interrupted, "shrunk": result.shrunk,
               "program_steps": len(result.engine_steps)})
         if result.interrupted:
@@ -141,29 +146,34 @@ class _ArtifactWriter:
     def __init__(self, plan: Plan, lane: Lane, device: str):
         self.plan, self.lane, self.device = plan, lane, device
         self.path: Path | None = None
+        self.error: str | None = None  # why the last write failed (None: it did not)
+        self.text: str | None = None  # the last artifact as JSON, written or not
 
-    def _path(self) -> Path:
-        if self.path is None:
-            from poolfuzz.orchestration.artifacts import artifact_name
+    def _name(self, k: int) -> str:
+        from poolfuzz.orchestration.artifacts import artifact_name
 
-            out = Path(self.plan.out)
-            tag = f"lane{self.lane.index}" if self.plan.workers > 1 else ""
-            path = out / artifact_name(self.lane.config, self.plan.faults, tag=tag)
-            k = 1
-            while path.exists():
-                k += 1
-                path = out / artifact_name(self.lane.config, self.plan.faults, tag=f"{tag}{'-' if tag else ''}{k}")
-            self.path = path
+        tag = f"lane{self.lane.index}" if self.plan.workers > 1 else ""
+        return artifact_name(self.lane.config, self.plan.faults, tag=tag if k == 1 else f"{tag}{'-' if tag else ''}{k}")
+
+    def _write(self, **varying) -> Path | None:
+        """Write the artifact of this lane (what the lane fixes, plus what the failure says); the path,
+        or None when the disk refuses (``error`` says why, ``text`` holds the JSON for the terminal)."""
+        from poolfuzz.orchestration import artifacts
+
+        art = artifacts.stamp(config=self.lane.config, family=self.plan.family or "builtin", device=self.device,
+                              faults=list(self.plan.faults), seed=self.lane.seed,
+                              engine_options=artifacts.current_engine_options(), **varying)
+        self.text = artifacts.dumps(art)
+        try:
+            if self.path is None:  # the first write picks a free name atomically
+                self.path = artifacts.write_new_atomic(self.plan.out, self._name, art)
+            else:
+                artifacts.write_atomic(self.path, art)
+        except OSError as exc:  # the disk filled up or went away after the checks: keep fuzzing
+            self.error = str(exc.strerror or exc)
+            return None
+        self.error = None
         return self.path
-
-    def _write(self, **varying):
-        """The artifact of this lane: what the lane fixes, plus what the failure says."""
-        from poolfuzz.orchestration.artifacts import current_engine_options, stamp, write_atomic
-
-        art = stamp(config=self.lane.config, family=self.plan.family or "builtin", device=self.device,
-                    faults=list(self.plan.faults), seed=self.lane.seed, engine_options=current_engine_options(),
-                    **varying)
-        return write_atomic(self._path(), art)
 
     def interim(self, candidate):
         return self._write(backup_mode=candidate.backup_mode, failure=candidate.message,
@@ -180,23 +190,28 @@ class _ArtifactWriter:
                            examples=result.examples, seconds=round(result.seconds, 3))
 
 
-def _worker_main(plan: Plan, lanes: list[Lane], events, deadline: float | None) -> None:
-    """Entry point of a spawned worker: the first SIGINT interrupts, later ones are ignored."""
+def _worker_main(plan: Plan, lanes: list[Lane], events, deadline: float | None, parent_pid: int | None = None) -> None:
+    """Entry point of a spawned worker: the first SIGINT or SIGTERM interrupts, later ones are
+    ignored; when the parent dies (even by SIGKILL) the worker saves its best shrink and exits."""
+    from poolfuzz.orchestration.stopping import STOP_SIGNALS, Interrupts, watch_parent, worker_ready
 
-    def first_interrupt(signum, frame):
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-        raise KeyboardInterrupt
-
-    signal.signal(signal.SIGINT, first_interrupt)
+    interrupts = Interrupts(once=True)
+    for s in STOP_SIGNALS:
+        signal.signal(s, interrupts)
     worker = lanes[0].worker
     try:
+        if parent_pid is not None:
+            # Orphaned, nobody reads the queue: do not wait at exit for it to drain.
+            watch_parent(parent_pid, on_orphaned=events.cancel_join_thread)
+        worker_ready()  # a Ctrl-C that came during start-up is taken here, as a clean interrupt
         run_lanes(plan, lanes, events.put, deadline=deadline)
     except KeyboardInterrupt:
         pass
     except BaseException as exc:  # report, never a traceback on the user's terminal
         events.put({"type": "error", "worker": worker, "message": f"{type(exc).__name__}: {exc}"})
     finally:
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        for s in STOP_SIGNALS:
+            signal.signal(s, signal.SIG_IGN)
         events.put({"type": "exit", "worker": worker})
 
 
@@ -216,6 +231,7 @@ class LaneState:
     artifact: str | None = None
     program_steps: int | None = None
     device: str = ""
+    unwritten: str | None = None  # the artifact JSON when it could not be written (printed instead)
 
 
 @dataclass
@@ -266,7 +282,8 @@ class Display:
             st.status, st.failure, st.artifact, st.program_steps = "shrinking", ev["message"], ev["artifact"], ev["size"]
             if first:
                 self.line(f"{st.label}: FAIL {ev['message']}")
-                self.line(f"{st.label}: shrinking; best so far ({ev['size']} steps) in {ev['artifact']}")
+                where = ev["artifact"] or f"memory only: cannot write under {self.plan.out}/ ({ev.get('artifact_error')})"
+                self.line(f"{st.label}: shrinking; best so far ({ev['size']} steps) in {where}")
         elif kind == "done":
             st.examples, st.steps, st.seconds = ev["examples"], ev["steps"], ev["seconds"]
             st.failure, st.artifact, st.program_steps = ev["failure"], ev["artifact"], ev["program_steps"]
@@ -280,8 +297,21 @@ class Display:
                                                       else "shrink cut at --shrink-seconds")
                 if st.failure != st.first_failure:
                     self.line(f"{st.label}: FAIL {st.failure}")
-                self.line(f"{st.label}: {how} to {st.program_steps} steps -> {st.artifact}")
+                if st.artifact is not None:
+                    self.line(f"{st.label}: {how} to {st.program_steps} steps -> {st.artifact}")
+                else:  # the failure must not be lost with the file: print the artifact itself
+                    st.unwritten = ev.get("artifact_text")
+                    self.line(f"{st.label}: {how} to {st.program_steps} steps; could not write the artifact under "
+                              f"{self.plan.out}/ ({ev.get('artifact_error')}); it follows, save it as a .json "
+                              "file to replay it")
+                    self.raw(f"--- artifact ---\n{st.unwritten}--- end of artifact ---\n")
         self.refresh()
+
+    def raw(self, text: str) -> None:
+        """Text as it is (no timestamp), e.g. an artifact to copy from the terminal."""
+        self._clear()
+        self.stream.write(text)
+        self.stream.flush()
 
     def line(self, text: str, quiet_on_tty: bool = False) -> None:
         if self.tty:
@@ -368,18 +398,21 @@ def run_session(plan: Plan, *, stream: TextIO | None = None, tty: bool | None = 
     stream.flush()
     deadline = None if plan.seconds is None else time.time() + plan.seconds
     result = SessionResult(exit_code=EXIT_OK, lanes=states)
-    try:
-        if len(per_worker) == 1:
-            ok = run_lanes(plan, per_worker[0], display.handle, deadline=deadline)
-            result.interrupted = not ok
-        else:
-            _run_workers(plan, per_worker, display, deadline, result)
-    except KeyboardInterrupt:
-        result.interrupted = True
-    display.finish()
-    _summary(plan, result, stream)
+    # SIGTERM (a CI timeout, systemd, kill) stops the run as Ctrl-C does: summary, artifacts kept.
+    with Interrupts().installed() as interrupts:
+        try:
+            if len(per_worker) == 1:
+                ok = run_lanes(plan, per_worker[0], display.handle, deadline=deadline)
+                result.interrupted = not ok
+            else:
+                _run_workers(plan, per_worker, display, deadline, result)
+        except KeyboardInterrupt:
+            result.interrupted = True
+        display.finish()
+        _summary(plan, result, stream)
     failed = any(s.failure for s in states) or result.errors
-    result.exit_code = EXIT_FAILED if failed else (EXIT_INTERRUPTED if result.interrupted else EXIT_OK)
+    stopped = 128 + interrupts.signum if interrupts.signum else EXIT_INTERRUPTED  # 130 Ctrl-C, 143 SIGTERM
+    result.exit_code = EXIT_FAILED if failed else (stopped if result.interrupted else EXIT_OK)
     return result
 
 
@@ -388,41 +421,54 @@ def _run_workers(plan: Plan, per_worker: list[list[Lane]], display: Display, dea
 
     ctx = mp.get_context("spawn")
     events = ctx.Queue()
-    procs = {lanes[0].worker: ctx.Process(target=_worker_main, args=(plan, lanes, events, deadline),
+    procs = {lanes[0].worker: ctx.Process(target=_worker_main, args=(plan, lanes, events, deadline, os.getpid()),
                                           name=f"poolfuzz-worker-{lanes[0].worker}")
              for lanes in per_worker}
-    for p in procs.values():
-        p.start()
     exited: set[int] = set()
     interrupted_at = None
-    signalled = False
+    forwarded = 0.0
+
+    def interrupted() -> None:
+        nonlocal interrupted_at
+        interrupted_at = time.monotonic()
+        result.interrupted = True
+        display.line("interrupted: workers are saving their best shrink (Ctrl-C again to stop now)")
+
     try:
+        try:
+            with stop_signals_blocked():  # workers inherit the mask: no start-up tracebacks
+                for p in procs.values():
+                    p.start()
+        except KeyboardInterrupt:  # the signal that came while they started
+            interrupted()
         while len(exited) < len(procs):
             try:
-                ev = events.get(timeout=0.2)
-            except queue_mod.Empty:
-                ev = None
+                try:
+                    ev = events.get(timeout=0.2)
+                except queue_mod.Empty:
+                    ev = None
+                if ev is not None:
+                    if ev["type"] == "exit":
+                        exited.add(ev["worker"])
+                    elif ev["type"] == "error":
+                        result.errors.append(f"worker {ev['worker']}: {ev['message']}")
+                    display.handle(ev)
+                else:
+                    display.refresh()
             except KeyboardInterrupt:
                 if interrupted_at is not None:  # a second Ctrl-C: stop at once
                     break
-                interrupted_at = time.monotonic()
-                result.interrupted = True
-                display.line("interrupted: workers are saving their best shrink (Ctrl-C again to stop now)")
+                interrupted()
                 continue
-            if ev is not None:
-                if ev["type"] == "exit":
-                    exited.add(ev["worker"])
-                elif ev["type"] == "error":
-                    result.errors.append(f"worker {ev['worker']}: {ev['message']}")
-                display.handle(ev)
-            else:
-                display.refresh()
-            if interrupted_at is not None and not signalled and time.monotonic() - interrupted_at > 0.5:
-                signalled = True  # a SIGINT sent to the parent alone reaches the workers too
+            now = time.monotonic()
+            # A signal sent to the parent alone (SIGTERM, kill -INT) reaches the workers too; it is
+            # re-sent each second, as a worker ignores it until its imports are done.
+            if interrupted_at is not None and now - interrupted_at > 0.5 and now - forwarded >= 1.0:
+                forwarded = now
                 for w, p in procs.items():
                     if w not in exited and p.is_alive():
                         os.kill(p.pid, signal.SIGINT)
-            if interrupted_at is not None and time.monotonic() - interrupted_at > 20:
+            if interrupted_at is not None and now - interrupted_at > 20:
                 break
             for w, p in procs.items():  # a worker that died without saying goodbye
                 if w not in exited and not p.is_alive() and p.exitcode is not None and events.empty():
@@ -432,10 +478,15 @@ def _run_workers(plan: Plan, per_worker: list[list[Lane]], display: Display, dea
                         display.line(f"worker {w} died (exit code {p.exitcode}); its lanes are incomplete")
     finally:
         for p in procs.values():
+            if p.pid is None:  # never started
+                continue
             p.join(timeout=5)
             if p.is_alive():
                 p.terminate()
                 p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+                p.join()
         events.close()
 
 
@@ -464,6 +515,11 @@ def _summary(plan: Plan, result: SessionResult, stream: TextIO) -> None:
             seen.add((s.lane.config, s.failure))
             failures.append(s)
     for s in failures:
+        if s.artifact is None:
+            stream.write(f"\n{s.lane.config}: {s.failure}\n  the artifact could not be written under {plan.out}/; "
+                         "it is printed above between '--- artifact ---' lines: save it as FILE.json, then\n"
+                         "  replay:    poolfuzz replay FILE.json\n")
+            continue
         stream.write(f"\n{s.lane.config}: {s.failure}\n  replay:    poolfuzz replay {s.artifact}\n"
                      f"  as a test: poolfuzz emit-test {s.artifact} -o test_regression_{slug(s.lane.config)}.py\n")
     for e in result.errors:

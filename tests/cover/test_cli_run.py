@@ -37,6 +37,11 @@ BAD_USAGE = [
     (["--db", "a-file"], "is a file, not a directory"),
     (["--db", "mongodb://x"], "unsupported scheme 'mongodb'"),
     (["--out", "a-file"], "is a file; pass a directory"),
+    (["--out", "a-file/failures"], "--out 'a-file/failures' is under the file 'a-file'"),
+    (["--out", "/proc/poolfuzz-failures"], "--out '/proc/poolfuzz-failures': cannot create files in '/proc'"),
+    (["--db", "a-file/db"], "--db 'a-file/db' is under the file 'a-file'"),
+    (["--db", "/proc/poolfuzz-db"], "--db '/proc/poolfuzz-db': cannot create files in '/proc'"),
+    (["--family", "os:getcwd"], "family 'os:getcwd' (os:getcwd) cannot build config"),
     _no_gpu_case(),
 ]
 
@@ -248,3 +253,32 @@ def test_a_step_that_raises_is_kept_in_the_program_with_named_arguments():
     assert (last.op, list(last.args), last.outcome) == ("retract", ["rid"], "raised ReferenceMismatch")
     admitted = [step.outcome for step in result.engine_steps if step.op == "admit"]
     assert any(outcome.startswith(f"Req({last.args['rid']}) ") for outcome in admitted)
+
+
+def test_an_artifact_that_cannot_be_written_is_printed_and_the_run_exits_1(tmp_path, monkeypatch, capsys):
+    """The disk fills up after the checks: the failure and its artifact go to the terminal instead,
+    whole, so it can still be saved and replayed."""
+    import json
+
+    from poolfuzz.orchestration import artifacts
+
+    def no_space(*args):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(artifacts, "write_atomic", no_space)
+    monkeypatch.setattr(artifacts, "write_new_atomic", no_space)
+    out = tmp_path / "failures"
+    code = run_cli(["run", "--config", "swa-ssm", "--faults", FAULT, "--device", "cpu", "--examples", "300",
+                    "--seed", "9", "--db", "none", "--out", str(out), "--shrink-seconds", "1"])
+    captured = capsys.readouterr()
+    text = captured.out
+    assert code == 1, text + captured.err
+    assert "FAIL StateLost" in text and "Traceback" not in text + captured.err
+    assert f"could not write the artifact under {out}/ (No space left on device)" in text
+    start = text.index("--- artifact ---\n") + len("--- artifact ---\n")
+    raw = json.loads(text[start:text.index("--- end of artifact ---")])
+    monkeypatch.undo()
+    saved = tmp_path / "saved.json"
+    saved.write_text(json.dumps(raw))
+    assert run_cli(["replay", str(saved), "--device", "cpu"]) == 1
+    assert not out.exists() or not list(out.iterdir())  # nothing half-written left behind

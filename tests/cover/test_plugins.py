@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 import types
 from importlib import metadata
@@ -96,3 +97,23 @@ def test_a_plug_in_failure_records_the_backup_mode_it_ran_with(tmp_path):
                          max_examples=50, shrink_limit=0)
     assert not result.passed and result.backup_mode == "cpu_tensor"
     assert run_machine(CONFIGS["dense"], family_factory=cpu_tensor_only, max_examples=3).backup_mode == "cpu_tensor"
+
+
+@pytest.mark.parametrize("factory, words", [
+    (lambda config, **kw: object(), "returned a object, not a pool family (it lacks backup_mode, components"),
+    (lambda config, **kw: 1 / 0, "cannot build config 'dense' on cpu: ZeroDivisionError: division by zero"),
+])
+def test_a_factory_that_builds_no_family_is_bad_usage_not_a_found_failure(factory, words, tmp_path, monkeypatch,
+                                                                          capsys):
+    """Exit 2 and nothing written: no artifact, no database entry, no FAIL line."""
+    from poolfuzz.cli import run_cli
+
+    mod = types.ModuleType("broken_families")
+    mod.factory = factory
+    monkeypatch.setitem(sys.modules, "broken_families", mod)
+    monkeypatch.chdir(tmp_path)
+    assert run_cli(["run", "--family", "broken_families:factory", "--config", "dense", "--examples", "1"]) == 2
+    captured = capsys.readouterr()
+    err = captured.err.strip()
+    assert "\n" not in err and "family 'broken_families:factory'" in err and words in err
+    assert "FAIL" not in captured.out and os.listdir(tmp_path) == []
