@@ -74,6 +74,14 @@ def state_machine_test(machine_cls, *, settings):
     return _get_state_machine_test(machine_cls, settings=settings)
 
 
+def forget_machine_class(machine_cls) -> None:
+    """Drop what Hypothesis keeps of a state-machine class for good (its rules and invariants, in a
+    class-level dict never cleared), so a long session's finished machines can be collected."""
+    from hypothesis.stateful import RuleBasedStateMachine
+
+    RuleBasedStateMachine._setup_state_per_class.pop(machine_cls, None)
+
+
 def set_database_identity(machine_cls, identity: bytes) -> None:
     """File ``machine_cls``'s examples under a key derived from ``identity``."""
     setattr(machine_cls, DIGEST_ATTRIBUTE, identity)

@@ -17,7 +17,8 @@ from hypothesis import seed as hypothesis_seed
 
 from poolfuzz.errors import ConfigError
 from poolfuzz.harness.failures import PoolfuzzFailure, divergence_of, message_of
-from poolfuzz.harness.hypothesis_compat import (current_reproduction, database_key, in_final_replay,
+from poolfuzz.harness.hypothesis_compat import (current_reproduction, database_key, forget_machine_class,
+                                                in_final_replay,
                                                 reproduction_in, runnable_program, silenced, state_machine_test)
 from poolfuzz.harness.machine import machine_for
 from poolfuzz.pools.config import ModelConfig
@@ -29,7 +30,7 @@ class RunResult:
     config: str
     faults: tuple[str, ...]
     backup_mode: str
-    examples: int
+    examples: int  # examples run up to and including the first failing one (all of them, if none failed)
     steps: int
     seconds: float
     failure: str | None  # the shrunk failure's message
@@ -46,6 +47,7 @@ class RunResult:
     interrupted: bool = False  # Ctrl-C arrived; a failure, if any, is the best shrink so far
     database_key: str | None = None  # hex key of the machine in the example database
     in_teardown: bool = False  # the failure came from the final sweep / drain, after engine_steps
+    shrink_examples: int = 0  # examples Hypothesis ran after the first failure, shrinking it
 
     @property
     def passed(self) -> bool:
@@ -85,7 +87,8 @@ class _Tracker:
     shrink_limit: float | None
     on_progress: Callable | None
     on_failure: Callable | None
-    examples: int = 0
+    max_examples: int | None = None  # no new example is generated past this many
+    examples: int = 0  # examples run (Hypothesis's replays of failures included)
     steps: int = 0
     first_examples: int | None = None
     first_seconds: float | None = None
@@ -99,6 +102,8 @@ class _Tracker:
         if self.examples and not in_final_replay():
             if self.first_seconds is None and self.deadline is not None and now >= self.deadline:
                 raise _BudgetSpent()
+            if self.first_seconds is None and self.max_examples is not None and self.examples >= self.max_examples:
+                raise _BudgetSpent()  # Hypothesis counts valid examples only; the budget is every example
             if (self.first_seconds is not None and self.shrink_limit is not None
                     and now - self.started - self.first_seconds >= self.shrink_limit):
                 raise _BudgetSpent()
@@ -165,7 +170,8 @@ def run_machine(config: ModelConfig, *, device="cpu", faults=(), backup_mode=Non
     """
     started = time.perf_counter()
     tracker = _Tracker(started=started, deadline=None if time_budget is None else started + time_budget,
-                       shrink_limit=shrink_limit, on_progress=on_progress, on_failure=on_failure)
+                       shrink_limit=shrink_limit, on_progress=on_progress, on_failure=on_failure,
+                       max_examples=None if time_budget is not None else max_examples)
     machine = machine_for(config, device=device, faults=faults, backup_mode=backup_mode,
                           family_factory=family_factory, observer=tracker)
     key = database_key(machine)
@@ -199,6 +205,8 @@ def run_machine(config: ModelConfig, *, device="cpu", faults=(), backup_mode=Non
         interrupted = True
     except Exception as exc:  # the shrunk failure (or a crash in the pools, or a flaky one)
         error = exc
+    finally:
+        forget_machine_class(machine)  # Hypothesis would keep it (and the tracker) for good
 
     final = tracker.last if error is not None else tracker.best
     failure = program = blob = divergence = error_type = None
@@ -219,8 +227,10 @@ def run_machine(config: ModelConfig, *, device="cpu", faults=(), backup_mode=Non
     mode = final.backup_mode if final is not None else tracker.backup_mode
     if mode is None:  # no engine was built: the built-in family's answer, or what was asked for
         mode = _expected_backup_mode(config, faults, backup_mode, family_factory)
+    # Examples are those run before the first failure; shrinking runs are counted apart.
+    examples = tracker.examples if tracker.first_examples is None else tracker.first_examples
     return RunResult(config=config.name, faults=tuple(faults), backup_mode=mode,
-                     examples=tracker.examples, steps=tracker.steps,
+                     examples=examples, shrink_examples=tracker.examples - examples, steps=tracker.steps,
                      seconds=time.perf_counter() - started, failure=failure, program=program,
                      divergence=divergence, first_failure_examples=tracker.first_examples,
                      first_failure_seconds=tracker.first_seconds, engine_steps=engine_steps,

@@ -10,7 +10,6 @@ machine with several GPUs.
 
 from __future__ import annotations
 
-import math
 import os
 import queue as queue_mod
 import shutil
@@ -65,7 +64,10 @@ def plan_lanes(plan: Plan) -> list[list[Lane]]:
         owners = [[wi for wi in range(w) if wi % len(configs) == ci] for ci in range(len(configs))]
         for wi in range(w):
             ci = wi % len(configs)
-            examples = None if plan.examples is None else math.ceil(plan.examples / len(owners[ci]))
+            examples = None
+            if plan.examples is not None:  # split exactly: the lanes of a config add up to --examples
+                share, extra = divmod(plan.examples, len(owners[ci]))
+                examples = max(1, share + (owners[ci].index(wi) < extra))
             per_worker[wi].append(Lane(index=wi, worker=wi, config=configs[ci], seed=_lane_seed(plan.seed, wi),
                                        examples=examples))
     return [lanes for lanes in per_worker if lanes]

@@ -201,7 +201,7 @@ def test_lanes_split_configs_and_seeds():
     assert len({l.seed for w in lanes for l in w}) == 3
     many = plan_lanes(Plan(configs=("a",), device="cpu", seed=5, examples=10, workers=3))
     assert [w[0].config for w in many] == ["a", "a", "a"]
-    assert len({w[0].seed for w in many}) == 3 and all(w[0].examples == 4 for w in many)
+    assert len({w[0].seed for w in many}) == 3 and sorted(w[0].examples for w in many) == [3, 3, 4]
 
 
 def test_worker_i_uses_gpu_i_on_a_multi_gpu_machine(monkeypatch):
@@ -282,3 +282,27 @@ def test_an_artifact_that_cannot_be_written_is_printed_and_the_run_exits_1(tmp_p
     saved.write_text(json.dumps(raw))
     assert run_cli(["replay", str(saved), "--device", "cpu"]) == 1
     assert not out.exists() or not list(out.iterdir())  # nothing half-written left behind
+
+
+def test_a_run_never_runs_more_examples_than_asked():
+    """Hypothesis counts only valid examples against max_examples; the run counts every one."""
+    for seed in range(3):
+        result = run_machine(CONFIGS["swa-ssm"], max_examples=40, seed=seed)
+        assert result.passed and result.examples == 40 and result.shrink_examples == 0
+
+
+def test_shrinking_is_counted_apart_from_the_examples_to_the_first_failure():
+    result = run_machine(CONFIGS["swa-ssm"], faults=[FAULT], max_examples=200, seed=0)
+    assert not result.passed
+    assert result.examples == result.first_failure_examples and result.shrink_examples > 0
+
+
+def test_a_finished_run_leaves_no_machine_class_behind():
+    """Hypothesis keeps every state-machine class it ran in a class-level dict; a long session
+    would keep every finished run's machine, tracker and callbacks alive."""
+    from hypothesis.stateful import RuleBasedStateMachine
+
+    before = set(RuleBasedStateMachine._setup_state_per_class)
+    run_machine(CONFIGS["dense"], max_examples=3, seed=1)
+    run_machine(CONFIGS["swa-ssm"], faults=[FAULT], max_examples=100, seed=0, shrink_limit=1)
+    assert set(RuleBasedStateMachine._setup_state_per_class) == before
