@@ -11,6 +11,8 @@ def register(sub) -> None:
     p.set_defaults(handler=_configs)
     p = sub.add_parser("faults", help="list the fault catalogue")
     p.set_defaults(handler=_faults)
+    p = sub.add_parser("checks", help="list the checks a failure signature names (and --waive takes)")
+    p.set_defaults(handler=_checks)
 
 
 def _configs(args) -> int:
@@ -24,4 +26,12 @@ def _faults(args) -> int:
     for f in FAULTS.values():
         print(f"{f.id:34} {f.upstream:16} {f.description}")
         print(f"{'':34} applies to: {', '.join(applicable_configs(f.id))}")
+    return 0
+
+
+def _checks(args) -> int:
+    from poolfuzz.harness.failures import CHECKS, WAIVABLE
+
+    for name, what in CHECKS.items():
+        print(f"{name:16} {'waivable' if name in WAIVABLE else '        '}  {what}")
     return 0

@@ -44,6 +44,13 @@ def register(sub) -> None:
     run.add_argument("--family", metavar="NAME|module:factory",
                      help="pool family to fuzz: builtin (default), an installed plug-in such as sglang, "
                           "or package.module:factory (see the README)")
+    run.add_argument("--known", action="append", default=[], metavar="PATH",
+                     help="failures known already: an artifact, a directory of artifacts (a previous --out) or a "
+                          "text file of signatures; they are counted, not reported, and fuzzing goes on past "
+                          "them (repeatable)")
+    run.add_argument("--waive", action="extend", nargs="+", default=[], metavar="CHECK",
+                     help="checks that count their violations instead of failing, for a known bug that fires in "
+                          "every example (see poolfuzz checks)")
     run.set_defaults(handler=main)
 
 
@@ -114,7 +121,17 @@ def plan_from_args(args):
         # usage (exit 2), not a failure found in the pools with an artifact and a database entry.
         probe_family(plugin, get_config(names[0]))
     minutes = args.minutes if args.minutes is not None else (None if args.examples else DEFAULT_MINUTES)
-    return Plan(configs=tuple(names), device=args.device, faults=tuple(faults),
+    from poolfuzz.harness.failures import CHECKS, WAIVABLE
+    from poolfuzz.orchestration.known import load_known
+
+    known = tuple(dict.fromkeys(sig for path in args.known for sig in load_known(path)))
+    waive = tuple(dict.fromkeys(args.waive))
+    for check in waive:
+        if check not in WAIVABLE:
+            why = "cannot be waived (once pools and reference disagree, every later step would)" if check in CHECKS \
+                else "is not a check"
+            raise UsageError(f"--waive {check!r} {why}; waivable checks: {', '.join(sorted(WAIVABLE))}")
+    return Plan(configs=tuple(names), device=args.device, faults=tuple(faults), known=known, waive=waive,
                 seed=args.seed if args.seed is not None else random.SystemRandom().randrange(2**32),
                 examples=args.examples, seconds=None if minutes is None else minutes * 60, steps=args.steps,
                 db=db, out=args.out, workers=args.workers, shrink_seconds=args.shrink_seconds,

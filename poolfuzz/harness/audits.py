@@ -13,15 +13,15 @@ def audit_predicate(engine, fail) -> None:
     fam = engine.families["prefill"]
     if fam.uses_ssm_state != fam.has_recurrent_state():
         has = "has" if fam.has_recurrent_state() else "has no"
-        raise fail(
-            f"uses_ssm_state({engine.config.name}) is {fam.uses_ssm_state} but the built family {has} "
-            "recurrent-state components: backup decisions read the predicate and would silently "
-            "take the wrong path", kind="predicate")
+        fail("ssm-predicate",
+             f"uses_ssm_state({engine.config.name}) is {fam.uses_ssm_state} but the built family {has} "
+             "recurrent-state components: backup decisions read the predicate and would silently "
+             "take the wrong path", kind="predicate")
     if fam.backup_mode == "host_pool" and fam.has_recurrent_state():
-        raise fail(
-            f"{engine.config.name}: host_pool retraction backup chosen for a model with recurrent state; "
-            "PD transfers its MAMBA state but a host_pool backup carries only full KV and SWA, so a "
-            "retracted request would resume on a stale state", kind="predicate")
+        fail("backup-mode",
+             f"{engine.config.name}: host_pool retraction backup chosen for a model with recurrent state; "
+             "PD transfers its MAMBA state but a host_pool backup carries only full KV and SWA, so a "
+             "retracted request would resume on a stale state", kind="predicate")
 
 
 def audit_backup(engine, req, fail, state_checksum) -> None:
@@ -39,11 +39,13 @@ def audit_backup(engine, req, fail, state_checksum) -> None:
     name = type(fam.kv_pool).__name__
     if carried != declared:
         did = "carried" if carried else "did not carry"
-        raise fail(f"{name} declares cpu_copy_carries_mamba={declared} but its CPU copy of req {req.rid} {did} "
-                   "the recurrent state", req.node, kind="capability")
+        fail("carries-mamba",
+             f"{name} declares cpu_copy_carries_mamba={declared} but its CPU copy of req {req.rid} {did} "
+             "the recurrent state", req.node, space="mamba", kind="capability")
     if carried and in_mamba_cpu:
-        raise fail(f"req {req.rid}: recurrent state backed up twice (by {name}.get_cpu_copy and in mamba_cpu)",
-                   req.node, kind="capability")
+        fail("backed-up-twice",
+             f"req {req.rid}: recurrent state backed up twice (by {name}.get_cpu_copy and in mamba_cpu)",
+             req.node, space="mamba", kind="capability")
 
 
 def checksums_in(payload, row_shapes: set[tuple[int, ...]]) -> set[int]:

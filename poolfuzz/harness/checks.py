@@ -28,10 +28,35 @@ class Checker:
         self._scalars: dict[int, torch.Tensor] = {}  # expected state checksum -> 1-element tensor
         self._pressure_plan: list | None = None  # (allocator, capacity) of every device space
         self._owned: dict[str, list] = {}  # per node: (space, state type) of every device space
+        self._passed_over: set[tuple] = set()  # (check, space) of known bugs passed over in this example
+        self._known_keys = frozenset(failures.bug_key(s) for s in engine.options.known)
 
-    def fail_invariant(self, detail: str, node: str = "", kind: str = "invariant"):
+    def fail(self, failure: failures.PoolfuzzFailure) -> None:
+        """Raise ``failure``, unless its check is waived or it is a known bug that can be passed over:
+        then count it and let the checks go on (see ``EngineOptions``)."""
         e = self.engine
-        return failures.invariant(step=e.step, op=e.op, detail=detail, node=node, kind=kind)
+        d = failure.divergence
+        if d.check in e.options.waive:
+            e.waived[d.check] = e.waived.get(d.check, 0) + 1
+            return
+        if d.check in failures.WAIVABLE and e.options.known:
+            key = (d.check, d.space)
+            signature = failures.signature_of(failure, in_teardown=e.tearing_down)
+            root = failures.bug_key(signature) in self._known_keys
+            if root or key in self._passed_over or e.tainted(d):
+                if root:  # a known bug: what it touched is suspect; what follows from it is not widened
+                    self._passed_over.add(key)
+                    e.taint_with(d)
+                e.passed_over[signature] = e.passed_over.get(signature, 0) + 1
+                return
+        raise failure
+
+    def invariant(self, check: str, detail: str, node: str = "", *, space: str | None = None,
+                  kind: str = "invariant", slot: int | None = None) -> None:
+        """An InvariantViolation of ``check`` at the current step (raised unless waived)."""
+        e = self.engine
+        self.fail(failures.invariant(step=e.step, op=e.op, action=e.action, detail=detail, node=node, kind=kind,
+                                     check=check, space=space, slot=slot))
 
     # --- entry points ----------------------------------------------------------------------
     def check(self) -> None:
@@ -62,15 +87,15 @@ class Checker:
             for space, alloc in fam.free_lists().items():
                 total = e.refs[node].capacity[space]
                 if alloc.available_size() != total:
-                    raise self.fail_invariant(
-                        f"after every request ended, {space} has {alloc.available_size()} of {total} free (leak)",
-                        node)
+                    self.invariant(
+                        "leak", f"after every request ended, {space} has {alloc.available_size()} of {total} free "
+                        "(leak)", node, space=space)
 
     def audit_predicate(self) -> None:
-        audit_predicate(self.engine, self.fail_invariant)
+        audit_predicate(self.engine, self.invariant)
 
     def audit_backup(self, req: Request) -> None:
-        audit_backup(self.engine, req, self.fail_invariant, self.state_checksum)
+        audit_backup(self.engine, req, self.invariant, self.state_checksum)
 
     def pressure(self) -> float:
         e = self.engine
@@ -90,23 +115,24 @@ class Checker:
             real = (req.kv.kv_allocated_len, req.kv.kv_committed_len, req.kv.swa_evicted_seqlen, req.kv.seqlen)
             want = (r.allocated, r.committed, r.swa_lo, r.seqlen)
             if req.phase is not Phase.RETRACTED and real != want:
-                raise failures.reference_mismatch(
-                    step=e.step, op=e.op, node=req.node, rid=req.rid,
-                    detail=f"req {req.rid} (allocated, committed, swa_evicted, seqlen) = {real}, reference {want}")
+                self.fail(failures.reference_mismatch(
+                    step=e.step, op=e.op, action=e.action, node=req.node, rid=req.rid, check="lengths",
+                    detail=f"req {req.rid} (allocated, committed, swa_evicted, seqlen) = {real}, reference {want}"))
         for node, fam in e.families.items():
             ref = e.refs[node]
             for space, alloc in fam.free_lists().items():
                 real = alloc.available_size()
                 want = ref.available(space)
                 if real != want:
-                    raise failures.reference_mismatch(
-                        step=e.step, op=e.op, node=node,
+                    self.fail(failures.reference_mismatch(
+                        step=e.step, op=e.op, action=e.action, node=node, check="free-count", space=space,
                         detail=f"{space} pool has {real} free but the reference says {want} "
-                               f"(leak, double free or lost free)")
+                               f"(leak, double free or lost free)"))
             live = {r.rid for r in e.requests.values() if r.node == node}
             if ref.live() != live:
-                raise failures.reference_mismatch(step=e.step, op=e.op, node=node,
-                                                  detail=f"live requests {sorted(live)} vs reference {sorted(ref.live())}")
+                self.fail(failures.reference_mismatch(
+                    step=e.step, op=e.op, action=e.action, node=node, check="live-requests",
+                    detail=f"live requests {sorted(live)} vs reference {sorted(ref.live())}"))
 
     def _check_holdings(self) -> None:
         """No slot held twice, none of them reserved, none of them in a free list."""
@@ -128,16 +154,19 @@ class Checker:
                 is_free = (alloc._is_free.__getitem__ if type(alloc).is_free_page is TokenAllocator.is_free_page
                            else alloc.is_free_page)
                 if alloc.is_free_page(0):
-                    raise self.fail_invariant(
-                        f"{space} free list holds the reserved slot/page 0 (padding): it will be handed out", node)
+                    self.invariant("reserved", f"{space} free list holds the reserved slot/page 0 (padding): "
+                                   "it will be handed out", node, space=space, slot=0)
                 if len(set(units)) != len(units):
                     dup = next(u for u in units if units.count(u) > 1)
-                    raise self.fail_invariant(f"{space} slot/page {dup} is held by two owners", node)
+                    self.invariant("ownership", f"{space} slot/page {dup} is held by two owners", node, space=space,
+                                   slot=dup)
                 for u in units:
                     if u == 0:
-                        raise self.fail_invariant(f"{space} slot/page 0 (reserved padding) was handed out", node)
-                    if is_free(u):
-                        raise self.fail_invariant(f"{space} slot/page {u} is held but also in the free list", node)
+                        self.invariant("reserved", f"{space} slot/page 0 (reserved padding) was handed out", node,
+                                       space=space, slot=0)
+                    elif is_free(u):
+                        self.invariant("ownership", f"{space} slot/page {u} is held but also in the free list",
+                                       node, space=space, slot=u)
 
     def _check_free_lists(self) -> None:
         e = self.engine
@@ -145,7 +174,7 @@ class Checker:
             for space, alloc in fam.free_lists().items():
                 problem = alloc.free_list_problem()  # O(pages freed so far), not O(pool)
                 if problem:
-                    raise self.fail_invariant(f"{space} {problem}", node)
+                    self.invariant("free-list", f"{space} {problem}", node, space=space)
 
     # --- contents --------------------------------------------------------------------------
     def component_readers(self, node: str, fam) -> list:
@@ -234,10 +263,11 @@ class Checker:
             if i is not None:
                 position = int(positions[i])
                 raise failures.state_lost(
-                    step=e.step, op=e.op, node=req.node, rid=req.rid, component=spec.name,
+                    step=e.step, op=e.op, action=e.action, node=req.node, rid=req.rid, component=spec.name,
                     layer=spec.layer, position=position, slot_before=self._before(req, spec.space, position),
                     slot_after=0, expected=f"req {ref.kv_owner[position]} pos {position}",
-                    found=f"no {spec.space.upper()} slot (unmapped inside the attention window)", verb=req.verb)
+                    found=f"no {spec.space.upper()} slot (unmapped inside the attention window)", verb=req.verb,
+                    space=spec.space, check="unmapped")
             lo = int(positions[0]) if len(positions) else 0
             found = located[where] = (positions, slots, lo)
         positions, slots, lo = found
@@ -273,11 +303,11 @@ class Checker:
         state_type = e.state_types[comp.space]
         position = None if state_type.recurrent else int(positions[index])
         ref = e.refs[node].request(req.rid)
-        return failures.state_lost(step=e.step, op=e.op, node=node, rid=req.rid, component=comp.name,
+        return failures.state_lost(step=e.step, op=e.op, action=e.action, node=node, rid=req.rid, component=comp.name,
                                    layer=comp.layer, position=position,
                                    slot_before=self._before(req, comp.space, position), slot_after=slot,
                                    expected=state_type.describe_expected(e.ledger, ref, position),
-                                   found=describe_row(comp.tensor[slot].cpu()), verb=req.verb)
+                                   found=describe_row(comp.tensor[slot].cpu()), verb=req.verb, space=comp.space)
 
     # --- where a request's slots were ------------------------------------------------------
     def slot_snapshot(self, req: Request) -> dict:

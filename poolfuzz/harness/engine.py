@@ -79,6 +79,10 @@ class Engine:
         self.next_rid = 1
         self.step = 0  # operations run so far; the failing one is named by it
         self.op = "init"  # the operation running (or last run)
+        # The last request-level action the step ran: the op itself, or the retract / resume a decode
+        # ran on its own. A failure's signature names it, so a state lost on a resume is one bug
+        # whether the resume was a step of its own or ran inside a decode.
+        self.action = "init"
         self.pending: tuple[str, dict] | None = None  # (op, args) of the operation running until it records
         self.culprit = NO_CULPRIT  # the request whose operation frees slots now (see _blame)
         self._blame = _Blame(self)  # ``with self._blame(rid):`` sets and resets the culprit
@@ -87,6 +91,12 @@ class Engine:
         self.broken = False  # True from the start of an operation until its check has passed
         self.log: list[StepRecord] = []  # the program so far
         self.stats = {"checksum_calls": 0, "slots_checked": 0, "sweeps": 0}
+        self.waived: dict[str, int] = {}  # violations of waived checks, counted instead of raised
+        self.passed_over: dict[str, int] = {}  # violations of known bugs (by signature), passed over
+        self.tearing_down = False  # the final sweep and drain: a failure's signature says "teardown"
+        # (space, slot) of known bugs passed over in this example; (space, None) a whole space,
+        # ("*", None) everything. A new failure there is downstream of the known bug, not a new one.
+        self.taint: set[tuple] = set()
         self.writer = Writer(self)  # forward writes, padding and poison
         self.checker = Checker(self)  # every invariant, the content checks and the audits
         for node, fam in self.families.items():
@@ -99,7 +109,7 @@ class Engine:
     def _begin(self, op: str, args: dict) -> None:
         self.broken = True  # until this step's check passes
         self.step += 1
-        self.op = op
+        self.op = self.action = op
         self.pending = (op, args)
         self.touched = set()
         self.events = set()
@@ -115,6 +125,25 @@ class Engine:
             return None
         op, args = self.pending
         return StepRecord(op=op, args=dict(args), outcome=f"raised {type(exc).__name__}")
+
+    def taint_with(self, divergence) -> None:
+        """A known bug was passed over here: what it touched is suspect for the rest of the example."""
+        space = divergence.space or "*"
+        self.taint.add((space, divergence.slot_after if space != "*" else None))
+
+    def tainted(self, divergence) -> bool:
+        """Is a failure downstream of a known bug passed over earlier in this example? Where it names
+        a slot, only that slot of its space counts; else any taint of its space (or of anything)."""
+        if not self.taint:
+            return False
+        if ("*", None) in self.taint or divergence is None or not divergence.space:
+            return True
+        space, slot = divergence.space, divergence.slot_after
+        if (space, None) in self.taint:
+            return True
+        if slot is not None:
+            return (space, slot) in self.taint
+        return any(s == space for s, _ in self.taint)
 
     def live(self, phase: Phase, node: str | None = None) -> list[Request]:
         return [r for r in self.requests.values() if r.phase is phase and (node is None or r.node == node)]
@@ -133,13 +162,16 @@ class Engine:
         except PoolExhausted as exc:
             actual = exc
         except PoolError as exc:
-            raise failures.reference_mismatch(step=self.step, op=self.op, node=node, rid=rid,
-                                              detail=f"req {rid}: the pools raised {type(exc).__name__}: {exc}") from exc
+            raise failures.reference_mismatch(
+                step=self.step, op=self.op, action=self.action, node=node, rid=rid, check="pool-error",
+                space=getattr(exc, "space", None), slot=getattr(exc, "slot", None),
+                detail=f"req {rid}: the pools raised {type(exc).__name__}: {exc}") from exc
         if (predicted is None) != (actual is None) or (predicted and predicted.space != actual.space):
             want = "success" if predicted is None else f"{predicted.space} exhausted"
             got = "success" if actual is None else f"{actual.space} exhausted ({actual})"
-            raise failures.reference_mismatch(step=self.step, op=self.op, node=node, rid=rid,
-                                              detail=f"req {rid}: reference predicts {want}, pools gave {got}")
+            raise failures.reference_mismatch(
+                step=self.step, op=self.op, action=self.action, node=node, rid=rid, check="outcome",
+                space=(predicted or actual).space, detail=f"req {rid}: reference predicts {want}, pools gave {got}")
         return actual
 
     def _extend(self, req: Request, end: int) -> PoolExhausted | None:
@@ -300,6 +332,7 @@ class Engine:
         """``("retracted" | "aborted", what happened)``; the step's record is the caller's."""
         req = self.requests[rid]
         fam, ref = self.families[req.node], self.refs[req.node]
+        self.action = "retract"
         snapshot = self.checker.slot_snapshot(req)
         err = self._both(req.node, rid, lambda: ref.retract(rid), lambda: fam.protocol.retract(req.kv, fam))
         if err:  # SGLang: retraction_backup returned False, the request is aborted
@@ -311,7 +344,7 @@ class Engine:
         backed_up = req.kv.retraction_backup.num_tokens
         if backed_up != ref.request(rid).backup_tokens:
             raise failures.reference_mismatch(
-                step=self.step, op=self.op, node=req.node, rid=rid,
+                step=self.step, op=self.op, action=self.action, node=req.node, rid=rid, check="backup-length",
                 detail=f"req {rid}'s retraction backup holds {backed_up} tokens; the seqlen-1 contract says "
                        f"{ref.request(rid).backup_tokens} (seqlen {req.kv.seqlen})")
         self.checker.audit_backup(req)
@@ -335,6 +368,7 @@ class Engine:
         rid = self.retracted[node][0]
         req = self.requests[rid]
         fam, ref = self.families[node], self.refs[node]
+        self.action = "resume"
         err = self._both(node, rid, lambda: ref.resume(rid), lambda: fam.protocol.resume(req.kv, fam))
         if err:
             return None, f"Req({rid}) waits: {err.space} exhausted"
@@ -426,10 +460,12 @@ class Engine:
 
     def sweep(self) -> None:
         """Every invariant over every live request and free list (teardown)."""
+        self.tearing_down = True
         self.checker.sweep()
 
     def drain(self) -> None:
         """Finish every request and abort every retracted one; every pool must then be whole."""
+        self.tearing_down = True
         for req in list(self.requests.values()):
             if req.phase is Phase.RETRACTED:
                 self.abort(req.rid)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import asdict, dataclass
 
 
@@ -22,6 +23,9 @@ class Divergence:
     expected: str | None = None
     found: str | None = None
     detail: str = ""
+    check: str = ""  # the check that fired (see CHECKS); part of the failure's signature
+    action: str = ""  # the last request-level action of the step (``op``, or a retract/resume it ran)
+    space: str | None = None  # the index space it fired on (full, swa, mamba, rows, host.*)
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -56,10 +60,10 @@ class ReferenceMismatch(PoolfuzzFailure):
 
 
 def state_lost(*, step, op, node, rid, component, layer, position, slot_before, slot_after, expected,
-               found, verb) -> StateLost:
+               found, verb, space, check="contents", action="") -> StateLost:
     d = Divergence(kind="state-lost", step=step, op=op, node=node, rid=rid, component=component, layer=layer,
                    position=position, slot_before=slot_before, slot_after=slot_after, expected=expected,
-                   found=found)
+                   found=found, check=check, space=space, action=action or op)
     where = f"component {component} layer {layer}"
     if position is not None:
         where += f" position {position}"
@@ -71,14 +75,84 @@ def state_lost(*, step, op, node, rid, component, layer, position, slot_before, 
     return StateLost(d, msg)
 
 
-def invariant(*, step, op, detail, node="", kind="invariant") -> InvariantViolation:
-    return InvariantViolation(Divergence(kind=kind, step=step, op=op, node=node, detail=detail),
+def invariant(*, step, op, detail, check, space=None, node="", kind="invariant", action="",
+              slot=None) -> InvariantViolation:
+    return InvariantViolation(Divergence(kind=kind, step=step, op=op, node=node, detail=detail, check=check,
+                                         space=space, action=action or op, slot_after=slot),
                               f"{detail} [step {step}, {op}{', node ' + node if node else ''}]")
 
 
-def reference_mismatch(*, step, op, detail, node="", rid=None) -> ReferenceMismatch:
-    return ReferenceMismatch(Divergence(kind="reference", step=step, op=op, node=node, rid=rid, detail=detail),
+def reference_mismatch(*, step, op, detail, check, space=None, node="", rid=None,
+                       action="", slot=None) -> ReferenceMismatch:
+    return ReferenceMismatch(Divergence(kind="reference", step=step, op=op, node=node, rid=rid, detail=detail,
+                                        check=check, space=space, action=action or op, slot_after=slot),
                              f"{detail} [step {step}, {op}{', node ' + node if node else ''}]")
+
+
+# Every check the engine makes, by the name a signature, ``--waive`` and the reports use.
+CHECKS: dict[str, str] = {
+    "contents": "a live request's component holds the data its history says (per slot, by checksum)",
+    "unmapped": "every position inside the SWA window has an SWA slot",
+    "outcome": "the pools and the reference agree on success or on the space exhausted",
+    "pool-error": "an operation the reference allows raises no pool error",
+    "backup-length": "a retraction backup holds seqlen-1 tokens",
+    "lengths": "each request's allocated, committed, evicted and sequence lengths match the reference",
+    "free-count": "each space's free count matches the reference (no leak, no double or lost free)",
+    "live-requests": "the families and the reference know the same live requests",
+    "reserved": "slot/page 0 (padding) is never in a free list and never handed out",
+    "ownership": "every slot or page has one owner: a request or the free list (never two, never both)",
+    "free-list": "a free list holds no unit twice and not the reserved one",
+    "leak": "after every request ended, every space is whole",
+    "ssm-predicate": "uses_ssm_state agrees with the recurrent-state components the family has",
+    "backup-mode": "a model with recurrent state never takes the host_pool retraction backup",
+    "carries-mamba": "cpu_copy_carries_mamba says what the KV pool's CPU copy really carried",
+    "backed-up-twice": "the recurrent state is backed up once",
+}
+# Checks ``--waive`` may switch off: the structural ones, after which the engine stays consistent.
+# The outcome checks are not: once the pools and the reference disagree, every later step would.
+WAIVABLE = frozenset(CHECKS) - {"outcome", "pool-error", "backup-length"}
+# Checks of a condition that persists once broken (a free list, a holding, a count): the operation
+# that first sees it is incidental, so two signatures that differ only there name one bug.
+STATE_CHECKS = frozenset({"reserved", "ownership", "free-list", "free-count", "leak",
+                          "live-requests", "lengths", "ssm-predicate", "backup-mode", "carries-mamba",
+                          "backed-up-twice"})
+
+
+# failure class : check : space @ operation, e.g. StateLost:contents:mamba@resume, Crash:KeyError@decode
+SIGNATURE = re.compile(r"^[A-Za-z]+(:[a-z-]+:[A-Za-z0-9_.*-]+(@[A-Za-z_-]+)?|@[A-Za-z_-]+)$")
+
+
+def bug_key(signature: str) -> str:
+    """What two signatures of one bug share: the whole signature, less the operation for a
+    persistent-state check (see STATE_CHECKS), where one written by hand may carry it."""
+    parts = signature.split(":")
+    if len(parts) == 3 and parts[1] in STATE_CHECKS:
+        return signature.rsplit("@", 1)[0]
+    return signature
+
+
+def signature_of(exc: BaseException, *, in_teardown: bool = False, op: str | None = None) -> str:
+    """A short stable name of the bug, not of the example: the failure class, the check that fired,
+    the space it fired on and the operation (``teardown`` for the final sweep and drain); no request
+    ids, slots or seeds. A crash in the pools is ``Crash:<exception class>@op``."""
+    if isinstance(exc, PoolfuzzFailure):
+        return signature_from(exc.label, exc.divergence.to_json(), in_teardown=in_teardown)
+    return signature_from(type(exc).__name__, {"kind": "exception", "op": op or "-"}, in_teardown=in_teardown)
+
+
+def signature_from(error_type: str, divergence: dict, *, in_teardown: bool = False) -> str:
+    """The signature of a recorded failure (an artifact's error type and divergence): the same
+    string :func:`signature_of` gives the live failure. Artifacts recorded before signatures
+    existed have no check name; their divergence kind stands in for it."""
+    op = "teardown" if in_teardown else (divergence.get("action") or divergence.get("op") or "-")
+    if divergence.get("kind") == "exception":
+        return f"Crash:{error_type}@{op}"
+    component = divergence.get("component")
+    space = divergence.get("space") or (component.rsplit(".", 1)[0] if component else "-")
+    check = divergence.get("check") or divergence.get("kind") or "-"
+    if check in STATE_CHECKS:  # the operation that first sees a broken state is incidental
+        return f"{error_type}:{check}:{space}"
+    return f"{error_type}:{check}:{space}@{op}"
 
 
 def message_of(exc: BaseException) -> str:
@@ -92,4 +166,4 @@ def divergence_of(exc: BaseException, engine=None) -> dict:
     if isinstance(exc, PoolfuzzFailure):
         return exc.divergence.to_json()
     return {"kind": "exception", "step": getattr(engine, "step", 0), "op": getattr(engine, "op", ""),
-            "detail": message_of(exc)}
+            "detail": message_of(exc), "check": "crash", "space": None}

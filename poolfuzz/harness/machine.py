@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from typing import ClassVar, Protocol
 
 from hypothesis import event as _hypothesis_event
+from hypothesis import reject
 from hypothesis import target as _hypothesis_target
 from hypothesis.errors import InvalidArgument
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from poolfuzz.errors import ConfigError
 from poolfuzz.harness.engine import Engine
+from poolfuzz.harness.failures import PoolfuzzFailure
 from poolfuzz.harness.hypothesis_compat import set_database_identity
 from poolfuzz.harness.records import NODES, EngineOptions, Phase, StepRecord
 from poolfuzz.pools.config import CONFIGS, ModelConfig, get_config
@@ -45,9 +48,15 @@ class MachineObserver(Protocol):
     def step_ran(self, engine: Engine) -> None:
         """A step (or the warm start) ran; its checks run next."""
 
-    def example_failed(self, engine: Engine, exc: BaseException, steps: tuple[StepRecord, ...],
-                       in_teardown: bool) -> None:
-        """The example failed: ``steps`` is its program up to and including the failing operation."""
+    def example_failed(self, engine: Engine | None, exc: BaseException, steps: tuple[StepRecord, ...],
+                       in_teardown: bool) -> bool:
+        """The example failed: ``steps`` is its program up to and including the failing operation
+        (``engine`` is None when building the families failed). True: a known bug, not to be
+        reported; the machine then rejects the example, so Hypothesis neither reports nor shrinks it
+        and steers its search away from it."""
+
+    def example_ended(self, engine: Engine) -> None:
+        """The example is over, failed or not (its engine's counters are final)."""
 
 
 def _has(phase: Phase, node: str | None = None):
@@ -79,8 +88,13 @@ class PoolMachine(RuleBasedStateMachine):
         if cls.observer is not None:
             cls.observer.example_started()
         kwargs = {} if cls.family_factory is None else {"family_factory": cls.family_factory}
-        self.engine = Engine(config=cls.config, device=cls.device, faults=cls.faults,
-                             backup_mode=cls.backup_mode, options=cls.options, **kwargs)
+        try:
+            self.engine = Engine(config=cls.config, device=cls.device, faults=cls.faults,
+                                 backup_mode=cls.backup_mode, options=cls.options, **kwargs)
+        except PoolfuzzFailure as exc:  # an audit of the freshly built families
+            if cls.observer is not None and cls.observer.example_failed(None, exc, (), False):
+                reject()
+            raise
         self.peak_pressure = 0.0  # the fullest any device pool got in this example
 
     def _pick(self, phase: Phase, pick: int, node: str | None = None):
@@ -202,23 +216,36 @@ class PoolMachine(RuleBasedStateMachine):
         if engine is None:  # the engine could not be built: nothing ran, nothing to check
             return
         start = len(engine.log)
+        known = False
         try:
             if not engine.broken:  # a step failed: its report stands, nothing more to check
                 engine.sweep()
                 engine.drain()
         except Exception as exc:
-            self._report(engine, exc, engine.log[:start], in_teardown=True)
-            raise
+            if self._report(engine, exc, engine.log[:start], in_teardown=True):
+                known = True
+            else:
+                raise
+        finally:
+            if type(self).observer is not None:
+                type(self).observer.example_ended(engine)
         if engine.broken and isinstance(step_failure, Exception):
             steps = list(engine.log)
             pending = engine.pending_step(step_failure)
             if pending is not None:  # the failing operation never recorded itself
                 steps.append(pending)
-            self._report(engine, step_failure, steps, in_teardown=False)
+            known = self._report(engine, step_failure, steps, in_teardown=False)
+        if known and (step_failure is None or isinstance(step_failure, Exception)):
+            # Raised while the failure is in flight, this replaces it: Hypothesis sees an invalid
+            # example, not a failure, and steers away from it. (A StopTest or an interrupt in flight
+            # ends the example anyway: Hypothesis has concluded its data, and it must go on up.)
+            reject()
 
-    def _report(self, engine: Engine, exc: BaseException, steps, *, in_teardown: bool) -> None:
-        if type(self).observer is not None:
-            type(self).observer.example_failed(engine, exc, tuple(steps), in_teardown)
+    def _report(self, engine: Engine, exc: BaseException, steps, *, in_teardown: bool) -> bool:
+        """Tell the observer; True if it knows the bug already."""
+        if type(self).observer is None:
+            return False
+        return bool(type(self).observer.example_failed(engine, exc, tuple(steps), in_teardown))
 
 
 def machine_identity(config: ModelConfig, faults=(), backup_mode: str | None = None, family_factory=None,
@@ -237,9 +264,13 @@ def machine_identity(config: ModelConfig, faults=(), backup_mode: str | None = N
             mode = "default"
     parts = [f"config={config.name}", f"faults={','.join(sorted(faults))}", f"backup={mode}"]
     if family_factory is not None and family_factory is not build_family:
-        parts.append(f"family={getattr(family_factory, '__module__', '')}.{getattr(family_factory, '__qualname__', '')}")
-    if options is not None and options != EngineOptions():
-        parts.append(f"options={options!r}")
+        module, name = getattr(family_factory, "__module__", ""), getattr(family_factory, "__qualname__", "")
+        parts.append(f"family={module}.{name}")
+    # What the machine does, not which failures a run passes over: examples found while passing
+    # over known bugs are filed where a plain run of the machine looks for them.
+    behaviour = None if options is None else dataclasses.replace(options, waive=(), known=())
+    if behaviour is not None and behaviour != EngineOptions():
+        parts.append(f"options={behaviour!r}")
     return ("poolfuzz-machine/1 " + " ".join(parts)).encode()
 
 

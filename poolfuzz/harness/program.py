@@ -130,7 +130,7 @@ def replay(engine: Engine, steps: list[StepRecord]) -> Iterator[Event]:
         yield Event(i, step, outcome, engine.occupancy())
     start = len(engine.log)
     try:
-        engine.sweep()
+        engine.sweep()  # marks the engine as tearing down: a failure here is signed "teardown"
         engine.drain()
     except Exception as exc:
         yield Event(len(steps) + 1, None, _teardown_outcome(engine, start), engine.occupancy(), failure=exc)

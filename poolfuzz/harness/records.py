@@ -46,12 +46,20 @@ class EngineOptions:
     as SGLang's decode loop does every iteration (so resumes also happen under pool pressure).
     ``retract_on_decode_oom``: a decode that finds no KV slot retracts SGLang's victim and tries
     again, as ``retract_decode`` does, so retractions (and the resumes after them) happen exactly
-    when the pools are short."""
+    when the pools are short.
+    ``waive``: checks (names from ``failures.CHECKS``) that count their violations instead of
+    failing, so a known bug that fires early in every example does not hide the rest.
+    ``known``: signatures of bugs found before. A violation of a waivable check with a known
+    signature is passed over (counted), and so is every later violation of the same check on the
+    same space in that example (the condition persists); a known failure of any other check ends
+    the example, which the machine then rejects."""
 
     sweep_interval: int = 8
     poison: bool = True
     resume_after_decode: bool = True
     retract_on_decode_oom: bool = True
+    waive: tuple[str, ...] = ()
+    known: tuple[str, ...] = ()
 
     # What a program recorded before an option existed ran with: replaying an old artifact must
     # play its steps as they were recorded, not under behaviour added since.

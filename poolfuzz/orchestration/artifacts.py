@@ -49,8 +49,10 @@ class Artifact:
     reproduce_blob: str | None = None
     database: str | None = None
     database_key: str | None = None
-    examples: int | None = None
-    seconds: float | None = None
+    examples: int | None = None  # examples the run took to first see this failure (cost to find)
+    seconds: float | None = None  # seconds the run took to first see it
+    signature: str | None = None  # failures.signature_from: names the bug, not the example
+    shrink_examples: int | None = None  # examples Hypothesis ran shrinking it
     created: str = ""
     hypothesis_version: str = ""
     torch_version: str = ""
@@ -62,7 +64,8 @@ class Artifact:
         out = asdict(self)
         out["program"] = [step_to_json(s) for s in self.program]
         # the identifying fields first, for a reader of the raw file
-        head = ("schema", "version", "status", "config", "family", "device", "faults", "backup_mode", "seed", "failure",
+        head = ("schema", "version", "status", "signature", "config", "family", "device", "faults", "backup_mode", "seed",
+                "failure",
                 "error_type", "divergence", "in_teardown", "program")
         return {k: out[k] for k in head} | {k: v for k, v in out.items() if k not in head}
 
@@ -237,6 +240,11 @@ def load(path: str | os.PathLike) -> Artifact:
     fields["engine_options"] = options
     fields.setdefault("seed", None)
     fields.setdefault("error_type", raw["failure"].split(":", 1)[0])
+    if not fields.get("signature"):  # recorded before signatures existed: the same string, from the record
+        from poolfuzz.harness.failures import signature_from
+
+        fields["signature"] = signature_from(fields["error_type"], raw["divergence"],
+                                             in_teardown=bool(raw.get("in_teardown")))
     return Artifact(program=program, **fields)
 
 
@@ -288,11 +296,13 @@ def family_factory(family: str | None):
     return resolve_family(family).factory
 
 
-def current_engine_options() -> dict:
-    """The engine options this poolfuzz's machine runs with, as an artifact records them."""
+def current_engine_options(options=None) -> dict:
+    """The engine options a run used (default: this poolfuzz's machine's), as an artifact records them."""
     from poolfuzz.harness.records import EngineOptions
 
-    return asdict(EngineOptions())
+    out = asdict(options or EngineOptions())
+    out["waive"], out["known"] = list(out["waive"]), list(out["known"])
+    return out
 
 
 def engine_options(artifact: Artifact, name: str) -> dict:
@@ -307,6 +317,9 @@ def engine_options(artifact: Artifact, name: str) -> dict:
     if problem is not None:
         raise ArtifactError(f"artifact {name}: {problem}; replay it with the poolfuzz that recorded it")
     options = dict(artifact.engine_options)
+    for key in ("waive", "known"):  # JSON has lists; the options are frozen
+        if key in options:
+            options[key] = tuple(options[key])
     if options:  # every option the recording poolfuzz had is listed; a later one was off then
         for key, then in EngineOptions.RECORDED_BEFORE.items():
             options.setdefault(key, then)

@@ -144,3 +144,30 @@ def _redis_client(spec: str, *, ping: bool):
             raise UsageError(f"cannot reach Redis at {spec} ({reason}); start redis-server there, check the "
                              "host and port, or use a local directory with --db PATH") from None
     return client
+
+
+class KeepingDatabase(ExampleDatabase):
+    """A view of a database that never deletes: what a run passing over known bugs writes through.
+
+    Such a run rejects the examples of a known bug, so Hypothesis, replaying a saved failure that
+    now "passes", would delete it: a later run (or a plain pytest) could no longer replay the bug
+    first. Saves go through; deletes and moves' deletes are dropped."""
+
+    def __init__(self, backend: ExampleDatabase):
+        super().__init__()
+        self.backend = backend
+
+    def __repr__(self) -> str:
+        return f"KeepingDatabase({self.backend!r})"
+
+    def fetch(self, key: bytes):
+        return self.backend.fetch(key)
+
+    def save(self, key: bytes, value: bytes) -> None:
+        self.backend.save(key, value)
+
+    def delete(self, key: bytes, value: bytes) -> None:
+        pass
+
+    def move(self, src: bytes, dest: bytes, value: bytes) -> None:
+        self.backend.save(dest, value)

@@ -8,19 +8,34 @@ still hands back (and lets the caller write) its best shrink.
 
 from __future__ import annotations
 
+import dataclasses
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 from hypothesis import HealthCheck, Phase, settings
 from hypothesis import seed as hypothesis_seed
+from hypothesis.errors import Unsatisfiable, UnsatisfiedAssumption
 
 from poolfuzz.errors import ConfigError
-from poolfuzz.harness.failures import PoolfuzzFailure, divergence_of, message_of
-from poolfuzz.harness.hypothesis_compat import (current_reproduction, database_key, forget_machine_class,
-                                                in_final_replay,
-                                                reproduction_in, runnable_program, silenced, state_machine_test)
+from poolfuzz.harness.failures import (
+    PoolfuzzFailure, bug_key,
+    divergence_of,
+    message_of,
+    signature_of,
+)
+from poolfuzz.harness.hypothesis_compat import (
+    current_reproduction,
+    database_key,
+    forget_machine_class,
+    in_final_replay,
+    reproduction_in,
+    runnable_program,
+    silenced,
+    state_machine_test,
+)
 from poolfuzz.harness.machine import machine_for
+from poolfuzz.harness.records import EngineOptions
 from poolfuzz.pools.config import ModelConfig
 from poolfuzz.pools.family import build_family, resolved_backup_mode
 
@@ -48,6 +63,9 @@ class RunResult:
     database_key: str | None = None  # hex key of the machine in the example database
     in_teardown: bool = False  # the failure came from the final sweep / drain, after engine_steps
     shrink_examples: int = 0  # examples Hypothesis ran after the first failure, shrinking it
+    signature: str | None = None  # the shrunk failure's signature (failures.signature_of)
+    skipped: dict = field(default_factory=dict)  # signature -> failing examples of known bugs, rejected
+    waived: dict = field(default_factory=dict)  # check -> violations of waived checks, counted
 
     @property
     def passed(self) -> bool:
@@ -64,6 +82,7 @@ class FailureCandidate:
     divergence: dict
     in_teardown: bool  # the failure came from the final sweep / drain
     backup_mode: str  # the retraction path of the family that failed (plug-ins may refuse others)
+    signature: str  # failures.signature_of: names the bug, not the example
     reproduce: str | None = None  # @reproduce_failure(...) for this example
 
     @property
@@ -88,6 +107,9 @@ class _Tracker:
     on_progress: Callable | None
     on_failure: Callable | None
     max_examples: int | None = None  # no new example is generated past this many
+    known: frozenset = frozenset()  # signatures of bugs found before: rejected, counted, not reported
+    skipped: dict = field(default_factory=dict)  # signature -> failing examples of known bugs
+    waived: dict = field(default_factory=dict)  # check -> violations of waived checks
     examples: int = 0  # examples run (Hypothesis's replays of failures included)
     steps: int = 0
     first_examples: int | None = None
@@ -116,11 +138,25 @@ class _Tracker:
         if self.backup_mode is None:
             self.backup_mode = engine.backup_mode
 
-    def example_failed(self, engine, exc, steps, in_teardown) -> None:
+    def example_failed(self, engine, exc, steps, in_teardown) -> bool:
+        signature = signature_of(exc, in_teardown=in_teardown, op=engine.op if engine is not None else "init")
+        downstream = engine is not None and isinstance(exc, PoolfuzzFailure) and engine.tainted(exc.divergence)
+        if bug_key(signature) in self.known or downstream or (engine is not None and engine.taint
+                                                               and not isinstance(exc, PoolfuzzFailure)):
+            self.skipped[signature] = self.skipped.get(signature, 0) + 1
+            return True
         self.saw_failure(FailureCandidate(
             steps=steps, error_type=type(exc).__name__, message=message_of(exc),
-            divergence=divergence_of(exc, engine), in_teardown=in_teardown, backup_mode=engine.backup_mode,
+            divergence=divergence_of(exc, engine), in_teardown=in_teardown,
+            backup_mode=engine.backup_mode if engine is not None else "unknown", signature=signature,
             reproduce=current_reproduction()))
+        return False
+
+    def example_ended(self, engine) -> None:
+        for check, n in engine.waived.items():
+            self.waived[check] = self.waived.get(check, 0) + n
+        for signature, n in engine.passed_over.items():
+            self.skipped[signature] = self.skipped.get(signature, 0) + n
 
     # --- the run's view -----------------------------------------------------------------------
     def snapshot(self) -> dict:
@@ -158,7 +194,8 @@ def run_machine(config: ModelConfig, *, device="cpu", faults=(), backup_mode=Non
                 time_budget: float | None = None, round_examples: int = 500,
                 shrink_limit: float | None = None, on_progress: Callable[[dict], None] | None = None,
                 on_failure: Callable[[FailureCandidate], None] | None = None,
-                family_factory=None) -> RunResult:
+                family_factory=None, known: frozenset = frozenset(), options: EngineOptions = EngineOptions(),
+                ) -> RunResult:
     """Fuzz one configuration; shrink and report the first failure, if any.
 
     With ``time_budget`` (seconds) it runs rounds of ``round_examples`` examples, each with the
@@ -166,13 +203,18 @@ def run_machine(config: ModelConfig, *, device="cpu", faults=(), backup_mode=Non
     example. ``shrink_limit`` (seconds after the first failure) cuts shrinking short and reports the
     best shrink so far. ``seed`` None with no database is derandomized. Ctrl-C returns the result
     so far with ``interrupted`` set. ``on_progress(snapshot)`` is called before every example and
-    ``on_failure(candidate)`` whenever a smaller failing example is seen.
+    ``on_failure(candidate)`` whenever a smaller failing example is seen. A failure whose
+    signature is in ``known`` is counted (``RunResult.skipped``), never reported or shrunk: the
+    example is rejected and the search goes on. ``options.waive`` names checks that count their
+    violations instead of failing.
     """
     started = time.perf_counter()
+    options = dataclasses.replace(options, known=tuple(dict.fromkeys((*options.known, *known))))
     tracker = _Tracker(started=started, deadline=None if time_budget is None else started + time_budget,
                        shrink_limit=shrink_limit, on_progress=on_progress, on_failure=on_failure,
-                       max_examples=None if time_budget is not None else max_examples)
-    machine = machine_for(config, device=device, faults=faults, backup_mode=backup_mode,
+                       max_examples=None if time_budget is not None else max_examples,
+                       known=frozenset(bug_key(s) for s in options.known))
+    machine = machine_for(config, device=device, faults=faults, backup_mode=backup_mode, options=options,
                           family_factory=family_factory, observer=tracker)
     key = database_key(machine)
     chosen = settings(
@@ -208,6 +250,8 @@ def run_machine(config: ModelConfig, *, device="cpu", faults=(), backup_mode=Non
     finally:
         forget_machine_class(machine)  # Hypothesis would keep it (and the tracker) for good
 
+    if isinstance(error, (UnsatisfiedAssumption, Unsatisfiable)):  # every example hit a known bug: nothing new
+        error = None
     final = tracker.last if error is not None else tracker.best
     failure = program = blob = divergence = error_type = None
     engine_steps: tuple = ()
@@ -236,7 +280,19 @@ def run_machine(config: ModelConfig, *, device="cpu", faults=(), backup_mode=Non
                      first_failure_seconds=tracker.first_seconds, engine_steps=engine_steps,
                      device=str(device), seed=seed, error_type=error_type, reproduce_blob=blob,
                      shrunk=error is not None, interrupted=interrupted, database_key=key.hex(),
-                     in_teardown=final is not None and final.in_teardown)
+                     in_teardown=final is not None and final.in_teardown,
+                     signature=_signature(error, final),
+                     skipped=dict(tracker.skipped), waived=dict(tracker.waived))
+
+
+def _signature(error: BaseException | None, final: FailureCandidate | None) -> str | None:
+    """The reported failure's signature: Hypothesis's shrunk error where it is a poolfuzz failure,
+    else (a crash, or a run cut short while shrinking) the best failing example's."""
+    if isinstance(error, PoolfuzzFailure):
+        return signature_of(error, in_teardown=final is not None and final.in_teardown)
+    if final is not None:
+        return final.signature
+    return None if error is None else signature_of(error)
 
 
 def _expected_backup_mode(config, faults, backup_mode, family_factory) -> str:

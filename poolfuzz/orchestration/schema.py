@@ -63,12 +63,13 @@ FIELD_TYPES: dict[str, tuple] = {
     "seconds": (int, float, type(None)), "hypothesis_program": (str, type(None)),
     "reproduce_blob": (str, type(None)), "database": (str, type(None)), "database_key": (str, type(None)),
     "faults": (list,), "divergence": (dict,), "program": (list,), "engine_options": (dict, type(None)),
+    "signature": (str, type(None)), "shrink_examples": (int, type(None)),
 }
 DIVERGENCE_TYPES: dict[str, tuple] = {
     "kind": _STR, "step": _INT, "op": _STR, "node": _STR, "rid": (int, type(None)),
     "component": (str, type(None)), "layer": (int, type(None)), "position": (int, type(None)),
     "slot_before": (int, type(None)), "slot_after": (int, type(None)), "expected": (str, type(None)),
-    "found": (str, type(None)), "detail": _STR,
+    "found": (str, type(None)), "detail": _STR, "check": _STR, "action": _STR, "space": (str, type(None)),
 }
 
 
@@ -124,6 +125,14 @@ def option_problem(options: dict, defaults: dict) -> str | None:
     """Each engine option must have the type of its default (an int option is not a bool)."""
     for key, value in options.items():
         want = type(defaults[key]) if key in defaults else None
+        if want in (tuple, list):  # a list of check names (waive) or of failure signatures (known)
+            from poolfuzz.harness.failures import WAIVABLE
+            from poolfuzz.harness.failures import SIGNATURE
+
+            fits = (lambda v: v in WAIVABLE) if key == "waive" else (lambda v: bool(SIGNATURE.match(v)))
+            if not isinstance(value, list) or not all(isinstance(v, str) and fits(v) for v in value):
+                return f"engine option {key!r} must be a list of {'waivable check names' if key == 'waive' else 'failure signatures'}, got {value!r:.60}"
+            continue
         if want is not None and type(value) is not want:
             return f"engine option {key!r} must be {want.__name__}, got {type(value).__name__}"
         if want is int and not 1 <= value < INT_LIMIT:

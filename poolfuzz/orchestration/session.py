@@ -10,16 +10,17 @@ machine with several GPUs.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import queue as queue_mod
-import shutil
 import signal
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, TextIO
 
+from poolfuzz.orchestration.display import Display, LaneState, SessionResult, summary
 from poolfuzz.orchestration.stopping import Interrupts, stop_signals_blocked
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
@@ -41,6 +42,8 @@ class Plan:
     workers: int = 1
     shrink_seconds: float | None = 60.0
     family: str | None = None  # --family: a plug-in name or module:factory (None: builtin)
+    known: tuple[str, ...] = ()  # signatures of known bugs (--known): counted, never reported
+    waive: tuple[str, ...] = ()  # checks that count their violations instead of failing (--waive)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -97,8 +100,7 @@ def run_lanes(plan: Plan, lanes: list[Lane], emit: Callable[[dict], None], *, de
     """Run lanes one after the other; returns False when interrupted."""
 
     from poolfuzz.orchestration.database import open_database
-    from poolfuzz.orchestration.runner import prepare_process, run_machine
-    from poolfuzz.pools.config import get_config
+    from poolfuzz.orchestration.runner import prepare_process
 
     prepare_process()
     device = worker_device(plan.device, lanes[0].worker, plan.workers)
@@ -108,45 +110,93 @@ def run_lanes(plan: Plan, lanes: list[Lane], emit: Callable[[dict], None], *, de
         if deadline is not None:
             budget = max(0.0, (deadline - time.time()) / (len(lanes) - j))
         emit({"type": "start", "lane": lane.index, "config": lane.config, "device": device})
-        writer = _ArtifactWriter(plan, lane, device)
-        last = [0.0]
+        if not _run_campaign(plan, lane, device, database, budget, emit):
+            return False
+    return True
+
+
+def _run_campaign(plan: Plan, lane: Lane, device: str, database, budget: float | None, emit) -> bool:
+    """Fuzz one lane's config until its budget is spent, past every failure: each failure with a new
+    signature is shrunk once into its own artifact; known ones (--known, or found earlier here) are
+    counted, not reported. Returns False when interrupted."""
+    from poolfuzz.harness.records import EngineOptions
+    from poolfuzz.orchestration.database import KeepingDatabase
+    from poolfuzz.orchestration.runner import run_machine
+    from poolfuzz.pools.config import get_config
+
+    started = time.perf_counter()
+    found: set[str] = set()
+    totals = {"examples": 0, "steps": 0, "known": {}, "waived": {}}
+    options = EngineOptions(waive=tuple(plan.waive))
+    remaining = lane.examples
+    last = [0.0]
+    interrupted = False
+    for round_no in range(1_000_000):
+        left = None if budget is None else budget - (time.perf_counter() - started)
+        if (left is not None and left <= 0) or (remaining is not None and remaining <= 0):
+            break
+        round_options = dataclasses.replace(options, known=tuple(dict.fromkeys((*plan.known, *found))))
+        writer = _ArtifactWriter(plan, lane, device, round_options)
 
         def progress(snap, lane=lane, last=last):
             now = time.monotonic()
             if now - last[0] >= 0.5:
                 last[0] = now
-                emit({"type": "progress", "lane": lane.index, **snap})
+                emit({"type": "progress", "lane": lane.index, **snap,
+                      "examples": totals["examples"] + snap["examples"], "steps": totals["steps"] + snap["steps"]})
 
         def failure(candidate, lane=lane, writer=writer):
             path = writer.interim(candidate)  # never raises: this runs inside Hypothesis's test
             emit({"type": "failure", "lane": lane.index, "message": candidate.message,
-                  "size": len(candidate.steps), "artifact": None if path is None else str(path),
-                  "artifact_error": writer.error})
+                  "signature": candidate.signature, "size": len(candidate.steps),
+                  "artifact": None if path is None else str(path), "artifact_error": writer.error})
 
+        # Each round its own seed: a round that found a bug starts the next one elsewhere.
+        round_started = time.perf_counter()
         result = run_machine(get_config(lane.config), device=device, faults=plan.faults,
-                             max_examples=lane.examples if lane.examples is not None else 1_000_000,
-                             steps_per_example=plan.steps, seed=lane.seed, database=database,
-                             time_budget=budget if lane.examples is None else None,
+                             max_examples=remaining if remaining is not None else 1_000_000,
+                             steps_per_example=plan.steps, seed=(lane.seed + round_no * 7919) % 2**32,
+                             database=database if not (plan.known or found) or database is None
+                             else KeepingDatabase(database),
+                             time_budget=left if remaining is None else None,
                              shrink_limit=plan.shrink_seconds, on_progress=progress, on_failure=failure,
-                             family_factory=_family_factory(plan))
-        path = writer.final(result, plan.db) if not result.passed else None
-        unwritten = None if result.passed or path is not None else writer.text
-        emit({"type": "done", "lane": lane.index, "config": lane.config, "passed": result.passed,
-              "failure": result.failure, "examples": result.examples, "steps": result.steps,
-              "seconds": result.seconds, "artifact": None if path is None else str(path),
-              "artifact_error": None if unwritten is None else writer.error, "artifact_text": unwritten,
-              "interrupted": result.interrupted, "shrunk": result.shrunk,
-              "program_steps": len(result.engine_steps)})
+                             family_factory=_family_factory(plan), options=round_options)
+        totals["examples"] += result.examples
+        totals["steps"] += result.steps
+        for key in ("known", "waived"):
+            source = result.skipped if key == "known" else result.waived
+            for name, n in source.items():
+                totals[key][name] = totals[key].get(name, 0) + n
+        if remaining is not None:
+            remaining -= result.examples
+        if not result.passed:
+            found.add(result.signature)
+            seconds_to_find = round_started - started + (result.first_failure_seconds or 0.0)
+            path = writer.final(result, plan.db, examples_to_find=totals["examples"],
+                                seconds_to_find=round(seconds_to_find, 3))
+            unwritten = None if path is not None else writer.text
+            emit({"type": "finding", "lane": lane.index, "signature": result.signature, "failure": result.failure,
+                  "artifact": None if path is None else str(path),
+                  "artifact_error": None if unwritten is None else writer.error, "artifact_text": unwritten,
+                  "interrupted": result.interrupted, "shrunk": result.shrunk,
+                  "program_steps": len(result.engine_steps), "examples_to_find": totals["examples"],
+                  "seconds_to_find": round(seconds_to_find, 2)})
         if result.interrupted:
-            return False
-    return True
+            interrupted = True
+            break
+        if result.examples == 0:  # nothing ran (the budget went on setting up): stop, do not spin
+            break
+    emit({"type": "done", "lane": lane.index, "config": lane.config, "examples": totals["examples"],
+          "steps": totals["steps"], "seconds": time.perf_counter() - started, "interrupted": interrupted,
+          "known": totals["known"], "waived": totals["waived"]})
+    return not interrupted
 
 
 class _ArtifactWriter:
     """One lane's artifact: written at the first failure, rewritten as the shrink improves."""
 
-    def __init__(self, plan: Plan, lane: Lane, device: str):
-        self.plan, self.lane, self.device = plan, lane, device
+    def __init__(self, plan: Plan, lane: Lane, device: str, options=None):
+        self.plan, self.lane, self.device, self.options = plan, lane, device, options
         self.path: Path | None = None
         self.error: str | None = None  # why the last write failed (None: it did not)
         self.text: str | None = None  # the last artifact as JSON, written or not
@@ -164,7 +214,7 @@ class _ArtifactWriter:
 
         art = artifacts.stamp(config=self.lane.config, family=self.plan.family or "builtin", device=self.device,
                               faults=list(self.plan.faults), seed=self.lane.seed,
-                              engine_options=artifacts.current_engine_options(), **varying)
+                              engine_options=artifacts.current_engine_options(self.options), **varying)
         self.text = artifacts.dumps(art)
         try:
             if self.path is None:  # the first write picks a free name atomically
@@ -181,15 +231,16 @@ class _ArtifactWriter:
         return self._write(backup_mode=candidate.backup_mode, failure=candidate.message,
                            error_type=candidate.error_type, divergence=candidate.divergence,
                            program=list(candidate.steps), status="shrinking", in_teardown=candidate.in_teardown,
-                           database=self.plan.db)
+                           database=self.plan.db, signature=candidate.signature)
 
-    def final(self, result, db):
+    def final(self, result, db, *, examples_to_find: int, seconds_to_find: float):
         status = "shrunk" if result.shrunk else ("interrupted" if result.interrupted else "shrink-limit")
         return self._write(backup_mode=result.backup_mode, failure=result.failure, error_type=result.error_type,
                            divergence=result.divergence, program=list(result.engine_steps), status=status,
                            in_teardown=result.in_teardown, hypothesis_program=result.program,
                            reproduce_blob=result.reproduce_blob, database=db, database_key=result.database_key,
-                           examples=result.examples, seconds=round(result.seconds, 3))
+                           examples=examples_to_find, seconds=seconds_to_find, signature=result.signature,
+                           shrink_examples=result.shrink_examples)
 
 
 def _worker_main(plan: Plan, lanes: list[Lane], events, deadline: float | None, parent_pid: int | None = None) -> None:
@@ -220,164 +271,6 @@ def _worker_main(plan: Plan, lanes: list[Lane], events, deadline: float | None, 
 # ======================================================================================
 # The session: display, workers, summary.
 # ======================================================================================
-@dataclass
-class LaneState:
-    lane: Lane
-    label: str = ""  # the config, or config#k when several lanes fuzz it
-    status: str = "waiting"  # waiting | running | shrinking | PASS | FAIL | stopped | ERROR
-    examples: int = 0
-    steps: int = 0
-    seconds: float = 0.0
-    failure: str | None = None
-    first_failure: str | None = None
-    artifact: str | None = None
-    program_steps: int | None = None
-    device: str = ""
-    unwritten: str | None = None  # the artifact JSON when it could not be written (printed instead)
-
-
-@dataclass
-class SessionResult:
-    exit_code: int
-    lanes: list[LaneState] = field(default_factory=list)
-    interrupted: bool = False
-    errors: list[str] = field(default_factory=list)
-
-    @property
-    def artifacts(self) -> list[str]:
-        return [s.artifact for s in self.lanes if s.artifact]
-
-
-class Display:
-    """Live block on a terminal; plain timestamped lines otherwise (CI logs)."""
-
-    HEARTBEAT = 30.0
-
-    def __init__(self, plan: Plan, lanes: list[LaneState], stream: TextIO, tty: bool):
-        self.plan, self.lanes, self.stream, self.tty = plan, lanes, stream, tty
-        self.started = time.monotonic()
-        self.deadline = None if plan.seconds is None else self.started + plan.seconds
-        self.drawn = 0
-        self.last_draw = 0.0
-        self.last_beat = self.started
-        self.by_index = {s.lane.index: s for s in lanes}
-
-    # --- events ---------------------------------------------------------------------------
-    def handle(self, ev: dict) -> None:
-        kind = ev["type"]
-        if kind in ("error", "exit"):
-            if kind == "error":
-                self.line(f"worker {ev['worker']} failed: {ev['message']}")
-            return
-        st = self.by_index[ev["lane"]]
-        if kind == "start":
-            st.status, st.device = "running", ev.get("device", "")
-            self.line(f"{st.label}: started on {st.device}", quiet_on_tty=True)
-        elif kind == "progress":
-            st.examples, st.steps, st.seconds = ev["examples"], ev["steps"], ev["seconds"]
-            if ev["status"] == "shrinking":
-                st.status = "shrinking"
-        elif kind == "failure":
-            first = st.first_failure is None
-            if first:
-                st.first_failure = ev["message"]
-            st.status, st.failure, st.artifact, st.program_steps = "shrinking", ev["message"], ev["artifact"], ev["size"]
-            if first:
-                self.line(f"{st.label}: FAIL {ev['message']}")
-                where = ev["artifact"] or f"memory only: cannot write under {self.plan.out}/ ({ev.get('artifact_error')})"
-                self.line(f"{st.label}: shrinking; best so far ({ev['size']} steps) in {where}")
-        elif kind == "done":
-            st.examples, st.steps, st.seconds = ev["examples"], ev["steps"], ev["seconds"]
-            st.failure, st.artifact, st.program_steps = ev["failure"], ev["artifact"], ev["program_steps"]
-            if ev["passed"]:
-                st.status = "stopped" if ev["interrupted"] else "PASS"
-                self.line(f"{st.label}: {st.status}  {_n(st.examples)} examples, {_n(st.steps)} steps, "
-                          f"{_rate(st)} steps/s")
-            else:
-                st.status = "FAIL"
-                how = "shrunk" if ev["shrunk"] else ("interrupted while shrinking" if ev["interrupted"]
-                                                      else "shrink cut at --shrink-seconds")
-                if st.failure != st.first_failure:
-                    self.line(f"{st.label}: FAIL {st.failure}")
-                if st.artifact is not None:
-                    self.line(f"{st.label}: {how} to {st.program_steps} steps -> {st.artifact}")
-                else:  # the failure must not be lost with the file: print the artifact itself
-                    st.unwritten = ev.get("artifact_text")
-                    self.line(f"{st.label}: {how} to {st.program_steps} steps; could not write the artifact under "
-                              f"{self.plan.out}/ ({ev.get('artifact_error')}); it follows, save it as a .json "
-                              "file to replay it")
-                    self.raw(f"--- artifact ---\n{st.unwritten}--- end of artifact ---\n")
-        self.refresh()
-
-    def raw(self, text: str) -> None:
-        """Text as it is (no timestamp), e.g. an artifact to copy from the terminal."""
-        self._clear()
-        self.stream.write(text)
-        self.stream.flush()
-
-    def line(self, text: str, quiet_on_tty: bool = False) -> None:
-        if self.tty:
-            if quiet_on_tty:
-                return
-            self._clear()
-            self.stream.write(text + "\n")
-        else:
-            self.stream.write(f"[{self._clock(time.monotonic() - self.started)}] {text}\n")
-        self.stream.flush()
-
-    # --- the live block / heartbeat -------------------------------------------------------
-    def refresh(self, force: bool = False) -> None:
-        now = time.monotonic()
-        if not self.tty:
-            if now - self.last_beat >= self.HEARTBEAT:
-                self.last_beat = now
-                self.stream.write(f"[{self._clock(now - self.started)}] {self._totals(now)}\n")
-                self.stream.flush()
-            return
-        if not force and now - self.last_draw < 0.2:
-            return
-        self.last_draw = now
-        width = max(40, shutil.get_terminal_size((100, 24)).columns - 1)
-        rows = [self._totals(now), f"  {'config':20} {'status':10} {'examples':>9} {'steps/s':>8} {'time':>7}"]
-        for st in self.lanes:
-            rows.append(f"  {st.label:20} {st.status:10} {_n(st.examples):>9} {_rate(st):>8} "
-                        f"{st.seconds:6.1f}s  {st.failure or ''}")
-        self._clear()
-        self.stream.write("".join(r[:width] + "\n" for r in rows))
-        self.stream.flush()
-        self.drawn = len(rows)
-
-    def _clear(self) -> None:
-        if self.tty and self.drawn:
-            self.stream.write(f"\x1b[{self.drawn}F\x1b[J")
-            self.drawn = 0
-
-    def _totals(self, now: float) -> str:
-        examples = sum(s.examples for s in self.lanes)
-        steps = sum(s.steps for s in self.lanes)
-        failures = sum(1 for s in self.lanes if s.failure)
-        rate = steps / max(now - self.started, 1e-9)
-        left = "" if self.deadline is None else f", {self._clock(max(0.0, self.deadline - now))} left"
-        return (f"{self._clock(now - self.started)} elapsed{left}: {_n(examples)} examples, {_n(int(rate))} steps/s, "
-                f"{failures} failure{'s' if failures != 1 else ''} so far")
-
-    @staticmethod
-    def _clock(seconds: float) -> str:
-        s = int(seconds)
-        return f"{s // 60}:{s % 60:02d}"
-
-    def finish(self) -> None:
-        self._clear()
-
-
-def _n(x: int) -> str:
-    return f"{x:,}"
-
-
-def _rate(st: LaneState) -> str:
-    return _n(int(st.steps / st.seconds)) if st.seconds > 0 else "-"
-
-
 def run_session(plan: Plan, *, stream: TextIO | None = None, tty: bool | None = None) -> SessionResult:
     """Run the plan; print progress and the summary to ``stream``; return the exit code and lanes."""
     stream = stream or sys.stdout
@@ -411,8 +304,8 @@ def run_session(plan: Plan, *, stream: TextIO | None = None, tty: bool | None = 
         except KeyboardInterrupt:
             result.interrupted = True
         display.finish()
-        _summary(plan, result, stream)
-    failed = any(s.failure for s in states) or result.errors
+        summary(plan, result, stream)
+    failed = bool(result.findings) or result.errors
     stopped = 128 + interrupts.signum if interrupts.signum else EXIT_INTERRUPTED  # 130 Ctrl-C, 143 SIGTERM
     result.exit_code = EXIT_FAILED if failed else (stopped if result.interrupted else EXIT_OK)
     return result
@@ -490,51 +383,6 @@ def _run_workers(plan: Plan, per_worker: list[list[Lane]], display: Display, dea
                 p.kill()
                 p.join()
         events.close()
-
-
-def _summary(plan: Plan, result: SessionResult, stream: TextIO) -> None:
-    from poolfuzz.orchestration.artifacts import slug
-
-    by_config: dict[str, list[LaneState]] = {}
-    for st in result.lanes:
-        by_config.setdefault(st.lane.config, []).append(st)
-    w = max(20, *(len(c) for c in by_config))
-    stream.write("\n" + f"{'config':{w}}  {'status':8} {'examples':>9} {'steps':>9} {'steps/s':>8} {'time':>7}  artifact\n")
-    for config, sts in by_config.items():
-        statuses = {s.status for s in sts}
-        status = ("FAIL" if "FAIL" in statuses or any(s.failure for s in sts) else
-                  "PASS" if statuses == {"PASS"} else
-                  "ERROR" if result.errors and statuses & {"running", "shrinking", "waiting"} else
-                  "stopped" if statuses & {"stopped", "running", "shrinking"} else "not run")
-        examples, steps = sum(s.examples for s in sts), sum(s.steps for s in sts)
-        seconds = max(s.seconds for s in sts)
-        rate = _n(int(steps / seconds)) if seconds > 0 else "-"
-        artifact = ", ".join(s.artifact for s in sts if s.artifact)
-        stream.write(f"{config:{w}}  {status:8} {_n(examples):>9} {_n(steps):>9} {rate:>8} {seconds:6.1f}s  {artifact}\n")
-    failures, seen = [], set()
-    for s in sorted((s for s in result.lanes if s.failure), key=lambda s: s.program_steps or 0):
-        if (s.lane.config, s.failure) not in seen:
-            seen.add((s.lane.config, s.failure))
-            failures.append(s)
-    for s in failures:
-        if s.artifact is None:
-            stream.write(f"\n{s.lane.config}: {s.failure}\n  the artifact could not be written under {plan.out}/; "
-                         "it is printed above between '--- artifact ---' lines: save it as FILE.json, then\n"
-                         "  replay:    poolfuzz replay FILE.json\n")
-            continue
-        stream.write(f"\n{s.lane.config}: {s.failure}\n  replay:    poolfuzz replay {s.artifact}\n"
-                     f"  as a test: poolfuzz emit-test {s.artifact} -o test_regression_{slug(s.lane.config)}.py\n")
-    for e in result.errors:
-        stream.write(f"\nerror: {e}\n")
-    passed = sum(1 for c, sts in by_config.items() if all(s.status == "PASS" for s in sts))
-    failed = sum(1 for c, sts in by_config.items() if any(s.failure for s in sts))
-    tail = ""
-    if result.interrupted:
-        tail = " (interrupted)"
-    elif passed + failed < len(by_config):
-        tail = f" ({len(by_config) - passed - failed} not finished)"
-    stream.write(f"\npoolfuzz: {passed} passed, {failed} failed{tail}\n")
-    stream.flush()
 
 
 def _family_factory(plan: Plan):

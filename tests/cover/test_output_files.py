@@ -82,7 +82,7 @@ def test_two_runs_never_share_an_artifact_name(tmp_path, monkeypatch):
     lane = Lane(index=0, worker=0, config="swa-ssm", seed=1, examples=1)
     candidate = FailureCandidate(steps=(StepRecord(op="admit", args={"prompt_len": 1}, outcome=""),),
                                  error_type="StateLost", message="StateLost: x", divergence={}, in_teardown=False,
-                                 backup_mode="cpu_tensor")
+                                 backup_mode="cpu_tensor", signature="StateLost:contents:mamba@resume")
     first, second = _ArtifactWriter(plan, lane, "cpu"), _ArtifactWriter(plan, lane, "cpu")
     monkeypatch.setattr(Path, "exists", lambda self: False)
     a, b = first.interim(candidate), second.interim(candidate)
