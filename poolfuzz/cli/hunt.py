@@ -20,6 +20,9 @@ def register(sub) -> None:
     p.add_argument("--device", default="cpu", help="cpu (default), cuda or cuda:N")
     p.add_argument("--json", metavar="FILE", help='write {"rows": [...]} to FILE')
     p.add_argument("--no-baseline", action="store_true", help="skip the no-fault (false alarm) runs")
+    p.add_argument("--family", metavar="NAME|module:factory",
+                   help="hunt on a plug-in family (its own code as shipped: the no-fault runs only, each "
+                        "failure named by its signature)")
     p.set_defaults(handler=main)
 
 
@@ -35,27 +38,43 @@ def main(args) -> int:
     device = resolve_device(args.device)
     if args.seeds < 1 or args.budget_examples < 1:
         raise UsageError("--seeds and --budget-examples must be at least 1")
-    faults = args.faults if args.faults else list(FAULTS)
+    factory = None
+    if args.family and args.family != "builtin":
+        from poolfuzz.orchestration.plugins import resolve_family
+
+        if args.faults:
+            raise UsageError(f"--faults are the builtin family's; family {args.family!r} runs its own code: "
+                             "drop --faults or --family")
+        factory = resolve_family(args.family).factory
+        args.faults, args.no_baseline = [], False
+    faults = args.faults if args.faults is not None and (args.faults or factory) else list(FAULTS)
     for fid in faults:
         get_fault(fid)
     configs = [get_config(n).name for n in args.config] if args.config else list(CONFIGS)
     cells = [(fid, c) for fid in faults for c in applicable_configs(fid) if c in configs]
-    if not cells:
+    if factory is not None:
+        reason = getattr(factory, "unsupported_reason", None)
+        configs = [c for c in configs if reason is None or reason(get_config(c)) is None]
+    if not cells and factory is None:
         raise UsageError("no chosen fault applies to the chosen configs; see `poolfuzz faults`")
     baseline = [] if args.no_baseline else [(None, c) for c in configs]
-    print(f"{'fault':34} {'config':18} {'found':>6} {'med ex':>7} {'worst':>6} {'med s':>7} {'steps':>5}  message")
+    print(f"{'fault':34} {'config':18} {'found':>6} {'med ex':>7} {'worst':>6} {'med s':>7} {'steps':>5} "
+          f"{'short':>5}      signature")
     rows = []
     started = time.perf_counter()
     for fid, config in cells + baseline:
         row = hunt_cell(config, fid, seeds=args.seeds, budget=args.budget_examples,
-                        shrink_seconds=args.shrink_seconds, device=device)
+                        shrink_seconds=args.shrink_seconds, device=device, family_factory=factory)
         rows.append(row)
         print(format_row(row), flush=True)
     missed = [r for r in rows if r.fault and r.detected < r.seeds]
     alarms = [r for r in rows if r.fault is None and r.detected]
+    long = [r for r in rows if r.shrink_within_two is False]
     print(f"hunt: {len(cells)} fault cells, {len(cells) - len(missed)} found in every seed; "
-          f"{len(alarms)} false alarm(s); {time.perf_counter() - started:.0f} s")
+          f"{len(alarms)} false alarm(s); {len(cells) - len(long)} shrunk within two steps of the shortest known "
+          f"in every seed; {time.perf_counter() - started:.0f} s")
     if args.json:
         with open(args.json, "w") as fh:
-            json.dump({"rows": [asdict(r) for r in rows]}, fh, indent=1)
+            json.dump({"rows": [asdict(r) | {"shrink_within_two": r.shrink_within_two} for r in rows]}, fh,
+                      indent=1)
     return 1 if missed or alarms else 0

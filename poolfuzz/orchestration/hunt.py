@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import statistics
+from collections import Counter
 from dataclasses import dataclass
 
 from poolfuzz.orchestration.runner import run_machine
 from poolfuzz.pools.config import get_config
+from poolfuzz.pools.faults import SHORTEST_KNOWN
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -20,22 +22,34 @@ class HuntRow:
     median_examples: float | None
     worst_examples: int | None
     median_seconds: float | None
-    shrunk_steps: int | None
+    shrunk_steps: int | None  # median length of the shrunk programs
     message: str | None
+    signature: str | None = None  # the signature most seeds found
+    signatures: int = 0  # distinct signatures over the seeds (1: the same bug every time)
+    shortest_known: int | None = None  # faults.SHORTEST_KNOWN: the shortest program known for the fault
+    worst_shrunk: int | None = None  # the longest shrunk program over the seeds
+
+    @property
+    def shrink_within_two(self) -> bool | None:
+        """Is every seed's shrunk program within two steps of the shortest known?"""
+        if self.shortest_known is None or self.worst_shrunk is None:
+            return None
+        return self.worst_shrunk <= self.shortest_known + 2
 
 
 def hunt_cell(config_name: str, fault: str | None, *, seeds: int, budget: int, shrink_seconds: float,
-              device="cpu") -> HuntRow:
+              device="cpu", family_factory=None) -> HuntRow:
     config = get_config(config_name)
     found = []
     for seed in range(seeds):
         result = run_machine(config, device=device, faults=[fault] if fault else [], max_examples=budget,
-                             seed=seed, shrink_limit=shrink_seconds)
+                             seed=seed, shrink_limit=shrink_seconds, family_factory=family_factory)
         if not result.passed:
             # A failure raised while building the machine happens in its first example.
             examples = result.first_failure_examples or 1
             seconds = result.first_failure_seconds if result.first_failure_seconds is not None else result.seconds
-            found.append((examples, seconds, len(result.engine_steps), result.failure))
+            found.append((examples, seconds, len(result.engine_steps), result.failure, result.signature))
+    signatures = Counter(f[4] for f in found)
     return HuntRow(
         fault=fault, config=config_name, seeds=seeds, detected=len(found),
         median_examples=statistics.median(f[0] for f in found) if found else None,
@@ -43,6 +57,9 @@ def hunt_cell(config_name: str, fault: str | None, *, seeds: int, budget: int, s
         median_seconds=round(statistics.median(f[1] for f in found), 3) if found else None,
         shrunk_steps=int(statistics.median(f[2] for f in found)) if found else None,
         message=found[0][3] if found else None,
+        signature=signatures.most_common(1)[0][0] if found else None, signatures=len(signatures),
+        shortest_known=SHORTEST_KNOWN.get(fault) if fault else None,
+        worst_shrunk=max(f[2] for f in found) if found else None,
     )
 
 
@@ -50,7 +67,10 @@ def format_row(row: HuntRow) -> str:
     def num(v):
         return "-" if v is None else (f"{v:g}" if isinstance(v, float) else str(v))
 
-    msg = (row.message or "").replace("\n", " ")
+    within = {True: "", False: " >+2", None: ""}[row.shrink_within_two]
+    signature = row.signature or "-"
+    if row.signatures > 1:
+        signature += f" (+{row.signatures - 1} more)"
     return (f"{row.fault or '(no fault)':34} {row.config:18} {row.detected:>2}/{row.seeds:<3} "
             f"{num(row.median_examples):>7} {num(row.worst_examples):>6} {num(row.median_seconds):>7} "
-            f"{num(row.shrunk_steps):>5}  {msg[:160]}")
+            f"{num(row.shrunk_steps):>5} {num(row.shortest_known):>5}{within:4}  {signature}")

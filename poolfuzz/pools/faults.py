@@ -325,6 +325,20 @@ FAULTS: dict[str, Fault] = {
 }
 
 
+# The shortest program (engine operations) known to show each fault, kept beside the catalogue so
+# `poolfuzz hunt` can say how close a shrink gets: written by hand where the story is short
+# (#35957 is admit, prefill, retract, resume), else the best shrink seen over the hunt's seeds. An
+# audit that fails while the families are built needs no operation at all.
+SHORTEST_KNOWN: dict[str, int] = {
+    "swa-ignores-mamba-backup": 4, "host-pool-for-ssm": 0, "mamba-backed-up-twice": 3, "mamba-slot-zero": 0,
+    "mamba-not-cleared": 6, "backup-drops-last-token": 3, "backup-includes-unwritten-token": 3,
+    "swa-reload-unmapped-rows": 6, "swa-evict-off-by-one": 3, "swa-evicted-seqlen-not-reset": 8,
+    "free-swa-keeps-mapping": 3, "paged-free-partial-page": 3, "pd-drops-mamba-fallback": 3, "cow-without-copy": 4,
+    "stale-cow-source": 3, "reload-into-old-indices": 6, "mamba-leak-on-abort": 7,
+    "allocator-double-free-undetected": 3,
+}
+
+
 def get_fault(fault_id: str) -> Fault:
     try:
         return FAULTS[fault_id]

@@ -127,3 +127,27 @@ def test_an_old_artifact_gets_its_signature_from_its_record(tmp_path):
     path = tmp_path / "old.json"
     path.write_text(json.dumps(raw))
     assert load(path).signature == "StateLost:state-lost:mamba@resume"
+
+
+def test_hunt_names_each_cell_by_signature_and_measures_the_shrink():
+    from poolfuzz.orchestration.hunt import format_row, hunt_cell
+
+    row = hunt_cell("swa-ssm", "swa-ignores-mamba-backup", seeds=2, budget=200, shrink_seconds=10)
+    assert row.detected == 2 and row.signature == "StateLost:contents:mamba@resume" and row.signatures == 1
+    assert row.shortest_known == 4 and row.worst_shrunk is not None and row.shrink_within_two is not None
+    assert "StateLost:contents:mamba@resume" in format_row(row)
+
+
+def test_every_fault_has_a_shortest_known_program():
+    from poolfuzz.pools.faults import FAULTS, SHORTEST_KNOWN
+
+    assert set(SHORTEST_KNOWN) == set(FAULTS)
+
+
+def test_hunt_on_a_plug_in_family_runs_its_no_fault_cells():
+    from minimal_family import build_minimal_family
+
+    from poolfuzz.orchestration.hunt import hunt_cell
+
+    row = hunt_cell("dense", None, seeds=1, budget=10, shrink_seconds=5, family_factory=build_minimal_family)
+    assert row.detected == 0 and row.fault is None
