@@ -4,19 +4,18 @@ import json
 import os
 
 import pytest
+from programs import FAULT_35957, PROGRAM_35957
 
-from poolfuzz.orchestration import artifacts
-from poolfuzz.orchestration.artifacts import ArtifactError, from_program, load, write_atomic
 from poolfuzz.cli import run_cli
+from poolfuzz.orchestration import artifacts
+from poolfuzz.orchestration.artifacts import (
+    ArtifactError,
+    from_program,
+    load,
+    write_atomic,
+)
 
-FAULT = "swa-ignores-mamba-backup"
-# SGLang #35957 as an engine program: the recurrent state is not backed up, the resume reads a new slot.
-PROGRAM = [
-    {"op": "admit", "args": {"prompt_len": 1}},
-    {"op": "prefill", "args": {"rid": 1, "chunk": 1}},
-    {"op": "retract", "args": {"rid": 1}},
-    {"op": "resume", "args": {"node": "prefill"}},
-]
+FAULT, PROGRAM = FAULT_35957, PROGRAM_35957
 
 
 @pytest.fixture

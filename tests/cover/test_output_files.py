@@ -4,17 +4,12 @@ import os
 import stat
 
 import pytest
+from programs import FAULT_35957, PROGRAM_35957
 
 from poolfuzz.cli import run_cli
 from poolfuzz.orchestration.artifacts import from_program, write_atomic
 
-FAULT = "swa-ignores-mamba-backup"
-PROGRAM = [
-    {"op": "admit", "args": {"prompt_len": 1}},
-    {"op": "prefill", "args": {"rid": 1, "chunk": 1}},
-    {"op": "retract", "args": {"rid": 1}},
-    {"op": "resume", "args": {"node": "prefill"}},
-]
+FAULT, PROGRAM = FAULT_35957, PROGRAM_35957
 
 
 @pytest.fixture(scope="module")

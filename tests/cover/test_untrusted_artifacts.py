@@ -6,17 +6,12 @@ import os
 import sys
 
 import pytest
+from programs import FAULT_35957, PROGRAM_35957
 
 from poolfuzz.cli import run_cli
 from poolfuzz.orchestration.artifacts import dumps, from_program
 
-FAULT = "swa-ignores-mamba-backup"
-PROGRAM = [
-    {"op": "admit", "args": {"prompt_len": 1}},
-    {"op": "prefill", "args": {"rid": 1, "chunk": 1}},
-    {"op": "retract", "args": {"rid": 1}},
-    {"op": "resume", "args": {"node": "prefill"}},
-]
+FAULT, PROGRAM = FAULT_35957, PROGRAM_35957
 # Statements a test module from emit-test may hold inside its one test function: engine calls.
 ENGINE_CALLS = {"check", "sweep", "drain", "admit", "prefill", "decode", "decode_speculative", "evict_swa",
                 "retract", "resume", "abort", "finish", "transfer", "fork"}
