@@ -115,8 +115,11 @@ class Checker:
             real = (req.kv.kv_allocated_len, req.kv.kv_committed_len, req.kv.swa_evicted_seqlen, req.kv.seqlen)
             want = (r.allocated, r.committed, r.swa_lo, r.seqlen)
             if req.phase is not Phase.RETRACTED and real != want:
+                # The space of a lengths signature is the first length that differs.
+                field = next(n for n, a, b in zip(("allocated", "committed", "swa_evicted", "seqlen"), real, want)
+                             if a != b)
                 self.fail(failures.reference_mismatch(
-                    step=e.step, op=e.op, action=e.action, node=req.node, rid=req.rid, check="lengths",
+                    step=e.step, op=e.op, action=e.action, node=req.node, rid=req.rid, check="lengths", space=field,
                     detail=f"req {req.rid} (allocated, committed, swa_evicted, seqlen) = {real}, reference {want}"))
         for node, fam in e.families.items():
             ref = e.refs[node]
@@ -263,11 +266,11 @@ class Checker:
             if i is not None:
                 position = int(positions[i])
                 raise failures.state_lost(
-                    step=e.step, op=e.op, action=e.action, node=req.node, rid=req.rid, component=spec.name,
+                    step=e.step, op=e.op, node=req.node, rid=req.rid, component=spec.name,
                     layer=spec.layer, position=position, slot_before=self._before(req, spec.space, position),
                     slot_after=0, expected=f"req {ref.kv_owner[position]} pos {position}",
                     found=f"no {spec.space.upper()} slot (unmapped inside the attention window)", verb=req.verb,
-                    space=spec.space, check="unmapped")
+                    space=spec.space, check="unmapped", action=_action_of(e, req))
             lo = int(positions[0]) if len(positions) else 0
             found = located[where] = (positions, slots, lo)
         positions, slots, lo = found
@@ -303,11 +306,12 @@ class Checker:
         state_type = e.state_types[comp.space]
         position = None if state_type.recurrent else int(positions[index])
         ref = e.refs[node].request(req.rid)
-        return failures.state_lost(step=e.step, op=e.op, action=e.action, node=node, rid=req.rid, component=comp.name,
+        return failures.state_lost(step=e.step, op=e.op, node=node, rid=req.rid, component=comp.name,
                                    layer=comp.layer, position=position,
                                    slot_before=self._before(req, comp.space, position), slot_after=slot,
                                    expected=state_type.describe_expected(e.ledger, ref, position),
-                                   found=describe_row(comp.tensor[slot].cpu()), verb=req.verb, space=comp.space)
+                                   found=describe_row(comp.tensor[slot].cpu()), verb=req.verb, space=comp.space,
+                                   action=_action_of(e, req))
 
     # --- where a request's slots were ------------------------------------------------------
     def slot_snapshot(self, req: Request) -> dict:
@@ -327,3 +331,12 @@ class Checker:
         if snap is None or space not in snap:
             return None
         return self.engine.state_types[space].slot_before(snap[space], position)
+
+
+def _action_of(engine, req: Request) -> str:
+    """The action a lost-state signature names: the step's; a prefill is marked with how its request
+    came to be (a forked request's prefill runs the copy-on-write, an admitted one's the clear of a
+    fresh slot: two places a state can be lost, so two bugs)."""
+    if engine.action == "prefill" and req.origin != "admitted":
+        return f"prefill.{req.origin}"
+    return engine.action

@@ -344,7 +344,8 @@ class Engine:
         backed_up = req.kv.retraction_backup.num_tokens
         if backed_up != ref.request(rid).backup_tokens:
             raise failures.reference_mismatch(
-                step=self.step, op=self.op, action=self.action, node=req.node, rid=rid, check="backup-length",
+                step=self.step, op=self.op, action=self.action, node=req.node, rid=rid,
+                check="backup-short" if backed_up < ref.request(rid).backup_tokens else "backup-long",
                 detail=f"req {rid}'s retraction backup holds {backed_up} tokens; the seqlen-1 contract says "
                        f"{ref.request(rid).backup_tokens} (seqlen {req.kv.seqlen})")
         self.checker.audit_backup(req)
@@ -424,7 +425,7 @@ class Engine:
         req.kv = dst
         req.node = "decode"
         req.slots_before = snapshot
-        req.verb = "transferred"
+        req.verb = req.origin = "transferred"
         self.touched.add(rid)
         self._record(f"state {list(record.state_types)}")
         return True
@@ -444,7 +445,7 @@ class Engine:
             return None
         self.next_rid += 1
         req = Request(rid=rid, node=src.node, prompt_len=prefix + extra, kv=kv, phase=Phase.PREFILLING,
-                      verb="forked")
+                      verb="forked", origin="forked")
         req.expected = {key: vec[:prefix].clone() for key, vec in src.expected.items()}
         self.requests[rid] = req
         self.touched.add(rid)

@@ -95,7 +95,8 @@ CHECKS: dict[str, str] = {
     "unmapped": "every position inside the SWA window has an SWA slot",
     "outcome": "the pools and the reference agree on success or on the space exhausted",
     "pool-error": "an operation the reference allows raises no pool error",
-    "backup-length": "a retraction backup holds seqlen-1 tokens",
+    "backup-short": "a retraction backup holds no fewer than seqlen-1 tokens (the last written one is kept)",
+    "backup-long": "a retraction backup holds no more than seqlen-1 tokens (none without KV)",
     "lengths": "each request's allocated, committed, evicted and sequence lengths match the reference",
     "free-count": "each space's free count matches the reference (no leak, no double or lost free)",
     "live-requests": "the families and the reference know the same live requests",
@@ -110,16 +111,16 @@ CHECKS: dict[str, str] = {
 }
 # Checks ``--waive`` may switch off: the structural ones, after which the engine stays consistent.
 # The outcome checks are not: once the pools and the reference disagree, every later step would.
-WAIVABLE = frozenset(CHECKS) - {"outcome", "pool-error", "backup-length"}
+WAIVABLE = frozenset(CHECKS) - {"outcome", "pool-error", "backup-short", "backup-long"}
 # Checks of a condition that persists once broken (a free list, a holding, a count): the operation
 # that first sees it is incidental, so two signatures that differ only there name one bug.
 STATE_CHECKS = frozenset({"reserved", "ownership", "free-list", "free-count", "leak",
-                          "live-requests", "lengths", "ssm-predicate", "backup-mode", "carries-mamba",
+                          "live-requests", "ssm-predicate", "backup-mode", "carries-mamba",
                           "backed-up-twice"})
 
 
 # failure class : check : space @ operation, e.g. StateLost:contents:mamba@resume, Crash:KeyError@decode
-SIGNATURE = re.compile(r"^[A-Za-z]+(:[a-z-]+:[A-Za-z0-9_.*-]+(@[A-Za-z_-]+)?|@[A-Za-z_-]+)$")
+SIGNATURE = re.compile(r"^[A-Za-z]+(:[a-z-]+:[A-Za-z0-9_.*-]+(@[A-Za-z_.-]+)?|@[A-Za-z_.-]+)$")
 
 
 def bug_key(signature: str) -> str:

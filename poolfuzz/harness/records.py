@@ -28,6 +28,7 @@ class Request:
     kv: ReqKv
     phase: Phase
     verb: str = "admitted"  # what last happened to it, for messages
+    origin: str = "admitted"  # how it came to be: admitted, forked (a prefix hit) or transferred (PD)
     expected: dict = field(default_factory=dict)  # component key -> expected checksums by position
     slots_before: dict | None = None  # physical slots at the last retract / transfer, by space
 
