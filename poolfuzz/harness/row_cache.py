@@ -98,3 +98,12 @@ def shared_ledger() -> Ledger:
     if _ledger is None or len(_ledger._kv) + len(_ledger._state) + len(_ledger._chain) > MAX_LEDGER_ENTRIES:
         _ledger = Ledger()
     return _ledger
+
+
+def release() -> None:
+    """Drop every memoised row and expected checksum: a fuzzing process calls this when it is done
+    with a config, whose components (and so cache keys) the next config does not share, so that a
+    long run over every config holds one config's caches at a time, not all of them."""
+    global _ledger
+    _cache.clear()
+    _ledger = None

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, TextIO
 
+from poolfuzz.harness import row_cache
 from poolfuzz.orchestration.display import Display, LaneState, SessionResult, summary
 from poolfuzz.orchestration.stopping import Interrupts, stop_signals_blocked
 
@@ -110,8 +111,11 @@ def run_lanes(plan: Plan, lanes: list[Lane], emit: Callable[[dict], None], *, de
         if deadline is not None:
             budget = max(0.0, (deadline - time.time()) / (len(lanes) - j))
         emit({"type": "start", "lane": lane.index, "config": lane.config, "device": device})
-        if not _run_campaign(plan, lane, device, database, budget, emit):
-            return False
+        try:
+            if not _run_campaign(plan, lane, device, database, budget, emit):
+                return False
+        finally:
+            row_cache.release()  # the next config shares none of this one's cached rows
     return True
 
 

@@ -306,3 +306,13 @@ def test_a_finished_run_leaves_no_machine_class_behind():
     run_machine(CONFIGS["dense"], max_examples=3, seed=1)
     run_machine(CONFIGS["swa-ssm"], faults=[FAULT], max_examples=100, seed=0, shrink_limit=1)
     assert set(RuleBasedStateMachine._setup_state_per_class) == before
+
+
+def test_a_finished_config_releases_its_cached_rows(tmp_path):
+    """Each config's components key their own cached rows; a long run over every config must not
+    hold all of them at once (memory grew by tens of MB per config before)."""
+    from poolfuzz.harness import row_cache
+
+    plan = Plan(configs=("dense", "swa-ssm"), device="cpu", seed=1, examples=3, db=None, out=str(tmp_path))
+    run_session(plan, stream=io.StringIO(), tty=False)
+    assert row_cache._cache == {} and row_cache._ledger is None
