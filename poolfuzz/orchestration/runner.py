@@ -23,6 +23,7 @@ from poolfuzz.harness.hypothesis_compat import (current_reproduction, database_k
 from poolfuzz.harness.machine import machine_for
 from poolfuzz.pools.config import ModelConfig
 from poolfuzz.pools.family import build_family, resolved_backup_mode
+from poolfuzz.strategies import DRAWN_NAME
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -48,6 +49,7 @@ class RunResult:
     database_key: str | None = None  # hex key of the machine in the example database
     in_teardown: bool = False  # the failure came from the final sweep / drain, after engine_steps
     shrink_examples: int = 0  # examples Hypothesis ran after the first failure, shrinking it
+    model_config: ModelConfig | None = None  # the config the reported failure ran on (drawn: its own)
 
     @property
     def passed(self) -> bool:
@@ -65,6 +67,7 @@ class FailureCandidate:
     in_teardown: bool  # the failure came from the final sweep / drain
     backup_mode: str  # the retraction path of the family that failed (plug-ins may refuse others)
     reproduce: str | None = None  # @reproduce_failure(...) for this example
+    model_config: ModelConfig | None = None  # the config the example ran on (drawn or given)
 
     @property
     def size(self) -> tuple[int, int]:
@@ -120,7 +123,7 @@ class _Tracker:
         self.saw_failure(FailureCandidate(
             steps=steps, error_type=type(exc).__name__, message=message_of(exc),
             divergence=divergence_of(exc, engine), in_teardown=in_teardown, backup_mode=engine.backup_mode,
-            reproduce=current_reproduction()))
+            reproduce=current_reproduction(), model_config=engine.config))
 
     # --- the run's view -----------------------------------------------------------------------
     def snapshot(self) -> dict:
@@ -153,13 +156,14 @@ def prepare_process() -> None:
     gc.freeze()
 
 
-def run_machine(config: ModelConfig, *, device="cpu", faults=(), backup_mode=None, max_examples=100,
+def run_machine(config, *, device="cpu", faults=(), backup_mode=None, max_examples=100,
                 steps_per_example=40, seed: int | None = None, database=None,
                 time_budget: float | None = None, round_examples: int = 500,
                 shrink_limit: float | None = None, on_progress: Callable[[dict], None] | None = None,
                 on_failure: Callable[[FailureCandidate], None] | None = None,
                 family_factory=None) -> RunResult:
-    """Fuzz one configuration; shrink and report the first failure, if any.
+    """Fuzz one configuration (a ModelConfig, or a strategy of them: each example draws its own);
+    shrink and report the first failure, if any.
 
     With ``time_budget`` (seconds) it runs rounds of ``round_examples`` examples, each with the
     next seed, until the budget is spent or a failure is found; the budget is checked before each
@@ -225,18 +229,21 @@ def run_machine(config: ModelConfig, *, device="cpu", faults=(), backup_mode=Non
         engine_steps = final.steps
         blob = blob or final.reproduce
     mode = final.backup_mode if final is not None else tracker.backup_mode
+    drawn = not isinstance(config, ModelConfig)
     if mode is None:  # no engine was built: the built-in family's answer, or what was asked for
-        mode = _expected_backup_mode(config, faults, backup_mode, family_factory)
+        mode = (backup_mode or "unknown") if drawn else _expected_backup_mode(config, faults, backup_mode,
+                                                                               family_factory)
     # Examples are those run before the first failure; shrinking runs are counted apart.
     examples = tracker.examples if tracker.first_examples is None else tracker.first_examples
-    return RunResult(config=config.name, faults=tuple(faults), backup_mode=mode,
+    return RunResult(config=DRAWN_NAME if drawn else config.name, faults=tuple(faults), backup_mode=mode,
                      examples=examples, shrink_examples=tracker.examples - examples, steps=tracker.steps,
                      seconds=time.perf_counter() - started, failure=failure, program=program,
                      divergence=divergence, first_failure_examples=tracker.first_examples,
                      first_failure_seconds=tracker.first_seconds, engine_steps=engine_steps,
                      device=str(device), seed=seed, error_type=error_type, reproduce_blob=blob,
                      shrunk=error is not None, interrupted=interrupted, database_key=key.hex(),
-                     in_teardown=final is not None and final.in_teardown)
+                     in_teardown=final is not None and final.in_teardown,
+                     model_config=final.model_config if final is not None else None)
 
 
 def _expected_backup_mode(config, faults, backup_mode, family_factory) -> str:

@@ -29,7 +29,7 @@ from poolfuzz.pools.errors import ConfigError
 from poolfuzz.pools.family import resolve_device
 
 KV_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32,
-             "fp8_e4m3": torch.float8_e4m3fn}
+             "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 STATE_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
