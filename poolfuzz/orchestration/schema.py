@@ -63,6 +63,7 @@ FIELD_TYPES: dict[str, tuple] = {
     "seconds": (int, float, type(None)), "hypothesis_program": (str, type(None)),
     "reproduce_blob": (str, type(None)), "database": (str, type(None)), "database_key": (str, type(None)),
     "faults": (list,), "divergence": (dict,), "program": (list,), "engine_options": (dict, type(None)),
+    "model_config": (dict, type(None)),
 }
 DIVERGENCE_TYPES: dict[str, tuple] = {
     "kind": _STR, "step": _INT, "op": _STR, "node": _STR, "rid": (int, type(None)),

@@ -41,6 +41,7 @@ class Plan:
     workers: int = 1
     shrink_seconds: float | None = 60.0
     family: str | None = None  # --family: a plug-in name or module:factory (None: builtin)
+    custom: tuple = ()  # ModelConfigs from --config-file, named in ``configs`` (they shadow built-ins)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -98,7 +99,6 @@ def run_lanes(plan: Plan, lanes: list[Lane], emit: Callable[[dict], None], *, de
 
     from poolfuzz.orchestration.database import open_database
     from poolfuzz.orchestration.runner import prepare_process, run_machine
-    from poolfuzz.pools.config import get_config
 
     prepare_process()
     device = worker_device(plan.device, lanes[0].worker, plan.workers)
@@ -123,7 +123,7 @@ def run_lanes(plan: Plan, lanes: list[Lane], emit: Callable[[dict], None], *, de
                   "size": len(candidate.steps), "artifact": None if path is None else str(path),
                   "artifact_error": writer.error})
 
-        result = run_machine(get_config(lane.config), device=device, faults=plan.faults,
+        result = run_machine(lane_config(plan, lane.config), device=device, faults=plan.faults,
                              max_examples=lane.examples if lane.examples is not None else 1_000_000,
                              steps_per_example=plan.steps, seed=lane.seed, database=database,
                              time_budget=budget if lane.examples is None else None,
@@ -162,7 +162,8 @@ class _ArtifactWriter:
         or None when the disk refuses (``error`` says why, ``text`` holds the JSON for the terminal)."""
         from poolfuzz.orchestration import artifacts
 
-        art = artifacts.stamp(config=self.lane.config, family=self.plan.family or "builtin", device=self.device,
+        model = varying.pop("model")
+        art = artifacts.stamp(config=self.lane.config, model_config=artifacts.recorded_config(model), family=self.plan.family or "builtin", device=self.device,
                               faults=list(self.plan.faults), seed=self.lane.seed,
                               engine_options=artifacts.current_engine_options(), **varying)
         self.text = artifacts.dumps(art)
@@ -178,14 +179,14 @@ class _ArtifactWriter:
         return self.path
 
     def interim(self, candidate):
-        return self._write(backup_mode=candidate.backup_mode, failure=candidate.message,
+        return self._write(model=candidate.model_config, backup_mode=candidate.backup_mode, failure=candidate.message,
                            error_type=candidate.error_type, divergence=candidate.divergence,
                            program=list(candidate.steps), status="shrinking", in_teardown=candidate.in_teardown,
                            database=self.plan.db)
 
     def final(self, result, db):
         status = "shrunk" if result.shrunk else ("interrupted" if result.interrupted else "shrink-limit")
-        return self._write(backup_mode=result.backup_mode, failure=result.failure, error_type=result.error_type,
+        return self._write(model=result.model_config, backup_mode=result.backup_mode, failure=result.failure, error_type=result.error_type,
                            divergence=result.divergence, program=list(result.engine_steps), status=status,
                            in_teardown=result.in_teardown, hypothesis_program=result.program,
                            reproduce_blob=result.reproduce_blob, database=db, database_key=result.database_key,
@@ -535,6 +536,17 @@ def _summary(plan: Plan, result: SessionResult, stream: TextIO) -> None:
         tail = f" ({len(by_config) - passed - failed} not finished)"
     stream.write(f"\npoolfuzz: {passed} passed, {failed} failed{tail}\n")
     stream.flush()
+
+
+def lane_config(plan: Plan, name: str):
+    """What a lane fuzzes: a --config-file config, drawn configs (``random``) or a built-in one."""
+    from poolfuzz.pools.config import get_config
+    from poolfuzz.strategies import DRAWN_NAME, drawn_configs
+
+    custom = {c.name: c for c in plan.custom}
+    if name in custom:
+        return custom[name]
+    return drawn_configs(faults=plan.faults) if name == DRAWN_NAME else get_config(name)
 
 
 def _family_factory(plan: Plan):
