@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from dataclasses import dataclass
 from typing import ClassVar, Protocol
 
 from hypothesis import event as _hypothesis_event
@@ -50,6 +51,16 @@ class MachineObserver(Protocol):
     def example_failed(self, engine: Engine, exc: BaseException, steps: tuple[StepRecord, ...],
                        in_teardown: bool) -> None:
         """The example failed: ``steps`` is its program up to and including the failing operation."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class _Unbuilt:
+    """What the observer is told of an engine whose construction failed: its config and path."""
+
+    config: ModelConfig
+    backup_mode: str
+    step: int = 0
+    op: str = "init"
 
 
 def _has(phase: Phase, node: str | None = None):
@@ -119,6 +130,19 @@ class PoolMachine(RuleBasedStateMachine):
             self.engine = self._new_engine(config)
         except ConfigError:
             reject()
+        except Exception as exc:  # an audit at construction, or a crash: a failure at step 0
+            self._report(_Unbuilt(config=config, backup_mode=self._expected_mode(config)), exc, (),
+                         in_teardown=False)
+            raise
+
+    def _expected_mode(self, config: ModelConfig) -> str:
+        cls = type(self)
+        if cls.family_factory is not None and cls.family_factory is not build_family:
+            return cls.backup_mode or "cpu_tensor"
+        try:
+            return resolved_backup_mode(config, cls.faults, cls.backup_mode)
+        except ConfigError:
+            return "cpu_tensor"
 
     def _warm(self, prompts) -> None:
         event(f"config {self.engine.config.name}")

@@ -108,3 +108,14 @@ def test_a_bad_config_file_is_one_clear_error(tmp_path, text, match):
     path.write_text(text)
     with pytest.raises(ConfigError, match=match):
         load_config_file(str(path))
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_a_failure_while_building_a_drawn_engine_is_reported_not_lost_in_the_shrink(seed):
+    # host-pool-for-ssm fails the engine's audit at construction, before any step: the observer must
+    # hear of it, or the run's budget stops the shrink and the failure is reported as a pass.
+    fault = "host-pool-for-ssm"
+    result = run_machine(drawn_configs(faults=[fault]), faults=[fault], max_examples=40, seed=seed, shrink_limit=10)
+    assert not result.passed and "host_pool retraction backup chosen" in result.failure
+    assert result.model_config is not None and result.model_config.has_mamba
+    assert result.backup_mode == "host_pool" and result.engine_steps == ()
