@@ -57,7 +57,7 @@ def _drawn(draw) -> ModelConfig:
     swa = draw(st.integers(0, MAX_LAYERS))
     mamba = draw(st.integers(0, MAX_LAYERS))
     ps = draw(st.one_of(st.just(1), st.sampled_from(PAGE_SIZES)))
-    long = draw(st.integers(0, 9)) == 9  # one config in ten, and it shrinks to a short one
+    long = draw(st.integers(0, 4)) == 4  # one config in five, and it shrinks to a short one
     full_pages = draw(st.integers(1, max(1, 256 // ps)))  # from one page to many
     extra_context = draw(st.integers(0, 64))
     swa_pages = draw(st.integers(1, max(1, 256 // ps)))
