@@ -72,6 +72,7 @@ def print_table(results: dict) -> None:
         ("scaling_ratio", "", "large / small"),
         ("steps_per_second_builtin", "steps/s",
          f"{figures.DEFAULT_CONFIG} as built in, {results.get('token_slots_builtin', '?')} token slots"),
+        ("steps_per_second_drawn", "steps/s", "--config random: a config drawn per example"),
         ("hypothesis_trivial_steps_per_second", "steps/s", "plain Hypothesis, trivial rules (machine load)"),
         ("seconds_to_first_failure", "s", f"median, #35957 ({figures.FAULT_35957})"),
     ]

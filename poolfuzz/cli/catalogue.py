@@ -7,7 +7,10 @@ from poolfuzz.pools.faults import FAULTS, applicable_configs
 
 
 def register(sub) -> None:
-    p = sub.add_parser("configs", help="list the built-in model configs")
+    p = sub.add_parser("configs", help="list the built-in model configs, or print one as TOML")
+    p.add_argument("--show", metavar="NAME",
+                   help="print config NAME as TOML, every field written out: edit it and pass it to "
+                        "poolfuzz run --config-file FILE.toml")
     p.set_defaults(handler=_configs)
     p = sub.add_parser("faults", help="list the fault catalogue")
     p.set_defaults(handler=_faults)
@@ -16,9 +19,16 @@ def register(sub) -> None:
 
 
 def _configs(args) -> int:
+    if getattr(args, "show", None):
+        from poolfuzz.pools.config import get_config
+        from poolfuzz.pools.config_file import to_toml
+
+        print(to_toml(get_config(args.show)), end="")
+        return 0
     for name, c in CONFIGS.items():
         print(f"{name:20} {c.architecture:12} page_size={c.page_size} full={c.full_layers} "
               f"swa={c.swa_layers} mamba={c.mamba_layers} kv={c.kv_dtype}")
+    print(f"{'random':20} {'(drawn)':12} a config Hypothesis draws in every example: poolfuzz run --config random")
     return 0
 
 

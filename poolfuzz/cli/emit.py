@@ -97,10 +97,13 @@ def render(art, *, source_name: str = "") -> str:
         "",
         "from poolfuzz.harness.engine import Engine, EngineOptions",
         *(["from poolfuzz.orchestration.plugins import resolve_family"] if plugin else []),
-        "from poolfuzz.pools.config import get_config",
+        *(["from poolfuzz.pools.config import get_config"] if art.model_config is None else
+          ["from poolfuzz.pools.config_file import config_from_fields"]),
         "",
         *([f"FAMILY = {art.family!r}  # the pool family (--family) it was found on"] if plugin else []),
-        f"CONFIG = {art.config!r}",
+        *([f"CONFIG = {art.config!r}"] if art.model_config is None else
+          ["# The config it failed on (drawn, or from a config file), every field:",
+           f"CONFIG = config_from_fields({_fields(art.model_config)}, 'the recorded config')"]),
         "# Catalogue faults the failure was found with; the family without them is the fixed one.",
         f"FAULTS = {list(art.faults)!r}",
         f"BACKUP_MODE = {art.backup_mode!r}",
@@ -108,7 +111,7 @@ def render(art, *, source_name: str = "") -> str:
         "",
         "",
         f"def {name}():",
-        "    engine = Engine(config=get_config(CONFIG), device=DEVICE, faults=FAULTS, backup_mode=BACKUP_MODE,",
+        f"    engine = Engine(config={'get_config(CONFIG)' if art.model_config is None else 'CONFIG'}, device=DEVICE, faults=FAULTS, backup_mode=BACKUP_MODE,",
         f"                    options=EngineOptions({_kwargs(options)})"
         + (", family_factory=resolve_family(FAMILY).factory)" if plugin else ")"),
     ]
@@ -127,6 +130,12 @@ def render(art, *, source_name: str = "") -> str:
     lines.append("    engine.sweep()" + (_comment(f"failed here: {_short(art.failure)}") if art.in_teardown else ""))
     lines.append("    engine.drain()")
     return "\n".join(lines) + "\n"
+
+
+def _fields(fields: dict) -> str:
+    """The config's fields as one dict literal, a field a line (artifacts.load checked every value:
+    ints, printable strings and lists of ints)."""
+    return "{\n" + "".join(f"    {k!r}: {v!r},\n" for k, v in fields.items()) + "}"
 
 
 def _kwargs(args: dict) -> str:

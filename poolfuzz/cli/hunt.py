@@ -13,7 +13,9 @@ from poolfuzz.pools.faults import FAULTS, applicable_configs, get_fault
 def register(sub) -> None:
     p = sub.add_parser("hunt", help="measure whether and how fast each catalogue fault is found")
     p.add_argument("--faults", nargs="*", metavar="ID", help="faults to hunt (default: the whole catalogue)")
-    p.add_argument("--config", action="append", metavar="NAME", help="restrict to these configs (repeatable)")
+    p.add_argument("--config", action="append", metavar="NAME",
+                   help="restrict to these configs (repeatable); random: configs drawn per example, of the "
+                        "shapes each fault applies to")
     p.add_argument("--seeds", type=int, default=3, help="seeds per (fault, config) (default 3)")
     p.add_argument("--budget-examples", type=int, default=300, help="examples per seed before giving up")
     p.add_argument("--shrink-seconds", type=float, default=30.0, help="time to shrink each failure (default 30)")
@@ -50,11 +52,13 @@ def main(args) -> int:
     faults = args.faults if args.faults is not None and (args.faults or factory) else list(FAULTS)
     for fid in faults:
         get_fault(fid)
-    configs = [get_config(n).name for n in args.config] if args.config else list(CONFIGS)
-    cells = [(fid, c) for fid in faults for c in applicable_configs(fid) if c in configs]
+    from poolfuzz.strategies import DRAWN_NAME
+
+    configs = [n if n == DRAWN_NAME else get_config(n).name for n in args.config] if args.config else list(CONFIGS)
+    cells = [(fid, c) for fid in faults for c in applicable_configs(fid) + [DRAWN_NAME] if c in configs]
     if factory is not None:
         reason = getattr(factory, "unsupported_reason", None)
-        configs = [c for c in configs if reason is None or reason(get_config(c)) is None]
+        configs = [c for c in configs if c == DRAWN_NAME or reason is None or reason(get_config(c)) is None]
     if not cells and factory is None:
         raise UsageError("no chosen fault applies to the chosen configs; see `poolfuzz faults`")
     baseline = [] if args.no_baseline else [(None, c) for c in configs]

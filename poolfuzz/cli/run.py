@@ -11,6 +11,7 @@ import random
 
 from poolfuzz.pools.config import CONFIGS
 from poolfuzz.pools.faults import FAULTS
+from poolfuzz.strategies import DRAWN_NAME
 
 DEFAULT_MINUTES = 1.0
 
@@ -21,7 +22,11 @@ def register(sub) -> None:
         description="Fuzz pool families; exit 0 if nothing failed, 1 if a failure was found "
                     "(a JSON artifact is written for it), 2 on bad usage.")
     run.add_argument("--config", action="extend", nargs="+", metavar="NAME",
-                     help=f"configs to fuzz (default all: {', '.join(CONFIGS)})")
+                     help=f"configs to fuzz (default all: {', '.join(CONFIGS)}); random: a config drawn by "
+                          "Hypothesis in every example (alone or beside named ones)")
+    run.add_argument("--config-file", action="append", metavar="FILE.toml",
+                     help="also fuzz the configs this TOML file describes ([[config]] tables; start from "
+                          "`poolfuzz configs --show NAME`)")
     run.add_argument("--device", default="auto", help="auto (CUDA if present; default), cpu, cuda or cuda:N")
     budget = run.add_mutually_exclusive_group()
     budget.add_argument("--minutes", type=float,
@@ -80,26 +85,39 @@ def plan_from_args(args):
         raise UsageError(f"--seed must be between 0 and 2**32-1, got {args.seed}")
     device = resolve_device(args.device)  # a ConfigError with the fix when there is no such device
     _warn_about_workers(args.workers, device)
-    names = list(dict.fromkeys(args.config or CONFIGS))
+    custom = _file_configs(args.config_file or [])
+    names = list(dict.fromkeys(args.config or ([] if custom else CONFIGS)))
     for name in names:
-        get_config(name)
+        if name in custom:
+            raise UsageError(f"config {name!r} is named by --config and defined in a --config-file; rename "
+                             "it in the file (its name is what the run and its artifacts call it)")
+        if name != DRAWN_NAME:
+            get_config(name)
+    names += list(custom)
+    explicit = bool(args.config or custom)
+
+    def config_of(name):
+        return custom[name] if name in custom else get_config(name)
+
     faults = list(dict.fromkeys(args.faults))
     for fid in faults:
         get_fault(fid)
     if faults:
         for fid in faults:
             fits = applicable_configs(fid)
-            if args.config:
-                misfit = [n for n in names if n not in fits]
-                if misfit:
-                    raise UsageError(f"fault {fid!r} does not apply to config {misfit[0]!r}; it applies to "
-                                     f"{', '.join(fits)}: pick those with --config or drop the fault")
-        names = [n for n in names if all(n in applicable_configs(f) for f in faults)]
+            misfit = [n for n in names if n != DRAWN_NAME and not get_fault(fid).applies_to(config_of(n))]
+            if explicit and misfit:
+                raise UsageError(f"fault {fid!r} does not apply to config {misfit[0]!r}; it applies to "
+                                 f"{', '.join(fits)} (and drawn configs of that shape: --config random): pick "
+                                 "those with --config or drop the fault")
+        # A drawn config is drawn to fit the faults; a shape some built-in has proves they can meet.
+        names = [n for n in names if (n == DRAWN_NAME and _some_config_takes(faults))
+                 or (n != DRAWN_NAME and all(get_fault(f).applies_to(config_of(n)) for f in faults))]
         if not names:
             raise UsageError(f"no config takes all of the faults {', '.join(faults)} at once; "
                              "switch them on one at a time")
         for name in names:  # faults that change the same method, or live on different backup paths
-            resolved_backup_mode(get_config(name), faults)
+            resolved_backup_mode(_some_config_takes(faults) if name == DRAWN_NAME else config_of(name), faults)
     if os.path.exists(args.out) and not os.path.isdir(args.out):
         raise UsageError(f"--out {args.out!r} is a file; pass a directory for the failure artifacts")
     check_writable_dir(args.out, "--out")  # a failure found after an hour must have somewhere to go
@@ -111,15 +129,21 @@ def plan_from_args(args):
             raise UsageError(f"--faults switch on catalogue faults of the builtin family; family {args.family!r} "
                              "runs its own code as shipped: drop --faults or --family")
         plugin = resolve_family(args.family)
-        chosen, skipped = select_configs(plugin, [get_config(n) for n in names], explicit=bool(args.config))
+        fixed = [config_of(n) for n in names if n != DRAWN_NAME]
+        chosen, skipped = select_configs(plugin, fixed, explicit=explicit)
         for name, why in skipped:
             print(f"poolfuzz: family {plugin.name} skips {name}: {why}")
-        names = [c.name for c in chosen]
+        # Drawn configs the family declines are rejected example by example, never reported.
+        names = [n for n in names if n == DRAWN_NAME or n in {c.name for c in chosen}]
         if not names:
             raise UsageError(f"family {plugin.name!r} supports none of the chosen configs")
         # One family built here, on the CPU: a factory that raises or returns something else is bad
         # usage (exit 2), not a failure found in the pools with an artifact and a database entry.
-        probe_family(plugin, get_config(names[0]))
+        probe = chosen[0] if chosen else next((c for c in CONFIGS.values() if plugin.unsupported_reason(c) is None),
+                                              None)
+        if probe is None:
+            raise UsageError(f"family {plugin.name!r} supports none of the built-in configs; it cannot be probed")
+        probe_family(plugin, probe)
     minutes = args.minutes if args.minutes is not None else (None if args.examples else DEFAULT_MINUTES)
     from poolfuzz.harness.failures import CHECKS, WAIVABLE
     from poolfuzz.orchestration.known import load_known
@@ -135,7 +159,30 @@ def plan_from_args(args):
                 seed=args.seed if args.seed is not None else random.SystemRandom().randrange(2**32),
                 examples=args.examples, seconds=None if minutes is None else minutes * 60, steps=args.steps,
                 db=db, out=args.out, workers=args.workers, shrink_seconds=args.shrink_seconds,
-                family=args.family)
+                family=args.family, custom=tuple(custom.values()))
+
+
+def _file_configs(paths) -> dict:
+    """The configs of every --config-file, by name; a name twice (or ``random``) is a UsageError."""
+    from poolfuzz.errors import UsageError
+    from poolfuzz.pools.config_file import load_config_file
+
+    out = {}
+    for path in paths:
+        for config in load_config_file(path):
+            if config.name in out or config.name == DRAWN_NAME:
+                raise UsageError(f"--config-file {path!r}: config name {config.name!r} is "
+                                 f"{'reserved for drawn configs' if config.name == DRAWN_NAME else 'taken'}; "
+                                 "rename it in the file")
+            out[config.name] = config
+    return out
+
+
+def _some_config_takes(faults):
+    """A built-in config every fault applies to (None: no shape takes them all together)."""
+    from poolfuzz.pools.faults import get_fault
+
+    return next((c for c in CONFIGS.values() if all(get_fault(f).applies_to(c) for f in faults)), None)
 
 
 def _warn_about_workers(workers: int, device) -> None:

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import dataclasses
 import sys
+from dataclasses import dataclass
 from typing import ClassVar, Protocol
 
 from hypothesis import event as _hypothesis_event
 from hypothesis import reject
+from hypothesis import strategies as st
 from hypothesis import target as _hypothesis_target
 from hypothesis.errors import InvalidArgument
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
@@ -19,7 +21,7 @@ from poolfuzz.harness.hypothesis_compat import set_database_identity
 from poolfuzz.harness.records import NODES, EngineOptions, Phase, StepRecord
 from poolfuzz.pools.config import CONFIGS, ModelConfig, get_config
 from poolfuzz.pools.family import build_family, resolved_backup_mode
-from poolfuzz.strategies import (accepted_drafts, chunk_sizes, decode_picks, draft_lengths, extra_tokens, picks,
+from poolfuzz.strategies import (DRAWN_NAME, accepted_drafts, drawn_configs, chunk_sizes, decode_picks, draft_lengths, extra_tokens, picks,
                                  prompt_lengths, warm_prompts)
 
 
@@ -59,6 +61,16 @@ class MachineObserver(Protocol):
         """The example is over, failed or not (its engine's counters are final)."""
 
 
+@dataclass(frozen=True, kw_only=True)
+class _Unbuilt:
+    """What the observer is told of an engine whose construction failed: its config and path."""
+
+    config: ModelConfig
+    backup_mode: str
+    step: int = 0
+    op: str = "init"
+
+
 def _has(phase: Phase, node: str | None = None):
     return lambda self: bool(self.engine.live(phase, node))
 
@@ -81,21 +93,32 @@ class PoolMachine(RuleBasedStateMachine):
     options: ClassVar[EngineOptions] = EngineOptions()
     family_factory = None  # a staticmethod when set: factory(config, *, device, faults, backup_mode)
     observer: ClassVar[MachineObserver | None] = None
+    # Set (by machine_for) when the config is drawn inside each example: the engine is then built
+    # by warm_start, which draws the config and the warm-start prompts in one rule.
+    config_strategy: ClassVar[st.SearchStrategy[ModelConfig] | None] = None
 
     def __init__(self):
         super().__init__()
         cls = type(self)
         if cls.observer is not None:
             cls.observer.example_started()
-        kwargs = {} if cls.family_factory is None else {"family_factory": cls.family_factory}
+        self.peak_pressure = 0.0  # the fullest any device pool got in this example
+        self.scale = 1
         try:
-            self.engine = Engine(config=cls.config, device=cls.device, faults=cls.faults,
-                                 backup_mode=cls.backup_mode, options=cls.options, **kwargs)
+            self.engine = self._new_engine(cls.config) if cls.config_strategy is None else None
         except PoolfuzzFailure as exc:  # an audit of the freshly built families
             if cls.observer is not None and cls.observer.example_failed(None, exc, (), False):
                 reject()
             raise
-        self.peak_pressure = 0.0  # the fullest any device pool got in this example
+
+    def _new_engine(self, config: ModelConfig) -> Engine:
+        cls = type(self)
+        kwargs = {} if cls.family_factory is None else {"family_factory": cls.family_factory}
+        # Prompts and chunks are drawn in units of max_context // 64 tokens: a long-context config
+        # gets prompts of thousands of tokens; the named configs (contexts <= 64) draw token by token.
+        self.scale = max(1, config.max_context // 64)
+        return Engine(config=config, device=cls.device, faults=cls.faults, backup_mode=cls.backup_mode,
+                      options=cls.options, **kwargs)
 
     def _pick(self, phase: Phase, pick: int, node: str | None = None):
         live = self.engine.live(phase, node)
@@ -108,10 +131,38 @@ class PoolMachine(RuleBasedStateMachine):
         Initialize rules always run, whichever rules Hypothesis's swarm testing switches off for
         the example, so every example starts with running requests (and pools in use) rather
         than stalling when ``admit`` or ``prefill`` is off."""
+        self._warm(prompts)
+
+    def _build_drawn(self, config: ModelConfig) -> None:
+        """The engine of a drawn config; a config the family declines (its ``unsupported_reason``,
+        or a ConfigError while building) rejects the example: it is not a failure."""
+        decline = getattr(type(self).family_factory, "unsupported_reason", None)
+        if decline is not None and decline(config):
+            reject()
+        try:
+            self.engine = self._new_engine(config)
+        except ConfigError:
+            reject()
+        except Exception as exc:  # an audit at construction, or a crash: a failure at step 0
+            self._report(_Unbuilt(config=config, backup_mode=self._expected_mode(config)), exc, (),
+                         in_teardown=False)
+            raise
+
+    def _expected_mode(self, config: ModelConfig) -> str:
+        cls = type(self)
+        if cls.family_factory is not None and cls.family_factory is not build_family:
+            return cls.backup_mode or "cpu_tensor"
+        try:
+            return resolved_backup_mode(config, cls.faults, cls.backup_mode)
+        except ConfigError:
+            return "cpu_tensor"
+
+    def _warm(self, prompts) -> None:
         event(f"config {self.engine.config.name}")
         # Every engine step is checked, as after a rule: each check here covers the step before
         # it (step 0 is a full sweep of the empty pools), and the invariant after this rule the last.
         for prompt_len in prompts:
+            prompt_len *= self.scale
             self.engine.check()
             rid = self.engine.admit(prompt_len)
             if rid is not None:
@@ -120,13 +171,13 @@ class PoolMachine(RuleBasedStateMachine):
 
     @rule(prompt_len=prompt_lengths)
     def admit(self, prompt_len):
-        if self.engine.admit(prompt_len) is None:
+        if self.engine.admit(prompt_len * self.scale) is None:
             event("pool full at admit")
 
     @precondition(_has(Phase.PREFILLING))
     @rule(pick=picks, chunk=chunk_sizes)
     def prefill(self, pick, chunk):
-        if not self.engine.prefill(self._pick(Phase.PREFILLING, pick).rid, chunk):
+        if not self.engine.prefill(self._pick(Phase.PREFILLING, pick).rid, chunk * self.scale):
             event("pool full at prefill")
 
     @precondition(_has(Phase.RUNNING))
@@ -248,7 +299,19 @@ class PoolMachine(RuleBasedStateMachine):
         return bool(type(self).observer.example_failed(engine, exc, tuple(steps), in_teardown))
 
 
-def machine_identity(config: ModelConfig, faults=(), backup_mode: str | None = None, family_factory=None,
+def _drawn_warm_start(strategy: st.SearchStrategy[ModelConfig]):
+    @initialize(config=strategy, prompts=warm_prompts)
+    def warm_start(self, config, prompts):
+        """Draw the config, build the engine on it, then warm start as :meth:`PoolMachine.warm_start`.
+
+        One rule does both: Hypothesis runs initialize rules in an order of its choosing."""
+        self._build_drawn(config)
+        self._warm(prompts)
+
+    return warm_start
+
+
+def machine_identity(config, faults=(), backup_mode: str | None = None, family_factory=None,
                      options: EngineOptions | None = None) -> bytes:
     """What a failing example's database key is derived from: the machine it fails on.
 
@@ -257,12 +320,15 @@ def machine_identity(config: ModelConfig, faults=(), backup_mode: str | None = N
     explicitly share one key, and keys recorded before this module existed still match.
     """
     mode = backup_mode
-    if mode is None:
+    if not isinstance(config, ModelConfig):  # drawn configs: one key for the whole strategy
+        mode = mode or "drawn"
+    elif mode is None:
         try:
             mode = resolved_backup_mode(config, faults)
         except ConfigError:  # an impossible combination: the engine reports it when the machine runs
             mode = "default"
-    parts = [f"config={config.name}", f"faults={','.join(sorted(faults))}", f"backup={mode}"]
+    name = config.name if isinstance(config, ModelConfig) else DRAWN_NAME
+    parts = [f"config={name}", f"faults={','.join(sorted(faults))}", f"backup={mode}"]
     if family_factory is not None and family_factory is not build_family:
         module, name = getattr(family_factory, "__module__", ""), getattr(family_factory, "__qualname__", "")
         parts.append(f"family={module}.{name}")
@@ -274,18 +340,25 @@ def machine_identity(config: ModelConfig, faults=(), backup_mode: str | None = N
     return ("poolfuzz-machine/1 " + " ".join(parts)).encode()
 
 
-def machine_for(config: ModelConfig | str, *, device="cpu", faults=(), backup_mode: str | None = None,
+def machine_for(config: ModelConfig | str | st.SearchStrategy, *, device="cpu", faults=(), backup_mode: str | None = None,
                 options: EngineOptions = EngineOptions(), family_factory=None,
                 observer: MachineObserver | None = None) -> type[PoolMachine]:
     """A PoolMachine subclass bound to one config, device, fault set, backup mode and family.
+
+    ``config`` may be a strategy (or ``"random"``: :func:`~poolfuzz.strategies.drawn_configs` of the
+    faults): each example then draws its own config in ``warm_start``.
 
     Its examples are filed in Hypothesis's database under a key of their own, the same for
     ``poolfuzz run`` and a plain test of it; ``observer`` is told what each example does.
     """
     if isinstance(config, str):
-        config = get_config(config)
-    attrs = dict(config=config, device=device, faults=tuple(faults), backup_mode=backup_mode, options=options,
+        config = drawn_configs(faults=faults) if config == DRAWN_NAME else get_config(config)
+    attrs = dict(device=device, faults=tuple(faults), backup_mode=backup_mode, options=options,
                  observer=observer)
+    if isinstance(config, ModelConfig):
+        attrs["config"] = config
+    else:  # a strategy: each example draws its config
+        attrs.update(config_strategy=config, warm_start=_drawn_warm_start(config))
     if family_factory is not None:
         attrs["family_factory"] = staticmethod(family_factory)
     cls = type("PoolMachine", (PoolMachine,), attrs)

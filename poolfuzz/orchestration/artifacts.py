@@ -42,6 +42,9 @@ class Artifact:
     divergence: dict
     program: list[StepRecord]
     family: str = "builtin"  # the pool family (--family): builtin, a plug-in name or module:factory
+    # Every field of the config when it is not the built-in of that name (drawn, or from a
+    # --config-file): replay and emit-test rebuild it from here, with no file. None: by name.
+    model_config: dict | None = None
     status: str = "shrunk"  # shrunk | shrinking (best so far, still going) | interrupted | shrink-limit
     in_teardown: bool = False  # the failure came from the final sweep / drain, after the program
     engine_options: dict = field(default_factory=dict)
@@ -64,8 +67,8 @@ class Artifact:
         out = asdict(self)
         out["program"] = [step_to_json(s) for s in self.program]
         # the identifying fields first, for a reader of the raw file
-        head = ("schema", "version", "status", "signature", "config", "family", "device", "faults", "backup_mode", "seed",
-                "failure",
+        head = ("schema", "version", "status", "signature", "config", "model_config", "family", "device", "faults",
+                "backup_mode", "seed", "failure",
                 "error_type", "divergence", "in_teardown", "program")
         return {k: out[k] for k in head} | {k: v for k, v in out.items() if k not in head}
 
@@ -257,7 +260,15 @@ def resolve(artifact: Artifact, name: str, *, trusted_family: str | None = None)
     from poolfuzz.pools.config import CONFIGS
     from poolfuzz.pools.faults import FAULTS
 
-    if artifact.config not in CONFIGS:
+    if artifact.model_config is not None:
+        from poolfuzz.pools.config_file import config_from_fields
+        from poolfuzz.pools.errors import ConfigError
+
+        try:
+            config = config_from_fields(artifact.model_config, f"artifact {name}: model_config")
+        except ConfigError as exc:
+            raise ArtifactError(f"{exc}; re-record it with poolfuzz run") from None
+    elif artifact.config not in CONFIGS:
         raise ArtifactError(f"artifact {name} names config {artifact.config!r}, which this poolfuzz does not "
                             f"have (built-in: {', '.join(CONFIGS)}); replay it with the poolfuzz that recorded "
                             f"it ({artifact.poolfuzz_version or 'unknown version'})")
@@ -275,7 +286,13 @@ def resolve(artifact: Artifact, name: str, *, trusted_family: str | None = None)
             resolve_recorded(artifact.family, trusted=trusted_family)
         except ConfigError as exc:
             raise ArtifactError(f"artifact {name} was {exc}") from None
-    return CONFIGS[artifact.config], list(artifact.faults)
+    if artifact.model_config is None:
+        config = CONFIGS[artifact.config]
+    for fid in artifact.faults:  # a file that switches a fault on where it cannot apply is bad input
+        if not FAULTS[fid].applies_to(config):
+            raise ArtifactError(f"artifact {name}: fault {fid!r} does not apply to its config; re-record it "
+                                "with poolfuzz run")
+    return config, list(artifact.faults)
 
 
 def load_checked(path, *, trusted_family: str | None = None) -> tuple[Artifact, object, list[str], dict]:
@@ -326,7 +343,18 @@ def engine_options(artifact: Artifact, name: str) -> dict:
     return options
 
 
-def from_program(config: str, steps, *, faults=(), device="cpu", backup_mode: str | None = None,
+def recorded_config(config) -> dict | None:
+    """What an artifact records of ``config``: None for a built-in (its name says it all), else
+    every field, so a drawn or file config replays with no file."""
+    from poolfuzz.pools.config import CONFIGS
+    from poolfuzz.pools.config_file import config_fields
+
+    if config is None or CONFIGS.get(config.name) == config:
+        return None
+    return config_fields(config)
+
+
+def from_program(config, steps, *, faults=(), device="cpu", backup_mode: str | None = None,
                  seed: int | None = None, family: str = "builtin") -> Artifact:
     """Run a hand-written program (steps as dicts or StepRecords) and record how it fails.
 
@@ -338,7 +366,8 @@ def from_program(config: str, steps, *, faults=(), device="cpu", backup_mode: st
     from poolfuzz.pools.config import get_config
 
     records = check_steps([s if isinstance(s, dict) else step_to_json(s) for s in steps])
-    engine = new_engine(config=get_config(config), device=device, faults=faults, backup_mode=backup_mode,
+    model = get_config(config) if isinstance(config, str) else config
+    engine = new_engine(config=model, device=device, faults=faults, backup_mode=backup_mode,
                         family_factory=family_factory(family))
     recorded: list[StepRecord] = []
     for ev in replay(engine, records):
@@ -348,11 +377,11 @@ def from_program(config: str, steps, *, faults=(), device="cpu", backup_mode: st
             recorded.append(StepRecord(op=ev.step.op, args=ev.step.args, outcome=ev.outcome))
         if ev.failure is not None:
             exc = ev.failure
-            return stamp(config=config, family=family, device=str(engine.device), faults=list(faults),
+            return stamp(config=model.name, model_config=recorded_config(model), family=family, device=str(engine.device), faults=list(faults),
                          backup_mode=engine.backup_mode, seed=seed, failure=message_of(exc),
                          error_type=type(exc).__name__, divergence=divergence_of(exc, engine), program=recorded,
                          in_teardown=ev.step is None, engine_options=current_engine_options())
-    raise ValueError(f"the program ran clean on {config} (faults {list(faults)}): nothing to record")
+    raise ValueError(f"the program ran clean on {model.name} (faults {list(faults)}): nothing to record")
 
 
 def slug(text: str) -> str:

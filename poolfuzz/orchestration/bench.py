@@ -13,7 +13,9 @@ Figures (all from the same process, one after the other):
   programs), Hypothesis included, as ``poolfuzz run`` runs them (one intra-op thread); the best of
   ``--step-reps`` identical (derandomized) runs, each run's figure kept in the JSON.
   ``steps_per_second_builtin`` is the built-in config itself (64 slots: pools run full, so more
-  programs take the exhaustion paths).
+  programs take the exhaustion paths). ``steps_per_second_drawn`` is ``--config random``: every
+  example draws its own config (one in five a 65536-token context with prompts of thousands of
+  tokens), so it moves with what the strategy draws as much as with the harness.
 * ``seconds_to_first_failure``: median over ``--seeds`` seeds of the wall time to the first
   failing example with SGLang #35957 (``swa-ignores-mamba-backup``) switched on.
 """
@@ -110,6 +112,17 @@ def steps(device, *, examples: int, small_tokens: int, large_tokens: int, reps: 
         out[f"steps{key}"] = r.steps
         out[f"examples{key}"] = r.examples
         out[f"token_slots{key}"] = config.full_tokens
+    from poolfuzz.strategies import drawn_configs
+
+    run_machine(drawn_configs(), device=device, max_examples=2, seed=1)
+    rates = []
+    for _ in range(reps):
+        r = run_machine(drawn_configs(), device=device, max_examples=examples, seed=0)
+        if not r.passed:
+            raise RuntimeError(f"bench: a drawn config failed without a fault: {r.failure}")
+        rates.append(r.steps / r.seconds)
+    out.update(steps_per_second_drawn=max(rates), steps_per_second_drawn_runs=rates, steps_drawn=r.steps,
+               examples_drawn=r.examples)
     out["scaling_ratio"] = out["steps_per_second_large"] / out["steps_per_second"]
     out["hypothesis_trivial_steps_per_second"] = trivial_steps_per_second(examples)
     return out

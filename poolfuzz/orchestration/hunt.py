@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from poolfuzz.orchestration.runner import run_machine
 from poolfuzz.pools.config import get_config
 from poolfuzz.pools.faults import SHORTEST_KNOWN
+from poolfuzz.strategies import DRAWN_NAME, drawn_configs
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -39,10 +40,12 @@ class HuntRow:
 
 def hunt_cell(config_name: str, fault: str | None, *, seeds: int, budget: int, shrink_seconds: float,
               device="cpu", family_factory=None) -> HuntRow:
-    config = get_config(config_name)
+    faults = [fault] if fault else []
+    # ``random``: every example draws its own config, of a shape the fault applies to.
+    config = drawn_configs(faults=faults) if config_name == DRAWN_NAME else get_config(config_name)
     found = []
     for seed in range(seeds):
-        result = run_machine(config, device=device, faults=[fault] if fault else [], max_examples=budget,
+        result = run_machine(config, device=device, faults=faults, max_examples=budget,
                              seed=seed, shrink_limit=shrink_seconds, family_factory=family_factory)
         if not result.passed:
             # A failure raised while building the machine happens in its first example.

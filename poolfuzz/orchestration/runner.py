@@ -38,6 +38,7 @@ from poolfuzz.harness.machine import machine_for
 from poolfuzz.harness.records import EngineOptions
 from poolfuzz.pools.config import ModelConfig
 from poolfuzz.pools.family import build_family, resolved_backup_mode
+from poolfuzz.strategies import DRAWN_NAME
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -66,6 +67,7 @@ class RunResult:
     signature: str | None = None  # the shrunk failure's signature (failures.signature_of)
     skipped: dict = field(default_factory=dict)  # signature -> failing examples of known bugs, rejected
     waived: dict = field(default_factory=dict)  # check -> violations of waived checks, counted
+    model_config: ModelConfig | None = None  # the config the reported failure ran on (drawn: its own)
 
     @property
     def passed(self) -> bool:
@@ -84,6 +86,7 @@ class FailureCandidate:
     backup_mode: str  # the retraction path of the family that failed (plug-ins may refuse others)
     signature: str  # failures.signature_of: names the bug, not the example
     reproduce: str | None = None  # @reproduce_failure(...) for this example
+    model_config: ModelConfig | None = None  # the config the example ran on (drawn or given)
 
     @property
     def size(self) -> tuple[int, int]:
@@ -140,16 +143,16 @@ class _Tracker:
 
     def example_failed(self, engine, exc, steps, in_teardown) -> bool:
         signature = signature_of(exc, in_teardown=in_teardown, op=engine.op if engine is not None else "init")
-        downstream = engine is not None and isinstance(exc, PoolfuzzFailure) and engine.tainted(exc.divergence)
-        if bug_key(signature) in self.known or downstream or (engine is not None and engine.taint
-                                                               and not isinstance(exc, PoolfuzzFailure)):
+        taint = getattr(engine, "taint", None)  # an engine that could not be built has none
+        downstream = bool(taint) and (not isinstance(exc, PoolfuzzFailure) or engine.tainted(exc.divergence))
+        if bug_key(signature) in self.known or downstream:
             self.skipped[signature] = self.skipped.get(signature, 0) + 1
             return True
         self.saw_failure(FailureCandidate(
             steps=steps, error_type=type(exc).__name__, message=message_of(exc),
             divergence=divergence_of(exc, engine), in_teardown=in_teardown,
             backup_mode=engine.backup_mode if engine is not None else "unknown", signature=signature,
-            reproduce=current_reproduction()))
+            reproduce=current_reproduction(), model_config=getattr(engine, "config", None)))
         return False
 
     def example_ended(self, engine) -> None:
@@ -189,14 +192,15 @@ def prepare_process() -> None:
     gc.freeze()
 
 
-def run_machine(config: ModelConfig, *, device="cpu", faults=(), backup_mode=None, max_examples=100,
+def run_machine(config, *, device="cpu", faults=(), backup_mode=None, max_examples=100,
                 steps_per_example=40, seed: int | None = None, database=None,
                 time_budget: float | None = None, round_examples: int = 500,
                 shrink_limit: float | None = None, on_progress: Callable[[dict], None] | None = None,
                 on_failure: Callable[[FailureCandidate], None] | None = None,
                 family_factory=None, known: frozenset = frozenset(), options: EngineOptions = EngineOptions(),
                 ) -> RunResult:
-    """Fuzz one configuration; shrink and report the first failure, if any.
+    """Fuzz one configuration (a ModelConfig, or a strategy of them: each example draws its own);
+    shrink and report the first failure, if any.
 
     With ``time_budget`` (seconds) it runs rounds of ``round_examples`` examples, each with the
     next seed, until the budget is spent or a failure is found; the budget is checked before each
@@ -269,11 +273,13 @@ def run_machine(config: ModelConfig, *, device="cpu", faults=(), backup_mode=Non
         engine_steps = final.steps
         blob = blob or final.reproduce
     mode = final.backup_mode if final is not None else tracker.backup_mode
+    drawn = not isinstance(config, ModelConfig)
     if mode is None:  # no engine was built: the built-in family's answer, or what was asked for
-        mode = _expected_backup_mode(config, faults, backup_mode, family_factory)
+        mode = (backup_mode or "unknown") if drawn else _expected_backup_mode(config, faults, backup_mode,
+                                                                               family_factory)
     # Examples are those run before the first failure; shrinking runs are counted apart.
     examples = tracker.examples if tracker.first_examples is None else tracker.first_examples
-    return RunResult(config=config.name, faults=tuple(faults), backup_mode=mode,
+    return RunResult(config=DRAWN_NAME if drawn else config.name, faults=tuple(faults), backup_mode=mode,
                      examples=examples, shrink_examples=tracker.examples - examples, steps=tracker.steps,
                      seconds=time.perf_counter() - started, failure=failure, program=program,
                      divergence=divergence, first_failure_examples=tracker.first_examples,
@@ -282,7 +288,8 @@ def run_machine(config: ModelConfig, *, device="cpu", faults=(), backup_mode=Non
                      shrunk=error is not None, interrupted=interrupted, database_key=key.hex(),
                      in_teardown=final is not None and final.in_teardown,
                      signature=_signature(error, final),
-                     skipped=dict(tracker.skipped), waived=dict(tracker.waived))
+                     skipped=dict(tracker.skipped), waived=dict(tracker.waived),
+                     model_config=final.model_config if final is not None else None)
 
 
 def _signature(error: BaseException | None, final: FailureCandidate | None) -> str | None:

@@ -45,6 +45,7 @@ class Plan:
     family: str | None = None  # --family: a plug-in name or module:factory (None: builtin)
     known: tuple[str, ...] = ()  # signatures of known bugs (--known): counted, never reported
     waive: tuple[str, ...] = ()  # checks that count their violations instead of failing (--waive)
+    custom: tuple = ()  # ModelConfigs from --config-file, named in ``configs`` (they shadow built-ins)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -126,7 +127,6 @@ def _run_campaign(plan: Plan, lane: Lane, device: str, database, budget: float |
     from poolfuzz.harness.records import EngineOptions
     from poolfuzz.orchestration.database import KeepingDatabase
     from poolfuzz.orchestration.runner import run_machine
-    from poolfuzz.pools.config import get_config
 
     started = time.perf_counter()
     found: set[str] = set()
@@ -157,7 +157,7 @@ def _run_campaign(plan: Plan, lane: Lane, device: str, database, budget: float |
 
         # Each round its own seed: a round that found a bug starts the next one elsewhere.
         round_started = time.perf_counter()
-        result = run_machine(get_config(lane.config), device=device, faults=plan.faults,
+        result = run_machine(lane_config(plan, lane.config), device=device, faults=plan.faults,
                              max_examples=remaining if remaining is not None else 1_000_000,
                              steps_per_example=plan.steps, seed=(lane.seed + round_no * 7919) % 2**32,
                              database=database if not (plan.known or found) or database is None
@@ -216,7 +216,9 @@ class _ArtifactWriter:
         or None when the disk refuses (``error`` says why, ``text`` holds the JSON for the terminal)."""
         from poolfuzz.orchestration import artifacts
 
-        art = artifacts.stamp(config=self.lane.config, family=self.plan.family or "builtin", device=self.device,
+        model = varying.pop("model")
+        art = artifacts.stamp(config=self.lane.config, model_config=artifacts.recorded_config(model),
+                              family=self.plan.family or "builtin", device=self.device,
                               faults=list(self.plan.faults), seed=self.lane.seed,
                               engine_options=artifacts.current_engine_options(self.options), **varying)
         self.text = artifacts.dumps(art)
@@ -232,14 +234,15 @@ class _ArtifactWriter:
         return self.path
 
     def interim(self, candidate):
-        return self._write(backup_mode=candidate.backup_mode, failure=candidate.message,
-                           error_type=candidate.error_type, divergence=candidate.divergence,
+        return self._write(model=candidate.model_config, backup_mode=candidate.backup_mode,
+                           failure=candidate.message, error_type=candidate.error_type, divergence=candidate.divergence,
                            program=list(candidate.steps), status="shrinking", in_teardown=candidate.in_teardown,
                            database=self.plan.db, signature=candidate.signature)
 
     def final(self, result, db, *, examples_to_find: int, seconds_to_find: float):
         status = "shrunk" if result.shrunk else ("interrupted" if result.interrupted else "shrink-limit")
-        return self._write(backup_mode=result.backup_mode, failure=result.failure, error_type=result.error_type,
+        return self._write(model=result.model_config, backup_mode=result.backup_mode, failure=result.failure,
+                           error_type=result.error_type,
                            divergence=result.divergence, program=list(result.engine_steps), status=status,
                            in_teardown=result.in_teardown, hypothesis_program=result.program,
                            reproduce_blob=result.reproduce_blob, database=db, database_key=result.database_key,
@@ -387,6 +390,17 @@ def _run_workers(plan: Plan, per_worker: list[list[Lane]], display: Display, dea
                 p.kill()
                 p.join()
         events.close()
+
+
+def lane_config(plan: Plan, name: str):
+    """What a lane fuzzes: a --config-file config, drawn configs (``random``) or a built-in one."""
+    from poolfuzz.pools.config import get_config
+    from poolfuzz.strategies import DRAWN_NAME, drawn_configs
+
+    custom = {c.name: c for c in plan.custom}
+    if name in custom:
+        return custom[name]
+    return drawn_configs(faults=plan.faults) if name == DRAWN_NAME else get_config(name)
 
 
 def _family_factory(plan: Plan):

@@ -14,6 +14,7 @@ DTYPES = {
     "float32": torch.float32,
     # fp8 KV is stored as raw bytes, as SGLang's ``store_dtype`` is uint8 for fp8 dtypes.
     "fp8_e4m3": torch.uint8,
+    "fp8_e5m2": torch.uint8,
 }
 
 

@@ -15,7 +15,7 @@ SSM_ARCHITECTURES = frozenset(
     {"qwen3-next", "mamba2", "nemotron-h", "kimi-linear", "lightning", "inkling", "falcon-h1"}
 )
 
-KV_DTYPES = ("bfloat16", "float16", "float32", "fp8_e4m3")
+KV_DTYPES = ("bfloat16", "float16", "float32", "fp8_e4m3", "fp8_e5m2")
 STATE_DTYPES = ("bfloat16", "float16", "float32")
 
 
@@ -42,6 +42,9 @@ class ModelConfig:
     temporal_shape: tuple[int, int, int] = (2, 4, 4)  # (heads, head_dim, state_size)
     state_dtype: str = "float32"
     host_tokens: int = 0  # host (CPU) pool slots for host_pool retraction backup; 0 = derived
+    # One letter per layer, in model order: F full attention, S sliding window, M mamba. Empty: the
+    # full layers first, then the SWA layers, then the mamba ones (the named configs' layout).
+    layer_pattern: str = ""
 
     def __post_init__(self) -> None:
         problems = _validate(self)
@@ -61,17 +64,24 @@ class ModelConfig:
         return self.full_layers + self.swa_layers + self.mamba_layers
 
     @property
+    def layers(self) -> str:
+        """The layer kinds in model order (``layer_pattern``, or the blocked layout it defaults to)."""
+        return self.layer_pattern or "F" * self.full_layers + "S" * self.swa_layers + "M" * self.mamba_layers
+
+    def _ids(self, kind: str) -> tuple[int, ...]:
+        return tuple(i for i, k in enumerate(self.layers) if k == kind)
+
+    @property
     def full_layer_ids(self) -> tuple[int, ...]:
-        return tuple(range(self.full_layers))
+        return self._ids("F")
 
     @property
     def swa_layer_ids(self) -> tuple[int, ...]:
-        return tuple(range(self.full_layers, self.full_layers + self.swa_layers))
+        return self._ids("S")
 
     @property
     def mamba_layer_ids(self) -> tuple[int, ...]:
-        start = self.full_layers + self.swa_layers
-        return tuple(range(start, start + self.mamba_layers))
+        return self._ids("M")
 
     @property
     def host_size(self) -> int:
@@ -122,6 +132,14 @@ def _validate(c: ModelConfig) -> list[str]:
         problems.append("mamba_layers > 0 needs mamba_slots >= 1")
     if not c.mamba_layers and c.mamba_slots:
         problems.append("mamba_slots is set but mamba_layers is 0")
+    if c.layer_pattern:
+        if set(c.layer_pattern) - set("FSM"):
+            problems.append(f"layer_pattern {c.layer_pattern!r} may hold only F (full), S (swa) and M (mamba)")
+        counts = (c.layer_pattern.count("F"), c.layer_pattern.count("S"), c.layer_pattern.count("M"))
+        if counts != (c.full_layers, c.swa_layers, c.mamba_layers):
+            problems.append(f"layer_pattern {c.layer_pattern!r} has {counts[0]} F, {counts[1]} S, {counts[2]} M "
+                            f"but the config has full_layers={c.full_layers}, swa_layers={c.swa_layers}, "
+                            f"mamba_layers={c.mamba_layers}")
     if c.request_rows < 1:
         problems.append("request_rows must be >= 1")
     if c.max_context < 2:

@@ -154,12 +154,13 @@ def build_family(config: ModelConfig, *, device="cpu", faults: Iterable[str] = (
     if c.has_swa:
         kv_cls = bp.swa_kv_pool
         kv_pool = kv_cls(size=c.full_tokens, size_swa=c.swa_tokens, full_layer_ids=c.full_layer_ids,
-                         swa_layer_ids=c.swa_layer_ids, **kv_args)
+                         swa_layer_ids=c.swa_layer_ids, kv_class=bp.mha_kv_pool, **kv_args)
         allocator = bp.swa_allocator(size=c.full_tokens, size_swa=c.swa_tokens, page_size=c.page_size)
         kv_pool.register_mapping(allocator.full_to_swa)
     elif c.has_mamba:
         kv_cls = bp.hybrid_kv_pool
-        kv_pool = kv_cls(size=c.full_tokens, full_layer_ids=c.full_layer_ids, mamba_pool=mamba_pool, **kv_args)
+        kv_pool = kv_cls(size=c.full_tokens, full_layer_ids=c.full_layer_ids, mamba_pool=mamba_pool,
+                         kv_class=bp.mha_kv_pool, **kv_args)
         allocator = bp.token_allocator(size=c.full_tokens, page_size=c.page_size)
     else:
         kv_cls = bp.mha_kv_pool

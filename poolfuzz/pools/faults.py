@@ -12,8 +12,9 @@ from poolfuzz.pools.allocator import TokenAllocator, _as_index
 from poolfuzz.pools.blueprint import Blueprint
 from poolfuzz.pools.config import ModelConfig
 from poolfuzz.pools.errors import ConfigError, PoolExhausted
-from poolfuzz.pools.kv import SWAKVPool
-from poolfuzz.pools.mamba import MambaSlotAllocator
+from poolfuzz.pools.host import HostKVPool
+from poolfuzz.pools.kv import MHATokenToKVPool, SWAKVPool
+from poolfuzz.pools.mamba import MambaPool, MambaSlotAllocator
 from poolfuzz.pools.protocol import ServingProtocol
 from poolfuzz.pools.swa_allocator import SWATokenAllocator
 from poolfuzz.pools.transfer import PDTransfer
@@ -247,6 +248,43 @@ class FreesPartialPages(ServingProtocol):
             req.kv_allocated_len = req.kv_committed_len
 
 
+# --- off the named grid: sizes and shapes the eight named configs do not have ---------------------
+class ReloadChunkAtChunkNumber(MHATokenToKVPool):
+    """Reload of a chunked CPU copy (8192 positions a chunk, sglang#7409) slices the target slots at
+    the chunk's *number*, not its first position: one chunk (every context up to 8192 tokens) is
+    exact; past it, the second chunk overwrites positions 1.. of the first, the rest stay unloaded."""
+
+    def load_cpu_copy(self, cpu, indices, mamba_indices=None):
+        idx = _as_index(indices).to(self.device)
+        for k, v, chunks in zip(self.k_buffer, self.v_buffer, cpu.layers):
+            for i, (k_cpu, v_cpu) in enumerate(chunks):
+                part = idx[i:i + k_cpu.shape[0]]
+                k[part] = k_cpu.to(self.device)
+                v[part] = v_cpu.to(self.device)
+
+
+class MambaLayerMapAssumesContiguous(MambaPool):
+    """Maps a model layer to its state tensor by offset from where the mamba layers would start if
+    they were the last layers, not by its rank among them (sglang#20457's layer-id map, with its
+    ``.get(layer_id, layer_id)`` style fallback): right for a blocked layout, but with mamba layers
+    interleaved between attention layers two layers share one state tensor."""
+
+    def local_layer(self, layer_id: int) -> int:
+        return layer_id - (self.layer_ids[-1] + 1 - self.num_layers)
+
+
+class HostLoadTilesOfFour(HostKVPool):
+    """Loads each host page back in one tile of four token rows (a kernel tuned on page sizes 1 to
+    4): every row of pages up to 4 tokens comes back; from page size 8 on, the rows past the fourth
+    of each page keep whatever the reused device slot held (page-size-dependent kernel faults,
+    sglang#23596 class)."""
+
+    def load_to_device(self, device_pool, host_idx, dev_idx):
+        h, d = _as_index(host_idx), _as_index(dev_idx)
+        keep = torch.arange(h.numel()) % self.page_size < 4  # a restore starts on a page boundary
+        super().load_to_device(device_pool, h[keep], d[keep])
+
+
 # --- PD transfer ------------------------------------------------------------------------------------
 class TransferWithoutMambaFallback(PDTransfer):
     """Appends only the state types the KV pool knows: an SWA+SSM model's recurrent state, which
@@ -321,6 +359,14 @@ FAULTS: dict[str, Fault] = {
         _f("mamba-leak-on-abort", "sglang#12693", lambda c: c.has_mamba, {"protocol": ResumeLeaksMambaOnAbort}),
         _f("allocator-double-free-undetected", "sglang#25805", lambda c: c.has_swa,
            {"swa_allocator": SilentDoubleFreeSWAAllocator}),
+        # Off the named grid: each applies to named configs too, where it cannot show (contexts of
+        # at most 64 tokens, blocked layers, page sizes 1 and 4); drawn configs reach it.
+        _f("reload-chunk-at-chunk-number", "sglang#7409 (chunked offload)", _any,
+           {"mha_kv_pool": ReloadChunkAtChunkNumber}, backup_mode="cpu_tensor"),
+        _f("mamba-layer-map-contiguous", "sglang#20457 (layer-id map)", lambda c: c.has_mamba,
+           {"mamba_pool": MambaLayerMapAssumesContiguous}),
+        _f("host-load-tiles-of-four", "sglang#23596 (page-size kernel)", lambda c: c.page_size > 1 and not c.has_mamba,
+           {"host_pool": HostLoadTilesOfFour}, backup_mode="host_pool"),
     ]
 }
 
@@ -336,6 +382,8 @@ SHORTEST_KNOWN: dict[str, int] = {
     "free-swa-keeps-mapping": 3, "paged-free-partial-page": 3, "pd-drops-mamba-fallback": 3, "cow-without-copy": 4,
     "stale-cow-source": 3, "reload-into-old-indices": 6, "mamba-leak-on-abort": 7,
     "allocator-double-free-undetected": 3,
+    # Off the named grid, by hand: a request served, retracted and resumed on a config of the shape.
+    "reload-chunk-at-chunk-number": 4, "mamba-layer-map-contiguous": 4, "host-load-tiles-of-four": 4,
 }
 
 

@@ -138,12 +138,15 @@ class SWAKVPool(KVCache):
     state_types = ("SWA",)
 
     def __init__(self, *, size: int, size_swa: int, page_size: int, dtype: str, head_num: int,
-                 head_dim: int, full_layer_ids, swa_layer_ids, device: torch.device):
+                 head_dim: int, full_layer_ids, swa_layer_ids, device: torch.device,
+                 kv_class: type | None = None):
+        # kv_class: the sub-pool class (SGLang's token_to_kv_pool_class), so a fault in it reaches here too
+        kv_class = kv_class or MHATokenToKVPool
         self.page_size = page_size
         self.device = torch.device(device)
-        self.full_kv_pool = MHATokenToKVPool(size=size, page_size=page_size, dtype=dtype, head_num=head_num,
+        self.full_kv_pool = kv_class(size=size, page_size=page_size, dtype=dtype, head_num=head_num,
                                              head_dim=head_dim, layer_ids=tuple(full_layer_ids), device=device)
-        self.swa_kv_pool = MHATokenToKVPool(size=size_swa, page_size=page_size, dtype=dtype, head_num=head_num,
+        self.swa_kv_pool = kv_class(size=size_swa, page_size=page_size, dtype=dtype, head_num=head_num,
                                             head_dim=head_dim, layer_ids=tuple(swa_layer_ids), device=device,
                                             name="swa")
         self.full_to_swa: torch.Tensor | None = None  # registered by the SWA allocator
@@ -216,10 +219,10 @@ class HybridLinearKVPool(KVCache):
     state_types = ("MAMBA",)
 
     def __init__(self, *, size: int, page_size: int, dtype: str, head_num: int, head_dim: int,
-                 full_layer_ids, device: torch.device, mamba_pool: MambaPool):
+                 full_layer_ids, device: torch.device, mamba_pool: MambaPool, kv_class: type | None = None):
         self.page_size = page_size
         self.device = torch.device(device)
-        self.full_kv_pool = MHATokenToKVPool(size=size, page_size=page_size, dtype=dtype, head_num=head_num,
+        self.full_kv_pool = (kv_class or MHATokenToKVPool)(size=size, page_size=page_size, dtype=dtype, head_num=head_num,
                                              head_dim=head_dim, layer_ids=tuple(full_layer_ids), device=device)
         self.mamba_pool = mamba_pool
 

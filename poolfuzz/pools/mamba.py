@@ -54,11 +54,17 @@ class MambaPool:
     def state_tensors(self) -> list[tuple[str, torch.Tensor]]:
         return [(f"mamba.conv{i}", c) for i, c in enumerate(self.conv)] + [("mamba.temporal", self.temporal)]
 
+    def local_layer(self, layer_id: int) -> int:
+        """Where a model layer's state lives in the stacked tensors: its rank among the mamba layers
+        (SGLang's layer-id map), whatever attention layers lie between them."""
+        return self.layer_ids.index(layer_id)
+
     def components(self) -> list[Component]:
+        """Each mamba layer's state, as the model's forward reaches it: through its layer id."""
         return [
-            Component(name=name, layer=layer_id, space="mamba", tensor=t[local])
+            Component(name=name, layer=layer_id, space="mamba", tensor=t[self.local_layer(layer_id)])
             for name, t in self.state_tensors()
-            for local, layer_id in enumerate(self.layer_ids)
+            for layer_id in self.layer_ids
         ]
 
     def clear_slots(self, idx) -> None:

@@ -1,6 +1,6 @@
 """Hypothesis strategies for poolfuzz: every draw the state machine makes, and the configs."""
 
-from poolfuzz.strategies.configs import configs
+from poolfuzz.strategies.configs import DRAWN_NAME, configs, drawn_configs
 from poolfuzz.strategies.ops import (
     accepted_drafts,
     chunk_sizes,
@@ -12,5 +12,5 @@ from poolfuzz.strategies.ops import (
     warm_prompts,
 )
 
-__all__ = ["accepted_drafts", "chunk_sizes", "configs", "decode_picks", "draft_lengths", "extra_tokens", "picks",
+__all__ = ["DRAWN_NAME", "accepted_drafts", "chunk_sizes", "configs", "drawn_configs", "decode_picks", "draft_lengths", "extra_tokens", "picks",
            "prompt_lengths", "warm_prompts"]

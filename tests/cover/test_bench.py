@@ -13,7 +13,7 @@ from poolfuzz.cli import run_cli
 from poolfuzz.pools.config import CONFIGS
 
 REQUIRED = ["checksum_gbps", "sum_gbps", "checksum_ratio", "steps_per_second", "steps_per_second_large",
-            "scaling_ratio", "seconds_to_first_failure"]
+            "scaling_ratio", "seconds_to_first_failure", "steps_per_second_drawn"]
 
 
 @pytest.fixture

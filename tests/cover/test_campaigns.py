@@ -31,6 +31,8 @@ def test_one_bug_one_signature_across_seeds(fault, config, signature):
 
 # One bug seen with and without the allocator's double-free detection (SGLang #25805): one signature.
 SAME_BUG = {"allocator-double-free-undetected": "free-swa-keeps-mapping"}
+# Faults that only show off the named configs (found with --config random, not here).
+OFF_GRID = {"reload-chunk-at-chunk-number", "mamba-layer-map-contiguous", "host-load-tiles-of-four"}
 
 
 def test_different_planted_bugs_get_different_signatures():
@@ -39,6 +41,8 @@ def test_different_planted_bugs_get_different_signatures():
 
     found = {}
     for fault in FAULTS:
+        if fault in OFF_GRID:
+            continue
         config = CONFIGS[applicable_configs(fault)[0]]
         found[fault] = run_machine(config, faults=[fault], max_examples=300, seed=0, shrink_limit=5).signature
     assert all(SIGNATURE.match(s) for s in found.values()), found

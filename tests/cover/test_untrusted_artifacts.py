@@ -207,6 +207,19 @@ MALFORMED = {
     "teardown-str": (lambda r: r.update(in_teardown="no"), "field 'in_teardown' must be bool"),
     "family-int": (lambda r: r.update(family=3), "field 'family' must be str"),
     "status-list": (lambda r: r.update(status=["x"]), "field 'status' must be str"),
+    "model-config-list": (lambda r: r.update(model_config=[1]), "field 'model_config' must be dict or null"),
+    "model-config-field": (lambda r: r.update(model_config={"name": "x", "architecture": "llama", "os": 1}),
+                           "unknown config field 'os'"),
+    "model-config-str": (lambda r: r.update(model_config={"name": "x", "architecture": "llama",
+                                                          "page_size": "__import__('os')"}),
+                         "config field 'page_size' must be an integer"),
+    "model-config-huge": (lambda r: r.update(model_config={"name": "x", "architecture": "llama",
+                                                           "full_tokens": 2**40, "max_context": 2**40}),
+                          "out of range"),
+    "model-config-impossible": (lambda r: r.update(model_config={"name": "x", "architecture": "llama",
+                                                                 "page_size": 3}), "is impossible"),
+    "model-config-fault-misfit": (lambda r: r.update(model_config={"name": "x", "architecture": "llama"}),
+                                  "does not apply to its config"),
 }
 
 

@@ -13,6 +13,7 @@ import pytest
 from poolfuzz.orchestration.runner import run_machine
 from poolfuzz.pools.config import CONFIGS
 from poolfuzz.pools.faults import FAULTS, applicable_configs
+from poolfuzz.strategies import DRAWN_NAME, drawn_configs
 
 BUDGET = 300
 
@@ -38,9 +39,20 @@ SIGNATURES = {
     "reload-into-old-indices": r"^StateLost: .*(resumed|decoded); component ",
     "mamba-leak-on-abort": r"^ReferenceMismatch: mamba pool has \d+ free but the reference says",
     "allocator-double-free-undetected": r"(swa slot/page \d+ is held|swa free list holds duplicates|swa pool has)",
+    # Off the named grid: a resumed long request reads the second chunk's rows at the first's positions.
+    "reload-chunk-at-chunk-number": r"^StateLost: req \d+ resumed; component full\.[kv] layer \d+ position \d+;",
+    # Two interleaved mamba layers share one state tensor: the later layer's write overwrites the other.
+    "mamba-layer-map-contiguous": r"^StateLost: .*component mamba\.\w+ layer \d+; .*holds req \d+ gen \d+ chain",
+    # Rows past the fourth of each page are never loaded back: they hold poison or a previous owner's KV.
+    "host-load-tiles-of-four": r"^StateLost: req \d+ resumed; component (full|swa)\.[kv] layer \d+ position \d+;",
 }
 
-CELLS = [pytest.param(fid, name, id=f"{fid}@{name}") for fid in FAULTS for name in applicable_configs(fid)]
+# Faults whose bug only shows off the named grid: found on drawn configs, inert on the named ones.
+OFF_GRID = {"reload-chunk-at-chunk-number", "mamba-layer-map-contiguous", "host-load-tiles-of-four"}
+
+CELLS = ([pytest.param(fid, name, id=f"{fid}@{name}") for fid in FAULTS if fid not in OFF_GRID
+          for name in applicable_configs(fid)]
+         + [pytest.param(fid, DRAWN_NAME, id=f"{fid}@{DRAWN_NAME}") for fid in sorted(OFF_GRID)])
 
 
 def test_every_fault_has_a_signature():
@@ -51,6 +63,30 @@ def test_every_fault_has_a_signature():
 @pytest.mark.parametrize(("fault", "config"), CELLS)
 def test_fault_is_found_and_named(fault, config):
     """The harness fails the faulty family, and its report points at the bug."""
-    result = run_machine(CONFIGS[config], faults=[fault], max_examples=BUDGET, seed=0, shrink_limit=0)
+    target = drawn_configs(faults=[fault]) if config == DRAWN_NAME else CONFIGS[config]
+    result = run_machine(target, faults=[fault], max_examples=BUDGET, seed=0, shrink_limit=0)
     assert not result.passed, f"{fault} on {config} survived {result.examples} examples"
     assert re.search(SIGNATURES[fault], result.failure), result.failure
+
+
+def test_off_grid_faults_cannot_show_on_the_named_configs():
+    """Why the named configs never find them: each needs a size or shape none of the eight has."""
+    from poolfuzz.pools.faults import MambaLayerMapAssumesContiguous
+    from poolfuzz.pools.kv import CPU_COPY_CHUNK
+
+    named = CONFIGS.values()
+    assert all(c.max_context <= CPU_COPY_CHUNK for c in named)  # one chunk: reloaded exactly
+    assert all(c.page_size <= 4 for c in named)  # a tile of four rows covers every page
+    for c in (c for c in named if c.has_mamba):  # the layer map is right for every blocked layout
+        pool = MambaLayerMapAssumesContiguous(size=1, num_layers=c.mamba_layers, conv_shapes=c.conv_shapes,
+                                              temporal_shape=c.temporal_shape, dtype=c.state_dtype, device="cpu",
+                                              layer_ids=c.mamba_layer_ids)
+        assert [pool.local_layer(i) for i in c.mamba_layer_ids] == list(range(c.mamba_layers))
+
+
+@pytest.mark.parametrize("fault, config", [("reload-chunk-at-chunk-number", "swa-ssm-ps4"),
+                                           ("mamba-layer-map-contiguous", "hybrid-linear"),
+                                           ("host-load-tiles-of-four", "dense-ps4")])
+def test_off_grid_faults_pass_on_a_named_config(fault, config):
+    result = run_machine(CONFIGS[config], faults=[fault], max_examples=100, seed=0, shrink_limit=0)
+    assert result.passed, result.failure

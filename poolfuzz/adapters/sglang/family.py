@@ -22,14 +22,15 @@ from poolfuzz.adapters.sglang.calls import paged_alloc_extend
 from poolfuzz.adapters.sglang.protocol import SGLangProtocol
 from poolfuzz.adapters.sglang.standin import standin_class
 from poolfuzz.adapters.sglang.views import (AllocatorView, FreeListView, KVPoolView, MambaPoolView, ReqPoolView,
-                                            _ints, token_free_pages)
+                                            _ints, token_free_pages,
+                                            token_free_sources)
 from poolfuzz.pools.components import Component
 from poolfuzz.pools.config import ModelConfig, uses_ssm_state
 from poolfuzz.pools.errors import ConfigError
 from poolfuzz.pools.family import resolve_device
 
 KV_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32,
-             "fp8_e4m3": torch.float8_e4m3fn}
+             "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 STATE_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
@@ -167,6 +168,17 @@ def build_sglang_family(config: ModelConfig, *, device="cpu", faults=(), backup_
         raise ConfigError(f"config {config.name!r} on sglang {api.version}: {reason}")
     dev = resolve_device(device)
     sdev = str(dev) if dev.type == "cpu" else f"cuda:{dev.index or 0}"
+    try:
+        return _build(api, config, dev, sdev)
+    except (AssertionError, ValueError) as exc:
+        # SGLang's constructors decide what this release can build: a config they refuse is
+        # declined (a drawn one is skipped), never reported as a bug found in the pools.
+        first = str(exc).splitlines()[0] if str(exc) else ""
+        raise ConfigError(f"config {config.name!r} on sglang {api.version}: SGLang's constructors refuse it "
+                          f"({type(exc).__name__}: {first})") from None
+
+
+def _build(api: SGLangAPI, config: ModelConfig, dev, sdev: str) -> SGLangFamily:
     c = config
     kv_dtype = KV_DTYPES[c.kv_dtype]
     # enable_kvcache_transpose (required by SWAKVPool / HybridLinearKVPool in some releases, which
@@ -222,7 +234,8 @@ def build_sglang_family(config: ModelConfig, *, device="cpu", faults=(), backup_
                              available=sg_req_pool.available_size)}
     for space, sub in subs.items():
         views[space] = FreeListView(space=space, owner=sub, read=lambda s=sub: token_free_pages(s),
-                                    available=sub.available_size, page_size=c.page_size)
+                                    available=sub.available_size, page_size=c.page_size,
+                                    sources=lambda s=sub: token_free_sources(s))
     mamba_free = None
     if c.has_mamba:
         owner = getattr(sg_req_pool, "mamba_allocator", None) or sg_req_pool.mamba_pool

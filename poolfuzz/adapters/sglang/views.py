@@ -32,13 +32,18 @@ class FreeListView:
     """
 
     def __init__(self, *, space: str, owner, read: Callable[[], list[int]], available: Callable[[], int],
-                 page_size: int = 1):
+                 page_size: int = 1, sources: Callable[[], list[torch.Tensor]] | None = None):
         self.space = space
         self.owner = owner  # the SGLang object behind this view
         self._read = read
         self._available = available
         self.page_size = page_size
         self.on_free = None
+        # The tensors the free list is read from, if it is read from tensors: the set of free units
+        # is then rebuilt only when one of them changed (the harness asks is_free_page once per held
+        # unit, and a long context holds thousands: one set per query made a step O(tokens * pool)).
+        self._sources = sources
+        self._cached: tuple[tuple, set[int]] | None = None
 
     def __repr__(self) -> str:
         return f"FreeListView({self.space} of {type(self.owner).__name__})"
@@ -50,7 +55,20 @@ class FreeListView:
         return self._read()
 
     def is_free_page(self, unit: int) -> bool:
-        return unit in set(self._read())
+        return unit in self._free_set()
+
+    def _free_set(self) -> set[int]:
+        if self._sources is None:
+            return set(self._read())
+        # The key holds the tensors themselves, so no id can be reused while it is cached, and a
+        # tensor's _version moves with every in-place write: same objects, versions and sizes,
+        # same contents.
+        key = tuple((t, t._version, t.numel()) for t in self._sources())
+        cached = self._cached
+        if cached is None or len(cached[0]) != len(key) or any(
+                a[0] is not b[0] or a[1:] != b[1:] for a, b in zip(cached[0], key)):
+            cached = self._cached = (key, set(self._read()))
+        return cached[1]
 
     def free_list_problem(self) -> str | None:
         """A unit listed twice (a double free SGLang did not see), or the reserved unit 0 listed."""
@@ -70,6 +88,14 @@ class FreeListView:
         if self.page_size == 1:
             return base
         return (base[:, None] * self.page_size + torch.arange(self.page_size)).reshape(-1)
+
+
+def token_free_sources(allocator) -> list[torch.Tensor]:
+    """The tensors an SGLang token or paged allocator keeps its free pages in (what
+    ``token_free_pages`` reads), for change detection."""
+    out = [t for t in (getattr(allocator, n, None) for n in ("free_pages", "release_pages"))
+           if isinstance(t, torch.Tensor)]
+    return out + [t for t in getattr(allocator, "staged_pages", None) or [] if isinstance(t, torch.Tensor)]
 
 
 def token_free_pages(allocator) -> list[int]:

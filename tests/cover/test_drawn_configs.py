@@ -1,0 +1,121 @@
+"""Drawn configs: valid, buildable, shrink to the simplest, declined ones rejected, not failed."""
+
+import pytest
+from hypothesis import HealthCheck, find, given, settings
+
+from poolfuzz.orchestration.runner import run_machine
+from poolfuzz.pools.config import CONFIGS, ModelConfig
+from poolfuzz.pools.config_file import config_fields, config_from_fields, load_config_file, to_toml
+from poolfuzz.pools.errors import ConfigError
+from poolfuzz.pools.family import build_family
+from poolfuzz.strategies import DRAWN_NAME, drawn_configs
+
+FAST = settings(max_examples=40, database=None, derandomize=True, suppress_health_check=list(HealthCheck))
+
+
+@FAST
+@given(drawn_configs())
+def test_every_drawn_config_builds_and_round_trips_through_its_fields(config):
+    assert config.name == DRAWN_NAME
+    assert config.max_context >= config.full_tokens
+    build_family(config)
+    assert config_from_fields(config_fields(config), "test") == config
+
+
+def test_drawn_configs_shrink_to_the_simplest():
+    simplest = find(drawn_configs(), lambda c: True, settings=settings(database=None))
+    assert (simplest.page_size, simplest.full_layers, simplest.swa_layers, simplest.mamba_layers) == (1, 1, 0, 0)
+    assert simplest.layer_pattern == "" and simplest.full_tokens == 1 and simplest.request_rows == 1
+    paged_mamba = find(drawn_configs(), lambda c: c.page_size > 4 and c.has_mamba, settings=settings(database=None))
+    assert (paged_mamba.page_size, paged_mamba.mamba_layers, paged_mamba.swa_layers) == (8, 1, 0)
+
+
+def test_the_strategy_reaches_off_grid_shapes():
+    s = settings(database=None, max_examples=2000)
+    find(drawn_configs(), lambda c: c.max_context > 8192, settings=s)
+    find(drawn_configs(), lambda c: "MF" in c.layers and "FM" in c.layers, settings=s)
+    find(drawn_configs(), lambda c: c.has_swa and c.sliding_window == 1, settings=s)
+    find(drawn_configs(), lambda c: c.has_swa and c.sliding_window > c.swa_tokens, settings=s)
+    find(drawn_configs(), lambda c: c.kv_dtype == "fp8_e5m2" and c.page_size == 2, settings=s)
+
+
+def test_faults_restrict_the_draw_to_configs_they_apply_to():
+    @FAST
+    @given(drawn_configs(faults=["swa-ignores-mamba-backup"]))
+    def check(config):
+        assert config.has_swa and config.has_mamba
+
+    check()
+
+
+def test_layer_pattern_places_each_kind_of_layer():
+    c = CONFIGS["swa-ssm"].replace(layer_pattern="MFMS")
+    assert (c.full_layer_ids, c.swa_layer_ids, c.mamba_layer_ids) == ((1,), (3,), (0, 2))
+    assert CONFIGS["swa-ssm"].layers == "FSMM"
+    with pytest.raises(ConfigError, match="layer_pattern"):
+        CONFIGS["swa-ssm"].replace(layer_pattern="FSM")
+    with pytest.raises(ConfigError, match="only F"):
+        CONFIGS["dense"].replace(layer_pattern="FX")
+
+
+def test_a_drawn_run_passes_on_the_correct_family():
+    result = run_machine(drawn_configs(), max_examples=25, seed=3)
+    assert result.passed, result.failure
+    assert result.config == DRAWN_NAME
+
+
+def test_a_config_the_family_declines_is_rejected_not_failed():
+    built: list[ModelConfig] = []
+
+    def factory(config, **kwargs):
+        built.append(config)
+        return build_family(config, **kwargs)
+
+    factory.unsupported_reason = lambda c: "paged pools only on a GPU" if c.page_size > 1 else None
+    result = run_machine(drawn_configs(), max_examples=25, seed=5, family_factory=factory)
+    assert result.passed, result.failure
+    assert built and all(c.page_size == 1 for c in built)
+
+
+def test_a_failure_on_a_drawn_config_carries_that_config():
+    result = run_machine(drawn_configs(faults=["paged-free-partial-page"]), faults=["paged-free-partial-page"],
+                         max_examples=200, seed=1, shrink_limit=20)
+    assert not result.passed
+    assert result.model_config is not None and result.model_config.page_size > 1
+
+
+def test_toml_round_trip(tmp_path):
+    path = tmp_path / "mine.toml"
+    edited = to_toml(CONFIGS["swa-ssm"]).replace("page_size = 1", "page_size = 16")
+    path.write_text(edited + to_toml(CONFIGS["dense"].replace(name="mine")))
+    configs = load_config_file(str(path))
+    assert configs == [CONFIGS["swa-ssm"].replace(page_size=16), CONFIGS["dense"].replace(name="mine")]
+
+
+@pytest.mark.parametrize("text, match", [
+    ("[[config]]\nname = 'x'\narchitecture = 'llama'\npage_size = true\n", "page_size.*integer"),
+    ("[[config]]\nname = 'x'\narchitecture = 'llama'\npage_size = 3\nfull_tokens = 64\n", "multiple of page_size"),
+    ("[[config]]\nname = 'x'\narchitecture = 'llama'\nbogus = 1\n", "unknown config field 'bogus'"),
+    ("[[config]]\nname = 'x'\n", "lacks the field 'architecture'"),
+    ("[[config]]\nname = 'x'\narchitecture = 'llama'\nmax_context = 8\n", "max_context"),
+    ("[[config]]\nname = 'x'\narchitecture = 'llama'\nfull_tokens = 99999999999\n", "out of range"),
+    ("[[config]]\nname = 'x'\narchitecture = 'llama'\nconv_shapes = [[0, 3]]\n", "conv_shapes"),
+    ("name = 'x'\n", "one or more \\[\\[config\\]\\] tables"),
+    ("[[config]\n", "not valid TOML"),
+])
+def test_a_bad_config_file_is_one_clear_error(tmp_path, text, match):
+    path = tmp_path / "bad.toml"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=match):
+        load_config_file(str(path))
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_a_failure_while_building_a_drawn_engine_is_reported_not_lost_in_the_shrink(seed):
+    # host-pool-for-ssm fails the engine's audit at construction, before any step: the observer must
+    # hear of it, or the run's budget stops the shrink and the failure is reported as a pass.
+    fault = "host-pool-for-ssm"
+    result = run_machine(drawn_configs(faults=[fault]), faults=[fault], max_examples=40, seed=seed, shrink_limit=10)
+    assert not result.passed and "host_pool retraction backup chosen" in result.failure
+    assert result.model_config is not None and result.model_config.has_mamba
+    assert result.backup_mode == "host_pool" and result.engine_steps == ()

@@ -1,0 +1,64 @@
+"""``--family sglang --config random``: drawn configs over the installed SGLang's own pools.
+
+The installed release's constructors decide what can be built: a config they refuse is declined
+(the example is rejected), never reported as a failure.
+"""
+
+import pytest
+
+from poolfuzz.orchestration.runner import run_machine
+from poolfuzz.pools.config import CONFIGS
+from poolfuzz.pools.errors import ConfigError
+from poolfuzz.strategies import drawn_configs
+
+
+def test_drawn_configs_pass_on_a_fixed_release(api, expect):
+    from poolfuzz.adapters.sglang import build_family
+
+    if expect != "pass":
+        pytest.skip("a release before the #35957 fix fails SWA+SSM configs, drawn ones too")
+    for seed in (0, 1):
+        result = run_machine(drawn_configs(), family_factory=build_family, max_examples=25, seed=seed,
+                             shrink_limit=30)
+        assert result.passed, result.failure
+
+
+def test_a_config_the_constructors_refuse_is_declined_not_reported(api, monkeypatch):
+    from poolfuzz.adapters import sglang as plugin
+    from poolfuzz.adapters.sglang import family as sg_family
+
+    real = sg_family.construct
+    built = []
+
+    def strict(cls, **kwargs):  # a release whose KV pool constructor asserts page_size <= 8
+        if kwargs.get("page_size", 1) > 8:
+            raise AssertionError(f"page_size {kwargs['page_size']} is not supported")
+        return real(cls, **kwargs)
+
+    monkeypatch.setattr(sg_family, "construct", strict)
+
+    def factory(config, **kwargs):
+        family = plugin.build_family(config, **kwargs)
+        built.append(config)
+        return family
+
+    factory.unsupported_reason = plugin.build_family.unsupported_reason
+    with pytest.raises(ConfigError, match="SGLang's constructors refuse it"):
+        plugin.build_family(CONFIGS["dense"].replace(page_size=16, full_tokens=64, max_context=64))
+    result = run_machine(drawn_configs(where=lambda c: c.page_size > 1), family_factory=factory, max_examples=40,
+                         seed=0, shrink_limit=30)
+    assert result.passed, result.failure
+    assert built and all(c.page_size <= 8 for c in built)
+
+
+def test_run_config_random_on_the_sglang_family(api, expect, tmp_path, monkeypatch, capsys):
+    from poolfuzz.cli import run_cli
+
+    if expect != "pass":
+        pytest.skip("a release before the #35957 fix fails SWA+SSM configs")
+    monkeypatch.chdir(tmp_path)
+    code = run_cli(["run", "--family", "sglang", "--config", "random", "--examples", "20", "--seed", "1",
+                    "--db", "none", "--device", "cpu"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "random" in out and "1 passed, 0 failed" in out
