@@ -27,6 +27,9 @@ def test_a_config_the_constructors_refuse_is_declined_not_reported(api, monkeypa
     from poolfuzz.adapters import sglang as plugin
     from poolfuzz.adapters.sglang import family as sg_family
 
+    paged = plugin.unsupported_reason(CONFIGS["dense-ps4"])
+    if paged:  # releases whose paged allocator needs a GPU decline every paged config before building
+        pytest.skip(f"sglang {api.version}: {paged}")
     real = sg_family.construct
     built = []
 
