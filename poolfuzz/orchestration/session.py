@@ -20,7 +20,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, TextIO
 
-from poolfuzz.harness import row_cache
 from poolfuzz.orchestration.display import Display, LaneState, SessionResult, summary
 from poolfuzz.orchestration.stopping import Interrupts, stop_signals_blocked
 
@@ -102,7 +101,7 @@ def run_lanes(plan: Plan, lanes: list[Lane], emit: Callable[[dict], None], *, de
     """Run lanes one after the other; returns False when interrupted."""
 
     from poolfuzz.orchestration.database import open_database
-    from poolfuzz.orchestration.runner import prepare_process
+    from poolfuzz.orchestration.runner import prepare_process, release_memory
 
     prepare_process()
     device = worker_device(plan.device, lanes[0].worker, plan.workers)
@@ -116,7 +115,7 @@ def run_lanes(plan: Plan, lanes: list[Lane], emit: Callable[[dict], None], *, de
             if not _run_campaign(plan, lane, device, database, budget, emit):
                 return False
         finally:
-            row_cache.release()  # the next config shares none of this one's cached rows
+            release_memory()  # the next config shares none of this one's cached rows
     return True
 
 
