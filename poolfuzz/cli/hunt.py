@@ -29,12 +29,11 @@ def register(sub) -> None:
 
 
 def main(args) -> int:
-
     from poolfuzz.errors import UsageError
     from poolfuzz.orchestration.hunt import format_row, hunt_cell
-    from poolfuzz.pools.family import resolve_device
-
     from poolfuzz.orchestration.runner import prepare_process
+    from poolfuzz.pools.family import resolve_device
+    from poolfuzz.strategies import DRAWN_NAME
 
     prepare_process()
     device = resolve_device(args.device)
@@ -48,12 +47,11 @@ def main(args) -> int:
             raise UsageError(f"--faults are the builtin family's; family {args.family!r} runs its own code: "
                              "drop --faults or --family")
         factory = resolve_family(args.family).factory
-        args.faults, args.no_baseline = [], False
-    faults = args.faults if args.faults is not None and (args.faults or factory) else list(FAULTS)
+        args.no_baseline = False  # a plug-in runs its own code: its no-fault cells are the hunt
+    # The whole catalogue by default; none on a plug-in, whose code carries no catalogue fault.
+    faults = [] if factory is not None else (args.faults or list(FAULTS))
     for fid in faults:
         get_fault(fid)
-    from poolfuzz.strategies import DRAWN_NAME
-
     configs = [n if n == DRAWN_NAME else get_config(n).name for n in args.config] if args.config else list(CONFIGS)
     cells = [(fid, c) for fid in faults for c in applicable_configs(fid) + [DRAWN_NAME] if c in configs]
     if factory is not None:

@@ -16,11 +16,10 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from poolfuzz.errors import ConfigError
 from poolfuzz.harness.engine import Engine
-from poolfuzz.harness.failures import PoolfuzzFailure
 from poolfuzz.harness.hypothesis_compat import set_database_identity
 from poolfuzz.harness.records import NODES, EngineOptions, Phase, StepRecord
 from poolfuzz.pools.config import CONFIGS, ModelConfig, get_config
-from poolfuzz.pools.family import build_family, resolved_backup_mode
+from poolfuzz.pools.family import build_family, expected_backup_mode, resolved_backup_mode
 from poolfuzz.strategies import (DRAWN_NAME, accepted_drafts, drawn_configs, chunk_sizes, decode_picks, draft_lengths, extra_tokens, picks,
                                  prompt_lengths, warm_prompts)
 
@@ -53,7 +52,7 @@ class MachineObserver(Protocol):
     def example_failed(self, engine: Engine | None, exc: BaseException, steps: tuple[StepRecord, ...],
                        in_teardown: bool) -> bool:
         """The example failed: ``steps`` is its program up to and including the failing operation
-        (``engine`` is None when building the families failed). True: a known bug, not to be
+        (``engine`` is an ``_Unbuilt`` stand-in when building failed). True: a known bug, not to be
         reported; the machine then rejects the example, so Hypothesis neither reports nor shrinks it
         and steers its search away from it."""
 
@@ -104,12 +103,7 @@ class PoolMachine(RuleBasedStateMachine):
             cls.observer.example_started()
         self.peak_pressure = 0.0  # the fullest any device pool got in this example
         self.scale = 1
-        try:
-            self.engine = self._new_engine(cls.config) if cls.config_strategy is None else None
-        except PoolfuzzFailure as exc:  # an audit of the freshly built families
-            if cls.observer is not None and cls.observer.example_failed(None, exc, (), False):
-                reject()
-            raise
+        self.engine = None if cls.config_strategy is not None else self._build(cls.config, drawn=False)
 
     def _new_engine(self, config: ModelConfig) -> Engine:
         cls = type(self)
@@ -133,29 +127,25 @@ class PoolMachine(RuleBasedStateMachine):
         than stalling when ``admit`` or ``prefill`` is off."""
         self._warm(prompts)
 
-    def _build_drawn(self, config: ModelConfig) -> None:
-        """The engine of a drawn config; a config the family declines (its ``unsupported_reason``,
-        or a ConfigError while building) rejects the example: it is not a failure."""
-        decline = getattr(type(self).family_factory, "unsupported_reason", None)
+    def _build(self, config: ModelConfig, *, drawn: bool) -> Engine:
+        """The engine of ``config``. A drawn config the family declines (its ``unsupported_reason``, or
+        a ConfigError while building) rejects the example: it is not a failure. A failure while
+        building (an audit, a crash) is a failure at step 0, told to the observer like any other."""
+        decline = getattr(type(self).family_factory, "unsupported_reason", None) if drawn else None
         if decline is not None and decline(config):
             reject()
         try:
-            self.engine = self._new_engine(config)
+            return self._new_engine(config)
         except ConfigError:
-            reject()
-        except Exception as exc:  # an audit at construction, or a crash: a failure at step 0
-            self._report(_Unbuilt(config=config, backup_mode=self._expected_mode(config)), exc, (),
-                         in_teardown=False)
+            if drawn:
+                reject()
             raise
-
-    def _expected_mode(self, config: ModelConfig) -> str:
-        cls = type(self)
-        if cls.family_factory is not None and cls.family_factory is not build_family:
-            return cls.backup_mode or "cpu_tensor"
-        try:
-            return resolved_backup_mode(config, cls.faults, cls.backup_mode)
-        except ConfigError:
-            return "cpu_tensor"
+        except Exception as exc:
+            cls = type(self)
+            mode = expected_backup_mode(config, cls.faults, cls.backup_mode, cls.family_factory)
+            if self._report(_Unbuilt(config=config, backup_mode=mode), exc, (), in_teardown=False):
+                reject()
+            raise
 
     def _warm(self, prompts) -> None:
         event(f"config {self.engine.config.name}")
@@ -305,7 +295,7 @@ def _drawn_warm_start(strategy: st.SearchStrategy[ModelConfig]):
         """Draw the config, build the engine on it, then warm start as :meth:`PoolMachine.warm_start`.
 
         One rule does both: Hypothesis runs initialize rules in an order of its choosing."""
-        self._build_drawn(config)
+        self.engine = self._build(config, drawn=True)
         self._warm(prompts)
 
     return warm_start

@@ -8,7 +8,6 @@ still hands back (and lets the caller write) its best shrink.
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -17,7 +16,6 @@ from hypothesis import HealthCheck, Phase, settings
 from hypothesis import seed as hypothesis_seed
 from hypothesis.errors import Unsatisfiable, UnsatisfiedAssumption
 
-from poolfuzz.errors import ConfigError
 from poolfuzz.harness.failures import (
     PoolfuzzFailure, bug_key,
     divergence_of,
@@ -37,7 +35,7 @@ from poolfuzz.harness.hypothesis_compat import (
 from poolfuzz.harness.machine import machine_for
 from poolfuzz.harness.records import EngineOptions
 from poolfuzz.pools.config import ModelConfig
-from poolfuzz.pools.family import build_family, resolved_backup_mode
+from poolfuzz.pools.family import expected_backup_mode
 from poolfuzz.strategies import DRAWN_NAME
 
 
@@ -142,7 +140,7 @@ class _Tracker:
             self.backup_mode = engine.backup_mode
 
     def example_failed(self, engine, exc, steps, in_teardown) -> bool:
-        signature = signature_of(exc, in_teardown=in_teardown, op=engine.op if engine is not None else "init")
+        signature = signature_of(exc, in_teardown=in_teardown, op=engine.op)
         taint = getattr(engine, "taint", None)  # an engine that could not be built has none
         downstream = bool(taint) and (not isinstance(exc, PoolfuzzFailure) or engine.tainted(exc.divergence))
         if bug_key(signature) in self.known or downstream:
@@ -151,8 +149,8 @@ class _Tracker:
         self.saw_failure(FailureCandidate(
             steps=steps, error_type=type(exc).__name__, message=message_of(exc),
             divergence=divergence_of(exc, engine), in_teardown=in_teardown,
-            backup_mode=engine.backup_mode if engine is not None else "unknown", signature=signature,
-            reproduce=current_reproduction(), model_config=getattr(engine, "config", None)))
+            backup_mode=engine.backup_mode, signature=signature, reproduce=current_reproduction(),
+            model_config=engine.config))
         return False
 
     def example_ended(self, engine) -> None:
@@ -215,7 +213,7 @@ def run_machine(config, *, device="cpu", faults=(), backup_mode=None, max_exampl
                 time_budget: float | None = None, round_examples: int = 500,
                 shrink_limit: float | None = None, on_progress: Callable[[dict], None] | None = None,
                 on_failure: Callable[[FailureCandidate], None] | None = None,
-                family_factory=None, known: frozenset = frozenset(), options: EngineOptions = EngineOptions(),
+                family_factory=None, options: EngineOptions = EngineOptions(),
                 ) -> RunResult:
     """Fuzz one configuration (a ModelConfig, or a strategy of them: each example draws its own);
     shrink and report the first failure, if any.
@@ -226,12 +224,11 @@ def run_machine(config, *, device="cpu", faults=(), backup_mode=None, max_exampl
     best shrink so far. ``seed`` None with no database is derandomized. Ctrl-C returns the result
     so far with ``interrupted`` set. ``on_progress(snapshot)`` is called before every example and
     ``on_failure(candidate)`` whenever a smaller failing example is seen. A failure whose
-    signature is in ``known`` is counted (``RunResult.skipped``), never reported or shrunk: the
+    signature is in ``options.known`` is counted (``RunResult.skipped``), never reported or shrunk: the
     example is rejected and the search goes on. ``options.waive`` names checks that count their
     violations instead of failing.
     """
     started = time.perf_counter()
-    options = dataclasses.replace(options, known=tuple(dict.fromkeys((*options.known, *known))))
     tracker = _Tracker(started=started, deadline=None if time_budget is None else started + time_budget,
                        shrink_limit=shrink_limit, on_progress=on_progress, on_failure=on_failure,
                        max_examples=None if time_budget is not None else max_examples,
@@ -293,8 +290,8 @@ def run_machine(config, *, device="cpu", faults=(), backup_mode=None, max_exampl
     mode = final.backup_mode if final is not None else tracker.backup_mode
     drawn = not isinstance(config, ModelConfig)
     if mode is None:  # no engine was built: the built-in family's answer, or what was asked for
-        mode = (backup_mode or "unknown") if drawn else _expected_backup_mode(config, faults, backup_mode,
-                                                                               family_factory)
+        mode = (backup_mode or "unknown") if drawn else expected_backup_mode(config, faults, backup_mode,
+                                                                              family_factory, fallback="unknown")
     # Examples are those run before the first failure; shrinking runs are counted apart.
     examples = tracker.examples if tracker.first_examples is None else tracker.first_examples
     return RunResult(config=DRAWN_NAME if drawn else config.name, faults=tuple(faults), backup_mode=mode,
@@ -318,15 +315,6 @@ def _signature(error: BaseException | None, final: FailureCandidate | None) -> s
     if final is not None:
         return final.signature
     return None if error is None else signature_of(error)
-
-
-def _expected_backup_mode(config, faults, backup_mode, family_factory) -> str:
-    if family_factory is not None and family_factory is not build_family:
-        return backup_mode or "unknown"
-    try:
-        return resolved_backup_mode(config, faults, backup_mode)
-    except ConfigError:
-        return backup_mode or "unknown"
 
 
 def _seeds(seed: int | None):

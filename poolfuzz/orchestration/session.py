@@ -11,6 +11,7 @@ machine with several GPUs.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import os
 import queue as queue_mod
 import signal
@@ -134,7 +135,7 @@ def _run_campaign(plan: Plan, lane: Lane, device: str, database, budget: float |
     remaining = lane.examples
     last = [0.0]
     interrupted = False
-    for round_no in range(1_000_000):
+    for round_no in itertools.count():
         left = None if budget is None else budget - (time.perf_counter() - started)
         if (left is not None and left <= 0) or (remaining is not None and remaining <= 0):
             break

@@ -115,6 +115,19 @@ def resolved_backup_mode(config: ModelConfig, faults: Iterable[str] = (), backup
     return backup_mode
 
 
+def expected_backup_mode(config: ModelConfig, faults: Iterable[str] = (), backup_mode: str | None = None,
+                         family_factory=None, *, fallback: str = "cpu_tensor") -> str:
+    """The backup mode a family would run, without building one (for reports where none was built):
+    the built-in family's resolution, what was asked of a plug-in (it resolves its own), or
+    ``fallback`` for an impossible combination (building the family reports that)."""
+    if family_factory is not None and family_factory is not build_family:
+        return backup_mode or fallback
+    try:
+        return resolved_backup_mode(config, faults, backup_mode)
+    except ConfigError:
+        return backup_mode or fallback
+
+
 def resolve_device(device) -> torch.device:
     """``auto`` is CUDA when present, else CPU; an unusable device is a ConfigError with the fix."""
     if device is None or device == "auto":
