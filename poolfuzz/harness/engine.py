@@ -97,6 +97,9 @@ class Engine:
         # (space, slot) of known bugs passed over in this example; (space, None) a whole space,
         # ("*", None) everything. A new failure there is downstream of the known bug, not a new one.
         self.taint: set[tuple] = set()
+        # Requests a known bug touched, and every request derived from one (a fork copies its state;
+        # a transfer keeps its id): a failure of theirs follows from the known bug through the copy.
+        self.tainted_requests: set[int] = set()
         self.writer = Writer(self)  # forward writes, padding and poison
         self.checker = Checker(self)  # every invariant, the content checks and the audits
         for node, fam in self.families.items():
@@ -130,6 +133,8 @@ class Engine:
         """A known bug was passed over here: what it touched is suspect for the rest of the example."""
         space = divergence.space or "*"
         self.taint.add((space, divergence.slot_after if space != "*" else None))
+        if divergence.rid is not None:
+            self.tainted_requests.add(divergence.rid)
 
     def tainted(self, divergence) -> bool:
         """Is a failure downstream of a known bug passed over earlier in this example? Where it names
@@ -137,6 +142,8 @@ class Engine:
         if not self.taint:
             return False
         if ("*", None) in self.taint or divergence is None or not divergence.space:
+            return True
+        if divergence.rid is not None and divergence.rid in self.tainted_requests:
             return True
         space, slot = divergence.space, divergence.slot_after
         if (space, None) in self.taint:
@@ -448,6 +455,8 @@ class Engine:
                       verb="forked", origin="forked")
         req.expected = {key: vec[:prefix].clone() for key, vec in src.expected.items()}
         self.requests[rid] = req
+        if src_rid in self.tainted_requests:
+            self.tainted_requests.add(rid)  # it starts from the source's (suspect) state
         self.touched.add(rid)
         self._record(f"Req({rid}) prefix {prefix}")
         return rid
