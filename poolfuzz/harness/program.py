@@ -74,8 +74,10 @@ def _need(engine: Engine, rid, phase: Phase, node: str | None = None) -> None:
         raise CannotRun(f"req {rid} is on the {req.node} node, the step needs it on {node}")
 
 
-def precondition(engine: Engine, step: StepRecord) -> None:
-    """What the state machine guaranteed before it issued this step; CannotRun if it fails here."""
+def precondition(engine: Engine, step: StepRecord, *, strict: bool = False) -> None:
+    """What the state machine guaranteed before it issued this step; CannotRun if it fails here.
+    ``strict``: exactly what today's machine guarantees (an abort's request is retracted), for
+    programs made by editing; a recorded program is held to what any machine version issued."""
     a = step.args
     if step.op == "prefill":
         _need(engine, a["rid"], Phase.PREFILLING)
@@ -89,7 +91,9 @@ def precondition(engine: Engine, step: StepRecord) -> None:
     elif step.op == "fork":
         _need(engine, a["src_rid"], Phase.RUNNING)
     elif step.op == "abort":
-        if a["rid"] not in engine.requests:
+        if strict:
+            _need(engine, a["rid"], Phase.RETRACTED)
+        elif a["rid"] not in engine.requests:
             raise CannotRun(f"req {a['rid']} does not exist (it was never admitted here, or has ended)")
     elif step.op == "resume" and a.get("node") not in engine.retracted:
         raise CannotRun(f"node {a.get('node')!r} does not exist")
@@ -107,14 +111,15 @@ class Event:
     cannot_run: str | None = None
 
 
-def replay(engine: Engine, steps: list[StepRecord]) -> Iterator[Event]:
+def replay(engine: Engine, steps: list[StepRecord], *, strict: bool = False) -> Iterator[Event]:
     """Run ``steps`` on ``engine``; yields one event per step and one for the teardown checks.
 
     Stops after the first step that fails (its event carries the failure) or cannot run.
+    ``strict``: hold every step to today's machine's preconditions (see ``precondition``).
     """
     for i, step in enumerate(steps, 1):
         try:
-            precondition(engine, step)
+            precondition(engine, step, strict=strict)
         except CannotRun as exc:
             yield Event(i, step, "", engine.occupancy(), cannot_run=str(exc))
             return

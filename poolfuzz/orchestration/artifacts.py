@@ -56,6 +56,8 @@ class Artifact:
     seconds: float | None = None  # seconds the run took to first see it
     signature: str | None = None  # failures.signature_from: names the bug, not the example
     shrink_examples: int | None = None  # examples Hypothesis ran shrinking it
+    # Steps of Hypothesis's shrink, when poolfuzz then deleted more (harness.minimise); None: it could not.
+    hypothesis_steps: int | None = None
     created: str = ""
     hypothesis_version: str = ""
     torch_version: str = ""

@@ -8,6 +8,7 @@ still hands back (and lets the caller write) its best shrink.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -33,6 +34,8 @@ from poolfuzz.harness.hypothesis_compat import (
     state_machine_test,
 )
 from poolfuzz.harness.machine import machine_for
+from poolfuzz.harness.minimise import minimise
+from poolfuzz.harness.program import new_engine
 from poolfuzz.harness.records import EngineOptions
 from poolfuzz.pools.config import ModelConfig
 from poolfuzz.pools.family import expected_backup_mode
@@ -66,6 +69,7 @@ class RunResult:
     skipped: dict = field(default_factory=dict)  # signature -> failing examples of known bugs, rejected
     waived: dict = field(default_factory=dict)  # check -> violations of waived checks, counted
     model_config: ModelConfig | None = None  # the config the reported failure ran on (drawn: its own)
+    hypothesis_steps: int | None = None  # steps of Hypothesis's shrink, before steps were deleted here
 
     @property
     def passed(self) -> bool:
@@ -214,7 +218,7 @@ def run_machine(config, *, device="cpu", faults=(), backup_mode=None, max_exampl
                 shrink_limit: float | None = None, on_progress: Callable[[dict], None] | None = None,
                 on_failure: Callable[[FailureCandidate], None] | None = None,
                 family_factory=None, options: EngineOptions = EngineOptions(),
-                ) -> RunResult:
+                minimise_seconds: float = 10.0) -> RunResult:
     """Fuzz one configuration (a ModelConfig, or a strategy of them: each example draws its own);
     shrink and report the first failure, if any.
 
@@ -226,7 +230,8 @@ def run_machine(config, *, device="cpu", faults=(), backup_mode=None, max_exampl
     ``on_failure(candidate)`` whenever a smaller failing example is seen. A failure whose
     signature is in ``options.known`` is counted (``RunResult.skipped``), never reported or shrunk: the
     example is rejected and the search goes on. ``options.waive`` names checks that count their
-    violations instead of failing.
+    violations instead of failing. ``minimise_seconds`` (0: off) bounds the last pass over the reported
+    program, which deletes the steps Hypothesis could not (see ``harness.minimise``).
     """
     started = time.perf_counter()
     tracker = _Tracker(started=started, deadline=None if time_budget is None else started + time_budget,
@@ -287,6 +292,21 @@ def run_machine(config, *, device="cpu", faults=(), backup_mode=None, max_exampl
     if final is not None:
         engine_steps = final.steps
         blob = blob or final.reproduce
+    hypothesis_steps = None
+    signature = _signature(error, final)
+    if final is not None and signature is not None and minimise_seconds and len(engine_steps) > 1:
+        shorter = minimise(list(engine_steps), bug=bug_key(signature), max_seconds=minimise_seconds,
+                           new_engine=lambda: new_engine(config=final.model_config or config, device=device,
+                                                         faults=faults, backup_mode=backup_mode,
+                                                         family_factory=family_factory,
+                                                         options=dataclasses.asdict(options)))
+        if shorter is not None and len(shorter.steps) < len(engine_steps):
+            hypothesis_steps, engine_steps = len(engine_steps), tuple(shorter.steps)
+            got = shorter.replayed
+            failure, error_type = message_of(got.failure), type(got.failure).__name__
+            divergence = divergence_of(got.failure) if isinstance(got.failure, PoolfuzzFailure) else divergence
+            signature = signature_of(got.failure, in_teardown=got.in_teardown, op=got.op)
+            final = dataclasses.replace(final, in_teardown=got.in_teardown)
     mode = final.backup_mode if final is not None else tracker.backup_mode
     drawn = not isinstance(config, ModelConfig)
     if mode is None:  # no engine was built: the built-in family's answer, or what was asked for
@@ -302,7 +322,7 @@ def run_machine(config, *, device="cpu", faults=(), backup_mode=None, max_exampl
                      device=str(device), seed=seed, error_type=error_type, reproduce_blob=blob,
                      shrunk=error is not None, interrupted=interrupted, database_key=key.hex(),
                      in_teardown=final is not None and final.in_teardown,
-                     signature=_signature(error, final),
+                     signature=signature, hypothesis_steps=hypothesis_steps,
                      skipped=dict(tracker.skipped), waived=dict(tracker.waived),
                      model_config=final.model_config if final is not None else None)
 

@@ -64,7 +64,7 @@ FIELD_TYPES: dict[str, tuple] = {
     "reproduce_blob": (str, type(None)), "database": (str, type(None)), "database_key": (str, type(None)),
     "faults": (list,), "divergence": (dict,), "program": (list,), "engine_options": (dict, type(None)),
     "signature": (str, type(None)), "shrink_examples": (int, type(None)),
-    "model_config": (dict, type(None)),
+    "model_config": (dict, type(None)), "hypothesis_steps": (int, type(None)),
 }
 DIVERGENCE_TYPES: dict[str, tuple] = {
     "kind": _STR, "step": _INT, "op": _STR, "node": _STR, "rid": (int, type(None)),

@@ -247,7 +247,7 @@ class _ArtifactWriter:
                            in_teardown=result.in_teardown, hypothesis_program=result.program,
                            reproduce_blob=result.reproduce_blob, database=db, database_key=result.database_key,
                            examples=examples_to_find, seconds=seconds_to_find, signature=result.signature,
-                           shrink_examples=result.shrink_examples)
+                           shrink_examples=result.shrink_examples, hypothesis_steps=result.hypothesis_steps)
 
 
 def _worker_main(plan: Plan, lanes: list[Lane], events, deadline: float | None, parent_pid: int | None = None) -> None:

@@ -378,7 +378,7 @@ FAULTS: dict[str, Fault] = {
 SHORTEST_KNOWN: dict[str, int] = {
     "swa-ignores-mamba-backup": 4, "host-pool-for-ssm": 0, "mamba-backed-up-twice": 3, "mamba-slot-zero": 0,
     "mamba-not-cleared": 6, "backup-drops-last-token": 3, "backup-includes-unwritten-token": 3,
-    "swa-reload-unmapped-rows": 6, "swa-evict-off-by-one": 3, "swa-evicted-seqlen-not-reset": 8,
+    "swa-reload-unmapped-rows": 5, "swa-evict-off-by-one": 3, "swa-evicted-seqlen-not-reset": 5,
     "free-swa-keeps-mapping": 3, "paged-free-partial-page": 3, "pd-drops-mamba-fallback": 3, "cow-without-copy": 4,
     "stale-cow-source": 3, "reload-into-old-indices": 6, "mamba-leak-on-abort": 7,
     "allocator-double-free-undetected": 3,

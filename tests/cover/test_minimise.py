@@ -1,0 +1,71 @@
+"""The last pass over a reported program: steps Hypothesis could not delete (an admit whose request
+only mattered for its id) go, the later requests are renumbered, and the same bug still shows."""
+
+from poolfuzz.harness.failures import bug_key, signature_of
+from poolfuzz.harness.minimise import minimise, run_program, without
+from poolfuzz.harness.program import new_engine
+from poolfuzz.harness.records import StepRecord
+from poolfuzz.pools.config import CONFIGS
+from tests.cover.programs import FAULT_35957, PROGRAM_35957
+
+
+def _steps(raw):
+    return [StepRecord(op=s["op"], args=dict(s["args"]), outcome="") for s in raw]
+
+
+def _engine():
+    return new_engine(config=CONFIGS["swa-ssm"], faults=[FAULT_35957])
+
+
+# #35957 behind a bystander: Req(1) is admitted and served first, so the story's request is Req(2).
+PADDED = _steps([{"op": "admit", "args": {"prompt_len": 3}}, {"op": "prefill", "args": {"rid": 1, "chunk": 3}},
+                 {"op": "admit", "args": {"prompt_len": 1}}, {"op": "prefill", "args": {"rid": 2, "chunk": 1}},
+                 {"op": "decode", "args": {"rids": [1, 2]}}, {"op": "retract", "args": {"rid": 2}},
+                 {"op": "resume", "args": {"node": "prefill"}}])
+
+
+def test_deleting_an_admit_renumbers_the_later_requests_and_takes_its_steps_with_it():
+    created = (1, None, 2, None, None, None, None)
+    shorter = without(PADDED, created, {0})
+    assert [(s.op, s.args) for s in shorter] == [
+        ("admit", {"prompt_len": 1}), ("prefill", {"rid": 1, "chunk": 1}), ("decode", {"rids": [1]}),
+        ("retract", {"rid": 1}), ("resume", {"node": "prefill"})]
+
+
+def test_a_step_that_needs_a_deleted_request_goes_too():
+    created = (1, None, 2, None, None, None, None)
+    shorter = without(PADDED, created, {2})  # Req(2)'s admit: its prefill and retract go, the batch shrinks
+    assert [(s.op, s.args) for s in shorter] == [
+        ("admit", {"prompt_len": 3}), ("prefill", {"rid": 1, "chunk": 3}), ("decode", {"rids": [1]}),
+        ("resume", {"node": "prefill"})]
+    assert without(PADDED[:1], (1,), {0}) is None
+
+
+def test_the_padded_story_minimises_to_the_four_steps_of_35957_with_the_same_bug():
+    original = run_program(_engine, PADDED)
+    assert original.created[:3] == (1, None, 2) and original.failure is not None
+    bug = original.bug()
+    assert bug == "StateLost:contents:mamba@resume"
+    got = minimise(PADDED, new_engine=_engine, bug=bug)
+    assert got is not None and got.replays > 1
+    assert [(s.op, s.args) for s in got.steps] == [(s.op, s.args) for s in _steps(PROGRAM_35957)]
+    assert bug_key(signature_of(got.replayed.failure, op=got.replayed.op)) == bug
+    assert got.replayed.failure.divergence.rid == 1  # the report names the renumbered request
+
+
+def test_a_program_that_does_not_show_the_bug_is_not_minimised():
+    assert minimise(PADDED[:4], new_engine=_engine, bug="StateLost:contents:mamba@resume") is None
+
+
+def test_an_edited_program_is_held_to_the_machines_own_preconditions():
+    """The machine aborts retracted requests only: an edit that aborts a running one cannot run."""
+    edited = _steps([{"op": "admit", "args": {"prompt_len": 1}}, {"op": "prefill", "args": {"rid": 1, "chunk": 1}},
+                     {"op": "abort", "args": {"rid": 1}}])
+    assert run_program(_engine, edited).cannot_run
+
+
+def test_the_minimised_program_says_what_each_step_did_in_its_own_replay():
+    bug = run_program(_engine, PADDED).bug()
+    got = minimise(PADDED, new_engine=_engine, bug=bug)
+    assert got.steps[0].outcome.startswith("Req(1) ")  # not the padded program's "Req(2) ..."
+    assert all(s.outcome for s in got.steps)
