@@ -47,6 +47,8 @@ class Checker:
                 if root:  # a known bug: what it touched is suspect; what follows from it is not widened
                     self._passed_over.add(key)
                     e.taint_with(d)
+                elif d.rid is not None:  # ... but a request it reached is, and so is a fork of it
+                    e.tainted_requests.add(d.rid)
                 e.passed_over[signature] = e.passed_over.get(signature, 0) + 1
                 return
         raise failure
@@ -238,9 +240,14 @@ class Checker:
             if not bool(bad.any()):  # the one host sync of a passing check
                 return
         for comp, node, parts, slots, expected, got in batches:
-            mismatch = (got.cpu() != expected).nonzero()
-            if mismatch.numel():
-                raise self._explain(comp, node, parts, slots, int(mismatch[0]))
+            # The first wrong slot of each request: a waived or known one is counted and the others
+            # of the batch are still checked (``fail`` raises the first that is neither).
+            seen = set()
+            for index in (got.cpu() != expected).nonzero().flatten().tolist():
+                failure = self._explain(comp, node, parts, slots, index)
+                if failure.divergence.rid not in seen:
+                    seen.add(failure.divergence.rid)
+                    self.fail(failure)
 
     def _expected_slots(self, fam, req: Request, spec: ComponentSpec, located: dict):
         """(positions, slots, expected checksums) of one component of one request, or None."""

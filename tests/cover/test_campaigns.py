@@ -77,7 +77,8 @@ def test_every_planted_bug_gets_one_artifact_and_the_run_exits_1(campaign, capsy
     arts = [load(p) for p in sorted(out.glob("*.json"))]
     assert {a.signature for a in arts} == SIGNATURES and len(arts) == 3
     for art in arts:
-        assert art.status == "shrunk" and art.examples >= 1 and art.seconds is not None
+        # --shrink-seconds is wall time: on a loaded machine a shrink may be cut, never lost
+        assert art.status in ("shrunk", "shrink-limit") and art.examples >= 1 and art.seconds is not None
         assert art.engine_options["known"] == [] or set(art.engine_options["known"]) < SIGNATURES
 
 
@@ -164,3 +165,31 @@ def test_hunt_on_a_plug_in_family_runs_its_no_fault_cells():
 
     row = hunt_cell("dense", None, seeds=1, budget=10, shrink_seconds=5, family_factory=build_minimal_family)
     assert row.detected == 0 and row.fault is None
+
+
+def _story_then_fork(options):
+    from poolfuzz.harness.program import new_engine, replay
+    from poolfuzz.harness.records import StepRecord
+    from tests.cover.programs import FAULT_35957, PROGRAM_35957
+
+    steps = [StepRecord(op=s["op"], args=s["args"], outcome="") for s in PROGRAM_35957] + [
+        StepRecord(op="fork", args={"src_rid": 1, "extra": 1}, outcome=""),
+        StepRecord(op="prefill", args={"rid": 2, "chunk": 1}, outcome="")]
+    engine = new_engine(config=CONFIGS["swa-ssm"], faults=[FAULT_35957], options=options)
+    return engine, [ev.failure for ev in replay(engine, steps)]
+
+
+def test_a_request_forked_from_one_a_known_bug_touched_is_downstream_of_it():
+    """#35957 known: the resumed request's lost state is passed over, and so is the fork that copies it."""
+    engine, failures_seen = _story_then_fork({"known": ("StateLost:contents:mamba@resume",)})
+    assert failures_seen == [None] * 7
+    assert engine.tainted_requests == {1, 2}  # the fork (Req 2) inherits the suspicion
+    assert engine.passed_over["StateLost:contents:mamba@resume"] >= 1
+    assert engine.passed_over["StateLost:contents:mamba@prefill.forked"] >= 1
+    _, unknown = _story_then_fork({})
+    assert type(unknown[3]).__name__ == "StateLost"  # without --known the story fails at the resume
+
+
+def test_the_contents_check_can_be_waived():
+    engine, failures_seen = _story_then_fork({"waive": ("contents",)})
+    assert failures_seen == [None] * 7 and engine.waived["contents"] >= 2
