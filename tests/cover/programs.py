@@ -1,4 +1,4 @@
-"""Engine programs several tests replay: SGLang #35957 in its shortest form."""
+"""Engine programs several tests replay: SGLang #35957 in its shortest form, and a known bug's consequence."""
 
 FAULT_35957 = "swa-ignores-mamba-backup"
 # The recurrent state is not backed up at retraction, and the resume reads a new slot.
@@ -7,4 +7,28 @@ PROGRAM_35957 = [
     {"op": "prefill", "args": {"rid": 1, "chunk": 1}},
     {"op": "retract", "args": {"rid": 1}},
     {"op": "resume", "args": {"node": "prefill"}},
+]
+
+# free_swa keeps full_to_swa (sglang#25805): with the ownership bug known, a retraction under decode
+# pressure frees a kept SWA slot a second time. Found by a 3-minute campaign with three planted bugs.
+FAULT_KEPT_MAPPING = "free-swa-keeps-mapping"
+PROGRAM_KEPT_MAPPING_DOUBLE_FREE = [
+    {"op": "admit", "args": {"prompt_len": 5}},
+    {"op": "prefill", "args": {"rid": 1, "chunk": 5}},
+    {"op": "admit", "args": {"prompt_len": 8}},
+    {"op": "prefill", "args": {"rid": 2, "chunk": 8}},
+    {"op": "admit", "args": {"prompt_len": 17}},
+    {"op": "prefill", "args": {"rid": 3, "chunk": 17}},
+    {"op": "decode", "args": {"rids": [1, 2]}},
+    {"op": "decode", "args": {"rids": [1]}},
+    {"op": "decode", "args": {"rids": [3, 2]}},
+    {"op": "decode", "args": {"rids": [2]}},
+    {"op": "decode", "args": {"rids": [1, 2]}},
+    {"op": "decode", "args": {"rids": [3]}},
+    {"op": "decode", "args": {"rids": [3, 2]}},
+    {"op": "decode", "args": {"rids": [1]}},
+    {"op": "decode", "args": {"rids": [2]}},
+    {"op": "decode", "args": {"rids": [1, 2]}},
+    {"op": "decode", "args": {"rids": [1, 2]}},
+    {"op": "decode", "args": {"rids": [2, 1]}},
 ]

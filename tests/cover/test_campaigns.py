@@ -193,3 +193,21 @@ def test_a_request_forked_from_one_a_known_bug_touched_is_downstream_of_it():
 def test_the_contents_check_can_be_waived():
     engine, failures_seen = _story_then_fork({"waive": ("contents",)})
     assert failures_seen == [None] * 7 and engine.waived["contents"] >= 2
+
+
+def test_a_pool_error_in_the_space_of_a_known_bug_is_downstream_of_it():
+    """The kept SWA mapping is known (ownership:swa); the double free it causes later, at another
+    slot, is its consequence, not a second bug: the campaign passes over it."""
+    from poolfuzz.harness.program import new_engine, replay
+    from poolfuzz.harness.records import StepRecord
+    from tests.cover.programs import FAULT_KEPT_MAPPING, PROGRAM_KEPT_MAPPING_DOUBLE_FREE
+
+    steps = [StepRecord(op=s["op"], args=s["args"], outcome="") for s in PROGRAM_KEPT_MAPPING_DOUBLE_FREE]
+    engine = new_engine(config=CONFIGS["swa-ssm"], faults=[FAULT_KEPT_MAPPING],
+                        options={"known": ("InvariantViolation:ownership:swa",)})
+    failure = list(replay(engine, steps))[-1].failure
+    assert failure.divergence.check == "pool-error" and "DoubleFree" in str(failure)
+    assert engine.tainted(failure.divergence)
+    fresh = new_engine(config=CONFIGS["swa-ssm"], faults=[FAULT_KEPT_MAPPING])
+    first = next(ev.failure for ev in replay(fresh, steps) if ev.failure is not None)
+    assert first.divergence.check == "ownership"  # unknown, the same program shows the root cause first
