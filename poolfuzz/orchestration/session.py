@@ -268,7 +268,10 @@ def _worker_main(plan: Plan, lanes: list[Lane], events, deadline: float | None, 
     except KeyboardInterrupt:
         pass
     except BaseException as exc:  # report, never a traceback on the user's terminal
-        events.put({"type": "error", "worker": worker, "message": f"{type(exc).__name__}: {exc}"})
+        # A stop signal that landed inside an import (torch's, at start-up) leaves the module half
+        # loaded, and the next import of it fails: that is the interrupt, not a worker error.
+        if interrupts.signum is None:
+            events.put({"type": "error", "worker": worker, "message": f"{type(exc).__name__}: {exc}"})
     finally:
         for s in STOP_SIGNALS:
             signal.signal(s, signal.SIG_IGN)
