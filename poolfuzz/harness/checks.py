@@ -68,11 +68,11 @@ class Checker:
                 pass
 
     def invariant(self, check: str, detail: str, node: str = "", *, space: str | None = None,
-                  kind: str = "invariant", slot: int | None = None) -> None:
+                  kind: str = "invariant", slot: int | None = None, rid: int | None = None) -> None:
         """An InvariantViolation of ``check`` at the current step (raised unless waived)."""
         e = self.engine
         self.fail(failures.invariant(step=e.step, op=e.op, action=e.action, detail=detail, node=node, kind=kind,
-                                     check=check, space=space, slot=slot))
+                                     check=check, space=space, slot=slot, rid=rid))
 
     # --- entry points ----------------------------------------------------------------------
     def check(self) -> None:
@@ -162,12 +162,15 @@ class Checker:
             if owned is None:
                 owned = self._owned[node] = [(s, e.state_types[s]) for s in lists if e.state_types[s].on_device]
             held: dict[str, list[int]] = {space: [] for space, _ in owned}
+            holder: dict[str, list[int]] = {space: [] for space, _ in owned}  # the rid of each held unit
             for req in e.requests.values():
                 if req.node != node or req.phase is Phase.RETRACTED:
                     continue
                 tokens = e.lookup.tokens(fam, req.kv.req_pool_idx, 0, req.kv.kv_allocated_len)
                 for space, state_type in owned:
-                    held[space] += state_type.held_units(e.lookup, fam, req.kv, tokens)
+                    units = list(state_type.held_units(e.lookup, fam, req.kv, tokens))
+                    held[space] += units
+                    holder[space] += [req.rid] * len(units)
             for space, units in held.items():
                 alloc = lists[space]
                 is_free = (alloc._is_free.__getitem__ if type(alloc).is_free_page is TokenAllocator.is_free_page
@@ -179,13 +182,13 @@ class Checker:
                     dup = next(u for u in units if units.count(u) > 1)
                     self.invariant("ownership", f"{space} slot/page {dup} is held by two owners", node, space=space,
                                    slot=dup)
-                for u in units:
+                for u, rid in zip(units, holder[space]):
                     if u == 0:
-                        self.invariant("reserved", f"{space} slot/page 0 (reserved padding) was handed out", node,
-                                       space=space, slot=0)
+                        self.invariant("reserved", f"{space} slot/page 0 (reserved padding) was handed out "
+                                       f"(held by req {rid})", node, space=space, slot=0, rid=rid)
                     elif is_free(u):
-                        self.invariant("ownership", f"{space} slot/page {u} is held but also in the free list",
-                                       node, space=space, slot=u)
+                        self.invariant("ownership", f"{space} slot/page {u} is held (by req {rid}) but also in the "
+                                       "free list", node, space=space, slot=u, rid=rid)
 
     def _check_free_lists(self) -> None:
         e = self.engine

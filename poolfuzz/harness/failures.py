@@ -76,8 +76,8 @@ def state_lost(*, step, op, node, rid, component, layer, position, slot_before, 
 
 
 def invariant(*, step, op, detail, check, space=None, node="", kind="invariant", action="",
-              slot=None) -> InvariantViolation:
-    return InvariantViolation(Divergence(kind=kind, step=step, op=op, node=node, detail=detail, check=check,
+              slot=None, rid=None) -> InvariantViolation:
+    return InvariantViolation(Divergence(kind=kind, step=step, op=op, node=node, rid=rid, detail=detail, check=check,
                                          space=space, action=action or op, slot_after=slot),
                               f"{detail} [step {step}, {op}{', node ' + node if node else ''}]")
 

@@ -32,3 +32,16 @@ PROGRAM_KEPT_MAPPING_DOUBLE_FREE = [
     {"op": "decode", "args": {"rids": [1, 2]}},
     {"op": "decode", "args": {"rids": [2, 1]}},
 ]
+
+# Slot 0 handed out (sglang#17404): Req(1) holds the padding slot, another request's speculative
+# decode pads into it, and a fork of Req(1) copies the clobbered state. Found by a 3-minute
+# campaign run with the slot-zero bug known.
+PROGRAM_SLOT_ZERO_FORK = [
+    {"op": "admit", "args": {"prompt_len": 1}},
+    {"op": "prefill", "args": {"rid": 1, "chunk": 1}},
+    {"op": "admit", "args": {"prompt_len": 1}},
+    {"op": "prefill", "args": {"rid": 2, "chunk": 1}},
+    {"op": "decode_speculative", "args": {"rid": 2, "draft": 1, "accepted": 0}},
+    {"op": "fork", "args": {"src_rid": 1, "extra": 1}},
+    {"op": "prefill", "args": {"rid": 3, "chunk": 1}},
+]

@@ -211,3 +211,21 @@ def test_a_pool_error_in_the_space_of_a_known_bug_is_downstream_of_it():
     fresh = new_engine(config=CONFIGS["swa-ssm"], faults=[FAULT_KEPT_MAPPING])
     first = next(ev.failure for ev in replay(fresh, steps) if ev.failure is not None)
     assert first.divergence.check == "ownership"  # unknown, the same program shows the root cause first
+
+
+def test_a_fork_of_the_request_holding_a_known_bugs_slot_is_downstream():
+    """The slot-zero bug known: the holder of slot 0 is named, so its fork's clobbered state is too."""
+    from poolfuzz.harness.program import new_engine, replay
+    from poolfuzz.harness.records import StepRecord
+    from tests.cover.programs import PROGRAM_SLOT_ZERO_FORK
+
+    steps = [StepRecord(op=s["op"], args=s["args"], outcome="") for s in PROGRAM_SLOT_ZERO_FORK]
+    faults = ["mamba-slot-zero"]
+    engine = new_engine(config=CONFIGS["swa-ssm"], faults=faults,
+                        options={"known": ("InvariantViolation:reserved:mamba",)})
+    assert [ev.failure for ev in replay(engine, steps)][:len(steps)] == [None] * len(steps)
+    assert engine.passed_over.get("StateLost:contents:mamba@prefill.forked", 0) >= 1
+    assert {1, 3} <= engine.tainted_requests
+    fresh = new_engine(config=CONFIGS["swa-ssm"], faults=faults, options={"waive": ("reserved", "free-count", "free-list")})
+    failure = next(ev.failure for ev in replay(fresh, steps) if ev.failure is not None)
+    assert failure.divergence.rid == 3 and failure.divergence.check == "contents"  # unknown: it is reported
