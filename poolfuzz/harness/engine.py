@@ -154,6 +154,17 @@ class Engine:
             return (space, slot) in self.taint
         return any(s == space for s, _ in self.taint)
 
+    def crash_downstream(self) -> bool:
+        """Does a crash of the pools (no slot or space named) follow from a known bug passed over
+        earlier in this example? Only when the operation that crashed served a request the known bug
+        reached: a crash elsewhere (a release that cannot retract at all, an index out of bounds on a
+        fresh admit) is a bug of its own, however broken something else already was."""
+        if ("*", None) in self.taint:
+            return True
+        args = self.pending[1] if self.pending else {}
+        rids = [args[k] for k in ("rid", "src_rid") if k in args] + list(args.get("rids", ()))
+        return any(r in self.tainted_requests for r in rids)
+
     def live(self, phase: Phase, node: str | None = None) -> list[Request]:
         return [r for r in self.requests.values() if r.phase is phase and (node is None or r.node == node)]
 

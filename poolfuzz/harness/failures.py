@@ -120,7 +120,8 @@ STATE_CHECKS = frozenset({"reserved", "ownership", "free-list", "free-count", "l
 
 
 # failure class : check : space @ operation, e.g. StateLost:contents:mamba@resume, Crash:KeyError@decode
-SIGNATURE = re.compile(r"^[A-Za-z]+(:[a-z-]+:[A-Za-z0-9_.*-]+(@[A-Za-z_.-]+)?|@[A-Za-z_.-]+)$")
+SIGNATURE = re.compile(r"^[A-Za-z]+(:[a-z-]+:[A-Za-z0-9_.*-]+(@[A-Za-z_.-]+)?|:[A-Za-z_][A-Za-z0-9_]*@[A-Za-z_.-]+"
+                       r"|@[A-Za-z_.-]+)$")
 
 
 def bug_key(signature: str) -> str:
@@ -166,5 +167,8 @@ def divergence_of(exc: BaseException, engine=None) -> dict:
     the engine's current step."""
     if isinstance(exc, PoolfuzzFailure):
         return exc.divergence.to_json()
-    return {"kind": "exception", "step": getattr(engine, "step", 0), "op": getattr(engine, "op", ""),
-            "detail": message_of(exc), "check": "crash", "space": None}
+    op = getattr(engine, "op", "")
+    # The action names the crash, as it names a lost state: a retraction a decode ran is a retract.
+    return {"kind": "exception", "step": getattr(engine, "step", 0), "op": op,
+            "action": getattr(engine, "action", "") or op, "detail": message_of(exc), "check": "crash",
+            "space": None}

@@ -68,6 +68,7 @@ class _Unbuilt:
     backup_mode: str
     step: int = 0
     op: str = "init"
+    action: str = "init"
 
 
 def _has(phase: Phase, node: str | None = None):

@@ -34,6 +34,7 @@ class Replayed:
     created: tuple  # per step, the request id it created (admit, fork) or None
     cannot_run: bool
     outcomes: tuple = ()  # per step run, what it did in this replay (the ids renumbered)
+    divergence: dict | None = None  # the failure's record (a crash's at the engine's step and action)
 
     def bug(self) -> str | None:
         if self.failure is None or self.cannot_run:
@@ -46,7 +47,8 @@ def run_program(new_engine: Callable, steps: list[StepRecord]) -> Replayed:
     try:
         engine = new_engine()
     except Exception as exc:  # a failure while the families are built (an audit, a crash): step 0
-        return Replayed(failure=exc, in_teardown=False, op="init", created=(), cannot_run=False)
+        return Replayed(failure=exc, in_teardown=False, op="init", created=(), cannot_run=False,
+                        divergence=failures.divergence_of(exc))
     created: list = []
     outcomes: list = []
     last_rid = engine.next_rid
@@ -60,8 +62,9 @@ def run_program(new_engine: Callable, steps: list[StepRecord]) -> Replayed:
         if event.step is not None:
             outcomes.append(event.outcome)
         if event.failure is not None:
-            return Replayed(failure=event.failure, in_teardown=event.step is None, op=engine.op,
-                            created=tuple(created), cannot_run=False, outcomes=tuple(outcomes))
+            return Replayed(failure=event.failure, in_teardown=event.step is None, op=engine.action,
+                            created=tuple(created), cannot_run=False, outcomes=tuple(outcomes),
+                            divergence=failures.divergence_of(event.failure, engine))
     return Replayed(failure=None, in_teardown=False, op="", created=tuple(created), cannot_run=False,
                     outcomes=tuple(outcomes))
 

@@ -144,9 +144,10 @@ class _Tracker:
             self.backup_mode = engine.backup_mode
 
     def example_failed(self, engine, exc, steps, in_teardown) -> bool:
-        signature = signature_of(exc, in_teardown=in_teardown, op=engine.op)
+        signature = signature_of(exc, in_teardown=in_teardown, op=engine.action)
         taint = getattr(engine, "taint", None)  # an engine that could not be built has none
-        downstream = bool(taint) and (not isinstance(exc, PoolfuzzFailure) or engine.tainted(exc.divergence))
+        downstream = bool(taint) and (engine.tainted(exc.divergence) if isinstance(exc, PoolfuzzFailure)
+                                      else engine.crash_downstream())
         if bug_key(signature) in self.known or downstream:
             self.skipped[signature] = self.skipped.get(signature, 0) + 1
             return True
@@ -304,7 +305,7 @@ def run_machine(config, *, device="cpu", faults=(), backup_mode=None, max_exampl
             hypothesis_steps, engine_steps = len(engine_steps), tuple(shorter.steps)
             got = shorter.replayed
             failure, error_type = message_of(got.failure), type(got.failure).__name__
-            divergence = divergence_of(got.failure) if isinstance(got.failure, PoolfuzzFailure) else divergence
+            divergence = got.divergence
             signature = signature_of(got.failure, in_teardown=got.in_teardown, op=got.op)
             final = dataclasses.replace(final, in_teardown=got.in_teardown)
     mode = final.backup_mode if final is not None else tracker.backup_mode

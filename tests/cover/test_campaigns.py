@@ -229,3 +229,33 @@ def test_a_fork_of_the_request_holding_a_known_bugs_slot_is_downstream():
     fresh = new_engine(config=CONFIGS["swa-ssm"], faults=faults, options={"waive": ("reserved", "free-count", "free-list")})
     failure = next(ev.failure for ev in replay(fresh, steps) if ev.failure is not None)
     assert failure.divergence.rid == 3 and failure.divergence.check == "contents"  # unknown: it is reported
+
+
+def test_a_crash_signature_is_a_signature_a_known_file_and_an_artifact_accept(tmp_path):
+    """A crash is named by its exception and the action that raised it, and can be listed as known."""
+    from poolfuzz.harness.failures import divergence_of, signature_of
+
+    class Engine:
+        step, op, action = 3, "decode", "retract"  # a decode that retracted under pressure
+
+    crash = NotImplementedError()
+    assert signature_of(crash, op=Engine.action) == "Crash:NotImplementedError@retract"
+    assert signature_from("NotImplementedError", divergence_of(crash, Engine)) == "Crash:NotImplementedError@retract"
+    assert SIGNATURE.match("Crash:NotImplementedError@retract") and not SIGNATURE.match("Crash:Not Impl@x")
+    f = tmp_path / "known.txt"
+    f.write_text("Crash:IndexError@admit\n")
+    assert "Crash:IndexError@admit" in load_known(str(f))
+
+
+def test_a_crash_is_downstream_only_of_a_known_bug_that_reached_its_request():
+    from poolfuzz.harness.program import new_engine
+
+    engine = new_engine(config=CONFIGS["swa-ssm"], options={"known": ("InvariantViolation:free-list:rows",)})
+    engine.taint.add(("rows", None))  # a known bug in another space, reaching no request
+    engine.pending = ("admit", {"prompt_len": 1})
+    assert not engine.crash_downstream()  # an index out of bounds on a fresh admit is its own bug
+    engine.tainted_requests.add(2)
+    engine.pending = ("finish", {"rid": 2})
+    assert engine.crash_downstream()
+    engine.pending = ("decode", {"rids": [1, 2]})
+    assert engine.crash_downstream()
