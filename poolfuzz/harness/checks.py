@@ -12,6 +12,7 @@ from poolfuzz.harness.checksums import SlotReader, slot_checksums
 from poolfuzz.harness.contents import describe_row
 from poolfuzz.harness.ledger import ComponentSpec
 from poolfuzz.harness.records import Phase, Request
+from poolfuzz.harness.sharing import audit_shared_units
 from poolfuzz.pools.allocator import TokenAllocator
 
 _EMPTY = torch.empty(0, dtype=torch.int64)
@@ -146,12 +147,19 @@ class Checker:
             if owned is None:
                 owned = self._owned[node] = [(s, e.state_types[s]) for s in lists if e.state_types[s].on_device]
             held: dict[str, list[int]] = {space: [] for space, _ in owned}
+            shared = getattr(fam, "shared_unit_spaces", ())
+            held_by: dict[str, list[tuple[int, int]]] = {space: [] for space, _ in owned if space in shared}
             for req in e.requests.values():
                 if req.node != node or req.phase is Phase.RETRACTED:
                     continue
                 tokens = e.lookup.tokens(fam, req.kv.req_pool_idx, 0, req.kv.kv_allocated_len)
                 for space, state_type in owned:
-                    held[space] += state_type.held_units(e.lookup, fam, req.kv, tokens)
+                    units = state_type.held_units(e.lookup, fam, req.kv, tokens)
+                    held[space] += units
+                    if space in held_by:
+                        held_by[space] += [(u, req.rid) for u in units]
+            if shared:
+                audit_shared_units(e, node, fam, held_by, self.invariant)
             for space, units in held.items():
                 alloc = lists[space]
                 is_free = (alloc._is_free.__getitem__ if type(alloc).is_free_page is TokenAllocator.is_free_page
