@@ -75,14 +75,16 @@ class Writer:
 
     def recompute(self, req: Request, start: int, ref) -> None:
         """A resume that recomputes (vLLM's preemption): positions ``[start, committed)`` get their KV
-        again, each from the request whose token it is, and the state is rebuilt from all tokens."""
+        again, each from the request whose token it is, and the state is rebuilt from all tokens.
+        Where the resume allocated the last sampled token too, its KV is computed in that step (the
+        block may enter the prefix cache): the next decode writes the same rows there again."""
         e = self.engine
         fam = e.families[req.node]
-        end = req.kv.kv_committed_len
+        end = min(req.kv.kv_allocated_len, req.kv.seqlen)
         kv_plan, state_plan = self._plan(req.node)
         if end > start:
             slots = fam.req_pool.read(req.kv.req_pool_idx, start, end)
-            owners = ref.kv_owner
+            owners = list(ref.kv_owner) + [req.rid] * (end - len(ref.kv_owner))
             for comp, spec, state_type in kv_plan:
                 target = state_type.write_targets(fam, slots).to(e.device)
                 lo = start
@@ -90,7 +92,10 @@ class Writer:
                     hi = lo + 1
                     while hi < end and owners[hi] == owners[lo]:
                         hi += 1
-                    comp.tensor[target[lo - start:hi - start]] = row_cache.kv_rows(spec, owners[lo], lo, hi, e.device)
+                    rows = row_cache.kv_rows(spec, owners[lo], lo, hi, e.device)
+                    part = target[lo - start:hi - start]
+                    kept = part != 0  # slot 0: no slot (a position the window left behind), not written
+                    comp.tensor[part[kept]] = rows[kept]
                     lo = hi
         if state_plan and ref.state:
             rid, _, gen = ref.state[-1]

@@ -32,10 +32,12 @@ class Built:
 
 
 def num_blocks_for(config: ModelConfig) -> int:
-    """One shared pool for every group: the config's full and SWA pages plus its mamba slots, plus
-    the null block."""
+    """One shared pool for every group: the config's full pages plus its mamba slots, plus the null
+    block. The SWA group draws from the same pages (vLLM has no separate SWA pool), so a hybrid
+    model's pool fills up about twice as fast as a dense one's: where prefix-cache eviction and
+    reuse happen."""
     ps = config.page_size
-    return config.full_tokens // ps + config.swa_tokens // ps + config.mamba_slots + 1
+    return config.full_tokens // ps + config.mamba_slots + 1
 
 
 def build_manager(api: VllmAPI, config: ModelConfig, mamba_mode: str) -> Built:
