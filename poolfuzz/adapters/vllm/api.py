@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import os
+import warnings
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -48,6 +49,13 @@ class VllmAPI:
 def load() -> VllmAPI:
     """Import vLLM's core modules (a ConfigError naming the fix when it is not installed)."""
     os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+    # vLLM's import chain warns about its own use of torch APIs (torch.jit, ...): not ours to fail on.
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return _load()
+
+
+def _load() -> VllmAPI:
     try:
         from importlib.metadata import version as dist_version
 
