@@ -66,6 +66,10 @@ def build_manager(api: VllmAPI, config: ModelConfig, mamba_mode: str) -> Built:
         if "mamba_cache_mode" in api.mamba_fields:
             kw["mamba_cache_mode"] = mamba_mode
         specs.append((api.MambaSpec(**kw), "mamba", config.mamba_layer_ids, mamba_block))
+    # vLLM orders the groups as their kind first appears in the model's layers (its planner groups
+    # layers by spec in layer order): the order the coordinator then walks them in.
+    letter = {"full": "F", "swa": "S", "mamba": "M"}
+    specs.sort(key=lambda item: config.layers.index(letter[item[1]]))
     for i, (spec, space, layer_ids, block) in enumerate(specs):
         groups.append(Group(index=i, space=space, layer_ids=tuple(layer_ids), block_size=block))
     num_blocks = num_blocks_for(config)
