@@ -31,7 +31,7 @@ for v in "${versions[@]}"; do
     continue
   fi
   out=$(mktemp -d)
-  (cd "$repo" && PYTHONPATH="$repo" "$venv/bin/python" - "$v" "$examples" "$out" <<'PY'
+  (cd "$repo" && VLLM_LOGGING_LEVEL=ERROR PYTHONPATH="$repo" "$venv/bin/python" - "$v" "$examples" "$out" 2>/dev/null <<'PY'
 import glob, json, subprocess, sys
 version, examples, out = sys.argv[1:4]
 def row(imports, configs, verdict, anchor="-"):

@@ -59,8 +59,7 @@ def test_next_turn_with_connector_tokens(api, expect):
     fam.protocol.release_kv(filler, fam)
     # The next turn: the first turn's 6 tokens, then 4 of its own.
     prompt = [token_id(1, p) for p in range(6)] + [token_id(2, p) for p in range(6, 10)]
-    request = api.Request(request_id="2", prompt_token_ids=prompt, sampling_params=api.SamplingParams(max_tokens=8),
-                          pooling_params=None, block_hasher=api.block_hasher(CONFIG.page_size, api.hash_fn))
+    request = api.new_request("2", prompt, CONFIG.page_size)
     fam.live[2] = LiveRequest(rid=2, request=request, row=None)
     blocks, hit = fam.manager.get_computed_blocks(request)[:2]
     assert hit == 6, f"the next turn should hit the first turn's 3 blocks, hit {hit}"

@@ -34,6 +34,15 @@ class VllmAPI:
     manager_params: frozenset  # KVCacheManager's constructor parameters
     allocate_params: frozenset  # allocate_slots' parameters
     mamba_fields: frozenset  # MambaSpec's fields: "mamba_cache_mode" where the release has cache modes
+    request_params: frozenset  # Request's constructor parameters (eos_token_id, required before ~0.17)
+
+    def new_request(self, request_id: str, prompt: list[int], block_size: int):
+        """A real ``vllm.v1.request.Request`` with a block hasher, as this release constructs one."""
+        kw = dict(request_id=request_id, prompt_token_ids=prompt, sampling_params=self.SamplingParams(max_tokens=1 << 16),
+                  pooling_params=None, block_hasher=self.block_hasher(block_size, self.hash_fn))
+        if "eos_token_id" in self.request_params:
+            kw["eos_token_id"] = None
+        return self.Request(**kw)
 
     @property
     def mamba_cache_modes(self) -> tuple[str, ...]:
@@ -76,7 +85,8 @@ def _load() -> VllmAPI:
         SamplingParams=SamplingParams, block_hasher=kv_cache_utils.get_request_block_hasher, hash_fn=hash_fn,
         manager_params=frozenset(inspect.signature(KVCacheManager).parameters),
         allocate_params=frozenset(inspect.signature(KVCacheManager.allocate_slots).parameters),
-        mamba_fields=frozenset(f.name for f in dataclasses.fields(MambaSpec)))
+        mamba_fields=frozenset(f.name for f in dataclasses.fields(MambaSpec)),
+        request_params=frozenset(inspect.signature(Request).parameters))
 
 
 def _hash_fn():

@@ -77,10 +77,8 @@ class VllmProtocol:
         if row is None:
             raise PoolExhausted(space="rows", requested=1, available=0)
         api = fam.api
-        request = api.Request(request_id=str(req.rid),
-                              prompt_token_ids=[token_id(req.rid, p) for p in range(req.seqlen)],
-                              sampling_params=api.SamplingParams(max_tokens=1 << 16), pooling_params=None,
-                              block_hasher=api.block_hasher(fam.config.page_size, api.hash_fn))
+        request = api.new_request(str(req.rid), [token_id(req.rid, p) for p in range(req.seqlen)],
+                                  fam.config.page_size)
         live = LiveRequest(rid=req.rid, request=request, row=row)
         fam.live[req.rid] = live
         fam.by_row[row] = live
