@@ -12,6 +12,7 @@ from poolfuzz.harness.checksums import SlotReader, slot_checksums
 from poolfuzz.harness.contents import describe_row
 from poolfuzz.harness.ledger import ComponentSpec
 from poolfuzz.harness.records import Phase, Request
+from poolfuzz.harness.sharing import audit_shared_units
 from poolfuzz.pools.allocator import TokenAllocator
 
 _EMPTY = torch.empty(0, dtype=torch.int64)
@@ -171,6 +172,10 @@ class Checker:
                     units = list(state_type.held_units(e.lookup, fam, req.kv, tokens))
                     held[space] += units
                     holder[space] += [req.rid] * len(units)
+            shared = getattr(fam, "shared_unit_spaces", ())
+            if shared:  # (unit, rid) of every held unit of each space whose units a prefix cache shares
+                held_by = {space: list(zip(held[space], holder[space])) for space in shared if space in held}
+                audit_shared_units(e, node, fam, held_by, self.invariant)
             for space, units in held.items():
                 alloc = lists[space]
                 is_free = (alloc._is_free.__getitem__ if type(alloc).is_free_page is TokenAllocator.is_free_page

@@ -67,7 +67,10 @@ class Engine:
         first = self.families["prefill"]
         self.device = first.device
         self.backup_mode: str = first.backup_mode  # the retraction path the families run
-        self.refs = {n: ReferenceFamily(config, backup_mode=f.backup_mode) for n, f in self.families.items()}
+        # A family whose engine counts capacity its own way (vLLM's shared block pool) names the
+        # reference model of it: ``reference_factory(config, backup_mode=...)``.
+        reference = getattr(first, "reference_factory", None) or ReferenceFamily
+        self.refs = {n: reference(config, backup_mode=f.backup_mode) for n, f in self.families.items()}
         self.ledger = row_cache.shared_ledger()  # expected checksums: pure caches shared across examples
         # What the checks need of each component (no tensors), and the rules of each index space.
         self.specs = {(c.name, c.layer): ComponentSpec.of(c) for c in first.components()}
@@ -392,9 +395,15 @@ class Engine:
         req = self.requests[rid]
         fam, ref = self.families[node], self.refs[node]
         self.action = "resume"
-        err = self._both(node, rid, lambda: ref.resume(rid), lambda: fam.protocol.resume(req.kv, fam))
+        # A family with a prefix cache says first what its lookup found (the engine's choice, as a
+        # slot is); the reference predicts what the resume then costs.
+        found = fam.protocol.lookup(req.kv, fam) if getattr(fam, "prefix_caching", False) else {}
+        err = self._both(node, rid, lambda: ref.resume(rid, **found), lambda: fam.protocol.resume(req.kv, fam))
         if err:
             return None, f"Req({rid}) waits: {err.space} exhausted"
+        if req.kv.recompute_from is not None:  # the family recomputes: the forward writes it again
+            self.writer.recompute(req, req.kv.recompute_from, ref.request(rid))
+            req.kv.recompute_from = None
         self.retracted[node].pop(0)
         req.phase = Phase.RUNNING
         req.verb = "resumed"

@@ -108,6 +108,8 @@ CHECKS: dict[str, str] = {
     "backup-mode": "a model with recurrent state never takes the host_pool retraction backup",
     "carries-mamba": "cpu_copy_carries_mamba says what the KV pool's CPU copy really carried",
     "backed-up-twice": "the recurrent state is backed up once",
+    "shared-unit": "a unit of a pool its spaces share (vLLM's KV cache groups) sits in one space's tables, "
+                   "and its ref count is its number of holders",
 }
 # Checks ``--waive`` may switch off: the structural ones, after which the engine stays consistent.
 # The outcome checks are not: once the pools and the reference disagree, every later step would.
@@ -116,7 +118,7 @@ WAIVABLE = frozenset(CHECKS) - {"outcome", "pool-error", "backup-short", "backup
 # that first sees it is incidental, so two signatures that differ only there name one bug.
 STATE_CHECKS = frozenset({"reserved", "ownership", "free-list", "free-count", "leak",
                           "live-requests", "ssm-predicate", "backup-mode", "carries-mamba",
-                          "backed-up-twice"})
+                          "backed-up-twice", "shared-unit"})
 
 
 # failure class : check : space @ operation, e.g. StateLost:contents:mamba@resume, Crash:KeyError@decode

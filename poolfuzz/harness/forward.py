@@ -73,11 +73,43 @@ class Writer:
             new_chain = (old_chain * a + b) % 251
             comp.tensor[slot] = row_cache.state_rows(spec, req.rid, end, new_chain, e.device)
 
+    def recompute(self, req: Request, start: int, ref) -> None:
+        """A resume that recomputes (vLLM's preemption): positions ``[start, committed)`` get their KV
+        again, each from the request whose token it is, and the state is rebuilt from all tokens.
+        Where the resume allocated the last sampled token too, its KV is computed in that step (the
+        block may enter the prefix cache): the next decode writes the same rows there again."""
+        e = self.engine
+        fam = e.families[req.node]
+        end = min(req.kv.kv_allocated_len, req.kv.seqlen)
+        kv_plan, state_plan = self._plan(req.node)
+        if end > start:
+            slots = fam.req_pool.read(req.kv.req_pool_idx, start, end)
+            owners = list(ref.kv_owner) + [req.rid] * (end - len(ref.kv_owner))
+            for comp, spec, state_type in kv_plan:
+                target = state_type.write_targets(fam, slots).to(e.device)
+                lo = start
+                while lo < end:  # one write per run of positions of one owner
+                    hi = lo + 1
+                    while hi < end and owners[hi] == owners[lo]:
+                        hi += 1
+                    rows = row_cache.kv_rows(spec, owners[lo], lo, hi, e.device)
+                    part = target[lo - start:hi - start]
+                    kept = part != 0  # slot 0: no slot (a position the window left behind), not written
+                    comp.tensor[part[kept]] = rows[kept]
+                    lo = hi
+        if state_plan and ref.state:
+            rid, _, gen = ref.state[-1]
+            for comp, spec in state_plan:
+                comp.tensor[req.kv.mamba_pool_idx] = row_cache.state_row(spec, rid, gen, e.ledger.chain(ref.state))
+
     def padding(self, node: str) -> None:
         """A padded (CUDA-graph) batch writes its dummy rows to slot 0 of every component:
-        harmless by design, unless slot 0 was handed to a request (SGLang #17404)."""
+        harmless by design, unless slot 0 was handed to a request (SGLang #17404). A family that pads
+        with an unwritten slot id instead (``pads_slot_zero = False``: vLLM's -1) is not written."""
         e = self.engine
         fam = e.families[node]
+        if not getattr(fam, "pads_slot_zero", True):
+            return
         zero = torch.zeros(1, dtype=torch.int64, device=e.device)
         for comp in fam.components():
             spec = e.specs[(comp.name, comp.layer)]

@@ -128,6 +128,36 @@ def steps(device, *, examples: int, small_tokens: int, large_tokens: int, reps: 
     return out
 
 
+VLLM_CONFIG = "swa"  # full attention + sliding window: two KV cache groups over one block pool
+
+
+def vllm_steps(device, *, examples: int, reps: int = 3) -> dict:
+    """Steps/s of the vllm family (vLLM's real KVCacheManager), where vLLM is installed; else {}."""
+    from poolfuzz.orchestration.plugins import resolve_family
+    from poolfuzz.orchestration.runner import run_machine
+    from poolfuzz.pools.config import CONFIGS
+    from poolfuzz.pools.errors import ConfigError
+
+    plugin = resolve_family("vllm")
+    config = CONFIGS[VLLM_CONFIG]
+    if plugin.unsupported_reason(config) is not None:
+        return {}
+    try:
+        run_machine(config, device=device, max_examples=2, seed=1, family_factory=plugin.factory)
+    except ConfigError:
+        return {}
+    rates = []
+    for _ in range(reps):
+        r = run_machine(config, device=device, max_examples=examples, seed=0, family_factory=plugin.factory)
+        if not r.passed:
+            raise RuntimeError(f"bench: the vllm family failed on {config.name}: {r.failure}")
+        rates.append(r.steps / r.seconds)
+    from importlib.metadata import version  # the family is loaded by name only, never imported here
+
+    return {"steps_per_second_vllm": max(rates), "steps_per_second_vllm_runs": rates,
+            "vllm_version": version("vllm")}
+
+
 def trivial_steps_per_second(examples: int) -> float:
     """Plain Hypothesis with two trivial rules, same budget: the ceiling on this machine right now
     (it moves with the machine's load, and so does every figure above)."""

@@ -33,6 +33,7 @@ DEFAULT_FAMILY = "builtin"
 SHIPPED = {
     "builtin": "poolfuzz.pools.family:build_family",
     "sglang": "poolfuzz.adapters.sglang:build_family",
+    "vllm": "poolfuzz.adapters.vllm:build_family",
 }
 
 

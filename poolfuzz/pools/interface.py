@@ -12,7 +12,19 @@ Optional capabilities, read with a default where a family does not declare them:
 * ``supports_fork`` / ``supports_transfer`` (class attributes, default True): False makes the
   state machine skip the ``fork`` / ``transfer`` rules for this family;
 * ``factory.unsupported_reason(config) -> str | None``: the configs a factory declines, saying why
-  (``poolfuzz run`` skips them instead of failing on them).
+  (``poolfuzz run`` skips them instead of failing on them);
+* ``reference_factory`` (default None: :class:`poolfuzz.pools.reference.ReferenceFamily`): the
+  reference model of an engine that counts capacity its own way, ``reference_factory(config,
+  backup_mode=...)`` (vLLM: one block pool for every KV cache group);
+* ``prefix_caching`` (default False): True makes the engine ask ``protocol.lookup(req, family)``
+  before a resume what the prefix cache found, and pass it to the reference's ``resume``;
+* ``ReqKv.recompute_from``: set by a resume that recomputes instead of restoring; the engine then
+  writes the KV of positions from there on again;
+* ``pads_slot_zero`` (default True): False where a padded batch writes nowhere (vLLM pads with -1);
+* ``shared_unit_spaces`` (default ()): spaces whose units come from one pool; a unit held in two of
+  them, or whose free list's ``ref_count(unit)`` is not its number of holders, is a violation;
+* ``caches_freed_units`` (default False): freed units keep their contents (a prefix cache), so the
+  family reports a unit to the free listener only when it leaves the cache.
 """
 
 from __future__ import annotations

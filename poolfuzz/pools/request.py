@@ -63,6 +63,9 @@ class ReqKv:
     mamba_cow_src: int | None = None
     retraction_backup: RetractionBackup | None = None
     retraction_count: int = 0
+    # Set by a family whose resume recomputes instead of restoring (vLLM): the first position the
+    # engine must write again; None when the resume restored everything itself.
+    recompute_from: int | None = None
 
     def __repr__(self) -> str:
         return f"Req({self.rid})"

@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# Which vLLM releases the vllm family drives: install each release in turn into one shared
+# environment (ci/vllm-install.sh swaps vLLM and keeps the rest) and print one row per release:
+# installs, imports, configs supported, harness verdict (every distinct failure signature) and the
+# #44409 anchor (tests/vllm/test_vllm_44409.py; expected to catch the bug before 0.24.0).
+#
+#   ci/vllm-compat.sh [VENV] [VERSION ...]     (default: 0.16.0 to 0.33.0)
+# Budget: POOLFUZZ_COMPAT_EXAMPLES examples per config (default 60). The table goes to stdout; each
+# release's install log to VENV/../compat-VERSION.log. Feature detection only: nothing here or in
+# the adapter switches on the version string.
+set -uo pipefail
+repo=$(cd "$(dirname "$0")/.." && pwd)
+venv=${1:-${POOLFUZZ_VLLM_VENVS:-$HOME/.cache/poolfuzz/vllm-venvs}/compat}
+shift || true
+mkdir -p "$(dirname "$venv")"
+if [ "$#" -gt 0 ]; then
+  versions=("$@")
+else
+  versions=()
+  for minor in $(seq 16 33); do versions+=("0.$minor.0"); done
+fi
+examples=${POOLFUZZ_COMPAT_EXAMPLES:-60}
+
+printf '%-8s | %-8s | %-7s | %-28s | %-60s | %s\n' release installs imports "configs supported (of 8)" \
+  "harness verdict" "#44409 anchor"
+printf '%s\n' "---------|----------|---------|------------------------------|--------------------------------------------------------------|--------------"
+for v in "${versions[@]}"; do
+  log="$(dirname "$venv")/compat-$v.log"
+  if ! bash "$repo/ci/vllm-install.sh" "$venv" "$v" >"$log" 2>&1; then
+    printf '%-8s | %-8s | %-7s | %-28s | %-60s | %s\n' "$v" no - - "install failed (see $log)" -
+    continue
+  fi
+  out=$(mktemp -d)
+  (cd "$repo" && VLLM_LOGGING_LEVEL=ERROR PYTHONPATH="$repo" "$venv/bin/python" - "$v" "$examples" "$out" 2>/dev/null <<'PY'
+import glob, json, subprocess, sys
+version, examples, out = sys.argv[1:4]
+def row(imports, configs, verdict, anchor="-"):
+    print(f"{version:8} | {'yes':8} | {imports:7} | {configs:28} | {verdict:60} | {anchor}", flush=True)
+try:
+    from poolfuzz.adapters.vllm import describe, unsupported_reason
+    describe()
+except Exception as exc:
+    row("no", "-", f"{type(exc).__name__}: {str(exc)[:120]}")
+    sys.exit(0)
+from poolfuzz.pools.config import CONFIGS
+ok = [n for n in CONFIGS if unsupported_reason(CONFIGS[n]) is None]
+run = subprocess.run([sys.executable, "-m", "poolfuzz.cli", "run", "--family", "vllm", "--examples", examples,
+                      "--seed", "1", "--db", "none", "--out", out], capture_output=True, text=True)
+sigs = sorted({json.load(open(f)).get("signature", "?") for f in glob.glob(f"{out}/*.json")})
+verdict = "pass" if run.returncode == 0 else ("; ".join(sigs) or f"exit {run.returncode}")
+anchor = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                         "tests/vllm/test_vllm_44409.py"], capture_output=True, text=True)
+tail = anchor.stdout.strip().splitlines()[-1] if anchor.stdout.strip() else f"exit {anchor.returncode}"
+row("yes", f"{len(ok)} {','.join(n for n in ok)[:20]}" if len(ok) < 8 else "8", verdict, tail)
+PY
+  )
+  rm -rf "$out"
+done

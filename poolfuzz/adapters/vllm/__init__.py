@@ -1,0 +1,37 @@
+"""Drive vLLM's real v1 KV cache manager (installed from PyPI) with the poolfuzz harness.
+
+``poolfuzz run --family vllm`` builds vLLM's own ``KVCacheManager`` for a config (full attention,
+sliding window and mamba groups over one block pool, prefix caching on) with real ``Request``
+objects, and models the worker's side: the KV tensors, the writes into the blocks the manager hands
+out, recompute after preemption. Importing this module does not import vLLM; building a family does.
+"""
+
+from __future__ import annotations
+
+
+def build_family(config, *, device="cpu", faults=(), backup_mode=None):
+    """The family factory registered as ``vllm`` in the ``poolfuzz.families`` entry points."""
+    from poolfuzz.adapters.vllm.family import build_vllm_family
+
+    return build_vllm_family(config, device=device, faults=faults, backup_mode=backup_mode)
+
+
+def unsupported_reason(config) -> str | None:
+    """Why the installed vLLM cannot run ``config`` here, or None."""
+    from poolfuzz.adapters.vllm.family import unsupported_reason as probe
+
+    return probe(config)
+
+
+def describe() -> dict:
+    """The installed vLLM and what the adapter found in it (for reports and the compat table)."""
+    from poolfuzz.adapters.vllm.api import load
+
+    api = load()
+    return {"version": api.version, "mamba_cache_modes": list(api.mamba_cache_modes),
+            "external_tokens": api.takes_external_tokens}
+
+
+build_family.unsupported_reason = unsupported_reason
+# The source that is "the engine" for coverage: vLLM's v1 KV cache management, relative to site-packages.
+build_family.engine_code = ("vllm/v1/core",)

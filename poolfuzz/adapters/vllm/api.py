@@ -1,0 +1,98 @@
+"""The installed vLLM's v1 KV cache manager, imported once, with what this release offers (probed)."""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import os
+import warnings
+from dataclasses import dataclass
+from functools import lru_cache
+
+from poolfuzz.pools.errors import ConfigError
+
+INSTALL_HINT = ("install one with `ci/vllm-install.sh VENV 0.33.0` (CPU torch, vLLM without its CUDA "
+                "dependencies) and run poolfuzz with that venv's python")
+
+
+@dataclass(frozen=True, kw_only=True)
+class VllmAPI:
+    """The classes and functions the adapter drives, and the feature probes of this release."""
+
+    version: str
+    KVCacheManager: type
+    KVCacheConfig: type
+    KVCacheGroupSpec: type
+    FullAttentionSpec: type
+    SlidingWindowSpec: type
+    MambaSpec: type
+    Request: type
+    RequestStatus: type
+    SamplingParams: type
+    block_hasher: object  # get_request_block_hasher
+    hash_fn: object
+    manager_params: frozenset  # KVCacheManager's constructor parameters
+    allocate_params: frozenset  # allocate_slots' parameters
+    mamba_fields: frozenset  # MambaSpec's fields: "mamba_cache_mode" where the release has cache modes
+    request_params: frozenset  # Request's constructor parameters (eos_token_id, required before ~0.17)
+
+    def new_request(self, request_id: str, prompt: list[int], block_size: int):
+        """A real ``vllm.v1.request.Request`` with a block hasher, as this release constructs one."""
+        kw = dict(request_id=request_id, prompt_token_ids=prompt, sampling_params=self.SamplingParams(max_tokens=1 << 16),
+                  pooling_params=None, block_hasher=self.block_hasher(block_size, self.hash_fn))
+        if "eos_token_id" in self.request_params:
+            kw["eos_token_id"] = None
+        return self.Request(**kw)
+
+    @property
+    def mamba_cache_modes(self) -> tuple[str, ...]:
+        """The mamba cache modes this release's MambaSpec takes (none only where it has no field)."""
+        return ("none", "align") if "mamba_cache_mode" in self.mamba_fields else ("none",)
+
+    @property
+    def takes_external_tokens(self) -> bool:
+        return "num_external_computed_tokens" in self.allocate_params
+
+
+@lru_cache(maxsize=1)
+def load() -> VllmAPI:
+    """Import vLLM's core modules (a ConfigError naming the fix when it is not installed)."""
+    os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+    # vLLM's import chain warns about its own use of torch APIs (torch.jit, ...): not ours to fail on.
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return _load()
+
+
+def _load() -> VllmAPI:
+    try:
+        from importlib.metadata import version as dist_version
+
+        from vllm.sampling_params import SamplingParams
+        from vllm.v1.core import kv_cache_utils
+        from vllm.v1.core.kv_cache_manager import KVCacheManager
+        from vllm.v1.kv_cache_interface import (FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, MambaSpec,
+                                                SlidingWindowSpec)
+        from vllm.v1.request import Request, RequestStatus
+    except ImportError as exc:
+        raise ConfigError(f"vLLM's v1 KV cache manager cannot be imported ({exc}); {INSTALL_HINT}") from None
+    hash_fn = _hash_fn()
+    kv_cache_utils.init_none_hash(hash_fn)
+    return VllmAPI(
+        version=dist_version("vllm"), KVCacheManager=KVCacheManager, KVCacheConfig=KVCacheConfig,
+        KVCacheGroupSpec=KVCacheGroupSpec, FullAttentionSpec=FullAttentionSpec,
+        SlidingWindowSpec=SlidingWindowSpec, MambaSpec=MambaSpec, Request=Request, RequestStatus=RequestStatus,
+        SamplingParams=SamplingParams, block_hasher=kv_cache_utils.get_request_block_hasher, hash_fn=hash_fn,
+        manager_params=frozenset(inspect.signature(KVCacheManager).parameters),
+        allocate_params=frozenset(inspect.signature(KVCacheManager.allocate_slots).parameters),
+        mamba_fields=frozenset(f.name for f in dataclasses.fields(MambaSpec)),
+        request_params=frozenset(inspect.signature(Request).parameters))
+
+
+def _hash_fn():
+    """sha256 over pickled keys, from wherever this release keeps it."""
+    try:
+        from vllm.utils.hashing import sha256
+    except ImportError:
+        from vllm.utils import sha256
+    return sha256

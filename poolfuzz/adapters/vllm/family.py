@@ -1,0 +1,163 @@
+"""A pool family over vLLM's real v1 KVCacheManager, with worker-side tensors the adapter owns."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from poolfuzz.adapters.vllm.api import VllmAPI, load
+from poolfuzz.adapters.vllm.manager import Built, build_manager
+from poolfuzz.adapters.vllm.protocol import LiveRequest, VllmProtocol
+from poolfuzz.adapters.vllm.reference import VllmReference, mamba_mode_for
+from poolfuzz.adapters.vllm.storage import attention_components, mamba_components, null_block_written
+from poolfuzz.adapters.vllm.views import BlockSpace, BlockTables, ComponentsView, RowFreeList, SwaTranslator
+from poolfuzz.pools.config import ModelConfig, uses_ssm_state
+from poolfuzz.pools.errors import ConfigError
+
+
+@dataclass(kw_only=True)
+class VllmFamily:
+    """One node's vLLM KV cache: the manager, its groups as harness spaces, the worker's tensors.
+
+    Capabilities (class attributes the harness reads):
+      ``supports_fork`` / ``supports_transfer``: False; a fork is a prefix hit on another request's
+      tokens and a transfer needs a KV connector's worker side, neither driven here.
+      ``pads_slot_zero``: False; vLLM pads a batch with slot id -1, which no kernel writes.
+      ``shared_unit_spaces``: the spaces of the KV cache groups; every group's blocks come from one
+      BlockPool, so a block held in two of them is a violation, however each space looks alone.
+      ``caches_freed_units``: True; a freed block keeps its contents for the prefix cache, so only
+      blocks that leave the cache uncached are reported to the free listener (and poisoned).
+      ``reference_factory``: the reference model of vLLM's block accounting.
+    """
+
+    supports_fork = False
+    supports_transfer = False
+    pads_slot_zero = False
+    shared_unit_spaces = ("full", "swa", "mamba")
+    caches_freed_units = True
+    reference_factory = VllmReference
+
+    api: VllmAPI
+    config: ModelConfig
+    device: torch.device
+    built: Built
+    mamba_mode: str
+    backup_mode: str = "cpu_tensor"
+    uses_ssm_state: bool = False
+    transfer: object = None
+    host_pools: dict = field(default_factory=dict)
+    live: dict[int, LiveRequest] = field(default_factory=dict)  # by rid, preempted ones included
+    by_row: dict[int, LiveRequest] = field(default_factory=dict)
+
+    def __post_init__(self):
+        c, nb = self.config, self.built.num_blocks
+        self.manager = self.built.manager
+        self.block_pool = self.manager.block_pool
+        self.group_of = {g.space: g for g in self.built.groups}
+        self.prefix_caching = self.built.caching
+        self._attention = []
+        for g in self.built.groups:
+            if g.space != "mamba":
+                self._attention += attention_components(c, g.space, g.layer_ids, nb, self.device)
+        self._mamba = mamba_components(c, nb, self.device) if c.has_mamba else []
+        self.rows = RowFreeList(c.request_rows)
+        self._lists = {"rows": self.rows}
+        for g in self.built.groups:
+            scale = c.page_size if g.space != "mamba" else 1
+            self._lists[g.space] = BlockSpace(space=g.space, block_pool=self.block_pool, scale=scale,
+                                              null_problem=self._null_written)
+        self.kv_pool = ComponentsView(self._attention)
+        self.req_pool = BlockTables(self)
+        if self._mamba:
+            self.req_pool.mamba_pool = ComponentsView(self._mamba)
+        self.allocator = SwaTranslator(self)
+        self.protocol = VllmProtocol()
+        self._listener = None
+
+    def __repr__(self) -> str:
+        return f"VllmFamily({self.config.name}, vllm {self.api.version}, mamba {self.mamba_mode})"
+
+    # --- the family interface ------------------------------------------------------------------
+    def components(self):
+        return self._attention + self._mamba
+
+    def host_components(self):
+        return []
+
+    def has_recurrent_state(self) -> bool:
+        return bool(self._mamba)
+
+    def free_lists(self):
+        return dict(self._lists)
+
+    def set_free_listener(self, listener) -> None:
+        self._listener = listener
+        self.rows.on_free = listener
+        for space, lst in self._lists.items():
+            lst.on_free = listener
+
+    # --- what the adapter reads ----------------------------------------------------------------
+    def block_ids(self, live: LiveRequest, space: str) -> list[int]:
+        group = self.group_of.get(space)
+        if group is None:
+            return []
+        manager = self.manager.coordinator.single_type_managers[group.index]
+        return [b.block_id for b in manager.req_to_blocks.get(live.request.request_id, ())]
+
+    def held_blocks(self) -> dict[int, str]:
+        """Every non-null block a live request's table holds, with the space of a group holding it."""
+        out = {}
+        for live in self.live.values():
+            for space in self.group_of:
+                for b in self.block_ids(live, space):
+                    if b:
+                        out.setdefault(b, space)
+        return out
+
+    def report_frees(self, before: dict[int, str]) -> None:
+        """Tell the listener of the blocks that left every table and the prefix cache since ``before``."""
+        if self._listener is None:
+            return
+        by_space: dict[str, list[int]] = {}
+        for b, space in before.items():
+            block = self.block_pool.blocks[b]
+            if block.ref_cnt == 0 and block.block_hash is None:
+                by_space.setdefault(space, []).append(b)
+        for space, blocks in by_space.items():
+            ids = torch.tensor(sorted(blocks), dtype=torch.int64)
+            if space != "mamba":
+                ps = self.config.page_size
+                ids = (ids[:, None] * ps + torch.arange(ps)).reshape(-1)
+            self._listener(space, ids)
+
+    def _null_written(self) -> str | None:
+        ps = self.config.page_size
+        return null_block_written(self.components(), lambda space: 1 if space == "mamba" else ps)
+
+
+def unsupported_reason(config: ModelConfig) -> str | None:
+    """Why the installed vLLM cannot run ``config`` here, or None."""
+    try:
+        api = load()
+    except ConfigError as exc:
+        return str(exc)
+    if config.has_mamba and mamba_mode_for(config) not in api.mamba_cache_modes:
+        return f"vLLM {api.version} has no mamba cache mode {mamba_mode_for(config)!r}"
+    return None
+
+
+def build_vllm_family(config: ModelConfig, *, device="cpu", faults=(), backup_mode=None) -> VllmFamily:
+    if tuple(faults):
+        raise ConfigError("the vllm family runs vLLM's code as shipped: it has no catalogue faults")
+    if backup_mode not in (None, "cpu_tensor"):
+        raise ConfigError(f"the vllm family has no backup_mode {backup_mode!r}: a preempted request is "
+                          "recomputed (cpu_tensor is the only path the harness names for it)")
+    api = load()
+    reason = unsupported_reason(config)
+    if reason:
+        raise ConfigError(f"vllm family cannot build {config.name!r}: {reason}")
+    mode = mamba_mode_for(config)
+    built = build_manager(api, config, mode)
+    return VllmFamily(api=api, config=config, device=torch.device(device), built=built, mamba_mode=mode,
+                      uses_ssm_state=uses_ssm_state(config))

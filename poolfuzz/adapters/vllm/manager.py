@@ -1,0 +1,91 @@
+"""A vLLM KVCacheManager for one poolfuzz config: one KV cache group per kind of layer."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from poolfuzz.adapters.vllm.api import VllmAPI
+from poolfuzz.pools.components import DTYPES
+from poolfuzz.pools.config import ModelConfig
+
+
+@dataclass(frozen=True, kw_only=True)
+class Group:
+    """One KV cache group: the harness space it is seen as, its layers and its block size."""
+
+    index: int
+    space: str  # "full", "swa" or "mamba"
+    layer_ids: tuple[int, ...]
+    block_size: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class Built:
+    manager: object  # vllm KVCacheManager
+    groups: tuple[Group, ...]
+    num_blocks: int  # block 0 is the null block
+    max_model_len: int
+    caching: bool
+
+
+def num_blocks_for(config: ModelConfig) -> int:
+    """One shared pool for every group: the config's full pages plus its mamba slots, plus the null
+    block. The SWA group draws from the same pages (vLLM has no separate SWA pool), so a hybrid
+    model's pool fills up about twice as fast as a dense one's: where prefix-cache eviction and
+    reuse happen."""
+    ps = config.page_size
+    return config.full_tokens // ps + config.mamba_slots + 1
+
+
+def build_manager(api: VllmAPI, config: ModelConfig, mamba_mode: str) -> Built:
+    """The real KVCacheManager over FullAttentionSpec / SlidingWindowSpec / MambaSpec groups."""
+    ps = config.page_size
+    # Mamba "none" mode keeps one state block per request (block size = the longest request) and
+    # vLLM runs such hybrids without prefix caching; "align" keeps a state per block of tokens.
+    # The harness lets a request grow to the whole pool, plus a few draft tokens: vLLM's length cap
+    # (max_model_len) must not cut it first.
+    longest = _round_up(max(config.max_context, num_blocks_for(config) * ps) + 8, ps)
+    mamba_block = ps if mamba_mode == "align" else longest
+    max_model_len = longest
+    dtype = torch.bfloat16 if DTYPES[config.kv_dtype] is torch.uint8 else DTYPES[config.kv_dtype]
+    attn = dict(block_size=ps, num_kv_heads=config.head_num, head_size=config.head_dim, dtype=dtype)
+    specs, groups = [], []
+    specs.append((api.FullAttentionSpec(**attn), "full", config.full_layer_ids, ps))
+    if config.has_swa:
+        # vLLM keeps the last ``sliding_window - 1`` tokens before the one computed; poolfuzz's window
+        # is the ``sliding_window`` tokens before it, so vLLM's window is one larger.
+        specs.append((api.SlidingWindowSpec(**attn, sliding_window=config.sliding_window + 1), "swa",
+                      config.swa_layer_ids, ps))
+    if config.has_mamba:
+        state_dtype = DTYPES[config.state_dtype]
+        shapes = tuple(tuple(s) for s in config.conv_shapes) + (tuple(config.temporal_shape),)
+        kw = dict(block_size=mamba_block, shapes=shapes, dtypes=(state_dtype,) * len(shapes))
+        if "mamba_cache_mode" in api.mamba_fields:
+            kw["mamba_cache_mode"] = mamba_mode
+        specs.append((api.MambaSpec(**kw), "mamba", config.mamba_layer_ids, mamba_block))
+    # vLLM orders the groups as their kind first appears in the model's layers (its planner groups
+    # layers by spec in layer order): the order the coordinator then walks them in.
+    letter = {"full": "F", "swa": "S", "mamba": "M"}
+    specs.sort(key=lambda item: config.layers.index(letter[item[1]]))
+    for i, (spec, space, layer_ids, block) in enumerate(specs):
+        groups.append(Group(index=i, space=space, layer_ids=tuple(layer_ids), block_size=block))
+    num_blocks = num_blocks_for(config)
+    kv_cache_config = api.KVCacheConfig(
+        num_blocks=num_blocks, kv_cache_tensors=[],
+        kv_cache_groups=[api.KVCacheGroupSpec([f"{g.space}.{lid}" for lid in g.layer_ids] or [f"{g.space}"], spec)
+                         for g, (spec, *_) in zip(groups, specs)])
+    caching = not (config.has_mamba and mamba_mode == "none")
+    scheduler_block = math.lcm(*(g.block_size for g in groups))
+    wanted = dict(kv_cache_config=kv_cache_config, max_model_len=max_model_len, enable_caching=caching,
+                  scheduler_block_size=scheduler_block, hash_block_size=ps)
+    kwargs = {k: v for k, v in wanted.items() if k in api.manager_params}
+    manager = api.KVCacheManager(**kwargs)
+    return Built(manager=manager, groups=tuple(groups), num_blocks=num_blocks, max_model_len=max_model_len,
+                 caching=caching)
+
+
+def _round_up(n: int, k: int) -> int:
+    return -(-n // k) * k

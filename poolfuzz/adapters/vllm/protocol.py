@@ -1,0 +1,210 @@
+"""The harness's request lifecycle on vLLM's KVCacheManager, in the scheduler's call order."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from poolfuzz.adapters.vllm.storage import copy_rows, zero_rows
+from poolfuzz.pools.errors import PoolError, PoolExhausted
+from poolfuzz.pools.request import ReqKv, RetractionBackup
+
+TOKENS_PER_REQUEST = 1 << 20  # token ids are rid * this + position: no two requests share a block hash
+
+
+def token_id(rid: int, position: int) -> int:
+    return rid * TOKENS_PER_REQUEST + position
+
+
+@dataclass(kw_only=True)
+class LiveRequest:
+    """A request the manager knows: vLLM's own Request object and the input-batch row it runs in."""
+
+    rid: int
+    request: object  # vllm.v1.request.Request
+    row: int | None = None
+
+
+class VllmProtocol:
+    """admit: a vLLM Request and an input-batch row; extend: ``allocate_slots``; retract: preemption
+    (``free``, the KV is recomputed on resume); resume: prefix lookup, the tokens a KV connector
+    reports (the request's full blocks it offloaded) and ``allocate_slots`` for the rest."""
+
+    # --- helpers ---------------------------------------------------------------------------
+    def _live(self, req: ReqKv, fam):
+        live = fam.live.get(req.rid)
+        if live is None:
+            raise PoolError(f"req {req.rid} is unknown to the vllm family")
+        return live
+
+    def _sync(self, req: ReqKv, live) -> None:
+        """vLLM's Request catches up with the harness: sampled tokens appended (their block hashes
+        computed by the hasher), ``num_computed_tokens`` = the KV written."""
+        request = live.request
+        while request.num_tokens < req.seqlen:
+            request.append_output_token_ids(token_id(req.rid, request.num_tokens))
+        request.num_computed_tokens = req.kv_committed_len
+
+    def _refresh(self, req: ReqKv, live, fam) -> None:
+        """The request's lengths and slots as its block tables say now."""
+        ps = fam.config.page_size
+        swa = fam.block_ids(live, "swa")
+        lead = 0
+        while lead < len(swa) and swa[lead] == 0:
+            lead += 1
+        req.swa_evicted_seqlen = lead * ps
+        mamba = [b for b in fam.block_ids(live, "mamba") if b]
+        state = mamba[-1] if mamba else None
+        if state is not None and req.mamba_pool_idx is not None and state != req.mamba_pool_idx \
+                and not req.mamba_needs_clear:
+            # The worker carries the running state into the request's newest state block.
+            copy_rows(fam.req_pool.mamba_pool.components(), "mamba", req.mamba_pool_idx, state)
+        req.mamba_pool_idx = state
+
+    def _step(self, fam) -> None:
+        starts = getattr(fam.manager, "new_step_starts", None)
+        if starts is not None:
+            starts()
+
+    def _allocate(self, req: ReqKv, live, fam, new_tokens: int, **kw) -> None:
+        out = fam.manager.allocate_slots(live.request, new_tokens, **kw)
+        if out is None:
+            raise PoolExhausted(space="full", requested=new_tokens,
+                                available=fam.block_pool.get_num_free_blocks() * fam.config.page_size)
+
+    # --- the lifecycle ---------------------------------------------------------------------
+    def admit(self, req: ReqKv, fam) -> None:
+        row = fam.rows.take()
+        if row is None:
+            raise PoolExhausted(space="rows", requested=1, available=0)
+        api = fam.api
+        request = api.new_request(str(req.rid), [token_id(req.rid, p) for p in range(req.seqlen)],
+                                  fam.config.page_size)
+        live = LiveRequest(rid=req.rid, request=request, row=row)
+        fam.live[req.rid] = live
+        fam.by_row[row] = live
+        req.req_pool_idx = row
+        req.mamba_needs_clear = fam.config.has_mamba
+
+    def extend(self, req: ReqKv, fam, new_len: int):
+        live = self._live(req, fam)
+        self._sync(req, live)
+        if new_len <= req.kv_allocated_len:
+            return None
+        self._step(fam)
+        before = fam.held_blocks()
+        self._allocate(req, live, fam, new_len - req.kv_committed_len)
+        req.kv_allocated_len = new_len
+        self._refresh(req, live, fam)
+        fam.report_frees(before)
+        return None
+
+    def run_deferred_mamba_ops(self, reqs: list[ReqKv], fam) -> None:
+        """A new request's first forward starts from no state (vLLM: ``has_initial_state`` False)."""
+        for req in reqs:
+            if req.mamba_needs_clear and req.mamba_pool_idx is not None:
+                zero_rows(fam.req_pool.mamba_pool.components(), "mamba", req.mamba_pool_idx)
+                req.mamba_needs_clear = False
+
+    def free_speculative_tail(self, req: ReqKv, fam) -> None:
+        """vLLM keeps the blocks of rejected draft tokens: the next tokens reuse them."""
+        self._sync(req, self._live(req, fam))
+
+    def evict_swa(self, req: ReqKv, fam, pre_len: int) -> None:
+        live = self._live(req, fam)
+        self._sync(req, live)
+        before = fam.held_blocks()
+        fam.manager.remove_skipped_blocks(live.request.request_id, pre_len)
+        self._refresh(req, live, fam)
+        fam.report_frees(before)
+
+    def _free(self, req: ReqKv, live, fam) -> None:
+        before = fam.held_blocks()
+        fam.manager.free(live.request)
+        if live.row is not None:
+            fam.by_row.pop(live.row, None)
+            row, live.row = live.row, None
+            fam.rows.give_back(row)
+        fam.report_frees(before)
+        req.req_pool_idx = req.mamba_pool_idx = None
+        req.kv_allocated_len = req.kv_committed_len = req.swa_evicted_seqlen = 0
+
+    def retract(self, req: ReqKv, fam) -> None:
+        """Preemption: every block back to the pool (cached ones stay hittable); nothing copied."""
+        live = self._live(req, fam)
+        self._sync(req, live)
+        backed_up = req.seqlen - 1
+        self._free(req, live, fam)
+        live.request.status = fam.api.RequestStatus.PREEMPTED
+        live.request.num_computed_tokens = 0
+        req.retraction_backup = RetractionBackup(mode="cpu_tensor", num_tokens=backed_up)
+        req.retraction_count += 1
+
+    def lookup(self, req: ReqKv, fam) -> dict:
+        """What the scheduler finds for a preempted request: its local prefix hit and the tokens after
+        it that the KV connector holds (the request's whole blocks, offloaded at preemption), at most
+        up to the last sampled token, whose KV is computed in the resume step."""
+        live = self._live(req, fam)
+        n = req.retraction_backup.num_tokens
+        return self._lookup(live, fam, n)[1]
+
+    def _lookup(self, live, fam, n: int):
+        if not fam.prefix_caching:
+            return None, {"hit": 0, "external": 0}
+        found = fam.manager.get_computed_blocks(live.request)
+        blocks, hit = found[0], found[1]
+        ps = fam.config.page_size
+        external = 0
+        if fam.api.takes_external_tokens:
+            external = max(0, n // ps * ps - hit)
+        return blocks, {"hit": hit, "external": external}
+
+    def resume(self, req: ReqKv, fam) -> None:
+        live = self._live(req, fam)
+        n = req.retraction_backup.num_tokens
+        row = fam.rows.take()
+        if row is None:
+            raise PoolExhausted(space="rows", requested=1, available=0)
+        request = live.request
+        request.status = fam.api.RequestStatus.WAITING
+        self._step(fam)
+        blocks, found = self._lookup(live, fam, n)
+        hit, external = found["hit"], found["external"]
+        kw = {}
+        if hit:
+            kw.update(num_new_computed_tokens=hit, new_computed_blocks=blocks)
+        if external:
+            kw["num_external_computed_tokens"] = external
+        try:  # every token up to the last sampled one, as the scheduler schedules a resumed request
+            self._allocate(req, live, fam, n + 1 - hit - external, **kw)
+        except PoolExhausted:
+            fam.rows.give_back(row)
+            raise
+        request.status = fam.api.RequestStatus.RUNNING
+        request.num_computed_tokens = n
+        live.row = row
+        fam.by_row[row] = live
+        req.req_pool_idx = row
+        req.kv_allocated_len = n + 1
+        req.kv_committed_len = n
+        req.mamba_pool_idx = None
+        self._refresh(req, live, fam)
+        # Positions from the hit on are written again: by the connector's load, then the recompute.
+        req.recompute_from = hit
+        req.retraction_backup = None
+
+    def pre_alloc(self, req: ReqKv, fam, fill_len: int) -> None:
+        raise PoolError("the vllm family does not drive PD transfers (supports_transfer is False)")
+
+    def release_kv(self, req: ReqKv, fam) -> None:
+        live = fam.live.pop(req.rid, None)
+        if live is None:
+            raise PoolError(f"req {req.rid} released twice")
+        self._sync(req, live)
+        if live.row is not None or live.request.status != fam.api.RequestStatus.PREEMPTED:
+            self._free(req, live, fam)
+
+    def abort(self, req: ReqKv, fam) -> None:
+        self.release_kv(req, fam)
+
+    def fork(self, src: ReqKv, dst: ReqKv, family) -> None:
+        raise PoolError("the vllm family does not drive forks (supports_fork is False)")

@@ -1,0 +1,100 @@
+"""The reference model of vLLM's block accounting: one shared pool of blocks for every group."""
+
+from __future__ import annotations
+
+from poolfuzz.adapters.vllm.manager import num_blocks_for
+from poolfuzz.pools.config import ModelConfig
+from poolfuzz.pools.errors import PoolExhausted
+from poolfuzz.pools.reference import ReferenceFamily, RefRequest, _floor, _pages
+
+BLOCK_SPACES = ("full", "swa", "mamba")
+
+
+def mamba_mode_for(config: ModelConfig) -> str:
+    """The mamba cache mode a config runs in: "none" (one state block per request, no prefix caching)."""
+    return "none"
+
+
+class VllmReference(ReferenceFamily):
+    """Per-request logical contents as in :class:`ReferenceFamily`; capacity as vLLM counts it.
+
+    Every KV cache group draws blocks from one pool (block 0 is the null block), so a request's
+    needs in every group are checked together against the blocks left. A block stays counted
+    while a live request's table holds it in any group; a prefix hit revives a cached block, which
+    costs a free block as a new one would (a hit is the engine's choice, told to :meth:`resume`).
+    vLLM keeps the blocks of rejected draft tokens, and a mamba group in "none" mode holds one
+    block per request from its first allocation on.
+    """
+
+    def __init__(self, config: ModelConfig, *, backup_mode: str):
+        super().__init__(config, backup_mode=backup_mode)
+        self.pool = num_blocks_for(config) - 1
+        for space in BLOCK_SPACES:
+            if space in self.capacity:
+                self.capacity[space] = self.pool * self._scale(space)
+                self.free[space] = self.pool
+
+    def _shared_free(self) -> int:
+        return self.pool - sum(self.pool - self.free[s] for s in BLOCK_SPACES if s in self.free)
+
+    def available(self, space: str) -> int:
+        if space in BLOCK_SPACES:
+            return self._shared_free() * self._scale(space)
+        return super().available(space)
+
+    def _need(self, needs: dict[str, int]) -> None:
+        """The scheduler's order: a free input-batch row first, then blocks for every group at once."""
+        super()._need({s: n for s, n in needs.items() if s not in BLOCK_SPACES})
+        blocks = sum(n for s, n in needs.items() if s in BLOCK_SPACES)
+        if blocks > self._shared_free():
+            raise PoolExhausted(space="full", requested=blocks * self.ps, available=self._shared_free() * self.ps)
+
+    def admit(self, rid: int, *, seqlen: int = 0) -> RefRequest:
+        """An input-batch row only: the blocks (the state block too) come with the first allocation."""
+        req = self.requests.get(rid) or RefRequest(rid=rid)
+        self._take({"rows": 1})
+        req.seqlen = seqlen
+        req.holds_row = True
+        req.holds_mamba = False
+        req.pending_state = () if self.config.has_mamba else None
+        self.requests[rid] = req
+        return req
+
+    def extend(self, rid: int, new_len: int) -> None:
+        req = self.requests[rid]
+        if new_len <= req.allocated:
+            return
+        pages = _pages(new_len, self.ps) - _pages(req.allocated, self.ps)
+        needs = {"full": pages}
+        if self.config.has_swa:
+            needs["swa"] = pages
+        if self.config.has_mamba and not req.holds_mamba:
+            needs["mamba"] = 1
+        self._take(needs)
+        req.allocated = new_len
+        req.holds_mamba = self.config.has_mamba
+
+    def free_speculative_tail(self, rid: int) -> None:
+        """vLLM rolls back ``num_computed_tokens`` only: the blocks stay with the request."""
+
+    def resume(self, rid: int, *, hit: int = 0, external: int = 0) -> None:
+        """Recompute after preemption, as the scheduler schedules it: a row, blocks for every token up
+        to the last sampled one (null SWA blocks for the prefix outside the window) and a state block;
+        the KV of ``[0, seqlen - 1)`` is then there again (found, loaded or recomputed)."""
+        req = self.requests[rid]
+        n = req.backup_tokens
+        slots = n + 1
+        needs = {"rows": 1, "full": _pages(slots, self.ps)}
+        swa_lo = 0
+        if self.config.has_swa:
+            swa_lo = _floor(max(0, hit + external - self.config.sliding_window), self.ps)
+            needs["swa"] = _pages(slots, self.ps) - swa_lo // self.ps
+        if self.config.has_mamba:
+            needs["mamba"] = 1
+        self._take(needs)
+        req.holds_row = True
+        req.holds_mamba = self.config.has_mamba
+        req.allocated = slots
+        req.committed = n
+        req.swa_lo = swa_lo
+        req.backup_tokens = None

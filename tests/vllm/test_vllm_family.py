@@ -1,0 +1,102 @@
+"""The vllm family: vLLM's real v1 KVCacheManager under the harness, its tensors and its checks."""
+
+from __future__ import annotations
+
+import pytest
+
+from poolfuzz.harness.contract import check_family
+from poolfuzz.harness.engine import Engine
+from poolfuzz.harness.failures import InvariantViolation
+from poolfuzz.pools.config import CONFIGS
+from poolfuzz.pools.errors import ConfigError
+
+NAMES = list(CONFIGS)
+
+
+def _build(name):
+    from poolfuzz.adapters.vllm import build_family
+
+    return build_family(CONFIGS[name])
+
+
+class TestContract:
+    @pytest.mark.parametrize("name", NAMES)
+    def test_family_contract(self, api, name):
+        from poolfuzz.adapters.vllm import build_family
+
+        check_family(build_family, CONFIGS[name])
+
+    @pytest.mark.parametrize("name", ["dense", "swa-ssm-ps4"])
+    def test_block_spaces_are_one_pool(self, api, name):
+        """Every group's free list is vLLM's own BlockPool count: allocating in one moves them all."""
+        fam = _build(name)
+        spaces = [s for s in fam.free_lists() if s != "rows"]
+        before = {s: fam.free_lists()[s].available_size() for s in spaces}
+        fam.block_pool.get_new_blocks(1)
+        for s in spaces:
+            scale = fam.free_lists()[s].scale
+            assert fam.free_lists()[s].available_size() == before[s] - scale, s
+
+    def test_the_family_declares_its_engine_code(self, api):
+        from poolfuzz.adapters.vllm import build_family
+
+        assert build_family.engine_code == ("vllm/v1/core",)
+
+    def test_faults_are_refused(self, api):
+        from poolfuzz.adapters.vllm import build_family
+
+        with pytest.raises(ConfigError, match="no catalogue faults"):
+            build_family(CONFIGS["dense"], faults=("x",))
+
+
+class TestChecks:
+    def test_a_written_null_block_is_reported(self, api):
+        """Block 0 pads every block table: a write there is caught by the free-list check."""
+        fam = _build("dense")
+        assert fam.free_lists()["full"].free_list_problem() is None
+        fam.components()[0].tensor[0] = 1
+        assert "null block 0 was written" in fam.free_lists()["full"].free_list_problem()
+
+    def test_a_block_in_two_groups_names_the_block_and_both_groups(self, api):
+        """The shared-unit audit: a block handed to the SWA group while the full group holds it."""
+        engine = Engine(config=CONFIGS["swa"], family_factory=_factory())
+        rid = engine.admit(4)
+        engine.prefill(rid, 4)
+        engine.check()
+        fam = engine.families["prefill"]
+        live = fam.live[rid]
+        full_block = fam.block_ids(live, "full")[0]
+        swa_manager = fam.manager.coordinator.single_type_managers[fam.group_of["swa"].index]
+        blocks = swa_manager.req_to_blocks[live.request.request_id]
+        blocks[-1] = fam.block_pool.blocks[full_block]  # what vLLM before #44409 could do
+        with pytest.raises(InvariantViolation, match=rf"block {full_block} .*two KV cache groups: full \(req {rid}\) "
+                                                     rf"and swa \(req {rid}\)"):
+            engine.check()
+
+    def test_recompute_after_preemption_keeps_every_position(self, api):
+        """Preempt, let other requests evict part of the prefix cache, resume: all KV is there again."""
+        engine = Engine(config=CONFIGS["dense-ps4"], family_factory=_factory())
+        a = engine.admit(13)
+        engine.prefill(a, 13)
+        engine.retract(a)
+        engine.check()
+        b = engine.admit(20)
+        engine.prefill(b, 20)
+        engine.check()
+        assert engine.resume("prefill") == a
+        engine.check()
+        engine.sweep()
+        engine.drain()
+
+
+def _factory():
+    from poolfuzz.adapters.vllm import build_family
+
+    return build_family
+
+
+class TestFuzz:
+    @pytest.mark.parametrize("name", ["dense", "swa-ps4", "hybrid-linear"])
+    def test_fuzz_finds_nothing_on_non_anchor_configs(self, api, fuzz, name):
+        outcome = fuzz(CONFIGS[name], examples=30)
+        assert outcome.failure is None, outcome.failure
