@@ -152,6 +152,8 @@ class Checker:
                 tokens = e.lookup.tokens(fam, req.kv.req_pool_idx, 0, req.kv.kv_allocated_len)
                 for space, state_type in owned:
                     held[space] += state_type.held_units(e.lookup, fam, req.kv, tokens)
+            for space, units in e.cached_prefixes.held_units(fam).items():
+                held[space] += units
             for space, units in held.items():
                 alloc = lists[space]
                 is_free = (alloc._is_free.__getitem__ if type(alloc).is_free_page is TokenAllocator.is_free_page
