@@ -12,7 +12,10 @@ Optional capabilities, read with a default where a family does not declare them:
 * ``supports_fork`` / ``supports_transfer`` (class attributes, default True): False makes the
   state machine skip the ``fork`` / ``transfer`` rules for this family;
 * ``factory.unsupported_reason(config) -> str | None``: the configs a factory declines, saying why
-  (``poolfuzz run`` skips them instead of failing on them).
+  (``poolfuzz run`` skips them instead of failing on them);
+* ``cached_units() -> dict[space, list[int]]`` and ``flush_prefix_cache()``: a family with a prefix
+  cache says which units the cache holds for itself (counted as held: never free, never twice), and
+  evicts every unlocked entry when the harness drains the node (the pools must then be whole).
 """
 
 from __future__ import annotations
