@@ -398,7 +398,7 @@ SHORTEST_KNOWN: dict[str, int] = {
     "mamba-not-cleared": 6, "backup-drops-last-token": 3, "backup-includes-unwritten-token": 3,
     "swa-reload-unmapped-rows": 6, "swa-evict-off-by-one": 3, "swa-evicted-seqlen-not-reset": 8,
     "free-swa-keeps-mapping": 3, "paged-free-partial-page": 3, "pd-drops-mamba-fallback": 3, "cow-without-copy": 4,
-    "stale-cow-source": 3, "reload-into-old-indices": 6, "mamba-leak-on-abort": 7,
+    "stale-cow-source": 5, "reload-into-old-indices": 6, "mamba-leak-on-abort": 7,
     "allocator-double-free-undetected": 3, "tree-evicts-locked-node": 5, "tree-match-freed-node": 7,
     # Off the named grid, by hand: a request served, retracted and resumed on a config of the shape.
     "reload-chunk-at-chunk-number": 4, "mamba-layer-map-contiguous": 4, "host-load-tiles-of-four": 4,
