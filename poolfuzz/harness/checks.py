@@ -172,6 +172,9 @@ class Checker:
                     units = list(state_type.held_units(e.lookup, fam, req.kv, tokens))
                     held[space] += units
                     holder[space] += [req.rid] * len(units)
+            for space, units in e.cached_prefixes.held_units(fam).items():
+                held[space] += units
+                holder[space] += [None] * len(units)  # the prefix cache's own checkpoints
             shared = getattr(fam, "shared_unit_spaces", ())
             if shared:  # (unit, rid) of every held unit of each space whose units a prefix cache shares
                 held_by = {space: list(zip(held[space], holder[space])) for space in shared if space in held}
@@ -190,10 +193,10 @@ class Checker:
                 for u, rid in zip(units, holder[space]):
                     if u == 0:
                         self.invariant("reserved", f"{space} slot/page 0 (reserved padding) was handed out "
-                                       f"(held by req {rid})", node, space=space, slot=0, rid=rid)
+                                       f"(held by {_holder(rid)})", node, space=space, slot=0, rid=rid)
                     elif is_free(u):
-                        self.invariant("ownership", f"{space} slot/page {u} is held (by req {rid}) but also in the "
-                                       "free list", node, space=space, slot=u, rid=rid)
+                        self.invariant("ownership", f"{space} slot/page {u} is held (by {_holder(rid)}) but also in "
+                                       "the free list", node, space=space, slot=u, rid=rid)
 
     def _check_free_lists(self) -> None:
         e = self.engine
@@ -360,6 +363,10 @@ class Checker:
         if snap is None or space not in snap:
             return None
         return self.engine.state_types[space].slot_before(snap[space], position)
+
+
+def _holder(rid: int | None) -> str:
+    return "the prefix cache" if rid is None else f"req {rid}"
 
 
 def _action_of(engine, req: Request) -> str:

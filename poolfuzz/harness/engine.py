@@ -15,7 +15,7 @@ from poolfuzz.harness.checks import Checker
 from poolfuzz.harness.forward import Writer
 from poolfuzz.harness.ledger import ComponentSpec
 from poolfuzz.harness.records import NO_CULPRIT, NODES, EngineOptions, Phase, Request, StepRecord
-from poolfuzz.harness.state_types import SlotLookup, state_types_for
+from poolfuzz.harness.state_types import CachedPrefixes, SlotLookup, state_types_for
 from poolfuzz.pools.config import ModelConfig
 from poolfuzz.pools.errors import PoolError, PoolExhausted
 from poolfuzz.pools.family import build_family
@@ -76,6 +76,7 @@ class Engine:
         self.specs = {(c.name, c.layer): ComponentSpec.of(c) for c in first.components()}
         self.host_specs = {(c.name, c.layer): ComponentSpec.of(c) for c in first.host_components()}
         self.state_types = state_types_for(first.free_lists())
+        self.cached_prefixes = CachedPrefixes()  # what a prefix cache holds for itself
         self.lookup = SlotLookup()  # a request's token and SWA slots, read without tensor ops
         self.requests: dict[int, Request] = {}  # live requests (retracted ones included) by rid
         self.retracted: dict[str, list[int]] = {n: [] for n in NODES}  # per node, in resume order
@@ -506,6 +507,12 @@ class Engine:
             else:
                 self.finish(req.rid)
             self.check()
+        for node, fam in self.families.items():  # an idle server may evict its whole prefix cache
+            flush = getattr(fam, "flush_prefix_cache", None)
+            if flush is not None:
+                with self._blame(NO_CULPRIT):
+                    flush()
+                self.refs[node].flush_prefix_cache()
         self.checker.check_whole()
 
     def pressure(self) -> float:

@@ -141,13 +141,14 @@ class SlidingWindowKV(FullKV):
 
 
 class RecurrentState(StateType):
-    """Mamba conv and temporal state: one slot per request (plus a pending copy-on-write source)."""
+    """Mamba conv and temporal state: one slot per request. A pending copy-on-write source is a
+    prefix-tree checkpoint: the tree holds it (:class:`CachedPrefixes`), the request only reads it."""
 
     space = "mamba"
     recurrent = True
 
     def held_units(self, lookup, fam, kv, tokens):
-        return [s for s in (kv.mamba_pool_idx, kv.mamba_cow_src) if s is not None]
+        return [kv.mamba_pool_idx] if kv.mamba_pool_idx is not None else []
 
     def locate(self, lookup, fam, req, config) -> tuple[np.ndarray, np.ndarray]:
         return NO_POSITION, np.array([req.kv.mamba_pool_idx], dtype=np.int64)
@@ -173,6 +174,18 @@ class HostCopy(StateType):
 
     def describe_expected(self, ledger, ref, position: int) -> str:
         return f"req {ref.kv_owner[position]} pos {position}"
+
+
+class CachedPrefixes:
+    """What a family's prefix cache holds for itself (checkpoints no request owns), by index space.
+
+    Each cached unit is held once, never free, as a request's units are. A family without a prefix
+    cache has no ``cached_units`` and holds nothing here.
+    """
+
+    def held_units(self, fam) -> dict[str, list[int]]:
+        read = getattr(fam, "cached_units", None)
+        return read() if read is not None else {}
 
 
 KINDS: dict[str, type[StateType]] = {"rows": RequestRows, "full": FullKV, "swa": SlidingWindowKV,

@@ -10,6 +10,7 @@ from poolfuzz.pools.config import ModelConfig, uses_ssm_state
 from poolfuzz.pools.host import HostKVPool
 from poolfuzz.pools.kv import HybridLinearKVPool, MHATokenToKVPool, SWAKVPool
 from poolfuzz.pools.mamba import MambaPool, MambaSlotAllocator
+from poolfuzz.pools.prefix_tree import MambaPrefixTree
 from poolfuzz.pools.protocol import ServingProtocol
 from poolfuzz.pools.req_to_token import HybridReqToTokenPool, ReqToTokenPool
 from poolfuzz.pools.swa_allocator import SWATokenAllocator
@@ -32,6 +33,7 @@ class Blueprint:
     protocol: type = ServingProtocol
     transfer: type = PDTransfer
     mamba_allocator: type = MambaSlotAllocator
+    prefix_tree: type = MambaPrefixTree  # the checkpoints of the prefix cache (recurrent-state models)
     ssm_predicate: Callable[[ModelConfig], bool] = uses_ssm_state
     backup_resolver: Callable[..., str] = None  # None: resolve_backup_mode
 

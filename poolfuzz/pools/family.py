@@ -13,6 +13,7 @@ from poolfuzz.pools.config import ModelConfig
 from poolfuzz.pools.errors import ConfigError
 from poolfuzz.pools.host import HostKVPool
 from poolfuzz.pools.kv import KVCache, MHATokenToKVPool
+from poolfuzz.pools.prefix_tree import MambaPrefixTree
 from poolfuzz.pools.protocol import ServingProtocol
 from poolfuzz.pools.req_to_token import ReqToTokenPool
 from poolfuzz.pools.swa_allocator import SWATokenAllocator
@@ -37,6 +38,8 @@ class PoolFamily:
     protocol: ServingProtocol = field(default_factory=ServingProtocol)
     transfer: PDTransfer = field(default_factory=PDTransfer)
     uses_ssm_state: bool = False
+    # The prefix cache's recurrent-state checkpoints (radix match + copy-on-write), or None.
+    prefix_tree: MambaPrefixTree | None = None
 
     def __repr__(self) -> str:
         faults = f", faults={list(self.faults)}" if self.faults else ""
@@ -87,6 +90,15 @@ class PoolFamily:
         """Call ``listener(space, slots)`` after every free in every pool (the harness poisons them)."""
         for pool in self.free_lists().values():
             pool.on_free = listener
+
+    def cached_units(self) -> dict[str, list[int]]:
+        """Units the prefix cache holds (no request does), by index space."""
+        return {"mamba": self.prefix_tree.held_slots()} if self.prefix_tree is not None else {}
+
+    def flush_prefix_cache(self) -> None:
+        """Evict every unlocked prefix-cache entry (what an idle server may do at any time)."""
+        if self.prefix_tree is not None:
+            self.prefix_tree.flush()
 
 
 def resolve_backup_mode(config: ModelConfig, kv_pool_cls: type, predicate) -> str:
@@ -192,4 +204,5 @@ def build_family(config: ModelConfig, *, device="cpu", faults: Iterable[str] = (
     return PoolFamily(config=c, device=dev, faults=faults, req_pool=req_pool, kv_pool=kv_pool,
                       allocator=allocator, backup_mode=backup_mode, host_pools=host_pools,
                       protocol=bp.protocol(), transfer=bp.transfer(),
-                      uses_ssm_state=bp.ssm_predicate(c))
+                      uses_ssm_state=bp.ssm_predicate(c),
+                      prefix_tree=bp.prefix_tree(req_pool.mamba_allocator) if c.has_mamba else None)

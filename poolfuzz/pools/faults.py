@@ -15,6 +15,7 @@ from poolfuzz.pools.errors import ConfigError, PoolExhausted
 from poolfuzz.pools.host import HostKVPool
 from poolfuzz.pools.kv import MHATokenToKVPool, SWAKVPool
 from poolfuzz.pools.mamba import MambaPool, MambaSlotAllocator
+from poolfuzz.pools.prefix_tree import MambaPrefixTree
 from poolfuzz.pools.protocol import ServingProtocol
 from poolfuzz.pools.swa_allocator import SWATokenAllocator
 from poolfuzz.pools.transfer import PDTransfer
@@ -148,8 +149,7 @@ class ForkWithoutCopy(ServingProtocol):
     def run_deferred_mamba_ops(self, reqs, family):
         for req in reqs:
             if req.mamba_cow_src is not None:
-                family.req_pool.mamba_allocator.free([req.mamba_cow_src])
-                req.mamba_cow_src = None
+                self.unlock_cow_source(req, family)
         super().run_deferred_mamba_ops(reqs, family)
 
 
@@ -159,31 +159,45 @@ class StaleCowSource(ServingProtocol):
 
     def __init__(self):
         super().__init__()
-        self._live_sources: set[int] = set()  # rids whose COW source is another request's live slot
+        self._live_sources: dict[int, int] = {}  # rid -> the other request's live slot its COW reads
 
     def fork(self, src, dst, family):
         super().fork(src, dst, family)
         if dst.mamba_cow_src is not None:
-            family.req_pool.mamba_allocator.free([dst.mamba_cow_src])  # no checkpoint kept
-            dst.mamba_cow_src = src.mamba_pool_idx
-            self._live_sources.add(dst.rid)
+            self._live_sources[dst.rid] = src.mamba_pool_idx
 
     def run_deferred_mamba_ops(self, reqs, family):
-        live = self._live_sources
         pool = family.req_pool.mamba_pool
         for req in reqs:
-            if req.rid in live and req.mamba_cow_src is not None:
-                pool.copy_from([req.mamba_cow_src], [req.mamba_pool_idx])
-                req.mamba_cow_src = None
+            live = self._live_sources.pop(req.rid, None)
+            if live is not None and req.mamba_cow_src is not None:
+                pool.copy_from([live], [req.mamba_pool_idx])
+                self.unlock_cow_source(req, family)
                 req.mamba_needs_clear = False
-                live.discard(req.rid)
         super().run_deferred_mamba_ops(reqs, family)
 
     def release_kv(self, req, family):
-        if req.rid in self._live_sources:
-            req.mamba_cow_src = None  # the source's slot is not ours to free
-            self._live_sources.discard(req.rid)
+        self._live_sources.pop(req.rid, None)
         super().release_kv(req, family)
+
+
+# --- prefix tree ---------------------------------------------------------------------------------
+class EvictionIgnoresLock(MambaPrefixTree):
+    """Eviction takes least recently used checkpoints whether or not a request has locked them, so a
+    pending copy-on-write reads a slot the tree gave away. The correct tree skips every node whose
+    ``lock_ref`` is above zero."""
+
+    def may_evict(self, node):
+        return True
+
+
+class EvictionKeepsNode(MambaPrefixTree):
+    """Eviction frees a checkpoint's slot but leaves its node in the tree, so a later match hands
+    out a node whose slot was freed (and may hold another request's state by then). The correct
+    tree removes the node with its slot."""
+
+    def drop(self, node):
+        self.allocator.free([node.slot])
 
 
 class ResumeLeaksMambaOnAbort(ServingProtocol):
@@ -354,6 +368,10 @@ FAULTS: dict[str, Fault] = {
            {"transfer": TransferWithoutMambaFallback}),
         _f("cow-without-copy", "sglang#29354", lambda c: c.has_mamba, {"protocol": ForkWithoutCopy}),
         _f("stale-cow-source", "sglang#29354", lambda c: c.has_mamba, {"protocol": StaleCowSource}),
+        _f("tree-evicts-locked-node", "mamba radix cache lock_ref", lambda c: c.has_mamba,
+           {"prefix_tree": EvictionIgnoresLock}),
+        _f("tree-match-freed-node", "mamba radix cache eviction", lambda c: c.has_mamba,
+           {"prefix_tree": EvictionKeepsNode}),
         _f("reload-into-old-indices", "sglang#23346", _any, {"protocol": ReloadIntoOldIndices},
            backup_mode="cpu_tensor"),
         _f("mamba-leak-on-abort", "sglang#12693", lambda c: c.has_mamba, {"protocol": ResumeLeaksMambaOnAbort}),
@@ -380,8 +398,8 @@ SHORTEST_KNOWN: dict[str, int] = {
     "mamba-not-cleared": 6, "backup-drops-last-token": 3, "backup-includes-unwritten-token": 3,
     "swa-reload-unmapped-rows": 5, "swa-evict-off-by-one": 3, "swa-evicted-seqlen-not-reset": 5,
     "free-swa-keeps-mapping": 3, "paged-free-partial-page": 3, "pd-drops-mamba-fallback": 3, "cow-without-copy": 4,
-    "stale-cow-source": 3, "reload-into-old-indices": 6, "mamba-leak-on-abort": 7,
-    "allocator-double-free-undetected": 3,
+    "stale-cow-source": 5, "reload-into-old-indices": 6, "mamba-leak-on-abort": 7,
+    "allocator-double-free-undetected": 3, "tree-evicts-locked-node": 5, "tree-match-freed-node": 7,
     # Off the named grid, by hand: a request served, retracted and resumed on a config of the shape.
     "reload-chunk-at-chunk-number": 4, "mamba-layer-map-contiguous": 4, "host-load-tiles-of-four": 4,
 }

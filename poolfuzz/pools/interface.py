@@ -25,6 +25,9 @@ Optional capabilities, read with a default where a family does not declare them:
   them, or whose free list's ``ref_count(unit)`` is not its number of holders, is a violation;
 * ``caches_freed_units`` (default False): freed units keep their contents (a prefix cache), so the
   family reports a unit to the free listener only when it leaves the cache.
+* ``cached_units() -> dict[space, list[int]]`` and ``flush_prefix_cache()``: a family with a prefix
+  cache says which units the cache holds for itself (counted as held: never free, never twice), and
+  evicts every unlocked entry when the harness drains the node (the pools must then be whole).
 """
 
 from __future__ import annotations

@@ -45,10 +45,12 @@ class ServingProtocol:
 
     # --- admission and prefill -------------------------------------------------------------
     def admit(self, req: ReqKv, family: PoolFamily) -> None:
-        """A request row and, for recurrent-state models, a fresh mamba slot flagged for clearing."""
+        """A request row and, for recurrent-state models, a fresh mamba slot flagged for clearing
+        (evicting an unlocked prefix-cache checkpoint first if none is free: ``ensure_mamba_capacity``)."""
         req.req_pool_idx = family.req_pool.alloc()
         if family.req_pool.mamba_pool is not None:
             try:
+                family.prefix_tree.ensure_free(1)
                 req.mamba_pool_idx = family.req_pool.alloc_mamba(req.req_pool_idx)
             except PoolError:
                 family.req_pool.free(req.req_pool_idx)
@@ -76,42 +78,61 @@ class ServingProtocol:
             req.kv_allocated_len = keep
 
     def run_deferred_mamba_ops(self, reqs: list[ReqKv], family: PoolFamily) -> None:
-        """On an extend forward only: copy-on-write sources first, else clear fresh slots."""
+        """On an extend forward only: copy-on-write sources first (then the tree node is unlocked:
+        it stays cached), else clear fresh slots."""
         pool = family.req_pool.mamba_pool
         if pool is None:
             return
         for req in reqs:
             if req.mamba_cow_src is not None:
                 pool.copy_from([req.mamba_cow_src], [req.mamba_pool_idx])
-                # Model simplification: the prefix-tree node had this request as its only
-                # consumer, so its checkpoint slot is evicted once copied.
-                family.req_pool.mamba_allocator.free([req.mamba_cow_src])
+                self.unlock_cow_source(req, family)
             elif req.mamba_needs_clear:
                 pool.clear_slots([req.mamba_pool_idx])
             req.mamba_cow_src = None
             req.mamba_needs_clear = False
 
+    def unlock_cow_source(self, req: ReqKv, family: PoolFamily) -> None:
+        """``dec_lock_ref`` of the tree node a pending copy-on-write reads from."""
+        node = family.prefix_tree.node_of_slot(req.mamba_cow_src)
+        if node is not None:  # (a node evicted under the lock is the content checks' to catch)
+            family.prefix_tree.dec_lock(node)
+        req.mamba_cow_src = None
+
     def fork(self, src: ReqKv, dst: ReqKv, family: PoolFamily) -> None:
         """A new request matching ``src``'s committed tokens as a cached prefix (radix match).
 
         The prefix KV is copied into the new request's own slots (our stand-in for shared
-        pages); the recurrent state is checkpointed now into a tree slot and copied into the
-        new request's slot by the deferred copy-on-write of its first extend forward.
+        pages). The recurrent state comes from the prefix tree: a node checkpointing ``src`` at
+        this length is matched and locked, or a checkpoint is taken now into a new tree slot and
+        inserted; the new request's first extend forward copies it (copy-on-write) and unlocks it.
         """
         prefix = src.kv_committed_len
-        self.admit(dst, family)
-        pool = family.req_pool.mamba_pool
+        tree = family.prefix_tree
+        node = tree.match((src.rid, prefix)) if tree is not None else None
+        if node is not None:
+            tree.inc_lock(node)  # before admission evicts: a matched node is safe
+        checkpoint = None
         try:
-            if pool is not None:
-                checkpoint = family.req_pool.mamba_allocator.alloc_one()
-                dst.mamba_cow_src = checkpoint
-                dst.mamba_needs_clear = False
+            self.admit(dst, family)
+            if tree is not None and node is None:
+                checkpoint = tree.alloc_slot()
             slots = self.extend(dst, family, prefix)
         except PoolError:
-            self.release_kv(dst, family)
+            if node is not None:
+                tree.dec_lock(node)
+            if checkpoint is not None:
+                family.req_pool.mamba_allocator.free([checkpoint])
+            if dst.req_pool_idx is not None:
+                self.release_kv(dst, family)
             raise
-        if pool is not None:
-            pool.copy_from([src.mamba_pool_idx], [checkpoint])
+        if tree is not None:
+            if node is None:
+                family.req_pool.mamba_pool.copy_from([src.mamba_pool_idx], [checkpoint])
+                node = tree.insert((src.rid, prefix), checkpoint)
+                tree.inc_lock(node)
+            dst.mamba_cow_src = node.slot
+            dst.mamba_needs_clear = False
         src_slots = family.req_pool.read(src.req_pool_idx, 0, prefix)
         family.copy_kv_rows(src_slots, slots)
         dst.kv_committed_len = prefix
@@ -139,9 +160,8 @@ class ServingProtocol:
             family.allocator.free(family.req_pool.read(row, 0, req.kv_allocated_len))
         if req.mamba_pool_idx is not None:
             family.req_pool.free_mamba(row, req.mamba_pool_idx)
-        if req.mamba_cow_src is not None:  # a copy-on-write that never ran: drop its checkpoint
-            family.req_pool.mamba_allocator.free([req.mamba_cow_src])
-            req.mamba_cow_src = None
+        if req.mamba_cow_src is not None:  # a copy-on-write that never ran: unlock its tree node
+            self.unlock_cow_source(req, family)
         family.req_pool.free(row)
         req.req_pool_idx = None
         req.mamba_pool_idx = None

@@ -39,6 +39,7 @@ class RefRequest:
     state: tuple[Segment, ...] | None = None
     pending_state: tuple[Segment, ...] | None = None  # applied at the first extend: () = clear, else COW
     backup_tokens: int | None = None  # tokens in the retraction backup, None if not retracted
+    cow_key: tuple[int, int] | None = None  # the prefix-tree node a pending copy-on-write has locked
     host_held: dict[str, int] = field(default_factory=dict)
 
 
@@ -59,6 +60,10 @@ class ReferenceFamily:
                 self.capacity["host.swa"] = c.host_size
         self.free = {space: n // self._scale(space) for space, n in self.capacity.items()}
         self.requests: dict[int, RefRequest] = {}
+        # The prefix tree's recurrent-state checkpoints: (rid, tokens) -> [lock count, last access],
+        # evicted least recently used first, as the real tree does (poolfuzz.pools.prefix_tree).
+        self.tree: dict[tuple[int, int], list[int]] = {}
+        self.clock = 0
 
     def _scale(self, space: str) -> int:
         return self.ps if space in ("full", "swa") else 1
@@ -77,6 +82,22 @@ class ReferenceFamily:
             if n > self.free.get(space, 0):
                 raise PoolExhausted(space=space, requested=n * self._scale(space), available=self.available(space))
 
+    def _ensure_mamba(self, n: int) -> None:
+        """Evict unlocked checkpoints, least recently used first, until ``n`` mamba slots are free."""
+        short = n - self.free.get("mamba", 0)
+        victims = sorted((v[1], k) for k, v in self.tree.items() if v[0] == 0)[:max(short, 0)]
+        for _, key in victims:
+            del self.tree[key]
+            self.free["mamba"] += 1
+
+    def flush_prefix_cache(self) -> None:
+        self._ensure_mamba(self.free.get("mamba", 0) + len(self.tree))
+
+    def _unlock(self, req: RefRequest) -> None:
+        if req.cow_key is not None and req.cow_key in self.tree:
+            self.tree[req.cow_key][0] -= 1
+        req.cow_key = None
+
     def _take(self, needs: dict[str, int]) -> None:
         self._need(needs)
         for space, n in needs.items():
@@ -93,8 +114,11 @@ class ReferenceFamily:
 
     # --- operations -------------------------------------------------------------------------
     def admit(self, rid: int, *, seqlen: int = 0) -> RefRequest:
-        """A row (and a fresh mamba slot) for a new request of ``seqlen`` prompt tokens."""
+        """A row (and a fresh mamba slot, evicting a checkpoint if none is free) for a new request."""
         req = self.requests.get(rid) or RefRequest(rid=rid)
+        self._need({"rows": 1})
+        if self.config.has_mamba:
+            self._ensure_mamba(1)
         self._take({"rows": 1, **({"mamba": 1} if self.config.has_mamba else {})})
         req.seqlen = seqlen
         req.holds_row = True
@@ -106,23 +130,43 @@ class ReferenceFamily:
     def fork(self, src_rid: int, rid: int, *, seqlen: int | None = None) -> RefRequest:
         """A new request whose prefix is the source's committed tokens (shared KV, COW state).
 
-        Needs a row, a mamba slot for itself and one for the tree's checkpoint of the source
-        state, then full and SWA pages for the prefix.
+        Needs a row, a mamba slot for itself and, unless the prefix tree holds a checkpoint of
+        the source at this length (a hit, locked first), one for a new checkpoint; then full and
+        SWA pages for the prefix.
         """
         src = self.requests[src_rid]
         prefix = src.committed
+        key = (src_rid, prefix)
+        hit = self.config.has_mamba and key in self.tree
+        if hit:
+            self.clock += 1
+            self.tree[key][0] += 1
+            self.tree[key][1] = self.clock
         pages = _pages(prefix, self.ps)
         needs = {"rows": 1}
         if self.config.has_mamba:
-            needs["mamba"] = 2
+            needs["mamba"] = 1 if hit else 2
         needs["full"] = pages
         if self.config.has_swa:
             needs["swa"] = pages
-        self._take(needs)
+        try:
+            self._need({"rows": 1})
+            if self.config.has_mamba:
+                self._ensure_mamba(needs["mamba"])
+            self._take(needs)
+        except PoolExhausted:
+            if hit:
+                self.tree[key][0] -= 1
+            raise
         req = RefRequest(rid=rid, holds_row=True, holds_mamba=self.config.has_mamba, allocated=prefix,
                          committed=prefix, seqlen=prefix if seqlen is None else seqlen,
                          kv_owner=list(src.kv_owner[:prefix]))
-        req.pending_state = src.state if self.config.has_mamba else None
+        if self.config.has_mamba:
+            if not hit:
+                self.clock += 1
+                self.tree[key] = [1, self.clock]
+            req.cow_key = key
+            req.pending_state = src.state
         self.requests[rid] = req
         if self.config.has_swa:
             self.evict_swa(rid, prefix)
@@ -135,8 +179,7 @@ class ReferenceFamily:
         req.kv_owner.extend([rid] * (end - start))
         if self.config.has_mamba:
             if req.pending_state is not None:  # the extend forward ran the deferred clear / COW
-                if req.pending_state:  # the checkpoint slot is freed once copied
-                    self.free["mamba"] += 1
+                self._unlock(req)  # a copied checkpoint stays cached in the tree, unlocked
                 req.state = req.pending_state
                 req.pending_state = None
             req.state = req.state + ((rid, start, end),)
@@ -190,8 +233,7 @@ class ReferenceFamily:
             self.free["swa"] += _pages(req.allocated, self.ps) - req.swa_lo // self.ps
         if req.holds_mamba:
             self.free["mamba"] += 1
-        if req.pending_state:  # a copy-on-write that never ran: its checkpoint goes too
-            self.free["mamba"] += 1
+        self._unlock(req)  # a copy-on-write that never ran: its checkpoint stays cached
         req.pending_state = None
         self.free["rows"] += 1
         req.holds_row = req.holds_mamba = False
@@ -227,6 +269,8 @@ class ReferenceFamily:
         needs = {"rows": 1}
         if c.has_mamba:
             needs["mamba"] = 1
+            self._need({"rows": 1})
+            self._ensure_mamba(1)
         needs["full"] = _pages(fill_len, self.ps)
         swa_lo = 0
         if c.has_swa:
@@ -255,13 +299,13 @@ class ReferenceFamily:
 
     # --- what a request should hold -------------------------------------------------------------
     def held(self, space: str) -> int:
-        """Units of ``space`` held by live requests and backups (conservation: free + held == total)."""
-        total = 0
+        """Units of ``space`` held by live requests, backups and the prefix tree (free + held == total)."""
+        total = len(self.tree) if space == "mamba" else 0
         for req in self.requests.values():
             if space == "rows":
                 total += req.holds_row
             elif space == "mamba":
-                total += req.holds_mamba + (1 if req.pending_state else 0)
+                total += req.holds_mamba
             elif space == "full":
                 total += _pages(req.allocated, self.ps)
             elif space == "swa":

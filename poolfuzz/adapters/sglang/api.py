@@ -105,6 +105,8 @@ class SGLangAPI:
     free_swa_out_of_window_slots: Callable | None
     free_kv_row_segments: Callable | None
     ComponentType: Any
+    ScheduleBatch: type | None  # its check_decode_mem is borrowed for the decode admission check
+    ensure_mamba_capacity: Callable | None  # None: the release has no mamba admission check
 
     @property
     def kv_on_req(self) -> bool:
@@ -201,4 +203,6 @@ def _probe(sglang_version: str, installed: dict) -> SGLangAPI:
         ComponentType=_first("sglang.srt.mem_cache.unified_cache.component_type:ComponentType",
                              "sglang.srt.mem_cache.base_prefix_cache:ComponentType",
                              "sglang.srt.mem_cache.common:ComponentType", required=False),
+        ScheduleBatch=_first("sglang.srt.managers.schedule_batch:ScheduleBatch", required=False),
+        ensure_mamba_capacity=_first("sglang.srt.mem_cache.allocation:ensure_mamba_capacity", required=False),
     )

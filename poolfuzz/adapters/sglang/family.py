@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from poolfuzz.adapters.sglang.admission import SchedulerAdmission
 from poolfuzz.adapters.sglang.api import SGLangAPI, SGLangUnavailable, construct, load
 from poolfuzz.adapters.sglang.calls import paged_alloc_extend
 from poolfuzz.adapters.sglang.protocol import SGLangProtocol
@@ -62,6 +63,7 @@ class SGLangFamily:
     kv_pool: KVPoolView = None
     allocator: AllocatorView = None
     protocol: object = None
+    admission: object = None  # SGLang's own admission and capacity checks (adapters.sglang.admission)
     transfer: object = None
     host_pools: dict = field(default_factory=dict)
     standin_cls: type = None
@@ -251,7 +253,7 @@ def _build(api: SGLangAPI, config: ModelConfig, dev, sdev: str) -> SGLangFamily:
         sg_kv_pool=sg_kv, sg_allocator=sg_alloc,
         req_pool=ReqPoolView(sg_req_pool, mamba=mamba_view, rows=views["rows"], mamba_free=mamba_free),
         kv_pool=view_cls(sg_kv, comps), allocator=AllocatorView(sg_alloc, swa=c.has_swa),
-        protocol=SGLangProtocol(), standin_cls=standin_class(api))
+        protocol=SGLangProtocol(), standin_cls=standin_class(api), admission=SchedulerAdmission(api))
     family._free_views = views
     family.snapshot_free_lists()
     return family

@@ -63,9 +63,7 @@ class SGLangProtocol(ServingProtocol):
         sg = self.standin(req, family)
         kv = sg
         pool = family.sg_req_pool
-        short = family.space_short_of({"rows": 1})
-        if short:  # SGLang returns None here; name the space as the harness counts it
-            raise PoolExhausted(space=short[0], requested=short[1], available=short[2])
+        family.admission.admit(family, sg)  # SGLang's own checks decide; nothing stricter here
         try:
             if family.api.row_alloc_takes_reqs:
                 got = pool.alloc([sg])
@@ -74,15 +72,12 @@ class SGLangProtocol(ServingProtocol):
                 if got is not None:
                     kv.req_pool_idx = got[0]
         except AssertionError as exc:
-            # HybridReqToTokenPool asserts, rather than returning None, when mamba slots run
-            # out, after it has taken the row: give the row back and report the space.
-            if kv.req_pool_idx is not None:
-                pool.free(sg) if family.api.row_alloc_takes_reqs else pool.free(kv.req_pool_idx)
-                kv.req_pool_idx = None
-            if "mamba" in str(exc).lower():
-                view = family.free_lists()["mamba"]
-                raise PoolExhausted(space="mamba", requested=1, available=view.available_size()) from exc
-            raise
+            # HybridReqToTokenPool asserts when mamba slots run out after it has taken the row.
+            # SGLang's admission said it would fit: report what the pool did, row and all (the
+            # harness then sees the row that was taken and never bound to a request).
+            row = kv.req_pool_idx
+            raise PoolError(f"SGLang's {type(pool).__name__}.alloc asserted after SGLang's admission checks "
+                            f"passed (row {row} taken): {str(exc).splitlines()[0] if str(exc) else ''}") from exc
         if got is None:
             raise PoolExhausted(space="rows", requested=1, available=pool.available_size())
         if family.has_recurrent_state() and kv.mamba_pool_idx is None:
@@ -111,7 +106,8 @@ class SGLangProtocol(ServingProtocol):
             if new_len <= start:  # already allocated (the rest of a page kept after a speculative step)
                 return torch.empty(0, dtype=torch.int64)
             last_loc = int(family.req_pool.req_to_token[req.req_pool_idx, start - 1]) if start else -1
-            slots = self._alloc_tokens(family, prefix_len=start, seq_len=new_len, last_loc=last_loc)
+            slots = self._alloc_tokens(family, prefix_len=start, seq_len=new_len, last_loc=last_loc,
+                                       sg=self._synced(req, family))
             self._write_row(req, family, start, slots)
             req.kv_allocated_len = new_len
             self.standin(req, family).kv_allocated_len = new_len
@@ -140,24 +136,30 @@ class SGLangProtocol(ServingProtocol):
             needs["swa"] = swa_pages
         return needs
 
-    def _alloc_tokens(self, family, *, prefix_len: int, seq_len: int, last_loc: int) -> torch.Tensor:
+    def _synced(self, req: ReqKv, family):
+        """The stand-in with the lengths SGLang's checks read, as the harness last set them."""
+        sg = self.standin(req, family)
+        sg.kv_committed_len = req.kv_committed_len
+        sg.kv_allocated_len = req.kv_allocated_len
+        return sg
+
+    def _alloc_tokens(self, family, *, prefix_len: int, seq_len: int, last_loc: int, sg=None) -> torch.Tensor:
         ps = family.config.page_size
         n = seq_len - prefix_len
         if n <= 0:
             return torch.empty(0, dtype=torch.int64)
         pages = -(-seq_len // ps) - (-(-prefix_len // ps))
         alloc = family.sg_allocator
+        if sg is not None and n == 1 and prefix_len > 0 and not family.admission.decode_fits(
+                family, sg, new_tokens=pages * ps):
+            # ``check_decode_mem`` said no: the scheduler retracts before it allocates (and treats a
+            # None from ``alloc_decode`` as fatal). Name the short space for the harness.
+            short = family.space_short_of(self._needs(family, full_pages=max(pages, 1), swa_pages=max(pages, 1)))
+            space, requested, available = short or ("full", ps, alloc.available_size())
+            raise PoolExhausted(space=space, requested=requested, available=available)
         if ps == 1:
             out = alloc.alloc(n)
         elif n == 1 and prefix_len > 0:
-            # SGLang's scheduler checks decode memory before it allocates (``check_decode_mem``,
-            # retracting if short) and treats a None from ``alloc_decode`` as fatal ("Decode out of
-            # memory"). The paged SWA allocator's ``alloc_decode`` takes from both sides before it
-            # looks (0.5.23), so calling it short leaks the side that fitted: check first, as the
-            # scheduler does.
-            short = pages and family.space_short_of(self._needs(family, full_pages=pages, swa_pages=pages))
-            if short:
-                raise PoolExhausted(space=short[0], requested=short[1], available=short[2])
             out = paged_alloc_decode(alloc, seq_len=seq_len, last_loc=last_loc)
         else:
             out = paged_alloc_extend(alloc, prefix_len=prefix_len, seq_len=seq_len, last_loc=last_loc)

@@ -61,6 +61,7 @@ class StandInBase:
         self.output_ids: list[int] = []
         self.is_retracted = False
         self.retraction_count = 0
+        self.beam_group = None  # not a beam-search leader (read by check_decode_mem)
         self.kv = self.kv_factory() if self.kv_factory is not None else None
         for name, value in _FLAT_FIELDS.items():
             if not isinstance(getattr(type(self), name, None), property):

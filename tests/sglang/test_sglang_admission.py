@@ -1,0 +1,78 @@
+"""Admission on the sglang family is SGLang's own: its checks decide, and where they pass the pools act."""
+
+from __future__ import annotations
+
+import pytest
+
+from poolfuzz.pools.config import CONFIGS
+from poolfuzz.pools.errors import PoolError, PoolExhausted
+from poolfuzz.pools.request import ReqKv
+
+
+def _family(api, name):
+    from poolfuzz.adapters.sglang import build_family, unsupported_reason
+
+    why = unsupported_reason(CONFIGS[name])
+    if why:
+        pytest.skip(f"sglang {api.version}: {why}")
+    return build_family(CONFIGS[name])
+
+
+class _SaysYes:
+    """An admission that lets everything through, to see what SGLang's pools do unguarded."""
+
+    def __init__(self, real):
+        self.real = real
+
+    def admit(self, family, sg):
+        pass
+
+    def decode_fits(self, family, sg, *, new_tokens):
+        return True
+
+
+def test_the_mamba_gate_is_sglangs_and_takes_no_row(api):
+    """With every mamba slot held, SGLang's check refuses before a row is taken."""
+    fam = _family(api, "hybrid-linear")
+    for rid in range(1, fam.config.mamba_slots + 1):
+        fam.protocol.admit(ReqKv(rid=rid, seqlen=1), fam)
+    rows_before = fam.free_lists()["rows"].available_size()
+    assert rows_before > 0  # the rows are not what is short
+    with pytest.raises(PoolExhausted) as info:
+        fam.protocol.admit(ReqKv(rid=99, seqlen=1), fam)
+    assert info.value.space == "mamba"
+    assert fam.free_lists()["rows"].available_size() == rows_before
+
+
+def test_an_allocation_past_the_gate_reports_what_the_pool_did(api):
+    """Without the gate, HybridReqToTokenPool asserts after taking a row: the adapter reports it as a
+    pool error and gives nothing back (the taken row shows in the free count)."""
+    fam = _family(api, "hybrid-linear")
+    if not api.row_alloc_takes_reqs:
+        pytest.skip(f"sglang {api.version} allocates the mamba slot apart from the row")
+    for rid in range(1, fam.config.mamba_slots + 1):
+        fam.protocol.admit(ReqKv(rid=rid, seqlen=1), fam)
+    fam.admission = _SaysYes(fam.admission)
+    rows_before = fam.free_lists()["rows"].available_size()
+    with pytest.raises(PoolError, match="asserted after SGLang's admission checks passed") as info:
+        fam.protocol.admit(ReqKv(rid=99, seqlen=1), fam)
+    assert not isinstance(info.value, PoolExhausted)
+    assert fam.free_lists()["rows"].available_size() == rows_before - 1
+
+
+def test_a_decode_after_a_kept_speculative_page_is_refused_when_full(api):
+    """A speculative step kept a page, so the next token starts a new one: the capacity check counts
+    that page and refuses it when full pages are gone, taking nothing."""
+    fam = _family(api, "swa-ps4")
+    a, b = ReqKv(rid=1, seqlen=9), ReqKv(rid=2, seqlen=9)
+    for req in (a, b):
+        fam.protocol.admit(req, fam)
+    fam.protocol.extend(a, fam, 8)
+    a.kv_committed_len = 5  # a speculative step committed 5 and kept the page up to 8
+    fam.protocol.extend(b, fam, fam.config.full_tokens - 8)
+    before = {s: v.available_size() for s, v in fam.free_lists().items()}
+    assert before["full"] == 0
+    with pytest.raises(PoolExhausted) as info:
+        fam.protocol.extend(a, fam, 9)
+    assert info.value.space == "full"
+    assert {s: v.available_size() for s, v in fam.free_lists().items()} == before
