@@ -193,3 +193,7 @@ def build_family(config: ModelConfig, *, device="cpu", faults: Iterable[str] = (
                       allocator=allocator, backup_mode=backup_mode, host_pools=host_pools,
                       protocol=bp.protocol(), transfer=bp.transfer(),
                       uses_ssm_state=bp.ssm_predicate(c))
+
+
+# What ``poolfuzz run --coverage`` measures for this family (relative to the directory holding ``poolfuzz``).
+build_family.engine_code = ("poolfuzz/pools",)

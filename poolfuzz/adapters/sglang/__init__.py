@@ -35,3 +35,6 @@ def describe() -> dict:
 
 
 build_family.unsupported_reason = unsupported_reason
+# What ``poolfuzz run --coverage`` measures (paths relative to site-packages): the memory pools, allocators and
+# caches, and the request's retraction path (``Req.offload_kv_cache`` / ``load_kv_cache``) the adapter borrows.
+build_family.engine_code = ("sglang/srt/mem_cache", "sglang/srt/managers/schedule_batch.py")
