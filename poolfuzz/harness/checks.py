@@ -78,6 +78,7 @@ class Checker:
         self._check_reference()
         if free_lists:
             self._check_free_lists()
+        self._check_consumers(reqs)
         self._check_contents(reqs)
 
     def check_whole(self) -> None:
@@ -170,6 +171,28 @@ class Checker:
                     elif is_free(u):
                         self.invariant("ownership", f"{space} slot/page {u} is held but also in the free list",
                                        node, space=space, slot=u)
+
+    def _check_consumers(self, reqs: list[Request]) -> None:
+        """What the kernels read to find a request's state (the row-to-mamba-slot mapping, full_to_swa of every
+        held token) points at the slots the request holds, not only what the harness itself reads back."""
+        e = self.engine
+        for req in reqs:
+            if req.phase is Phase.RETRACTED or req.kv.req_pool_idx is None:
+                continue
+            fam = e.families[req.node]
+            tokens = e.lookup.tokens(fam, req.kv.req_pool_idx, 0, req.kv.kv_allocated_len)
+            for space, state_type in self._owned_spaces(req.node, fam):
+                problem = state_type.consumer_problem(e.lookup, fam, req.kv, tokens)
+                if problem is not None:
+                    detail, slot = problem
+                    self.invariant("consumer-map", f"req {req.rid}: {detail}", req.node, space=space, slot=slot)
+
+    def _owned_spaces(self, node: str, fam) -> list:
+        owned = self._owned.get(node)
+        if owned is None:
+            e = self.engine
+            owned = self._owned[node] = [(s, e.state_types[s]) for s in fam.free_lists() if e.state_types[s].on_device]
+        return owned
 
     def _check_free_lists(self) -> None:
         e = self.engine
