@@ -39,11 +39,14 @@ class SlotLookup:
             return self._view(pool.req_to_token)[row, lo:hi].astype(np.int64)
         return pool.read(row, lo, hi).cpu().numpy()
 
-    def mamba_slot(self, fam, row: int) -> int:
-        """``req_pool.get_mamba_indices([row])``: the row's mamba slot as the kernels read it."""
+    def mamba_slot(self, fam, row: int) -> int | None:
+        """``req_pool.get_mamba_indices([row])``: the row's mamba slot as the kernels read it (None: the
+        family's kernels find the state another way and expose no row mapping)."""
         pool = fam.req_pool
-        if (type(pool).get_mamba_indices is HybridReqToTokenPool.get_mamba_indices
-                and pool.req_to_mamba.device.type == "cpu"):
+        reader = getattr(type(pool), "get_mamba_indices", None)
+        if reader is None:
+            return None
+        if reader is HybridReqToTokenPool.get_mamba_indices and pool.req_to_mamba.device.type == "cpu":
             return int(self._view(pool.req_to_mamba)[row])
         return int(pool.get_mamba_indices([row])[0])
 
@@ -184,7 +187,7 @@ class RecurrentState(StateType):
         if kv.mamba_pool_idx is None:
             return None
         mapped = lookup.mamba_slot(fam, kv.req_pool_idx)
-        if mapped == kv.mamba_pool_idx:
+        if mapped is None or mapped == kv.mamba_pool_idx:
             return None
         return (f"row {kv.req_pool_idx}'s mamba slot as the kernels read it (get_mamba_indices) is {mapped}, but "
                 f"the request holds slot {kv.mamba_pool_idx}: its forward would read and write slot {mapped}",
