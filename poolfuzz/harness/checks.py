@@ -78,7 +78,6 @@ class Checker:
         self._check_reference()
         if free_lists:
             self._check_free_lists()
-        self._check_consumers(reqs)
         self._check_contents(reqs)
 
     def check_whole(self) -> None:
@@ -139,7 +138,8 @@ class Checker:
                     detail=f"live requests {sorted(live)} vs reference {sorted(ref.live())}"))
 
     def _check_holdings(self) -> None:
-        """No slot held twice, none of them reserved, none of them in a free list."""
+        """No slot held twice, none of them reserved, none of them in a free list; and what the kernels read to
+        find a request's state (row-to-mamba mapping, full_to_swa of every held token) points at what it holds."""
         e = self.engine
         for node, fam in e.families.items():
             lists = fam.free_lists()
@@ -153,6 +153,11 @@ class Checker:
                 tokens = e.lookup.tokens(fam, req.kv.req_pool_idx, 0, req.kv.kv_allocated_len)
                 for space, state_type in owned:
                     held[space] += state_type.held_units(e.lookup, fam, req.kv, tokens)
+                    # What the kernels read to find the state points at what the request holds (one pass).
+                    problem = state_type.consumer_problem(e.lookup, fam, req.kv, tokens)
+                    if problem is not None:
+                        self.invariant("consumer-map", f"req {req.rid}: {problem[0]}", node, space=space,
+                                       slot=problem[1])
             for space, units in held.items():
                 alloc = lists[space]
                 is_free = (alloc._is_free.__getitem__ if type(alloc).is_free_page is TokenAllocator.is_free_page
@@ -171,28 +176,6 @@ class Checker:
                     elif is_free(u):
                         self.invariant("ownership", f"{space} slot/page {u} is held but also in the free list",
                                        node, space=space, slot=u)
-
-    def _check_consumers(self, reqs: list[Request]) -> None:
-        """What the kernels read to find a request's state (the row-to-mamba-slot mapping, full_to_swa of every
-        held token) points at the slots the request holds, not only what the harness itself reads back."""
-        e = self.engine
-        for req in reqs:
-            if req.phase is Phase.RETRACTED or req.kv.req_pool_idx is None:
-                continue
-            fam = e.families[req.node]
-            tokens = e.lookup.tokens(fam, req.kv.req_pool_idx, 0, req.kv.kv_allocated_len)
-            for space, state_type in self._owned_spaces(req.node, fam):
-                problem = state_type.consumer_problem(e.lookup, fam, req.kv, tokens)
-                if problem is not None:
-                    detail, slot = problem
-                    self.invariant("consumer-map", f"req {req.rid}: {detail}", req.node, space=space, slot=slot)
-
-    def _owned_spaces(self, node: str, fam) -> list:
-        owned = self._owned.get(node)
-        if owned is None:
-            e = self.engine
-            owned = self._owned[node] = [(s, e.state_types[s]) for s in fam.free_lists() if e.state_types[s].on_device]
-        return owned
 
     def _check_free_lists(self) -> None:
         e = self.engine
