@@ -8,6 +8,10 @@
 # Budget: POOLFUZZ_COMPAT_EXAMPLES examples per config (default 60). Each config is fuzzed past every
 # failure and every distinct signature listed; where every config fails at step 0 on the reserved
 # padding row (before 0.5.11), the check is waived and the release fuzzed again behind it. The table goes to stdout; each release's install log to VENV/compat-VERSION.log.
+# Reach: the first campaign of each release runs with --coverage; the row gives the statements executed of
+# memory_pool.py, of the token/paged/SWA/mamba allocators and of all of mem_cache/ (per-file tables and HTML
+# under VENV/compat-VERSION-reach/). Triton: "interpreted" where the paged allocator only launches Triton
+# kernels and there is no GPU, so its kernels ran in Triton's interpreter (the release needed it).
 set -uo pipefail
 repo=$(cd "$(dirname "$0")/.." && pwd)
 venv=${1:-${POOLFUZZ_SGLANG_VENVS:-$HOME/.cache/poolfuzz/sglang-venvs}/compat}
@@ -34,21 +38,22 @@ print("\n".join(str(last[k]) for k in sorted(last)))
 fi
 [ "${#versions[@]}" -gt 0 ] || { echo "sglang-compat: could not list SGLang releases" >&2; exit 2; }
 
-printf '%-13s | %-8s | %-7s | %-60s | %s\n' release installs imports "configs supported (of 8)" "harness verdict"
-printf '%s\n' "--------------|----------|---------|--------------------------------------------------------------|----------------"
+printf '%-13s | %-8s | %-7s | %-60s | %-11s | %-36s | %s\n' release installs imports "configs supported (of 8)" triton \
+  "reach: memory_pool / allocators / mem_cache" "harness verdict"
+printf '%s\n' "--------------|----------|---------|--------------------------------------------------------------|-------------|--------------------------------------|----------------"
 for v in "${versions[@]}"; do
   log="$(dirname "$venv")/compat-$v.log"
   if ! bash "$repo/ci/sglang-install.sh" "$venv" "$v" --triton >"$log" 2>&1; then
-    printf '%-13s | %-8s | %-7s | %-60s | %s\n' "$v" no - - "install failed (see $log)"
+    printf '%-13s | %-8s | %-7s | %-60s | %-11s | %-36s | %s\n' "$v" no - - - - "install failed (see $log)"
     continue
   fi
-  "$venv/bin/python" - "$v" <<'PY'
+  "$venv/bin/python" - "$v" "$(dirname "$venv")/compat-$v-reach" <<'PY'
 import sys, time, warnings
 import torch
 torch.set_num_threads(1)
-version = sys.argv[1]
-def row(imports, configs, verdict):
-    print(f"{version:13} | {'yes':8} | {imports:7} | {configs:60} | {verdict}", flush=True)
+version, reach_dir = sys.argv[1], sys.argv[2]
+def row(imports, configs, verdict, triton="-", reach="-"):
+    print(f"{version:13} | {'yes':8} | {imports:7} | {configs:60} | {triton:11} | {reach:36} | {verdict}", flush=True)
 try:
     from poolfuzz.adapters.sglang import describe, unsupported_reason, build_family
     info = describe()
@@ -67,13 +72,15 @@ for name, config in CONFIGS.items():
     if not why:
         supported.append(name)
 
-def campaign(waive):
+def campaign(waive, coverage=None):
     """Every distinct signature per config, each shrunk once (the run keeps going past each)."""
     out = tempfile.mkdtemp(prefix=f"compat-{version}-")
     cmd = [sys.executable, "-m", "poolfuzz.cli", "run", "--family", "sglang", "--config", *supported,
            "--examples", examples, "--seed", "1", "--db", "none", "--out", out, "--shrink-seconds", "20"]
     if waive:
         cmd += ["--waive", *waive]
+    if coverage:
+        cmd += ["--coverage", coverage]
     subprocess.run(cmd, capture_output=True, text=True)
     found = {}
     for path in sorted(glob.glob(f"{out}/*.json")):
@@ -81,19 +88,35 @@ def campaign(waive):
         found.setdefault(art["config"], []).append(f"{art['signature']} ({len(art['program'])} steps)")
     return found
 
-found = campaign([])
+def reach_of(directory):
+    """memory_pool.py, the allocators and mem_cache/ as a whole: statements executed, in percent."""
+    try:
+        files = json.load(open(os.path.join(directory, "reach.json")))["files"]
+    except (OSError, ValueError, KeyError):
+        return "not measured"
+    def pct(names):
+        stmts = sum(files[n]["statements"] for n in names)
+        return f"{100 * sum(files[n]['executed'] for n in names) / stmts:.0f}%" if stmts else "-"
+    pool = [n for n in files if n.endswith("mem_cache/memory_pool.py")]
+    allocators = [n for n in files if n.endswith("mem_cache/allocator.py") or any(
+        n.endswith(f"mem_cache/allocator/{f}.py") for f in ("base", "token", "paged", "swa", "mamba"))]
+    tree = [n for n in files if "/mem_cache/" in n]
+    return f"{pct(pool)} / {pct(allocators)} / {pct(tree)}"
+
+found = campaign([], coverage=reach_dir)
 waived = []
 # A check that fails at step 0 on every config hides everything behind it: waive it and look again.
 if len(found) == len(supported) and all(any(s.startswith("InvariantViolation:reserved:") for s in sigs)
                                          for sigs in found.values()):
     waived = ["reserved"]
-    found = campaign(waived)
+    found = campaign(waived, coverage=reach_dir)  # the reach of the run that got past step 0
 verdicts = [f"{name}: " + ", ".join(sigs) for name, sigs in found.items()]
 if waived:
     verdicts.insert(0, "waived " + ",".join(waived) + " (fails at step 0 everywhere)")
 paged = [n for n in CONFIGS if n.endswith("-ps4")]
 configs = f"{len(supported)}: " + ("all" if len(supported) == len(CONFIGS) else
                                    ", ".join(supported) if len(supported) < len(CONFIGS) else "")
-row("yes", configs, "; ".join(verdicts) if verdicts else "pass on all")
+triton = "interpreted" if info.get("kernels_interpreted") and info.get("paged_kernels") else "-"
+row("yes", configs, "; ".join(verdicts) if verdicts else "pass on all", triton, reach_of(reach_dir))
 PY
 done

@@ -52,7 +52,7 @@ for line in "${pins[@]}"; do
   kind=${line%% *}; spec=${line#* }
   if [ "$kind" = nodeps ]; then "${pip[@]}" --no-deps "$spec"; else "${pip[@]}" "$spec"; fi
 done
-"${pip[@]}" hypothesis pytest pytest-xdist
+"${pip[@]}" hypothesis pytest pytest-xdist coverage
 "${pip[@]}" --no-deps -e "$repo"
 rm -f "$constraint"
 "$venv/bin/python" -c "import poolfuzz.adapters.sglang as a; print('sglang', a.describe())"

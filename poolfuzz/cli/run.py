@@ -56,6 +56,9 @@ def register(sub) -> None:
     run.add_argument("--waive", action="extend", nargs="+", default=[], metavar="CHECK",
                      help="checks that count their violations instead of failing, for a known bug that fires in "
                           "every example (see poolfuzz checks)")
+    run.add_argument("--coverage", metavar="DIR",
+                     help="measure the reach of the run: which statements and branches of the family's engine code "
+                          "every worker executed (coverage.py); prints a per-file table, writes JSON and HTML to DIR")
     run.set_defaults(handler=main)
 
 
@@ -155,11 +158,18 @@ def plan_from_args(args):
             why = "cannot be waived (once pools and reference disagree, every later step would)" if check in CHECKS \
                 else "is not a check"
             raise UsageError(f"--waive {check!r} {why}; waivable checks: {', '.join(sorted(WAIVABLE))}")
+    if args.coverage is not None:
+        from poolfuzz.orchestration.plugins import resolve_family
+        from poolfuzz.orchestration.reach import engine_code_of, require_coverage
+
+        require_coverage()
+        engine_code_of(resolve_family(args.family))
+        check_writable_dir(args.coverage, "--coverage")
     return Plan(configs=tuple(names), device=args.device, faults=tuple(faults), known=known, waive=waive,
                 seed=args.seed if args.seed is not None else random.SystemRandom().randrange(2**32),
                 examples=args.examples, seconds=None if minutes is None else minutes * 60, steps=args.steps,
                 db=db, out=args.out, workers=args.workers, shrink_seconds=args.shrink_seconds,
-                family=args.family, custom=tuple(custom.values()))
+                family=args.family, custom=tuple(custom.values()), coverage=args.coverage)
 
 
 def _file_configs(paths) -> dict:
@@ -205,4 +215,8 @@ def main(args) -> int:
     from poolfuzz.orchestration.session import run_session
 
     plan = plan_from_args(args)
+    if plan.coverage is not None:
+        from poolfuzz.orchestration.reach import run_measured
+
+        return run_measured(plan, run_session)
     return run_session(plan).exit_code

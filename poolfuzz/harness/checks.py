@@ -155,7 +155,8 @@ class Checker:
                     detail=f"live requests {sorted(live)} vs reference {sorted(ref.live())}"))
 
     def _check_holdings(self) -> None:
-        """No slot held twice, none of them reserved, none of them in a free list."""
+        """No slot held twice, none of them reserved, none of them in a free list; and what the kernels read to
+        find a request's state (row-to-mamba mapping, full_to_swa of every held token) points at what it holds."""
         e = self.engine
         for node, fam in e.families.items():
             lists = fam.free_lists()
@@ -172,6 +173,11 @@ class Checker:
                     units = list(state_type.held_units(e.lookup, fam, req.kv, tokens))
                     held[space] += units
                     holder[space] += [req.rid] * len(units)
+                    # What the kernels read to find the state points at what the request holds (one pass).
+                    problem = state_type.consumer_problem(e.lookup, fam, req.kv, tokens)
+                    if problem is not None:
+                        self.invariant("consumer-map", f"req {req.rid}: {problem[0]}", node, space=space,
+                                       slot=problem[1], rid=req.rid)
             for space, units in e.cached_prefixes.held_units(fam).items():
                 held[space] += units
                 holder[space] += [None] * len(units)  # the prefix cache's own checkpoints

@@ -93,6 +93,8 @@ def reference_mismatch(*, step, op, detail, check, space=None, node="", rid=None
 CHECKS: dict[str, str] = {
     "contents": "a live request's component holds the data its history says (per slot, by checksum)",
     "unmapped": "every position inside the SWA window has an SWA slot",
+    "consumer-map": "what the kernels read to find a live request's state (the row-to-mamba-slot mapping, "
+                    "full_to_swa of every held, unevicted token) points at the slots the request holds",
     "outcome": "the pools and the reference agree on success or on the space exhausted",
     "pool-error": "an operation the reference allows raises no pool error",
     "backup-short": "a retraction backup holds no fewer than seqlen-1 tokens (the last written one is kept)",
@@ -118,7 +120,8 @@ WAIVABLE = frozenset(CHECKS) - {"outcome", "pool-error", "backup-short", "backup
 # that first sees it is incidental, so two signatures that differ only there name one bug.
 STATE_CHECKS = frozenset({"reserved", "ownership", "free-list", "free-count", "leak",
                           "live-requests", "ssm-predicate", "backup-mode", "carries-mamba",
-                          "backed-up-twice", "shared-unit"})
+                          "backed-up-twice", "shared-unit",
+                          "consumer-map"})
 
 
 # failure class : check : space @ operation, e.g. StateLost:contents:mamba@resume, Crash:KeyError@decode

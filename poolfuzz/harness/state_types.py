@@ -13,7 +13,7 @@ from typing import ClassVar, Iterable
 import numpy as np
 import torch
 
-from poolfuzz.pools.req_to_token import ReqToTokenPool
+from poolfuzz.pools.req_to_token import HybridReqToTokenPool, ReqToTokenPool
 from poolfuzz.pools.swa_allocator import SWATokenAllocator
 
 NO_POSITION = np.array([-1], dtype=np.int64)  # a per-request state has no token position
@@ -39,6 +39,17 @@ class SlotLookup:
             return self._view(pool.req_to_token)[row, lo:hi].astype(np.int64)
         return pool.read(row, lo, hi).cpu().numpy()
 
+    def mamba_slot(self, fam, row: int) -> int | None:
+        """``req_pool.get_mamba_indices([row])``: the row's mamba slot as the kernels read it (None: the
+        family's kernels find the state another way and expose no row mapping)."""
+        pool = fam.req_pool
+        reader = getattr(type(pool), "get_mamba_indices", None)
+        if reader is None:
+            return None
+        if reader is HybridReqToTokenPool.get_mamba_indices and pool.req_to_mamba.device.type == "cpu":
+            return int(self._view(pool.req_to_mamba)[row])
+        return int(pool.get_mamba_indices([row])[0])
+
     def swa_slots(self, fam, tokens: np.ndarray) -> np.ndarray:
         """``allocator.translate(tokens)``: the SWA slot of each full slot, 0 where unmapped."""
         alloc = fam.allocator
@@ -61,6 +72,12 @@ class StateType:
 
     def snapshot(self, lookup: SlotLookup, fam, kv, tokens: np.ndarray):
         """What the request's slots are now, kept to say "was slot N before" after a move."""
+        return None
+
+    def consumer_problem(self, lookup: SlotLookup, fam, kv, tokens: np.ndarray) -> tuple[str, int] | None:
+        """Where a mapping the model's kernels (or the release path) read to find this request's state
+        disagrees with what the request holds: (what is wrong, the slot), or None. ``tokens`` are the
+        full slots of positions ``[0, kv_allocated_len)``."""
         return None
 
     def slot_before(self, snapshot, position: int | None) -> int | None:
@@ -139,6 +156,19 @@ class SlidingWindowKV(FullKV):
         ps = fam.config.page_size
         return sorted({t // ps for t in self.physical(lookup, fam, tokens).tolist() if t > 0})
 
+    def consumer_problem(self, lookup, fam, kv, tokens):
+        """Every held position not yet evicted (``[swa_evicted_seqlen, kv_allocated_len)``, the window and the
+        slots allocated ahead of it alike) has an SWA slot in ``full_to_swa``: the forward writes through it."""
+        lo = kv.swa_evicted_seqlen
+        slots = self.physical(lookup, fam, tokens[lo:])
+        missing = np.flatnonzero(slots <= 0)
+        if not missing.size:
+            return None
+        position = lo + int(missing[0])
+        return (f"position {position} (full slot {int(tokens[position])}) is held and not evicted (evicted up to "
+                f"{lo}, allocated {kv.kv_allocated_len}) but full_to_swa maps it to no SWA slot",
+                int(tokens[position]))
+
 
 class RecurrentState(StateType):
     """Mamba conv and temporal state: one slot per request. A pending copy-on-write source is a
@@ -152,6 +182,17 @@ class RecurrentState(StateType):
 
     def locate(self, lookup, fam, req, config) -> tuple[np.ndarray, np.ndarray]:
         return NO_POSITION, np.array([req.kv.mamba_pool_idx], dtype=np.int64)
+
+    def consumer_problem(self, lookup, fam, kv, tokens):
+        """The row's mamba slot as the kernels read it (``get_mamba_indices``) is the slot the request holds."""
+        if kv.mamba_pool_idx is None:
+            return None
+        mapped = lookup.mamba_slot(fam, kv.req_pool_idx)
+        if mapped is None or mapped == kv.mamba_pool_idx:
+            return None
+        return (f"row {kv.req_pool_idx}'s mamba slot as the kernels read it (get_mamba_indices) is {mapped}, but "
+                f"the request holds slot {kv.mamba_pool_idx}: its forward would read and write slot {mapped}",
+                kv.mamba_pool_idx)
 
     def describe_expected(self, ledger, ref, position) -> str:
         return ledger.describe_state(ref.state)

@@ -46,6 +46,7 @@ class Plan:
     known: tuple[str, ...] = ()  # signatures of known bugs (--known): counted, never reported
     waive: tuple[str, ...] = ()  # checks that count their violations instead of failing (--waive)
     custom: tuple = ()  # ModelConfigs from --config-file, named in ``configs`` (they shadow built-ins)
+    coverage: str | None = None  # --coverage DIR: every worker measures the engine's code (orchestration/reach.py)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -259,6 +260,10 @@ def _worker_main(plan: Plan, lanes: list[Lane], events, deadline: float | None, 
     for s in STOP_SIGNALS:
         signal.signal(s, interrupts)
     worker = lanes[0].worker
+    if plan.coverage:
+        from poolfuzz.orchestration.reach import start_in_worker
+
+        start_in_worker()
     try:
         if parent_pid is not None:
             # Orphaned, nobody reads the queue: do not wait at exit for it to drain.
@@ -275,6 +280,10 @@ def _worker_main(plan: Plan, lanes: list[Lane], events, deadline: float | None, 
     finally:
         for s in STOP_SIGNALS:
             signal.signal(s, signal.SIG_IGN)
+        if plan.coverage:
+            from poolfuzz.orchestration.reach import save_in_worker
+
+            save_in_worker()
         events.put({"type": "exit", "worker": worker})
 
 
@@ -306,7 +315,7 @@ def run_session(plan: Plan, *, stream: TextIO | None = None, tty: bool | None = 
     # SIGTERM (a CI timeout, systemd, kill) stops the run as Ctrl-C does: summary, artifacts kept.
     with Interrupts().installed() as interrupts:
         try:
-            if len(per_worker) == 1:
+            if len(per_worker) == 1 and not plan.coverage:  # measured runs spawn: coverage starts with them
                 ok = run_lanes(plan, per_worker[0], display.handle, deadline=deadline)
                 result.interrupted = not ok
             else:

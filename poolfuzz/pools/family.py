@@ -206,3 +206,7 @@ def build_family(config: ModelConfig, *, device="cpu", faults: Iterable[str] = (
                       protocol=bp.protocol(), transfer=bp.transfer(),
                       uses_ssm_state=bp.ssm_predicate(c),
                       prefix_tree=bp.prefix_tree(req_pool.mamba_allocator) if c.has_mamba else None)
+
+
+# What ``poolfuzz run --coverage`` measures for this family (relative to the directory holding ``poolfuzz``).
+build_family.engine_code = ("poolfuzz/pools",)

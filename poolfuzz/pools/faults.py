@@ -17,6 +17,7 @@ from poolfuzz.pools.kv import MHATokenToKVPool, SWAKVPool
 from poolfuzz.pools.mamba import MambaPool, MambaSlotAllocator
 from poolfuzz.pools.prefix_tree import MambaPrefixTree
 from poolfuzz.pools.protocol import ServingProtocol
+from poolfuzz.pools.req_to_token import HybridReqToTokenPool
 from poolfuzz.pools.swa_allocator import SWATokenAllocator
 from poolfuzz.pools.transfer import PDTransfer
 
@@ -124,6 +125,16 @@ class KeepsEvictedSeqlenOnRetract(ServingProtocol):
 
 
 # --- mamba slots ----------------------------------------------------------------------------------
+class MambaMappingNeverWritten(HybridReqToTokenPool):
+    """``alloc_mamba`` hands the request a slot but never writes the row's entry of the row-to-mamba-slot
+    mapping (``req_index_to_mamba_index_mapping``) that the attention backends index the state by, so the
+    forward reads and writes whatever the row mapped before (slot 0, the padding slot, on a fresh row). The
+    correct pool writes the mapping in the same call that takes the slot."""
+
+    def alloc_mamba(self, row: int) -> int:
+        return self.mamba_allocator.alloc_one()
+
+
 class MambaSlotZeroAllocator(MambaSlotAllocator):
     """Hands out slot 0, the dummy target of padded (CUDA-graph) batches (#17404)."""
 
@@ -352,6 +363,8 @@ FAULTS: dict[str, Fault] = {
         _f("mamba-backed-up-twice", "sglang#35957", _mamba_carried_by_kv_pool,
            {"protocol": CallerAlwaysBacksUpMamba}),
         _f("mamba-slot-zero", "sglang#17404", lambda c: c.has_mamba, {"mamba_allocator": MambaSlotZeroAllocator}),
+        _f("mamba-mapping-not-written", "HybridReqToTokenPool.alloc's row-to-mamba mapping (get_mamba_indices)",
+           lambda c: c.has_mamba, {"hybrid_req_pool": MambaMappingNeverWritten}),
         _f("mamba-not-cleared", "sglang#10400", lambda c: c.has_mamba, {"protocol": SkipsFreshSlotClear}),
         _f("backup-drops-last-token", "sglang#23346 (seqlen-1)", _any, {"protocol": BackupDropsLastToken}),
         _f("backup-includes-unwritten-token", "sglang#23346 (seqlen-1)", _any,
@@ -395,7 +408,8 @@ FAULTS: dict[str, Fault] = {
 # audit that fails while the families are built needs no operation at all.
 SHORTEST_KNOWN: dict[str, int] = {
     "swa-ignores-mamba-backup": 4, "host-pool-for-ssm": 0, "mamba-backed-up-twice": 3, "mamba-slot-zero": 0,
-    "mamba-not-cleared": 6, "backup-drops-last-token": 3, "backup-includes-unwritten-token": 3,
+    "mamba-not-cleared": 6, "mamba-mapping-not-written": 1, "backup-drops-last-token": 3,
+    "backup-includes-unwritten-token": 3,
     "swa-reload-unmapped-rows": 5, "swa-evict-off-by-one": 3, "swa-evicted-seqlen-not-reset": 5,
     "free-swa-keeps-mapping": 3, "paged-free-partial-page": 3, "pd-drops-mamba-fallback": 3, "cow-without-copy": 4,
     "stale-cow-source": 5, "reload-into-old-indices": 6, "mamba-leak-on-abort": 7,

@@ -82,6 +82,12 @@ class ReqPoolLike(Protocol):
     def read(self, row: int, start: int, end: int) -> torch.Tensor:
         """The full-KV token slots of positions ``[start, end)`` of a request row (int64, CPU)."""
 
+    # Families whose kernels find the recurrent state through a row mapping also answer
+    # ``get_mamba_indices(rows) -> torch.Tensor``: the mamba slot of each row as the kernels read it
+    # (SGLang's row-to-mamba-slot mapping; the built-in pools have it too). The harness checks it against
+    # the slot the request holds, so a pool that never writes the mapping fails. A family without the
+    # method has no such mapping to check.
+
 
 @runtime_checkable
 class AllocatorLike(Protocol):

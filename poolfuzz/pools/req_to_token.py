@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from poolfuzz.pools.allocator import SlotAllocator
+from poolfuzz.pools.allocator import SlotAllocator, _as_index
 from poolfuzz.pools.errors import DoubleFree, InvalidSlot
 from poolfuzz.pools.mamba import MambaPool, MambaSlotAllocator
 
@@ -63,6 +63,10 @@ class HybridReqToTokenPool(ReqToTokenPool):
         slot = self.mamba_allocator.alloc_one()
         self.req_to_mamba[row] = slot
         return slot
+
+    def get_mamba_indices(self, rows) -> torch.Tensor:
+        """The mamba slot of each row, as the attention kernels read it (SGLang's ``get_mamba_indices``)."""
+        return self.req_to_mamba[_as_index(rows)].to(torch.int64)
 
     def free_mamba(self, row: int, slot: int | None) -> None:
         if slot is None:

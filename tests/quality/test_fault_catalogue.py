@@ -24,6 +24,7 @@ SIGNATURES = {
     "mamba-backed-up-twice": r"^InvariantViolation: .*recurrent state backed up twice",
     "mamba-slot-zero": r"^InvariantViolation: .*mamba free list holds the reserved slot/page 0",
     "mamba-not-cleared": r"^StateLost: .*component mamba\.",
+    "mamba-mapping-not-written": r"^InvariantViolation: req \d+: row \d+'s mamba slot as the kernels read it .* is 0",
     "backup-drops-last-token": r"^ReferenceMismatch: .*retraction backup holds \d+ tokens; the seqlen-1 contract",
     "backup-includes-unwritten-token": r"(retraction backup holds \d+ tokens; the seqlen-1 contract|UnsupportedBackup)",
     "swa-reload-unmapped-rows": r"^StateLost: .*component swa\.",

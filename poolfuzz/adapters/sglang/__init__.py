@@ -31,7 +31,11 @@ def describe() -> dict:
     return {"version": api.version, "shims": api.shims, "kv_on_req": api.kv_on_req,
             "mamba_slot_allocator": api.MambaSlotAllocator is not None,
             "declares_cpu_copy_carries_mamba": api.kv_pools_declare_mamba,
-            "row_alloc_takes_reqs": api.row_alloc_takes_reqs}
+            "row_alloc_takes_reqs": api.row_alloc_takes_reqs,
+            "paged_kernels": list(api.paged_kernels), "kernels_interpreted": api.kernels_interpreted}
 
 
 build_family.unsupported_reason = unsupported_reason
+# What ``poolfuzz run --coverage`` measures (paths relative to site-packages): the memory pools, allocators and
+# caches, and the request's retraction path (``Req.offload_kv_cache`` / ``load_kv_cache``) the adapter borrows.
+build_family.engine_code = ("sglang/srt/mem_cache", "sglang/srt/managers/schedule_batch.py")

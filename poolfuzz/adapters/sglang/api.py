@@ -120,6 +120,25 @@ class SGLangAPI:
         return "reqs" in parameters(self.ReqToTokenPool.alloc)
 
     @property
+    def paged_kernels(self) -> tuple[str, ...]:
+        """The Triton kernels the paged allocator's ``alloc_extend`` / ``alloc_decode`` name (empty: torch
+        code only, or the kernels are plain functions under the triton stand-in)."""
+        import sys
+
+        cls = self.PagedTokenToKVPoolAllocator
+        module = sys.modules.get(cls.__module__)
+        names = set()
+        for method in ("alloc_extend", "alloc_decode"):
+            code = getattr(getattr(cls, method, None), "__code__", None)
+            names.update(code.co_names if code is not None else ())
+        return tuple(sorted(n for n in names if type(getattr(module, n, None)).__module__.startswith("triton.")))
+
+    @property
+    def kernels_interpreted(self) -> bool:
+        """Triton kernels run on the CPU, in Triton's interpreter (the real wheel and no GPU; see shims)."""
+        return self.shims.get("triton") == "interpreter"
+
+    @property
     def kv_pools_declare_mamba(self) -> bool:
         """Whether the KV pools declare ``cpu_copy_carries_mamba`` (SGLang's #35957 fix)."""
         return any("cpu_copy_carries_mamba" in vars(c) for c in self.HybridLinearKVPool.__mro__)

@@ -162,6 +162,14 @@ class SGLangProtocol(ServingProtocol):
         elif n == 1 and prefix_len > 0:
             out = paged_alloc_decode(alloc, seq_len=seq_len, last_loc=last_loc)
         else:
+            if pages and family.api.kernels_interpreted and family.api.paged_kernels:
+                # These releases' alloc_extend launches its kernel before it counts the free pages: the
+                # kernel reads past the free list, and the scheduler's prefill admission (its token budget)
+                # is what keeps that from happening. On a GPU the stray read is harmless; interpreted on
+                # the CPU it reads unmapped memory and kills the process. Check as the admission does.
+                short = family.space_short_of(self._needs(family, full_pages=pages, swa_pages=pages))
+                if short:
+                    raise PoolExhausted(space=short[0], requested=short[1], available=short[2])
             out = paged_alloc_extend(alloc, prefix_len=prefix_len, seq_len=seq_len, last_loc=last_loc)
         if out is None:
             short = family.space_short_of(self._needs(family, full_pages=pages, swa_pages=pages))

@@ -9,7 +9,10 @@ Three of SGLang's unconditional imports cannot be satisfied there from PyPI alon
   so that one enum is real.
 * ``triton``: imported at module level by the pools. The real wheel imports fine on CPU and
   is used whenever it is installed; otherwise a permissive stand-in is put in its place
-  (kernel definitions become plain functions and are never launched on the CPU paths).
+  (kernel definitions become plain functions and are never launched on the CPU paths). With the
+  real wheel and no GPU, kernels run under Triton's interpreter (``TRITON_INTERPRET=1``, read
+  when a kernel is defined, so set before the first sglang import): releases whose paged
+  allocator launches a kernel for every allocation then allocate pages on the CPU too.
 * ``sgl_kernel``: imported at module level by some releases' pools (e.g. the host pool's
   transfer functions). Only when an import fails for want of it (:func:`install_on_demand`), a
   stand-in makes its names importable and raises if one is ever called.
@@ -32,6 +35,7 @@ import enum
 import importlib.abc
 import importlib.machinery
 import importlib.util
+import os
 import sys
 import types
 
@@ -181,8 +185,11 @@ def _install_torchvision() -> str:
 
 
 def _install_triton() -> str:
+    interpreting = _interpret_kernels_without_gpu()  # before the first import: kernels are wrapped then
     if _importable("triton"):
-        return "real"
+        return "interpreter" if interpreting else "real"
+    if interpreting is _SET_HERE:
+        del os.environ["TRITON_INTERPRET"]
     root = _stub_root("triton")
     root.__version__ = "0.0.0"
     root.cdiv = lambda a, b: -(a // -b)
@@ -190,6 +197,24 @@ def _install_triton() -> str:
     language = importlib.import_module("triton.language")
     language.constexpr = type("constexpr", (_StandInBase,), {"__module__": "triton.language"})
     return "stand-in"
+
+
+_SET_HERE = "set by poolfuzz"
+
+
+def _interpret_kernels_without_gpu():
+    """Where the real Triton wheel is installed and no GPU is visible, every kernel SGLang launches runs
+    on the CPU tensors in Triton's interpreter: ``TRITON_INTERPRET=1``, which Triton reads as it wraps
+    each kernel (its own standard library included), so it is set before triton is first imported.
+    Returns ``_SET_HERE`` when set here, True when the user set it, a false value when kernels compile."""
+    import torch
+
+    if "TRITON_INTERPRET" in os.environ:
+        return os.environ["TRITON_INTERPRET"] == "1"
+    if importlib.util.find_spec("triton") is None or torch.cuda.is_available():
+        return False
+    os.environ["TRITON_INTERPRET"] = "1"
+    return _SET_HERE
 
 
 def _install_sgl_kernel() -> str:

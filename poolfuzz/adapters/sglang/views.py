@@ -160,6 +160,12 @@ class ReqPoolView:
     def read(self, row: int, start: int, end: int) -> torch.Tensor:
         return self.pool.req_to_token[row, start:end].to(device="cpu", dtype=torch.int64)
 
+    def get_mamba_indices(self, rows) -> torch.Tensor:
+        """SGLang's own ``get_mamba_indices``: what the attention backends index the mamba state by."""
+        mapping = self.pool.req_index_to_mamba_index_mapping
+        index = torch.as_tensor(rows, dtype=torch.int64).reshape(-1).to(mapping.device)
+        return self.pool.get_mamba_indices(index).to(device="cpu", dtype=torch.int64)
+
     def available_size(self) -> int:
         return self.pool.available_size()
 

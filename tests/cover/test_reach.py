@@ -1,0 +1,91 @@
+"""``poolfuzz run --coverage DIR``: the reach of a run over the engine's code, measured in every worker."""
+
+import inspect
+import json
+import os
+import sys
+
+import pytest
+
+from poolfuzz.cli import run_cli
+from poolfuzz.pools import errors, faults
+
+pytest.importorskip("coverage", reason="coverage.py is a dependency of poolfuzz (pip install -e .)")
+
+ENGINE = "poolfuzz/pools"
+
+
+def _measured_run(tmp_path, *argv):
+    reach = tmp_path / "reach"
+    code = run_cli(["run", "--examples", "6", "--seed", "3", "--db", "none", "--out", str(tmp_path / "out"),
+                    "--coverage", str(reach), *argv])
+    return code, reach
+
+
+def _line_of(obj) -> int:
+    return inspect.getsourcelines(obj)[1]
+
+
+def _body_lines(func) -> set[int]:
+    lines, first = inspect.getsourcelines(func)
+    return {first + i for i, text in enumerate(lines) if i and text.strip() and not text.strip().startswith(('"', "#"))}
+
+
+@pytest.mark.slow
+def test_two_workers_are_measured_and_combined_into_a_per_file_table(tmp_path, capsys):
+    code, reach = _measured_run(tmp_path, "--config", "dense", "swa", "--workers", "2")
+    assert code == 0
+    out = capsys.readouterr().out
+    table = json.loads((reach / "reach.json").read_text())
+    files = table["files"]
+    assert set(files) >= {f"{ENGINE}/allocator.py", f"{ENGINE}/swa_allocator.py", f"{ENGINE}/kv.py"}
+    assert all(name.startswith(f"{ENGINE}/") for name in files)  # only the engine code, relative to its root
+    # dense ran in worker 0, swa in worker 1: the SWA allocator's reach comes from the second worker alone.
+    for name in (f"{ENGINE}/allocator.py", f"{ENGINE}/swa_allocator.py", f"{ENGINE}/protocol.py"):
+        figures = files[name]
+        assert 0 < figures["executed"] < figures["statements"], (name, figures)
+        assert 0 < figures["taken"] <= figures["branches"], (name, figures)
+    # The table's figures are coverage.py's own, file by file, and add up to the total.
+    raw = json.loads((reach / "coverage.json").read_text())["files"]
+    by_name = {os.path.relpath(k, table["root"]): v["summary"] for k, v in raw.items()}
+    assert {k: (v["num_statements"], v["covered_lines"]) for k, v in by_name.items()} == \
+        {k: (v["statements"], v["executed"]) for k, v in files.items()}
+    assert table["total"]["executed"] == sum(v["executed"] for v in files.values())
+    assert (reach / "html" / "index.html").is_file()
+    assert not list(reach.glob(".coverage.*"))  # the workers' data files are combined into one
+    for name, figures in files.items():
+        assert f"{name} " in out
+    assert "total" in out and "reach written to" in out
+
+
+def test_measurement_starts_before_the_engine_is_imported_and_misses_what_never_ran(tmp_path):
+    code, reach = _measured_run(tmp_path, "--config", "dense")
+    assert code == 0
+    raw = json.loads((reach / "coverage.json").read_text())["files"]
+    lines = {os.path.relpath(k, os.path.dirname(os.path.dirname(os.path.dirname(errors.__file__)))): v
+             for k, v in raw.items()}
+    # A class statement runs once, at import: executed only if the worker measured from its first line.
+    assert _line_of(errors.PoolExhausted) in lines[f"{ENGINE}/errors.py"]["executed_lines"]
+    # A fault that was not switched on, on a config it does not apply to: its body never ran.
+    body = _body_lines(faults.EvictsOneTokenTooMany.evict_swa)
+    assert body and body <= set(lines[f"{ENGINE}/faults.py"]["missing_lines"])
+    # Never imported by a run: reported at 0%, not left out.
+    assert lines[f"{ENGINE}/config_file.py"]["summary"]["covered_lines"] == 0
+
+
+def test_a_family_without_engine_code_is_bad_usage(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    code = run_cli(["run", "--examples", "1", "--family", "tests.cover.minimal_family:build_minimal_family",
+                    "--coverage", "reach"])
+    err = capsys.readouterr().err
+    assert code == 2 and "declares no engine code" in err and "'engine_code'" in err
+    assert os.listdir(tmp_path) == []
+
+
+def test_missing_coverage_is_bad_usage_with_the_fix(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setitem(sys.modules, "coverage", None)  # import coverage raises ImportError
+    assert run_cli(["run", "--examples", "1", "--config", "dense", "--coverage", "reach"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "--coverage needs coverage.py" in err and "pip install" in err and "\n" not in err
+    assert os.listdir(tmp_path) == []

@@ -1,0 +1,49 @@
+"""Releases whose paged allocator only launches Triton kernels run their paged configs on the CPU, in
+Triton's interpreter, where the real triton wheel is installed and no GPU is visible."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from poolfuzz.pools.config import CONFIGS
+from poolfuzz.pools.errors import PoolExhausted
+from poolfuzz.pools.request import ReqKv
+
+
+@pytest.fixture
+def kernel_only(api):
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is visible: kernels compile, nothing is interpreted")
+    if not api.paged_kernels:
+        pytest.skip(f"sglang {api.version}'s paged allocator launches no Triton kernel here "
+                    f"(triton: {api.shims.get('triton')})")
+    return api
+
+
+def test_kernels_are_interpreted_and_every_paged_config_is_supported(kernel_only):
+    from poolfuzz.adapters.sglang import describe, unsupported_reason
+
+    assert kernel_only.kernels_interpreted and describe()["kernels_interpreted"]
+    assert {"alloc_extend_kernel", "alloc_decode_kernel"} & set(kernel_only.paged_kernels)
+    assert {name: unsupported_reason(c) for name, c in CONFIGS.items() if c.page_size > 1} == \
+        {name: None for name, c in CONFIGS.items() if c.page_size > 1}
+
+
+def test_interpreted_kernels_hand_out_whole_pages_and_a_full_pool_is_refused(kernel_only):
+    from poolfuzz.adapters.sglang import build_family
+
+    fam = build_family(CONFIGS["dense-ps4"])
+    ps = fam.config.page_size
+    req = ReqKv(rid=1, seqlen=7)
+    fam.protocol.admit(req, fam)
+    slots = fam.protocol.extend(req, fam, 6).tolist()  # alloc_extend_kernel, interpreted
+    assert len(slots) == 6 and slots[0] % ps == 0 and slots == list(range(slots[0], slots[0] + 6))
+    slots += fam.protocol.extend(req, fam, 7).tolist()  # alloc_decode_kernel: the same page goes on
+    assert slots[6] == slots[5] + 1
+    other = ReqKv(rid=2, seqlen=fam.config.full_tokens + ps)
+    fam.protocol.admit(other, fam)
+    before = fam.free_lists()["full"].available_size()
+    with pytest.raises(PoolExhausted) as info:  # more pages than are free: refused, nothing taken
+        fam.protocol.extend(other, fam, fam.config.full_tokens)
+    assert info.value.space == "full" and fam.free_lists()["full"].available_size() == before
