@@ -186,7 +186,8 @@ class Checker:
         if plan is None or any(r.buffer.data_ptr() != c.tensor.data_ptr() or r.buffer.shape != c.tensor.shape
                                for c, _, r in plan[:1]):
             e = self.engine
-            plan = [(c, e.specs[(c.name, c.layer)], SlotReader(c.tensor)) for c in fam.components()]
+            plan = [(c, e.specs[(c.name, c.layer)], SlotReader(c.tensor, page_size=c.page_size))
+                    for c in fam.components()]
             self._readers[node] = plan
         return plan
 
@@ -310,7 +311,7 @@ class Checker:
                                    layer=comp.layer, position=position,
                                    slot_before=self._before(req, comp.space, position), slot_after=slot,
                                    expected=state_type.describe_expected(e.ledger, ref, position),
-                                   found=describe_row(comp.tensor[slot].cpu()), verb=req.verb, space=comp.space,
+                                   found=describe_row(comp.tensor[comp.at(slot)].cpu()), verb=req.verb, space=comp.space,
                                    action=_action_of(e, req))
 
     # --- where a request's slots were ------------------------------------------------------

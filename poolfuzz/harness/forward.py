@@ -50,7 +50,7 @@ class Writer:
             target = targets.get(comp.space)
             if target is None:
                 target = targets[comp.space] = state_type.write_targets(fam, slots).to(e.device)
-            comp.tensor[target] = row_cache.kv_rows(spec, req.rid, start, written_end, e.device)
+            comp.tensor[comp.at(target)] = row_cache.kv_rows(spec, req.rid, start, written_end, e.device)
             req.expected[spec.key] = torch.cat([req.expected.get(spec.key, _EMPTY),
                                                 e.ledger.kv(spec, req.rid, start, end)])
         req.kv.kv_committed_len = end
@@ -81,7 +81,7 @@ class Writer:
         zero = torch.zeros(1, dtype=torch.int64, device=e.device)
         for comp in fam.components():
             spec = e.specs[(comp.name, comp.layer)]
-            comp.tensor[zero] = row_cache.tagged_rows(spec, kind=KIND_PADDING, rid=NO_CULPRIT, position=e.step,
+            comp.tensor[comp.at(zero)] = row_cache.tagged_rows(spec, kind=KIND_PADDING, rid=NO_CULPRIT, position=e.step,
                                                       chain=0, n=1, device=e.device)
 
     def poisoner(self, node: str):
@@ -101,6 +101,6 @@ class Writer:
                     listed = [(c, e.host_specs[(c.name, c.layer)]) for c in fam.host_components()]
                 plan = plans[space] = [(c, spec) for c, spec in listed if c.space == space]
             for comp, spec in plan:
-                comp.tensor[slots.to(comp.tensor.device)] = row_cache.poison_rows(
+                comp.tensor[comp.at(slots.to(comp.tensor.device))] = row_cache.poison_rows(
                     spec, culprit=e.culprit, step=e.step, n=slots.numel(), device=comp.tensor.device)
         return poison

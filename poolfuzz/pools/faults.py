@@ -16,6 +16,15 @@ from poolfuzz.pools.host import HostKVPool
 from poolfuzz.pools.kv import MHATokenToKVPool, SWAKVPool
 from poolfuzz.pools.mamba import MambaPool, MambaSlotAllocator
 from poolfuzz.pools.protocol import ServingProtocol
+from poolfuzz.pools.storage_faults import (
+    DSACopyWithoutIndexCache,
+    DSAIndexTokenMajor,
+    MLACopiesValueBufferOnly,
+    MLATransferItemOfLatentWidth,
+    ScaledCopyWithoutScales,
+    TransferWithoutBlockScales,
+    TransferWithoutDSAState,
+)
 from poolfuzz.pools.swa_allocator import SWATokenAllocator
 from poolfuzz.pools.transfer import PDTransfer
 
@@ -367,6 +376,21 @@ FAULTS: dict[str, Fault] = {
            {"mamba_pool": MambaLayerMapAssumesContiguous}),
         _f("host-load-tiles-of-four", "sglang#23596 (page-size kernel)", lambda c: c.page_size > 1 and not c.has_mamba,
            {"host_pool": HostLoadTilesOfFour}, backup_mode="host_pool"),
+        # Pool classes that store KV other than as K and V rows: each fault drops or misplaces one buffer.
+        _f("mla-copy-drops-rope", "MLA get_value_buffer is the latent part only", lambda c: c.attention == "mla",
+           {"mla_kv_pool": MLACopiesValueBufferOnly}),
+        _f("mla-pd-item-of-latent-width", "MLA PD item lengths (get_contiguous_buf_infos)",
+           lambda c: c.attention == "mla", {"mla_kv_pool": MLATransferItemOfLatentWidth}),
+        _f("dsa-copy-drops-index", "DSA get_cpu_copy offloads index_k with the KV", lambda c: c.attention == "dsa",
+           {"dsa_kv_pool": DSACopyWithoutIndexCache}),
+        _f("dsa-index-token-major", "DSA IndexKeyCache page layout (keys, then scales)",
+           lambda c: c.attention == "dsa" and c.page_size > 1, {"dsa_kv_pool": DSAIndexTokenMajor}),
+        _f("pd-drops-dsa-index", "DSA PD state component (StateType.DSA)", lambda c: c.attention == "dsa",
+           {"transfer": TransferWithoutDSAState}),
+        _f("scaled-copy-drops-scales", "MXFP8 get_cpu_copy carries the block scales", lambda c: c.kv_scale_block > 0,
+           {"scaled_kv_pool": ScaledCopyWithoutScales}),
+        _f("pd-drops-block-scales", "MXFP8 PD state component (StateType.BLOCK_SCALE)",
+           lambda c: c.kv_scale_block > 0, {"transfer": TransferWithoutBlockScales}),
     ]
 }
 
@@ -384,6 +408,9 @@ SHORTEST_KNOWN: dict[str, int] = {
     "allocator-double-free-undetected": 3,
     # Off the named grid, by hand: a request served, retracted and resumed on a config of the shape.
     "reload-chunk-at-chunk-number": 4, "mamba-layer-map-contiguous": 4, "host-load-tiles-of-four": 4,
+    # By hand: a request served and retracted and resumed (4), or served and transferred (3).
+    "mla-copy-drops-rope": 4, "mla-pd-item-of-latent-width": 3, "dsa-copy-drops-index": 4,
+    "dsa-index-token-major": 4, "pd-drops-dsa-index": 3, "scaled-copy-drops-scales": 4, "pd-drops-block-scales": 3,
 }
 
 

@@ -105,6 +105,11 @@ class SGLangAPI:
     free_swa_out_of_window_slots: Callable | None
     free_kv_row_segments: Callable | None
     ComponentType: Any
+    # Pool classes that store KV other than as K and V rows (None where the release has none)
+    MLATokenToKVPool: type | None = None
+    DSATokenToKVPool: type | None = None  # NSATokenToKVPool before the rename
+    MHATokenToKVPoolMXFP8: type | None = None
+    get_parallel: Callable | None = None  # the runtime's parallel context, where pools read it
 
     @property
     def kv_on_req(self) -> bool:
@@ -201,4 +206,8 @@ def _probe(sglang_version: str, installed: dict) -> SGLangAPI:
         ComponentType=_first("sglang.srt.mem_cache.unified_cache.component_type:ComponentType",
                              "sglang.srt.mem_cache.base_prefix_cache:ComponentType",
                              "sglang.srt.mem_cache.common:ComponentType", required=False),
+        MLATokenToKVPool=_first(f"{mp}:MLATokenToKVPool", required=False),
+        DSATokenToKVPool=_first(f"{mp}:DSATokenToKVPool", f"{mp}:NSATokenToKVPool", required=False),
+        MHATokenToKVPoolMXFP8=_first(f"{mp}:MHATokenToKVPoolMXFP8", required=False),
+        get_parallel=_first("sglang.srt.runtime_context:get_parallel", required=False),
     )
