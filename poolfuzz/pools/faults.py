@@ -374,7 +374,8 @@ FAULTS: dict[str, Fault] = {
            {"mha_kv_pool": ReloadChunkAtChunkNumber}, backup_mode="cpu_tensor"),
         _f("mamba-layer-map-contiguous", "sglang#20457 (layer-id map)", lambda c: c.has_mamba,
            {"mamba_pool": MambaLayerMapAssumesContiguous}),
-        _f("host-load-tiles-of-four", "sglang#23596 (page-size kernel)", lambda c: c.page_size > 1 and not c.has_mamba,
+        _f("host-load-tiles-of-four", "sglang#23596 (page-size kernel)",
+           lambda c: c.page_size > 1 and not c.has_mamba and c.attention == "mha" and not c.kv_scale_block,
            {"host_pool": HostLoadTilesOfFour}, backup_mode="host_pool"),
         # Pool classes that store KV other than as K and V rows: each fault drops or misplaces one buffer.
         _f("mla-copy-drops-rope", "MLA get_value_buffer is the latent part only", lambda c: c.attention == "mla",
