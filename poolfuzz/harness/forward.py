@@ -61,17 +61,24 @@ class Writer:
         """The recurrent state consumes ``[start, end)``: read the chain it holds, write the next."""
         e = self.engine
         a, b = chain_affine(req.rid, start, end)
+        # Extra-buffer mode: the forward also leaves the state it ends with in a track slot
+        fam = e.families[req.node]
+        track = fam.protocol.next_track_slot(req.kv, fam) if req.kv.mamba_track else None
         if e.device.type == "cpu":  # the same fold on host ints: no tensor ops, nothing to sync
             idx = req.kv.mamba_pool_idx
             for comp, spec in plan:
                 old_chain = int(comp.tensor[idx].reshape(-1)[7:8].to(torch.int64))  # read the state
                 comp.tensor[idx] = row_cache.state_row(spec, req.rid, end, (old_chain * a + b) % 251)
+                if track is not None:
+                    comp.tensor[track] = comp.tensor[idx]
             return
         slot = torch.tensor([req.kv.mamba_pool_idx], device=e.device)
         for comp, spec in plan:
             old_chain = comp.tensor[slot].reshape(1, -1)[:, 7].to(torch.int64)  # read the state
             new_chain = (old_chain * a + b) % 251
             comp.tensor[slot] = row_cache.state_rows(spec, req.rid, end, new_chain, e.device)
+            if track is not None:
+                comp.tensor[track] = comp.tensor[slot.item()]
 
     def padding(self, node: str) -> None:
         """A padded (CUDA-graph) batch writes its dummy rows to slot 0 of every component:

@@ -147,10 +147,15 @@ class RecurrentState(StateType):
     recurrent = True
 
     def held_units(self, lookup, fam, kv, tokens):
-        return [s for s in (kv.mamba_pool_idx, kv.mamba_cow_src) if s is not None]
+        return [s for s in (kv.mamba_pool_idx, kv.mamba_cow_src) if s is not None] + list(kv.mamba_track)
 
     def locate(self, lookup, fam, req, config) -> tuple[np.ndarray, np.ndarray]:
         return NO_POSITION, np.array([req.kv.mamba_pool_idx], dtype=np.int64)
+
+    def tracked(self, req, ref) -> list[tuple[int, tuple]]:
+        """Extra-buffer mode: (track slot, the state history it must hold) of each track slot a
+        forward wrote; a slot not written since it was allocated holds nothing to check."""
+        return [(slot, history) for slot, history in zip(req.kv.mamba_track, ref.track) if history is not None]
 
     def describe_expected(self, ledger, ref, position) -> str:
         return ledger.describe_state(ref.state)

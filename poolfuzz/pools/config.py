@@ -57,6 +57,10 @@ class ModelConfig:
     # MHA with an fp8 kv_dtype: 0 for none, else one UE8M0 scale byte per this many values of K and
     # of V, kept in scale buffers beside them (SGLang's MHATokenToKVPoolMXFP8: 32)
     kv_scale_block: int = 0
+    # Mamba extra-buffer mode: track slots each request holds beside its state slot, from the same
+    # allocator, into which the forward also writes the state (for the prefix cache to keep). 0: off;
+    # 1: one track slot; 2: the overlap schedule's ping-pong pair (SGLang's get_mamba_tracking_slots)
+    mamba_track_slots: int = 0
 
     def __post_init__(self) -> None:
         problems = _validate(self)
@@ -145,6 +149,9 @@ def _validate(c: ModelConfig) -> list[str]:
         problems.append("swa_layers > 0 needs sliding_window >= 1")
     if not c.swa_layers and (c.swa_tokens or c.sliding_window):
         problems.append("swa_tokens / sliding_window are set but swa_layers is 0")
+    if c.mamba_track_slots and (not c.mamba_layers or c.mamba_track_slots not in (1, 2)):
+        problems.append(f"mamba_track_slots ({c.mamba_track_slots}) must be 1 or 2 (extra-buffer mode, 2 with the "
+                        "overlap schedule) and needs mamba_layers > 0")
     if c.mamba_layers and c.mamba_slots < 1:
         problems.append("mamba_layers > 0 needs mamba_slots >= 1")
     if not c.mamba_layers and c.mamba_slots:
@@ -245,6 +252,13 @@ def _storage_configs() -> list[ModelConfig]:
     return [mla, dsa, scaled]
 
 
+def _mode_configs(base: list[ModelConfig]) -> list[ModelConfig]:
+    """Hybrid models in SGLang's mamba extra-buffer mode with the overlap schedule: each request
+    holds a ping-pong pair of track slots beside its state slot (three slots a request)."""
+    hybrid = next(c for c in base if c.name == "hybrid-linear")
+    return [hybrid.replace(name="hybrid-extra-buffer", mamba_track_slots=2, mamba_slots=10)]
+
+
 def _paged(config: ModelConfig, page_size: int, kv_dtype: str) -> ModelConfig:
     return config.replace(
         # The full pool keeps its size in tokens (so fewer, larger pages fill up as fast); the
@@ -260,8 +274,9 @@ def _paged(config: ModelConfig, page_size: int, kv_dtype: str) -> ModelConfig:
 def _all_configs() -> dict[str, ModelConfig]:
     out = {}
     paged_dtypes = {"dense": "fp8_e4m3", "swa": "bfloat16", "hybrid-linear": "float32",
-                    "swa-ssm": "float16", "mla": "bfloat16", "dsa": "bfloat16", "fp8-scaled": "fp8_e5m2"}
-    for base in _base_configs() + _storage_configs():
+                    "swa-ssm": "float16", "mla": "bfloat16", "dsa": "bfloat16", "fp8-scaled": "fp8_e5m2",
+                    "hybrid-extra-buffer": "float32"}
+    for base in _base_configs() + _storage_configs() + _mode_configs(_base_configs()):
         out[base.name] = base
         paged = _paged(base, 4, paged_dtypes[base.name])
         out[paged.name] = paged

@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import torch
-
 from poolfuzz.pools.allocator import _as_index
 from poolfuzz.pools.kv import CPU_COPY_CHUNK
-from poolfuzz.pools.latent import DSATokenToKVPool, MLATokenToKVPool, _copy_rows, _load_rows
+from poolfuzz.pools.latent import DSATokenToKVPool, MLATokenToKVPool, _copy_rows
 from poolfuzz.pools.scaled import MHATokenToKVPoolScaled
 from poolfuzz.pools.transfer import PDTransfer
 
@@ -50,28 +48,19 @@ class DSACopyWithoutIndexCache(DSATokenToKVPool):
         MLATokenToKVPool.load_cpu_copy(self, cpu, indices)
 
 
-class DSAIndexTokenMajor(DSATokenToKVPool):
-    """The index cache restore lays each page out token-major (keys and scale of token 0, then of
-    token 1, ...) instead of page-major (every key of the page, then every scale): at page size 1
-    the two agree; on larger pages keys land in scale bytes and scales in other tokens' keys."""
+class DSAIndexScalesTransposed(DSATokenToKVPool):
+    """The index cache restore lays each page's scale bytes out scale-major (byte 0 of every token,
+    then byte 1, ...: a ``[scale bytes, page]`` view, as a kernel with a transposed scale layout
+    reads them) instead of token-major: at page size 1 the two agree; on larger pages every token's
+    scales hold bytes of its neighbours'. The keys are restored right."""
 
     def load_cpu_copy(self, cpu, indices, mamba_indices=None):
-        MLATokenToKVPool.load_cpu_copy(self, cpu.kv, indices)
+        super().load_cpu_copy(cpu, indices)
         ps, d, s = self.page_size, self.index_head_dim, self.index_scale_bytes
-        token_major = [_token_major(chunks, ps, d, s) for chunks in cpu.index_k.layers]
-        page_chunk = max(1, CPU_COPY_CHUNK // ps)
-        _load_rows(self.index_k_with_scale_buffer, type(cpu.index_k)(layers=tuple(token_major),
-                                                                      num_rows=cpu.index_k.num_rows),
-                   self.index_pages(indices), page_chunk)
-
-
-def _token_major(chunks, ps: int, d: int, s: int) -> tuple[torch.Tensor, ...]:
-    out = []
-    for pages in chunks:
-        keys = pages[:, :ps * d].reshape(-1, ps, d)
-        scales = pages[:, ps * d:].reshape(-1, ps, s)
-        out.append(torch.cat([keys, scales], dim=2).reshape(pages.shape[0], -1))
-    return tuple(out)
+        for buf in self.index_k_with_scale_buffer:
+            pages = self.index_pages(indices)
+            scales = buf[pages, ps * d:].reshape(-1, ps, s)
+            buf[pages, ps * d:] = scales.transpose(1, 2).reshape(pages.numel(), -1)
 
 
 class TransferWithoutDSAState(PDTransfer):

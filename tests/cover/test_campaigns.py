@@ -30,7 +30,10 @@ def test_one_bug_one_signature_across_seeds(fault, config, signature):
 
 
 # One bug seen with and without the allocator's double-free detection (SGLang #25805): one signature.
-SAME_BUG = {"allocator-double-free-undetected": "free-swa-keeps-mapping"}
+SAME_BUG = {"allocator-double-free-undetected": "free-swa-keeps-mapping",
+            # A mamba leak is one signature whichever of a request's slots leaks (its state slot on
+            # a failed resume, or its extra-buffer track slots on every release).
+            "track-slots-not-freed": "mamba-leak-on-abort"}
 # Faults that only show off the named configs (found with --config random, not here).
 OFF_GRID = {"reload-chunk-at-chunk-number", "mamba-layer-map-contiguous", "host-load-tiles-of-four"}
 
