@@ -126,6 +126,9 @@ def unsupported_reason(config: ModelConfig) -> str | None:
         problem = _paged_allocation_problem(api)
         if problem:
             return problem
+    if config.mamba_track_slots:
+        return ("mamba extra-buffer mode is not driven through SGLang yet: its track slots are chosen by "
+                "the scheduler's ping-pong bookkeeping (mamba_next_track_idx), which the adapter does not run")
     return storage_problem(api, config)
 
 

@@ -35,8 +35,10 @@ def storage_problem(api: SGLangAPI, config: ModelConfig) -> str | None:
     """Why this release cannot build the config's KV storage, or None."""
     if config.attention == "mla" and api.MLATokenToKVPool is None:
         return "this SGLang has no MLATokenToKVPool"
-    if config.attention == "dsa" and api.DSATokenToKVPool is None:
-        return "this SGLang has no DSATokenToKVPool (or NSATokenToKVPool)"
+    if config.attention == "dsa":
+        if api.DSATokenToKVPool is None:
+            return "this SGLang has no DSATokenToKVPool (or NSATokenToKVPool)"
+        return _dsa_problem(api, config)
     if config.kv_scale_block:
         cls = api.MHATokenToKVPoolMXFP8
         if cls is None:
@@ -46,6 +48,40 @@ def storage_problem(api: SGLangAPI, config: ModelConfig) -> str | None:
             return f"SGLang's MXFP8 pool scales blocks of {block} values; set kv_scale_block = {block}"
         return _mxfp8_problem(api)
     return None
+
+
+_DSA_PROBE: dict[tuple, str | None] = {}
+
+
+def _dsa_problem(api: SGLangAPI, config: ModelConfig) -> str | None:
+    """Build a one-page DSA pool of the config's page size and index width: the release's indexer
+    asserts the shapes its kernels take (0.5.23: 64-token pages, 128-value index keys)."""
+    key = (config.page_size, config.index_head_dim, config.kv_lora_rank, config.qk_rope_head_dim)
+    if key not in _DSA_PROBE:
+        problem = None
+        try:
+            single_rank(api)
+            construct(api.DSATokenToKVPool, size=config.page_size, page_size=config.page_size,
+                      dtype=torch.bfloat16, kv_lora_rank=config.kv_lora_rank,
+                      qk_rope_head_dim=config.qk_rope_head_dim, layer_num=1, device="cpu",
+                      index_head_dim=config.index_head_dim, enable_memory_saver=False,
+                      kv_cache_dim=config.kv_lora_rank + config.qk_rope_head_dim)
+        except Exception as exc:  # the indexer's own assertions say what it takes
+            problem = (f"SGLang {api.version}'s DSA pool refuses page_size={config.page_size}, "
+                       f"index_head_dim={config.index_head_dim} ({type(exc).__name__}: {_what_failed(exc)})")
+        _DSA_PROBE[key] = problem
+    return _DSA_PROBE[key]
+
+
+def _what_failed(exc: BaseException) -> str:
+    """An exception's message, or for a bare ``assert`` the source line that failed."""
+    text = str(exc).splitlines()[0] if str(exc) else ""
+    if text:
+        return text
+    import traceback
+
+    frames = traceback.extract_tb(exc.__traceback__)
+    return frames[-1].line if frames and frames[-1].line else "no message"
 
 
 _MXFP8_PROBE: dict[str, str | None] = {}
