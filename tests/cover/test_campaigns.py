@@ -67,10 +67,12 @@ def test_a_recorded_failure_has_the_signature_of_the_live_one():
 
 @pytest.fixture(scope="module")
 def campaign(tmp_path_factory):
-    """Three planted bugs, one run that keeps going past each."""
+    """Three planted bugs, one run that keeps going past each. The shrink budget is wall-clock time:
+    generous, so that a loaded 2-core machine (or an example stream that other modules' literals
+    shift) still sees every shrink finish; what is asserted is the campaign, not the shrink speed."""
     out = tmp_path_factory.mktemp("campaign") / "failures"
     code = run_cli(["run", "--config", "swa-ssm", "--faults", *THREE, "--examples", "200", "--seed", "1",
-                    "--db", "none", "--out", str(out), "--shrink-seconds", "5"])
+                    "--db", "none", "--out", str(out), "--shrink-seconds", "30"])
     return code, out
 
 
