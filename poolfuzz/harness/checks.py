@@ -219,7 +219,8 @@ class Checker:
         if plan is None or any(r.buffer.data_ptr() != c.tensor.data_ptr() or r.buffer.shape != c.tensor.shape
                                for c, _, r in plan[:1]):
             e = self.engine
-            plan = [(c, e.specs[(c.name, c.layer)], SlotReader(c.tensor)) for c in fam.components()]
+            plan = [(c, e.specs[(c.name, c.layer)], SlotReader(c.tensor, page_size=c.page_size))
+                    for c in fam.components()]
             self._readers[node] = plan
         return plan
 
@@ -295,6 +296,12 @@ class Checker:
             expected = self._scalars.get(value)
             if expected is None:
                 expected = self._scalars[value] = torch.tensor([value])
+            tracked = state_type.tracked(req, ref) if req.kv.mamba_track else ()
+            if tracked:  # extra-buffer mode: each track slot holds the state a forward left there
+                positions, slots = located[where]
+                return (np.concatenate([positions, np.full(len(tracked), -1)]),
+                        np.concatenate([slots, np.array([s for s, _ in tracked], dtype=np.int64)]),
+                        torch.cat([expected, torch.tensor([self.state_checksum(spec, h) for _, h in tracked])]))
             return (*located[where], expected)
         where = (req.rid, spec.space)
         found = located.get(where)
@@ -344,11 +351,15 @@ class Checker:
         state_type = e.state_types[comp.space]
         position = None if state_type.recurrent else int(positions[index])
         ref = e.refs[node].request(req.rid)
+        expected = state_type.describe_expected(e.ledger, ref, position)
+        if state_type.recurrent and slot in req.kv.mamba_track:  # a track slot of extra-buffer mode
+            history = dict(state_type.tracked(req, ref)).get(slot)
+            expected = f"{e.ledger.describe_state(history)}, in track slot {req.kv.mamba_track.index(slot)}"
         return failures.state_lost(step=e.step, op=e.op, node=node, rid=req.rid, component=comp.name,
                                    layer=comp.layer, position=position,
                                    slot_before=self._before(req, comp.space, position), slot_after=slot,
-                                   expected=state_type.describe_expected(e.ledger, ref, position),
-                                   found=describe_row(comp.tensor[slot].cpu()), verb=req.verb, space=comp.space,
+                                   expected=expected,
+                                   found=describe_row(comp.tensor[comp.at(slot)].cpu()), verb=req.verb, space=comp.space,
                                    action=_action_of(e, req))
 
     # --- where a request's slots were ------------------------------------------------------

@@ -141,15 +141,17 @@ class SlotReader:
     """Checksums of chosen rows of one buffer, with the word view worked out once.
 
     On CPU the rows are gathered straight from a numpy view of the buffer's words (no torch
-    dispatch per call); elsewhere with one ``index_select``.
+    dispatch per call); elsewhere with one ``index_select``. A page-major buffer (``page_size``
+    > 0: ``[pages, page_size, *row]``, see ``Component.at``) is gathered by (page, offset).
     """
 
-    __slots__ = ("buffer", "_np_words", "_np_bytes", "_np_w")
+    __slots__ = ("buffer", "page_size", "_np_words", "_np_bytes", "_np_w")
 
-    def __init__(self, buffer: torch.Tensor):
+    def __init__(self, buffer: torch.Tensor, *, page_size: int = 0):
         self.buffer = buffer
+        self.page_size = page_size
         self._np_words = self._np_bytes = self._np_w = None
-        if buffer.device.type == "cpu" and buffer.shape[0] and buffer.is_contiguous() and buffer.dtype != torch.bool:
+        if not page_size and buffer.device.type == "cpu" and buffer.shape[0] and buffer.is_contiguous() and buffer.dtype != torch.bool:
             flat = buffer.reshape(buffer.shape[0], -1)
             nbytes = flat.shape[1] * flat.element_size()
             if nbytes and nbytes % WORD_BYTES == 0 and _aligned(flat):
@@ -184,7 +186,10 @@ class SlotReader:
             slots = torch.as_tensor(np.asarray(slots, dtype=np.int64))
         if slots.numel() == 0:
             return torch.empty(0, dtype=torch.int64, device=self.buffer.device)
-        return row_checksums(self.buffer.index_select(0, slots.to(self.buffer.device)))
+        slots = slots.to(self.buffer.device)
+        if self.page_size:
+            return row_checksums(self.buffer[slots // self.page_size, slots % self.page_size])
+        return row_checksums(self.buffer.index_select(0, slots))
 
 
 def reference_checksums(rows: torch.Tensor) -> list[int]:

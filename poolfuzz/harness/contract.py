@@ -93,8 +93,8 @@ def check_structure(family) -> list[str]:
             continue
         reserved = 1 if kinds[comp.space].reserves_zero else 0
         needed = lists[comp.space].available_size() + reserved
-        if comp.tensor.shape[0] < needed:
-            problems.append(f"component {comp.name} layer {comp.layer} has {comp.tensor.shape[0]} slots, "
+        if comp.num_slots < needed:
+            problems.append(f"component {comp.name} layer {comp.layer} has {comp.num_slots} slots, "
                             f"fewer than its free list's {needed}")
     recurrent = any(kinds[c.space].recurrent for c in family.components())
     if recurrent != family.has_recurrent_state():

@@ -156,10 +156,19 @@ def signature_from(error_type: str, divergence: dict, *, in_teardown: bool = Fal
         return f"Crash:{error_type}@{op}"
     component = divergence.get("component")
     space = divergence.get("space") or (component.rsplit(".", 1)[0] if component else "-")
+    if component and _secondary_buffer(component, space):
+        space = component  # one index space, several buffers (MLA, DSA, scales): each is its own bug
     check = divergence.get("check") or divergence.get("kind") or "-"
     if check in STATE_CHECKS:  # the operation that first sees a broken state is incidental
         return f"{error_type}:{check}:{space}"
     return f"{error_type}:{check}:{space}@{op}"
+
+
+def _secondary_buffer(component: str, space: str) -> bool:
+    """A buffer that shares its index space with others of another kind: an MLA part, a DSA index
+    part, a block scale. Plain K and V, and recurrent state, are named by their space alone."""
+    owner, _, part = component.rpartition(".")
+    return owner.removeprefix("host.") != space.removeprefix("host.") or part.endswith("_scale")
 
 
 def message_of(exc: BaseException) -> str:

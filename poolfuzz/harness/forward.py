@@ -50,7 +50,7 @@ class Writer:
             target = targets.get(comp.space)
             if target is None:
                 target = targets[comp.space] = state_type.write_targets(fam, slots).to(e.device)
-            comp.tensor[target] = row_cache.kv_rows(spec, req.rid, start, written_end, e.device)
+            comp.tensor[comp.at(target)] = row_cache.kv_rows(spec, req.rid, start, written_end, e.device)
             req.expected[spec.key] = torch.cat([req.expected.get(spec.key, _EMPTY),
                                                 e.ledger.kv(spec, req.rid, start, end)])
         req.kv.kv_committed_len = end
@@ -61,17 +61,24 @@ class Writer:
         """The recurrent state consumes ``[start, end)``: read the chain it holds, write the next."""
         e = self.engine
         a, b = chain_affine(req.rid, start, end)
+        # Extra-buffer mode: the forward also leaves the state it ends with in a track slot
+        fam = e.families[req.node]
+        track = fam.protocol.next_track_slot(req.kv, fam) if req.kv.mamba_track else None
         if e.device.type == "cpu":  # the same fold on host ints: no tensor ops, nothing to sync
             idx = req.kv.mamba_pool_idx
             for comp, spec in plan:
                 old_chain = int(comp.tensor[idx].reshape(-1)[7:8].to(torch.int64))  # read the state
                 comp.tensor[idx] = row_cache.state_row(spec, req.rid, end, (old_chain * a + b) % 251)
+                if track is not None:
+                    comp.tensor[track] = comp.tensor[idx]
             return
         slot = torch.tensor([req.kv.mamba_pool_idx], device=e.device)
         for comp, spec in plan:
             old_chain = comp.tensor[slot].reshape(1, -1)[:, 7].to(torch.int64)  # read the state
             new_chain = (old_chain * a + b) % 251
             comp.tensor[slot] = row_cache.state_rows(spec, req.rid, end, new_chain, e.device)
+            if track is not None:
+                comp.tensor[track] = comp.tensor[slot.item()]
 
     def recompute(self, req: Request, start: int, ref) -> None:
         """A resume that recomputes (vLLM's preemption): positions ``[start, committed)`` get their KV
@@ -113,7 +120,7 @@ class Writer:
         zero = torch.zeros(1, dtype=torch.int64, device=e.device)
         for comp in fam.components():
             spec = e.specs[(comp.name, comp.layer)]
-            comp.tensor[zero] = row_cache.tagged_rows(spec, kind=KIND_PADDING, rid=NO_CULPRIT, position=e.step,
+            comp.tensor[comp.at(zero)] = row_cache.tagged_rows(spec, kind=KIND_PADDING, rid=NO_CULPRIT, position=e.step,
                                                       chain=0, n=1, device=e.device)
 
     def poisoner(self, node: str):
@@ -133,6 +140,6 @@ class Writer:
                     listed = [(c, e.host_specs[(c.name, c.layer)]) for c in fam.host_components()]
                 plan = plans[space] = [(c, spec) for c, spec in listed if c.space == space]
             for comp, spec in plan:
-                comp.tensor[slots.to(comp.tensor.device)] = row_cache.poison_rows(
+                comp.tensor[comp.at(slots.to(comp.tensor.device))] = row_cache.poison_rows(
                     spec, culprit=e.culprit, step=e.step, n=slots.numel(), device=comp.tensor.device)
         return poison

@@ -48,7 +48,7 @@ class ComponentSpec:
     @classmethod
     def of(cls, comp: Component) -> "ComponentSpec":
         return cls(name=comp.name, layer=comp.layer, space=comp.space, dtype=comp.tensor.dtype,
-                   row_shape=tuple(comp.tensor.shape[1:]))
+                   row_shape=comp.row_shape)
 
 
 def build_rows(spec: ComponentSpec, *, kind, rid, position, chain, device) -> torch.Tensor:

@@ -178,7 +178,7 @@ class RecurrentState(StateType):
     recurrent = True
 
     def held_units(self, lookup, fam, kv, tokens):
-        return [kv.mamba_pool_idx] if kv.mamba_pool_idx is not None else []
+        return ([kv.mamba_pool_idx] if kv.mamba_pool_idx is not None else []) + list(kv.mamba_track)
 
     def locate(self, lookup, fam, req, config) -> tuple[np.ndarray, np.ndarray]:
         return NO_POSITION, np.array([req.kv.mamba_pool_idx], dtype=np.int64)
@@ -193,6 +193,11 @@ class RecurrentState(StateType):
         return (f"row {kv.req_pool_idx}'s mamba slot as the kernels read it (get_mamba_indices) is {mapped}, but "
                 f"the request holds slot {kv.mamba_pool_idx}: its forward would read and write slot {mapped}",
                 kv.mamba_pool_idx)
+
+    def tracked(self, req, ref) -> list[tuple[int, tuple]]:
+        """Extra-buffer mode: (track slot, the state history it must hold) of each track slot a
+        forward wrote; a slot not written since it was allocated holds nothing to check."""
+        return [(slot, history) for slot, history in zip(req.kv.mamba_track, ref.track) if history is not None]
 
     def describe_expected(self, ledger, ref, position) -> str:
         return ledger.describe_state(ref.state)

@@ -9,6 +9,8 @@ from poolfuzz.pools.allocator import TokenAllocator
 from poolfuzz.pools.config import ModelConfig, uses_ssm_state
 from poolfuzz.pools.host import HostKVPool
 from poolfuzz.pools.kv import HybridLinearKVPool, MHATokenToKVPool, SWAKVPool
+from poolfuzz.pools.latent import DSATokenToKVPool, MLATokenToKVPool
+from poolfuzz.pools.scaled import MHATokenToKVPoolScaled
 from poolfuzz.pools.mamba import MambaPool, MambaSlotAllocator
 from poolfuzz.pools.prefix_tree import MambaPrefixTree
 from poolfuzz.pools.protocol import ServingProtocol
@@ -22,6 +24,9 @@ class Blueprint:
     """The classes (and the SSM predicate) a family is built from. A fault replaces one of them."""
 
     mha_kv_pool: type = MHATokenToKVPool
+    scaled_kv_pool: type = MHATokenToKVPoolScaled
+    mla_kv_pool: type = MLATokenToKVPool
+    dsa_kv_pool: type = DSATokenToKVPool
     swa_kv_pool: type = SWAKVPool
     hybrid_kv_pool: type = HybridLinearKVPool
     mamba_pool: type = MambaPool
@@ -38,7 +43,18 @@ class Blueprint:
     backup_resolver: Callable[..., str] = None  # None: resolve_backup_mode
 
     def kv_pool_class(self, config: ModelConfig) -> type:
-        """The KV pool class a config is built with: SWA, hybrid-linear (mamba) or plain MHA."""
+        """The KV pool class a config is built with: SWA, hybrid-linear (mamba), MLA, DSA or plain
+        MHA (block-scaled where the config has scale blocks)."""
         if config.has_swa:
             return self.swa_kv_pool
-        return self.hybrid_kv_pool if config.has_mamba else self.mha_kv_pool
+        if config.has_mamba:
+            return self.hybrid_kv_pool
+        if config.attention == "mla":
+            return self.mla_kv_pool
+        if config.attention == "dsa":
+            return self.dsa_kv_pool
+        return self.token_kv_pool(config)
+
+    def token_kv_pool(self, config: ModelConfig) -> type:
+        """The per-token MHA pool (also the sub-pool of SWA and hybrid-linear pools)."""
+        return self.scaled_kv_pool if config.kv_scale_block else self.mha_kv_pool

@@ -26,9 +26,27 @@ class Component:
     layer: int  # global layer id
     space: str  # index space of dim 0: "full", "swa" or "mamba"
     tensor: torch.Tensor
+    # 0: ``tensor[slot]`` is the slot's row. N > 0: a page-major layout (DSA's index cache, whose
+    # pages hold all their keys, then all their scales): ``tensor`` is ``[pages, N, *row]`` and the
+    # slot's row is ``tensor[slot // N, slot % N]``. Read and write rows through ``at``.
+    page_size: int = 0
+
+    def at(self, slots):
+        """The index of ``slots``' rows in ``tensor`` (an index tensor, or a (page, offset) pair)."""
+        if not self.page_size:
+            return slots
+        return slots // self.page_size, slots % self.page_size
+
+    @property
+    def row_shape(self) -> tuple[int, ...]:
+        return tuple(self.tensor.shape[2:] if self.page_size else self.tensor.shape[1:])
+
+    @property
+    def num_slots(self) -> int:
+        return self.tensor.shape[0] * (self.page_size or 1)
 
     def __repr__(self) -> str:  # never dump the tensor
-        return f"Component({self.name} layer {self.layer}, {self.space} x{self.tensor.shape[0]})"
+        return f"Component({self.name} layer {self.layer}, {self.space} x{self.num_slots})"
 
 
 def zeros(shape, *, dtype: torch.dtype, device="cpu") -> torch.Tensor:

@@ -16,6 +16,11 @@ SSM_ARCHITECTURES = frozenset(
 )
 
 KV_DTYPES = ("bfloat16", "float16", "float32", "fp8_e4m3", "fp8_e5m2")
+# How full-attention KV is stored: per-head K and V (MHA); one latent row per token, the compressed
+# KV then the rope part (MLA, SGLang's MLATokenToKVPool); MLA plus the DSA indexer's keys and
+# scales in a page-major cache of their own (SGLang's DSATokenToKVPool, earlier NSATokenToKVPool).
+ATTENTIONS = ("mha", "mla", "dsa")
+DSA_QUANT_BLOCK = 16  # index-key values per float32 scale (SGLang: 128; small here so rows stay small)
 STATE_DTYPES = ("bfloat16", "float16", "float32")
 
 
@@ -45,11 +50,27 @@ class ModelConfig:
     # One letter per layer, in model order: F full attention, S sliding window, M mamba. Empty: the
     # full layers first, then the SWA layers, then the mamba ones (the named configs' layout).
     layer_pattern: str = ""
+    attention: str = "mha"  # one of ATTENTIONS
+    kv_lora_rank: int = 16  # MLA / DSA: the compressed-KV part of a latent row
+    qk_rope_head_dim: int = 16  # MLA / DSA: the rope part of a latent row
+    index_head_dim: int = 48  # DSA: index-key bytes per token (fp8), with a float32 scale per DSA_QUANT_BLOCK
+    # MHA with an fp8 kv_dtype: 0 for none, else one UE8M0 scale byte per this many values of K and
+    # of V, kept in scale buffers beside them (SGLang's MHATokenToKVPoolMXFP8: 32)
+    kv_scale_block: int = 0
+    # Mamba extra-buffer mode: track slots each request holds beside its state slot, from the same
+    # allocator, into which the forward also writes the state (for the prefix cache to keep). 0: off;
+    # 1: one track slot; 2: the overlap schedule's ping-pong pair (SGLang's get_mamba_tracking_slots)
+    mamba_track_slots: int = 0
 
     def __post_init__(self) -> None:
         problems = _validate(self)
         if problems:
             raise ConfigError(f"config {self.name!r} is impossible: " + "; ".join(problems))
+
+    @property
+    def latent(self) -> bool:
+        """Full attention stored as MLA latent rows (MLA and DSA)."""
+        return self.attention in ("mla", "dsa")
 
     @property
     def has_swa(self) -> bool:
@@ -128,6 +149,9 @@ def _validate(c: ModelConfig) -> list[str]:
         problems.append("swa_layers > 0 needs sliding_window >= 1")
     if not c.swa_layers and (c.swa_tokens or c.sliding_window):
         problems.append("swa_tokens / sliding_window are set but swa_layers is 0")
+    if c.mamba_track_slots and (not c.mamba_layers or c.mamba_track_slots not in (1, 2)):
+        problems.append(f"mamba_track_slots ({c.mamba_track_slots}) must be 1 or 2 (extra-buffer mode, 2 with the "
+                        "overlap schedule) and needs mamba_layers > 0")
     if c.mamba_layers and c.mamba_slots < 1:
         problems.append("mamba_layers > 0 needs mamba_slots >= 1")
     if not c.mamba_layers and c.mamba_slots:
@@ -140,6 +164,7 @@ def _validate(c: ModelConfig) -> list[str]:
             problems.append(f"layer_pattern {c.layer_pattern!r} has {counts[0]} F, {counts[1]} S, {counts[2]} M "
                             f"but the config has full_layers={c.full_layers}, swa_layers={c.swa_layers}, "
                             f"mamba_layers={c.mamba_layers}")
+    problems += _validate_storage(c)
     if c.request_rows < 1:
         problems.append("request_rows must be >= 1")
     if c.max_context < 2:
@@ -153,6 +178,33 @@ def _validate(c: ModelConfig) -> list[str]:
                 problems.append(f"conv shape {shape} holds fewer than 12 values")
         if _prod(c.temporal_shape) < 12:
             problems.append(f"temporal shape {c.temporal_shape} holds fewer than 12 values")
+    return problems
+
+
+def _validate_storage(c: ModelConfig) -> list[str]:
+    """The attention storage fields: MLA / DSA row parts, DSA index keys, MHA scale blocks."""
+    problems = []
+    if c.attention not in ATTENTIONS:
+        return [f"attention {c.attention!r} is not one of {', '.join(ATTENTIONS)}"]
+    if c.latent:
+        if c.has_swa or c.has_mamba:
+            problems.append(f"attention {c.attention!r} is built for full-attention-only models here "
+                            "(swa_layers and mamba_layers must be 0)")
+        if c.kv_lora_rank < 12 or c.qk_rope_head_dim < 12:
+            problems.append(f"kv_lora_rank ({c.kv_lora_rank}) and qk_rope_head_dim ({c.qk_rope_head_dim}) "
+                            "must each be >= 12 (each part of a latent row carries a tag)")
+    if c.attention == "dsa" and (c.index_head_dim % DSA_QUANT_BLOCK or c.index_head_dim // DSA_QUANT_BLOCK * 4 < 12):
+        problems.append(f"index_head_dim ({c.index_head_dim}) must be a multiple of {DSA_QUANT_BLOCK} "
+                        f"and at least {3 * DSA_QUANT_BLOCK} (its scales carry a tag)")
+    if c.kv_scale_block:
+        if c.attention != "mha" or not c.kv_dtype.startswith("fp8") or c.has_swa or c.has_mamba:
+            problems.append("kv_scale_block needs attention 'mha', an fp8 kv_dtype and full-attention layers only "
+                            "(the built-in SWA and hybrid pools carry no scale buffers)")
+        elif c.kv_scale_block < 1 or c.head_dim % c.kv_scale_block:
+            problems.append(f"kv_scale_block ({c.kv_scale_block}) must divide head_dim ({c.head_dim})")
+        elif c.head_num * c.head_dim // c.kv_scale_block < 12:
+            problems.append(f"head_num*head_dim/kv_scale_block must be >= 12 (each scale row carries a tag), "
+                            f"got {c.head_num * c.head_dim // c.kv_scale_block}")
     return problems
 
 
@@ -190,6 +242,23 @@ def _base_configs() -> list[ModelConfig]:
     return [dense, swa, hybrid, swa_ssm]
 
 
+def _storage_configs() -> list[ModelConfig]:
+    """Full-attention models whose KV is stored other than as plain K and V rows."""
+    mla = ModelConfig(name="mla", architecture="deepseek-v3", attention="mla", full_layers=2, full_tokens=48,
+                      request_rows=5, max_context=48, kv_dtype="bfloat16")
+    dsa = mla.replace(name="dsa", architecture="deepseek-v3.2", attention="dsa")
+    scaled = ModelConfig(name="fp8-scaled", architecture="llama", full_layers=2, full_tokens=48, request_rows=5,
+                         max_context=48, kv_dtype="fp8_e4m3", head_num=2, head_dim=48, kv_scale_block=8)
+    return [mla, dsa, scaled]
+
+
+def _mode_configs(base: list[ModelConfig]) -> list[ModelConfig]:
+    """Hybrid models in SGLang's mamba extra-buffer mode with the overlap schedule: each request
+    holds a ping-pong pair of track slots beside its state slot (three slots a request)."""
+    hybrid = next(c for c in base if c.name == "hybrid-linear")
+    return [hybrid.replace(name="hybrid-extra-buffer", mamba_track_slots=2, mamba_slots=10)]
+
+
 def _paged(config: ModelConfig, page_size: int, kv_dtype: str) -> ModelConfig:
     return config.replace(
         # The full pool keeps its size in tokens (so fewer, larger pages fill up as fast); the
@@ -205,8 +274,9 @@ def _paged(config: ModelConfig, page_size: int, kv_dtype: str) -> ModelConfig:
 def _all_configs() -> dict[str, ModelConfig]:
     out = {}
     paged_dtypes = {"dense": "fp8_e4m3", "swa": "bfloat16", "hybrid-linear": "float32",
-                    "swa-ssm": "float16"}
-    for base in _base_configs():
+                    "swa-ssm": "float16", "mla": "bfloat16", "dsa": "bfloat16", "fp8-scaled": "fp8_e5m2",
+                    "hybrid-extra-buffer": "float32"}
+    for base in _base_configs() + _storage_configs() + _mode_configs(_base_configs()):
         out[base.name] = base
         paged = _paged(base, 4, paged_dtypes[base.name])
         out[paged.name] = paged

@@ -69,7 +69,7 @@ class PoolFamily:
         """Copy full KV rows, and SWA rows where the source is mapped (a radix prefix hit)."""
         for comp in self.kv_pool.components():
             if comp.space == "full":
-                comp.tensor[dst_slots.to(self.device)] = comp.tensor[src_slots.to(self.device)]
+                comp.tensor[comp.at(dst_slots.to(self.device))] = comp.tensor[comp.at(src_slots.to(self.device))]
         if self.config.has_swa:
             s, d = self.allocator.translate(src_slots), self.allocator.translate(dst_slots)
             live = (s > 0) & (d > 0)
@@ -176,19 +176,27 @@ def build_family(config: ModelConfig, *, device="cpu", faults: Iterable[str] = (
     else:
         req_pool = bp.req_pool(size=c.request_rows, max_context=c.max_context, device=dev)
     kv_args = dict(page_size=c.page_size, dtype=c.kv_dtype, head_num=c.head_num, head_dim=c.head_dim, device=dev)
-    if c.has_swa:
+    if c.kv_scale_block:
+        kv_args["scale_block"] = c.kv_scale_block
+    if c.latent:
+        kv_cls = bp.kv_pool_class(c)
+        extra = dict(index_head_dim=c.index_head_dim) if c.attention == "dsa" else {}
+        kv_pool = kv_cls(size=c.full_tokens, layer_ids=c.full_layer_ids, kv_lora_rank=c.kv_lora_rank,
+                         qk_rope_head_dim=c.qk_rope_head_dim, **extra, **kv_args)
+        allocator = bp.token_allocator(size=c.full_tokens, page_size=c.page_size)
+    elif c.has_swa:
         kv_cls = bp.swa_kv_pool
         kv_pool = kv_cls(size=c.full_tokens, size_swa=c.swa_tokens, full_layer_ids=c.full_layer_ids,
-                         swa_layer_ids=c.swa_layer_ids, kv_class=bp.mha_kv_pool, **kv_args)
+                         swa_layer_ids=c.swa_layer_ids, kv_class=bp.token_kv_pool(c), **kv_args)
         allocator = bp.swa_allocator(size=c.full_tokens, size_swa=c.swa_tokens, page_size=c.page_size)
         kv_pool.register_mapping(allocator.full_to_swa)
     elif c.has_mamba:
         kv_cls = bp.hybrid_kv_pool
         kv_pool = kv_cls(size=c.full_tokens, full_layer_ids=c.full_layer_ids, mamba_pool=mamba_pool,
-                         kv_class=bp.mha_kv_pool, **kv_args)
+                         kv_class=bp.token_kv_pool(c), **kv_args)
         allocator = bp.token_allocator(size=c.full_tokens, page_size=c.page_size)
     else:
-        kv_cls = bp.mha_kv_pool
+        kv_cls = bp.token_kv_pool(c)
         kv_pool = kv_cls(size=c.full_tokens, layer_ids=c.full_layer_ids, **kv_args)
         allocator = bp.token_allocator(size=c.full_tokens, page_size=c.page_size)
 

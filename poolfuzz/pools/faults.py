@@ -18,6 +18,15 @@ from poolfuzz.pools.mamba import MambaPool, MambaSlotAllocator
 from poolfuzz.pools.prefix_tree import MambaPrefixTree
 from poolfuzz.pools.protocol import ServingProtocol
 from poolfuzz.pools.req_to_token import HybridReqToTokenPool
+from poolfuzz.pools.storage_faults import (
+    DSACopyWithoutIndexCache,
+    DSAIndexScalesTransposed,
+    MLACopiesValueBufferOnly,
+    MLATransferItemOfLatentWidth,
+    ScaledCopyWithoutScales,
+    TransferWithoutBlockScales,
+    TransferWithoutDSAState,
+)
 from poolfuzz.pools.swa_allocator import SWATokenAllocator
 from poolfuzz.pools.transfer import PDTransfer
 
@@ -224,6 +233,28 @@ class ResumeLeaksMambaOnAbort(ServingProtocol):
             raise
 
 
+class TrackSlotsNotFreed(ServingProtocol):
+    """Extra-buffer mode: releasing a request frees its state slot but not its ping-pong track
+    slots (the #12693 leak class, on the slots the mode adds): every finished, retracted or aborted
+    request leaks them until admission fails."""
+
+    def free_track_slots(self, req, family):
+        req.mamba_track = ()
+        req.track_writes = 0
+
+
+class PingPongStuck(ServingProtocol):
+    """Extra-buffer mode with the overlap schedule: every forward writes the first track slot, so
+    the slot the previous step wrote (which the overlapped scheduler may still be caching from) is
+    overwritten, and the second slot never holds the state it should."""
+
+    def next_track_slot(self, req, family):
+        if not req.mamba_track:
+            return None
+        req.track_writes += 1
+        return req.mamba_track[0]
+
+
 # --- sliding window -------------------------------------------------------------------------------
 class EvictsOneTokenTooMany(ServingProtocol):
     """Window eviction uses ``pre_len - window + 1``: frees a token still inside the window (#22470 class)."""
@@ -396,8 +427,29 @@ FAULTS: dict[str, Fault] = {
            {"mha_kv_pool": ReloadChunkAtChunkNumber}, backup_mode="cpu_tensor"),
         _f("mamba-layer-map-contiguous", "sglang#20457 (layer-id map)", lambda c: c.has_mamba,
            {"mamba_pool": MambaLayerMapAssumesContiguous}),
-        _f("host-load-tiles-of-four", "sglang#23596 (page-size kernel)", lambda c: c.page_size > 1 and not c.has_mamba,
+        _f("host-load-tiles-of-four", "sglang#23596 (page-size kernel)",
+           lambda c: c.page_size > 1 and not c.has_mamba and c.attention == "mha" and not c.kv_scale_block,
            {"host_pool": HostLoadTilesOfFour}, backup_mode="host_pool"),
+        # Modes: the extra slots a request holds in mamba extra-buffer mode
+        _f("track-slots-not-freed", "sglang#12693 class (mamba ping-pong track buffers)",
+           lambda c: c.mamba_track_slots > 0, {"protocol": TrackSlotsNotFreed}),
+        _f("ping-pong-stuck", "mamba extra buffer with the overlap schedule (ping-pong index)",
+           lambda c: c.mamba_track_slots == 2, {"protocol": PingPongStuck}),
+        # Pool classes that store KV other than as K and V rows: each fault drops or misplaces one buffer.
+        _f("mla-copy-drops-rope", "MLA get_value_buffer is the latent part only", lambda c: c.attention == "mla",
+           {"mla_kv_pool": MLACopiesValueBufferOnly}),
+        _f("mla-pd-item-of-latent-width", "MLA PD item lengths (get_contiguous_buf_infos)",
+           lambda c: c.attention == "mla", {"mla_kv_pool": MLATransferItemOfLatentWidth}),
+        _f("dsa-copy-drops-index", "DSA get_cpu_copy offloads index_k with the KV", lambda c: c.attention == "dsa",
+           {"dsa_kv_pool": DSACopyWithoutIndexCache}),
+        _f("dsa-index-scales-transposed", "DSA IndexKeyCache page layout (per-token scales)",
+           lambda c: c.attention == "dsa" and c.page_size > 1, {"dsa_kv_pool": DSAIndexScalesTransposed}),
+        _f("pd-drops-dsa-index", "DSA PD state component (StateType.DSA)", lambda c: c.attention == "dsa",
+           {"transfer": TransferWithoutDSAState}),
+        _f("scaled-copy-drops-scales", "MXFP8 get_cpu_copy carries the block scales", lambda c: c.kv_scale_block > 0,
+           {"scaled_kv_pool": ScaledCopyWithoutScales}),
+        _f("pd-drops-block-scales", "MXFP8 PD state component (StateType.BLOCK_SCALE)",
+           lambda c: c.kv_scale_block > 0, {"transfer": TransferWithoutBlockScales}),
     ]
 }
 
@@ -416,6 +468,12 @@ SHORTEST_KNOWN: dict[str, int] = {
     "allocator-double-free-undetected": 3, "tree-evicts-locked-node": 5, "tree-match-freed-node": 7,
     # Off the named grid, by hand: a request served, retracted and resumed on a config of the shape.
     "reload-chunk-at-chunk-number": 4, "mamba-layer-map-contiguous": 4, "host-load-tiles-of-four": 4,
+    # The best shrink seen over `poolfuzz hunt --seeds 5`: served, retracted and resumed (6 operations),
+    # or served and transferred (3); a ping-pong slot written twice in a row (3). By hand: the first
+    # release of a request in extra-buffer mode leaks its track slots (admit, prefill, retract: 3).
+    "track-slots-not-freed": 3, "ping-pong-stuck": 3,
+    "mla-copy-drops-rope": 6, "mla-pd-item-of-latent-width": 3, "dsa-copy-drops-index": 6,
+    "dsa-index-scales-transposed": 6, "pd-drops-dsa-index": 3, "scaled-copy-drops-scales": 6, "pd-drops-block-scales": 3,
 }
 
 

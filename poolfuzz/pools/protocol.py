@@ -50,13 +50,55 @@ class ServingProtocol:
         req.req_pool_idx = family.req_pool.alloc()
         if family.req_pool.mamba_pool is not None:
             try:
-                family.prefix_tree.ensure_free(1)
+                # Admission counts the state slot and its track slots together, as the scheduler's
+                # mamba budget does (get_mamba_tracking_slots): one request, one decision; the prefix
+                # tree gives up unlocked checkpoints first (ensure_mamba_capacity)
+                need = 1 + family.config.mamba_track_slots
+                family.prefix_tree.ensure_free(need)
+                have = family.req_pool.mamba_allocator.available_size()
+                if need > 1 and need > have:
+                    raise PoolExhausted(space="mamba", requested=need, available=have)
                 req.mamba_pool_idx = family.req_pool.alloc_mamba(req.req_pool_idx)
+                self.alloc_track_slots(req, family)
             except PoolError:
+                if req.mamba_pool_idx is not None:
+                    family.req_pool.free_mamba(req.req_pool_idx, req.mamba_pool_idx)
+                    req.mamba_pool_idx = None
                 family.req_pool.free(req.req_pool_idx)
                 req.req_pool_idx = None
                 raise
             req.mamba_needs_clear = True
+
+    # --- extra-buffer mode: track slots beside the state slot ----------------------------------
+    def alloc_track_slots(self, req: ReqKv, family: PoolFamily) -> None:
+        """The request's ping-pong track slots (SGLang's ``_alloc_ping_pong_buffer``), all or none."""
+        n = family.config.mamba_track_slots
+        alloc = family.req_pool.mamba_allocator
+        taken: list[int] = []
+        try:
+            for _ in range(n):
+                taken.append(alloc.alloc_one())
+        except PoolError:
+            if taken:
+                alloc.free(taken)
+            raise
+        req.mamba_track = tuple(taken)
+        req.track_writes = 0
+
+    def free_track_slots(self, req: ReqKv, family: PoolFamily) -> None:
+        if req.mamba_track:
+            family.req_pool.mamba_allocator.free(list(req.mamba_track))
+        req.mamba_track = ()
+        req.track_writes = 0
+
+    def next_track_slot(self, req: ReqKv, family: PoolFamily) -> int | None:
+        """Where this forward also writes the state it leaves: the track slots in turn, so with the
+        overlap schedule the slot the previous step wrote is not overwritten while it may be read."""
+        if not req.mamba_track:
+            return None
+        slot = req.mamba_track[req.track_writes % len(req.mamba_track)]
+        req.track_writes += 1
+        return slot
 
     def extend(self, req: ReqKv, family: PoolFamily, new_len: int) -> torch.Tensor:
         """KV slots for positions ``[kv_allocated_len, new_len)``, written into the request row."""
@@ -160,6 +202,7 @@ class ServingProtocol:
             family.allocator.free(family.req_pool.read(row, 0, req.kv_allocated_len))
         if req.mamba_pool_idx is not None:
             family.req_pool.free_mamba(row, req.mamba_pool_idx)
+        self.free_track_slots(req, family)
         if req.mamba_cow_src is not None:  # a copy-on-write that never ran: unlock its tree node
             self.unlock_cow_source(req, family)
         family.req_pool.free(row)
@@ -172,6 +215,8 @@ class ServingProtocol:
         req.mamba_pool_idx = None
         req.mamba_cow_src = None
         req.mamba_needs_clear = False
+        req.mamba_track = ()
+        req.track_writes = 0
         req.kv_allocated_len = req.kv_committed_len = 0
         req.swa_evicted_seqlen = 0
 
@@ -288,6 +333,7 @@ class ServingProtocol:
         except PoolError:
             if req.mamba_pool_idx is not None:
                 family.req_pool.free_mamba(req.req_pool_idx, req.mamba_pool_idx)
+            self.free_track_slots(req, family)
             family.req_pool.free(req.req_pool_idx)
             req.req_pool_idx = req.mamba_pool_idx = None
             req.mamba_needs_clear = False

@@ -38,6 +38,10 @@ class RefRequest:
     # (a fresh slot before its first extend clears it, or a pending copy-on-write).
     state: tuple[Segment, ...] | None = None
     pending_state: tuple[Segment, ...] | None = None  # applied at the first extend: () = clear, else COW
+    # Extra-buffer mode: what each track slot holds (a state history as above; None until a forward
+    # wrote it), and how many forwards wrote one
+    track: list = field(default_factory=list)
+    track_writes: int = 0
     backup_tokens: int | None = None  # tokens in the retraction backup, None if not retracted
     cow_key: tuple[int, int] | None = None  # the prefix-tree node a pending copy-on-write has locked
     host_held: dict[str, int] = field(default_factory=dict)
@@ -64,6 +68,7 @@ class ReferenceFamily:
         # evicted least recently used first, as the real tree does (poolfuzz.pools.prefix_tree).
         self.tree: dict[tuple[int, int], list[int]] = {}
         self.clock = 0
+        self.state_slots = 1 + c.mamba_track_slots  # mamba slots a live request holds
 
     def _scale(self, space: str) -> int:
         return self.ps if space in ("full", "swa") else 1
@@ -118,11 +123,12 @@ class ReferenceFamily:
         req = self.requests.get(rid) or RefRequest(rid=rid)
         self._need({"rows": 1})
         if self.config.has_mamba:
-            self._ensure_mamba(1)
-        self._take({"rows": 1, **({"mamba": 1} if self.config.has_mamba else {})})
+            self._ensure_mamba(self.state_slots)
+        self._take({"rows": 1, **({"mamba": self.state_slots} if self.config.has_mamba else {})})
         req.seqlen = seqlen
         req.holds_row = True
         req.holds_mamba = self.config.has_mamba
+        self._fresh_track(req)
         req.pending_state = () if self.config.has_mamba else None
         self.requests[rid] = req
         return req
@@ -145,7 +151,7 @@ class ReferenceFamily:
         pages = _pages(prefix, self.ps)
         needs = {"rows": 1}
         if self.config.has_mamba:
-            needs["mamba"] = 1 if hit else 2
+            needs["mamba"] = self.state_slots if hit else self.state_slots + 1  # and a new checkpoint
         needs["full"] = pages
         if self.config.has_swa:
             needs["swa"] = pages
@@ -167,10 +173,16 @@ class ReferenceFamily:
                 self.tree[key] = [1, self.clock]
             req.cow_key = key
             req.pending_state = src.state
+        self._fresh_track(req)
         self.requests[rid] = req
         if self.config.has_swa:
             self.evict_swa(rid, prefix)
         return req
+
+    def _fresh_track(self, req: RefRequest) -> None:
+        """New track slots: nothing written to them yet."""
+        req.track = [None] * (self.config.mamba_track_slots if req.holds_mamba else 0)
+        req.track_writes = 0
 
     def commit(self, rid: int, end: int) -> None:
         """KV written for positions ``[committed, end)``; the state consumed those tokens."""
@@ -183,6 +195,9 @@ class ReferenceFamily:
                 req.state = req.pending_state
                 req.pending_state = None
             req.state = req.state + ((rid, start, end),)
+            if req.track:  # the forward also leaves its state in the next track slot
+                req.track[req.track_writes % len(req.track)] = req.state
+                req.track_writes += 1
         req.committed = end
 
     def sample(self, rid: int, tokens: int = 1) -> None:
@@ -232,7 +247,8 @@ class ReferenceFamily:
         if self.config.has_swa:
             self.free["swa"] += _pages(req.allocated, self.ps) - req.swa_lo // self.ps
         if req.holds_mamba:
-            self.free["mamba"] += 1
+            self.free["mamba"] += self.state_slots
+            req.track, req.track_writes = [], 0
         self._unlock(req)  # a copy-on-write that never ran: its checkpoint stays cached
         req.pending_state = None
         self.free["rows"] += 1
@@ -268,9 +284,9 @@ class ReferenceFamily:
         c = self.config
         needs = {"rows": 1}
         if c.has_mamba:
-            needs["mamba"] = 1
+            needs["mamba"] = self.state_slots
             self._need({"rows": 1})
-            self._ensure_mamba(1)
+            self._ensure_mamba(self.state_slots)
         needs["full"] = _pages(fill_len, self.ps)
         swa_lo = 0
         if c.has_swa:
@@ -281,6 +297,7 @@ class ReferenceFamily:
         self.requests[rid] = req
         req.holds_row = True
         req.holds_mamba = c.has_mamba
+        self._fresh_track(req)
         req.allocated = req.committed = fill_len
         req.swa_lo = swa_lo
         return req
@@ -305,7 +322,7 @@ class ReferenceFamily:
             if space == "rows":
                 total += req.holds_row
             elif space == "mamba":
-                total += req.holds_mamba
+                total += req.holds_mamba * self.state_slots
             elif space == "full":
                 total += _pages(req.allocated, self.ps)
             elif space == "swa":

@@ -61,6 +61,10 @@ class ReqKv:
     swa_evicted_seqlen: int = 0
     mamba_needs_clear: bool = False
     mamba_cow_src: int | None = None
+    # Extra-buffer mode: the track slots held beside the state slot, and how many forwards wrote
+    # one (the overlap schedule alternates them: the slot the previous step wrote stays readable)
+    mamba_track: tuple[int, ...] = ()
+    track_writes: int = 0
     retraction_backup: RetractionBackup | None = None
     retraction_count: int = 0
     # Set by a family whose resume recomputes instead of restoring (vLLM): the first position the

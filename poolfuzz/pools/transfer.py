@@ -31,6 +31,11 @@ class TransferMismatch(PoolError):
     """Prefill and decode disagree on the items of a state component."""
 
 
+# State types whose items are pages of a request's full-attention tokens: the block scales of a
+# quantised KV pool (rows per slot, ``page_size`` rows an item) and DSA's index cache (a page a row).
+PAGED_STATE_TYPES = ("BLOCK_SCALE", "DSA")
+
+
 def _pages(tokens: torch.Tensor, ps: int) -> torch.Tensor:
     return tokens[::ps] // ps
 
@@ -70,6 +75,8 @@ class PDTransfer:
             return _pages(family.allocator.translate(tokens), ps)
         if state_type == "MAMBA":
             return torch.tensor([req.mamba_pool_idx], dtype=torch.int64)
+        if state_type in PAGED_STATE_TYPES:  # items are the pages of the request's tokens, as for main KV
+            return _pages(family.req_pool.read(req.req_pool_idx, 0, length), ps)
         raise TransferMismatch(f"unknown state type {state_type!r}")
 
     def transfer(self, *, src: ReqKv, src_family: PoolFamily, dst: ReqKv, dst_family: PoolFamily) -> TransferRecord:
@@ -88,7 +95,7 @@ class PDTransfer:
         for (state_type, src_source), (_, dst_source) in zip(src_components, dst_components):
             s_items = self.state_items(src, src_family, state_type, length)
             d_items = self.state_items(dst, dst_family, state_type, length)
-            rows = ps if state_type == "SWA" else 1
+            rows = ps if state_type in ("SWA", "BLOCK_SCALE") else 1
             _copy_items(self.state_buffers(src_family, state_type, src_source),
                         self.state_buffers(dst_family, state_type, dst_source), s_items, d_items, rows)
             moved.append((state_type, src_source, s_items.numel()))

@@ -33,7 +33,10 @@ def test_one_bug_one_signature_across_seeds(fault, config, signature):
 # SGLang #29354 seen two ways, the copy-on-write dropped or reading the source's live slot instead of
 # the tree's checkpoint: either way the forked request's first forward loses its state (one signature;
 # the report's text says whose data the slot holds).
-SAME_BUG = {"allocator-double-free-undetected": "free-swa-keeps-mapping", "stale-cow-source": "cow-without-copy"}
+SAME_BUG = {"allocator-double-free-undetected": "free-swa-keeps-mapping", "stale-cow-source": "cow-without-copy",
+            # A mamba leak is one signature whichever of a request's slots leaks (its state slot on
+            # a failed resume, or its extra-buffer track slots on every release).
+            "track-slots-not-freed": "mamba-leak-on-abort"}
 # Faults that only show off the named configs (found with --config random, not here).
 OFF_GRID = {"reload-chunk-at-chunk-number", "mamba-layer-map-contiguous", "host-load-tiles-of-four"}
 
@@ -67,10 +70,12 @@ def test_a_recorded_failure_has_the_signature_of_the_live_one():
 
 @pytest.fixture(scope="module")
 def campaign(tmp_path_factory):
-    """Three planted bugs, one run that keeps going past each."""
+    """Three planted bugs, one run that keeps going past each. The shrink budget is wall-clock time:
+    generous, so that a loaded 2-core machine (or an example stream that other modules' literals
+    shift) still sees every shrink finish; what is asserted is the campaign, not the shrink speed."""
     out = tmp_path_factory.mktemp("campaign") / "failures"
     code = run_cli(["run", "--config", "swa-ssm", "--faults", *THREE, "--examples", "200", "--seed", "1",
-                    "--db", "none", "--out", str(out), "--shrink-seconds", "5"])
+                    "--db", "none", "--out", str(out), "--shrink-seconds", "30"])
     return code, out
 
 

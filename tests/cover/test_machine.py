@@ -5,13 +5,14 @@ from hypothesis import settings
 from hypothesis.stateful import run_state_machine_as_test
 
 from poolfuzz.harness.machine import machine_for
-from poolfuzz.pools.config import CONFIGS, uses_ssm_state
+from poolfuzz.pools.config import CONFIGS
+from poolfuzz.pools.family import resolved_backup_mode
 
 CASES = [
     pytest.param(name, mode, id=f"{name}-{mode}")
     for name, config in CONFIGS.items()
     for mode in ("cpu_tensor", "host_pool")
-    if mode == "cpu_tensor" or not uses_ssm_state(config)
+    if mode == "cpu_tensor" or resolved_backup_mode(config) == "host_pool"  # where a host pool can hold it
 ]
 
 

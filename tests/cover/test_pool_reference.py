@@ -2,12 +2,14 @@
 
 import pytest
 
-from poolfuzz.pools import CONFIGS, PoolExhausted, build_family, uses_ssm_state
+from poolfuzz.pools import CONFIGS, PoolExhausted, build_family
+from poolfuzz.pools.family import resolved_backup_mode
 from poolfuzz.pools.reference import ReferenceFamily
 from poolfuzz.pools.request import ReqKv
 
+# host_pool wherever the family can take it (no recurrent state, and KV a host pool mirrors)
 CASES = [pytest.param(name, mode, id=f"{name}-{mode}") for name in CONFIGS
-         for mode in ["cpu_tensor"] + ([] if uses_ssm_state(CONFIGS[name]) else ["host_pool"])]
+         for mode in ["cpu_tensor"] + (["host_pool"] if resolved_backup_mode(CONFIGS[name]) == "host_pool" else [])]
 
 # A fixed program: two long requests, a retraction, a big request that may not fit, a resume
 # that may have to wait, then small admissions until rows or mamba slots run out.

@@ -14,9 +14,15 @@ POISON = 253  # scribbled into freed rows; patterns only use 1..250
 SEQLEN = 23  # 22 committed positions: past every sliding window, not page-aligned
 
 
+def host_pool_possible(name: str) -> bool:
+    """No recurrent state, and KV the host pool mirrors (plain K and V rows: not MLA, DSA or scaled)."""
+    config = CONFIGS[name]
+    return not uses_ssm_state(config) and config.attention == "mha" and not config.kv_scale_block
+
+
 def modes_of(name: str) -> list[str]:
-    """cpu_tensor always; host_pool only for models without recurrent state."""
-    return ["cpu_tensor"] + ([] if uses_ssm_state(CONFIGS[name]) else ["host_pool"])
+    """cpu_tensor always; host_pool only where a host pool can hold the model's state."""
+    return ["cpu_tensor"] + (["host_pool"] if host_pool_possible(name) else [])
 
 
 CASES = [pytest.param(name, mode, id=f"{name}-{mode}") for name in CONFIGS for mode in modes_of(name)]
@@ -29,7 +35,7 @@ def write_request(family, req: ReqKv, n: int) -> None:
     """Write the request's pattern into every component row it owns for positions [0, n)."""
     for i, comp in enumerate(family.components()):
         pos, rows = rows_of(family, comp, req, list(range(n)))
-        comp.tensor[torch.tensor(rows)] = pattern(i, req.rid, pos, comp.tensor.shape[1:], comp.tensor.dtype)
+        comp.tensor[comp.at(torch.tensor(rows))] = pattern(i, req.rid, pos, comp.row_shape, comp.tensor.dtype)
 
 
 def mismatches(family, req: ReqKv, n: int) -> list[str]:
@@ -42,8 +48,8 @@ def mismatches(family, req: ReqKv, n: int) -> list[str]:
         if comp.space == "swa" and pos != positions:
             bad.append(f"{comp}: window positions {sorted(set(positions) - set(pos))} unmapped")
             continue
-        want = pattern(i, req.rid, pos, comp.tensor.shape[1:], comp.tensor.dtype)
-        if not torch.equal(comp.tensor[torch.tensor(rows)], want):
+        want = pattern(i, req.rid, pos, comp.row_shape, comp.tensor.dtype)
+        if not torch.equal(comp.tensor[comp.at(torch.tensor(rows))], want):
             bad.append(repr(comp))
     return bad
 
@@ -57,7 +63,7 @@ def scribble_freed(family) -> None:
     """Write POISON into every free device slot of every component, as another owner would."""
     lists = family.free_lists()
     for comp in family.components():
-        comp.tensor[free_slots(lists[comp.space])] = POISON
+        comp.tensor[comp.at(free_slots(lists[comp.space]))] = POISON
 
 
 def full_availability(family) -> dict[str, int]:
@@ -221,9 +227,9 @@ class TestBackupModes:
 
     @pytest.mark.parametrize("name", list(CONFIGS))
     def test_default_backup_mode(self, name):
-        """The default is host_pool for models without recurrent state, cpu_tensor otherwise."""
+        """The default is host_pool where a host pool can hold the model's state, cpu_tensor otherwise."""
         family = build_family(CONFIGS[name], device="cpu")
-        assert family.backup_mode == ("cpu_tensor" if CONFIGS[name].has_mamba else "host_pool")
+        assert family.backup_mode == ("host_pool" if host_pool_possible(name) else "cpu_tensor")
         assert family.uses_ssm_state == CONFIGS[name].has_mamba
 
     def test_unknown_backup_mode_is_refused(self):

@@ -29,7 +29,7 @@ def prefill(family, rid: int, length: int) -> ReqKv:
     req.kv_committed_len = length
     for i, comp in enumerate(family.components()):
         pos, rows = rows_of(family, comp, req, list(range(length)))
-        comp.tensor[torch.tensor(rows)] = pattern(i, rid, pos, comp.tensor.shape[1:], comp.tensor.dtype)
+        comp.tensor[comp.at(torch.tensor(rows))] = pattern(i, rid, pos, comp.row_shape, comp.tensor.dtype)
     return req
 
 
@@ -42,7 +42,7 @@ def mismatches(family, req: ReqKv, rid: int, length: int) -> list[str]:
         if pos != positions and comp.space != "mamba":
             bad.append(f"{comp}: positions {sorted(set(positions) - set(pos))} unmapped")
             continue
-        if not torch.equal(comp.tensor[torch.tensor(rows)], pattern(i, rid, pos, comp.tensor.shape[1:], comp.tensor.dtype)):
+        if not torch.equal(comp.tensor[comp.at(torch.tensor(rows))], pattern(i, rid, pos, comp.row_shape, comp.tensor.dtype)):
             bad.append(repr(comp))
     return bad
 
@@ -65,6 +65,10 @@ def expected_state_items(config, length: int) -> tuple[tuple[str, str, int], ...
         items.append(("SWA", "kv_pool", swa_pages))
     if config.has_mamba:
         items.append(("MAMBA", "kv_pool" if not config.has_swa else "req_pool", 1))
+    if config.attention == "dsa":
+        items.append(("DSA", "kv_pool", -(-length // ps)))  # the index cache's pages
+    if config.kv_scale_block:
+        items.append(("BLOCK_SCALE", "kv_pool", -(-length // ps)))
     return tuple(items)
 
 
@@ -105,6 +109,9 @@ class TestPDTransfer:
         ("dense", []),
         ("swa", [("SWA", "kv_pool")]),
         ("hybrid-linear", [("MAMBA", "kv_pool")]),
+        ("mla", []),
+        ("dsa-ps4", [("DSA", "kv_pool")]),
+        ("fp8-scaled", [("BLOCK_SCALE", "kv_pool")]),
     ])
     def test_state_components_per_pool(self, name, components):
         """Dense sends no state, SWA its window, hybrid-linear MAMBA from its own KV pool."""

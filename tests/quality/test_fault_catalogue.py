@@ -52,6 +52,17 @@ SIGNATURES = {
     "mamba-layer-map-contiguous": r"^StateLost: .*component mamba\.\w+ layer \d+; .*holds req \d+ gen \d+ chain",
     # Rows past the fourth of each page are never loaded back: they hold poison or a previous owner's KV.
     "host-load-tiles-of-four": r"^StateLost: req \d+ resumed; component (full|swa)\.[kv] layer \d+ position \d+;",
+    # Extra-buffer mode: leaked track slots; a ping-pong track slot holding the wrong step's state.
+    "track-slots-not-freed": r"^ReferenceMismatch: mamba pool has \d+ free but the reference says",
+    "ping-pong-stuck": r"^StateLost: .*component mamba\.\w+ layer \d+; .*in track slot \d\)",
+    # Pool classes with more than K and V: the report names the buffer that was dropped or misplaced.
+    "mla-copy-drops-rope": r"^StateLost: req \d+ resumed; component mla\.rope layer \d+ position \d+;",
+    "mla-pd-item-of-latent-width": r"^StateLost: req \d+ transferred; component mla\.(latent|rope) ",
+    "dsa-copy-drops-index": r"^StateLost: req \d+ resumed; component dsa\.index_(k|scale) ",
+    "dsa-index-scales-transposed": r"^StateLost: req \d+ resumed; component dsa\.index_scale ",
+    "pd-drops-dsa-index": r"^StateLost: req \d+ transferred; component dsa\.index_(k|scale) ",
+    "scaled-copy-drops-scales": r"^StateLost: req \d+ resumed; component full\.[kv]_scale ",
+    "pd-drops-block-scales": r"^StateLost: req \d+ transferred; component full\.[kv]_scale ",
 }
 
 # Faults whose bug only shows off the named grid: found on drawn configs, inert on the named ones.

@@ -107,6 +107,11 @@ class SGLangAPI:
     ComponentType: Any
     ScheduleBatch: type | None  # its check_decode_mem is borrowed for the decode admission check
     ensure_mamba_capacity: Callable | None  # None: the release has no mamba admission check
+    # Pool classes that store KV other than as K and V rows (None where the release has none)
+    MLATokenToKVPool: type | None = None
+    DSATokenToKVPool: type | None = None  # NSATokenToKVPool before the rename
+    MHATokenToKVPoolMXFP8: type | None = None
+    get_parallel: Callable | None = None  # the runtime's parallel context, where pools read it
 
     @property
     def kv_on_req(self) -> bool:
@@ -224,4 +229,8 @@ def _probe(sglang_version: str, installed: dict) -> SGLangAPI:
                              "sglang.srt.mem_cache.common:ComponentType", required=False),
         ScheduleBatch=_first("sglang.srt.managers.schedule_batch:ScheduleBatch", required=False),
         ensure_mamba_capacity=_first("sglang.srt.mem_cache.allocation:ensure_mamba_capacity", required=False),
+        MLATokenToKVPool=_first(f"{mp}:MLATokenToKVPool", required=False),
+        DSATokenToKVPool=_first(f"{mp}:DSATokenToKVPool", f"{mp}:NSATokenToKVPool", required=False),
+        MHATokenToKVPoolMXFP8=_first(f"{mp}:MHATokenToKVPoolMXFP8", required=False),
+        get_parallel=_first("sglang.srt.runtime_context:get_parallel", required=False),
     )

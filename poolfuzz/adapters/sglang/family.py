@@ -22,6 +22,7 @@ from poolfuzz.adapters.sglang.api import SGLangAPI, SGLangUnavailable, construct
 from poolfuzz.adapters.sglang.calls import paged_alloc_extend
 from poolfuzz.adapters.sglang.protocol import SGLangProtocol
 from poolfuzz.adapters.sglang.standin import standin_class
+from poolfuzz.adapters.sglang.storage import build_storage_pool, storage_problem
 from poolfuzz.adapters.sglang.views import (AllocatorView, FreeListView, KVPoolView, MambaPoolView, ReqPoolView,
                                             _ints, token_free_pages,
                                             token_free_sources)
@@ -127,7 +128,10 @@ def unsupported_reason(config: ModelConfig) -> str | None:
         problem = _paged_allocation_problem(api)
         if problem:
             return problem
-    return None
+    if config.mamba_track_slots:
+        return ("mamba extra-buffer mode is not driven through SGLang yet: its track slots are chosen by "
+                "the scheduler's ping-pong bookkeeping (mamba_next_track_idx), which the adapter does not run")
+    return storage_problem(api, config)
 
 
 _PAGED_PROBE: dict[str, str | None] = {}
@@ -203,7 +207,13 @@ def _build(api: SGLangAPI, config: ModelConfig, dev, sdev: str) -> SGLangFamily:
                                 device=sdev, enable_memory_saver=False)
 
     comps: list[Component] = []
-    if c.has_swa:
+    if c.latent or c.kv_scale_block:
+        sg_kv, comps = build_storage_pool(api, c, common)
+        alloc_cls = api.TokenToKVPoolAllocator if c.page_size == 1 else api.PagedTokenToKVPoolAllocator
+        sg_alloc = construct(alloc_cls, size=c.full_tokens, page_size=c.page_size, dtype=kv_dtype, device=sdev,
+                             kvcache=sg_kv, need_sort=False)
+        subs = {"full": sg_alloc}
+    elif c.has_swa:
         sg_kv = construct(api.SWAKVPool, size=c.full_tokens, size_swa=c.swa_tokens,
                           swa_attention_layer_ids=list(c.swa_layer_ids),
                           full_attention_layer_ids=list(c.full_layer_ids),

@@ -1,0 +1,162 @@
+"""SGLang's KV pools that store KV other than as K and V rows: MLA, DSA and MXFP8 block-scaled.
+
+Each is built from the installed release's own class, with the keywords its constructor names;
+a release without the class, or whose class cannot run here, declines the config with a reason.
+Every buffer the pool's ``get_cpu_copy`` / ``load_cpu_copy`` carries is a component the harness
+checksums, except DSA's index scales: four bytes a token in SGLang's layout, too few to carry a
+tag (the built-in family checks them, with wider scales).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from poolfuzz.adapters.sglang.api import SGLangAPI, construct
+from poolfuzz.pools.components import Component
+from poolfuzz.pools.config import ModelConfig
+from poolfuzz.pools.errors import ConfigError
+
+
+def single_rank(api: SGLangAPI) -> None:
+    """Releases whose pools read the runtime's parallel context (MLA's decode-context-parallel
+    width) need one: with nothing published, state the single rank a CPU run is."""
+    if api.get_parallel is None:
+        return
+    ctx = api.get_parallel()
+    try:
+        ctx.attn_dcp_size
+    except (RuntimeError, ValueError):
+        ctx.override_permanently(attn_dcp_size=1, attn_dcp_rank=0)
+    except AttributeError:  # a release whose context has no such width reads none
+        pass
+
+
+def storage_problem(api: SGLangAPI, config: ModelConfig) -> str | None:
+    """Why this release cannot build the config's KV storage, or None."""
+    if config.attention == "mla" and api.MLATokenToKVPool is None:
+        return "this SGLang has no MLATokenToKVPool"
+    if config.attention == "dsa":
+        if api.DSATokenToKVPool is None:
+            return "this SGLang has no DSATokenToKVPool (or NSATokenToKVPool)"
+        return _dsa_problem(api, config)
+    if config.kv_scale_block:
+        cls = api.MHATokenToKVPoolMXFP8
+        if cls is None:
+            return "this SGLang has no MHATokenToKVPoolMXFP8 (block-scaled fp8 KV)"
+        block = getattr(cls, "MXFP8_SCALE_BLOCK_SIZE", None)
+        if block != config.kv_scale_block:
+            return f"SGLang's MXFP8 pool scales blocks of {block} values; set kv_scale_block = {block}"
+        return _mxfp8_problem(api)
+    return None
+
+
+_DSA_PROBE: dict[tuple, str | None] = {}
+
+
+def _dsa_problem(api: SGLangAPI, config: ModelConfig) -> str | None:
+    """Build a one-page DSA pool of the config's page size and index width: the release's indexer
+    asserts the shapes its kernels take (0.5.23: 64-token pages, 128-value index keys)."""
+    key = (config.page_size, config.index_head_dim, config.kv_lora_rank, config.qk_rope_head_dim)
+    if key not in _DSA_PROBE:
+        problem = None
+        try:
+            single_rank(api)
+            construct(api.DSATokenToKVPool, size=config.page_size, page_size=config.page_size,
+                      dtype=torch.bfloat16, kv_lora_rank=config.kv_lora_rank,
+                      qk_rope_head_dim=config.qk_rope_head_dim, layer_num=1, device="cpu",
+                      index_head_dim=config.index_head_dim, enable_memory_saver=False,
+                      kv_cache_dim=config.kv_lora_rank + config.qk_rope_head_dim)
+        except Exception as exc:  # the indexer's own assertions say what it takes
+            problem = (f"SGLang {api.version}'s DSA pool refuses page_size={config.page_size}, "
+                       f"index_head_dim={config.index_head_dim} ({type(exc).__name__}: {_what_failed(exc)})")
+        _DSA_PROBE[key] = problem
+    return _DSA_PROBE[key]
+
+
+def _what_failed(exc: BaseException) -> str:
+    """An exception's message, or for a bare ``assert`` the source line that failed."""
+    text = str(exc).splitlines()[0] if str(exc) else ""
+    if text:
+        return text
+    import traceback
+
+    frames = traceback.extract_tb(exc.__traceback__)
+    return frames[-1].line if frames and frames[-1].line else "no message"
+
+
+_MXFP8_PROBE: dict[str, str | None] = {}
+
+
+def _mxfp8_problem(api: SGLangAPI) -> str | None:
+    """Back up and restore one slot of a throwaway MXFP8 pool: some torch builds cannot index-put
+    its UE8M0 scale dtype on the CPU."""
+    if "result" in _MXFP8_PROBE:
+        return _MXFP8_PROBE["result"]
+    problem = None
+    try:
+        pool = construct(api.MHATokenToKVPoolMXFP8, size=4, page_size=1, dtype=torch.float8_e4m3fn, head_num=1,
+                         head_dim=32, layer_num=1, device="cpu", enable_memory_saver=False,
+                         enable_kvcache_transpose=False)
+        from poolfuzz.adapters.sglang.shims import cpu_synchronize
+
+        with cpu_synchronize(torch.device("cpu")):
+            pool.load_cpu_copy(pool.get_cpu_copy(torch.tensor([1])), torch.tensor([2]))
+    except Exception as exc:  # what a kernel or dtype the CPU lacks raises varies by release
+        first = str(exc).splitlines()[0] if str(exc) else ""
+        problem = (f"SGLang {api.version}'s MXFP8 pool cannot back up and restore a slot on this device "
+                   f"({type(exc).__name__}: {first})")
+    _MXFP8_PROBE["result"] = problem
+    return problem
+
+
+def build_storage_pool(api: SGLangAPI, config: ModelConfig, common: dict) -> tuple[object, list[Component]]:
+    """The release's MLA, DSA or MXFP8 pool for a full-attention-only config, and its components."""
+    c = config
+    problem = storage_problem(api, c)
+    if problem:
+        raise ConfigError(f"config {c.name!r} on sglang {api.version}: {problem}")
+    single_rank(api)
+    if c.latent:
+        args = dict(common, size=c.full_tokens, kv_lora_rank=c.kv_lora_rank, qk_rope_head_dim=c.qk_rope_head_dim, layer_num=c.full_layers)
+        if c.attention == "dsa":
+            pool = construct(api.DSATokenToKVPool, index_head_dim=c.index_head_dim,
+                             kv_cache_dim=c.kv_lora_rank + c.qk_rope_head_dim, **args)
+        else:
+            pool = construct(api.MLATokenToKVPool, **args)
+        return pool, _latent_components(pool, c)
+    pool = construct(api.MHATokenToKVPoolMXFP8, size=c.full_tokens, layer_num=c.full_layers, **common)
+    return pool, _scaled_components(pool, c)
+
+
+def _latent_components(pool, c: ModelConfig) -> list[Component]:
+    r = c.kv_lora_rank
+    out = []
+    for local, layer_id in enumerate(c.full_layer_ids):
+        buf = pool.kv_buffer[local]
+        out.append(Component(name="mla.latent", layer=layer_id, space="full", tensor=buf[:, 0, :r]))
+        out.append(Component(name="mla.rope", layer=layer_id, space="full", tensor=buf[:, 0, r:]))
+    if c.attention == "dsa":
+        ps = pool.page_size // getattr(pool, "index_kpool", 1)
+        if ps != c.page_size:
+            raise ConfigError(f"config {c.name!r}: SGLang's DSA index pages hold {ps} tokens, not page_size "
+                              f"{c.page_size}; poolfuzz reads them by the KV page")
+        for local, layer_id in enumerate(c.full_layer_ids):
+            buf = pool.index_k_with_scale_buffer[local]
+            keys = buf[:, :ps * c.index_head_dim].view(-1, ps, c.index_head_dim)
+            out.append(Component(name="dsa.index_k", layer=layer_id, space="full", tensor=keys, page_size=ps))
+    return out
+
+
+def _scaled_components(pool, c: ModelConfig) -> list[Component]:
+    out = []
+    for local, layer_id in enumerate(c.full_layer_ids):
+        # This pool stores K and V as float8_e4m3fn and the scales as UE8M0: the harness writes and
+        # reads their bytes (as SGLang's other fp8 pools store them: uint8)
+        out.append(Component(name="full.k", layer=layer_id, space="full", tensor=pool.k_buffer[local].view(torch.uint8)))
+        out.append(Component(name="full.v", layer=layer_id, space="full", tensor=pool.v_buffer[local].view(torch.uint8)))
+        for name, buf in (("full.k_scale", pool.k_scale_buffer[local]), ("full.v_scale", pool.v_scale_buffer[local])):
+            if buf.dim() != 3:
+                raise ConfigError(f"config {c.name!r}: SGLang's MXFP8 scales are interleaved by page here "
+                                  f"(shape {tuple(buf.shape)}); poolfuzz reads per-slot scales only")
+            out.append(Component(name=name, layer=layer_id, space="full", tensor=buf.view(torch.uint8)))
+    return out
