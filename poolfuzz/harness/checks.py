@@ -165,6 +165,7 @@ class Checker:
                 owned = self._owned[node] = [(s, e.state_types[s]) for s in lists if e.state_types[s].on_device]
             held: dict[str, list[int]] = {space: [] for space, _ in owned}
             holder: dict[str, list[int]] = {space: [] for space, _ in owned}  # the rid of each held unit
+            misread: list = []  # (rid, space, (problem, slot)) of state the kernels would not find
             for req in e.requests.values():
                 if req.node != node or req.phase is Phase.RETRACTED:
                     continue
@@ -173,11 +174,11 @@ class Checker:
                     units = list(state_type.held_units(e.lookup, fam, req.kv, tokens))
                     held[space] += units
                     holder[space] += [req.rid] * len(units)
-                    # What the kernels read to find the state points at what the request holds (one pass).
+                    # What the kernels read to find the state points at what the request holds (one pass;
+                    # reported after the holdings: a slot freed while held also loses its mapping).
                     problem = state_type.consumer_problem(e.lookup, fam, req.kv, tokens)
                     if problem is not None:
-                        self.invariant("consumer-map", f"req {req.rid}: {problem[0]}", node, space=space,
-                                       slot=problem[1], rid=req.rid)
+                        misread.append((req.rid, space, problem))
             for space, units in e.cached_prefixes.held_units(fam).items():
                 held[space] += units
                 holder[space] += [None] * len(units)  # the prefix cache's own checkpoints
@@ -203,6 +204,8 @@ class Checker:
                     elif is_free(u):
                         self.invariant("ownership", f"{space} slot/page {u} is held (by {_holder(rid)}) but also in "
                                        "the free list", node, space=space, slot=u, rid=rid)
+            for rid, space, (problem, slot) in misread:
+                self.invariant("consumer-map", f"req {rid}: {problem}", node, space=space, slot=slot, rid=rid)
 
     def _check_free_lists(self) -> None:
         e = self.engine

@@ -462,9 +462,9 @@ SHORTEST_KNOWN: dict[str, int] = {
     "swa-ignores-mamba-backup": 4, "host-pool-for-ssm": 0, "mamba-backed-up-twice": 3, "mamba-slot-zero": 0,
     "mamba-not-cleared": 6, "mamba-mapping-not-written": 1, "backup-drops-last-token": 3,
     "backup-includes-unwritten-token": 3,
-    "swa-reload-unmapped-rows": 5, "swa-evict-off-by-one": 3, "swa-evicted-seqlen-not-reset": 5,
+    "swa-reload-unmapped-rows": 4, "swa-evict-off-by-one": 3, "swa-evicted-seqlen-not-reset": 5,
     "free-swa-keeps-mapping": 3, "paged-free-partial-page": 3, "pd-drops-mamba-fallback": 3, "cow-without-copy": 4,
-    "stale-cow-source": 5, "reload-into-old-indices": 6, "mamba-leak-on-abort": 7,
+    "stale-cow-source": 5, "reload-into-old-indices": 4, "mamba-leak-on-abort": 7,
     "allocator-double-free-undetected": 3, "tree-evicts-locked-node": 5, "tree-match-freed-node": 7,
     # Off the named grid, by hand: a request served, retracted and resumed on a config of the shape.
     "reload-chunk-at-chunk-number": 4, "mamba-layer-map-contiguous": 4, "host-load-tiles-of-four": 4,
