@@ -191,9 +191,10 @@ def _rate(st: LaneState) -> str:
     return _n(int(st.steps / st.seconds)) if st.seconds > 0 else "-"
 
 
-def summary(plan, result: SessionResult, stream: TextIO) -> None:
+def summary(plan, result: SessionResult, stream: TextIO, *, before_closing=None) -> None:
     """The per-config table, every distinct failure (signature, cost to find, how to replay it), the
-    known failures passed over, the waived checks, and the closing count."""
+    known failures passed over, the waived checks, ``before_closing(stream)`` (the reach table of a
+    measured run) and the closing count."""
     from poolfuzz.orchestration.artifacts import slug
 
     by_config: dict[str, list[LaneState]] = {}
@@ -253,6 +254,8 @@ def summary(plan, result: SessionResult, stream: TextIO) -> None:
     if new or known:
         stream.write(f"\n{new} new failure{'s' if new != 1 else ''} (distinct signatures)"
                      + (f", {sum(known.values())} known failing examples passed over" if known else "") + "\n")
+    if before_closing is not None:
+        before_closing(stream)
     # The closing line reads "N passed, N failed" alone, as test runners print it.
     stream.write(f"\npoolfuzz: {passed} passed, {failed} failed{tail}\n")
     stream.flush()

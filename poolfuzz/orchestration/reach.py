@@ -242,12 +242,15 @@ def run_measured(plan, run_session, *, stream: TextIO | None = None) -> int:
     stream = stream or sys.stdout
     code = engine_code_of(resolve_family(plan.family))
     rc = write_settings(plan.coverage, code)
+    def reach_table(out: TextIO) -> None:  # every worker has exited and saved its data by now
+        try:
+            files = combine(rc, code)
+        except UsageError as exc:
+            print(f"poolfuzz: {exc}", file=sys.stderr)
+            return
+        print_table(files, plan.coverage, out)
+
     with measuring(rc):
-        result = run_session(plan, stream=stream)
-    try:
-        files = combine(rc, code)
-    except UsageError as exc:
-        print(f"poolfuzz: {exc}", file=sys.stderr)
-        return result.exit_code
-    print_table(files, plan.coverage, stream)
+        # The table comes before the closing "N passed, N failed" line, which stays the last one.
+        result = run_session(plan, stream=stream, before_closing=reach_table)
     return result.exit_code

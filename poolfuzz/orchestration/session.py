@@ -290,8 +290,10 @@ def _worker_main(plan: Plan, lanes: list[Lane], events, deadline: float | None, 
 # ======================================================================================
 # The session: display, workers, summary.
 # ======================================================================================
-def run_session(plan: Plan, *, stream: TextIO | None = None, tty: bool | None = None) -> SessionResult:
-    """Run the plan; print progress and the summary to ``stream``; return the exit code and lanes."""
+def run_session(plan: Plan, *, stream: TextIO | None = None, tty: bool | None = None,
+                before_closing=None) -> SessionResult:
+    """Run the plan; print progress and the summary to ``stream``; return the exit code and lanes.
+    ``before_closing(stream)`` runs once every worker has exited, just before the closing count."""
     stream = stream or sys.stdout
     tty = stream.isatty() if tty is None else tty
     per_worker = plan_lanes(plan)
@@ -323,7 +325,7 @@ def run_session(plan: Plan, *, stream: TextIO | None = None, tty: bool | None = 
         except KeyboardInterrupt:
             result.interrupted = True
         display.finish()
-        summary(plan, result, stream)
+        summary(plan, result, stream, before_closing=before_closing)
     failed = bool(result.findings) or result.errors
     stopped = 128 + interrupts.signum if interrupts.signum else EXIT_INTERRUPTED  # 130 Ctrl-C, 143 SIGTERM
     result.exit_code = EXIT_FAILED if failed else (stopped if result.interrupted else EXIT_OK)
