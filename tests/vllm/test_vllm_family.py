@@ -97,6 +97,10 @@ def _factory():
 
 class TestFuzz:
     @pytest.mark.parametrize("name", ["dense", "swa-ps4", "hybrid-linear"])
-    def test_fuzz_finds_nothing_on_non_anchor_configs(self, api, fuzz, name):
+    def test_fuzz_finds_nothing_on_non_anchor_configs(self, api, expect, fuzz, name):
         outcome = fuzz(CONFIGS[name], examples=30)
+        if expect == "44409" and CONFIGS[name].has_swa and outcome.failure is not None:
+            # Before #44409 a hybrid's next turn may put a block in two groups: only that may fail.
+            assert "sits in two KV cache groups" in str(outcome.failure), outcome.failure
+            return
         assert outcome.failure is None, outcome.failure
