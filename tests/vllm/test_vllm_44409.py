@@ -80,7 +80,9 @@ def test_next_turn_with_connector_tokens(api, expect):
 
 # The fuzzer's own search: the state machine's next_turn rule (a finished request continues, as a
 # chat's next turn; the connector holds the rest of its prompt) reaches the anchor without help.
-FUZZ_BUDGET = 150  # seed 1 finds it on swa-ps4 within 48 examples (poolfuzz run --seed 1)
+# run_machine(swa, seed=0) finds it after 29 examples and shrinks it to 6 steps (vLLM 0.23.0); seeds
+# 2 and 3 within 43, seed 1 not within 300 (swa-ps4: seeds 1 and 2 within 241, 0 and 3 not).
+FUZZ_BUDGET = 100
 
 
 @pytest.mark.skipif(os.environ.get("POOLFUZZ_VLLM_EXPECT") != "44409",
@@ -90,7 +92,7 @@ def test_the_fuzzer_finds_it_and_shrinks_it(api):
     from poolfuzz.orchestration.runner import run_machine
     from poolfuzz.pools.config import CONFIGS
 
-    result = run_machine(CONFIGS["swa-ps4"], family_factory=build_family, max_examples=FUZZ_BUDGET, seed=1,
+    result = run_machine(CONFIGS["swa"], family_factory=build_family, max_examples=FUZZ_BUDGET, seed=0,
                          database=None, shrink_limit=60)
     assert not result.passed, f"vllm {api.version}: no failure in {FUZZ_BUDGET} examples"
     assert result.signature == "InvariantViolation:shared-unit:swa", result.failure
@@ -98,4 +100,4 @@ def test_the_fuzzer_finds_it_and_shrinks_it(api):
                     r"and swa \(req \d+\)", result.failure), result.failure
     ops = [step.op for step in result.engine_steps]
     assert ops[-1] == "next_turn" and "finish" in ops, ops
-    assert len(ops) <= 12, ops
+    assert len(ops) <= 10, ops
