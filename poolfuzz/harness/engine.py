@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from poolfuzz.harness import failures, row_cache
+from poolfuzz.harness import failures, row_cache, turns
 from poolfuzz.harness.checks import Checker
 from poolfuzz.harness.forward import Writer
 from poolfuzz.harness.ledger import ComponentSpec
@@ -55,7 +55,7 @@ class Engine:
     # The operations a program may call, in the order the README lists them; everything else
     # public is a query (``live``, ``pressure``, ...) or a check.
     OPERATIONS = ("admit", "prefill", "decode", "decode_speculative", "evict_swa", "retract", "resume",
-                  "abort", "finish", "transfer", "fork")
+                  "abort", "finish", "transfer", "fork", "next_turn")
 
     def __init__(self, *, config: ModelConfig, device="cpu", faults=(), backup_mode: str | None = None,
                  options: EngineOptions = EngineOptions(), family_factory: FamilyFactory = build_family):
@@ -80,6 +80,7 @@ class Engine:
         self.lookup = SlotLookup()  # a request's token and SWA slots, read without tensor ops
         self.requests: dict[int, Request] = {}  # live requests (retracted ones included) by rid
         self.retracted: dict[str, list[int]] = {n: [] for n in NODES}  # per node, in resume order
+        self.finished: dict[int, turns.FinishedTurn] = {}  # what a next turn continues (see turns.py)
         self.next_rid = 1
         self.step = 0  # operations run so far; the failing one is named by it
         self.op = "init"  # the operation running (or last run)
@@ -137,6 +138,10 @@ class Engine:
         """A known bug was passed over here: what it touched is suspect for the rest of the example."""
         space = divergence.space or "*"
         self.taint.add((space, divergence.slot_after if space != "*" else None))
+        if divergence.check == "shared-unit":  # one block of the pool every group draws from: the
+            # same block in each group, and every group's free count, are suspect from here on
+            fam = self.families.get(divergence.node)
+            self.taint.update((s, divergence.slot_after) for s in getattr(fam, "shared_unit_spaces", ()))
         if divergence.rid is not None:
             self.tainted_requests.add(divergence.rid)
 
@@ -430,6 +435,7 @@ class Engine:
         self._begin("finish", {"rid": rid})
         req = self.requests.pop(rid)
         fam, ref = self.families[req.node], self.refs[req.node]
+        turns.remember(self, req)
         with self._blame(rid):
             fam.protocol.release_kv(req.kv, fam)
         ref.finish(rid)
@@ -485,6 +491,10 @@ class Engine:
         self.touched.add(rid)
         self._record(f"Req({rid}) prefix {prefix}")
         return rid
+
+    def next_turn(self, src_rid: int, extra: int) -> int | None:
+        """A chat's next turn: finished request ``src_rid``'s tokens, then ``extra`` of its own."""
+        return turns.next_turn(self, src_rid, extra)
 
     # ======================================================================================
     # Checks and queries

@@ -290,6 +290,15 @@ class PoolMachine(RuleBasedStateMachine):
         return bool(type(self).observer.example_failed(engine, exc, tuple(steps), in_teardown))
 
 
+@precondition(lambda self: bool(self.engine.finished))
+@rule(pick=picks, extra=extra_tokens)
+def _next_turn(self, pick, extra):
+    """A chat's next turn: a finished request's tokens continue in a new request (a prefix hit)."""
+    done = sorted(self.engine.finished)
+    if self.engine.next_turn(done[pick % len(done)], extra) is None:
+        event("pool full at next turn")
+
+
 def _drawn_warm_start(strategy: st.SearchStrategy[ModelConfig]):
     @initialize(config=strategy, prompts=warm_prompts)
     def warm_start(self, config, prompts):
@@ -352,6 +361,9 @@ def machine_for(config: ModelConfig | str | st.SearchStrategy, *, device="cpu", 
         attrs.update(config_strategy=config, warm_start=_drawn_warm_start(config))
     if family_factory is not None:
         attrs["family_factory"] = staticmethod(family_factory)
+    # Only a factory that declares it gets the rule: another rule would change what every seed draws.
+    if getattr(family_factory, "supports_next_turn", False):
+        attrs["next_turn"] = _next_turn
     cls = type("PoolMachine", (PoolMachine,), attrs)
     set_database_identity(cls, machine_identity(config, faults, backup_mode, family_factory, options))
     return cls

@@ -90,6 +90,8 @@ def precondition(engine: Engine, step: StepRecord, *, strict: bool = False) -> N
         _need(engine, a["rid"], Phase.RUNNING, "prefill")
     elif step.op == "fork":
         _need(engine, a["src_rid"], Phase.RUNNING)
+    elif step.op == "next_turn" and a["src_rid"] not in engine.finished:
+        raise CannotRun(f"req {a['src_rid']} has not finished here (or has continued already)")
     elif step.op == "abort":
         if strict:
             _need(engine, a["rid"], Phase.RETRACTED)

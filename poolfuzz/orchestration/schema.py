@@ -51,6 +51,7 @@ OPERATION_ARGS: dict[str, dict[str, Arg]] = {
     "finish": {"rid": RID},
     "transfer": {"rid": RID},
     "fork": {"src_rid": RID, "extra": Arg("int", 1)},
+    "next_turn": {"src_rid": RID, "extra": Arg("int", 1)},
 }
 
 _STR, _INT, _BOOL = (str,), (int,), (bool,)

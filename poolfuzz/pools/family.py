@@ -25,7 +25,12 @@ BACKUP_MODES = ("cpu_tensor", "host_pool")
 
 @dataclass(kw_only=True)
 class PoolFamily:
-    """Every pool of one serving node for one model, and the protocol that drives them."""
+    """Every pool of one serving node for one model, and the protocol that drives them.
+
+    ``supports_next_turn``: False; a finished request's tokens are not kept for a next turn (its
+    prefix hit is what ``fork`` models here, from a running request)."""
+
+    supports_next_turn = False
 
     config: ModelConfig
     device: torch.device

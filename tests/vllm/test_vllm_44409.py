@@ -7,13 +7,15 @@ group at a time, so the full group's allocation for the connector's tokens poppe
 hit block off the free queue before the SWA group touched it: both groups' layers then write the
 same bytes. The harness's shared-unit audit names the block and both groups.
 
-The state machine does not reach this by itself: its new requests never repeat a finished
-request's tokens (forks come from running requests), and a preempted request's own blocks leave
-the free queue in an order that keeps its hit blocks behind its evicted ones. So the scenario is
-driven here by hand, through the family and vLLM's own manager, and checked by the harness's audit.
+The first test drives the scenario by hand, through the family and vLLM's own manager, checked by
+the harness's audit; the last lets the state machine find it (its ``next_turn`` rule continues a
+finished request, whose blocks then lead the free queue) and shrink it.
 """
 
 from __future__ import annotations
+
+import os
+import re
 
 import pytest
 
@@ -74,3 +76,28 @@ def test_next_turn_with_connector_tokens(api, expect):
         assert problems[0].startswith("block "), problems[0]
     else:
         assert problems == [], problems
+
+
+# The fuzzer's own search: the state machine's next_turn rule (a finished request continues, as a
+# chat's next turn; the connector holds the rest of its prompt) reaches the anchor without help.
+# run_machine(swa, seed=0) finds it after 29 examples and shrinks it to 6 steps (vLLM 0.23.0); seeds
+# 2 and 3 within 43, seed 1 not within 300 (swa-ps4: seeds 1 and 2 within 241, 0 and 3 not).
+FUZZ_BUDGET = 100
+
+
+@pytest.mark.skipif(os.environ.get("POOLFUZZ_VLLM_EXPECT") != "44409",
+                    reason="set POOLFUZZ_VLLM_EXPECT=44409 in a venv with vLLM before 0.24.0 (CI does)")
+def test_the_fuzzer_finds_it_and_shrinks_it(api):
+    from poolfuzz.adapters.vllm import build_family
+    from poolfuzz.orchestration.runner import run_machine
+    from poolfuzz.pools.config import CONFIGS
+
+    result = run_machine(CONFIGS["swa"], family_factory=build_family, max_examples=FUZZ_BUDGET, seed=0,
+                         database=None, shrink_limit=60)
+    assert not result.passed, f"vllm {api.version}: no failure in {FUZZ_BUDGET} examples"
+    assert result.signature == "InvariantViolation:shared-unit:swa", result.failure
+    assert re.match(r"InvariantViolation: block \d+ \(.*\) sits in two KV cache groups: full \(req \d+\) "
+                    r"and swa \(req \d+\)", result.failure), result.failure
+    ops = [step.op for step in result.engine_steps]
+    assert ops[-1] == "next_turn" and "finish" in ops, ops
+    assert len(ops) <= 10, ops

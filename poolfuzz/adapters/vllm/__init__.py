@@ -33,5 +33,7 @@ def describe() -> dict:
 
 
 build_family.unsupported_reason = unsupported_reason
+# Its families continue finished requests (``VllmFamily.supports_next_turn``): the machine gets the rule.
+build_family.supports_next_turn = True
 # The source that is "the engine" for coverage: vLLM's v1 KV cache management, relative to site-packages.
 build_family.engine_code = ("vllm/v1/core",)

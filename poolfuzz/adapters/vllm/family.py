@@ -29,6 +29,9 @@ class VllmFamily:
       ``caches_freed_units``: True; a freed block keeps its contents for the prefix cache, so only
       blocks that leave the cache uncached are reported to the free listener (and poisoned).
       ``reference_factory``: the reference model of vLLM's block accounting.
+      ``supports_next_turn``: True; a finished request's tokens are kept (``finished_tokens``), and a
+      next turn's prompt continues them: a prefix hit on blocks in the free queue, plus the tokens
+      a KV connector reports after it.
     """
 
     supports_fork = False
@@ -37,6 +40,7 @@ class VllmFamily:
     shared_unit_spaces = ("full", "swa", "mamba")
     caches_freed_units = True
     reference_factory = VllmReference
+    supports_next_turn = True
 
     api: VllmAPI
     config: ModelConfig
@@ -49,6 +53,7 @@ class VllmFamily:
     host_pools: dict = field(default_factory=dict)
     live: dict[int, LiveRequest] = field(default_factory=dict)  # by rid, preempted ones included
     by_row: dict[int, LiveRequest] = field(default_factory=dict)
+    finished_tokens: dict[int, list[int]] = field(default_factory=dict)  # by rid: what a next turn continues
 
     def __post_init__(self):
         c, nb = self.config, self.built.num_blocks

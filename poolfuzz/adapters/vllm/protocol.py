@@ -200,11 +200,28 @@ class VllmProtocol:
         if live is None:
             raise PoolError(f"req {req.rid} released twice")
         self._sync(req, live)
+        fam.finished_tokens[req.rid] = list(live.request.all_token_ids)  # what a next turn continues
         if live.row is not None or live.request.status != fam.api.RequestStatus.PREEMPTED:
             self._free(req, live, fam)
 
     def abort(self, req: ReqKv, fam) -> None:
         self.release_kv(req, fam)
+
+    def begin_turn(self, req: ReqKv, fam, *, src_rid: int, prefix: int) -> dict:
+        """A finished request's next turn arrives: its first ``prefix`` tokens, then its own. It is
+        scheduled as a resumed request is (``resume``): the prefix hit, the connector's tokens (its
+        whole blocks, as a PD decode node receives a prompt) and every token up to the last."""
+        tokens = fam.finished_tokens[src_rid][:prefix]
+        tokens += [token_id(req.rid, p) for p in range(prefix, req.seqlen)]
+        fam.live[req.rid] = LiveRequest(rid=req.rid, request=fam.api.new_request(str(req.rid), tokens,
+                                                                                 fam.config.page_size))
+        req.retraction_backup = RetractionBackup(mode="cpu_tensor", num_tokens=req.seqlen - 1)
+        return self.lookup(req, fam)
+
+    def end_turn(self, req: ReqKv, fam) -> None:
+        """The next turn did not fit: the scheduler drops it (it waits; the harness asks again later)."""
+        fam.live.pop(req.rid, None)
+        req.retraction_backup = None
 
     def fork(self, src: ReqKv, dst: ReqKv, family) -> None:
         raise PoolError("the vllm family does not drive forks (supports_fork is False)")

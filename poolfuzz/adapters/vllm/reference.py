@@ -98,3 +98,18 @@ class VllmReference(ReferenceFamily):
         req.committed = n
         req.swa_lo = swa_lo
         req.backup_tokens = None
+
+    def next_turn(self, rid: int, *, seqlen: int, kv_owner: tuple[int, ...], state, hit: int = 0,
+                  external: int = 0) -> None:
+        """A finished request's next turn, scheduled as a resume of ``seqlen - 1`` tokens: its hit
+        blocks are cached blocks in the free queue (each finished request continues once, so no live
+        request holds them), and cost a free block as a new one would."""
+        self.requests[rid] = RefRequest(rid=rid, seqlen=seqlen, backup_tokens=seqlen - 1)
+        try:
+            self.resume(rid, hit=hit, external=external)
+        except PoolExhausted:
+            del self.requests[rid]
+            raise
+        req = self.requests[rid]
+        req.kv_owner = list(kv_owner)
+        req.state = state
