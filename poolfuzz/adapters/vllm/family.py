@@ -149,6 +149,13 @@ def unsupported_reason(config: ModelConfig) -> str | None:
         return str(exc)
     if config.has_mamba and mamba_mode_for(config) not in api.mamba_cache_modes:
         return f"vLLM {api.version} has no mamba cache mode {mamba_mode_for(config)!r}"
+    # Config dimensions the adapter does not drive through vLLM yet: declined, never run as plain MHA.
+    if getattr(config, "attention", "mha") != "mha":
+        return f"{config.attention.upper()} attention is not driven through vLLM's manager yet (MHA only)"
+    if getattr(config, "kv_scale_block", 0):
+        return "KV scale buffers are not modelled in the vllm family's worker storage yet"
+    if getattr(config, "mamba_track_slots", 0):
+        return "mamba extra-buffer track slots are SGLang's; vLLM keeps mamba state per block instead"
     return None
 
 
