@@ -8,14 +8,11 @@ a missing vLLM skips, and the expectation is read from the installed version.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 
 import pytest
-from hypothesis import HealthCheck, settings
-from hypothesis.stateful import run_state_machine_as_test
 
-from poolfuzz.harness.failures import PoolfuzzFailure
-from poolfuzz.harness.machine import machine_for
+from tests.engine_fuzz import Outcome, fuzz_family
+
 
 EXPECT = os.environ.get("POOLFUZZ_VLLM_EXPECT")
 
@@ -42,32 +39,11 @@ def expect(api) -> str:
     return "pass" if (major, minor) >= (0, 24) else "44409"
 
 
-@dataclass
-class Outcome:
-    failure: PoolfuzzFailure | None
-    steps: list  # the failing (shrunk) example's engine steps
-
-
 def _fuzz(config, *, examples: int, steps: int = 30) -> Outcome:
     """Run the state machine over the vllm family; the shrunk failure, if any."""
     from poolfuzz.adapters.vllm import build_family
 
-    base = machine_for(config, family_factory=build_family)
-    last = {}
-
-    class Tracked(base):
-        def __init__(self):
-            super().__init__()
-            last["engine"] = self.engine
-
-    Tracked.__name__ = "PoolMachine"
-    try:
-        run_state_machine_as_test(Tracked, settings=settings(
-            max_examples=examples, stateful_step_count=steps, deadline=None, derandomize=True, database=None,
-            suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much]))
-    except PoolfuzzFailure as exc:
-        return Outcome(failure=exc, steps=list(last["engine"].log))
-    return Outcome(failure=None, steps=[])
+    return fuzz_family(build_family, config, examples=examples, steps=steps)
 
 
 @pytest.fixture

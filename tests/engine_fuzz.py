@@ -1,0 +1,37 @@
+"""The state machine over a real engine's family, as tests/sglang and tests/vllm run it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hypothesis import HealthCheck, settings
+from hypothesis.stateful import run_state_machine_as_test
+
+from poolfuzz.harness.failures import PoolfuzzFailure
+from poolfuzz.harness.machine import machine_for
+
+
+@dataclass
+class Outcome:
+    failure: PoolfuzzFailure | None
+    steps: list  # the failing (shrunk) example's engine steps
+
+
+def fuzz_family(family_factory, config, *, examples: int, steps: int = 30) -> Outcome:
+    """Run the state machine over ``family_factory``'s families; the shrunk failure, if any."""
+    base = machine_for(config, family_factory=family_factory)
+    last = {}
+
+    class Tracked(base):
+        def __init__(self):
+            super().__init__()
+            last["engine"] = self.engine
+
+    Tracked.__name__ = "PoolMachine"
+    try:
+        run_state_machine_as_test(Tracked, settings=settings(
+            max_examples=examples, stateful_step_count=steps, deadline=None, derandomize=True, database=None,
+            suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much]))
+    except PoolfuzzFailure as exc:
+        return Outcome(failure=exc, steps=list(last["engine"].log))
+    return Outcome(failure=None, steps=[])
