@@ -164,27 +164,27 @@ class Checker:
             if owned is None:
                 owned = self._owned[node] = [(s, e.state_types[s]) for s in lists if e.state_types[s].on_device]
             held: dict[str, list[int]] = {space: [] for space, _ in owned}
-            holder: dict[str, list[int]] = {space: [] for space, _ in owned}  # the rid of each held unit
+            shared = getattr(fam, "shared_unit_spaces", ())
+            # (unit, rid) of every held unit of each space whose units a prefix cache shares
+            held_by: dict[str, list[tuple[int, int]]] = {space: [] for space, _ in owned if space in shared}
             misread: list = []  # (rid, space, (problem, slot)) of state the kernels would not find
             for req in e.requests.values():
                 if req.node != node or req.phase is Phase.RETRACTED:
                     continue
                 tokens = e.lookup.tokens(fam, req.kv.req_pool_idx, 0, req.kv.kv_allocated_len)
                 for space, state_type in owned:
-                    units = list(state_type.held_units(e.lookup, fam, req.kv, tokens))
+                    units = state_type.held_units(e.lookup, fam, req.kv, tokens)
                     held[space] += units
-                    holder[space] += [req.rid] * len(units)
+                    if space in held_by:
+                        held_by[space] += [(u, req.rid) for u in units]
                     # What the kernels read to find the state points at what the request holds (one pass;
                     # reported after the holdings: a slot freed while held also loses its mapping).
                     problem = state_type.consumer_problem(e.lookup, fam, req.kv, tokens)
                     if problem is not None:
                         misread.append((req.rid, space, problem))
             for space, units in e.cached_prefixes.held_units(fam).items():
-                held[space] += units
-                holder[space] += [None] * len(units)  # the prefix cache's own checkpoints
-            shared = getattr(fam, "shared_unit_spaces", ())
-            if shared:  # (unit, rid) of every held unit of each space whose units a prefix cache shares
-                held_by = {space: list(zip(held[space], holder[space])) for space in shared if space in held}
+                held[space] += units  # the prefix cache's own checkpoints
+            if shared:
                 audit_shared_units(e, node, fam, held_by, self.invariant)
             for space, units in held.items():
                 alloc = lists[space]
@@ -197,15 +197,30 @@ class Checker:
                     dup = next(u for u in units if units.count(u) > 1)
                     self.invariant("ownership", f"{space} slot/page {dup} is held by two owners", node, space=space,
                                    slot=dup)
-                for u, rid in zip(units, holder[space]):
+                for u in units:
                     if u == 0:
+                        rid = self._holder_of(node, fam, space, u)
                         self.invariant("reserved", f"{space} slot/page 0 (reserved padding) was handed out "
                                        f"(held by {_holder(rid)})", node, space=space, slot=0, rid=rid)
                     elif is_free(u):
+                        rid = self._holder_of(node, fam, space, u)
                         self.invariant("ownership", f"{space} slot/page {u} is held (by {_holder(rid)}) but also in "
                                        "the free list", node, space=space, slot=u, rid=rid)
             for rid, space, (problem, slot) in misread:
                 self.invariant("consumer-map", f"req {rid}: {problem}", node, space=space, slot=slot, rid=rid)
+
+    def _holder_of(self, node: str, fam, space: str, unit: int) -> int | None:
+        """The live request holding ``unit`` of ``space`` (None: the prefix cache). Looked up only when a
+        holdings check fails, so the every-step pass keeps no owner per unit."""
+        e = self.engine
+        state_type = e.state_types[space]
+        for req in e.requests.values():
+            if req.node != node or req.phase is Phase.RETRACTED:
+                continue
+            tokens = e.lookup.tokens(fam, req.kv.req_pool_idx, 0, req.kv.kv_allocated_len)
+            if unit in list(state_type.held_units(e.lookup, fam, req.kv, tokens)):
+                return req.rid
+        return None
 
     def _check_free_lists(self) -> None:
         e = self.engine
