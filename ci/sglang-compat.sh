@@ -6,9 +6,13 @@
 #   ci/sglang-compat.sh [VENV] [VERSION ...]     (default: every release from 0.5.9 to 0.5.23,
 #                                                 the last post-release of each)
 # Budget: POOLFUZZ_COMPAT_EXAMPLES examples per config (default 60). Each config is fuzzed past every
-# failure and every distinct signature listed; where every config fails at step 0 on the reserved
-# padding row (before 0.5.11), the check is waived and the release fuzzed again behind it. The table goes to stdout; each release's install log to VENV/compat-VERSION.log.
-# Reach: the first campaign of each release runs with --coverage; the row gives the statements executed of
+# failure and every distinct signature listed; where one check fails at step 0 on every config (the
+# reserved padding row and the free list that hands it out, before 0.5.11), that check is waived and the
+# release fuzzed again behind it. The table goes to stdout; each release's install log to
+# VENV/compat-VERSION.log and its artifacts (one per signature, with the shrunk program) to
+# VENV/compat-VERSION-artifacts/.
+# Reach (POOLFUZZ_COMPAT_REACH=0 skips it, 3-5x faster): each campaign runs with --coverage and the
+# last one, the furthest past step 0, is kept; the row gives the statements executed of
 # memory_pool.py, of the token/paged/SWA/mamba allocators and of all of mem_cache/ (per-file tables and HTML
 # under VENV/compat-VERSION-reach/). Triton: "interpreted" where the paged allocator only launches Triton
 # kernels and there is no GPU, so its kernels ran in Triton's interpreter (the release needed it).
@@ -38,7 +42,7 @@ print("\n".join(str(last[k]) for k in sorted(last)))
 fi
 [ "${#versions[@]}" -gt 0 ] || { echo "sglang-compat: could not list SGLang releases" >&2; exit 2; }
 
-printf '%-13s | %-8s | %-7s | %-60s | %-11s | %-36s | %s\n' release installs imports "configs supported (of 8)" triton \
+printf '%-13s | %-8s | %-7s | %-60s | %-11s | %-36s | %s\n' release installs imports "configs supported (of 16)" triton \
   "reach: memory_pool / allocators / mem_cache" "harness verdict"
 printf '%s\n' "--------------|----------|---------|--------------------------------------------------------------|-------------|--------------------------------------|----------------"
 for v in "${versions[@]}"; do
@@ -47,11 +51,11 @@ for v in "${versions[@]}"; do
     printf '%-13s | %-8s | %-7s | %-60s | %-11s | %-36s | %s\n' "$v" no - - - - "install failed (see $log)"
     continue
   fi
-  "$venv/bin/python" - "$v" "$(dirname "$venv")/compat-$v-reach" <<'PY'
+  "$venv/bin/python" - "$v" "$(dirname "$venv")/compat-$v-reach" "$(dirname "$venv")/compat-$v-artifacts" <<'PY'
 import sys, time, warnings
 import torch
 torch.set_num_threads(1)
-version, reach_dir = sys.argv[1], sys.argv[2]
+version, reach_dir, artifacts = sys.argv[1], sys.argv[2], sys.argv[3]
 def row(imports, configs, verdict, triton="-", reach="-"):
     print(f"{version:13} | {'yes':8} | {imports:7} | {configs:60} | {triton:11} | {reach:36} | {verdict}", flush=True)
 try:
@@ -60,8 +64,9 @@ try:
 except Exception as exc:
     row("no", "-", f"{type(exc).__name__}: {str(exc)[:150]}")
     sys.exit(0)
-import glob, json, os, subprocess, tempfile
+import glob, json, os, shutil, subprocess
 from poolfuzz.pools.config import CONFIGS
+from poolfuzz.harness.failures import WAIVABLE
 examples = os.environ.get("POOLFUZZ_COMPAT_EXAMPLES", "60")
 supported = []
 for name, config in CONFIGS.items():
@@ -73,8 +78,11 @@ for name, config in CONFIGS.items():
         supported.append(name)
 
 def campaign(waive, coverage=None):
-    """Every distinct signature per config, each shrunk once (the run keeps going past each)."""
-    out = tempfile.mkdtemp(prefix=f"compat-{version}-")
+    """Every distinct signature per config, each shrunk once (the run keeps going past each):
+    config -> [(signature, steps of its shrunk program)]."""
+    out = os.path.join(artifacts, "+".join(waive) or "unwaived")
+    shutil.rmtree(out, ignore_errors=True)
+    os.makedirs(out)
     cmd = [sys.executable, "-m", "poolfuzz.cli", "run", "--family", "sglang", "--config", *supported,
            "--examples", examples, "--seed", "1", "--db", "none", "--out", out, "--shrink-seconds", "20"]
     if waive:
@@ -85,8 +93,21 @@ def campaign(waive, coverage=None):
     found = {}
     for path in sorted(glob.glob(f"{out}/*.json")):
         art = json.load(open(path))
-        found.setdefault(art["config"], []).append(f"{art['signature']} ({len(art['program'])} steps)")
+        found.setdefault(art["config"], []).append((art["signature"], len(art["program"])))
     return found
+
+def check_of(signature):
+    """The check a signature names (StateLost:contents:mamba@resume -> contents), if any."""
+    parts = signature.split("@")[0].split(":")
+    return parts[1] if len(parts) == 3 else None
+
+def fails_at_step_zero_everywhere(found, waived):
+    """Checks, not yet waived, that fail with a zero-step program on every supported config."""
+    if len(found) < len(supported):
+        return []
+    per_config = [{check_of(sig) for sig, steps in sigs if steps == 0} for sigs in found.values()]
+    common = set.intersection(*per_config) - {None} - set(waived)
+    return sorted(c for c in common if c in WAIVABLE)
 
 def reach_of(directory):
     """memory_pool.py, the allocators and mem_cache/ as a whole: statements executed, in percent."""
@@ -103,20 +124,24 @@ def reach_of(directory):
     tree = [n for n in files if "/mem_cache/" in n]
     return f"{pct(pool)} / {pct(allocators)} / {pct(tree)}"
 
-found = campaign([], coverage=reach_dir)
+measure = os.environ.get("POOLFUZZ_COMPAT_REACH", "1") != "0"
 waived = []
-# A check that fails at step 0 on every config hides everything behind it: waive it and look again.
-if len(found) == len(supported) and all(any(s.startswith("InvariantViolation:reserved:") for s in sigs)
-                                         for sigs in found.values()):
-    waived = ["reserved"]
-    found = campaign(waived, coverage=reach_dir)  # the reach of the run that got past step 0
-verdicts = [f"{name}: " + ", ".join(sigs) for name, sigs in found.items()]
+reach = reach_dir if measure else None  # each campaign overwrites it: the table shows the last
+found = campaign(waived, coverage=reach)
+# A check that fails at step 0 on every config hides everything behind it: waive it and look again,
+# until no such check is left (at most a few rounds: each round waives at least one more check).
+while step_zero := fails_at_step_zero_everywhere(found, waived):
+    waived += step_zero
+    found = campaign(waived, coverage=reach)
+verdicts = [f"{name}: " + ", ".join(f"{sig} ({steps} steps)" for sig, steps in sigs)
+            for name, sigs in found.items()]
 if waived:
     verdicts.insert(0, "waived " + ",".join(waived) + " (fails at step 0 everywhere)")
 paged = [n for n in CONFIGS if n.endswith("-ps4")]
 configs = f"{len(supported)}: " + ("all" if len(supported) == len(CONFIGS) else
                                    ", ".join(supported) if len(supported) < len(CONFIGS) else "")
 triton = "interpreted" if info.get("kernels_interpreted") and info.get("paged_kernels") else "-"
-row("yes", configs, "; ".join(verdicts) if verdicts else "pass on all", triton, reach_of(reach_dir))
+row("yes", configs, "; ".join(verdicts) if verdicts else "pass on all", triton,
+    reach_of(reach_dir) if measure else "not measured")
 PY
 done
