@@ -30,6 +30,15 @@ class Divergence:
     def to_json(self) -> dict:
         return asdict(self)
 
+    def spaces(self) -> tuple[str, ...]:
+        """Every index space the failure involves: its own, and for an outcome mismatch the space each
+        side ran out of (``expected``/``found`` read "<space> exhausted" or "success")."""
+        named = [self.space] if self.space else []
+        if self.check == "outcome":
+            named += [side.split(" ", 1)[0] for side in (self.expected, self.found)
+                      if side and side.endswith(" exhausted")]
+        return tuple(dict.fromkeys(named))
+
 
 class PoolfuzzFailure(AssertionError):
     """Base of every harness failure; ``divergence`` is the structured record."""
@@ -83,9 +92,10 @@ def invariant(*, step, op, detail, check, space=None, node="", kind="invariant",
 
 
 def reference_mismatch(*, step, op, detail, check, space=None, node="", rid=None,
-                       action="", slot=None) -> ReferenceMismatch:
+                       action="", slot=None, expected=None, found=None) -> ReferenceMismatch:
     return ReferenceMismatch(Divergence(kind="reference", step=step, op=op, node=node, rid=rid, detail=detail,
-                                        check=check, space=space, action=action or op, slot_after=slot),
+                                        check=check, space=space, action=action or op, slot_after=slot,
+                                        expected=expected, found=found),
                              f"{detail} [step {step}, {op}{', node ' + node if node else ''}]")
 
 

@@ -45,3 +45,31 @@ PROGRAM_SLOT_ZERO_FORK = [
     {"op": "fork", "args": {"src_rid": 1, "extra": 1}},
     {"op": "prefill", "args": {"rid": 3, "chunk": 1}},
 ]
+
+# A resume that does not fit keeps the mamba slot it took (mamba-leak-on-abort, sglang#12693), as a
+# campaign on hybrid-linear left it: Req(3)'s prompt in two chunks, where one would do.
+FAULT_LEAK_ON_ABORT = "mamba-leak-on-abort"
+PROGRAM_LEAK_ON_ABORT_CHUNKED = [
+    {"op": "admit", "args": {"prompt_len": 16}},
+    {"op": "prefill", "args": {"rid": 1, "chunk": 16}},
+    {"op": "admit", "args": {"prompt_len": 17}},
+    {"op": "prefill", "args": {"rid": 2, "chunk": 13}},
+    {"op": "admit", "args": {"prompt_len": 19}},
+    {"op": "prefill", "args": {"rid": 3, "chunk": 13}},
+    {"op": "prefill", "args": {"rid": 3, "chunk": 7}},
+    {"op": "decode", "args": {"rids": [1]}},
+]
+
+# The same leak seen late: Req(3)'s failed resumes leak a mamba slot each (free-count:mamba at
+# step 7), and the second resume then runs out of mamba slots where the reference expects KV to.
+PROGRAM_LEAK_THEN_OUTCOME = [
+    {"op": "admit", "args": {"prompt_len": 8}},
+    {"op": "prefill", "args": {"rid": 1, "chunk": 8}},
+    {"op": "admit", "args": {"prompt_len": 20}},
+    {"op": "prefill", "args": {"rid": 2, "chunk": 20}},
+    {"op": "admit", "args": {"prompt_len": 20}},
+    {"op": "prefill", "args": {"rid": 3, "chunk": 20}},
+    {"op": "decode", "args": {"rids": [1]}},
+    {"op": "resume", "args": {"node": "prefill"}},
+    {"op": "resume", "args": {"node": "prefill"}},
+]

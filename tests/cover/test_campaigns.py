@@ -267,3 +267,22 @@ def test_a_crash_is_downstream_only_of_a_known_bug_that_reached_its_request():
     assert engine.crash_downstream()
     engine.pending = ("decode", {"rids": [1, 2]})
     assert engine.crash_downstream()
+
+
+def test_an_outcome_that_runs_out_of_a_known_leaks_space_is_downstream_of_it():
+    """The leak of mamba slots known (free-count:mamba): a later resume that runs out of mamba slots
+    where the reference expects KV to run out involves the leaked space, so it is the leak again."""
+    from poolfuzz.harness.program import new_engine, replay
+    from poolfuzz.harness.records import StepRecord
+    from tests.cover.programs import FAULT_LEAK_ON_ABORT, PROGRAM_LEAK_THEN_OUTCOME
+
+    steps = [StepRecord(op=s["op"], args=s["args"], outcome="") for s in PROGRAM_LEAK_THEN_OUTCOME]
+    engine = new_engine(config=CONFIGS["hybrid-linear"], faults=[FAULT_LEAK_ON_ABORT],
+                        options={"known": ("ReferenceMismatch:free-count:mamba",)})
+    failure = list(replay(engine, steps))[-1].failure
+    d = failure.divergence
+    assert (d.check, d.space, d.expected, d.found) == ("outcome", "full", "full exhausted", "mamba exhausted")
+    assert d.spaces() == ("full", "mamba") and engine.tainted(d)
+    fresh = new_engine(config=CONFIGS["hybrid-linear"], faults=[FAULT_LEAK_ON_ABORT])
+    first = next(ev for ev in replay(fresh, steps) if ev.failure is not None)
+    assert first.index == 7 and first.failure.divergence.check == "free-count"  # unknown: the root cause
