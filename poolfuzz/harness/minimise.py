@@ -1,4 +1,5 @@
-"""Shorten a shrunk failing program further by deleting steps, renumbering the requests they made.
+"""Shorten a shrunk failing program further by deleting steps (renumbering the requests they made)
+and by the edits of ``rewrites``.
 
 Hypothesis shrinks a state machine's run by deleting and simplifying its choices; deleting the step
 that admitted a request shifts the id of every later request, so a program often stays longer than
@@ -11,11 +12,12 @@ preconditions, which are the state machine's, so a kept program is one the machi
 
 from __future__ import annotations
 
+import itertools
 import time
 from dataclasses import dataclass
 from typing import Callable
 
-from poolfuzz.harness import failures
+from poolfuzz.harness import failures, rewrites
 from poolfuzz.harness.program import replay
 from poolfuzz.harness.records import StepRecord
 
@@ -158,7 +160,11 @@ def minimise(steps: list[StepRecord], *, new_engine: Callable, bug: str,
                 else:
                     i += block
             block //= 2
-        for candidate in _fewer_decoded(current):
+        # Then the edits that keep every request but make a step redundant; after one succeeds,
+        # deletion gets another go.
+        edits = itertools.chain(_fewer_decoded(current), rewrites.merged_prefills(current),
+                                rewrites.decodes_into_prompts(current, best.created))
+        for candidate in edits:
             if spent():
                 break
             got = attempt(candidate)

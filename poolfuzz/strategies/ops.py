@@ -7,7 +7,8 @@ from hypothesis import strategies as st
 picks = st.integers(min_value=0, max_value=7)
 
 # Prompts are short: the pools are small so that slots are reused within a few steps.
-prompt_lengths = st.integers(min_value=1, max_value=20)
+MAX_PROMPT = 20
+prompt_lengths = st.integers(min_value=1, max_value=MAX_PROMPT)
 
 # Prefill chunk sizes: 1 token up to more than a page, so chunks straddle page boundaries.
 chunk_sizes = st.integers(min_value=1, max_value=16)

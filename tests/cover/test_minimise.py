@@ -2,6 +2,7 @@
 only mattered for its id) go, the later requests are renumbered, and the same bug still shows."""
 
 from poolfuzz.harness.failures import bug_key, signature_of
+from poolfuzz.harness import rewrites
 from poolfuzz.harness.minimise import minimise, run_program, without
 from poolfuzz.harness.program import new_engine
 from poolfuzz.harness.records import StepRecord
@@ -69,3 +70,42 @@ def test_the_minimised_program_says_what_each_step_did_in_its_own_replay():
     got = minimise(PADDED, new_engine=_engine, bug=bug)
     assert got.steps[0].outcome.startswith("Req(1) ")  # not the padded program's "Req(2) ..."
     assert all(s.outcome for s in got.steps)
+
+
+def test_prefill_chunks_of_one_request_fold_into_one():
+    steps = _steps([{"op": "admit", "args": {"prompt_len": 9}}, {"op": "prefill", "args": {"rid": 1, "chunk": 4}},
+                    {"op": "admit", "args": {"prompt_len": 2}}, {"op": "prefill", "args": {"rid": 1, "chunk": 5}}])
+    assert [[(s.op, s.args) for s in c] for c in rewrites.merged_prefills(steps)] == [[
+        ("admit", {"prompt_len": 9}), ("prefill", {"rid": 1, "chunk": 9}), ("admit", {"prompt_len": 2})]]
+
+
+def test_a_decode_folds_into_the_prompts_of_every_request_it_decoded():
+    steps = _steps([{"op": "admit", "args": {"prompt_len": 5}}, {"op": "prefill", "args": {"rid": 1, "chunk": 5}},
+                    {"op": "admit", "args": {"prompt_len": 20}}, {"op": "prefill", "args": {"rid": 2, "chunk": 20}},
+                    {"op": "decode", "args": {"rids": [1]}}, {"op": "decode", "args": {"rids": [1, 2]}},
+                    {"op": "decode_speculative", "args": {"rid": 1, "draft": 3, "accepted": 2}}])
+    created = (1, None, 2, None, None, None, None)
+    got = [[(s.op, s.args) for s in c] for c in rewrites.decodes_into_prompts(steps, created)]
+    head = [("admit", {"prompt_len": 20}), ("prefill", {"rid": 2, "chunk": 20})]
+    assert got == [
+        [("admit", {"prompt_len": 6}), ("prefill", {"rid": 1, "chunk": 6}), *head,
+         ("decode", {"rids": [1, 2]}), ("decode_speculative", {"rid": 1, "draft": 3, "accepted": 2})],
+        # (decode [1, 2] cannot fold: Req(2)'s prompt is already the longest the machine draws)
+        *[[("admit", {"prompt_len": 5 + n}), ("prefill", {"rid": 1, "chunk": 5 + n}), *head,
+           ("decode", {"rids": [1]}), ("decode", {"rids": [1, 2]})] for n in (3, 1)],
+    ]
+
+
+def test_a_leak_left_in_chunks_minimises_to_the_shortest_known_program():
+    from poolfuzz.pools.faults import SHORTEST_KNOWN
+    from tests.cover.programs import FAULT_LEAK_ON_ABORT, PROGRAM_LEAK_ON_ABORT_CHUNKED
+
+    def engine():
+        return new_engine(config=CONFIGS["hybrid-linear"], faults=[FAULT_LEAK_ON_ABORT])
+
+    steps = _steps(PROGRAM_LEAK_ON_ABORT_CHUNKED)
+    bug = run_program(engine, steps).bug()
+    assert bug == "ReferenceMismatch:free-count:mamba"
+    got = minimise(steps, new_engine=engine, bug=bug)  # only the two prefills of Req(3) can merge
+    assert len(got.steps) == SHORTEST_KNOWN[FAULT_LEAK_ON_ABORT] == len(steps) - 1
+    assert ("prefill", {"rid": 3, "chunk": 20}) in [(s.op, s.args) for s in got.steps]
