@@ -70,7 +70,9 @@ class Engine:
         # A family whose engine counts capacity its own way (vLLM's shared block pool) names the
         # reference model of it: ``reference_factory(config, backup_mode=...)``.
         reference = getattr(first, "reference_factory", None) or ReferenceFamily
-        self.refs = {n: reference(config, backup_mode=f.backup_mode) for n, f in self.families.items()}
+        self.refs = {n: reference(config, backup_mode=f.backup_mode,
+                                  resume_swa_tail_only=getattr(f, "resume_swa_tail_only", True))
+                     for n, f in self.families.items()}
         self.ledger = row_cache.shared_ledger()  # expected checksums: pure caches shared across examples
         # What the checks need of each component (no tensors), and the rules of each index space.
         self.specs = {(c.name, c.layer): ComponentSpec.of(c) for c in first.components()}

@@ -20,6 +20,9 @@ Optional capabilities, read with a default where a family does not declare them:
   before a resume what the prefix cache found, and pass it to the reference's ``resume``;
 * ``ReqKv.recompute_from``: set by a resume that recomputes instead of restoring; the engine then
   writes the KV of positions from there on again;
+* ``resume_swa_tail_only`` (default True): a paged SWA resume gives SWA slots to the window's tail
+  only, the positions before it counting as evicted; False where it gives every position one (SGLang
+  before ``alloc_extend_swa_tail``, up to 0.5.11), which the reference then expects;
 * ``pads_slot_zero`` (default True): False where a padded batch writes nowhere (vLLM pads with -1);
 * ``shared_unit_spaces`` (default ()): spaces whose units come from one pool; a unit held in two of
   them, or whose free list's ``ref_count(unit)`` is not its number of holders, is a violation;

@@ -50,11 +50,14 @@ class RefRequest:
 class ReferenceFamily:
     """Counts free rows / pages / slots per space exactly as the real allocators must."""
 
-    def __init__(self, config: ModelConfig, *, backup_mode: str):
+    def __init__(self, config: ModelConfig, *, backup_mode: str, resume_swa_tail_only: bool = True):
         c = config
         self.config = c
         self.ps = c.page_size
         self.backup_mode = backup_mode
+        # Paged SWA: a resume gives SWA slots to the window tail only (the family's capability of
+        # that name); else to every position of the prompt, as releases without the tail alloc do.
+        self.resume_swa_tail_only = resume_swa_tail_only
         # Each space's size in the real allocator's units (slots); counted below in pages for
         # the device token spaces, which are allocated and freed by the page.
         self.capacity = c.device_capacity()
@@ -290,7 +293,7 @@ class ReferenceFamily:
         needs["full"] = _pages(fill_len, self.ps)
         swa_lo = 0
         if c.has_swa:
-            if self.ps > 1:
+            if self.ps > 1 and self.resume_swa_tail_only:
                 swa_lo = _floor(max(0, fill_len - c.sliding_window), self.ps)
             needs["swa"] = _pages(fill_len - swa_lo, self.ps)
         self._take(needs)

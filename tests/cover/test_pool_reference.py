@@ -164,6 +164,15 @@ class TestReferenceAgreement:
         assert ref.host_needs(22) == {"host.full": 24, "host.swa": 8}  # window 6: [16, 22) -> 2 pages
 
 
+@pytest.mark.parametrize("tail_only, swa_free", [(True, 64 - 8), (False, 64 - 24)])
+def test_a_paged_swa_resume_holds_the_tail_or_every_position_as_the_family_declares(tail_only, swa_free):
+    """22 positions, window 6: the tail-only resume holds SWA pages for [16, 22), the other one
+    (SGLang before alloc_extend_swa_tail) for all 22 positions, evicting nothing."""
+    ref = ReferenceFamily(CONFIGS["swa-ps4"], backup_mode="cpu_tensor", resume_swa_tail_only=tail_only)
+    req = ref.pre_alloc(1, 22)
+    assert (req.swa_lo, ref.available("swa"), ref.available("full")) == (16 if tail_only else 0, swa_free, 64 - 24)
+
+
 def test_the_harness_never_writes_into_the_reference():
     """The engine and its checks drive the reference through its operations only: no assignment,
     deletion or pop on anything reached from a reference object."""

@@ -46,10 +46,13 @@ class SGLangFamily:
     Capabilities the harness's state machine reads:
       ``supports_fork``: radix match + copy-on-write needs SGLang's tree cache, not driven here.
       ``supports_transfer``: PD transfer needs SGLang's transfer engines, not driven here.
+      ``resume_swa_tail_only``: a paged SWA resume allocates SWA for the window tail only, where the
+        release's SWA allocator has ``alloc_extend_swa_tail`` (set per release when built).
     """
 
     supports_fork = False
     supports_transfer = False
+    resume_swa_tail_only = True
 
     api: SGLangAPI
     config: ModelConfig
@@ -265,6 +268,8 @@ def _build(api: SGLangAPI, config: ModelConfig, dev, sdev: str) -> SGLangFamily:
         kv_pool=view_cls(sg_kv, comps), allocator=AllocatorView(sg_alloc, swa=c.has_swa),
         protocol=SGLangProtocol(), standin_cls=standin_class(api), admission=SchedulerAdmission(api))
     family._free_views = views
+    # The release's paged SWA resume: tail-only where its allocator can (0.5.12 on), else every position.
+    family.resume_swa_tail_only = not c.has_swa or hasattr(sg_alloc, "alloc_extend_swa_tail")
     family.snapshot_free_lists()
     return family
 

@@ -373,7 +373,7 @@ class SGLangProtocol(ServingProtocol):
         alloc = family.sg_allocator
         try:
             tail = None
-            if cfg.has_swa and ps > 1 and hasattr(alloc, "alloc_extend_swa_tail"):
+            if cfg.has_swa and ps > 1 and family.resume_swa_tail_only:
                 tail = fill_len - window_start(cfg, fill_len)
                 full_pages, swa_pages = -(-fill_len // ps), -(-tail // ps)
                 out = paged_alloc_extend(alloc, prefix_len=0, seq_len=fill_len, last_loc=-1, swa_tail_len=tail)

@@ -26,8 +26,8 @@ class VllmReference(ReferenceFamily):
     block per request from its first allocation on.
     """
 
-    def __init__(self, config: ModelConfig, *, backup_mode: str):
-        super().__init__(config, backup_mode=backup_mode)
+    def __init__(self, config: ModelConfig, *, backup_mode: str, **capabilities):
+        super().__init__(config, backup_mode=backup_mode, **capabilities)
         self.pool = num_blocks_for(config) - 1
         for space in BLOCK_SPACES:
             if space in self.capacity:
