@@ -107,6 +107,28 @@ def without(steps: list[StepRecord], created: tuple, drop: set[int]) -> list[Ste
     return out
 
 
+def admits_for_pairs(steps: list[StepRecord], created: tuple):
+    """Each two adjacent steps replaced by one bare admit (a one-token prompt, never prefilled), the
+    requests after it renumbered: where a failure needs a freed slot handed out again, the steps
+    that only moved the free list along (a retract and a resume) cost one allocation instead."""
+    for i in range(len(steps) - 1):
+        rest = without(steps, created, {i, i + 1})
+        if rest is None:
+            continue
+        before = sum(1 for r in created[:i] if r is not None)  # steps before i are all kept
+        shifted = []
+        for step in rest[i:]:
+            args = dict(step.args)
+            for name in RID_ARGS:
+                if name in args and args[name] > before:
+                    args[name] += 1
+            for name in RID_LIST_ARGS:
+                if name in args:
+                    args[name] = [r + 1 if r > before else r for r in args[name]]
+            shifted.append(StepRecord(op=step.op, args=args, outcome=step.outcome))
+        yield rest[:i] + [StepRecord(op="admit", args={"prompt_len": 1}, outcome="")] + shifted
+
+
 def _fewer_decoded(steps: list[StepRecord]):
     """Each decode step with one of its requests left out (the batch's other requests stay)."""
     for i, step in enumerate(steps):
@@ -163,7 +185,8 @@ def minimise(steps: list[StepRecord], *, new_engine: Callable, bug: str,
         # Then the edits that keep every request but make a step redundant; after one succeeds,
         # deletion gets another go.
         edits = itertools.chain(_fewer_decoded(current), rewrites.merged_prefills(current),
-                                rewrites.decodes_into_prompts(current, best.created))
+                                rewrites.decodes_into_prompts(current, best.created),
+                                admits_for_pairs(current, best.created))
         for candidate in edits:
             if spent():
                 break

@@ -73,3 +73,20 @@ PROGRAM_LEAK_THEN_OUTCOME = [
     {"op": "resume", "args": {"node": "prefill"}},
     {"op": "resume", "args": {"node": "prefill"}},
 ]
+
+# A recycled mamba slot handed out without the clear a fresh request needs (mamba-not-cleared,
+# sglang#10400), as a campaign on hybrid-linear left it: Req(1) retracted and resumed three times
+# only to move the free list along until slot 1 comes back for Req(2).
+FAULT_NOT_CLEARED = "mamba-not-cleared"
+PROGRAM_NOT_CLEARED_CYCLED = [
+    {"op": "admit", "args": {"prompt_len": 1}},
+    {"op": "prefill", "args": {"rid": 1, "chunk": 1}},
+    {"op": "retract", "args": {"rid": 1}},
+    {"op": "resume", "args": {"node": "prefill"}},
+    {"op": "retract", "args": {"rid": 1}},
+    {"op": "resume", "args": {"node": "prefill"}},
+    {"op": "retract", "args": {"rid": 1}},
+    {"op": "resume", "args": {"node": "prefill"}},
+    {"op": "admit", "args": {"prompt_len": 1}},
+    {"op": "prefill", "args": {"rid": 2, "chunk": 1}},
+]

@@ -3,7 +3,7 @@ only mattered for its id) go, the later requests are renumbered, and the same bu
 
 from poolfuzz.harness.failures import bug_key, signature_of
 from poolfuzz.harness import rewrites
-from poolfuzz.harness.minimise import minimise, run_program, without
+from poolfuzz.harness.minimise import admits_for_pairs, minimise, run_program, without
 from poolfuzz.harness.program import new_engine
 from poolfuzz.harness.records import StepRecord
 from poolfuzz.pools.config import CONFIGS
@@ -109,3 +109,26 @@ def test_a_leak_left_in_chunks_minimises_to_the_shortest_known_program():
     got = minimise(steps, new_engine=engine, bug=bug)  # only the two prefills of Req(3) can merge
     assert len(got.steps) == SHORTEST_KNOWN[FAULT_LEAK_ON_ABORT] == len(steps) - 1
     assert ("prefill", {"rid": 3, "chunk": 20}) in [(s.op, s.args) for s in got.steps]
+
+
+def test_two_steps_become_one_admit_with_the_later_requests_renumbered():
+    created = (1, None, 2, None, None, None, None)
+    got = [[(s.op, s.args) for s in c] for c in admits_for_pairs(PADDED, created)]
+    assert got[0] == [("admit", {"prompt_len": 1}), ("admit", {"prompt_len": 1}),
+                      ("prefill", {"rid": 2, "chunk": 1}), ("decode", {"rids": [2]}), ("retract", {"rid": 2}),
+                      ("resume", {"node": "prefill"})]  # Req(1) and its prefill gone: the batch keeps Req(2)
+    # Req(2)'s prefill and the decode become a new Req(3); the earlier Req(2) keeps its id
+    assert got[3][2:5] == [("admit", {"prompt_len": 1}), ("admit", {"prompt_len": 1}), ("retract", {"rid": 2})]
+
+
+def test_a_free_list_moved_along_by_retracts_costs_one_admit_per_slot():
+    from tests.cover.programs import FAULT_NOT_CLEARED, PROGRAM_NOT_CLEARED_CYCLED
+
+    def engine():
+        return new_engine(config=CONFIGS["hybrid-linear"], faults=[FAULT_NOT_CLEARED])
+
+    steps = _steps(PROGRAM_NOT_CLEARED_CYCLED)
+    bug = run_program(engine, steps).bug()
+    assert bug == "StateLost:contents:mamba@prefill"
+    got = minimise(steps, new_engine=engine, bug=bug)
+    assert len(got.steps) == 8 and [s.op for s in got.steps].count("resume") <= 1
