@@ -18,15 +18,38 @@ mamba slot group of a scheduling pass.
   prefix matches the pass did not use go back to the end of the free list.
 
 Releases without one of these calls get the plain call they have (``free``, no group).
+
+The pools are built with SGLang's own debug switch on (``SGLANG_DEBUG_MEMORY_POOL``, read when an
+allocator is constructed): the paged allocators then check, after every call, that the pages a
+free or an allocation touches are the ones its caller meant and that no page is listed twice. Those
+are the engine's own invariants; an assertion they raise is reported as what the pools did.
 """
 
 from __future__ import annotations
 
+import os
 from contextlib import contextmanager
 
 import torch
 
 from poolfuzz.adapters.sglang.api import accepted_kwargs
+
+
+DEBUG_SWITCH = "SGLANG_DEBUG_MEMORY_POOL"
+
+
+@contextmanager
+def debug_memory_pool():
+    """SGLang's memory-pool debug switch on while pools are constructed (each reads it then)."""
+    before = os.environ.get(DEBUG_SWITCH)
+    os.environ[DEBUG_SWITCH] = "1"
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(DEBUG_SWITCH, None)
+        else:
+            os.environ[DEBUG_SWITCH] = before
 
 
 @contextmanager
