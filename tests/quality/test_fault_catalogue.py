@@ -63,6 +63,9 @@ SIGNATURES = {
     "pd-drops-dsa-index": r"^StateLost: req \d+ transferred; component dsa\.index_(k|scale) ",
     "scaled-copy-drops-scales": r"^StateLost: req \d+ resumed; component full\.[kv]_scale ",
     "pd-drops-block-scales": r"^StateLost: req \d+ transferred; component full\.[kv]_scale ",
+    # Free patterns: a grouped free's SWA slots never come back; an abort mid-prefill leaks its last chunk.
+    "free-group-drops-swa": r"^ReferenceMismatch: swa pool has \d+ free but the reference says",
+    "abort-prefill-leaks-last-chunk": r"^ReferenceMismatch: full pool has \d+ free but the reference says",
 }
 
 # Faults whose bug only shows off the named grid: found on drawn configs, inert on the named ones.
