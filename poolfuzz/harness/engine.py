@@ -445,8 +445,9 @@ class Engine:
         req = self.requests.pop(rid)
         fam, ref = self.families[req.node], self.refs[req.node]
         turns.remember(self, req)
+        release = getattr(fam.protocol, "finish", fam.protocol.release_kv)  # a family may group its frees
         with self._blame(rid):
-            fam.protocol.release_kv(req.kv, fam)
+            release(req.kv, fam)
         ref.finish(rid)
         self._record("released")
 

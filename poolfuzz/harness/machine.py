@@ -222,6 +222,17 @@ class PoolMachine(RuleBasedStateMachine):
         """
         self.engine.abort(self._pick(Phase.RETRACTED, pick).rid)
 
+    @precondition(lambda self: bool(self._mid_prefill()))
+    @rule(pick=picks)
+    def abort_prefill(self, pick):
+        """Abort a request between two chunks of its prefill: its row ends wherever the last chunk
+        did, mid-page as often as not, and all of it must go back."""
+        mid = self._mid_prefill()
+        self.engine.abort(mid[pick % len(mid)].rid)
+
+    def _mid_prefill(self):
+        return [r for r in self.engine.live(Phase.PREFILLING) if r.kv.kv_committed_len > 0]
+
     @precondition(_has(Phase.RUNNING))
     @rule(pick=picks)
     def finish(self, pick):

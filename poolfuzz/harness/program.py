@@ -76,7 +76,7 @@ def _need(engine: Engine, rid, phase: Phase, node: str | None = None) -> None:
 
 def precondition(engine: Engine, step: StepRecord, *, strict: bool = False) -> None:
     """What the state machine guaranteed before it issued this step; CannotRun if it fails here.
-    ``strict``: exactly what today's machine guarantees (an abort's request is retracted), for
+    ``strict``: exactly what today's machine guarantees (an abort's request is retracted or mid-prefill), for
     programs made by editing; a recorded program is held to what any machine version issued."""
     a = step.args
     if step.op == "prefill":
@@ -93,7 +93,9 @@ def precondition(engine: Engine, step: StepRecord, *, strict: bool = False) -> N
     elif step.op == "next_turn" and a["src_rid"] not in engine.finished:
         raise CannotRun(f"req {a['src_rid']} has not finished here (or has continued already)")
     elif step.op == "abort":
-        if strict:
+        req = engine.requests.get(a["rid"])
+        mid_prefill = req is not None and req.phase is Phase.PREFILLING and req.kv.kv_committed_len > 0
+        if strict and not mid_prefill:  # a retracted request, or one between two prefill chunks
             _need(engine, a["rid"], Phase.RETRACTED)
         elif a["rid"] not in engine.requests:
             raise CannotRun(f"req {a['rid']} does not exist (it was never admitted here, or has ended)")

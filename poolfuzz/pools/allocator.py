@@ -8,7 +8,7 @@ from typing import Callable
 
 import torch
 
-from poolfuzz.pools.errors import DoubleFree, InvalidSlot, MisalignedAlloc, PoolExhausted
+from poolfuzz.pools.errors import DoubleFree, InvalidSlot, MisalignedAlloc, PoolError, PoolExhausted
 
 FreeListener = Callable[[str, torch.Tensor], None]
 
@@ -119,6 +119,7 @@ class TokenAllocator:
         self.clear()
 
     def clear(self) -> None:
+        self._group: list[torch.Tensor] | None = None  # frees held until free_group_end
         self._free = FreeList(lo=1, hi=self.num_pages)  # O(1): the pages are a range until used
         self._is_free = bytearray(b"\x01") * (self.num_pages + 1)
         self._is_free[0] = 0
@@ -200,6 +201,9 @@ class TokenAllocator:
         idx = _as_index(indices)
         if idx.numel() == 0:
             return
+        if self._group is not None:  # inside a free group: released, pages deduplicated, at its end
+            self._group.append(idx.clone())
+            return
         ps = self.page_size
         pages = sorted({t // ps for t in idx.tolist()})
         for p in pages:
@@ -219,6 +223,17 @@ class TokenAllocator:
             self._free.extendleft(reversed(pages))
         if self.on_free is not None:
             self.on_free(self.space, self._tokens_of(pages))
+
+    # --- free groups: SGLang's scheduler brackets a batch's frees with these ---------------
+    def free_group_begin(self) -> None:
+        if self._group is not None:
+            raise PoolError(f"{self.space}: free groups cannot be nested")
+        self._group = []
+
+    def free_group_end(self) -> None:
+        pending, self._group = self._group, None
+        if pending:
+            self.free(torch.cat(pending))
 
     # --- snapshots -----------------------------------------------------------------------
     def backup_state(self) -> AllocatorState:

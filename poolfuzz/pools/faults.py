@@ -12,6 +12,7 @@ from poolfuzz.pools.allocator import TokenAllocator, _as_index
 from poolfuzz.pools.blueprint import Blueprint
 from poolfuzz.pools.config import ModelConfig
 from poolfuzz.pools.errors import ConfigError, PoolExhausted
+from poolfuzz.pools.free_faults import AbortMidPrefillLeaksLastChunk, FreeGroupDropsSWAPile
 from poolfuzz.pools.host import HostKVPool
 from poolfuzz.pools.kv import MHATokenToKVPool, SWAKVPool
 from poolfuzz.pools.mamba import MambaPool, MambaSlotAllocator
@@ -450,6 +451,11 @@ FAULTS: dict[str, Fault] = {
            {"scaled_kv_pool": ScaledCopyWithoutScales}),
         _f("pd-drops-block-scales", "MXFP8 PD state component (StateType.BLOCK_SCALE)",
            lambda c: c.kv_scale_block > 0, {"transfer": TransferWithoutBlockScales}),
+        # Free patterns: grouped frees, and a row cut off between two prefill chunks.
+        _f("free-group-drops-swa", "SWATokenToKVPoolAllocator.free_group_end (SWA piles)", lambda c: c.has_swa,
+           {"swa_allocator": FreeGroupDropsSWAPile}),
+        _f("abort-prefill-leaks-last-chunk", "chunked-prefill abort (release_kv_cache of the chunked req)", _any,
+           {"protocol": AbortMidPrefillLeaksLastChunk}),
     ]
 }
 
@@ -474,6 +480,10 @@ SHORTEST_KNOWN: dict[str, int] = {
     "track-slots-not-freed": 3, "ping-pong-stuck": 3,
     "mla-copy-drops-rope": 6, "mla-pd-item-of-latent-width": 3, "dsa-copy-drops-index": 6,
     "dsa-index-scales-transposed": 6, "pd-drops-dsa-index": 3, "scaled-copy-drops-scales": 6, "pd-drops-block-scales": 3,
+    # By hand (tests/cover/test_free_patterns.py replays both): a request longer than the window,
+    # prefilled, whose grouped release leaks its SWA slots (admit, prefill: 2); one chunk, then the
+    # abort (admit, prefill, abort: 3; the hunt's shrinks keep the warm start's request and stop at 4).
+    "free-group-drops-swa": 2, "abort-prefill-leaks-last-chunk": 3,
 }
 
 

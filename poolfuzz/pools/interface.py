@@ -123,6 +123,9 @@ class ServingProtocolLike(Protocol):
 
     def abort(self, req: ReqKv, family) -> None: ...
 
+    # Optional: ``finish(req, family)``, a finished request's release (the engine calls it where the
+    # protocol has it, else ``release_kv``): the built-in protocol brackets it with a free group.
+
     def fork(self, src: ReqKv, dst: ReqKv, family) -> None: ...
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
 import torch
@@ -26,6 +27,21 @@ def window_start(config, seq_len: int) -> int:
     """The first position whose SWA KV a request of ``seq_len`` tokens keeps: the window, widened
     back to a page boundary. Host backups, resumes (the SWA tail) and PD transfer all cover this."""
     return floor_page(max(0, seq_len - config.sliding_window), config.page_size)
+
+
+@contextmanager
+def free_group(allocator):
+    """The frees inside go back together at the end (the scheduler's ``free_group_begin`` / ``_end``
+    around a batch's frees), where the allocator keeps groups."""
+    begin = getattr(allocator, "free_group_begin", None)
+    if begin is None:
+        yield
+        return
+    begin()
+    try:
+        yield
+    finally:
+        allocator.free_group_end()
 
 
 def page_expand(tokens: torch.Tensor, ps: int) -> torch.Tensor:
@@ -116,7 +132,8 @@ class ServingProtocol:
         holding the last committed token stays, with its spare slots, for the next steps."""
         keep = min(req.kv_allocated_len, ceil_page(req.kv_committed_len, family.config.page_size))
         if keep < req.kv_allocated_len:
-            family.allocator.free(family.req_pool.read(req.req_pool_idx, keep, req.kv_allocated_len))
+            with free_group(family.allocator):  # released with the batch's results
+                family.allocator.free(family.req_pool.read(req.req_pool_idx, keep, req.kv_allocated_len))
             req.kv_allocated_len = keep
 
     def run_deferred_mamba_ops(self, reqs: list[ReqKv], family: PoolFamily) -> None:
@@ -191,10 +208,17 @@ class ServingProtocol:
         ps = family.config.page_size
         new = floor_page(max(req.swa_evicted_seqlen, pre_len - window), ps)
         if new > req.swa_evicted_seqlen:
-            family.allocator.free_swa(family.req_pool.read(req.req_pool_idx, req.swa_evicted_seqlen, new))
+            with free_group(family.allocator):  # maybe_evict_swa's eviction pass
+                family.allocator.free_swa(family.req_pool.read(req.req_pool_idx, req.swa_evicted_seqlen, new))
             req.swa_evicted_seqlen = new
 
     # --- release -------------------------------------------------------------------------------
+    def finish(self, req: ReqKv, family: PoolFamily) -> None:
+        """A finished request's release: with the batch's results, inside its free group (a
+        retraction releases outside any group)."""
+        with free_group(family.allocator):
+            self.release_kv(req, family)
+
     def release_kv(self, req: ReqKv, family: PoolFamily) -> None:
         """Free KV (full and SWA peers), then the mamba slot, then the row."""
         row = req.req_pool_idx
@@ -303,8 +327,8 @@ class ServingProtocol:
         """FINISH_ABORT: a live request releases everything; a retracted one drops its backup."""
         if req.req_pool_idx is None:
             self.discard(req, family)
-        else:
-            self.release_kv(req, family)
+        else:  # a live request (between two prefill chunks): released as a finish is
+            self.finish(req, family)
 
     def discard(self, req: ReqKv, family: PoolFamily) -> None:
         """Abort of a retracted request: drop the backup and free any host slots it holds."""

@@ -119,6 +119,15 @@ class SWATokenAllocator:
         pages = torch.unique(idx // ps)
         return (pages[:, None] * ps + torch.arange(ps, dtype=torch.int64)).reshape(-1)
 
+    # --- free groups: each side piles its frees; free_swa resolves a slot's peer at once ------
+    def free_group_begin(self) -> None:
+        self.full.free_group_begin()
+        self.swa.free_group_begin()
+
+    def free_group_end(self) -> None:
+        self.swa.free_group_end()
+        self.full.free_group_end()
+
     # --- snapshots (the mapping is not part of them, as in SGLang) -----------------------
     def backup_state(self) -> tuple[AllocatorState, AllocatorState]:
         return (self.full.backup_state(), self.swa.backup_state())

@@ -36,8 +36,10 @@ SIGNATURES = {
     "cow-without-copy": r"^StateLost: .*component mamba\.",
     "stale-cow-source": r"^(StateLost: .*component mamba\.|ReferenceMismatch: mamba pool|InvariantViolation: mamba slot/page \d+ is held by two owners)",
     # The tree gives a locked checkpoint's slot away: the reference (which skips locked nodes)
-    # predicts the mamba pool full, or the pending copy-on-write reads another request's state.
-    "tree-evicts-locked-node": r"(reference predicts mamba exhausted, pools gave |StateLost: .*component mamba\.)",
+    # predicts the mamba pool full, or counts one slot fewer free than the pools once the eviction is
+    # done, or the pending copy-on-write reads another request's state.
+    "tree-evicts-locked-node": (r"(reference predicts mamba exhausted, pools gave |StateLost: .*component mamba\."
+                                r"|ReferenceMismatch: mamba pool has \d+ free but the reference says)"),
     # A node kept on a freed slot: the tree and the free list (or a new owner) both claim the slot.
     "tree-match-freed-node": (r"(mamba slot/page \d+ is held (\(by (req \d+|the prefix cache)\) but also in the free list|by two owners)"
                               r"|reference predicts .*mamba|StateLost: .*component mamba\.)"),
@@ -63,6 +65,9 @@ SIGNATURES = {
     "pd-drops-dsa-index": r"^StateLost: req \d+ transferred; component dsa\.index_(k|scale) ",
     "scaled-copy-drops-scales": r"^StateLost: req \d+ resumed; component full\.[kv]_scale ",
     "pd-drops-block-scales": r"^StateLost: req \d+ transferred; component full\.[kv]_scale ",
+    # Free patterns: a grouped free's SWA slots never come back; an abort mid-prefill leaks its last chunk.
+    "free-group-drops-swa": r"^ReferenceMismatch: swa pool has \d+ free but the reference says",
+    "abort-prefill-leaks-last-chunk": r"^ReferenceMismatch: full pool has \d+ free but the reference says",
 }
 
 # Faults whose bug only shows off the named grid: found on drawn configs, inert on the named ones.

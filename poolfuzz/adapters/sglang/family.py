@@ -20,6 +20,7 @@ import torch
 from poolfuzz.adapters.sglang.admission import SchedulerAdmission
 from poolfuzz.adapters.sglang.api import SGLangAPI, SGLangUnavailable, construct, load
 from poolfuzz.adapters.sglang.calls import paged_alloc_extend
+from poolfuzz.adapters.sglang.frees import debug_memory_pool
 from poolfuzz.adapters.sglang.protocol import SGLangProtocol
 from poolfuzz.adapters.sglang.standin import standin_class
 from poolfuzz.adapters.sglang.storage import build_storage_pool, storage_problem
@@ -178,7 +179,8 @@ def build_sglang_family(config: ModelConfig, *, device="cpu", faults=(), backup_
     dev = resolve_device(device)
     sdev = str(dev) if dev.type == "cpu" else f"cuda:{dev.index or 0}"
     try:
-        return _build(api, config, dev, sdev)
+        with debug_memory_pool():
+            return _build(api, config, dev, sdev)
     except (AssertionError, ValueError) as exc:
         # SGLang's constructors decide what this release can build: a config they refuse is
         # declined (a drawn one is skipped), never reported as a bug found in the pools.

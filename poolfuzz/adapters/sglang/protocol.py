@@ -22,6 +22,7 @@ import torch
 
 from poolfuzz.adapters.sglang.api import accepted_kwargs, parameters
 from poolfuzz.adapters.sglang.calls import paged_alloc_decode, paged_alloc_extend
+from poolfuzz.adapters.sglang.frees import free_group, free_row_segment, release_row, scheduling_pass
 from poolfuzz.adapters.sglang.shims import cpu_synchronize
 from poolfuzz.pools.errors import DoubleFree, PoolError, PoolExhausted
 from poolfuzz.pools.protocol import ServingProtocol, floor_page, window_start
@@ -63,6 +64,7 @@ class SGLangProtocol(ServingProtocol):
         sg = self.standin(req, family)
         kv = sg
         pool = family.sg_req_pool
+        scheduling_pass(pool)  # the scheduler's pass over its waiting queue, before it binds rows
         family.admission.admit(family, sg)  # SGLang's own checks decide; nothing stricter here
         try:
             if family.api.row_alloc_takes_reqs:
@@ -117,13 +119,15 @@ class SGLangProtocol(ServingProtocol):
 
     def free_speculative_tail(self, req: ReqKv, family) -> None:
         """After verify, SGLang frees the over-allocated tail of rejected drafts, keeping the page
-        that holds the last committed token (``_release_overallocated_kv_indices``' alignment)."""
+        that holds the last committed token (``_release_overallocated_kv_indices``' alignment): a row
+        segment from that page's end, whose own end may fall mid-page, inside the batch's free group."""
         try:
             ps = family.config.page_size
             keep = min(req.kv_allocated_len, -(-req.kv_committed_len // ps) * ps)
             if keep < req.kv_allocated_len:
-                tokens = family.sg_req_pool.req_to_token[req.req_pool_idx, keep:req.kv_allocated_len].to(torch.int64)
-                family.sg_allocator.free(tokens)
+                evicted = self._swa_evicted(self.standin(req, family), family) if family.config.has_swa else 0
+                with free_group(family.sg_allocator):
+                    free_row_segment(family, req.req_pool_idx, keep, req.kv_allocated_len, swa_evicted=evicted)
                 req.kv_allocated_len = keep
                 sg = self.standin(req, family)
                 sg.kv_allocated_len = keep
@@ -201,20 +205,24 @@ class SGLangProtocol(ServingProtocol):
         if not family.config.has_swa:
             return
         try:
-            sg = self.standin(req, family)
-            fn = family.api.free_swa_out_of_window_slots
-            if fn is not None and "sliding_window_size" in parameters(fn):
-                fn(sg, pre_len, **accepted_kwargs(
-                    fn, sliding_window_size=family.config.sliding_window, page_size=family.config.page_size,
-                    req_to_token_pool=family.sg_req_pool, token_to_kv_pool_allocator=family.sg_allocator,
-                    # the chunk-cache path (no prefix sharing), however this release spells it:
-                    # ScheduleBatch passes drop_page_margin=tree_cache.is_chunk_cache() where it exists
-                    supports_prefix_sharing=False, is_chunk_cache=True, drop_page_margin=True))
-            else:
-                self._evict_swa_by_hand(sg, family, pre_len)
-            req.swa_evicted_seqlen = self._swa_evicted(sg, family)
+            with free_group(family.sg_allocator):  # maybe_evict_swa brackets its eviction pass
+                self._evict_swa(req, family, pre_len)
         finally:
             self._done(family)
+
+    def _evict_swa(self, req: ReqKv, family, pre_len: int) -> None:
+        sg = self.standin(req, family)
+        fn = family.api.free_swa_out_of_window_slots
+        if fn is not None and "sliding_window_size" in parameters(fn):
+            fn(sg, pre_len, **accepted_kwargs(
+                fn, sliding_window_size=family.config.sliding_window, page_size=family.config.page_size,
+                req_to_token_pool=family.sg_req_pool, token_to_kv_pool_allocator=family.sg_allocator,
+                # the chunk-cache path (no prefix sharing), however this release spells it:
+                # ScheduleBatch passes drop_page_margin=tree_cache.is_chunk_cache() where it exists
+                supports_prefix_sharing=False, is_chunk_cache=True, drop_page_margin=True))
+        else:
+            self._evict_swa_by_hand(sg, family, pre_len)
+        req.swa_evicted_seqlen = self._swa_evicted(sg, family)
 
     def _swa_evicted(self, sg, family) -> int:
         """The SWA eviction frontier: per component on ``req.kv`` (newer), else one field."""
@@ -237,8 +245,10 @@ class SGLangProtocol(ServingProtocol):
 
     # --- release -----------------------------------------------------------------------------------
     def release_kv(self, req: ReqKv, family) -> None:
+        """A finish or an abort: ``process_batch_result_*`` releases inside the batch's free group."""
         try:
-            self._release(req, family)
+            with free_group(family.sg_allocator):
+                self._release(req, family)
         finally:
             self._done(family)
 
@@ -251,14 +261,8 @@ class SGLangProtocol(ServingProtocol):
         row = kv.req_pool_idx
         allocated = kv.kv_allocated_len
         if allocated:
-            tokens = family.sg_req_pool.req_to_token[row, :allocated].to(torch.int64)
             evicted = self._swa_evicted(sg, family) if family.config.has_swa else 0
-            seg = family.api.free_kv_row_segments
-            if seg is not None and family.config.has_swa:
-                seg(family.sg_allocator, [(tokens, 0)], **accepted_kwargs(
-                    seg, swa_evicted_seqlen=evicted, swa_dead_lo=0))
-            else:
-                family.sg_allocator.free(tokens)
+            release_row(family, row, committed=req.kv_committed_len, allocated=allocated, swa_evicted=evicted)
         if kv.mamba_pool_idx is not None:
             try:
                 if hasattr(family.sg_req_pool, "free_mamba_cache"):
