@@ -291,10 +291,13 @@ class SGLangProtocol(ServingProtocol):
             sg = self.standin(req, family)
             kv = sg
             kv.kv_committed_len = req.kv_committed_len
-            with cpu_synchronize(family.device):
-                sg.offload_kv_cache(family.sg_req_pool, family.sg_allocator)
-            self._unalias_backup(sg, family, req)
-            req.retraction_backup = self._harness_backup(sg, req.seqlen - 1)
+            if family.host_backup is not None:  # SGLang's host_pool backend (adapters.sglang.host)
+                req.retraction_backup = family.host_backup.backup(sg, req.seqlen - 1)
+            else:
+                with cpu_synchronize(family.device):
+                    sg.offload_kv_cache(family.sg_req_pool, family.sg_allocator)
+                self._unalias_backup(sg, family, req)
+                req.retraction_backup = self._harness_backup(sg, req.seqlen - 1)
             self._release(req, family)
             self.reset_for_retract(req)
             sg.is_retracted = True
@@ -349,7 +352,12 @@ class SGLangProtocol(ServingProtocol):
 
     def discard(self, req: ReqKv, family) -> None:
         sg = self.standins.get(req.rid)
-        if sg is not None:
+        if sg is not None and family.host_backup is not None:
+            try:
+                family.host_backup.discard(sg)
+            finally:
+                self._done(family)
+        elif sg is not None:
             kv = sg
             if hasattr(kv, "retraction_backup"):
                 kv.retraction_backup = None
@@ -418,10 +426,14 @@ class SGLangProtocol(ServingProtocol):
         sg = self.standin(req, family)
         sg.seqlen = req.retraction_backup.num_tokens + 1
         try:
-            with cpu_synchronize(family.device):
-                sg.load_kv_cache(family.sg_req_pool, family.sg_allocator)
+            if family.host_backup is not None:
+                family.host_backup.restore(sg)
+            else:
+                with cpu_synchronize(family.device):
+                    sg.load_kv_cache(family.sg_req_pool, family.sg_allocator)
         except AssertionError as exc:
-            raise PoolError(f"SGLang's load_kv_cache asserted: {exc}") from exc
+            raise PoolError(f"SGLang's {'restore_kv_cache' if family.host_backup else 'load_kv_cache'} "
+                            f"asserted: {exc}") from exc
         finally:
             self._done(family)
         if hasattr(sg, "kv_cache_cpu"):
