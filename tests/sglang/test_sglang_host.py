@@ -116,8 +116,10 @@ class TestBackup:
         from poolfuzz.adapters.sglang.host import _transfer_kv_direct
 
         _family(api, CONFIGS["dense"])  # installs the CPU copy where it is missing
-        monkeypatch.setattr(host_mha, "transfer_kv_direct",
-                            lambda src, dst, si, di, ps: _transfer_kv_direct(src[:-1], dst[:-1], si, di, ps))
+        def drops_last_layer(*, src_layers, dst_layers, src_indices, dst_indices, page_size):
+            _transfer_kv_direct(src_layers[:-1], dst_layers[:-1], src_indices, dst_indices, page_size)
+
+        monkeypatch.setattr(host_mha, "transfer_kv_direct", drops_last_layer)
         outcome = fuzz(CONFIGS["dense"], examples=30)
         exc = outcome.failure
         assert exc is not None and type(exc).__name__ == "StateLost", exc
