@@ -50,8 +50,9 @@ class TestResolution:
             assert view.available_size() == CONFIGS[name].host_size  # sized by the config, no padding page
             assert 0 in view.free_pages()  # host slot 0 is an ordinary slot
 
-    @pytest.mark.parametrize("name", ["hybrid-linear", "swa-ssm", "mla"])
-    def test_recurrent_state_and_latent_kv_stay_on_cpu_tensor(self, api, name):
+    @pytest.mark.parametrize("name", ["hybrid-linear", "swa-ssm"])
+    def test_recurrent_state_stays_on_cpu_tensor(self, api, name):
+        """SGLang: "Host-pool retraction does not support Mamba models"."""
         from poolfuzz.adapters.sglang import build_family, unsupported_reason
 
         if unsupported_reason(CONFIGS[name]):
@@ -59,6 +60,43 @@ class TestResolution:
         assert build_family(CONFIGS[name]).backup_mode == "cpu_tensor"
         with pytest.raises(ConfigError, match="no host_pool retraction backup"):
             build_family(CONFIGS[name], backup_mode="host_pool")
+
+    @pytest.mark.parametrize("name", ["mla", "mla-ps4"])
+    def test_mla_is_backed_up_into_its_host_pool_when_asked(self, api, name):
+        """SGLang infers host_pool only for MHA/SWA pools; asked, it backs MLA up into MLATokenToKVPoolHost."""
+        from poolfuzz.adapters.sglang import build_family, unsupported_reason
+
+        if unsupported_reason(CONFIGS[name]):
+            pytest.skip(unsupported_reason(CONFIGS[name]))
+        assert build_family(CONFIGS[name]).backup_mode == "cpu_tensor"
+        fam = _family(api, CONFIGS[name], backup_mode="host_pool")
+        from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
+
+        assert isinstance(fam.host_pools["host.full"].owner, MLATokenToKVPoolHost)
+        assert {c.name for c in fam.host_components()} == {"host.mla.latent", "host.mla.rope"}
+        req = _served(fam, 1, 7)
+        dev = fam.sg_kv_pool.kv_buffer[0]
+        slots = fam.sg_req_pool.req_to_token[req.req_pool_idx, :7].to(torch.int64)
+        dev[slots] = torch.arange(1, 8, dtype=dev.dtype)[:, None, None]
+        want = dev[slots].clone()
+        fam.protocol.retract(req, fam)
+        dev.zero_()
+        fam.protocol.resume(req, fam)
+        slots = fam.sg_req_pool.req_to_token[req.req_pool_idx, :7].to(torch.int64)
+        assert torch.equal(fam.sg_kv_pool.kv_buffer[0][slots], want)
+
+    def test_mla_host_pool_passes_the_harness(self, api, fuzz):
+        from poolfuzz.adapters.sglang import build_family, unsupported_reason
+        from tests.engine_fuzz import fuzz_family
+
+        if unsupported_reason(CONFIGS["mla"]):
+            pytest.skip(unsupported_reason(CONFIGS["mla"]))
+
+        def host_pool_family(config, **kwargs):
+            return build_family(config, **{**kwargs, "backup_mode": "host_pool"})
+
+        outcome = fuzz_family(host_pool_family, CONFIGS["mla"], examples=15, steps=30)
+        assert outcome.failure is None, outcome.failure
 
     def test_cpu_tensor_is_still_driven_when_asked(self, api):
         fam = _family(api, CONFIGS["dense"], backup_mode="cpu_tensor")

@@ -80,6 +80,7 @@ def _hicache_api():
     try:
         common = importlib.import_module("sglang.srt.mem_cache.common")
         mha = importlib.import_module("sglang.srt.mem_cache.pool_host.mha")
+        mla = importlib.import_module("sglang.srt.mem_cache.pool_host.mla")
         group = importlib.import_module("sglang.srt.mem_cache.pool_host.group")
         assembler = importlib.import_module("sglang.srt.mem_cache.hybrid_cache.hybrid_pool_assembler")
         controller = importlib.import_module("sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller")
@@ -92,7 +93,7 @@ def _hicache_api():
         return None
     if not all(hasattr(tree.UnifiedRadixCache, m) for m in TREE_METHODS):
         return None
-    return types.SimpleNamespace(common=common, mha=mha, HostPoolGroup=group.HostPoolGroup,
+    return types.SimpleNamespace(common=common, mha=mha, mla=mla, HostPoolGroup=group.HostPoolGroup,
                                  build_pool_entry=assembler.build_pool_entry,
                                  HybridCacheController=controller.HybridCacheController,
                                  PoolName=storage.PoolName, UnifiedRadixCache=tree.UnifiedRadixCache)
@@ -104,8 +105,10 @@ def host_pool_problem(api, config: ModelConfig) -> str | None:
     attention layers, no recurrent state; the rest is whether this release has the path at all."""
     if uses_ssm_state(config) or config.has_mamba:
         return "host-pool retraction has no recurrent-state sidecar (SGLang: it does not support Mamba models)"
-    if config.latent or config.kv_scale_block:
-        return "SGLang infers host_pool only for an MHA or SWA KV pool (MHATokenToKVPool, SWAKVPool)"
+    if config.kv_scale_block:
+        return "the block-scaled host pool (pool_host/mha_mxfp8) is not driven here"
+    if config.attention == "dsa":
+        return "the DSA host pool (pool_host/dsa) is not driven here"
     if config.has_swa and not config.full_layer_ids:
         return "SGLang's host-pool retraction does not support pure-SWA models"
     if config.mamba_track_slots:
@@ -116,8 +119,10 @@ def host_pool_problem(api, config: ModelConfig) -> str | None:
 
 
 def resolve_backup_mode(api, config: ModelConfig) -> str:
-    """The backup SGLang's decode server infers when none is given: host_pool wherever it can."""
-    return "cpu_tensor" if host_pool_problem(api, config) else "host_pool"
+    """The backup SGLang's decode server infers when none is given: host_pool wherever it can, and only
+    for an MHA or SWA KV pool; an MLA pool (which SGLang backs up into a host pool when asked) stays on
+    cpu_tensor unless asked."""
+    return "cpu_tensor" if config.latent or host_pool_problem(api, config) else "host_pool"
 
 
 # =============================================================================================
@@ -126,10 +131,11 @@ def resolve_backup_mode(api, config: ModelConfig) -> str:
 class HostFreeListView(FreeListView):
     """One SGLang host pool: its free slots (slot 0 is an ordinary slot) and its K and V rows per layer."""
 
-    def __init__(self, *, space: str, host_pool, layer_ids):
+    def __init__(self, *, space: str, host_pool, layer_ids, latent_width: int | None = None):
         super().__init__(space=space, owner=host_pool, read=lambda: host_free_slots(host_pool),
                          available=host_pool.available_size)
         self.layer_ids = tuple(layer_ids)
+        self.latent_width = latent_width  # MLA: the row is [latent | rope] in one buffer per layer
 
     def free_list_problem(self) -> str | None:
         seen: set[int] = set()
@@ -143,6 +149,11 @@ class HostFreeListView(FreeListView):
         pool = self.owner
         out = []
         for local, layer_id in enumerate(self.layer_ids):
+            if self.latent_width is not None:  # MLATokenToKVPoolHost: kv_buffer [layers, slots, 1, width]
+                row, r = pool.kv_buffer[local][:, 0], self.latent_width
+                out.append(Component(name="host.mla.latent", layer=layer_id, space=self.space, tensor=row[:, :r]))
+                out.append(Component(name="host.mla.rope", layer=layer_id, space=self.space, tensor=row[:, r:]))
+                continue
             out.append(Component(name=f"{self.space}.k", layer=layer_id, space=self.space, tensor=pool.k_buffer[local]))
             out.append(Component(name=f"{self.space}.v", layer=layer_id, space=self.space, tensor=pool.v_buffer[local]))
         return out
@@ -184,7 +195,8 @@ class SGLangHostBackup:
             entries.append(hc.build_pool_entry(name=name, host_pool=host, device_pool=device_pool,
                                                layer_mapping=mapping, transfer_layer_id_max=layers,
                                                is_anchor=name == hc.PoolName.KV))
-            self.views[space] = HostFreeListView(space=space, host_pool=host, layer_ids=layer_ids)
+            self.views[space] = HostFreeListView(space=space, host_pool=host, layer_ids=layer_ids,
+                                                 latent_width=config.kv_lora_rank if config.latent else None)
         self.group = hc.HostPoolGroup(entries)
         self.controller = hc.HybridCacheController(
             allocator, self.group, config.page_size, tp_group=None, load_cache_event=threading.Event(),
@@ -192,12 +204,17 @@ class SGLangHostBackup:
         self.tree = self._standin_tree()
 
     def _host_pool(self, device_pool):
+        """The host pool SGLang's ``build_kv_host_pool`` picks for this device pool, sized by the config."""
         info = device_pool.get_device_pool_infos()[0].buffer_info
+        common = dict(pin_memory=False, device="cpu", allocator_type="default", device_capacity_tokens=device_pool.size,
+                      start_layer=device_pool.start_layer, end_layer=device_pool.end_layer,
+                      host_token_capacity=self.config.host_size)
+        if self.config.latent:
+            return self.hc.mla.MLATokenToKVPoolHost(
+                info, 0.0, 0, self.config.page_size, HOST_LAYOUT, override_kv_cache_dim=device_pool.kv_cache_dim,
+                target_layer_num=device_pool.layer_num, **common)
         cls = self.hc.mha.get_mha_host_pool_cls(info)
-        return cls(info, 0.0, 0, self.config.page_size, HOST_LAYOUT, pin_memory=False, device="cpu",
-                   allocator_type="default", device_capacity_tokens=device_pool.size,
-                   start_layer=device_pool.start_layer, end_layer=device_pool.end_layer,
-                   host_token_capacity=self.config.host_size)
+        return cls(info, 0.0, 0, self.config.page_size, HOST_LAYOUT, **common)
 
     def _standin_tree(self):
         """The ``UnifiedRadixCache`` fields the retraction methods read; it caches no prefix."""
