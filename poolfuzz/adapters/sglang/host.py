@@ -28,6 +28,7 @@ import inspect
 import logging
 import threading
 import types
+from functools import lru_cache
 
 import torch
 
@@ -75,6 +76,7 @@ def install_cpu_transfer_ops() -> list[str]:
 # =============================================================================================
 # What the installed release offers, and which configs it backs up into a host pool
 # =============================================================================================
+@lru_cache(maxsize=1)
 def _hicache_api():
     """SGLang's host_pool retraction pieces, or None where the release has no such path."""
     try:
@@ -97,6 +99,11 @@ def _hicache_api():
                                  build_pool_entry=assembler.build_pool_entry,
                                  HybridCacheController=controller.HybridCacheController,
                                  PoolName=storage.PoolName, UnifiedRadixCache=tree.UnifiedRadixCache)
+
+
+def host_pool_path_present() -> bool:
+    """Whether the installed SGLang has the host_pool retraction backup this module drives."""
+    return _hicache_api() is not None
 
 
 def host_pool_problem(api, config: ModelConfig) -> str | None:
