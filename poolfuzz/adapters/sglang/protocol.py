@@ -4,7 +4,9 @@ What runs is SGLang's: row and mamba-slot allocation (``HybridReqToTokenPool.all
 allocation (``alloc`` / ``alloc_extend`` / ``alloc_decode`` / ``alloc_extend_swa_tail``), SWA
 window eviction (``free_swa_out_of_window_slots``), row release (``free_kv_row_segments``,
 ``free_mamba_cache``, ``ReqToTokenPool.free``), and the retraction backup and restore
-(``Req.offload_kv_cache`` / ``Req.load_kv_cache``, borrowed onto a stand-in request). What the
+(``Req.offload_kv_cache`` / ``Req.load_kv_cache``, borrowed onto a stand-in request; in host_pool mode
+``mem_cache.common.backup_kv_cache`` / ``restore_kv_cache`` / ``discard_kv_cache_backup``, see
+:mod:`poolfuzz.adapters.sglang.host`). What the
 adapter adds is the glue a scheduler would be: it calls them in ``release_req`` and
 ``_pre_alloc`` order, turns SGLang's ``None`` returns and asserts into poolfuzz's typed errors,
 and mirrors ids into the harness's :class:`~poolfuzz.pools.request.ReqKv`.
