@@ -91,6 +91,7 @@ class TestResolution:
 
         if unsupported_reason(CONFIGS["mla"]):
             pytest.skip(unsupported_reason(CONFIGS["mla"]))
+        _family(api, CONFIGS["mla"], backup_mode="host_pool")  # skips a release without the path
 
         def host_pool_family(config, **kwargs):
             return build_family(config, **{**kwargs, "backup_mode": "host_pool"})
