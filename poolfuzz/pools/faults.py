@@ -342,6 +342,20 @@ class HostLoadTilesOfFour(HostKVPool):
         super().load_to_device(device_pool, h[keep], d[keep])
 
 
+class DiscardKeepsSWAHostSlots(ServingProtocol):
+    """Aborting a retracted request frees its host_pool backup's full-KV host slots but not the SWA
+    host pool's (SGLang's ``discard_kv_cache_backup`` frees the anchor pool's indices, then the side
+    pools' through ``HostPoolGroup.release_transfers``; a discard without the second leaks the SWA host
+    pool until every backup of an SWA model finds it full and aborts)."""
+
+    def discard(self, req, family):
+        backup = req.retraction_backup
+        req.retraction_backup = None
+        for t in backup.host_transfers if backup is not None else ():
+            if t.space == "host.full":
+                family.host_pools[t.space].free(t.host_indices)
+
+
 # --- PD transfer ------------------------------------------------------------------------------------
 class TransferWithoutMambaFallback(PDTransfer):
     """Appends only the state types the KV pool knows: an SWA+SSM model's recurrent state, which
@@ -422,6 +436,9 @@ FAULTS: dict[str, Fault] = {
         _f("mamba-leak-on-abort", "sglang#12693", lambda c: c.has_mamba, {"protocol": ResumeLeaksMambaOnAbort}),
         _f("allocator-double-free-undetected", "sglang#25805", lambda c: c.has_swa,
            {"swa_allocator": SilentDoubleFreeSWAAllocator}),
+        _f("host-discard-keeps-swa-slots", "host_pool retraction discard (HostPoolGroup.release_transfers)",
+           lambda c: c.has_swa and not c.has_mamba and c.attention == "mha" and not c.kv_scale_block,
+           {"protocol": DiscardKeepsSWAHostSlots}, backup_mode="host_pool"),
         # Off the named grid: each applies to named configs too, where it cannot show (contexts of
         # at most 64 tokens, blocked layers, page sizes 1 and 4); drawn configs reach it.
         _f("reload-chunk-at-chunk-number", "sglang#7409 (chunked offload)", _any,
@@ -478,6 +495,8 @@ SHORTEST_KNOWN: dict[str, int] = {
     # or served and transferred (3); a ping-pong slot written twice in a row (3). By hand: the first
     # release of a request in extra-buffer mode leaks its track slots (admit, prefill, retract: 3).
     "track-slots-not-freed": 3, "ping-pong-stuck": 3,
+    # The best shrink of `hunt --seeds 5`: a request served, retracted into the host pool and aborted.
+    "host-discard-keeps-swa-slots": 3,
     "mla-copy-drops-rope": 6, "mla-pd-item-of-latent-width": 3, "dsa-copy-drops-index": 6,
     "dsa-index-scales-transposed": 6, "pd-drops-dsa-index": 3, "scaled-copy-drops-scales": 6, "pd-drops-block-scales": 3,
     # By hand (tests/cover/test_free_patterns.py replays both): a request longer than the window,

@@ -35,9 +35,11 @@ class TestContract:
     def test_free_lists_report_sglangs_counts(self, api, name):
         fam = _family(api, name)
         want = fam.config.device_capacity()
+        want.update({space: fam.config.host_size for space in fam.host_pools})  # host_pool mode (test_sglang_host)
         assert {s: v.available_size() for s, v in fam.free_lists().items()} == want
-        for view in fam.free_lists().values():
-            assert 0 not in view.free_pages(), f"{view}: the padding slot is in the free list"
+        for space, view in fam.free_lists().items():
+            if space not in fam.host_pools:  # host slot 0 is an ordinary slot
+                assert 0 not in view.free_pages(), f"{view}: the padding slot is in the free list"
 
     @pytest.mark.parametrize("name", BASE + PAGED)
     def test_keeps_the_family_contract(self, api, expect, name):
@@ -53,13 +55,13 @@ class TestContract:
         else:
             check_family(build_family, CONFIGS[name])
 
-    def test_catalogue_faults_and_host_pool_are_refused(self, api):
+    def test_catalogue_faults_and_host_pool_for_mamba_are_refused(self, api):
         from poolfuzz.adapters.sglang import build_family
 
         with pytest.raises(ConfigError, match="catalogue faults"):
             build_family(CONFIGS["swa-ssm"], faults=["swa-ignores-mamba-backup"])
         with pytest.raises(ConfigError, match="cpu_tensor"):
-            build_family(CONFIGS["dense"], backup_mode="host_pool")
+            build_family(CONFIGS["hybrid-linear"], backup_mode="host_pool")
 
 
 class TestTypedErrors:

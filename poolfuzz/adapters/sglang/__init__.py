@@ -26,9 +26,10 @@ def unsupported_reason(config) -> str | None:
 def describe() -> dict:
     """The installed SGLang and what the adapter found in it (for reports and the compat table)."""
     from poolfuzz.adapters.sglang.api import load
+    from poolfuzz.adapters.sglang.host import host_pool_path_present
 
     api = load()
-    return {"version": api.version, "shims": api.shims, "kv_on_req": api.kv_on_req,
+    return {"host_pool_backup": host_pool_path_present(), "version": api.version, "shims": api.shims, "kv_on_req": api.kv_on_req,
             "mamba_slot_allocator": api.MambaSlotAllocator is not None,
             "declares_cpu_copy_carries_mamba": api.kv_pools_declare_mamba,
             "row_alloc_takes_reqs": api.row_alloc_takes_reqs,

@@ -21,6 +21,7 @@ from poolfuzz.adapters.sglang.admission import SchedulerAdmission
 from poolfuzz.adapters.sglang.api import SGLangAPI, SGLangUnavailable, construct, load
 from poolfuzz.adapters.sglang.calls import paged_alloc_extend
 from poolfuzz.adapters.sglang.frees import debug_memory_pool
+from poolfuzz.adapters.sglang.host import SGLangHostBackup, host_pool_problem, resolve_backup_mode
 from poolfuzz.adapters.sglang.protocol import SGLangProtocol
 from poolfuzz.adapters.sglang.standin import standin_class
 from poolfuzz.adapters.sglang.storage import build_storage_pool, storage_problem
@@ -70,7 +71,8 @@ class SGLangFamily:
     protocol: object = None
     admission: object = None  # SGLang's own admission and capacity checks (adapters.sglang.admission)
     transfer: object = None
-    host_pools: dict = field(default_factory=dict)
+    host_pools: dict = field(default_factory=dict)  # host_pool mode: space -> HostFreeListView
+    host_backup: object = None  # host_pool mode: SGLang's host-pool retraction (adapters.sglang.host)
     standin_cls: type = None
     # Backups whose tensors aliased a live pool buffer and were copied (CPU only; see protocol).
     cpu_aliases: list = field(default_factory=list)
@@ -88,7 +90,7 @@ class SGLangFamily:
         return out
 
     def host_components(self) -> list[Component]:
-        return []
+        return [c for view in self.host_pools.values() for c in view.components()]
 
     def has_recurrent_state(self) -> bool:
         return self.req_pool.mamba_pool is not None
@@ -168,19 +170,22 @@ def build_sglang_family(config: ModelConfig, *, device="cpu", faults=(), backup_
     if faults:
         raise ConfigError(f"the sglang family runs SGLang's own code; catalogue faults {list(faults)} "
                           "only apply to the builtin family (drop --faults, or use --family builtin)")
-    if backup_mode not in (None, "cpu_tensor"):
-        raise ConfigError(f"the sglang family drives SGLang's cpu_tensor retraction backup only; "
-                          f"backup_mode={backup_mode!r} (SGLang's host_pool path needs its unified radix "
-                          "cache, which is not driven here)")
+    if backup_mode not in (None, "cpu_tensor", "host_pool"):
+        raise ConfigError(f"unknown backup mode {backup_mode!r}; choose cpu_tensor or host_pool")
     api = load()
     reason = unsupported_reason(config)
     if reason:
         raise ConfigError(f"config {config.name!r} on sglang {api.version}: {reason}")
+    if backup_mode == "host_pool" and host_pool_problem(api, config):
+        raise ConfigError(f"config {config.name!r} on sglang {api.version}: no host_pool retraction backup: "
+                          f"{host_pool_problem(api, config)} (use backup_mode cpu_tensor, or leave it unset)")
+    # Unset: what SGLang's decode server infers from its KV pool (resolve_decode_retraction_backup).
+    backup_mode = backup_mode or resolve_backup_mode(api, config)
     dev = resolve_device(device)
     sdev = str(dev) if dev.type == "cpu" else f"cuda:{dev.index or 0}"
     try:
         with debug_memory_pool():
-            return _build(api, config, dev, sdev)
+            return _build(api, config, dev, sdev, backup_mode)
     except (AssertionError, ValueError) as exc:
         # SGLang's constructors decide what this release can build: a config they refuse is
         # declined (a drawn one is skipped), never reported as a bug found in the pools.
@@ -189,7 +194,7 @@ def build_sglang_family(config: ModelConfig, *, device="cpu", faults=(), backup_
                           f"({type(exc).__name__}: {first})") from None
 
 
-def _build(api: SGLangAPI, config: ModelConfig, dev, sdev: str) -> SGLangFamily:
+def _build(api: SGLangAPI, config: ModelConfig, dev, sdev: str, backup_mode: str = "cpu_tensor") -> SGLangFamily:
     c = config
     kv_dtype = KV_DTYPES[c.kv_dtype]
     # enable_kvcache_transpose (required by SWAKVPool / HybridLinearKVPool in some releases, which
@@ -269,6 +274,10 @@ def _build(api: SGLangAPI, config: ModelConfig, dev, sdev: str) -> SGLangFamily:
         req_pool=ReqPoolView(sg_req_pool, mamba=mamba_view, rows=views["rows"], mamba_free=mamba_free),
         kv_pool=view_cls(sg_kv, comps), allocator=AllocatorView(sg_alloc, swa=c.has_swa),
         protocol=SGLangProtocol(), standin_cls=standin_class(api), admission=SchedulerAdmission(api))
+    if backup_mode == "host_pool":
+        host = SGLangHostBackup(api=api, config=c, req_pool=sg_req_pool, allocator=sg_alloc, kv_pool=sg_kv)
+        family.backup_mode, family.host_backup, family.host_pools = backup_mode, host, dict(host.views)
+        views.update(host.views)
     family._free_views = views
     # The release's paged SWA resume: tail-only where its allocator can (0.5.12 on), else every position.
     family.resume_swa_tail_only = not c.has_swa or hasattr(sg_alloc, "alloc_extend_swa_tail")

@@ -4,7 +4,9 @@ What runs is SGLang's: row and mamba-slot allocation (``HybridReqToTokenPool.all
 allocation (``alloc`` / ``alloc_extend`` / ``alloc_decode`` / ``alloc_extend_swa_tail``), SWA
 window eviction (``free_swa_out_of_window_slots``), row release (``free_kv_row_segments``,
 ``free_mamba_cache``, ``ReqToTokenPool.free``), and the retraction backup and restore
-(``Req.offload_kv_cache`` / ``Req.load_kv_cache``, borrowed onto a stand-in request). What the
+(``Req.offload_kv_cache`` / ``Req.load_kv_cache``, borrowed onto a stand-in request; in host_pool mode
+``mem_cache.common.backup_kv_cache`` / ``restore_kv_cache`` / ``discard_kv_cache_backup``, see
+:mod:`poolfuzz.adapters.sglang.host`). What the
 adapter adds is the glue a scheduler would be: it calls them in ``release_req`` and
 ``_pre_alloc`` order, turns SGLang's ``None`` returns and asserts into poolfuzz's typed errors,
 and mirrors ids into the harness's :class:`~poolfuzz.pools.request.ReqKv`.
@@ -295,10 +297,13 @@ class SGLangProtocol(ServingProtocol):
             sg = self.standin(req, family)
             kv = sg
             kv.kv_committed_len = req.kv_committed_len
-            with cpu_synchronize(family.device):
-                sg.offload_kv_cache(family.sg_req_pool, family.sg_allocator)
-            self._unalias_backup(sg, family, req)
-            req.retraction_backup = self._harness_backup(sg, req.seqlen - 1)
+            if family.host_backup is not None:  # SGLang's host_pool backend (adapters.sglang.host)
+                req.retraction_backup = family.host_backup.backup(sg, req.seqlen - 1)
+            else:
+                with cpu_synchronize(family.device):
+                    sg.offload_kv_cache(family.sg_req_pool, family.sg_allocator)
+                self._unalias_backup(sg, family, req)
+                req.retraction_backup = self._harness_backup(sg, req.seqlen - 1)
             self._release(req, family)
             self.reset_for_retract(req)
             sg.is_retracted = True
@@ -353,7 +358,12 @@ class SGLangProtocol(ServingProtocol):
 
     def discard(self, req: ReqKv, family) -> None:
         sg = self.standins.get(req.rid)
-        if sg is not None:
+        if sg is not None and family.host_backup is not None:
+            try:
+                family.host_backup.discard(sg)
+            finally:
+                self._done(family)
+        elif sg is not None:
             kv = sg
             if hasattr(kv, "retraction_backup"):
                 kv.retraction_backup = None
@@ -422,10 +432,14 @@ class SGLangProtocol(ServingProtocol):
         sg = self.standin(req, family)
         sg.seqlen = req.retraction_backup.num_tokens + 1
         try:
-            with cpu_synchronize(family.device):
-                sg.load_kv_cache(family.sg_req_pool, family.sg_allocator)
+            if family.host_backup is not None:
+                family.host_backup.restore(sg)
+            else:
+                with cpu_synchronize(family.device):
+                    sg.load_kv_cache(family.sg_req_pool, family.sg_allocator)
         except AssertionError as exc:
-            raise PoolError(f"SGLang's load_kv_cache asserted: {exc}") from exc
+            raise PoolError(f"SGLang's {'restore_kv_cache' if family.host_backup else 'load_kv_cache'} "
+                            f"asserted: {exc}") from exc
         finally:
             self._done(family)
         if hasattr(sg, "kv_cache_cpu"):
