@@ -35,6 +35,8 @@ class VllmAPI:
     allocate_params: frozenset  # allocate_slots' parameters
     mamba_fields: frozenset  # MambaSpec's fields: "mamba_cache_mode" where the release has cache modes
     request_params: frozenset  # Request's constructor parameters (eos_token_id, required before ~0.17)
+    kv_cache_utils: object  # vllm.v1.core.kv_cache_utils (hash-key helpers)
+    kv_events: object  # vllm.distributed.kv_events (what the scheduler publishes each step)
 
     def new_request(self, request_id: str, prompt: list[int], block_size: int):
         """A real ``vllm.v1.request.Request`` with a block hasher, as this release constructs one."""
@@ -68,6 +70,7 @@ def _load() -> VllmAPI:
     try:
         from importlib.metadata import version as dist_version
 
+        from vllm.distributed import kv_events
         from vllm.sampling_params import SamplingParams
         from vllm.v1.core import kv_cache_utils
         from vllm.v1.core.kv_cache_manager import KVCacheManager
@@ -86,7 +89,8 @@ def _load() -> VllmAPI:
         manager_params=frozenset(inspect.signature(KVCacheManager).parameters),
         allocate_params=frozenset(inspect.signature(KVCacheManager.allocate_slots).parameters),
         mamba_fields=frozenset(f.name for f in dataclasses.fields(MambaSpec)),
-        request_params=frozenset(inspect.signature(Request).parameters))
+        request_params=frozenset(inspect.signature(Request).parameters), kv_cache_utils=kv_cache_utils,
+        kv_events=kv_events)
 
 
 def _hash_fn():

@@ -79,8 +79,11 @@ def build_manager(api: VllmAPI, config: ModelConfig, mamba_mode: str) -> Built:
                          for g, (spec, *_) in zip(groups, specs)])
     caching = not (config.has_mamba and mamba_mode == "none")
     scheduler_block = math.lcm(*(g.block_size for g in groups))
+    # As a scheduler that logs stats and publishes KV events (to a KV-aware router) builds it: the
+    # family drains both every step and checks the events against the prefix cache.
     wanted = dict(kv_cache_config=kv_cache_config, max_model_len=max_model_len, enable_caching=caching,
-                  scheduler_block_size=scheduler_block, hash_block_size=ps)
+                  scheduler_block_size=scheduler_block, hash_block_size=ps, log_stats=True,
+                  enable_kv_cache_events=caching)
     kwargs = {k: v for k, v in wanted.items() if k in api.manager_params}
     manager = api.KVCacheManager(**kwargs)
     return Built(manager=manager, groups=tuple(groups), num_blocks=num_blocks, max_model_len=max_model_len,

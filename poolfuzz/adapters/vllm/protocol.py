@@ -96,6 +96,7 @@ class VllmProtocol:
         req.kv_allocated_len = new_len
         self._refresh(req, live, fam)
         fam.report_frees(before)
+        fam.end_of_schedule()
         return None
 
     def run_deferred_mamba_ops(self, reqs: list[ReqKv], fam) -> None:
@@ -116,15 +117,32 @@ class VllmProtocol:
         fam.manager.remove_skipped_blocks(live.request.request_id, pre_len)
         self._refresh(req, live, fam)
         fam.report_frees(before)
+        fam.end_of_schedule()
 
-    def _free(self, req: ReqKv, live, fam) -> None:
+    def _free(self, req: ReqKv, live, fam, *, finished: bool = False) -> None:
         before = fam.held_blocks()
-        fam.manager.free(live.request)
+        m = fam.manager
+        if finished and hasattr(m, "pop_blocks_for_free"):
+            # A finished request, as the scheduler frees it with a KV connector attached: the connector
+            # is shown the request's blocks (window-skipped ones released first), then the blocks go
+            # back through the deferred-free path (popped now, returned tail first once the step ran).
+            request = live.request
+            if hasattr(m, "finalize_partial_tail_offloads"):
+                m.finalize_partial_tail_offloads(request)
+            m.remove_skipped_blocks(request.request_id, request.num_computed_tokens)
+            if hasattr(m, "get_block_ids_for_computed_tokens"):
+                m.get_block_ids_for_computed_tokens(request.request_id, request.num_computed_tokens)
+            if hasattr(m, "estimate_cached_tokens"):
+                m.estimate_cached_tokens(request)
+            fam.block_pool.free_blocks(reversed(m.pop_blocks_for_free(request)))
+        else:
+            m.free(live.request)
         if live.row is not None:
             fam.by_row.pop(live.row, None)
             row, live.row = live.row, None
             fam.rows.give_back(row)
         fam.report_frees(before)
+        fam.end_of_schedule()
         req.req_pool_idx = req.mamba_pool_idx = None
         req.kv_allocated_len = req.kv_committed_len = req.swa_evicted_seqlen = 0
 
@@ -148,14 +166,28 @@ class VllmProtocol:
         return self._lookup(live, fam, n)[1]
 
     def _lookup(self, live, fam, n: int):
+        """The scheduler's lookup with a KV connector attached: the local hit (per group where the
+        release reports diverging hybrid hits, reconciled when the connector backs none of it), then
+        the connector's tokens after it."""
         if not fam.prefix_caching:
             return None, {"hit": 0, "external": 0}
-        found = fam.manager.get_computed_blocks(live.request)
-        blocks, hit = found[0], found[1]
+        m, request = fam.manager, live.request
+        by_connector = getattr(m, "get_computed_blocks_for_connector", None)
+        diverged = False
+        if by_connector is not None and fam.api.takes_external_tokens:
+            blocks, hit, _, diverged = by_connector(request)
+        else:
+            found = m.get_computed_blocks(request)
+            blocks, hit = found[0], found[1]
         ps = fam.config.page_size
         external = 0
         if fam.api.takes_external_tokens:
             external = max(0, n // ps * ps - hit)
+        if diverged and external == 0:
+            found = m.get_computed_blocks(request)
+            blocks, hit = found[0], found[1]
+        if hasattr(m, "record_prefix_cache_stats"):
+            m.record_prefix_cache_stats(request, hit)
         return blocks, {"hit": hit, "external": external}
 
     def resume(self, req: ReqKv, fam) -> None:
@@ -188,6 +220,7 @@ class VllmProtocol:
         req.kv_committed_len = n
         req.mamba_pool_idx = None
         self._refresh(req, live, fam)
+        fam.end_of_schedule()
         # Positions from the hit on are written again: by the connector's load, then the recompute.
         req.recompute_from = hit
         req.retraction_backup = None
@@ -202,7 +235,7 @@ class VllmProtocol:
         self._sync(req, live)
         fam.finished_tokens[req.rid] = list(live.request.all_token_ids)  # what a next turn continues
         if live.row is not None or live.request.status != fam.api.RequestStatus.PREEMPTED:
-            self._free(req, live, fam)
+            self._free(req, live, fam, finished=True)
 
     def abort(self, req: ReqKv, fam) -> None:
         self.release_kv(req, fam)
