@@ -33,6 +33,8 @@ class VllmFamily:
       ``supports_next_turn``: True; a finished request's tokens are kept (``finished_tokens``), and a
       next turn's prompt continues them: a prefix hit on blocks in the free queue, plus the tokens
       a KV connector reports after it.
+      ``supports_speculative``: True, except for a mamba group in "align" mode (set per instance):
+      vLLM runs speculative decoding there only with speculative state blocks, not modelled here.
     """
 
     supports_fork = False
@@ -42,6 +44,7 @@ class VllmFamily:
     caches_freed_units = True
     reference_factory = VllmReference
     supports_next_turn = True
+    supports_speculative = True
 
     api: VllmAPI
     config: ModelConfig
@@ -83,6 +86,8 @@ class VllmFamily:
             self.req_pool.mamba_pool = ComponentsView(self._mamba)
         self.allocator = SwaTranslator(self)
         self.protocol = VllmProtocol()
+        if self.mamba_mode == "align":
+            self.supports_speculative = False
         self._listener = None
 
     def __repr__(self) -> str:
@@ -204,8 +209,6 @@ def unsupported_reason(config: ModelConfig) -> str | None:
         return f"{config.attention.upper()} attention is not driven through vLLM's manager yet (MHA only)"
     if getattr(config, "kv_scale_block", 0):
         return "KV scale buffers are not modelled in the vllm family's worker storage yet"
-    if getattr(config, "mamba_track_slots", 0):
-        return "mamba extra-buffer track slots are SGLang's; vLLM keeps mamba state per block instead"
     return None
 
 

@@ -99,6 +99,21 @@ class VllmProtocol:
         fam.end_of_schedule()
         return None
 
+    def prefill_chunk_end(self, req: ReqKv, fam, start: int, end: int, prompt_len: int) -> int:
+        """Where the scheduler ends a prefill chunk of ``[start, end)``. With a mamba group in "align"
+        mode it splits as ``Scheduler._mamba_block_aligned_split`` does (no eagle, whole-block hashes):
+        the worker writes the state only at a chunk's end, and a block is cached with the state it
+        holds, so a chunk that is not the prompt's last ends on a block boundary (none inside it:
+        the chunk waits, ``end <= start``), and none runs past the next boundary of a chunk starting
+        mid-block or past the last boundary before the prompt's last token."""
+        if fam.mamba_mode != "align" or start >= prompt_len:
+            return end
+        bs = fam.config.page_size
+        if end < prompt_len:
+            end = end // bs * bs
+        stops = ((start // bs + 1) * bs if start % bs else 0, (prompt_len - 1) // bs * bs)
+        return min((s for s in stops if start < s < end), default=end)
+
     def run_deferred_mamba_ops(self, reqs: list[ReqKv], fam) -> None:
         """A new request's first forward starts from no state (vLLM: ``has_initial_state`` False)."""
         for req in reqs:
