@@ -34,6 +34,7 @@ class VllmAPI:
     manager_params: frozenset  # KVCacheManager's constructor parameters
     allocate_params: frozenset  # allocate_slots' parameters
     mamba_fields: frozenset  # MambaSpec's fields: "mamba_cache_mode" where the release has cache modes
+    kv_cache_config_fields: frozenset  # KVCacheConfig's fields (prefix_cache_retention_interval, from ~0.30)
     request_params: frozenset  # Request's constructor parameters (eos_token_id, required before ~0.17)
     kv_cache_utils: object  # vllm.v1.core.kv_cache_utils (hash-key helpers)
     kv_events: object  # vllm.distributed.kv_events (what the scheduler publishes each step)
@@ -89,6 +90,7 @@ def _load() -> VllmAPI:
         manager_params=frozenset(inspect.signature(KVCacheManager).parameters),
         allocate_params=frozenset(inspect.signature(KVCacheManager.allocate_slots).parameters),
         mamba_fields=frozenset(f.name for f in dataclasses.fields(MambaSpec)),
+        kv_cache_config_fields=frozenset(f.name for f in dataclasses.fields(KVCacheConfig)),
         request_params=frozenset(inspect.signature(Request).parameters), kv_cache_utils=kv_cache_utils,
         kv_events=kv_events)
 

@@ -165,6 +165,7 @@ class VllmFamily:
                 getattr(m, drain)()
         if self.events is not None:
             self.events.consume(m.take_events())
+        self.usage = m.usage  # what the scheduler's stats read every step
         if hasattr(m, "make_prefix_cache_stats"):
             m.make_prefix_cache_stats()
 

@@ -221,6 +221,8 @@ class VllmProtocol:
             kw.update(num_new_computed_tokens=hit, new_computed_blocks=blocks)
         if external:
             kw["num_external_computed_tokens"] = external
+        if "full_sequence_must_fit" in fam.api.allocate_params:
+            kw["full_sequence_must_fit"] = True  # a scheduler that reserves a waiting request's whole input
         try:  # every token up to the last sampled one, as the scheduler schedules a resumed request
             self._allocate(req, live, fam, n + 1 - hit - external, **kw)
         except PoolExhausted:
