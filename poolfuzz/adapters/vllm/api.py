@@ -38,6 +38,7 @@ class VllmAPI:
     request_params: frozenset  # Request's constructor parameters (eos_token_id, required before ~0.17)
     kv_cache_utils: object  # vllm.v1.core.kv_cache_utils (hash-key helpers)
     kv_events: object  # vllm.distributed.kv_events (what the scheduler publishes each step)
+    metrics_collector: object  # KVCacheMetricsCollector where the release has one, else None
 
     def new_request(self, request_id: str, prompt: list[int], block_size: int):
         """A real ``vllm.v1.request.Request`` with a block hasher, as this release constructs one."""
@@ -80,6 +81,10 @@ def _load() -> VllmAPI:
         from vllm.v1.request import Request, RequestStatus
     except ImportError as exc:
         raise ConfigError(f"vLLM's v1 KV cache manager cannot be imported ({exc}); {INSTALL_HINT}") from None
+    try:
+        from vllm.v1.core.kv_cache_metrics import KVCacheMetricsCollector
+    except ImportError:
+        KVCacheMetricsCollector = None
     hash_fn = _hash_fn()
     kv_cache_utils.init_none_hash(hash_fn)
     return VllmAPI(
@@ -92,7 +97,7 @@ def _load() -> VllmAPI:
         mamba_fields=frozenset(f.name for f in dataclasses.fields(MambaSpec)),
         kv_cache_config_fields=frozenset(f.name for f in dataclasses.fields(KVCacheConfig)),
         request_params=frozenset(inspect.signature(Request).parameters), kv_cache_utils=kv_cache_utils,
-        kv_events=kv_events)
+        kv_events=kv_events, metrics_collector=KVCacheMetricsCollector)
 
 
 def _hash_fn():

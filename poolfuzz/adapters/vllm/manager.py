@@ -91,6 +91,9 @@ def build_manager(api: VllmAPI, config: ModelConfig, mamba_mode: str) -> Built:
     wanted = dict(kv_cache_config=kv_cache_config, max_model_len=max_model_len, enable_caching=caching,
                   scheduler_block_size=scheduler_block, hash_block_size=ps, log_stats=True,
                   enable_kv_cache_events=caching)
+    if api.metrics_collector is not None:
+        # KV cache metrics on (the scheduler's --kv-cache-metrics), every block sampled: deterministic
+        wanted["metrics_collector"] = api.metrics_collector(1.0)
     kwargs = {k: v for k, v in wanted.items() if k in api.manager_params}
     manager = api.KVCacheManager(**kwargs)
     return Built(manager=manager, groups=tuple(groups), num_blocks=num_blocks, max_model_len=max_model_len,
