@@ -11,7 +11,8 @@ from poolfuzz.adapters.vllm.events import EventMirror
 from poolfuzz.adapters.vllm.manager import Built, build_manager
 from poolfuzz.adapters.vllm.protocol import LiveRequest, VllmProtocol
 from poolfuzz.adapters.vllm.reference import VllmReference, mamba_mode_for
-from poolfuzz.adapters.vllm.storage import attention_components, copy_block, mamba_components, null_block_written
+from poolfuzz.adapters.vllm.storage import (attention_components, copy_block, mamba_components, null_block_written,
+                                            zero_blocks)
 from poolfuzz.adapters.vllm.views import BlockSpace, BlockTables, ComponentsView, RowFreeList, SwaTranslator
 from poolfuzz.pools.config import ModelConfig, uses_ssm_state
 from poolfuzz.pools.errors import ConfigError
@@ -160,9 +161,12 @@ class VllmFamily:
                 before = {b.block_id: "mamba" for b in retained}
                 self.block_pool.free_blocks(retained)  # the copy has run: the retention ends
                 self.report_frees(before)
-        for drain in ("take_new_block_ids", "take_boundary_state_offloads"):
-            if hasattr(m, drain):
-                getattr(m, drain)()
+        if hasattr(m, "take_new_block_ids"):
+            # Where the cache needs zeroing (mamba layers read state before writing it), the worker
+            # zeroes every newly allocated attention block before the step's forward: never a hit block.
+            zero_blocks(self._attention, m.take_new_block_ids(), self.config.page_size)
+        if hasattr(m, "take_boundary_state_offloads"):
+            m.take_boundary_state_offloads()  # a connector would offload them; none is modelled
         if self.events is not None:
             self.events.consume(m.take_events())
         self.usage = m.usage  # what the scheduler's stats read every step

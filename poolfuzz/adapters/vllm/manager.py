@@ -91,6 +91,11 @@ def build_manager(api: VllmAPI, config: ModelConfig, mamba_mode: str) -> Built:
     wanted = dict(kv_cache_config=kv_cache_config, max_model_len=max_model_len, enable_caching=caching,
                   scheduler_block_size=scheduler_block, hash_block_size=ps, log_stats=True,
                   enable_kv_cache_events=caching)
+    if ps == 1 and not (config.has_swa or config.has_mamba):
+        # A dense model on single-token pages speculates as EAGLE does (the manager drops the last
+        # block of every prefix hit, whose KV the draft model recomputes); the others as before, so
+        # the hand-made #44409 and next-turn scenarios keep their hit lengths.
+        wanted["use_eagle"] = True
     if api.metrics_collector is not None:
         # KV cache metrics on (the scheduler's --kv-cache-metrics), every block sampled: deterministic
         wanted["metrics_collector"] = api.metrics_collector(1.0)

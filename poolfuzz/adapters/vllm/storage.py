@@ -57,6 +57,13 @@ def copy_rows(components: list[Component], space: str, src: int, dst: int) -> No
             comp.tensor[dst] = comp.tensor[src]
 
 
+def zero_blocks(components: list[Component], blocks, rows: int) -> None:
+    """The worker's zeroing of new blocks: every row of each block, in every component given."""
+    for b in blocks:
+        for comp in components:
+            comp.tensor[b * rows:(b + 1) * rows] = 0
+
+
 def copy_block(components: list[Component], space: str, src: int, dst: int, rows: int) -> None:
     """The worker's block copy: every component of ``space`` copies block ``src``'s rows into ``dst``'s."""
     for comp in components:
@@ -64,4 +71,4 @@ def copy_block(components: list[Component], space: str, src: int, dst: int, rows
             comp.tensor[dst * rows:(dst + 1) * rows] = comp.tensor[src * rows:(src + 1) * rows]
 
 
-__all__ = ["attention_components", "mamba_components", "null_block_written", "zero_rows", "copy_rows", "copy_block", "torch"]
+__all__ = ["attention_components", "mamba_components", "null_block_written", "zero_rows", "copy_rows", "copy_block", "zero_blocks", "torch"]
