@@ -109,6 +109,25 @@ class TestAlignMode:
         engine.sweep()
         engine.drain()
 
+    def test_a_cached_state_changed_while_free_is_caught_at_the_hit(self, align):
+        """The state cached at a block boundary is what a later hit starts from: checked before the
+        recompute overwrites the running state."""
+        from poolfuzz.harness.failures import StateLost
+
+        engine = Engine(config=CONFIGS["hybrid-extra-buffer-ps4"], family_factory=_factory())
+        a = engine.admit(13)
+        while engine.requests[a].phase is Phase.PREFILLING:
+            engine.prefill(a, 13)
+        fam = engine.families["prefill"]
+        state_at_12 = fam.block_ids(fam.live[a], "mamba")[2]
+        engine.finish(a)
+        engine.check()
+        for comp in fam.components():
+            if comp.space == "mamba":
+                comp.tensor[state_at_12] += 1
+        with pytest.raises(StateLost, match=rf"hit a cached state after 12 tokens.*slot {state_at_12}"):
+            engine.next_turn(a, 3)
+
     @pytest.mark.parametrize("name", ["hybrid-extra-buffer", "hybrid-extra-buffer-ps4"])
     def test_fuzz_finds_nothing_in_align_mode(self, align, expect, fuzz, name):
         outcome = fuzz(CONFIGS[name], examples=30)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from poolfuzz.adapters.vllm.storage import copy_rows, zero_rows
 from poolfuzz.pools.errors import PoolError, PoolExhausted
@@ -22,6 +22,8 @@ class LiveRequest:
     rid: int
     request: object  # vllm.v1.request.Request
     row: int | None = None
+    # align mode, set by a resume: (block, tokens, loaded) of the state it starts from (see cached_states)
+    found_states: list = field(default_factory=list)
 
 
 class VllmProtocol:
@@ -238,9 +240,21 @@ class VllmProtocol:
         req.mamba_pool_idx = None
         self._refresh(req, live, fam)
         fam.end_of_schedule()
+        if fam.mamba_mode == "align" and (hit or external):
+            # The state block the lookup ends on: the connector's (it loads the state after the last
+            # external token into it) or the local hit's cached one (the state after the hit).
+            ps, mamba = fam.config.page_size, fam.block_ids(live, "mamba")
+            end = hit + external
+            live.found_states = [(mamba[(end - 1) // ps], end, bool(external))]
         # Positions from the hit on are written again: by the connector's load, then the recompute.
         req.recompute_from = hit
         req.retraction_backup = None
+
+    def cached_states(self, req: ReqKv, fam) -> list[tuple[int, int, bool]]:
+        """The state blocks the last resume started from, once (``harness.state_hits``)."""
+        live = self._live(req, fam)
+        found, live.found_states = live.found_states, []
+        return found
 
     def pre_alloc(self, req: ReqKv, fam, fill_len: int) -> None:
         raise PoolError("the vllm family does not drive PD transfers (supports_transfer is False)")
