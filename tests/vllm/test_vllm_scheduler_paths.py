@@ -47,6 +47,20 @@ class TestKvEvents:
         assert "remove hash 010101010101 of group 0, which no event stored" in fam.free_lists()["full"].free_list_problem()
 
 
+    def test_a_cached_block_the_stream_never_stored_is_reported(self, api):
+        """As if a BlockStored had been lost: the cache holds one block more under a hash than the stream says."""
+        engine, a = _served_and_finished("dense-ps4", 13)
+        fam = engine.families["prefill"]
+        if fam.events is None:
+            pytest.skip(f"vLLM {api.version} publishes no group in its KV events")
+        key = next(iter(fam.events.cached))
+        fam.events.cached[key] -= 1
+        fam.events.problem = None
+        fam.end_of_schedule()
+        assert "the prefix cache holds 1 block(s) under hash" in fam.free_lists()["full"].free_list_problem()
+        assert "but the KV events say 0" in fam.free_lists()["full"].free_list_problem()
+
+
 class TestPrefixCacheReset:
     def test_a_drained_node_resets_and_no_longer_hits(self, api):
         engine, a = _served_and_finished("dense-ps4", 13)
