@@ -223,10 +223,15 @@ class VllmProtocol:
             kw.update(num_new_computed_tokens=hit, new_computed_blocks=blocks)
         if external:
             kw["num_external_computed_tokens"] = external
-        if "full_sequence_must_fit" in fam.api.allocate_params:
+        # Every token up to the last sampled one, as the scheduler schedules a resumed request; with
+        # mamba "align", up to that token only (a step the token budget ends at the resumed prefill's
+        # end, ``num_tokens - 1``): the resume step would compute the last token's state, which the
+        # harness computes in the next decode, so that token's block is allocated (and cached) then.
+        last = n if fam.mamba_mode == "align" else n + 1
+        if "full_sequence_must_fit" in fam.api.allocate_params and last == n + 1:
             kw["full_sequence_must_fit"] = True  # a scheduler that reserves a waiting request's whole input
-        try:  # every token up to the last sampled one, as the scheduler schedules a resumed request
-            self._allocate(req, live, fam, n + 1 - hit - external, **kw)
+        try:
+            self._allocate(req, live, fam, last - hit - external, **kw)
         except PoolExhausted:
             fam.rows.give_back(row)
             raise
@@ -235,7 +240,7 @@ class VllmProtocol:
         live.row = row
         fam.by_row[row] = live
         req.req_pool_idx = row
-        req.kv_allocated_len = n + 1
+        req.kv_allocated_len = last
         req.kv_committed_len = n
         req.mamba_pool_idx = None
         self._refresh(req, live, fam)

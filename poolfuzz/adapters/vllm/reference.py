@@ -135,7 +135,7 @@ class VllmReference(ReferenceFamily):
         the KV of ``[0, seqlen - 1)`` is then there again (found, loaded or recomputed)."""
         req = self.requests[rid]
         n = req.backup_tokens
-        slots = n + 1
+        slots = n if self.align else n + 1  # align: the last token's slot comes with the next decode
         needs = {"rows": 1, "full": _pages(slots, self.ps)}
         swa_lo = 0
         if self.config.has_swa:
@@ -150,6 +150,11 @@ class VllmReference(ReferenceFamily):
             elif hit:
                 states, length = {(hit - 1) // self.ps}, hit // self.ps
             needs["mamba"] = len(states) + self._new_state_block(rid, slots, length)
+            if external and hit:
+                # vLLM's admission counts the hit's state block as a block the request takes (it is
+                # evictable, in the free queue) although the connector's state supersedes it and it
+                # is never touched: the check asks one block more than the allocation takes.
+                self._need({**needs, "mamba": needs["mamba"] + 1})
         elif self.config.has_mamba:
             needs["mamba"] = 1
         self._take(needs)
