@@ -39,6 +39,9 @@ class VllmAPI:
     kv_cache_utils: object  # vllm.v1.core.kv_cache_utils (hash-key helpers)
     kv_events: object  # vllm.distributed.kv_events (what the scheduler publishes each step)
     metrics_collector: object  # KVCacheMetricsCollector where the release has one, else None
+    # allocate_slots takes a step of no new tokens that only adopts a local hit (from ~0.30); before,
+    # it refuses one without external tokens ("num_new_tokens must be greater than 0 ...")
+    adopts_without_new_tokens: bool = False
 
     def new_request(self, request_id: str, prompt: list[int], block_size: int):
         """A real ``vllm.v1.request.Request`` with a block hasher, as this release constructs one."""
@@ -97,7 +100,8 @@ def _load() -> VllmAPI:
         mamba_fields=frozenset(f.name for f in dataclasses.fields(MambaSpec)),
         kv_cache_config_fields=frozenset(f.name for f in dataclasses.fields(KVCacheConfig)),
         request_params=frozenset(inspect.signature(Request).parameters), kv_cache_utils=kv_cache_utils,
-        kv_events=kv_events, metrics_collector=KVCacheMetricsCollector)
+        kv_events=kv_events, metrics_collector=KVCacheMetricsCollector,
+        adopts_without_new_tokens="computed tokens to adopt" in inspect.getsource(KVCacheManager.allocate_slots))
 
 
 def _hash_fn():

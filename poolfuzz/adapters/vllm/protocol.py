@@ -227,7 +227,14 @@ class VllmProtocol:
         # mamba "align", up to that token only (a step the token budget ends at the resumed prefill's
         # end, ``num_tokens - 1``): the resume step would compute the last token's state, which the
         # harness computes in the next decode, so that token's block is allocated (and cached) then.
-        last = n if fam.mamba_mode == "align" else n + 1
+        last = n + 1
+        if fam.mamba_mode == "align":
+            last = n if hit + external < n or fam.api.adopts_without_new_tokens else n + 1
+            if last == n + 1 and "delay_cache_blocks" in fam.api.allocate_params:
+                # Nothing before the last token is left to compute and this release refuses a step of
+                # no new tokens: the last token's block is allocated now but cached by a later step,
+                # once its state is there (vLLM's deferred caching, as for a KV load completing later).
+                kw["delay_cache_blocks"] = True
         if "full_sequence_must_fit" in fam.api.allocate_params and last == n + 1:
             kw["full_sequence_must_fit"] = True  # a scheduler that reserves a waiting request's whole input
         try:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from poolfuzz.adapters.vllm.api import load
 from poolfuzz.adapters.vllm.manager import num_blocks_for
 from poolfuzz.pools.config import ModelConfig
 from poolfuzz.pools.errors import PoolExhausted
@@ -41,6 +42,7 @@ class VllmReference(ReferenceFamily):
         super().__init__(config, backup_mode=backup_mode)
         self.pool = num_blocks_for(config) - 1
         self.align = config.has_mamba and mamba_mode_for(config) == "align"
+        self.adopts = self.align and load().adopts_without_new_tokens  # see VllmAPI
         self.state_blocks: dict[int, set[int]] = {}  # align: rid -> indices of its real state blocks
         self.state_len: dict[int, int] = {}  # align: rid -> its mamba table's length in blocks
         for space in BLOCK_SPACES:
@@ -135,7 +137,8 @@ class VllmReference(ReferenceFamily):
         the KV of ``[0, seqlen - 1)`` is then there again (found, loaded or recomputed)."""
         req = self.requests[rid]
         n = req.backup_tokens
-        slots = n if self.align else n + 1  # align: the last token's slot comes with the next decode
+        # align: the last token's slot comes with the next decode, unless nothing before it is left
+        slots = n if self.align and (hit + external < n or self.adopts) else n + 1
         needs = {"rows": 1, "full": _pages(slots, self.ps)}
         swa_lo = 0
         if self.config.has_swa:
