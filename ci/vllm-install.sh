@@ -21,7 +21,9 @@ if [ ! -x "$venv/bin/python" ]; then
 fi
 pip=("$venv/bin/python" -m pip install "${quiet[@]}" -c "$constraint")
 "${pip[@]}" torch==2.13.0
-"${pip[@]}" --no-deps "vllm==$version"
+# --no-compile: byte-compiling vLLM's thousands of modules takes minutes on a busy CPU; the few the
+# KV cache manager imports are compiled on first import.
+"${pip[@]}" --no-deps --no-compile "vllm==$version"
 "${pip[@]}" packaging numpy regex pydantic cbor2 psutil pyzmq requests aiohttp transformers openai \
   openai-harmony pillow pybase64 cachetools msgspec cloudpickle uvloop py-cpuinfo prometheus_client \
   fastapi partial_json_parser xgrammar llguidance einops

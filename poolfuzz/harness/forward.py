@@ -12,6 +12,7 @@ import torch
 from poolfuzz.harness import row_cache
 from poolfuzz.harness.contents import KIND_PADDING, chain_affine
 from poolfuzz.harness.records import NO_CULPRIT, Request
+from poolfuzz.harness.state_hits import settle_cached_states
 
 _EMPTY = torch.empty(0, dtype=torch.int64)
 
@@ -105,6 +106,7 @@ class Writer:
                     comp.tensor[part[kept]] = rows[kept]
                     lo = hi
         if state_plan and ref.state:
+            settle_cached_states(e, req, ref, state_plan)  # the states a per-block state cache found
             rid, _, gen = ref.state[-1]
             for comp, spec in state_plan:
                 comp.tensor[req.kv.mamba_pool_idx] = row_cache.state_row(spec, rid, gen, e.ledger.chain(ref.state))

@@ -179,7 +179,7 @@ class PoolMachine(RuleBasedStateMachine):
         if len(self.engine.decode(rids)) < len(rids):
             event("pool full at decode")
 
-    @precondition(_has(Phase.RUNNING))
+    @precondition(lambda self: _supports("speculative")(self) and _has(Phase.RUNNING)(self))
     @rule(pick=picks, draft=draft_lengths, accepted=accepted_drafts)
     def decode_speculative(self, pick, draft, accepted):
         """MTP / EAGLE: draft tokens get KV slots, rejected ones are released after verify."""

@@ -34,7 +34,14 @@ class VllmAPI:
     manager_params: frozenset  # KVCacheManager's constructor parameters
     allocate_params: frozenset  # allocate_slots' parameters
     mamba_fields: frozenset  # MambaSpec's fields: "mamba_cache_mode" where the release has cache modes
+    kv_cache_config_fields: frozenset  # KVCacheConfig's fields (prefix_cache_retention_interval, from ~0.30)
     request_params: frozenset  # Request's constructor parameters (eos_token_id, required before ~0.17)
+    kv_cache_utils: object  # vllm.v1.core.kv_cache_utils (hash-key helpers)
+    kv_events: object  # vllm.distributed.kv_events (what the scheduler publishes each step)
+    metrics_collector: object  # KVCacheMetricsCollector where the release has one, else None
+    # allocate_slots takes a step of no new tokens that only adopts a local hit (from ~0.30); before,
+    # it refuses one without external tokens ("num_new_tokens must be greater than 0 ...")
+    adopts_without_new_tokens: bool = False
 
     def new_request(self, request_id: str, prompt: list[int], block_size: int):
         """A real ``vllm.v1.request.Request`` with a block hasher, as this release constructs one."""
@@ -68,6 +75,7 @@ def _load() -> VllmAPI:
     try:
         from importlib.metadata import version as dist_version
 
+        from vllm.distributed import kv_events
         from vllm.sampling_params import SamplingParams
         from vllm.v1.core import kv_cache_utils
         from vllm.v1.core.kv_cache_manager import KVCacheManager
@@ -76,6 +84,10 @@ def _load() -> VllmAPI:
         from vllm.v1.request import Request, RequestStatus
     except ImportError as exc:
         raise ConfigError(f"vLLM's v1 KV cache manager cannot be imported ({exc}); {INSTALL_HINT}") from None
+    try:
+        from vllm.v1.core.kv_cache_metrics import KVCacheMetricsCollector
+    except ImportError:
+        KVCacheMetricsCollector = None
     hash_fn = _hash_fn()
     kv_cache_utils.init_none_hash(hash_fn)
     return VllmAPI(
@@ -86,7 +98,10 @@ def _load() -> VllmAPI:
         manager_params=frozenset(inspect.signature(KVCacheManager).parameters),
         allocate_params=frozenset(inspect.signature(KVCacheManager.allocate_slots).parameters),
         mamba_fields=frozenset(f.name for f in dataclasses.fields(MambaSpec)),
-        request_params=frozenset(inspect.signature(Request).parameters))
+        kv_cache_config_fields=frozenset(f.name for f in dataclasses.fields(KVCacheConfig)),
+        request_params=frozenset(inspect.signature(Request).parameters), kv_cache_utils=kv_cache_utils,
+        kv_events=kv_events, metrics_collector=KVCacheMetricsCollector,
+        adopts_without_new_tokens="computed tokens to adopt" in inspect.getsource(KVCacheManager.allocate_slots))
 
 
 def _hash_fn():

@@ -7,10 +7,12 @@ from dataclasses import dataclass, field
 import torch
 
 from poolfuzz.adapters.vllm.api import VllmAPI, load
+from poolfuzz.adapters.vllm.events import EventMirror
 from poolfuzz.adapters.vllm.manager import Built, build_manager
 from poolfuzz.adapters.vllm.protocol import LiveRequest, VllmProtocol
 from poolfuzz.adapters.vllm.reference import VllmReference, mamba_mode_for
-from poolfuzz.adapters.vllm.storage import attention_components, mamba_components, null_block_written
+from poolfuzz.adapters.vllm.storage import (attention_components, copy_block, mamba_components, null_block_written,
+                                            zero_blocks)
 from poolfuzz.adapters.vllm.views import BlockSpace, BlockTables, ComponentsView, RowFreeList, SwaTranslator
 from poolfuzz.pools.config import ModelConfig, uses_ssm_state
 from poolfuzz.pools.errors import ConfigError
@@ -32,6 +34,8 @@ class VllmFamily:
       ``supports_next_turn``: True; a finished request's tokens are kept (``finished_tokens``), and a
       next turn's prompt continues them: a prefix hit on blocks in the free queue, plus the tokens
       a KV connector reports after it.
+      ``supports_speculative``: True, except for a mamba group in "align" mode (set per instance):
+      vLLM runs speculative decoding there only with speculative state blocks, not modelled here.
     """
 
     supports_fork = False
@@ -41,6 +45,7 @@ class VllmFamily:
     caches_freed_units = True
     reference_factory = VllmReference
     supports_next_turn = True
+    supports_speculative = True
 
     api: VllmAPI
     config: ModelConfig
@@ -71,13 +76,19 @@ class VllmFamily:
         for g in self.built.groups:
             scale = c.page_size if g.space != "mamba" else 1
             self._lists[g.space] = BlockSpace(space=g.space, block_pool=self.block_pool, scale=scale,
-                                              null_problem=self._null_written)
+                                              pool_problem=self._pool_problem)
+        self.events = None  # the KV events a router would see, replayed (where this release publishes them)
+        if self.prefix_caching and EventMirror.supported(self.block_pool, self.api.kv_cache_utils, self.api.kv_events):
+            self.events = EventMirror(self.block_pool, self.api.kv_cache_utils, self.api.kv_events)
+        self.reset_refused: str | None = None
         self.kv_pool = ComponentsView(self._attention)
         self.req_pool = BlockTables(self)
         if self._mamba:
             self.req_pool.mamba_pool = ComponentsView(self._mamba)
         self.allocator = SwaTranslator(self)
         self.protocol = VllmProtocol()
+        if self.mamba_mode == "align":
+            self.supports_speculative = False
         self._listener = None
 
     def __repr__(self) -> str:
@@ -136,9 +147,58 @@ class VllmFamily:
                 ids = (ids[:, None] * ps + torch.arange(ps)).reshape(-1)
             self._listener(space, ids)
 
-    def _null_written(self) -> str | None:
+    def end_of_schedule(self) -> None:
+        """What the scheduler drains from the manager once a step is scheduled: the copies the worker
+        runs (copy-on-write of a shared mamba state block) and the blocks they retained, the new block
+        ids (for zeroing), the mamba boundary states a connector may offload, and the KV events."""
+        m = self.manager
+        take_copies = getattr(m, "take_kv_cache_block_copies", None)
+        if take_copies is not None:
+            copies, retained = take_copies()
+            for copy in copies:  # only mamba "align" groups copy on write (a state block they keep writing)
+                copy_block(self._mamba, "mamba", copy.src_block_id, copy.dst_block_id, 1)
+            if retained:
+                before = {b.block_id: "mamba" for b in retained}
+                self.block_pool.free_blocks(retained)  # the copy has run: the retention ends
+                self.report_frees(before)
+        if hasattr(m, "take_new_block_ids"):
+            # Where the cache needs zeroing (mamba layers read state before writing it), the worker
+            # zeroes every newly allocated attention block before the step's forward: never a hit block.
+            zero_blocks(self._attention, m.take_new_block_ids(), self.config.page_size)
+        if hasattr(m, "take_boundary_state_offloads"):
+            m.take_boundary_state_offloads()  # a connector would offload them; none is modelled
+        if self.events is not None:
+            self.events.consume(m.take_events())
+        self.usage = m.usage  # what the scheduler's stats read every step
+        if hasattr(m, "make_prefix_cache_stats"):
+            m.make_prefix_cache_stats()
+
+    def flush_prefix_cache(self) -> None:
+        """An idle server resets its prefix cache (vLLM's ``reset_prefix_cache``, as after a weight
+        update): every request has finished, so vLLM must find every block free and succeed."""
+        if not self.prefix_caching:
+            return
+        space_of = {g.index: g.space for g in self.built.groups}
+        group_id = getattr(self.api.kv_cache_utils, "get_group_id", lambda key: 0)
+        cached = {b.block_id: space_of.get(group_id(b.block_hash), "full")
+                  for b in self.block_pool.blocks if b.block_hash is not None and not b.is_null}
+        if not self.manager.reset_prefix_cache():
+            used = self.block_pool.num_gpu_blocks - 1 - self.block_pool.get_num_free_blocks()
+            self.reset_refused = (f"reset_prefix_cache refused with every request finished: {used} block(s) "
+                                  "are still not free (leaked)")
+        self.end_of_schedule()
+        self.report_frees(cached)  # uncached now: the free listener may poison them
+
+    def _pool_problem(self) -> str | None:
         ps = self.config.page_size
-        return null_block_written(self.components(), lambda space: 1 if space == "mamba" else ps)
+        written = null_block_written(self.components(), lambda space: 1 if space == "mamba" else ps)
+        if written:
+            return f"the null block 0 was written ({written}): it pads every block table and must stay empty"
+        if self.reset_refused:
+            return self.reset_refused
+        if self.events is not None and self.events.problem:
+            return self.events.problem
+        return None
 
 
 def unsupported_reason(config: ModelConfig) -> str | None:
@@ -154,8 +214,6 @@ def unsupported_reason(config: ModelConfig) -> str | None:
         return f"{config.attention.upper()} attention is not driven through vLLM's manager yet (MHA only)"
     if getattr(config, "kv_scale_block", 0):
         return "KV scale buffers are not modelled in the vllm family's worker storage yet"
-    if getattr(config, "mamba_track_slots", 0):
-        return "mamba extra-buffer track slots are SGLang's; vLLM keeps mamba state per block instead"
     return None
 
 

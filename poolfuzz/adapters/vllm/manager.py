@@ -73,14 +73,32 @@ def build_manager(api: VllmAPI, config: ModelConfig, mamba_mode: str) -> Built:
     for i, (spec, space, layer_ids, block) in enumerate(specs):
         groups.append(Group(index=i, space=space, layer_ids=tuple(layer_ids), block_size=block))
     num_blocks = num_blocks_for(config)
+    caching = not (config.has_mamba and mamba_mode == "none")
+    scheduler_block = math.lcm(*(g.block_size for g in groups))
+    extra = {}
+    sparse = config.has_swa or (config.has_mamba and mamba_mode == "align")
+    if caching and sparse and ps > 1 and "prefix_cache_retention_interval" in api.kv_cache_config_fields:
+        # Multi-token pages run vLLM's sparse prefix-cache retention (SWA and mamba groups keep one
+        # cached tail per two-block segment, plus each prompt's replay boundary); single-token pages
+        # keep every block (dense, vLLM's default): both ways are driven.
+        extra["prefix_cache_retention_interval"] = 2 * scheduler_block
     kv_cache_config = api.KVCacheConfig(
         num_blocks=num_blocks, kv_cache_tensors=[],
         kv_cache_groups=[api.KVCacheGroupSpec([f"{g.space}.{lid}" for lid in g.layer_ids] or [f"{g.space}"], spec)
-                         for g, (spec, *_) in zip(groups, specs)])
-    caching = not (config.has_mamba and mamba_mode == "none")
-    scheduler_block = math.lcm(*(g.block_size for g in groups))
+                         for g, (spec, *_) in zip(groups, specs)], **extra)
+    # As a scheduler that logs stats and publishes KV events (to a KV-aware router) builds it: the
+    # family drains both every step and checks the events against the prefix cache.
     wanted = dict(kv_cache_config=kv_cache_config, max_model_len=max_model_len, enable_caching=caching,
-                  scheduler_block_size=scheduler_block, hash_block_size=ps)
+                  scheduler_block_size=scheduler_block, hash_block_size=ps, log_stats=True,
+                  enable_kv_cache_events=caching)
+    if ps == 1 and not (config.has_swa or config.has_mamba):
+        # A dense model on single-token pages speculates as EAGLE does (the manager drops the last
+        # block of every prefix hit, whose KV the draft model recomputes); the others as before, so
+        # the hand-made #44409 and next-turn scenarios keep their hit lengths.
+        wanted["use_eagle"] = True
+    if api.metrics_collector is not None:
+        # KV cache metrics on (the scheduler's --kv-cache-metrics), every block sampled: deterministic
+        wanted["metrics_collector"] = api.metrics_collector(1.0)
     kwargs = {k: v for k, v in wanted.items() if k in api.manager_params}
     manager = api.KVCacheManager(**kwargs)
     return Built(manager=manager, groups=tuple(groups), num_blocks=num_blocks, max_model_len=max_model_len,

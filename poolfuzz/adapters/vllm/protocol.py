@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from poolfuzz.adapters.vllm.storage import copy_rows, zero_rows
 from poolfuzz.pools.errors import PoolError, PoolExhausted
@@ -22,6 +22,8 @@ class LiveRequest:
     rid: int
     request: object  # vllm.v1.request.Request
     row: int | None = None
+    # align mode, set by a resume: (block, tokens, loaded) of the state it starts from (see cached_states)
+    found_states: list = field(default_factory=list)
 
 
 class VllmProtocol:
@@ -96,7 +98,23 @@ class VllmProtocol:
         req.kv_allocated_len = new_len
         self._refresh(req, live, fam)
         fam.report_frees(before)
+        fam.end_of_schedule()
         return None
+
+    def prefill_chunk_end(self, req: ReqKv, fam, start: int, end: int, prompt_len: int) -> int:
+        """Where the scheduler ends a prefill chunk of ``[start, end)``. With a mamba group in "align"
+        mode it splits as ``Scheduler._mamba_block_aligned_split`` does (no eagle, whole-block hashes):
+        the worker writes the state only at a chunk's end, and a block is cached with the state it
+        holds, so a chunk that is not the prompt's last ends on a block boundary (none inside it:
+        the chunk waits, ``end <= start``), and none runs past the next boundary of a chunk starting
+        mid-block or past the last boundary before the prompt's last token."""
+        if fam.mamba_mode != "align" or start >= prompt_len:
+            return end
+        bs = fam.config.page_size
+        if end < prompt_len:
+            end = end // bs * bs
+        stops = ((start // bs + 1) * bs if start % bs else 0, (prompt_len - 1) // bs * bs)
+        return min((s for s in stops if start < s < end), default=end)
 
     def run_deferred_mamba_ops(self, reqs: list[ReqKv], fam) -> None:
         """A new request's first forward starts from no state (vLLM: ``has_initial_state`` False)."""
@@ -116,15 +134,32 @@ class VllmProtocol:
         fam.manager.remove_skipped_blocks(live.request.request_id, pre_len)
         self._refresh(req, live, fam)
         fam.report_frees(before)
+        fam.end_of_schedule()
 
-    def _free(self, req: ReqKv, live, fam) -> None:
+    def _free(self, req: ReqKv, live, fam, *, finished: bool = False) -> None:
         before = fam.held_blocks()
-        fam.manager.free(live.request)
+        m = fam.manager
+        if finished and hasattr(m, "pop_blocks_for_free"):
+            # A finished request, as the scheduler frees it with a KV connector attached: the connector
+            # is shown the request's blocks (window-skipped ones released first), then the blocks go
+            # back through the deferred-free path (popped now, returned tail first once the step ran).
+            request = live.request
+            if hasattr(m, "finalize_partial_tail_offloads"):
+                m.finalize_partial_tail_offloads(request)
+            m.remove_skipped_blocks(request.request_id, request.num_computed_tokens)
+            if hasattr(m, "get_block_ids_for_computed_tokens"):
+                m.get_block_ids_for_computed_tokens(request.request_id, request.num_computed_tokens)
+            if hasattr(m, "estimate_cached_tokens"):
+                m.estimate_cached_tokens(request)
+            fam.block_pool.free_blocks(reversed(m.pop_blocks_for_free(request)))
+        else:
+            m.free(live.request)
         if live.row is not None:
             fam.by_row.pop(live.row, None)
             row, live.row = live.row, None
             fam.rows.give_back(row)
         fam.report_frees(before)
+        fam.end_of_schedule()
         req.req_pool_idx = req.mamba_pool_idx = None
         req.kv_allocated_len = req.kv_committed_len = req.swa_evicted_seqlen = 0
 
@@ -148,14 +183,28 @@ class VllmProtocol:
         return self._lookup(live, fam, n)[1]
 
     def _lookup(self, live, fam, n: int):
+        """The scheduler's lookup with a KV connector attached: the local hit (per group where the
+        release reports diverging hybrid hits, reconciled when the connector backs none of it), then
+        the connector's tokens after it."""
         if not fam.prefix_caching:
             return None, {"hit": 0, "external": 0}
-        found = fam.manager.get_computed_blocks(live.request)
-        blocks, hit = found[0], found[1]
+        m, request = fam.manager, live.request
+        by_connector = getattr(m, "get_computed_blocks_for_connector", None)
+        diverged = False
+        if by_connector is not None and fam.api.takes_external_tokens:
+            blocks, hit, _, diverged = by_connector(request)
+        else:
+            found = m.get_computed_blocks(request)
+            blocks, hit = found[0], found[1]
         ps = fam.config.page_size
         external = 0
         if fam.api.takes_external_tokens:
             external = max(0, n // ps * ps - hit)
+        if diverged and external == 0:
+            found = m.get_computed_blocks(request)
+            blocks, hit = found[0], found[1]
+        if hasattr(m, "record_prefix_cache_stats"):
+            m.record_prefix_cache_stats(request, hit)
         return blocks, {"hit": hit, "external": external}
 
     def resume(self, req: ReqKv, fam) -> None:
@@ -174,8 +223,22 @@ class VllmProtocol:
             kw.update(num_new_computed_tokens=hit, new_computed_blocks=blocks)
         if external:
             kw["num_external_computed_tokens"] = external
-        try:  # every token up to the last sampled one, as the scheduler schedules a resumed request
-            self._allocate(req, live, fam, n + 1 - hit - external, **kw)
+        # Every token up to the last sampled one, as the scheduler schedules a resumed request; with
+        # mamba "align", up to that token only (a step the token budget ends at the resumed prefill's
+        # end, ``num_tokens - 1``): the resume step would compute the last token's state, which the
+        # harness computes in the next decode, so that token's block is allocated (and cached) then.
+        last = n + 1
+        if fam.mamba_mode == "align":
+            last = n if hit + external < n or fam.api.adopts_without_new_tokens else n + 1
+            if last == n + 1 and "delay_cache_blocks" in fam.api.allocate_params:
+                # Nothing before the last token is left to compute and this release refuses a step of
+                # no new tokens: the last token's block is allocated now but cached by a later step,
+                # once its state is there (vLLM's deferred caching, as for a KV load completing later).
+                kw["delay_cache_blocks"] = True
+        if "full_sequence_must_fit" in fam.api.allocate_params and last == n + 1:
+            kw["full_sequence_must_fit"] = True  # a scheduler that reserves a waiting request's whole input
+        try:
+            self._allocate(req, live, fam, last - hit - external, **kw)
         except PoolExhausted:
             fam.rows.give_back(row)
             raise
@@ -184,13 +247,26 @@ class VllmProtocol:
         live.row = row
         fam.by_row[row] = live
         req.req_pool_idx = row
-        req.kv_allocated_len = n + 1
+        req.kv_allocated_len = last
         req.kv_committed_len = n
         req.mamba_pool_idx = None
         self._refresh(req, live, fam)
+        fam.end_of_schedule()
+        if fam.mamba_mode == "align" and (hit or external):
+            # The state block the lookup ends on: the connector's (it loads the state after the last
+            # external token into it) or the local hit's cached one (the state after the hit).
+            ps, mamba = fam.config.page_size, fam.block_ids(live, "mamba")
+            end = hit + external
+            live.found_states = [(mamba[(end - 1) // ps], end, bool(external))]
         # Positions from the hit on are written again: by the connector's load, then the recompute.
         req.recompute_from = hit
         req.retraction_backup = None
+
+    def cached_states(self, req: ReqKv, fam) -> list[tuple[int, int, bool]]:
+        """The state blocks the last resume started from, once (``harness.state_hits``)."""
+        live = self._live(req, fam)
+        found, live.found_states = live.found_states, []
+        return found
 
     def pre_alloc(self, req: ReqKv, fam, fill_len: int) -> None:
         raise PoolError("the vllm family does not drive PD transfers (supports_transfer is False)")
@@ -202,7 +278,7 @@ class VllmProtocol:
         self._sync(req, live)
         fam.finished_tokens[req.rid] = list(live.request.all_token_ids)  # what a next turn continues
         if live.row is not None or live.request.status != fam.api.RequestStatus.PREEMPTED:
-            self._free(req, live, fam)
+            self._free(req, live, fam, finished=True)
 
     def abort(self, req: ReqKv, fam) -> None:
         self.release_kv(req, fam)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from poolfuzz.adapters.vllm.api import load
 from poolfuzz.adapters.vllm.manager import num_blocks_for
 from poolfuzz.pools.config import ModelConfig
 from poolfuzz.pools.errors import PoolExhausted
@@ -11,8 +12,14 @@ BLOCK_SPACES = ("full", "swa", "mamba")
 
 
 def mamba_mode_for(config: ModelConfig) -> str:
-    """The mamba cache mode a config runs in: "none" (one state block per request, no prefix caching)."""
-    return "none"
+    """The mamba cache mode a config runs in. A config that keeps states for the prefix cache
+    (``mamba_track_slots``: SGLang's extra buffer) runs vLLM's equivalent, "align": a state per
+    block of tokens, prefix caching on. Any other: "none", one state block per request, no caching."""
+    return "align" if config.mamba_track_slots else "none"
+
+
+def _blocks(tokens: int, ps: int) -> int:
+    return -(-tokens // ps)
 
 
 class VllmReference(ReferenceFamily):
@@ -24,11 +31,20 @@ class VllmReference(ReferenceFamily):
     costs a free block as a new one would (a hit is the engine's choice, told to :meth:`resume`).
     vLLM keeps the blocks of rejected draft tokens, and a mamba group in "none" mode holds one
     block per request from its first allocation on.
+
+    In "align" mode a request's mamba table is as long as its tokens' blocks, but only its state
+    blocks are real (the rest the null block): an allocation that grows the table past its length
+    takes one block, at the index of the last token, and every allocation first frees the state
+    blocks before the block of the last computed token (the worker has read them).
     """
 
     def __init__(self, config: ModelConfig, *, backup_mode: str, **capabilities):
         super().__init__(config, backup_mode=backup_mode, **capabilities)
         self.pool = num_blocks_for(config) - 1
+        self.align = config.has_mamba and mamba_mode_for(config) == "align"
+        self.adopts = self.align and load().adopts_without_new_tokens  # see VllmAPI
+        self.state_blocks: dict[int, set[int]] = {}  # align: rid -> indices of its real state blocks
+        self.state_len: dict[int, int] = {}  # align: rid -> its mamba table's length in blocks
         for space in BLOCK_SPACES:
             if space in self.capacity:
                 self.capacity[space] = self.pool * self._scale(space)
@@ -60,19 +76,57 @@ class VllmReference(ReferenceFamily):
         self.requests[rid] = req
         return req
 
+    def _retire_states(self, rid: int, computed: int) -> None:
+        """allocate_slots' first act in align mode: the state blocks before the last computed token's go."""
+        held = self.state_blocks.get(rid)
+        if not held or computed <= 0:
+            return
+        gone = {i for i in held if i < (computed - 1) // self.ps}
+        held -= gone
+        self.free["mamba"] += len(gone)
+
+    def _new_state_block(self, rid: int, tokens: int, length: int) -> int:
+        """1 if an allocation for ``tokens`` grows a mamba table of ``length`` blocks (one new state block)."""
+        return int(_blocks(tokens, self.ps) > length)
+
+    def _hold_state(self, rid: int, states: set[int], length: int, tokens: int) -> None:
+        if self._new_state_block(rid, tokens, length):
+            states = states | {(tokens - 1) // self.ps}
+            length = _blocks(tokens, self.ps)
+        self.state_blocks[rid] = states
+        self.state_len[rid] = length
+
+    def held(self, space: str) -> int:
+        if space == "mamba" and self.align:
+            return sum(len(s) for s in self.state_blocks.values())
+        return super().held(space)
+
+    def release(self, rid: int) -> None:
+        if self.align:
+            self.free["mamba"] += len(self.state_blocks.pop(rid, ()))
+            self.state_len.pop(rid, None)
+            self.requests[rid].holds_mamba = False
+        super().release(rid)
+
     def extend(self, rid: int, new_len: int) -> None:
         req = self.requests[rid]
         if new_len <= req.allocated:
             return
+        if self.align:
+            self._retire_states(rid, req.committed)
         pages = _pages(new_len, self.ps) - _pages(req.allocated, self.ps)
         needs = {"full": pages}
         if self.config.has_swa:
             needs["swa"] = pages
-        if self.config.has_mamba and not req.holds_mamba:
+        if self.align:
+            needs["mamba"] = self._new_state_block(rid, new_len, self.state_len.get(rid, 0))
+        elif self.config.has_mamba and not req.holds_mamba:
             needs["mamba"] = 1
         self._take(needs)
         req.allocated = new_len
         req.holds_mamba = self.config.has_mamba
+        if self.align:
+            self._hold_state(rid, self.state_blocks.get(rid, set()), self.state_len.get(rid, 0), new_len)
 
     def free_speculative_tail(self, rid: int) -> None:
         """vLLM rolls back ``num_computed_tokens`` only: the blocks stay with the request."""
@@ -83,15 +137,32 @@ class VllmReference(ReferenceFamily):
         the KV of ``[0, seqlen - 1)`` is then there again (found, loaded or recomputed)."""
         req = self.requests[rid]
         n = req.backup_tokens
-        slots = n + 1
+        # align: the last token's slot comes with the next decode, unless nothing before it is left
+        slots = n if self.align and (hit + external < n or self.adopts) else n + 1
         needs = {"rows": 1, "full": _pages(slots, self.ps)}
         swa_lo = 0
         if self.config.has_swa:
             swa_lo = _floor(max(0, hit + external - self.config.sliding_window), self.ps)
             needs["swa"] = _pages(slots, self.ps) - swa_lo // self.ps
-        if self.config.has_mamba:
+        states, length = set(), 0
+        if self.align:
+            # The state the lookup ends on: the connector's (loaded into a new block at the last
+            # external token) or the local hit's cached block (revived); then the running state's block.
+            if external:
+                states, length = {(hit + external - 1) // self.ps}, _blocks(hit + external, self.ps)
+            elif hit:
+                states, length = {(hit - 1) // self.ps}, hit // self.ps
+            needs["mamba"] = len(states) + self._new_state_block(rid, slots, length)
+            if external and hit:
+                # vLLM's admission counts the hit's state block as a block the request takes (it is
+                # evictable, in the free queue) although the connector's state supersedes it and it
+                # is never touched: the check asks one block more than the allocation takes.
+                self._need({**needs, "mamba": needs["mamba"] + 1})
+        elif self.config.has_mamba:
             needs["mamba"] = 1
         self._take(needs)
+        if self.align:
+            self._hold_state(rid, states, length, slots)
         req.holds_row = True
         req.holds_mamba = self.config.has_mamba
         req.allocated = slots

@@ -57,4 +57,18 @@ def copy_rows(components: list[Component], space: str, src: int, dst: int) -> No
             comp.tensor[dst] = comp.tensor[src]
 
 
-__all__ = ["attention_components", "mamba_components", "null_block_written", "zero_rows", "copy_rows", "torch"]
+def zero_blocks(components: list[Component], blocks, rows: int) -> None:
+    """The worker's zeroing of new blocks: every row of each block, in every component given."""
+    for b in blocks:
+        for comp in components:
+            comp.tensor[b * rows:(b + 1) * rows] = 0
+
+
+def copy_block(components: list[Component], space: str, src: int, dst: int, rows: int) -> None:
+    """The worker's block copy: every component of ``space`` copies block ``src``'s rows into ``dst``'s."""
+    for comp in components:
+        if comp.space == space:
+            comp.tensor[dst * rows:(dst + 1) * rows] = comp.tensor[src * rows:(src + 1) * rows]
+
+
+__all__ = ["attention_components", "mamba_components", "null_block_written", "zero_rows", "copy_rows", "copy_block", "zero_blocks", "torch"]

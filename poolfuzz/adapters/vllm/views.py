@@ -42,11 +42,11 @@ class BlockSpace:
     (token slots for attention groups). ``ref_count`` and ``describe_unit`` serve the harness's
     audit of blocks held twice."""
 
-    def __init__(self, *, space: str, block_pool, scale: int, null_problem):
+    def __init__(self, *, space: str, block_pool, scale: int, pool_problem):
         self.space = space
         self.block_pool = block_pool
         self.scale = scale
-        self._null_problem = null_problem  # () -> what wrote into the null block, or None
+        self._pool_problem = pool_problem  # () -> what is wrong with the shared pool as a whole, or None
         self.on_free = None
 
     def __repr__(self) -> str:
@@ -83,10 +83,7 @@ class BlockSpace:
         held = [u for u in free if self.block_pool.blocks[u].ref_cnt != 0]
         if held:
             return f"free block queue holds block {held[0]} with ref_cnt {self.block_pool.blocks[held[0]].ref_cnt}"
-        written = self._null_problem()
-        if written:
-            return f"the null block 0 was written ({written}): it pads every block table and must stay empty"
-        return None
+        return self._pool_problem()
 
 
 class ComponentsView:

@@ -1,0 +1,71 @@
+"""vLLM's KV cache events, replayed as a router replays them, against the prefix cache they describe.
+
+A KV-aware router (and LMCache, Dynamo) learns which blocks a node caches only from the events the
+scheduler drains every step (``take_events``): ``BlockStored`` per newly cached block, ``BlockRemoved``
+per evicted hash, ``AllBlocksCleared`` on a reset. A stream that disagrees with the cache sends
+requests to nodes that lost their prefix, or never to those that have it. The mirror counts the
+blocks the stream says are cached under each (group, hash) (vLLM does not de-duplicate: two blocks
+may carry one hash, and evicting one of them removes the hash once) and compares the counts with
+the block pool's hash map.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+
+class EventMirror:
+    """The cached (group, hash) pairs a consumer of the event stream believes in."""
+
+    def __init__(self, block_pool, utils, events_module):
+        self.block_pool = block_pool
+        self._utils = utils  # vllm.v1.core.kv_cache_utils: the hash-key helpers of this release
+        self._events = events_module  # vllm.distributed.kv_events
+        self.cached: Counter = Counter()  # (group, hash) -> blocks cached under it
+        self.problem: str | None = None  # the first disagreement seen (kept: a later step may hide it)
+
+    @staticmethod
+    def supported(block_pool, utils, events_module) -> bool:
+        """This release names the group in its events and keeps its hash map where it can be read."""
+        stored = getattr(events_module, "BlockStored", None)
+        fields = getattr(stored, "__struct_fields__", ())
+        return ("group_idx" in fields and hasattr(block_pool, "kv_event_queue")
+                and hasattr(getattr(block_pool, "cached_block_hash_to_block", None), "_cache")
+                and all(hasattr(utils, f) for f in ("get_block_hash", "get_group_id", "maybe_convert_block_hash")))
+
+    def consume(self, events) -> None:
+        ev = self._events
+        for event in events:
+            if isinstance(event, ev.BlockStored):
+                self.cached.update((event.group_idx, h) for h in event.block_hashes)
+            elif isinstance(event, ev.BlockRemoved):
+                for h in event.block_hashes:
+                    key = (event.group_idx, h)
+                    if self.cached[key] <= 0 and self.problem is None:
+                        self.problem = (f"the KV events remove hash {_short(h)} of group {event.group_idx}, "
+                                        "which no event stored")
+                    self.cached[key] -= 1
+                    if self.cached[key] <= 0:
+                        del self.cached[key]
+            elif isinstance(event, ev.AllBlocksCleared):
+                self.cached.clear()
+        if self.problem is None:
+            self.problem = self._disagreement()
+
+    def _disagreement(self) -> str | None:
+        u = self._utils
+        actual = Counter({(u.get_group_id(k), u.maybe_convert_block_hash(u.get_block_hash(k))):
+                          len(v) if isinstance(v, dict) else 1
+                          for k, v in self.block_pool.cached_block_hash_to_block._cache.items()})
+        if actual == self.cached:
+            return None
+        for key in sorted(set(actual) | set(self.cached), key=str):
+            if actual[key] != self.cached[key]:
+                g, h = key
+                return (f"the prefix cache holds {actual[key]} block(s) under hash {_short(h)} of group {g}, "
+                        f"but the KV events say {self.cached[key]}")
+        return None
+
+
+def _short(h) -> str:
+    return h.hex()[:12] if isinstance(h, bytes) else str(h)
