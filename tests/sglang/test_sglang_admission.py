@@ -76,3 +76,30 @@ def test_a_decode_after_a_kept_speculative_page_is_refused_when_full(api):
         fam.protocol.extend(a, fam, 9)
     assert info.value.space == "full"
     assert {s: v.available_size() for s, v in fam.free_lists().items()} == before
+
+
+class _Gate0519:
+    """An allocator whose decode gate has 0.5.19's signature (count and tree only)."""
+
+    page_size = 4
+
+    def __init__(self, free):
+        self.free, self.asked = free, []
+
+    def check_decode_capacity(self, *, num_tokens, tree_cache):
+        self.asked.append(num_tokens)
+        return num_tokens <= self.free
+
+
+@pytest.mark.parametrize("free, fits", [(8, True), (3, False)])
+def test_a_kept_page_asks_the_releases_own_gate_with_what_it_takes(api, free, fits):
+    """After a speculative step kept a page, the gate is called with the keywords it names:
+    0.5.19's takes no ``requests`` (calling it with them was a TypeError on every paged config)."""
+    from types import SimpleNamespace
+
+    from poolfuzz.adapters.sglang.admission import SchedulerAdmission
+
+    gate = _Gate0519(free)
+    sg = SimpleNamespace(kv_allocated_len=12, kv_committed_len=10)
+    assert SchedulerAdmission(api).decode_fits(SimpleNamespace(sg_allocator=gate), sg, new_tokens=4) is fits
+    assert gate.asked == [4]

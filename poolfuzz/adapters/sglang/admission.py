@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import inspect
 
+from poolfuzz.adapters.sglang.api import call_with
 from poolfuzz.pools.errors import PoolExhausted
 
 
@@ -108,8 +109,9 @@ class SchedulerAdmission:
             batch = self.batch_cls(reqs=[sg], allocator=alloc, tree_cache=self.tree_cache)
             return bool(batch.check_decode_mem())
         if hasattr(alloc, "check_decode_capacity"):
-            return bool(alloc.check_decode_capacity(num_tokens=new_tokens, tree_cache=self.tree_cache,
-                                                    requests=[sg], spec_algorithm=None))
+            # 0.5.19's gate takes the count and the tree only; 0.5.20 on also the batch's requests
+            return bool(call_with(alloc.check_decode_capacity, num_tokens=new_tokens, tree_cache=self.tree_cache,
+                                  requests=[sg], spec_algorithm=None))
         return alloc.available_size() >= new_tokens
 
 
