@@ -75,6 +75,13 @@ def _publish_defaults() -> None:
     context = runtime_context.get_context()
     if not context.is_config_namespace_published("memory"):
         context.set_server_args(ServerArgs(model_path="poolfuzz-no-model", device="cpu"))
+        # The server's widths now come from the arguments; the rank a launcher would write is the
+        # single rank of a CPU run (MLA's pools and their retraction read it).
+        parallel = runtime_context.get_parallel()
+        try:
+            parallel.attn_dcp_rank
+        except (RuntimeError, ValueError):
+            parallel.override_permanently(attn_dcp_rank=0)
     _PUBLISHED["done"] = True
 
 
