@@ -134,6 +134,13 @@ def _released_len(req) -> int:
     return min(req.kv_allocated_len, req.kv_committed_len) if req.kv_committed_len else req.kv_allocated_len
 
 
+def _released_committed(req) -> int:
+    """The committed length release_kv_cache is shown: SGLang's extend allocation commits the tokens it
+    allocates (``kv_committed_len = seq_len`` in ``alloc_for_extend``), so a request released between its
+    first allocation and its forward (the family contract's program) has committed what it allocated."""
+    return req.kv_committed_len or req.kv_allocated_len
+
+
 # =============================================================================================
 # The protocol
 # =============================================================================================
@@ -253,7 +260,7 @@ class SGLangTreeProtocol(SGLangProtocol):
                 req.cache_protected_len = 0
                 return
             self._sync_ids(req, sg)
-            sg.kv.kv_committed_len = req.kv_committed_len
+            sg.kv.kv_committed_len = _released_committed(req)
             sg.kv.kv_allocated_len = _released_len(req)
             if checkpoint:
                 sg.finished_reason = self.finish_length(length=len(sg.output_ids))
@@ -270,6 +277,7 @@ class SGLangTreeProtocol(SGLangProtocol):
     def _release(self, req, family) -> None:
         """Retraction's release (``release_req``): no checkpoint, then evict what became evictable."""
         sg = self.standin(req, family)
+        sg.kv.kv_committed_len = _released_committed(req)
         sg.kv.kv_allocated_len = _released_len(req)
         self.common.release_kv_cache(sg, family.tree, checkpoint=False)
         sg.kv.cache_protected_len = sg.kv.cache_inserted_len = 0
@@ -332,9 +340,12 @@ class SGLangTreeFamily(SGLangFamily):
       ``cached_units()``: the slots the tree holds (counted as held, never free, never twice); a live
       request's protected prefix (``ReqKv.cache_protected_len``) is the tree's, not the request's.
       ``reference_factory``: :class:`TreeReference`, bound to this family's tree.
+      ``caches_freed_units``: True; a finished request's KV is checkpointed into the tree, not freed:
+      the free listener hears of it when the tree evicts it.
     """
 
     supports_fork = True
+    caches_freed_units = True  # a finished request's KV goes into the tree, freed (and reported) when evicted
     tree: object = None
 
     def cached_units(self) -> dict[str, list[int]]:
