@@ -92,3 +92,17 @@ def test_configs_the_tree_path_does_not_drive_say_why(tree_api):
 def test_fuzzing_dense_with_forks_passes(tree_api, fuzz):
     outcome = fuzz(CONFIGS["dense"], examples=15)
     assert outcome.failure is None, outcome.failure
+
+
+def test_sglangs_python_tree_core_runs_the_same_fork(tree_api, monkeypatch):
+    """SGLang's own switch selects its Python TreeCore (the Rust one is the default): the same program passes."""
+    monkeypatch.setenv("SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND", "python")
+    e = _engine("dense-ps4")
+    fam = e.families["prefill"]
+    assert "rust" not in type(fam.tree.tree_core).__module__
+    src, dst = _forked(e)
+    assert e.requests[dst].kv.cache_protected_len == 4
+    e.finish(src)
+    e.check()
+    e.sweep()
+    e.drain()
