@@ -12,7 +12,7 @@ from poolfuzz.harness.checksums import SlotReader, slot_checksums
 from poolfuzz.harness.contents import describe_row
 from poolfuzz.harness.ledger import ComponentSpec
 from poolfuzz.harness.records import Phase, Request
-from poolfuzz.harness.sharing import audit_shared_units
+from poolfuzz.harness.sharing import audit_protected_prefixes, audit_shared_units
 from poolfuzz.pools.allocator import TokenAllocator
 
 _EMPTY = torch.empty(0, dtype=torch.int64)
@@ -182,8 +182,11 @@ class Checker:
                     problem = state_type.consumer_problem(e.lookup, fam, req.kv, tokens)
                     if problem is not None:
                         misread.append((req.rid, space, problem))
-            for space, units in e.cached_prefixes.held_units(fam).items():
+            cached = e.cached_prefixes.held_units(fam)
+            for space, units in cached.items():
                 held[space] += units  # the prefix cache's own checkpoints
+            if cached:
+                misread += audit_protected_prefixes(e, node, fam, cached)
             if shared:
                 audit_shared_units(e, node, fam, held_by, self.invariant)
             for space, units in held.items():

@@ -67,11 +67,12 @@ class Engine:
         first = self.families["prefill"]
         self.device = first.device
         self.backup_mode: str = first.backup_mode  # the retraction path the families run
-        # A family whose engine counts capacity its own way (vLLM's shared block pool) names the
-        # reference model of it: ``reference_factory(config, backup_mode=...)``.
-        reference = getattr(first, "reference_factory", None) or ReferenceFamily
-        self.refs = {n: reference(config, backup_mode=f.backup_mode,
-                                  resume_swa_tail_only=getattr(f, "resume_swa_tail_only", True))
+        # A family whose engine counts capacity its own way (vLLM's shared block pool, SGLang's
+        # prefix tree) names the reference model of it, each node its own: ``reference_factory(config,
+        # backup_mode=..., **capabilities)`` (the family's capabilities the reference follows).
+        self.refs = {n: (getattr(f, "reference_factory", None) or ReferenceFamily)(
+                         config, backup_mode=f.backup_mode,
+                         resume_swa_tail_only=getattr(f, "resume_swa_tail_only", True))
                      for n, f in self.families.items()}
         self.ledger = row_cache.shared_ledger()  # expected checksums: pure caches shared across examples
         # What the checks need of each component (no tensors), and the rules of each index space.
@@ -261,6 +262,10 @@ class Engine:
         fam.protocol.run_deferred_mamba_ops([req.kv], fam)
         self.writer.forward(req, start, end)
         ref.commit(rid, end)
+        after = getattr(fam.protocol, "after_prefill", None)  # a prefix tree takes what was computed
+        if after is not None:
+            with self._blame(rid):
+                after(req.kv, fam)
         req.verb = "prefilled"
         if end == req.prompt_len:
             req.phase = Phase.RUNNING
@@ -502,6 +507,9 @@ class Engine:
                       verb="forked", origin="forked")
         req.expected = {key: vec[:prefix].clone() for key, vec in src.expected.items()}
         self.requests[rid] = req
+        if kv.recompute_from is not None:  # the tree matched less than the prefix: computed again
+            self.writer.recompute(req, kv.recompute_from, ref.request(rid))
+            kv.recompute_from = None
         if src_rid in self.tainted_requests:
             self.tainted_requests.add(rid)  # it starts from the source's (suspect) state
         self.touched.add(rid)

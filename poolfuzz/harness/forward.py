@@ -103,7 +103,7 @@ class Writer:
                     rows = row_cache.kv_rows(spec, owners[lo], lo, hi, e.device)
                     part = target[lo - start:hi - start]
                     kept = part != 0  # slot 0: no slot (a position the window left behind), not written
-                    comp.tensor[part[kept]] = rows[kept]
+                    comp.tensor[comp.at(part[kept])] = rows[kept]  # page-major components too (DSA index keys)
                     lo = hi
         if state_plan and ref.state:
             settle_cached_states(e, req, ref, state_plan)  # the states a per-block state cache found

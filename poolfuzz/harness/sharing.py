@@ -8,6 +8,8 @@ tells a unit's ``ref_count``, it must equal the number of tables that hold the u
 
 from __future__ import annotations
 
+from poolfuzz.harness.records import Phase
+
 
 def audit_shared_units(engine, node: str, fam, held_by: dict[str, list[tuple[int, int]]], invariant) -> None:
     """``held_by``: per space, (unit, rid) of every unit a live request's table holds."""
@@ -35,3 +37,24 @@ def audit_shared_units(engine, node: str, fam, held_by: dict[str, list[tuple[int
 def _describe(free_list, unit: int) -> str:
     describe = getattr(free_list, "describe_unit", None)
     return describe(unit) if describe is not None else f"unit {unit}"
+
+
+def audit_protected_prefixes(engine, node: str, fam, cached: dict[str, list[int]]) -> list:
+    """(rid, space, (problem, slot)) of each live request whose protected prefix (a radix hit, locked;
+    ``ReqKv.cache_protected_len``) is not all held by the prefix tree: the tree evicted a locked node,
+    or handed out a prefix whose slots it no longer holds."""
+    out = []
+    units = set(cached.get("full", ()))
+    ps = fam.config.page_size
+    for req in engine.requests.values():
+        n = req.kv.cache_protected_len
+        if req.node != node or req.phase is Phase.RETRACTED or not n:
+            continue
+        tokens = engine.lookup.tokens(fam, req.kv.req_pool_idx, 0, n)
+        for position, slot in enumerate(tokens.tolist()):
+            if slot // ps not in units:
+                out.append((req.rid, "full", (
+                    f"position {position} of its protected prefix (the first {n}, locked in the prefix tree) sits in "
+                    f"full slot {slot}, which the tree no longer holds (evicted while locked, or a stale match)", slot)))
+                break
+    return out

@@ -114,8 +114,9 @@ class FullKV(StateType):
         return None
 
     def held_units(self, lookup, fam, kv, tokens):
+        """The units of the request's own positions (a protected prefix is the prefix tree's)."""
         ps = fam.config.page_size
-        return sorted({t // ps for t in tokens.tolist()})
+        return sorted({t // ps for t in tokens[kv.cache_protected_len:].tolist()})
 
     def locate(self, lookup: SlotLookup, fam, req, config) -> tuple[np.ndarray, np.ndarray]:
         """(positions, slots) the request's components of this space must hold their data in."""
@@ -154,7 +155,7 @@ class SlidingWindowKV(FullKV):
 
     def held_units(self, lookup, fam, kv, tokens):
         ps = fam.config.page_size
-        return sorted({t // ps for t in self.physical(lookup, fam, tokens).tolist() if t > 0})
+        return sorted({t // ps for t in self.physical(lookup, fam, tokens[kv.cache_protected_len:]).tolist() if t > 0})
 
     def consumer_problem(self, lookup, fam, kv, tokens):
         """Every held position not yet evicted (``[swa_evicted_seqlen, kv_allocated_len)``, the window and the

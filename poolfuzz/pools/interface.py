@@ -15,7 +15,7 @@ Optional capabilities, read with a default where a family does not declare them:
   (``poolfuzz run`` skips them instead of failing on them);
 * ``reference_factory`` (default None: :class:`poolfuzz.pools.reference.ReferenceFamily`): the
   reference model of an engine that counts capacity its own way, ``reference_factory(config,
-  backup_mode=...)`` (vLLM: one block pool for every KV cache group);
+  backup_mode=..., resume_swa_tail_only=...)`` (vLLM: one block pool for every KV cache group);
 * ``prefix_caching`` (default False): True makes the engine ask ``protocol.lookup(req, family)``
   before a resume what the prefix cache found, and pass it to the reference's ``resume``;
 * ``ReqKv.recompute_from``: set by a resume that recomputes instead of restoring; the engine then

@@ -70,6 +70,9 @@ class ReqKv:
     # Set by a family whose resume recomputes instead of restoring (vLLM): the first position the
     # engine must write again; None when the resume restored everything itself.
     recompute_from: int | None = None
+    # Positions ``[0, cache_protected_len)`` are a prefix tree's (a radix hit, or what the tree took
+    # at a checkpoint), shared and locked, not the request's own (SGLang's ``cache_protected_len``)
+    cache_protected_len: int = 0
 
     def __repr__(self) -> str:
         return f"Req({self.rid})"

@@ -12,8 +12,11 @@ from __future__ import annotations
 def build_family(config, *, device="cpu", faults=(), backup_mode=None):
     """The family factory registered as ``sglang`` in the ``poolfuzz.families`` entry points."""
     from poolfuzz.adapters.sglang.family import build_sglang_family
+    from poolfuzz.adapters.sglang.trees import with_tree
 
-    return build_sglang_family(config, device=device, faults=faults, backup_mode=backup_mode)
+    # SGLang's own prefix tree in front of the pools, where the release's scheduler has one the
+    # adapter drives for this config (then forks go through it)
+    return with_tree(build_sglang_family(config, device=device, faults=faults, backup_mode=backup_mode))
 
 
 def unsupported_reason(config) -> str | None:

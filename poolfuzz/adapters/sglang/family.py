@@ -46,7 +46,8 @@ class SGLangFamily:
     """The pools of one serving node for one model, built by the installed SGLang.
 
     Capabilities the harness's state machine reads:
-      ``supports_fork``: radix match + copy-on-write needs SGLang's tree cache, not driven here.
+      ``supports_fork``: False here (a chunk cache); :class:`~poolfuzz.adapters.sglang.trees.SGLangTreeFamily`
+      puts SGLang's own prefix tree in front of the pools and forks through it, where it drives the config.
       ``supports_transfer``: PD transfer needs SGLang's transfer engines, not driven here.
       ``resume_swa_tail_only``: a paged SWA resume allocates SWA for the window tail only, where the
         release's SWA allocator has ``alloc_extend_swa_tail`` (set per release when built).

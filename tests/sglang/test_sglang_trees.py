@@ -1,0 +1,108 @@
+"""Forks through SGLang's own prefix tree (adapters/sglang/trees.py), on the installed release."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from poolfuzz.harness.failures import PoolfuzzFailure
+from poolfuzz.pools.config import CONFIGS
+
+
+@pytest.fixture
+def tree_api(api):
+    from poolfuzz.adapters.sglang.trees import tree_problem
+
+    problem = tree_problem(api, CONFIGS["dense"])
+    if problem:
+        pytest.skip(f"this release's tree is not driven: {problem}")
+    return api
+
+
+def _engine(name: str):
+    from poolfuzz.adapters.sglang import build_family
+    from poolfuzz.harness.engine import Engine
+
+    return Engine(config=CONFIGS[name], family_factory=build_family)
+
+
+def _forked(e):
+    """admit 6, prefill, decode, then fork with 3 tokens of its own: (source rid, fork rid)."""
+    src = e.admit(6)
+    e.check()
+    e.prefill(src, 8)
+    e.check()
+    e.decode([src])
+    e.check()
+    dst = e.fork(src, 3)
+    e.check()
+    return src, dst
+
+
+@pytest.mark.parametrize("name", ["dense", "dense-ps4"])
+def test_fork_is_a_radix_hit_on_the_tree_the_registry_builds(tree_api, name):
+    from sglang.srt.mem_cache import registry  # noqa: F401 (the release builds its tree there)
+
+    e = _engine(name)
+    fam = e.families["prefill"]
+    assert fam.supports_fork is True
+    # 0.5.23's scheduler builds a UnifiedRadixCache for every model (RadixCache only for pure SWA)
+    assert type(fam.tree).__name__ == "UnifiedRadixCache"
+    src, dst = _forked(e)
+    ps = CONFIGS[name].page_size
+    src_kv, dst_kv = e.requests[src].kv, e.requests[dst].kv
+    # the source's prompt (6 tokens) was checkpointed after its prefill: that, page-aligned, is the hit
+    assert dst_kv.cache_protected_len == 6 // ps * ps
+    hit = dst_kv.cache_protected_len
+    shared = fam.sg_req_pool.req_to_token[dst_kv.req_pool_idx, :hit]
+    assert torch.equal(shared, fam.sg_req_pool.req_to_token[src_kv.req_pool_idx, :hit])  # the same slots
+    e.prefill(dst, 8)
+    e.check()
+    e.finish(src)
+    e.check()
+    e.finish(dst)
+    e.check()
+    held, evictable = fam.tree_sizes()
+    assert held == evictable > 0  # every request ended: the tree keeps its nodes, all unlocked
+    e.sweep()
+    e.drain()  # the flush evicts them all: every pool is whole again
+
+
+def test_a_locked_prefix_freed_under_a_fork_is_caught(tree_api):
+    e = _engine("dense")
+    fam = e.families["prefill"]
+    src, dst = _forked(e)
+    hit = e.requests[dst].kv.cache_protected_len
+    slots = fam.sg_req_pool.req_to_token[e.requests[dst].kv.req_pool_idx, :hit].to(torch.int64)
+    fam.sg_allocator.free(slots)  # what an eviction that ignores the lock would leave behind
+    fam.notify_frees()
+    with pytest.raises(PoolfuzzFailure, match="free list"):
+        e.check()
+
+
+def test_configs_the_tree_path_does_not_drive_say_why(tree_api):
+    from poolfuzz.adapters.sglang import build_family
+    from poolfuzz.adapters.sglang.trees import tree_problem
+
+    for name in ("swa", "hybrid-linear", "swa-ssm"):
+        assert "not driven yet" in tree_problem(tree_api, CONFIGS[name])
+        assert build_family(CONFIGS[name]).supports_fork is False
+
+
+def test_fuzzing_dense_with_forks_passes(tree_api, fuzz):
+    outcome = fuzz(CONFIGS["dense"], examples=15)
+    assert outcome.failure is None, outcome.failure
+
+
+def test_sglangs_python_tree_core_runs_the_same_fork(tree_api, monkeypatch):
+    """SGLang's own switch selects its Python TreeCore (the Rust one is the default): the same program passes."""
+    monkeypatch.setenv("SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND", "python")
+    e = _engine("dense-ps4")
+    fam = e.families["prefill"]
+    assert "rust" not in type(fam.tree.tree_core).__module__
+    src, dst = _forked(e)
+    assert e.requests[dst].kv.cache_protected_len == 4
+    e.finish(src)
+    e.check()
+    e.sweep()
+    e.drain()
