@@ -23,12 +23,18 @@ def single_rank(api: SGLangAPI) -> None:
     if api.get_parallel is None:
         return
     ctx = api.get_parallel()
-    try:
-        ctx.attn_dcp_size
-    except (RuntimeError, ValueError):
-        ctx.override_permanently(attn_dcp_size=1, attn_dcp_rank=0)
-    except AttributeError:  # a release whose context has no such width reads none
-        pass
+    unset = {}
+    # Each width a pool may read, at its single-rank value (0.5.20's MLA retraction reads
+    # dcp_enabled, 0.5.23's attn_dcp_size and attn_dcp_rank).
+    for width, value in (("dcp_enabled", False), ("attn_dcp_size", 1), ("attn_dcp_rank", 0)):
+        try:
+            getattr(ctx, width)
+        except (RuntimeError, ValueError):
+            unset[width] = value
+        except AttributeError:  # a release whose context has no such width reads none
+            pass
+    if unset:
+        ctx.override_permanently(**unset)
 
 
 def storage_problem(api: SGLangAPI, config: ModelConfig) -> str | None:
