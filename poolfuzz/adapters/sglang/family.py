@@ -23,6 +23,7 @@ from poolfuzz.adapters.sglang.calls import paged_alloc_extend
 from poolfuzz.adapters.sglang.protocol import SGLangProtocol
 from poolfuzz.adapters.sglang.standin import standin_class
 from poolfuzz.adapters.sglang.storage import build_storage_pool, storage_problem
+from poolfuzz.adapters.sglang.tracking import check_built, extra_buffer_problem, pool_kwargs
 from poolfuzz.adapters.sglang.views import (AllocatorView, FreeListView, KVPoolView, MambaPoolView, ReqPoolView,
                                             _ints, token_free_pages,
                                             token_free_sources)
@@ -128,10 +129,7 @@ def unsupported_reason(config: ModelConfig) -> str | None:
         problem = _paged_allocation_problem(api)
         if problem:
             return problem
-    if config.mamba_track_slots:
-        return ("mamba extra-buffer mode is not driven through SGLang yet: its track slots are chosen by "
-                "the scheduler's ping-pong bookkeeping (mamba_next_track_idx), which the adapter does not run")
-    return storage_problem(api, config)
+    return extra_buffer_problem(api, config) or storage_problem(api, config)
 
 
 _PAGED_PROBE: dict[str, str | None] = {}
@@ -199,8 +197,10 @@ def _build(api: SGLangAPI, config: ModelConfig, dev, sdev: str) -> SGLangFamily:
             api.HybridReqToTokenPool, size=c.request_rows, mamba_size=c.mamba_slots,
             mamba_spec_state_size=c.request_rows, max_context_len=c.max_context, device=sdev,
             enable_memory_saver=False, cache_params=params, mamba_layer_ids=list(c.mamba_layer_ids),
-            enable_mamba_extra_buffer=False, speculative_num_draft_tokens=None, enable_overlap_schedule=False,
-            start_layer=0)
+            speculative_num_draft_tokens=None, start_layer=0, **pool_kwargs(c))
+        problem = check_built(sg_req_pool, c)
+        if problem:
+            raise ConfigError(f"config {c.name!r} on sglang {api.version}: {problem}")
         mamba_view = MambaPoolView(sg_req_pool.mamba_pool, c.mamba_layer_ids)
     else:
         sg_req_pool = construct(api.ReqToTokenPool, size=c.request_rows, max_context_len=c.max_context,

@@ -166,6 +166,14 @@ class ReqPoolView:
         index = torch.as_tensor(rows, dtype=torch.int64).reshape(-1).to(mapping.device)
         return self.pool.get_mamba_indices(index).to(device="cpu", dtype=torch.int64)
 
+    def get_track_slots(self, row: int) -> list[int] | None:
+        """Extra-buffer mode: the row's track slots as the attention backend reads them
+        (``req_index_to_mamba_ping_pong_track_buffer_mapping``); None without the mode."""
+        mapping = getattr(self.pool, "req_index_to_mamba_ping_pong_track_buffer_mapping", None)
+        if mapping is None or not getattr(self.pool, "enable_mamba_extra_buffer", False):
+            return None
+        return [s for s in _ints(mapping[row]) if s >= 0]
+
     def available_size(self) -> int:
         return self.pool.available_size()
 
