@@ -71,6 +71,9 @@ class StateType:
     on_device: ClassVar[bool] = True  # counts toward pool pressure; host copies do not
     reserves_zero: ClassVar[bool] = True  # slot/page 0 is padding: never handed out, never free
     recurrent: ClassVar[bool] = False  # one state per request, rewritten by every forward
+    # Its components are per-row scratch: speculative decoding's intermediate state, one row per request
+    # row, draft step by step (poolfuzz.pools.speculative)
+    scratch: ClassVar[bool] = False
 
     def held_units(self, lookup: SlotLookup, fam, kv, tokens: np.ndarray) -> list[int]:
         """The units (pages, slots or rows) a live request holds in this space."""
@@ -94,6 +97,7 @@ class RequestRows(StateType):
     """A request's row of ``req_to_token``."""
 
     space = "rows"
+    scratch = True
 
     def held_units(self, lookup, fam, kv, tokens):
         return [kv.req_pool_idx]

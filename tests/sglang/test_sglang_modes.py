@@ -109,3 +109,66 @@ class TestExtraBuffer:
         outcome = fuzz(config, examples=10)
         assert outcome.failure is not None
         assert outcome.failure.divergence.check == "consumer-map", outcome.failure
+
+
+SPECULATIVE = ["hybrid-spec", "hybrid-spec-ps4"]
+
+
+class TestSpeculativeScratch:
+    def test_scratch_components_are_the_pool_s_intermediate_caches(self, api):
+        """Every draft step of every state tensor is a view of SGLang's intermediate_ssm / conv windows."""
+        config = CONFIGS["hybrid-spec"]
+        _supported(api, config)
+        e = _engine(config)
+        fam = e.families["prefill"]
+        caches = fam.sg_req_pool.get_speculative_mamba2_params_all_layers()
+        storages = {t.untyped_storage().data_ptr() for t in [caches.intermediate_ssm, *caches.intermediate_conv_window]}
+        scratch = [c for c in fam.components() if "@draft" in c.name]
+        per_step = len(config.conv_shapes) + 1
+        assert len(scratch) == per_step * config.mamba_layers * config.spec_draft_tokens
+        assert all(c.tensor.untyped_storage().data_ptr() in storages and c.space == "rows" for c in scratch)
+
+    def test_a_verify_and_commit_pass_the_checks(self, api):
+        config = CONFIGS["hybrid-spec"]
+        _supported(api, config)
+        e = _engine(config)
+        rid = e.admit(5)
+        e.prefill(rid, 5)
+        for draft, accepted in ((3, 1), (2, 2), (1, 0)):
+            assert e.decode_speculative(rid, draft=draft, accepted=accepted)
+            e.check()
+        e.decode([rid])
+        e.check()
+
+    @pytest.mark.parametrize("name", SPECULATIVE)
+    def test_fuzz_passes(self, api, fuzz, name):
+        _supported(api, CONFIGS[name])
+        outcome = fuzz(CONFIGS[name], examples=15)
+        assert outcome.failure is None, outcome.failure
+
+    def test_a_commit_from_the_wrong_buffer_is_caught(self, api, fuzz, monkeypatch):
+        """If the accessor the backend commits from handed out another intermediate_ssm than the one the
+        verify wrote, the committed state is zeros: caught on the next check."""
+        config = CONFIGS["hybrid-spec"]
+        _supported(api, config)
+        real = api.MambaPool.get_speculative_mamba2_params_all_layers
+        seen = set()
+
+        def accessor(self):
+            caches = real(self)
+            if id(self) not in seen:  # each family takes its scratch views from its pool's first call
+                seen.add(id(self))
+                return caches
+            import dataclasses
+            return dataclasses.replace(caches, intermediate_ssm=torch.zeros_like(caches.intermediate_ssm))
+
+        monkeypatch.setattr(api.MambaPool, "get_speculative_mamba2_params_all_layers", accessor)
+        e = _engine(config)
+        rid = e.admit(5)
+        e.prefill(rid, 5)
+        e.check()
+        e.decode_speculative(rid, draft=2, accepted=1)
+        from poolfuzz.harness.failures import PoolfuzzFailure
+
+        with pytest.raises(PoolfuzzFailure, match="mamba.temporal"):
+            e.check()

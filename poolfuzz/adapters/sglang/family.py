@@ -23,6 +23,7 @@ from poolfuzz.adapters.sglang.calls import paged_alloc_extend
 from poolfuzz.adapters.sglang.protocol import SGLangProtocol
 from poolfuzz.adapters.sglang.standin import standin_class
 from poolfuzz.adapters.sglang.storage import build_storage_pool, storage_problem
+from poolfuzz.adapters.sglang.speculative import SGLangScratch, speculative_problem
 from poolfuzz.adapters.sglang.tracking import check_built, extra_buffer_problem, pool_kwargs
 from poolfuzz.adapters.sglang.views import (AllocatorView, FreeListView, KVPoolView, MambaPoolView, ReqPoolView,
                                             _ints, token_free_pages,
@@ -82,6 +83,8 @@ class SGLangFamily:
         out = self.kv_pool.components()
         if self.req_pool.mamba_pool is not None:
             out += self.req_pool.mamba_pool.components()
+            if self.req_pool.mamba_pool.spec_scratch is not None:
+                out += self.req_pool.mamba_pool.spec_scratch.components()
         return out
 
     def host_components(self) -> list[Component]:
@@ -129,7 +132,7 @@ def unsupported_reason(config: ModelConfig) -> str | None:
         problem = _paged_allocation_problem(api)
         if problem:
             return problem
-    return extra_buffer_problem(api, config) or storage_problem(api, config)
+    return extra_buffer_problem(api, config) or speculative_problem(api, config) or storage_problem(api, config)
 
 
 _PAGED_PROBE: dict[str, str | None] = {}
@@ -197,11 +200,17 @@ def _build(api: SGLangAPI, config: ModelConfig, dev, sdev: str) -> SGLangFamily:
             api.HybridReqToTokenPool, size=c.request_rows, mamba_size=c.mamba_slots,
             mamba_spec_state_size=c.request_rows, max_context_len=c.max_context, device=sdev,
             enable_memory_saver=False, cache_params=params, mamba_layer_ids=list(c.mamba_layer_ids),
-            speculative_num_draft_tokens=None, start_layer=0, **pool_kwargs(c))
+            speculative_num_draft_tokens=c.spec_draft_tokens or None, start_layer=0, **pool_kwargs(c),
+            # EAGLE tree verify (top-k 2) keeps one dense conv window per draft step, which a step's tags
+            # can live in; chain drafts on a GPU share window columns between steps (see speculative.py)
+            speculative_eagle_topk=2 if c.spec_draft_tokens else None)
         problem = check_built(sg_req_pool, c)
         if problem:
             raise ConfigError(f"config {c.name!r} on sglang {api.version}: {problem}")
         mamba_view = MambaPoolView(sg_req_pool.mamba_pool, c.mamba_layer_ids)
+        if c.spec_draft_tokens:
+            mamba_view.spec_scratch = SGLangScratch(sg_req_pool, layer_ids=c.mamba_layer_ids,
+                                                    draft_tokens=c.spec_draft_tokens)
     else:
         sg_req_pool = construct(api.ReqToTokenPool, size=c.request_rows, max_context_len=c.max_context,
                                 device=sdev, enable_memory_saver=False)

@@ -23,7 +23,7 @@ import torch
 from poolfuzz.adapters.sglang.api import accepted_kwargs, parameters
 from poolfuzz.adapters.sglang.calls import paged_alloc_decode, paged_alloc_extend
 from poolfuzz.adapters.sglang.shims import cpu_synchronize
-from poolfuzz.adapters.sglang import tracking
+from poolfuzz.adapters.sglang import speculative, tracking
 from poolfuzz.pools.errors import DoubleFree, PoolError, PoolExhausted
 from poolfuzz.pools.protocol import ServingProtocol, floor_page, window_start
 from poolfuzz.adapters.sglang.views import mamba_state_tensors
@@ -293,6 +293,12 @@ class SGLangProtocol(ServingProtocol):
         if not req.mamba_track:
             return None
         return tracking.next_slot(req, self.standin(req, family), family.sg_req_pool)
+
+    def commit_speculative(self, req: ReqKv, family, *, accepted_step: int, drafted_steps: int,
+                           track_slot: int | None) -> None:
+        """After verify: SGLang's commit scatter from the request's scratch row (see adapters.sglang.speculative)."""
+        speculative.commit(family.sg_req_pool, row=req.req_pool_idx, accepted_step=accepted_step,
+                           state_slot=req.mamba_pool_idx, track_slot=track_slot)
 
     # --- retraction (SGLang's release_req order: back up, release, reset) -------------------------
     def retract(self, req: ReqKv, family) -> None:

@@ -129,7 +129,11 @@ def mamba_state_tensors(mamba_pool) -> tuple[list[torch.Tensor], torch.Tensor]:
 
 
 class MambaPoolView:
-    """The recurrent state of SGLang's MambaPool as components; storage is SGLang's."""
+    """The recurrent state of SGLang's MambaPool as components; storage is SGLang's.
+
+    ``spec_scratch``: its speculative intermediate caches (``adapters.sglang.speculative``), or None."""
+
+    spec_scratch = None
 
     def __init__(self, pool, layer_ids: tuple[int, ...]):
         self.pool = pool

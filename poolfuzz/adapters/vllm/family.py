@@ -156,6 +156,8 @@ def unsupported_reason(config: ModelConfig) -> str | None:
         return "KV scale buffers are not modelled in the vllm family's worker storage yet"
     if getattr(config, "mamba_track_slots", 0):
         return "mamba extra-buffer track slots are SGLang's; vLLM keeps mamba state per block instead"
+    if getattr(config, "spec_draft_tokens", 0):
+        return "the speculative scratch rows are SGLang's MambaPool's; not driven through vLLM"
     return None
 
 
