@@ -50,13 +50,22 @@ class Writer:
         slots = fam.req_pool.read(req.kv.req_pool_idx, start, written_end)
         kv_plan, state_plan = self._plan(req.node)
         targets: dict[str, torch.Tensor] = {}  # space -> this forward's slots in it, worked out once
+        # A pool with a write door of its own (``writes_through_engine``) files the rows itself, as an
+        # attention backend has it do; what the door does not take is written here.
+        door = {} if getattr(fam.kv_pool, "writes_through_engine", False) else None
         for comp, spec, state_type in kv_plan:
-            target = targets.get(comp.space)
-            if target is None:
-                target = targets[comp.space] = state_type.write_targets(fam, slots).to(e.device)
-            comp.tensor[comp.at(target)] = row_cache.kv_rows(spec, req.rid, start, written_end, e.device)
+            rows = row_cache.kv_rows(spec, req.rid, start, written_end, e.device)
+            if door is None:
+                self._write_rows(fam, comp, state_type, slots, rows, targets)
+            else:
+                door[(comp.name, comp.layer)] = (comp, state_type, rows)
             req.expected[spec.key] = torch.cat([req.expected.get(spec.key, _EMPTY),
                                                 e.ledger.kv(spec, req.rid, start, end)])
+        if door:
+            done = fam.kv_pool.write_rows(slots, {key: rows for key, (_, _, rows) in door.items()})
+            for key, (comp, state_type, rows) in door.items():
+                if key not in done:
+                    self._write_rows(fam, comp, state_type, slots, rows, targets)
         req.kv.kv_committed_len = end
         if state_plan:
             scratch = fam.req_pool.mamba_pool.spec_scratch if verify else None
@@ -87,6 +96,12 @@ class Writer:
             comp.tensor[slot] = row_cache.state_rows(spec, req.rid, end, new_chain, e.device)
             if track is not None:
                 comp.tensor[track] = comp.tensor[slot.item()]
+
+    def _write_rows(self, fam, comp, state_type, slots: torch.Tensor, rows: torch.Tensor, targets: dict) -> None:
+        target = targets.get(comp.space)
+        if target is None:
+            target = targets[comp.space] = state_type.write_targets(fam, slots).to(self.engine.device)
+        comp.tensor[comp.at(target)] = rows
 
     def _verify_state(self, req: Request, scratch, plan: list, start: int, end: int, written_end: int) -> None:
         """Target verify: the state after each of ``[start, written_end)`` goes to the request's scratch row,

@@ -13,6 +13,7 @@ freed, so the harness can poison them before anything reuses them.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -24,6 +25,7 @@ from poolfuzz.adapters.sglang.protocol import SGLangProtocol
 from poolfuzz.adapters.sglang.standin import standin_class
 from poolfuzz.adapters.sglang.storage import build_storage_pool, storage_problem
 from poolfuzz.adapters.sglang.speculative import SGLangScratch, speculative_problem
+from poolfuzz.adapters.sglang.writes import write_rows
 from poolfuzz.adapters.sglang.tracking import check_built, extra_buffer_problem, pool_kwargs
 from poolfuzz.adapters.sglang.views import (AllocatorView, FreeListView, KVPoolView, MambaPoolView, ReqPoolView,
                                             _ints, token_free_pages,
@@ -271,11 +273,20 @@ def _build(api: SGLangAPI, config: ModelConfig, dev, sdev: str) -> SGLangFamily:
         api=api, config=c, device=dev, uses_ssm_state=uses_ssm_state(c), sg_req_pool=sg_req_pool,
         sg_kv_pool=sg_kv, sg_allocator=sg_alloc,
         req_pool=ReqPoolView(sg_req_pool, mamba=mamba_view, rows=views["rows"], mamba_free=mamba_free),
-        kv_pool=view_cls(sg_kv, comps), allocator=AllocatorView(sg_alloc, swa=c.has_swa),
+        kv_pool=view_cls(sg_kv, comps, door=_write_door(sg_kv, c)), allocator=AllocatorView(sg_alloc, swa=c.has_swa),
         protocol=SGLangProtocol(), standin_cls=standin_class(api), admission=SchedulerAdmission(api))
     family._free_views = views
     family.snapshot_free_lists()
     return family
+
+
+def _write_door(sg_kv, c: ModelConfig):
+    """The KV pool's own write door for the config's layers (``adapters.sglang.writes``). A pool with
+    scale buffers quantises what it is handed, so its rows (already bytes) are written directly."""
+    if c.kv_scale_block:
+        return None
+    mha = [] if c.latent else [("full", i) for i in c.full_layer_ids] + [("swa", i) for i in c.swa_layer_ids]
+    return functools.partial(write_rows, sg_kv, mha_layers=mha, mla_layers=list(c.full_layer_ids) if c.latent else [])
 
 
 def _carries_mamba(api: SGLangAPI, kv_pool) -> tuple[bool, bool]:

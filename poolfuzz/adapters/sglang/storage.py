@@ -23,12 +23,15 @@ def single_rank(api: SGLangAPI) -> None:
     if api.get_parallel is None:
         return
     ctx = api.get_parallel()
-    try:
-        ctx.attn_dcp_size
-    except (RuntimeError, ValueError):
-        ctx.override_permanently(attn_dcp_size=1, attn_dcp_rank=0)
-    except AttributeError:  # a release whose context has no such width reads none
-        pass
+    # MLA's constructor reads the width; its write door (set_kv_buffer) reads whether DCP is on
+    for width, single in (("attn_dcp_size", dict(attn_dcp_size=1, attn_dcp_rank=0)),
+                          ("dcp_enabled", dict(dcp_enabled=False))):
+        try:
+            getattr(ctx, width)
+        except (RuntimeError, ValueError):
+            ctx.override_permanently(**single)
+        except AttributeError:  # a release whose context has no such width reads none
+            pass
 
 
 def storage_problem(api: SGLangAPI, config: ModelConfig) -> str | None:

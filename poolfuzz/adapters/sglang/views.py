@@ -188,10 +188,17 @@ class KVPoolView:
 
     cpu_copy_carries_mamba = False
     declared = True  # False: SGLang declares nothing; the value was inferred (see build)
+    # The forward's KV rows go through SGLang's write door (``write_rows``), not into the buffers
+    writes_through_engine = True
 
-    def __init__(self, pool, comps: list[Component]):
+    def __init__(self, pool, comps: list[Component], *, door=None):
         self.pool = pool
         self._components = comps
+        self._door = door  # rows -> the keys written (adapters.sglang.writes.write_rows, bound to the pool)
+
+    def write_rows(self, slots: torch.Tensor, rows: dict) -> set:
+        """Write ``rows[(component, layer)]`` for the full slots ``slots`` as an attention backend does."""
+        return self._door(slots=slots, rows=rows) if self._door is not None else set()
 
     def components(self) -> list[Component]:
         return list(self._components)
