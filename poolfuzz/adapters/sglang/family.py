@@ -21,6 +21,7 @@ import torch
 from poolfuzz.adapters.sglang.admission import SchedulerAdmission
 from poolfuzz.adapters.sglang.api import SGLangAPI, SGLangUnavailable, construct, load
 from poolfuzz.adapters.sglang.calls import paged_alloc_extend
+from poolfuzz.adapters.sglang.pd import SGLangPDTransfer, pd_problem
 from poolfuzz.adapters.sglang.protocol import SGLangProtocol
 from poolfuzz.adapters.sglang.standin import standin_class
 from poolfuzz.adapters.sglang.storage import build_storage_pool, storage_problem
@@ -49,11 +50,12 @@ class SGLangFamily:
 
     Capabilities the harness's state machine reads:
       ``supports_fork``: radix match + copy-on-write needs SGLang's tree cache, not driven here.
-      ``supports_transfer``: PD transfer needs SGLang's transfer engines, not driven here.
+      ``supports_transfer``: PD transfer over SGLang's own PD registration (``adapters.sglang.pd``),
+      where the release has it; False (per family) where it does not.
     """
 
     supports_fork = False
-    supports_transfer = False
+    supports_transfer = True
 
     api: SGLangAPI
     config: ModelConfig
@@ -277,6 +279,10 @@ def _build(api: SGLangAPI, config: ModelConfig, dev, sdev: str) -> SGLangFamily:
         protocol=SGLangProtocol(), standin_cls=standin_class(api), admission=SchedulerAdmission(api))
     family._free_views = views
     family.snapshot_free_lists()
+    if pd_problem(api) is None:
+        family.transfer = SGLangPDTransfer()
+    else:
+        family.supports_transfer = False
     return family
 
 
