@@ -19,15 +19,16 @@ from dataclasses import dataclass, field
 import torch
 
 from poolfuzz.adapters.sglang.admission import SchedulerAdmission
-from poolfuzz.adapters.sglang.api import SGLangAPI, SGLangUnavailable, construct, load
+from poolfuzz.adapters.sglang.api import SGLangAPI, construct, load
 from poolfuzz.adapters.sglang.calls import paged_alloc_extend
 from poolfuzz.adapters.sglang.pd import SGLangPDTransfer, pd_problem
 from poolfuzz.adapters.sglang.protocol import SGLangProtocol
+from poolfuzz.adapters.sglang.request_pool import build_request_pool
 from poolfuzz.adapters.sglang.standin import standin_class
 from poolfuzz.adapters.sglang.storage import build_storage_pool, storage_problem
 from poolfuzz.adapters.sglang.speculative import SGLangScratch, speculative_problem
 from poolfuzz.adapters.sglang.writes import write_rows
-from poolfuzz.adapters.sglang.tracking import check_built, extra_buffer_problem, pool_kwargs
+from poolfuzz.adapters.sglang.tracking import check_built, extra_buffer_problem
 from poolfuzz.adapters.sglang.views import (AllocatorView, FreeListView, KVPoolView, MambaPoolView, ReqPoolView,
                                             _ints, token_free_pages,
                                             token_free_sources)
@@ -38,7 +39,6 @@ from poolfuzz.pools.family import resolve_device
 
 KV_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32,
              "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
-STATE_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
 # =============================================================================================
@@ -199,15 +199,7 @@ def _build(api: SGLangAPI, config: ModelConfig, dev, sdev: str) -> SGLangFamily:
 
     mamba_view = None
     if c.has_mamba:
-        params = _mamba_cache_params(api, c)
-        sg_req_pool = construct(
-            api.HybridReqToTokenPool, size=c.request_rows, mamba_size=c.mamba_slots,
-            mamba_spec_state_size=c.request_rows, max_context_len=c.max_context, device=sdev,
-            enable_memory_saver=False, cache_params=params, mamba_layer_ids=list(c.mamba_layer_ids),
-            speculative_num_draft_tokens=c.spec_draft_tokens or None, start_layer=0, **pool_kwargs(c),
-            # EAGLE tree verify (top-k 2) keeps one dense conv window per draft step, which a step's tags
-            # can live in; chain drafts on a GPU share window columns between steps (see speculative.py)
-            speculative_eagle_topk=2 if c.spec_draft_tokens else None)
+        sg_req_pool = build_request_pool(api, c, sdev)
         problem = check_built(sg_req_pool, c)
         if problem:
             raise ConfigError(f"config {c.name!r} on sglang {api.version}: {problem}")
@@ -315,21 +307,3 @@ def _mha_components(pool, layer_ids, space: str) -> list[Component]:
         out.append(Component(name=f"{space}.k", layer=layer_id, space=space, tensor=pool.k_buffer[local]))
         out.append(Component(name=f"{space}.v", layer=layer_id, space=space, tensor=pool.v_buffer[local]))
     return out
-
-
-def _mamba_cache_params(api: SGLangAPI, c: ModelConfig):
-    """SGLang's Mamba2 cache params for the config's conv and temporal shapes and dtype."""
-    dtype = STATE_DTYPES[c.state_dtype]
-    conv = [tuple(s) for s in c.conv_shapes]
-    heads, head_dim, state = c.temporal_shape
-    conv_kernel = conv[0][-1] + 1
-    shape = construct(api.Mamba2StateShape, conv=conv, temporal=tuple(c.temporal_shape),
-                      intermediate_size=heads * head_dim, conv_dim=conv[0][0], ssm_state_size=state,
-                      num_heads=heads, head_dim=head_dim, state_size=state, conv_kernel=conv_kernel)
-    kwargs = dict(shape=shape, layers=list(c.mamba_layer_ids))
-    if api.Mamba2StateDType is not None:
-        kwargs["dtype"] = construct(api.Mamba2StateDType, conv=dtype, temporal=dtype)
-    try:
-        return construct(api.Mamba2CacheParams, **kwargs)
-    except TypeError as exc:
-        raise SGLangUnavailable(f"cannot build Mamba2CacheParams on sglang {api.version}: {exc}") from exc

@@ -29,9 +29,8 @@ _UTILS = "sglang.srt.disaggregation.utils"
 
 def pd_problem(api) -> str | None:
     """Why this release's PD registration cannot be driven here, or None."""
-    for name in ("setup_state_kv_args", "get_kv_transfer_buf_infos"):
-        if _first(f"{_UTILS}:{name}", required=False) is None:
-            return f"SGLang {api.version} has no {name} to register PD buffers with"
+    if _first(f"{_UTILS}:setup_state_kv_args", required=False) is None:
+        return f"SGLang {api.version} has no setup_state_kv_args to register PD buffers with"
     return None
 
 
@@ -40,8 +39,11 @@ def registration(family):
     got = getattr(family, "_pd_args", None)
     if got is None:
         kv_args = types.SimpleNamespace()
-        kv_args.kv_data_ptrs, kv_args.kv_data_lens, kv_args.kv_item_lens = _first(
-            f"{_UTILS}:get_kv_transfer_buf_infos")(family.sg_kv_pool)
+        # get_kv_transfer_buf_infos where the release has it (it picks a sparse pool's own), else the
+        # pool's get_contiguous_buf_infos, which it returns for every other pool
+        infos = _first(f"{_UTILS}:get_kv_transfer_buf_infos", required=False)
+        kv_args.kv_data_ptrs, kv_args.kv_data_lens, kv_args.kv_item_lens = (
+            infos(family.sg_kv_pool) if infos is not None else family.sg_kv_pool.get_contiguous_buf_infos())
         _first(f"{_UTILS}:setup_state_kv_args")(kv_args, family.sg_kv_pool, req_to_token_pool=family.sg_req_pool)
         got = family._pd_args = kv_args
     return got
