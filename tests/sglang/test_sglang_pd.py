@@ -59,6 +59,8 @@ def test_a_mamba_registration_without_the_temporal_state_is_caught(api, monkeypa
     """The decode node's slot keeps whatever it held if the temporal state is not registered for transfer."""
     e = _engine(api, "hybrid-linear")
     mamba_cls = type(e.families["prefill"].sg_req_pool.mamba_pool)
+    if not hasattr(mamba_cls, "_iter_transfer_state_entries"):
+        pytest.skip("this release lists its transfer entries inline (no _iter_transfer_state_entries to narrow)")
     real = mamba_cls._iter_transfer_state_entries
     monkeypatch.setattr(mamba_cls, "_iter_transfer_state_entries",
                         lambda self: (entry for entry in real(self) if entry[0] != "temporal"))
