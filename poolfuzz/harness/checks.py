@@ -14,8 +14,10 @@ from poolfuzz.harness.ledger import ComponentSpec
 from poolfuzz.harness.records import Phase, Request
 from poolfuzz.harness.sharing import audit_protected_prefixes, audit_shared_units
 from poolfuzz.pools.allocator import TokenAllocator
+from poolfuzz.pools.speculative import draft_step
 
 _EMPTY = torch.empty(0, dtype=torch.int64)
+_NO_POSITION = np.array([-1], dtype=np.int64)
 
 
 class Checker:
@@ -307,6 +309,8 @@ class Checker:
         e = self.engine
         ref = e.refs[req.node].request(req.rid)
         state_type = e.state_types[spec.space]
+        if state_type.scratch:
+            return self._scratch_slots(req, ref, spec)
         if state_type.recurrent:
             if ref.pending_state is not None or ref.state is None:
                 return None  # a fresh slot before its first extend, or a pending copy-on-write
@@ -342,6 +346,14 @@ class Checker:
         positions, slots, lo = found
         return positions, slots, req.expected.get(spec.key, _EMPTY)[lo:req.kv.kv_committed_len]
 
+    def _scratch_slots(self, req: Request, ref, spec: ComponentSpec):
+        """A speculative scratch step of the request's row: the state the last verify left there, if any."""
+        history = _scratch_history(ref, spec.name)
+        if history is None:
+            return None
+        return (_NO_POSITION, np.array([req.kv.req_pool_idx], dtype=np.int64),
+                torch.tensor([self.state_checksum(spec, history)]))
+
     def _host_batches(self, fam, node: str, req: Request) -> list:
         backup = req.kv.retraction_backup
         if backup is None or not backup.host_transfers:
@@ -370,9 +382,13 @@ class Checker:
             index -= len(req_slots)
         slot = int(req_slots[index])
         state_type = e.state_types[comp.space]
-        position = None if state_type.recurrent else int(positions[index])
+        position = None if state_type.recurrent or state_type.scratch else int(positions[index])
         ref = e.refs[node].request(req.rid)
-        expected = state_type.describe_expected(e.ledger, ref, position)
+        if state_type.scratch:
+            expected = (f"{e.ledger.describe_state(_scratch_history(ref, comp.name))}, in draft step "
+                        f"{draft_step(comp.name)} of its scratch row")
+        else:
+            expected = state_type.describe_expected(e.ledger, ref, position)
         if state_type.recurrent and slot in req.kv.mamba_track:  # a track slot of extra-buffer mode
             history = dict(state_type.tracked(req, ref)).get(slot)
             expected = f"{e.ledger.describe_state(history)}, in track slot {req.kv.mamba_track.index(slot)}"
@@ -401,6 +417,11 @@ class Checker:
         if snap is None or space not in snap:
             return None
         return self.engine.state_types[space].slot_before(snap[space], position)
+
+
+def _scratch_history(ref, name: str):
+    step = draft_step(name)
+    return ref.scratch[step] if step is not None and step < len(ref.scratch) else None
 
 
 def _holder(rid: int | None) -> str:

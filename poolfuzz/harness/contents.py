@@ -31,8 +31,9 @@ CODE_NAMES = {v: k for k, v in COMPONENT_CODES.items()}
 
 
 def component_code(name: str) -> int:
-    """Host copies hold device rows: ``host.full.k`` rows carry ``full.k`` tags."""
-    return COMPONENT_CODES[name.removeprefix("host.")]
+    """Host copies hold device rows: ``host.full.k`` rows carry ``full.k`` tags; a speculative scratch
+    step holds state rows: ``mamba.temporal@draft2`` rows carry ``mamba.temporal`` tags."""
+    return COMPONENT_CODES[name.removeprefix("host.").partition("@")[0]]
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -321,6 +321,8 @@ class Engine:
     def decode_speculative(self, rid: int, draft: int, accepted: int) -> bool:
         """A speculative (MTP / EAGLE) step: KV slots and writes for the input token plus ``draft``
         draft tokens, ``accepted`` of the drafts kept, then the over-allocated tail released."""
+        if self.config.spec_draft_tokens:  # a verify checks at most this many tokens
+            draft = min(draft, self.config.spec_draft_tokens - 1)
         accepted = min(accepted, draft)
         self._begin("decode_speculative", {"rid": rid, "draft": draft, "accepted": accepted})
         req = self.requests[rid]
@@ -331,7 +333,8 @@ class Engine:
         if err:
             self._record(f"{err.space} exhausted")
             return False
-        self.writer.forward(req, pos, pos + 1 + accepted, written_end=pos + 1 + draft)
+        self.writer.forward(req, pos, pos + 1 + accepted, written_end=pos + 1 + draft, verify=True)
+        ref.verify(rid, pos, pos + 1 + draft)
         ref.commit(rid, pos + 1 + accepted)
         req.kv.seqlen += 1 + accepted
         ref.sample(rid, 1 + accepted)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import re
 from dataclasses import asdict, dataclass
 
+from poolfuzz.pools.speculative import draft_step
+
 
 @dataclass(frozen=True, kw_only=True)
 class Divergence:
@@ -166,7 +168,9 @@ def signature_from(error_type: str, divergence: dict, *, in_teardown: bool = Fal
         return f"Crash:{error_type}@{op}"
     component = divergence.get("component")
     space = divergence.get("space") or (component.rsplit(".", 1)[0] if component else "-")
-    if component and _secondary_buffer(component, space):
+    if component and draft_step(component) is not None:
+        space = "spec-scratch"  # every draft step of every state tensor of the scratch row: one kind of buffer
+    elif component and _secondary_buffer(component, space):
         space = component  # one index space, several buffers (MLA, DSA, scales): each is its own bug
     check = divergence.get("check") or divergence.get("kind") or "-"
     if check in STATE_CHECKS:  # the operation that first sees a broken state is incidental

@@ -13,6 +13,7 @@ from poolfuzz.harness import row_cache
 from poolfuzz.harness.contents import KIND_PADDING, chain_affine
 from poolfuzz.harness.records import NO_CULPRIT, Request
 from poolfuzz.harness.state_hits import settle_cached_states
+from poolfuzz.pools.speculative import scratch_name
 
 _EMPTY = torch.empty(0, dtype=torch.int64)
 
@@ -37,26 +38,42 @@ class Writer:
                 [] if pool is None else [(c, e.specs[(c.name, c.layer)]) for c in pool.components()])
         return plan
 
-    def forward(self, req: Request, start: int, end: int, *, written_end: int | None = None) -> None:
+    def forward(self, req: Request, start: int, end: int, *, written_end: int | None = None,
+                verify: bool = False) -> None:
         """Write KV for positions ``[start, written_end)`` in every layer, then commit ``[start, end)``:
         the recurrent state consumes those tokens. A speculative step writes KV for its draft
-        tokens too (``written_end > end``) but commits only the accepted ones."""
+        tokens too (``written_end > end``) but commits only the accepted ones; where the mamba pool
+        keeps speculative scratch (``spec_scratch``) a ``verify`` forward writes the state after each
+        token there and the family's commit copies the accepted one's into the state."""
         e = self.engine
         fam = e.families[req.node]
         written_end = end if written_end is None else written_end
         slots = fam.req_pool.read(req.kv.req_pool_idx, start, written_end)
         kv_plan, state_plan = self._plan(req.node)
         targets: dict[str, torch.Tensor] = {}  # space -> this forward's slots in it, worked out once
+        # A pool with a write door of its own (``writes_through_engine``) files the rows itself, as an
+        # attention backend has it do; what the door does not take is written here.
+        door = {} if getattr(fam.kv_pool, "writes_through_engine", False) else None
         for comp, spec, state_type in kv_plan:
-            target = targets.get(comp.space)
-            if target is None:
-                target = targets[comp.space] = state_type.write_targets(fam, slots).to(e.device)
-            comp.tensor[comp.at(target)] = row_cache.kv_rows(spec, req.rid, start, written_end, e.device)
+            rows = row_cache.kv_rows(spec, req.rid, start, written_end, e.device)
+            if door is None:
+                self._write_rows(fam, comp, state_type, slots, rows, targets)
+            else:
+                door[(comp.name, comp.layer)] = (comp, state_type, rows)
             req.expected[spec.key] = torch.cat([req.expected.get(spec.key, _EMPTY),
                                                 e.ledger.kv(spec, req.rid, start, end)])
+        if door:
+            done = fam.kv_pool.write_rows(slots, {key: rows for key, (_, _, rows) in door.items()})
+            for key, (comp, state_type, rows) in door.items():
+                if key not in done:
+                    self._write_rows(fam, comp, state_type, slots, rows, targets)
         req.kv.kv_committed_len = end
         if state_plan:
-            self._fold_state(req, state_plan, start, end)
+            scratch = fam.req_pool.mamba_pool.spec_scratch if verify else None
+            if scratch is None:
+                self._fold_state(req, state_plan, start, end)
+            else:
+                self._verify_state(req, scratch, state_plan, start, end, written_end)
 
     def _fold_state(self, req: Request, plan: list, start: int, end: int) -> None:
         """The recurrent state consumes ``[start, end)``: read the chain it holds, write the next."""
@@ -80,6 +97,29 @@ class Writer:
             comp.tensor[slot] = row_cache.state_rows(spec, req.rid, end, new_chain, e.device)
             if track is not None:
                 comp.tensor[track] = comp.tensor[slot.item()]
+
+    def _write_rows(self, fam, comp, state_type, slots: torch.Tensor, rows: torch.Tensor, targets: dict) -> None:
+        target = targets.get(comp.space)
+        if target is None:
+            target = targets[comp.space] = state_type.write_targets(fam, slots).to(self.engine.device)
+        comp.tensor[comp.at(target)] = rows
+
+    def _verify_state(self, req: Request, scratch, plan: list, start: int, end: int, written_end: int) -> None:
+        """Target verify: the state after each of ``[start, written_end)`` goes to the request's scratch row,
+        draft step by step, each tagged as the state it is; then the family commits ``[start, end)``."""
+        e = self.engine
+        fam = e.families[req.node]
+        idx, row = req.kv.mamba_pool_idx, req.kv.req_pool_idx
+        steps = {(c.name, c.layer): c for c in scratch.components()}
+        for comp, spec in plan:
+            old_chain = int(comp.tensor[idx].reshape(-1)[7:8].to(torch.int64))  # read the state
+            for t in range(written_end - start):
+                a, b = chain_affine(req.rid, start, start + t + 1)
+                steps[(scratch_name(comp.name, t), comp.layer)].tensor[row] = row_cache.state_row(
+                    spec, req.rid, start + t + 1, (old_chain * a + b) % 251)
+        track = fam.protocol.next_track_slot(req.kv, fam) if req.kv.mamba_track else None
+        fam.protocol.commit_speculative(req.kv, fam, accepted_step=end - start - 1,
+                                        drafted_steps=written_end - start, track_slot=track)
 
     def recompute(self, req: Request, start: int, ref) -> None:
         """A resume that recomputes (vLLM's preemption): positions ``[start, committed)`` get their KV

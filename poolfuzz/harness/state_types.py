@@ -50,6 +50,12 @@ class SlotLookup:
             return int(self._view(pool.req_to_mamba)[row])
         return int(pool.get_mamba_indices([row])[0])
 
+    def track_slots(self, fam, row: int) -> list[int] | None:
+        """``req_pool.get_track_slots(row)``: extra-buffer mode's track slots of the row as the kernels read
+        them (None: the family keeps no such mapping)."""
+        reader = getattr(fam.req_pool, "get_track_slots", None)
+        return None if reader is None else reader(row)
+
     def swa_slots(self, fam, tokens: np.ndarray) -> np.ndarray:
         """``allocator.translate(tokens)``: the SWA slot of each full slot, 0 where unmapped."""
         alloc = fam.allocator
@@ -65,6 +71,9 @@ class StateType:
     on_device: ClassVar[bool] = True  # counts toward pool pressure; host copies do not
     reserves_zero: ClassVar[bool] = True  # slot/page 0 is padding: never handed out, never free
     recurrent: ClassVar[bool] = False  # one state per request, rewritten by every forward
+    # Its components are per-row scratch: speculative decoding's intermediate state, one row per request
+    # row, draft step by step (poolfuzz.pools.speculative)
+    scratch: ClassVar[bool] = False
 
     def held_units(self, lookup: SlotLookup, fam, kv, tokens: np.ndarray) -> list[int]:
         """The units (pages, slots or rows) a live request holds in this space."""
@@ -88,6 +97,7 @@ class RequestRows(StateType):
     """A request's row of ``req_to_token``."""
 
     space = "rows"
+    scratch = True
 
     def held_units(self, lookup, fam, kv, tokens):
         return [kv.req_pool_idx]
@@ -185,15 +195,26 @@ class RecurrentState(StateType):
         return NO_POSITION, np.array([req.kv.mamba_pool_idx], dtype=np.int64)
 
     def consumer_problem(self, lookup, fam, kv, tokens):
-        """The row's mamba slot as the kernels read it (``get_mamba_indices``) is the slot the request holds."""
+        """The row's mamba slot as the kernels read it (``get_mamba_indices``) is the slot the request holds;
+        so are its track slots, where the family maps them per row."""
         if kv.mamba_pool_idx is None:
             return None
         mapped = lookup.mamba_slot(fam, kv.req_pool_idx)
         if mapped is None or mapped == kv.mamba_pool_idx:
-            return None
+            return self._track_problem(lookup, fam, kv)
         return (f"row {kv.req_pool_idx}'s mamba slot as the kernels read it (get_mamba_indices) is {mapped}, but "
                 f"the request holds slot {kv.mamba_pool_idx}: its forward would read and write slot {mapped}",
                 kv.mamba_pool_idx)
+
+    def _track_problem(self, lookup, fam, kv):
+        if not kv.mamba_track:
+            return None
+        mapped = lookup.track_slots(fam, kv.req_pool_idx)
+        if mapped is None or list(mapped) == list(kv.mamba_track):
+            return None
+        wrong = next((s for s in kv.mamba_track if s not in mapped), kv.mamba_track[0])
+        return (f"row {kv.req_pool_idx}'s track slots as the kernels read them are {list(mapped)}, but the request "
+                f"holds {list(kv.mamba_track)}: its forward would track its state elsewhere", wrong)
 
     def tracked(self, req, ref) -> list[tuple[int, tuple]]:
         """Extra-buffer mode: (track slot, the state history it must hold) of each track slot a

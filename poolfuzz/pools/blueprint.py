@@ -15,6 +15,7 @@ from poolfuzz.pools.mamba import MambaPool, MambaSlotAllocator
 from poolfuzz.pools.prefix_tree import MambaPrefixTree
 from poolfuzz.pools.protocol import ServingProtocol
 from poolfuzz.pools.req_to_token import HybridReqToTokenPool, ReqToTokenPool
+from poolfuzz.pools.speculative import SpeculativeScratch
 from poolfuzz.pools.swa_allocator import SWATokenAllocator
 from poolfuzz.pools.transfer import PDTransfer
 
@@ -38,6 +39,7 @@ class Blueprint:
     protocol: type = ServingProtocol
     transfer: type = PDTransfer
     mamba_allocator: type = MambaSlotAllocator
+    spec_scratch: type = SpeculativeScratch  # speculative decoding's intermediate state caches
     prefix_tree: type = MambaPrefixTree  # the checkpoints of the prefix cache (recurrent-state models)
     ssm_predicate: Callable[[ModelConfig], bool] = uses_ssm_state
     backup_resolver: Callable[..., str] = None  # None: resolve_backup_mode

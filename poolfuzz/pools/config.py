@@ -61,6 +61,12 @@ class ModelConfig:
     # allocator, into which the forward also writes the state (for the prefix cache to keep). 0: off;
     # 1: one track slot; 2: the overlap schedule's ping-pong pair (SGLang's get_mamba_tracking_slots)
     mamba_track_slots: int = 0
+    # Speculative decoding (MTP / EAGLE, one chain of drafts): the tokens one verify forward checks,
+    # the last sampled token plus the drafts (SGLang's speculative_num_draft_tokens). The recurrent
+    # state after each of them lands in the request's scratch row (MambaPool's intermediate ssm and
+    # conv-window caches, one row per request row), and the commit copies the last accepted one's
+    # into the state slot. 0: off (a speculative step then folds the accepted tokens directly).
+    spec_draft_tokens: int = 0
 
     def __post_init__(self) -> None:
         problems = _validate(self)
@@ -152,6 +158,9 @@ def _validate(c: ModelConfig) -> list[str]:
     if c.mamba_track_slots and (not c.mamba_layers or c.mamba_track_slots not in (1, 2)):
         problems.append(f"mamba_track_slots ({c.mamba_track_slots}) must be 1 or 2 (extra-buffer mode, 2 with the "
                         "overlap schedule) and needs mamba_layers > 0")
+    if c.spec_draft_tokens and (not c.mamba_layers or c.spec_draft_tokens < 2):
+        problems.append(f"spec_draft_tokens ({c.spec_draft_tokens}) must be at least 2 (the last token and one "
+                        "draft) and needs mamba_layers > 0 (the intermediate state caches are the MambaPool's)")
     if c.mamba_layers and c.mamba_slots < 1:
         problems.append("mamba_layers > 0 needs mamba_slots >= 1")
     if not c.mamba_layers and c.mamba_slots:
@@ -256,7 +265,9 @@ def _mode_configs(base: list[ModelConfig]) -> list[ModelConfig]:
     """Hybrid models in SGLang's mamba extra-buffer mode with the overlap schedule: each request
     holds a ping-pong pair of track slots beside its state slot (three slots a request)."""
     hybrid = next(c for c in base if c.name == "hybrid-linear")
-    return [hybrid.replace(name="hybrid-extra-buffer", mamba_track_slots=2, mamba_slots=10)]
+    return [hybrid.replace(name="hybrid-extra-buffer", mamba_track_slots=2, mamba_slots=10),
+            # MTP with three drafts a step: each verify fills draft steps 0..3 of the request's scratch row
+            hybrid.replace(name="hybrid-spec", spec_draft_tokens=4)]
 
 
 def _paged(config: ModelConfig, page_size: int, kv_dtype: str) -> ModelConfig:
@@ -275,7 +286,7 @@ def _all_configs() -> dict[str, ModelConfig]:
     out = {}
     paged_dtypes = {"dense": "fp8_e4m3", "swa": "bfloat16", "hybrid-linear": "float32",
                     "swa-ssm": "float16", "mla": "bfloat16", "dsa": "bfloat16", "fp8-scaled": "fp8_e5m2",
-                    "hybrid-extra-buffer": "float32"}
+                    "hybrid-extra-buffer": "float32", "hybrid-spec": "bfloat16"}
     for base in _base_configs() + _storage_configs() + _mode_configs(_base_configs()):
         out[base.name] = base
         paged = _paged(base, 4, paged_dtypes[base.name])

@@ -56,6 +56,9 @@ class PoolFamily:
         out = list(self.kv_pool.components())
         if self.req_pool.mamba_pool is not None:
             out += self.req_pool.mamba_pool.components()
+            scratch = self.req_pool.mamba_pool.spec_scratch
+            if scratch is not None:
+                out += scratch.components()
         return out
 
     def host_components(self) -> list[Component]:
@@ -176,6 +179,9 @@ def build_family(config: ModelConfig, *, device="cpu", faults: Iterable[str] = (
         mamba_pool = bp.mamba_pool(size=c.mamba_slots, num_layers=c.mamba_layers, conv_shapes=c.conv_shapes,
                                    temporal_shape=c.temporal_shape, dtype=c.state_dtype, device=dev,
                                    layer_ids=c.mamba_layer_ids)
+        if c.spec_draft_tokens:
+            mamba_pool.spec_scratch = bp.spec_scratch(rows=c.request_rows, draft_tokens=c.spec_draft_tokens,
+                                                      mamba_pool=mamba_pool)
         req_pool = bp.hybrid_req_pool(size=c.request_rows, max_context=c.max_context, device=dev,
                                       mamba_pool=mamba_pool, mamba_allocator_cls=bp.mamba_allocator)
     else:

@@ -19,6 +19,7 @@ from poolfuzz.pools.mamba import MambaPool, MambaSlotAllocator
 from poolfuzz.pools.prefix_tree import MambaPrefixTree
 from poolfuzz.pools.protocol import ServingProtocol
 from poolfuzz.pools.req_to_token import HybridReqToTokenPool
+from poolfuzz.pools.spec_faults import CommitsByBatchPosition, CommitsLastDraft
 from poolfuzz.pools.storage_faults import (
     DSACopyWithoutIndexCache,
     DSAIndexScalesTransposed,
@@ -453,6 +454,11 @@ FAULTS: dict[str, Fault] = {
            lambda c: c.mamba_track_slots > 0, {"protocol": TrackSlotsNotFreed}),
         _f("ping-pong-stuck", "mamba extra buffer with the overlap schedule (ping-pong index)",
            lambda c: c.mamba_track_slots == 2, {"protocol": PingPongStuck}),
+        # Speculative decoding's scratch rows: the commit after verify picks the wrong state
+        _f("spec-commit-last-draft", "MTP verify commit (last_correct_step_indices vs accept length)",
+           lambda c: c.spec_draft_tokens > 0, {"spec_scratch": CommitsLastDraft}),
+        _f("spec-commit-batch-position", "MTP verify commit scratch rows (src_indices_raw, stable rows)",
+           lambda c: c.spec_draft_tokens > 0, {"spec_scratch": CommitsByBatchPosition}),
         # Pool classes that store KV other than as K and V rows: each fault drops or misplaces one buffer.
         _f("mla-copy-drops-rope", "MLA get_value_buffer is the latent part only", lambda c: c.attention == "mla",
            {"mla_kv_pool": MLACopiesValueBufferOnly}),
@@ -497,6 +503,8 @@ SHORTEST_KNOWN: dict[str, int] = {
     "track-slots-not-freed": 3, "ping-pong-stuck": 3,
     # The best shrink of `hunt --seeds 5`: a request served, retracted into the host pool and aborted.
     "host-discard-keeps-swa-slots": 3,
+    # By hand: admit, prefill, then one speculative step (that rejects a draft, for the first): 3.
+    "spec-commit-last-draft": 3, "spec-commit-batch-position": 3,
     "mla-copy-drops-rope": 6, "mla-pd-item-of-latent-width": 3, "dsa-copy-drops-index": 6,
     "dsa-index-scales-transposed": 6, "pd-drops-dsa-index": 3, "scaled-copy-drops-scales": 6, "pd-drops-block-scales": 3,
     # By hand (tests/cover/test_free_patterns.py replays both): a request longer than the window,

@@ -31,6 +31,13 @@ Optional capabilities, read with a default where a family does not declare them:
 * ``cached_units() -> dict[space, list[int]]`` and ``flush_prefix_cache()``: a family with a prefix
   cache says which units the cache holds for itself (counted as held: never free, never twice), and
   evicts every unlocked entry when the harness drains the node (the pools must then be whole).
+* ``kv_pool.writes_through_engine`` (default False): the forward hands its KV rows to
+  ``kv_pool.write_rows(slots, {(component, layer): rows}) -> keys written`` (the engine's own write
+  door) instead of writing the buffers; the rest it writes itself.
+* ``req_pool.mamba_pool.spec_scratch`` (default None): speculative decoding's scratch, whose
+  ``components()`` (``rows`` space, one per draft step) a verify forward writes before
+  ``protocol.commit_speculative(req, family, accepted_step=, drafted_steps=, track_slot=)``;
+  ``req_pool.get_track_slots(row)`` (optional): extra-buffer track slots as the kernels read them.
 """
 
 from __future__ import annotations

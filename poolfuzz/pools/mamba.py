@@ -31,7 +31,12 @@ class MambaPool:
 
     Created zeroed. Neither allocation nor free zeroes a slot: a fresh slot is cleared only by
     ``clear_slots``, which the engine runs on an extend (prefill) forward, as SGLang does.
+
+    ``spec_scratch``: speculative decoding's intermediate state caches
+    (:class:`poolfuzz.pools.speculative.SpeculativeScratch`), or None when the config has none.
     """
+
+    spec_scratch = None
 
     def __init__(self, *, size: int, num_layers: int, conv_shapes, temporal_shape, dtype: str,
                  device: torch.device, layer_ids: tuple[int, ...]):

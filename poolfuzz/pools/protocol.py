@@ -116,6 +116,14 @@ class ServingProtocol:
         req.track_writes += 1
         return slot
 
+    def commit_speculative(self, req: ReqKv, family: PoolFamily, *, accepted_step: int, drafted_steps: int,
+                           track_slot: int | None) -> None:
+        """After verify (``update_mamba_state_after_mtp_verify``): the state after the last accepted token,
+        read from the request's scratch row, becomes its state (and its track slot's)."""
+        family.req_pool.mamba_pool.spec_scratch.commit(
+            row=req.req_pool_idx, accepted_step=accepted_step, drafted_steps=drafted_steps,
+            state_slot=req.mamba_pool_idx, track_slot=track_slot)
+
     def extend(self, req: ReqKv, family: PoolFamily, new_len: int) -> torch.Tensor:
         """KV slots for positions ``[kv_allocated_len, new_len)``, written into the request row."""
         start = req.kv_allocated_len

@@ -42,6 +42,9 @@ class RefRequest:
     # wrote it), and how many forwards wrote one
     track: list = field(default_factory=list)
     track_writes: int = 0
+    # Speculative decoding: what each draft step of the request's scratch row holds (a state history;
+    # None until a verify wrote it since the request took its row)
+    scratch: list = field(default_factory=list)
     backup_tokens: int | None = None  # tokens in the retraction backup, None if not retracted
     cow_key: tuple[int, int] | None = None  # the prefix-tree node a pending copy-on-write has locked
     host_held: dict[str, int] = field(default_factory=dict)
@@ -186,6 +189,16 @@ class ReferenceFamily:
         """New track slots: nothing written to them yet."""
         req.track = [None] * (self.config.mamba_track_slots if req.holds_mamba else 0)
         req.track_writes = 0
+        req.scratch = [None] * (self.config.spec_draft_tokens if req.holds_mamba else 0)
+
+    def verify(self, rid: int, start: int, end: int) -> None:
+        """A target-verify forward over ``[start, end)``: draft step t of the scratch row holds the state
+        after position ``start + t`` (the commit that follows picks the accepted one)."""
+        req = self.requests[rid]
+        if not req.scratch:
+            return
+        for t in range(end - start):
+            req.scratch[t] = req.state + ((rid, start, start + t + 1),)
 
     def commit(self, rid: int, end: int) -> None:
         """KV written for positions ``[committed, end)``; the state consumed those tokens."""
@@ -251,7 +264,7 @@ class ReferenceFamily:
             self.free["swa"] += _pages(req.allocated, self.ps) - req.swa_lo // self.ps
         if req.holds_mamba:
             self.free["mamba"] += self.state_slots
-            req.track, req.track_writes = [], 0
+            req.track, req.track_writes, req.scratch = [], 0, []
         self._unlock(req)  # a copy-on-write that never ran: its checkpoint stays cached
         req.pending_state = None
         self.free["rows"] += 1

@@ -71,6 +71,10 @@ def _drawn(draw) -> ModelConfig:
     mamba_slots = draw(st.integers(1, 8))
     conv, temporal = draw(_state_shapes())
     state_dtype = draw(st.sampled_from(STATE_DTYPES))
+    # The modes of a recurrent-state model: extra-buffer track slots (1, or the overlap schedule's 2) and
+    # speculative scratch for verifies of 2 to 5 tokens; both shrink to off
+    track_slots = draw(st.sampled_from((0, 1, 2)))
+    spec_tokens = draw(st.one_of(st.just(0), st.integers(2, 5)))
     blocked = "F" * full + "S" * swa + "M" * mamba
     pattern = ""
     if draw(st.booleans()):  # an interleaving; shrinks back to the blocked layout
@@ -94,7 +98,8 @@ def _drawn(draw) -> ModelConfig:
         fields.update(sliding_window=window if window <= 16 else window * max(1, full_tokens // 256),
                       swa_tokens=swa_tokens)
     if mamba:
-        fields.update(mamba_slots=mamba_slots, conv_shapes=conv, temporal_shape=temporal, state_dtype=state_dtype)
+        fields.update(mamba_slots=mamba_slots, conv_shapes=conv, temporal_shape=temporal, state_dtype=state_dtype,
+                      mamba_track_slots=track_slots, spec_draft_tokens=spec_tokens)
     return ModelConfig(**fields)
 
 

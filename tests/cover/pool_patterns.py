@@ -27,3 +27,9 @@ def rows_of(family, comp, req: ReqKv, positions: list[int]) -> tuple[list[int], 
     swa = family.allocator.translate(full)
     keep = [i for i, s in enumerate(swa.tolist()) if s > 0]
     return [positions[i] for i in keep], [int(swa[i]) for i in keep]
+
+
+def carried(family) -> list:
+    """The components a retraction backup or a PD transfer carries: all but speculative scratch, which
+    only lives from a verify to its commit (SGLang's MambaPool leaves its intermediate caches out of both)."""
+    return [c for c in family.components() if c.space != "rows"]

@@ -8,7 +8,7 @@ from poolfuzz.pools.faults import FAULTS, applicable_configs
 from poolfuzz.pools.protocol import ServingProtocol, floor_page
 from poolfuzz.pools.request import ReqKv
 
-from pool_patterns import pattern, rows_of
+from pool_patterns import carried, pattern, rows_of
 
 POISON = 253  # scribbled into freed rows; patterns only use 1..250
 SEQLEN = 23  # 22 committed positions: past every sliding window, not page-aligned
@@ -33,7 +33,7 @@ SWA_SSM_CONFIGS = [name for name, c in CONFIGS.items() if c.has_swa and c.has_ma
 # --- traceable contents ---------------------------------------------------------------------
 def write_request(family, req: ReqKv, n: int) -> None:
     """Write the request's pattern into every component row it owns for positions [0, n)."""
-    for i, comp in enumerate(family.components()):
+    for i, comp in enumerate(carried(family)):
         pos, rows = rows_of(family, comp, req, list(range(n)))
         comp.tensor[comp.at(torch.tensor(rows))] = pattern(i, req.rid, pos, comp.row_shape, comp.tensor.dtype)
 
@@ -42,7 +42,7 @@ def mismatches(family, req: ReqKv, n: int) -> list[str]:
     """Components whose rows differ from the request's pattern: full [0, n), SWA in the window, mamba."""
     window_start = max(0, n - family.config.sliding_window) if family.config.has_swa else 0
     bad = []
-    for i, comp in enumerate(family.components()):
+    for i, comp in enumerate(carried(family)):
         positions = list(range(window_start if comp.space == "swa" else 0, n))
         pos, rows = rows_of(family, comp, req, positions)
         if comp.space == "swa" and pos != positions:
@@ -62,7 +62,7 @@ def free_slots(alloc) -> torch.Tensor:
 def scribble_freed(family) -> None:
     """Write POISON into every free device slot of every component, as another owner would."""
     lists = family.free_lists()
-    for comp in family.components():
+    for comp in carried(family):
         comp.tensor[comp.at(free_slots(lists[comp.space]))] = POISON
 
 

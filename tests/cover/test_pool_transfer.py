@@ -8,7 +8,7 @@ from poolfuzz.pools.protocol import floor_page
 from poolfuzz.pools.request import ReqKv
 from poolfuzz.pools.transfer import PDTransfer, TransferMismatch, TransferRecord
 
-from pool_patterns import pattern, rows_of
+from pool_patterns import carried, pattern, rows_of
 
 POISON = 253  # decode rows start out holding this; patterns only use 1..250
 LENGTH = 21  # committed prompt positions: past every sliding window, not page-aligned
@@ -27,7 +27,7 @@ def prefill(family, rid: int, length: int) -> ReqKv:
     family.protocol.extend(req, family, length)
     family.protocol.run_deferred_mamba_ops([req], family)
     req.kv_committed_len = length
-    for i, comp in enumerate(family.components()):
+    for i, comp in enumerate(carried(family)):
         pos, rows = rows_of(family, comp, req, list(range(length)))
         comp.tensor[comp.at(torch.tensor(rows))] = pattern(i, rid, pos, comp.row_shape, comp.tensor.dtype)
     return req
@@ -36,7 +36,7 @@ def prefill(family, rid: int, length: int) -> ReqKv:
 def mismatches(family, req: ReqKv, rid: int, length: int) -> list[str]:
     """Components of the decode request that differ from the prefill request ``rid``'s pattern."""
     bad = []
-    for i, comp in enumerate(family.components()):
+    for i, comp in enumerate(carried(family)):
         positions = list(range(window_start(family.config, length) if comp.space == "swa" else 0, length))
         pos, rows = rows_of(family, comp, req, positions)
         if pos != positions and comp.space != "mamba":
@@ -52,7 +52,7 @@ def decode_family(name: str):
     family = build_family(CONFIGS[name], device="cpu", backup_mode="cpu_tensor")
     other = ReqKv(rid=50, seqlen=6)
     family.protocol.pre_alloc(other, family, fill_len=5)  # so decode slots differ from prefill's
-    for comp in family.components():
+    for comp in carried(family):
         comp.tensor[:] = POISON
     return family
 

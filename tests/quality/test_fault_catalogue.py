@@ -59,6 +59,12 @@ SIGNATURES = {
     # Extra-buffer mode: leaked track slots; a ping-pong track slot holding the wrong step's state.
     "track-slots-not-freed": r"^ReferenceMismatch: mamba pool has \d+ free but the reference says",
     "ping-pong-stuck": r"^StateLost: .*component mamba\.\w+ layer \d+; .*in track slot \d\)",
+    # Speculative scratch: the commit kept the rejected drafts (the request's own later state), or read
+    # another scratch row (the padding row: zeros or a padded batch's dummy row).
+    "spec-commit-last-draft": r"^StateLost: req (\d+) decoded speculatively; component mamba\.\w+ layer \d+; "
+                              r"slot \d+ holds req \1 gen",
+    "spec-commit-batch-position": r"^StateLost: req \d+ decoded speculatively; component mamba\.\w+ layer \d+; "
+                                  r"slot \d+ holds (zeros|padding)",
     # Pool classes with more than K and V: the report names the buffer that was dropped or misplaced.
     "mla-copy-drops-rope": r"^StateLost: req \d+ resumed; component mla\.rope layer \d+ position \d+;",
     "mla-pd-item-of-latent-width": r"^StateLost: req \d+ transferred; component mla\.(latent|rope) ",

@@ -92,11 +92,3 @@ class TestScaledPools:
             pytest.skip("no MXFP8 pool in this release")
         assert "kv_scale_block = 32" in unsupported_reason(CONFIGS["fp8-scaled"])
 
-
-class TestModes:
-    @pytest.mark.parametrize("name", ["hybrid-extra-buffer", "hybrid-extra-buffer-ps4"])
-    def test_extra_buffer_mode_is_declined_with_the_reason(self, api, name):
-        """Not driven through SGLang yet: declined before fuzzing, naming what is missing."""
-        from poolfuzz.adapters.sglang import unsupported_reason
-
-        assert "extra-buffer" in unsupported_reason(CONFIGS[name])

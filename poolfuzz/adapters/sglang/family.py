@@ -13,18 +13,24 @@ freed, so the harness can poison them before anything reuses them.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import torch
 
 from poolfuzz.adapters.sglang.admission import SchedulerAdmission
-from poolfuzz.adapters.sglang.api import SGLangAPI, SGLangUnavailable, construct, load
+from poolfuzz.adapters.sglang.api import SGLangAPI, construct, load
 from poolfuzz.adapters.sglang.calls import paged_alloc_extend
 from poolfuzz.adapters.sglang.frees import debug_memory_pool
 from poolfuzz.adapters.sglang.host import SGLangHostBackup, host_pool_problem, resolve_backup_mode
+from poolfuzz.adapters.sglang.pd import SGLangPDTransfer, pd_problem
 from poolfuzz.adapters.sglang.protocol import SGLangProtocol
+from poolfuzz.adapters.sglang.request_pool import build_request_pool
 from poolfuzz.adapters.sglang.standin import standin_class
 from poolfuzz.adapters.sglang.storage import build_storage_pool, storage_problem
+from poolfuzz.adapters.sglang.speculative import SGLangScratch, speculative_problem
+from poolfuzz.adapters.sglang.writes import write_rows
+from poolfuzz.adapters.sglang.tracking import check_built, extra_buffer_problem
 from poolfuzz.adapters.sglang.views import (AllocatorView, FreeListView, KVPoolView, MambaPoolView, ReqPoolView,
                                             _ints, token_free_pages,
                                             token_free_sources)
@@ -35,7 +41,6 @@ from poolfuzz.pools.family import resolve_device
 
 KV_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32,
              "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
-STATE_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
 # =============================================================================================
@@ -48,13 +53,14 @@ class SGLangFamily:
     Capabilities the harness's state machine reads:
       ``supports_fork``: False here (a chunk cache); :class:`~poolfuzz.adapters.sglang.trees.SGLangTreeFamily`
       puts SGLang's own prefix tree in front of the pools and forks through it, where it drives the config.
-      ``supports_transfer``: PD transfer needs SGLang's transfer engines, not driven here.
+      ``supports_transfer``: PD transfer over SGLang's own PD registration (``adapters.sglang.pd``),
+      where the release has it; False (per family) where it does not.
       ``resume_swa_tail_only``: a paged SWA resume allocates SWA for the window tail only, where the
         release's SWA allocator has ``alloc_extend_swa_tail`` (set per release when built).
     """
 
     supports_fork = False
-    supports_transfer = False
+    supports_transfer = True
     resume_swa_tail_only = True
 
     api: SGLangAPI
@@ -88,6 +94,8 @@ class SGLangFamily:
         out = self.kv_pool.components()
         if self.req_pool.mamba_pool is not None:
             out += self.req_pool.mamba_pool.components()
+            if self.req_pool.mamba_pool.spec_scratch is not None:
+                out += self.req_pool.mamba_pool.spec_scratch.components()
         return out
 
     def host_components(self) -> list[Component]:
@@ -135,10 +143,7 @@ def unsupported_reason(config: ModelConfig) -> str | None:
         problem = _paged_allocation_problem(api)
         if problem:
             return problem
-    if config.mamba_track_slots:
-        return ("mamba extra-buffer mode is not driven through SGLang yet: its track slots are chosen by "
-                "the scheduler's ping-pong bookkeeping (mamba_next_track_idx), which the adapter does not run")
-    return storage_problem(api, config)
+    return extra_buffer_problem(api, config) or speculative_problem(api, config) or storage_problem(api, config)
 
 
 _PAGED_PROBE: dict[str, str | None] = {}
@@ -205,14 +210,14 @@ def _build(api: SGLangAPI, config: ModelConfig, dev, sdev: str, backup_mode: str
 
     mamba_view = None
     if c.has_mamba:
-        params = _mamba_cache_params(api, c)
-        sg_req_pool = construct(
-            api.HybridReqToTokenPool, size=c.request_rows, mamba_size=c.mamba_slots,
-            mamba_spec_state_size=c.request_rows, max_context_len=c.max_context, device=sdev,
-            enable_memory_saver=False, cache_params=params, mamba_layer_ids=list(c.mamba_layer_ids),
-            enable_mamba_extra_buffer=False, speculative_num_draft_tokens=None, enable_overlap_schedule=False,
-            start_layer=0)
+        sg_req_pool = build_request_pool(api, c, sdev)
+        problem = check_built(sg_req_pool, c)
+        if problem:
+            raise ConfigError(f"config {c.name!r} on sglang {api.version}: {problem}")
         mamba_view = MambaPoolView(sg_req_pool.mamba_pool, c.mamba_layer_ids)
+        if c.spec_draft_tokens:
+            mamba_view.spec_scratch = SGLangScratch(sg_req_pool, layer_ids=c.mamba_layer_ids,
+                                                    draft_tokens=c.spec_draft_tokens)
     else:
         sg_req_pool = construct(api.ReqToTokenPool, size=c.request_rows, max_context_len=c.max_context,
                                 device=sdev, enable_memory_saver=False)
@@ -273,7 +278,7 @@ def _build(api: SGLangAPI, config: ModelConfig, dev, sdev: str, backup_mode: str
         api=api, config=c, device=dev, uses_ssm_state=uses_ssm_state(c), sg_req_pool=sg_req_pool,
         sg_kv_pool=sg_kv, sg_allocator=sg_alloc,
         req_pool=ReqPoolView(sg_req_pool, mamba=mamba_view, rows=views["rows"], mamba_free=mamba_free),
-        kv_pool=view_cls(sg_kv, comps), allocator=AllocatorView(sg_alloc, swa=c.has_swa),
+        kv_pool=view_cls(sg_kv, comps, door=_write_door(sg_kv, c)), allocator=AllocatorView(sg_alloc, swa=c.has_swa),
         protocol=SGLangProtocol(), standin_cls=standin_class(api), admission=SchedulerAdmission(api))
     if backup_mode == "host_pool":
         host = SGLangHostBackup(api=api, config=c, req_pool=sg_req_pool, allocator=sg_alloc, kv_pool=sg_kv)
@@ -283,7 +288,20 @@ def _build(api: SGLangAPI, config: ModelConfig, dev, sdev: str, backup_mode: str
     # The release's paged SWA resume: tail-only where its allocator can (0.5.12 on), else every position.
     family.resume_swa_tail_only = not c.has_swa or hasattr(sg_alloc, "alloc_extend_swa_tail")
     family.snapshot_free_lists()
+    if pd_problem(api) is None:
+        family.transfer = SGLangPDTransfer()
+    else:
+        family.supports_transfer = False
     return family
+
+
+def _write_door(sg_kv, c: ModelConfig):
+    """The KV pool's own write door for the config's layers (``adapters.sglang.writes``). A pool with
+    scale buffers quantises what it is handed, so its rows (already bytes) are written directly."""
+    if c.kv_scale_block:
+        return None
+    mha = [] if c.latent else [("full", i) for i in c.full_layer_ids] + [("swa", i) for i in c.swa_layer_ids]
+    return functools.partial(write_rows, sg_kv, mha_layers=mha, mla_layers=list(c.full_layer_ids) if c.latent else [])
 
 
 def _carries_mamba(api: SGLangAPI, kv_pool) -> tuple[bool, bool]:
@@ -306,21 +324,3 @@ def _mha_components(pool, layer_ids, space: str) -> list[Component]:
         out.append(Component(name=f"{space}.k", layer=layer_id, space=space, tensor=pool.k_buffer[local]))
         out.append(Component(name=f"{space}.v", layer=layer_id, space=space, tensor=pool.v_buffer[local]))
     return out
-
-
-def _mamba_cache_params(api: SGLangAPI, c: ModelConfig):
-    """SGLang's Mamba2 cache params for the config's conv and temporal shapes and dtype."""
-    dtype = STATE_DTYPES[c.state_dtype]
-    conv = [tuple(s) for s in c.conv_shapes]
-    heads, head_dim, state = c.temporal_shape
-    conv_kernel = conv[0][-1] + 1
-    shape = construct(api.Mamba2StateShape, conv=conv, temporal=tuple(c.temporal_shape),
-                      intermediate_size=heads * head_dim, conv_dim=conv[0][0], ssm_state_size=state,
-                      num_heads=heads, head_dim=head_dim, state_size=state, conv_kernel=conv_kernel)
-    kwargs = dict(shape=shape, layers=list(c.mamba_layer_ids))
-    if api.Mamba2StateDType is not None:
-        kwargs["dtype"] = construct(api.Mamba2StateDType, conv=dtype, temporal=dtype)
-    try:
-        return construct(api.Mamba2CacheParams, **kwargs)
-    except TypeError as exc:
-        raise SGLangUnavailable(f"cannot build Mamba2CacheParams on sglang {api.version}: {exc}") from exc

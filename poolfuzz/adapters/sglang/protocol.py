@@ -26,6 +26,7 @@ from poolfuzz.adapters.sglang.api import accepted_kwargs, parameters
 from poolfuzz.adapters.sglang.calls import paged_alloc_decode, paged_alloc_extend
 from poolfuzz.adapters.sglang.frees import free_group, free_row_segment, release_row, scheduling_pass
 from poolfuzz.adapters.sglang.shims import cpu_synchronize
+from poolfuzz.adapters.sglang import speculative, tracking
 from poolfuzz.pools.errors import DoubleFree, PoolError, PoolExhausted
 from poolfuzz.pools.protocol import ServingProtocol, floor_page, window_start
 from poolfuzz.adapters.sglang.views import mamba_state_tensors
@@ -88,6 +89,7 @@ class SGLangProtocol(ServingProtocol):
             self._alloc_mamba_flat(sg, family)
         req.req_pool_idx = int(kv.req_pool_idx)
         req.mamba_pool_idx = None if kv.mamba_pool_idx is None else int(kv.mamba_pool_idx)
+        tracking.mirror(req, sg)  # extra-buffer mode: the track slots alloc gave it
 
     def _alloc_mamba_flat(self, sg, family) -> None:
         """Releases whose row allocation takes a count leave the mamba slot to the caller."""
@@ -290,6 +292,19 @@ class SGLangProtocol(ServingProtocol):
         sg.release_kv_record()
         req.req_pool_idx = req.mamba_pool_idx = None
         req.kv_allocated_len = req.kv_committed_len = 0
+        tracking.mirror(req, sg)  # free_mamba_cache freed the track slots too
+
+    def next_track_slot(self, req: ReqKv, family) -> int | None:
+        """Extra-buffer mode: the slot ``mamba_next_track_idx`` names, then the scheduler's turn-taking."""
+        if not req.mamba_track:
+            return None
+        return tracking.next_slot(req, self.standin(req, family), family.sg_req_pool)
+
+    def commit_speculative(self, req: ReqKv, family, *, accepted_step: int, drafted_steps: int,
+                           track_slot: int | None) -> None:
+        """After verify: SGLang's commit scatter from the request's scratch row (see adapters.sglang.speculative)."""
+        speculative.commit(family.sg_req_pool, row=req.req_pool_idx, accepted_step=accepted_step,
+                           state_slot=req.mamba_pool_idx, track_slot=track_slot)
 
     # --- retraction (SGLang's release_req order: back up, release, reset) -------------------------
     def retract(self, req: ReqKv, family) -> None:
@@ -401,6 +416,7 @@ class SGLangProtocol(ServingProtocol):
         except PoolError:
             self._undo_admit(sg, family)
             req.req_pool_idx = req.mamba_pool_idx = None
+            tracking.mirror(req, sg)
             req.mamba_needs_clear = False
             raise
         self._write_row(req, family, 0, slots)

@@ -129,7 +129,11 @@ def mamba_state_tensors(mamba_pool) -> tuple[list[torch.Tensor], torch.Tensor]:
 
 
 class MambaPoolView:
-    """The recurrent state of SGLang's MambaPool as components; storage is SGLang's."""
+    """The recurrent state of SGLang's MambaPool as components; storage is SGLang's.
+
+    ``spec_scratch``: its speculative intermediate caches (``adapters.sglang.speculative``), or None."""
+
+    spec_scratch = None
 
     def __init__(self, pool, layer_ids: tuple[int, ...]):
         self.pool = pool
@@ -166,6 +170,14 @@ class ReqPoolView:
         index = torch.as_tensor(rows, dtype=torch.int64).reshape(-1).to(mapping.device)
         return self.pool.get_mamba_indices(index).to(device="cpu", dtype=torch.int64)
 
+    def get_track_slots(self, row: int) -> list[int] | None:
+        """Extra-buffer mode: the row's track slots as the attention backend reads them
+        (``req_index_to_mamba_ping_pong_track_buffer_mapping``); None without the mode."""
+        mapping = getattr(self.pool, "req_index_to_mamba_ping_pong_track_buffer_mapping", None)
+        if mapping is None or not getattr(self.pool, "enable_mamba_extra_buffer", False):
+            return None
+        return [s for s in _ints(mapping[row]) if s >= 0]
+
     def available_size(self) -> int:
         return self.pool.available_size()
 
@@ -176,10 +188,17 @@ class KVPoolView:
 
     cpu_copy_carries_mamba = False
     declared = True  # False: SGLang declares nothing; the value was inferred (see build)
+    # The forward's KV rows go through SGLang's write door (``write_rows``), not into the buffers
+    writes_through_engine = True
 
-    def __init__(self, pool, comps: list[Component]):
+    def __init__(self, pool, comps: list[Component], *, door=None):
         self.pool = pool
         self._components = comps
+        self._door = door  # rows -> the keys written (adapters.sglang.writes.write_rows, bound to the pool)
+
+    def write_rows(self, slots: torch.Tensor, rows: dict) -> set:
+        """Write ``rows[(component, layer)]`` for the full slots ``slots`` as an attention backend does."""
+        return self._door(slots=slots, rows=rows) if self._door is not None else set()
 
     def components(self) -> list[Component]:
         return list(self._components)

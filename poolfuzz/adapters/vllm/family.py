@@ -214,6 +214,8 @@ def unsupported_reason(config: ModelConfig) -> str | None:
         return f"{config.attention.upper()} attention is not driven through vLLM's manager yet (MHA only)"
     if getattr(config, "kv_scale_block", 0):
         return "KV scale buffers are not modelled in the vllm family's worker storage yet"
+    if getattr(config, "spec_draft_tokens", 0):
+        return "the speculative scratch rows are SGLang's MambaPool's; not driven through vLLM"
     return None
 
 

@@ -1,0 +1,113 @@
+"""Prefill→decode transfer over SGLang's own PD registration, moved by descriptor as a transfer engine does.
+
+Each node registers its buffers the way SGLang's disaggregation setup does: the main KV from
+``get_kv_transfer_buf_infos`` (``get_contiguous_buf_infos``: a pointer, a length and an item length per
+buffer) and the state components from ``setup_state_kv_args`` (SWA pages, mamba slots through
+``HybridReqToTokenPool.get_state_buf_infos``, DSA index pages, block scales, in the order both sides
+append them). What a request sends is what SGLang's prefill computes for it: the pages of its tokens,
+and per state type its items (the mamba slot the row maps to, the SWA pages of the window). The copy is
+a transfer engine's: for every registered buffer, ``item_len`` bytes from ``src_ptr + src_item * item_len``
+to ``dst_ptr + dst_item * item_len`` (``ctypes.memmove``: the buffers are host memory here). A descriptor
+that misstates a buffer, an item length or a state component moves the wrong bytes, and the checksums
+of the transferred request say whose.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import types
+
+import torch
+
+from poolfuzz.adapters.sglang.api import _first
+from poolfuzz.pools.errors import PoolError
+from poolfuzz.pools.request import ReqKv
+from poolfuzz.pools.transfer import TransferMismatch, TransferRecord
+
+_UTILS = "sglang.srt.disaggregation.utils"
+
+
+def pd_problem(api) -> str | None:
+    """Why this release's PD registration cannot be driven here, or None."""
+    if _first(f"{_UTILS}:setup_state_kv_args", required=False) is None:
+        return f"SGLang {api.version} has no setup_state_kv_args to register PD buffers with"
+    return None
+
+
+def registration(family):
+    """The node's PD registration (SGLang's ``KVArgs`` fields the transfer reads), made once."""
+    got = getattr(family, "_pd_args", None)
+    if got is None:
+        kv_args = types.SimpleNamespace()
+        # get_kv_transfer_buf_infos where the release has it (it picks a sparse pool's own), else the
+        # pool's get_contiguous_buf_infos, which it returns for every other pool
+        infos = _first(f"{_UTILS}:get_kv_transfer_buf_infos", required=False)
+        kv_args.kv_data_ptrs, kv_args.kv_data_lens, kv_args.kv_item_lens = (
+            infos(family.sg_kv_pool) if infos is not None else family.sg_kv_pool.get_contiguous_buf_infos())
+        _first(f"{_UTILS}:setup_state_kv_args")(kv_args, family.sg_kv_pool, req_to_token_pool=family.sg_req_pool)
+        got = family._pd_args = kv_args
+    return got
+
+
+def _pages(tokens: torch.Tensor, ps: int) -> list[int]:
+    """``kv_to_page_indices``: the page of every page-start token."""
+    return [int(t) // ps for t in tokens[::ps].tolist()]
+
+
+def state_items(family, req: ReqKv, state_type, length: int) -> list[int]:
+    """The items a request sends (or receives) for one state type, as SGLang's prefill computes them."""
+    name = getattr(state_type, "name", str(state_type))
+    c = family.config
+    ps = c.page_size
+    pool = family.sg_req_pool
+    if name == "MAMBA":
+        return [int(pool.req_index_to_mamba_index_mapping[req.req_pool_idx])]
+    if name in ("SWA", "BLOCK_SCALE_SWA"):
+        start = max(0, length - c.sliding_window) // ps * ps
+        full = pool.req_to_token[req.req_pool_idx, start:length].to(torch.int64)
+        swa = family.sg_allocator.translate_loc_from_full_to_swa(full)
+        return _pages(swa.to("cpu", torch.int64), ps)
+    if name in ("DSA", "BLOCK_SCALE"):
+        return _pages(pool.req_to_token[req.req_pool_idx, :length].to(torch.int64), ps)
+    if name == "REQUEST_ROW":
+        return [req.req_pool_idx]
+    raise TransferMismatch(f"state type {name} is registered but the adapter does not compute its items")
+
+
+def _move(src_ptrs, dst_ptrs, item_lens, dst_item_lens, src_items, dst_items, what: str) -> None:
+    """The transfer engine: each item of each registered buffer, by its descriptor."""
+    if len(src_ptrs) != len(dst_ptrs) or list(item_lens) != list(dst_item_lens):
+        raise TransferMismatch(f"{what}: prefill registers {len(src_ptrs)} buffers of items {list(item_lens)}, "
+                               f"decode {len(dst_ptrs)} of {list(dst_item_lens)}")
+    if len(src_items) != len(dst_items):
+        raise TransferMismatch(f"{what}: {len(src_items)} items sent, {len(dst_items)} expected")
+    for src, dst, item in zip(src_ptrs, dst_ptrs, item_lens):
+        for s, d in zip(src_items, dst_items):
+            ctypes.memmove(dst + d * item, src + s * item, item)
+
+
+class SGLangPDTransfer:
+    """Moves one request between two SGLang families by their PD registrations (see the module docstring)."""
+
+    def transfer(self, *, src: ReqKv, src_family, dst: ReqKv, dst_family) -> TransferRecord:
+        if src_family.device.type != "cpu":
+            raise PoolError("the sglang family's PD transfer copies host memory; on a GPU a transfer engine "
+                            "(Mooncake, NIXL) moves the bytes")
+        s_args, d_args = registration(src_family), registration(dst_family)
+        length = src.kv_committed_len
+        ps = src_family.config.page_size
+        s_pages = _pages(src_family.sg_req_pool.req_to_token[src.req_pool_idx, :length].to(torch.int64), ps)
+        d_pages = _pages(dst_family.sg_req_pool.req_to_token[dst.req_pool_idx, :length].to(torch.int64), ps)
+        _move(s_args.kv_data_ptrs, d_args.kv_data_ptrs, s_args.kv_item_lens, d_args.kv_item_lens, s_pages, d_pages,
+              "main KV")
+        if [str(t) for t in s_args.state_types] != [str(t) for t in d_args.state_types]:
+            raise TransferMismatch(f"state types differ: prefill {s_args.state_types}, decode {d_args.state_types}")
+        moved = []
+        for i, state_type in enumerate(s_args.state_types):
+            s_items = state_items(src_family, src, state_type, length)
+            d_items = state_items(dst_family, dst, state_type, length)
+            name = getattr(state_type, "name", str(state_type))
+            _move(s_args.state_data_ptrs[i], d_args.state_data_ptrs[i], s_args.state_item_lens[i],
+                  d_args.state_item_lens[i], s_items, d_items, name)
+            moved.append((name, "registration", len(s_items)))
+        return TransferRecord(kv_pages=len(s_pages), state_items=tuple(moved))

@@ -1,0 +1,69 @@
+"""The forward's KV writes through SGLang's own write door: ``set_kv_buffer`` / ``set_mla_kv_buffer``.
+
+An attention backend does not write the pool's buffers itself: once per layer it hands the layer's K
+and V (or MLA's compressed and rope parts) and the batch's ``out_cache_loc`` to the KV pool, and the
+pool decides where they land: ``HybridLinearKVPool`` maps the model layer to its full-attention
+sub-pool's layer, ``SWAKVPool`` sends a sliding-window layer's rows to the SWA slots the backend
+translated the full slots to (``translate_loc_from_full_to_swa``; releases before ``KVWriteLoc``
+translate inside), fp8 pools store the bytes as their store dtype. The harness's traceable rows go
+through that door, so a pool that files a row under the wrong layer, sub-pool or slot is caught by the
+checksums. Components the door does not cover here (DSA's index cache, MXFP8 scales) are written
+directly by the harness.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from poolfuzz.adapters.sglang.api import _first
+
+
+class _Layer:
+    """The fields of ``RadixAttention`` a pool's write door reads."""
+
+    def __init__(self, layer_id: int):
+        self.layer_id = layer_id
+        self.is_cross_attention = False
+
+
+def _as_pool_dtype(rows: torch.Tensor, pool) -> torch.Tensor:
+    """Rows as the dtype the pool takes: fp8 rows are kept as their bytes (``store_dtype``), and the door
+    views bytes handed in the pool's own dtype back as the store dtype, unchanged."""
+    dtype = getattr(pool, "dtype", rows.dtype)
+    return rows.view(dtype) if rows.dtype != dtype and rows.element_size() == torch.empty(0, dtype=dtype).element_size() else rows
+
+
+def _write_loc(pool, loc: torch.Tensor):
+    """What the backend passes: a ``KVWriteLoc`` with the SWA translation where this release has one
+    (before it, a bare loc that the SWA pool translates itself)."""
+    write_loc = _first("sglang.srt.mem_cache.memory_pool:KVWriteLoc", required=False)
+    if write_loc is None:
+        return loc
+    translate = getattr(pool, "translate_loc_from_full_to_swa", None)
+    return write_loc(loc, swa_loc=translate(loc) if translate is not None else None)
+
+
+def write_rows(pool, *, mha_layers, mla_layers, slots: torch.Tensor, rows: dict) -> set:
+    """Write ``rows[(component, layer)]`` for the full slots ``slots`` through the pool's door, layer by
+    layer; return the keys written. ``mha_layers``: (space, layer id) of every K/V layer."""
+    if not rows:
+        return set()
+    device = next(iter(rows.values())).device
+    loc = slots.to(device=device, dtype=torch.int64)
+    loc_info = _write_loc(pool, loc)
+    done = set()
+    for space, layer_id in mha_layers:
+        k, v = (f"{space}.k", layer_id), (f"{space}.v", layer_id)
+        if k in rows and v in rows:
+            pool.set_kv_buffer(_Layer(layer_id), loc_info, _as_pool_dtype(rows[k], pool),
+                               _as_pool_dtype(rows[v], pool))
+            done |= {k, v}
+    for layer_id in mla_layers:
+        nope, rope = ("mla.latent", layer_id), ("mla.rope", layer_id)
+        if nope in rows and rope in rows:
+            # The CPU backends' door: one latent row, the compressed part then the rope part (the split
+            # ``set_mla_kv_buffer`` is a Triton kernel); ``cache_v`` is not read by an MLA pool.
+            latent = torch.cat([rows[nope], rows[rope]], dim=-1).unsqueeze(1)
+            pool.set_kv_buffer(_Layer(layer_id), loc_info, _as_pool_dtype(latent, pool), None)
+            done |= {nope, rope}
+    return done
