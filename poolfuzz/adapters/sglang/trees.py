@@ -28,6 +28,7 @@ from dataclasses import fields
 import torch
 
 from poolfuzz.adapters.sglang.family import SGLangFamily
+from poolfuzz.adapters.sglang.frees import free_group
 from poolfuzz.adapters.sglang.protocol import SGLangProtocol
 from poolfuzz.adapters.sglang.standin import _FLAT_FIELDS
 from poolfuzz.pools.errors import PoolExhausted
@@ -239,14 +240,17 @@ class SGLangTreeProtocol(SGLangProtocol):
 
     # --- release --------------------------------------------------------------------------------
     def release_kv(self, req, family) -> None:
-        """Finish: the tree keeps what it can key (``release_kv_cache(checkpoint=True)``)."""
-        self._release_through_tree(req, family, checkpoint=True)
+        """Finish: the tree keeps what it can key (``release_kv_cache(checkpoint=True)``), inside the
+        batch's free group as ``process_batch_result_*`` calls it."""
+        with free_group(family.sg_allocator):
+            self._release_through_tree(req, family, checkpoint=True)
 
     def abort(self, req, family) -> None:
         if req.req_pool_idx is None:
             self.discard(req, family)
         else:
-            self._release_through_tree(req, family, checkpoint=False)
+            with free_group(family.sg_allocator):
+                self._release_through_tree(req, family, checkpoint=False)
 
     def _release_through_tree(self, req, family, *, checkpoint: bool) -> None:
         try:
