@@ -69,7 +69,8 @@ class Writer:
                     self._write_rows(fam, comp, state_type, slots, rows, targets)
         req.kv.kv_committed_len = end
         if state_plan:
-            scratch = fam.req_pool.mamba_pool.spec_scratch if verify else None
+            # optional (interface.py): a family without speculative scratch declares none
+            scratch = getattr(fam.req_pool.mamba_pool, "spec_scratch", None) if verify else None
             if scratch is None:
                 self._fold_state(req, state_plan, start, end)
             else:
