@@ -33,6 +33,7 @@ from contextlib import contextmanager
 import torch
 
 from poolfuzz.adapters.sglang.api import accepted_kwargs
+from poolfuzz.pools.protocol import free_group  # noqa: F401 - the same bracket for SGLang's allocators
 
 
 DEBUG_SWITCH = "SGLANG_DEBUG_MEMORY_POOL"
@@ -52,18 +53,6 @@ def debug_memory_pool():
             os.environ[DEBUG_SWITCH] = before
 
 
-@contextmanager
-def free_group(allocator):
-    """``free_group_begin`` ... ``free_group_end`` around the frees inside, where the allocator has them."""
-    begin = getattr(allocator, "free_group_begin", None)
-    if begin is None:
-        yield
-        return
-    begin()
-    try:
-        yield
-    finally:
-        allocator.free_group_end()
 
 
 def row_segments_supported(family) -> bool:
