@@ -172,12 +172,16 @@ class Engine:
                 return True
         return False
 
-    def crash_downstream(self) -> bool:
-        """Does a crash of the pools (no slot or space named) follow from a known bug passed over
-        earlier in this example? Only when the operation that crashed served a request the known bug
-        reached: a crash elsewhere (a release that cannot retract at all, an index out of bounds on a
-        fresh admit) is a bug of its own, however broken something else already was."""
+    def crash_downstream(self, exc: BaseException | None = None) -> bool:
+        """Does a crash of the pools follow from a known bug passed over earlier in this example? When
+        the pools' own typed error names a space a known bug broke (a double free of a slot whose
+        mapping a known bug left behind), or when the operation that crashed served a request the known
+        bug reached: a crash elsewhere (a release that cannot retract at all, an index out of bounds on
+        a fresh admit) is a bug of its own, however broken something else already was."""
         if ("*", None) in self.taint:
+            return True
+        space = getattr(exc, "space", None) if isinstance(exc, PoolError) else None
+        if space is not None and any(s == space for s, _ in self.taint):
             return True
         args = self.pending[1] if self.pending else {}
         rids = [args[k] for k in ("rid", "src_rid") if k in args] + list(args.get("rids", ()))

@@ -147,7 +147,7 @@ class _Tracker:
         signature = signature_of(exc, in_teardown=in_teardown, op=engine.action)
         taint = getattr(engine, "taint", None)  # an engine that could not be built has none
         downstream = bool(taint) and (engine.tainted(exc.divergence) if isinstance(exc, PoolfuzzFailure)
-                                      else engine.crash_downstream())
+                                      else engine.crash_downstream(exc))
         if bug_key(signature) in self.known or downstream:
             self.skipped[signature] = self.skipped.get(signature, 0) + 1
             return True

@@ -164,9 +164,15 @@ def test_hunt_names_each_cell_by_signature_and_measures_the_shrink():
 
 
 def test_every_fault_has_a_shortest_known_program():
-    from poolfuzz.pools.faults import FAULTS, SHORTEST_KNOWN
+    from poolfuzz.pools.config import get_config
+    from poolfuzz.pools.faults import FAULTS, applicable_configs
+    from poolfuzz.pools.shortest_known import SHORTEST_KNOWN, SHORTEST_KNOWN_ON_SHAPE
 
     assert set(SHORTEST_KNOWN) == set(FAULTS)
+    for fault, (has_shape, length, _why) in SHORTEST_KNOWN_ON_SHAPE.items():
+        assert length > SHORTEST_KNOWN[fault]  # a shape's own length only where it is longer
+        shaped = [c for c in applicable_configs(fault) if has_shape(get_config(c))]
+        assert shaped and len(shaped) < len(applicable_configs(fault))  # a shape, not every config
 
 
 def test_hunt_on_a_plug_in_family_runs_its_no_fault_cells():
@@ -270,6 +276,22 @@ def test_a_crash_is_downstream_only_of_a_known_bug_that_reached_its_request():
     assert engine.crash_downstream()
     engine.pending = ("decode", {"rids": [1, 2]})
     assert engine.crash_downstream()
+
+
+def test_a_pool_error_in_a_space_a_known_bug_broke_is_downstream_of_it():
+    """free_swa keeps full_to_swa (known as ownership:swa, with no request named when the kept slot is
+    handed out again in the same step): the release that frees the kept slot a second time raises
+    DoubleFree in the swa pool, for a request the known bug never named. The space says it is the same bug."""
+    from poolfuzz.harness.program import new_engine
+    from poolfuzz.pools.errors import DoubleFree, InvalidSlot
+
+    engine = new_engine(config=CONFIGS["swa-ssm"], options={"known": ("InvariantViolation:ownership:swa",)})
+    engine.taint.add(("swa", 13))
+    engine.pending = ("abort", {"rid": 1})
+    assert engine.crash_downstream(DoubleFree(space="swa", slot=3))
+    assert not engine.crash_downstream(DoubleFree(space="full", slot=3))  # another space: a bug of its own
+    assert not engine.crash_downstream(InvalidSlot(space="mamba", slot=0, reason="reserved"))
+    assert not engine.crash_downstream(IndexError("index 9 is out of bounds"))  # names no space
 
 
 def test_an_outcome_that_runs_out_of_a_known_leaks_space_is_downstream_of_it():
