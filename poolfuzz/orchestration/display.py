@@ -168,7 +168,8 @@ class Display:
     def _totals(self, now: float) -> str:
         examples = sum(s.examples for s in self.lanes)
         steps = sum(s.steps for s in self.lanes)
-        failures = sum(1 for s in self.lanes if s.failure)
+        # distinct failures: each lane's shrunk ones, and the one it is shrinking now
+        failures = sum(len(s.findings) + (s.status == "shrinking") for s in self.lanes)
         rate = steps / max(now - self.started, 1e-9)
         left = "" if self.deadline is None else f", {self._clock(max(0.0, self.deadline - now))} left"
         return (f"{self._clock(now - self.started)} elapsed{left}: {_n(examples)} examples, {_n(int(rate))} steps/s, "

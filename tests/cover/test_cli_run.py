@@ -316,3 +316,19 @@ def test_a_finished_config_releases_its_cached_rows(tmp_path):
     plan = Plan(configs=("dense", "swa-ssm"), device="cpu", seed=1, examples=3, db=None, out=str(tmp_path))
     run_session(plan, stream=io.StringIO(), tty=False)
     assert row_cache._cache == {} and row_cache._ledger is None
+
+
+def test_the_heartbeat_counts_distinct_failures_of_a_lane_that_keeps_going():
+    """A lane that found two bugs and is shrinking a third reads "3 failures so far", not one per lane."""
+    from poolfuzz.orchestration.display import Display, Finding, LaneState
+
+    from types import SimpleNamespace
+
+    lane = LaneState(lane=SimpleNamespace(index=0), label="swa-ssm", status="shrinking")
+    lane.findings += [Finding(signature=f"S{i}", failure="x", artifact=None, program_steps=1, examples_to_find=1,
+                              seconds_to_find=0.0, how="shrunk") for i in range(2)]
+    plan = Plan(configs=("swa-ssm",), device="cpu", seed=1, examples=4, db=None, out="unused")
+    display = Display(plan, [lane], io.StringIO(), tty=False)
+    assert display._totals(display.started).endswith("3 failures so far")
+    lane.status = "running"
+    assert display._totals(display.started).endswith("2 failures so far")
