@@ -17,6 +17,7 @@ COMMAND_MODULES = [
     "poolfuzz.cli.hunt",
     "poolfuzz.cli.replay",
     "poolfuzz.cli.emit",
+    "poolfuzz.cli.shortest",
 ]
 
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from poolfuzz.orchestration.runner import run_machine
 from poolfuzz.pools.config import get_config
-from poolfuzz.pools.faults import SHORTEST_KNOWN
+from poolfuzz.pools.shortest_known import shortest_known
 from poolfuzz.strategies import DRAWN_NAME, drawn_configs
 
 
@@ -27,7 +27,7 @@ class HuntRow:
     message: str | None
     signature: str | None = None  # the signature most seeds found
     signatures: int = 0  # distinct signatures over the seeds (1: the same bug every time)
-    shortest_known: int | None = None  # faults.SHORTEST_KNOWN: the shortest program known for the fault
+    shortest_known: int | None = None  # faults.shortest_known: the shortest program known on this config
     worst_shrunk: int | None = None  # the longest shrunk program over the seeds
 
     @property
@@ -61,7 +61,8 @@ def hunt_cell(config_name: str, fault: str | None, *, seeds: int, budget: int, s
         shrunk_steps=int(statistics.median(f[2] for f in found)) if found else None,
         message=found[0][3] if found else None,
         signature=signatures.most_common(1)[0][0] if found else None, signatures=len(signatures),
-        shortest_known=SHORTEST_KNOWN.get(fault) if fault else None,
+        # a drawn config has many shapes: the shortest known over all of them
+        shortest_known=shortest_known(fault, None if config_name == DRAWN_NAME else config) if fault else None,
         worst_shrunk=max(f[2] for f in found) if found else None,
     )
 

@@ -483,37 +483,6 @@ FAULTS: dict[str, Fault] = {
 }
 
 
-# The shortest program (engine operations) known to show each fault, kept beside the catalogue so
-# `poolfuzz hunt` can say how close a shrink gets: written by hand where the story is short
-# (#35957 is admit, prefill, retract, resume), else the best shrink seen over the hunt's seeds. An
-# audit that fails while the families are built needs no operation at all.
-SHORTEST_KNOWN: dict[str, int] = {
-    "swa-ignores-mamba-backup": 4, "host-pool-for-ssm": 0, "mamba-backed-up-twice": 3, "mamba-slot-zero": 0,
-    "mamba-not-cleared": 6, "mamba-mapping-not-written": 1, "backup-drops-last-token": 3,
-    "backup-includes-unwritten-token": 3,
-    "swa-reload-unmapped-rows": 4, "swa-evict-off-by-one": 3, "swa-evicted-seqlen-not-reset": 5,
-    "free-swa-keeps-mapping": 3, "paged-free-partial-page": 3, "pd-drops-mamba-fallback": 3, "cow-without-copy": 4,
-    "stale-cow-source": 5, "reload-into-old-indices": 4, "mamba-leak-on-abort": 7,
-    "allocator-double-free-undetected": 3, "tree-evicts-locked-node": 5, "tree-match-freed-node": 7,
-    # Off the named grid, by hand: a request served, retracted and resumed on a config of the shape.
-    "reload-chunk-at-chunk-number": 4, "mamba-layer-map-contiguous": 4, "host-load-tiles-of-four": 4,
-    # The best shrink seen over `poolfuzz hunt --seeds 5`: served, retracted and resumed (6 operations),
-    # or served and transferred (3); a ping-pong slot written twice in a row (3). By hand: the first
-    # release of a request in extra-buffer mode leaks its track slots (admit, prefill, retract: 3).
-    "track-slots-not-freed": 3, "ping-pong-stuck": 3,
-    # The best shrink of `hunt --seeds 5`: a request served, retracted into the host pool and aborted.
-    "host-discard-keeps-swa-slots": 3,
-    # By hand: admit, prefill, then one speculative step (that rejects a draft, for the first): 3.
-    "spec-commit-last-draft": 3, "spec-commit-batch-position": 3,
-    "mla-copy-drops-rope": 6, "mla-pd-item-of-latent-width": 3, "dsa-copy-drops-index": 6,
-    "dsa-index-scales-transposed": 6, "pd-drops-dsa-index": 3, "scaled-copy-drops-scales": 6, "pd-drops-block-scales": 3,
-    # By hand (tests/cover/test_free_patterns.py replays both): a request longer than the window,
-    # prefilled, whose grouped release leaks its SWA slots (admit, prefill: 2); one chunk, then the
-    # abort (admit, prefill, abort: 3; the hunt's shrinks keep the warm start's request and stop at 4).
-    "free-group-drops-swa": 2, "abort-prefill-leaks-last-chunk": 3,
-}
-
-
 def get_fault(fault_id: str) -> Fault:
     try:
         return FAULTS[fault_id]

@@ -10,7 +10,7 @@ from poolfuzz.harness.records import StepRecord
 from poolfuzz.orchestration.runner import run_machine
 from poolfuzz.pools import CONFIGS, PoolError, build_family
 from poolfuzz.pools.allocator import TokenAllocator
-from poolfuzz.pools.faults import SHORTEST_KNOWN
+from poolfuzz.pools.shortest_known import SHORTEST_KNOWN
 from poolfuzz.pools.request import ReqKv
 from poolfuzz.pools.swa_allocator import SWATokenAllocator
 

@@ -97,7 +97,7 @@ def test_a_decode_folds_into_the_prompts_of_every_request_it_decoded():
 
 
 def test_a_leak_left_in_chunks_minimises_to_the_shortest_known_program():
-    from poolfuzz.pools.faults import SHORTEST_KNOWN
+    from poolfuzz.pools.shortest_known import SHORTEST_KNOWN
     from tests.cover.programs import FAULT_LEAK_ON_ABORT, PROGRAM_LEAK_ON_ABORT_CHUNKED
 
     def engine():

@@ -1,0 +1,56 @@
+"""The shortest program known to show each catalogue fault, kept beside the catalogue for `poolfuzz hunt`."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from poolfuzz.pools.config import ModelConfig
+
+# The shortest program (engine operations) known to show each fault, kept beside the catalogue so
+# `poolfuzz hunt` can say how close a shrink gets: written by hand where the story is short
+# (#35957 is admit, prefill, retract, resume), else the best shrink seen over the hunt's seeds. An
+# audit that fails while the families are built needs no operation at all.
+SHORTEST_KNOWN: dict[str, int] = {
+    "swa-ignores-mamba-backup": 4, "host-pool-for-ssm": 0, "mamba-backed-up-twice": 3, "mamba-slot-zero": 0,
+    "mamba-not-cleared": 6, "mamba-mapping-not-written": 1, "backup-drops-last-token": 3,
+    "backup-includes-unwritten-token": 3,
+    "swa-reload-unmapped-rows": 4, "swa-evict-off-by-one": 3, "swa-evicted-seqlen-not-reset": 5,
+    "free-swa-keeps-mapping": 3, "paged-free-partial-page": 3, "pd-drops-mamba-fallback": 3, "cow-without-copy": 4,
+    "stale-cow-source": 5, "reload-into-old-indices": 4, "mamba-leak-on-abort": 7,
+    "allocator-double-free-undetected": 3, "tree-evicts-locked-node": 5, "tree-match-freed-node": 7,
+    # Off the named grid, by hand: a request served, retracted and resumed on a config of the shape.
+    "reload-chunk-at-chunk-number": 4, "mamba-layer-map-contiguous": 4, "host-load-tiles-of-four": 4,
+    # A ping-pong slot written twice in a row (3, the best shrink of `hunt --seeds 5`). By `poolfuzz
+    # shortest`: one admit, whose release at teardown leaks its track slots (1).
+    "track-slots-not-freed": 1, "ping-pong-stuck": 3,
+    # The best shrink of `hunt --seeds 5`: a request served, retracted into the host pool and aborted.
+    "host-discard-keeps-swa-slots": 3,
+    # By hand: admit, prefill, then one speculative step (that rejects a draft, for the first): 3.
+    "spec-commit-last-draft": 3, "spec-commit-batch-position": 3,
+    # By `poolfuzz shortest` (every program of its vocabulary, by length): a copy that drops a component is
+    # served, retracted, resumed (4; the DSA index scales on pages too); a PD item of the wrong width is served and transferred (3).
+    "mla-copy-drops-rope": 4, "mla-pd-item-of-latent-width": 3, "dsa-copy-drops-index": 4,
+    "dsa-index-scales-transposed": 4, "pd-drops-dsa-index": 3, "scaled-copy-drops-scales": 4, "pd-drops-block-scales": 3,
+    # By hand (tests/cover/test_free_patterns.py replays both): a request longer than the window,
+    # prefilled, whose grouped release leaks its SWA slots (admit, prefill: 2); one chunk, then the
+    # abort (admit, prefill, abort: 3; the hunt's shrinks keep the warm start's request and stop at 4).
+    "free-group-drops-swa": 2, "abort-prefill-leaks-last-chunk": 3,
+}
+
+# Where a shape of config needs a longer program than SHORTEST_KNOWN's: (does the config have the
+# shape, the shortest length there, why).
+SHORTEST_KNOWN_ON_SHAPE: dict[str, tuple[Callable[[ModelConfig], bool], int, str]] = {
+    # A paged free list hands a retracted request's pages straight back to its resume: another
+    # request must take them first (admit, admit, prefill, retract, prefill the other, decode, which
+    # resumes). `poolfuzz shortest --config dense-ps4 --faults reload-into-old-indices --max-steps 6`
+    # runs every program of up to 5 steps first: none fails.
+    "reload-into-old-indices": (lambda c: c.page_size > 1, 6, "pages come back to the resume that freed them"),
+}
+
+
+def shortest_known(fault_id: str, config: ModelConfig | None = None) -> int | None:
+    """The shortest program known for the fault, on ``config``'s shape where that needs a longer one."""
+    shape = SHORTEST_KNOWN_ON_SHAPE.get(fault_id)
+    if shape is not None and config is not None and shape[0](config):
+        return shape[1]
+    return SHORTEST_KNOWN.get(fault_id)
