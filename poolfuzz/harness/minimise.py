@@ -129,6 +129,15 @@ def admits_for_pairs(steps: list[StepRecord], created: tuple):
         yield rest[:i] + [StepRecord(op="admit", args={"prompt_len": 1}, outcome="")] + shifted
 
 
+def _requests_folded(steps: list[StepRecord], created: tuple):
+    """``rewrites.requests_into_prompts`` with the folded request's steps deleted and the later
+    requests renumbered."""
+    for edited, drop in rewrites.requests_into_prompts(steps, created):
+        candidate = without(edited, created, drop)
+        if candidate is not None:
+            yield candidate
+
+
 def _fewer_decoded(steps: list[StepRecord]):
     """Each decode step with one of its requests left out (the batch's other requests stay)."""
     for i, step in enumerate(steps):
@@ -186,7 +195,8 @@ def minimise(steps: list[StepRecord], *, new_engine: Callable, bug: str,
         # deletion gets another go.
         edits = itertools.chain(_fewer_decoded(current), rewrites.merged_prefills(current),
                                 rewrites.decodes_into_prompts(current, best.created),
-                                admits_for_pairs(current, best.created))
+                                rewrites.decodes_into_other_prompts(current, best.created),
+                                _requests_folded(current, best.created), admits_for_pairs(current, best.created))
         for candidate in edits:
             if spent():
                 break

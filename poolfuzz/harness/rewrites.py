@@ -1,4 +1,5 @@
-"""Edits that shorten a failing program where deleting a step cannot: chunks and decodes folded in.
+"""Edits that shorten a failing program where deleting a step cannot: chunks, decodes and whole
+requests folded into another request's prompt.
 
 A failure that needs a pool nearly full is often left as several prefill chunks of one request, or
 as decodes that only add tokens: Hypothesis shrinks numbers towards zero, so it never trades a step
@@ -64,3 +65,51 @@ def decodes_into_prompts(steps: list[StepRecord], created: tuple) -> Iterator[li
                     edited[p] = _with(edited[p], chunk=min(MAX_CHUNK, edited[p].args["chunk"] + n))
                 if all(edited[a].args["prompt_len"] <= MAX_PROMPT for a, _ in places):
                     yield edited[:i] + edited[i + 1:]
+
+
+def decodes_into_other_prompts(steps: list[StepRecord], created: tuple) -> Iterator[list[StepRecord]]:
+    """Each decode left out, the tokens it added given to another request's prompt: where the decoded
+    request's prompt is already the longest the machine draws, a failure that needs the KV pool full
+    still gets its tokens (one more request's admit and last prefill chunk before the decode grow)."""
+    admitted = {rid: i for i, rid in enumerate(created) if rid is not None and steps[i].op == "admit"}
+    for i, step in enumerate(steps):
+        if step.op == "decode":
+            decoded, tokens = set(step.args["rids"]), len(step.args["rids"])
+        elif step.op == "decode_speculative":
+            decoded, tokens = {step.args["rid"]}, step.args["accepted"] + 1
+        else:
+            continue
+        for rid, a in admitted.items():
+            p = next((k for k in range(i - 1, a, -1) if steps[k].op == "prefill" and steps[k].args["rid"] == rid),
+                     None)
+            if rid in decoded or p is None or steps[a].args["prompt_len"] + tokens > MAX_PROMPT:
+                continue
+            edited = list(steps)
+            edited[a] = _with(steps[a], prompt_len=steps[a].args["prompt_len"] + tokens)
+            edited[p] = _with(steps[p], chunk=min(MAX_CHUNK, steps[p].args["chunk"] + tokens))
+            yield edited[:i] + edited[i + 1:]
+
+
+def requests_into_prompts(steps: list[StepRecord], created: tuple) -> Iterator[tuple[list[StepRecord], set[int]]]:
+    """Each request that was only admitted and prefilled, left out, its prefilled tokens given to
+    another request's prompt instead (that one's admit and last prefill chunk grow by them): a failure
+    that needs the KV pool nearly full keeps the tokens and loses two steps. Yields (edited steps,
+    indices to delete); the caller deletes them, renumbering the later requests."""
+    admitted = {rid: i for i, rid in enumerate(created) if rid is not None and steps[i].op == "admit"}
+    uses: dict[int, list[int]] = {rid: [] for rid in admitted}  # the steps after its admit naming it
+    for i, step in enumerate(steps):
+        for rid in [step.args[n] for n in ("rid", "src_rid") if n in step.args] + list(step.args.get("rids", ())):
+            if rid in uses:
+                uses[rid].append(i)
+    for gone, a_gone in admitted.items():
+        if not uses[gone] or any(steps[i].op != "prefill" for i in uses[gone]):
+            continue
+        tokens = sum(steps[i].args["chunk"] for i in uses[gone])
+        for rid, a in admitted.items():
+            prefills = [i for i in uses[rid] if steps[i].op == "prefill"]
+            if rid == gone or not prefills or steps[a].args["prompt_len"] + tokens > MAX_PROMPT:
+                continue
+            edited = list(steps)
+            edited[a] = _with(steps[a], prompt_len=steps[a].args["prompt_len"] + tokens)
+            edited[prefills[-1]] = _with(steps[prefills[-1]], chunk=min(MAX_CHUNK, steps[prefills[-1]].args["chunk"] + tokens))
+            yield edited, {a_gone, *uses[gone]}

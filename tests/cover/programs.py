@@ -90,3 +90,34 @@ PROGRAM_NOT_CLEARED_CYCLED = [
     {"op": "admit", "args": {"prompt_len": 1}},
     {"op": "prefill", "args": {"rid": 2, "chunk": 1}},
 ]
+
+# The same leak as a hunt's seed 0 left it: Req(1), one token, only fills the KV pool a little more,
+# which a longer Req(2) does as well (a request folded into another's prompt: two steps fewer).
+PROGRAM_LEAK_EXTRA_REQUEST = [
+    {"op": "admit", "args": {"prompt_len": 1}},
+    {"op": "prefill", "args": {"rid": 1, "chunk": 1}},
+    {"op": "admit", "args": {"prompt_len": 16}},
+    {"op": "prefill", "args": {"rid": 2, "chunk": 16}},
+    {"op": "admit", "args": {"prompt_len": 20}},
+    {"op": "prefill", "args": {"rid": 3, "chunk": 20}},
+    {"op": "admit", "args": {"prompt_len": 12}},
+    {"op": "retract", "args": {"rid": 3}},
+    {"op": "prefill", "args": {"rid": 4, "chunk": 12}},
+    {"op": "resume", "args": {"node": "prefill"}},
+]
+
+# The same leak with the KV pool filled by decodes of a request whose prompt is already the longest
+# the machine draws (a hunt's seed 2): their tokens can only go to another request's prompt.
+PROGRAM_LEAK_DECODED_AT_BOUND = [
+    {"op": "admit", "args": {"prompt_len": 11}},
+    {"op": "prefill", "args": {"rid": 1, "chunk": 11}},
+    {"op": "admit", "args": {"prompt_len": 20}},
+    {"op": "prefill", "args": {"rid": 2, "chunk": 20}},
+    {"op": "admit", "args": {"prompt_len": 8}},
+    {"op": "prefill", "args": {"rid": 3, "chunk": 8}},
+    {"op": "decode", "args": {"rids": [2]}},
+    {"op": "decode_speculative", "args": {"rid": 2, "draft": 3, "accepted": 2}},
+    {"op": "decode", "args": {"rids": [2, 1]}},
+    {"op": "decode_speculative", "args": {"rid": 2, "draft": 1, "accepted": 1}},
+    {"op": "decode", "args": {"rids": [3, 2]}},
+]

@@ -1,6 +1,8 @@
 """The last pass over a reported program: steps Hypothesis could not delete (an admit whose request
 only mattered for its id) go, the later requests are renumbered, and the same bug still shows."""
 
+import pytest
+
 from poolfuzz.harness.failures import bug_key, signature_of
 from poolfuzz.harness import rewrites
 from poolfuzz.harness.minimise import admits_for_pairs, minimise, run_program, without
@@ -132,3 +134,42 @@ def test_a_free_list_moved_along_by_retracts_costs_one_admit_per_slot():
     assert bug == "StateLost:contents:mamba@prefill"
     got = minimise(steps, new_engine=engine, bug=bug)
     assert len(got.steps) == 8 and [s.op for s in got.steps].count("resume") <= 1
+
+
+def test_a_request_only_admitted_and_prefilled_folds_into_another_requests_prompt():
+    steps = _steps([{"op": "admit", "args": {"prompt_len": 3}}, {"op": "prefill", "args": {"rid": 1, "chunk": 3}},
+                    {"op": "admit", "args": {"prompt_len": 16}}, {"op": "prefill", "args": {"rid": 2, "chunk": 10}},
+                    {"op": "prefill", "args": {"rid": 2, "chunk": 6}}, {"op": "retract", "args": {"rid": 2}}])
+    created = (1, None, 2, None, None, None)
+    got = [([(s.op, s.args) for s in edited], drop) for edited, drop in rewrites.requests_into_prompts(steps, created)]
+    # Req(1) into Req(2): its admit and last chunk grow by Req(1)'s 3 tokens, Req(1)'s steps go
+    assert got[0] == ([("admit", {"prompt_len": 3}), ("prefill", {"rid": 1, "chunk": 3}),
+                       ("admit", {"prompt_len": 19}), ("prefill", {"rid": 2, "chunk": 10}),
+                       ("prefill", {"rid": 2, "chunk": 9}), ("retract", {"rid": 2})], {0, 1})
+    assert len(got) == 1  # Req(2) has a step other than prefill (the retract): it is not folded away
+
+
+def test_a_decode_of_a_request_at_the_longest_prompt_folds_into_another_requests_prompt():
+    steps = _steps([{"op": "admit", "args": {"prompt_len": 20}}, {"op": "prefill", "args": {"rid": 1, "chunk": 20}},
+                    {"op": "admit", "args": {"prompt_len": 4}}, {"op": "prefill", "args": {"rid": 2, "chunk": 4}},
+                    {"op": "decode_speculative", "args": {"rid": 1, "draft": 3, "accepted": 2}}])
+    created = (1, None, 2, None, None)
+    got = [[(s.op, s.args) for s in c] for c in rewrites.decodes_into_other_prompts(steps, created)]
+    assert got == [[("admit", {"prompt_len": 20}), ("prefill", {"rid": 1, "chunk": 20}),
+                    ("admit", {"prompt_len": 7}), ("prefill", {"rid": 2, "chunk": 7})]]  # 2 accepted + 1
+    assert not list(rewrites.decodes_into_prompts(steps, created))  # Req(1) has no room for them
+
+
+@pytest.mark.parametrize("program", ["PROGRAM_LEAK_EXTRA_REQUEST", "PROGRAM_LEAK_DECODED_AT_BOUND"])
+def test_a_leak_left_long_by_a_hunt_minimises_to_within_two_of_the_shortest(program):
+    from poolfuzz.pools.shortest_known import SHORTEST_KNOWN
+    from tests.cover import programs
+
+    def engine():
+        return new_engine(config=CONFIGS["hybrid-linear"], faults=[programs.FAULT_LEAK_ON_ABORT])
+
+    steps = _steps(getattr(programs, program))
+    bug = run_program(engine, steps).bug()
+    assert bug == "ReferenceMismatch:free-count:mamba"
+    got = minimise(steps, new_engine=engine, bug=bug, max_seconds=120)
+    assert len(got.steps) <= SHORTEST_KNOWN[programs.FAULT_LEAK_ON_ABORT] + 1 < len(steps) - 1
