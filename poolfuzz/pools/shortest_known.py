@@ -18,8 +18,10 @@ SHORTEST_KNOWN: dict[str, int] = {
     "free-swa-keeps-mapping": 3, "paged-free-partial-page": 3, "pd-drops-mamba-fallback": 3, "cow-without-copy": 4,
     "stale-cow-source": 5, "reload-into-old-indices": 4, "mamba-leak-on-abort": 7,
     "allocator-double-free-undetected": 3, "tree-evicts-locked-node": 5, "tree-match-freed-node": 7,
-    # Off the named grid, by hand: a request served, retracted and resumed on a config of the shape.
-    "reload-chunk-at-chunk-number": 4, "mamba-layer-map-contiguous": 4, "host-load-tiles-of-four": 4,
+    # Off the named grid, by hand: a request served, retracted and resumed on a config of the shape;
+    # the mamba layer map shows at the first prefill (admit, prefill: the best shrink of `hunt --config
+    # random --seeds 5`).
+    "reload-chunk-at-chunk-number": 4, "mamba-layer-map-contiguous": 2, "host-load-tiles-of-four": 4,
     # A ping-pong slot written twice in a row (3, the best shrink of `hunt --seeds 5`). By `poolfuzz
     # shortest`: one admit, whose release at teardown leaks its track slots (1).
     "track-slots-not-freed": 1, "ping-pong-stuck": 3,
@@ -45,6 +47,11 @@ SHORTEST_KNOWN_ON_SHAPE: dict[str, tuple[Callable[[ModelConfig], bool], int, str
     # resumes). `poolfuzz shortest --config dense-ps4 --faults reload-into-old-indices --max-steps 6`
     # runs every program of up to 5 steps first: none fails.
     "reload-into-old-indices": (lambda c: c.page_size > 1, 6, "pages come back to the resume that freed them"),
+    # Extra-buffer mode takes three mamba slots per request (the state and two track slots) from a
+    # FIFO free list of 10, so a recycled slot reaches a new request later: by hand, admit, prefill,
+    # fork, admit, finish the first, admit, prefill (7); `poolfuzz shortest --config hybrid-extra-buffer
+    # --faults mamba-not-cleared --max-steps 6` runs 115,266 programs of up to 6 steps: none fails.
+    "mamba-not-cleared": (lambda c: c.mamba_track_slots > 0, 7, "three slots per request cycle the free list"),
 }
 
 

@@ -79,8 +79,14 @@ def _fails(config, faults, program):
 
 RELOAD_PAGED = [("admit", {"prompt_len": 1}), ("admit", {"prompt_len": 1}), ("prefill", {"rid": 1, "chunk": 1}),
                 ("retract", {"rid": 1}), ("prefill", {"rid": 2, "chunk": 1}), ("decode", {"rids": [2]})]
+NOT_CLEARED_EXTRA_BUFFER = [("admit", {"prompt_len": 1}), ("prefill", {"rid": 1, "chunk": 1}),
+                            ("fork", {"src_rid": 1, "extra": 1}), ("admit", {"prompt_len": 1}),
+                            ("finish", {"rid": 1}), ("admit", {"prompt_len": 1}), ("prefill", {"rid": 4, "chunk": 1})]
+
+
 @pytest.mark.parametrize(("fault", "config", "program"), [
     ("reload-into-old-indices", "dense-ps4", RELOAD_PAGED),
+    ("mamba-not-cleared", "hybrid-extra-buffer", NOT_CLEARED_EXTRA_BUFFER),
 ])
 def test_a_shape_that_needs_a_longer_program_has_one_of_that_length(fault, config, program):
     from poolfuzz.pools.shortest_known import SHORTEST_KNOWN, shortest_known
