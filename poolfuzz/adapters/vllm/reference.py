@@ -153,11 +153,17 @@ class VllmReference(ReferenceFamily):
             elif hit:
                 states, length = {(hit - 1) // self.ps}, hit // self.ps
             needs["mamba"] = len(states) + self._new_state_block(rid, slots, length)
-            if external and hit:
-                # vLLM's admission counts the hit's state block as a block the request takes (it is
-                # evictable, in the free queue) although the connector's state supersedes it and it
-                # is never touched: the check asks one block more than the allocation takes.
-                self._need({**needs, "mamba": needs["mamba"] + 1})
+            # vLLM's admission check counts a first allocation's mamba blocks as one new block (its cap
+            # without speculative blocks) plus the hit's state block (evictable, in the free queue),
+            # whatever the allocation then takes. With a hit and connector tokens that end in the last
+            # token's block, the hit is superseded and never touched: the check asks one block more
+            # than the allocation takes, and the request waits. With connector tokens and no hit, the
+            # allocation takes two (the loaded state's block and the running state's) where the check
+            # counted one: near capacity vLLM raises "Cannot get 1 free blocks from the pool", a real
+            # defect (vllm#46892, open); the reference predicts exhaustion, so the crash is reported.
+            counted = 1 + int(hit > 0)
+            if counted > needs["mamba"]:
+                self._need({**needs, "mamba": counted})
         elif self.config.has_mamba:
             needs["mamba"] = 1
         self._take(needs)
