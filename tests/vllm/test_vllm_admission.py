@@ -31,6 +31,7 @@ def _vllm(api, free: int, *, hit_prompt: int, tokens: int):
 
     built = build_manager(api, CONFIGS[NAME], "align")
     m, bp, ps = built.manager, built.manager.block_pool, CONFIGS[NAME].page_size
+    unit = built.hash_block_size  # what the family hashes by (finer than a block where hits may end inside)
 
     def step():
         if hasattr(m, "new_step_starts"):
@@ -38,7 +39,7 @@ def _vllm(api, free: int, *, hit_prompt: int, tokens: int):
 
     prefix = []
     if hit_prompt:  # a request that computed hit_prompt + 1 tokens, then finished (its blocks stay cached)
-        first = api.new_request("1", [token_id(1, p) for p in range(hit_prompt + 1)], ps)
+        first = api.new_request("1", [token_id(1, p) for p in range(hit_prompt + 1)], unit)
         for new in (hit_prompt, 1):  # align mode: the prompt's chunk ends on the block boundary
             step()
             assert m.allocate_slots(first, new) is not None
@@ -49,7 +50,7 @@ def _vllm(api, free: int, *, hit_prompt: int, tokens: int):
     # used ones are; the finished request's blocks went to its tail (its cached hit blocks stay free).
     held = bp.get_new_blocks(bp.get_num_free_blocks() - free)
     assert all(b.block_hash is None for b in held) and bp.get_num_free_blocks() == free
-    request = api.new_request("2", prefix + [token_id(2, p) for p in range(hit_prompt, tokens)], ps)
+    request = api.new_request("2", prefix + [token_id(2, p) for p in range(hit_prompt, tokens)], unit)
     step()
     blocks, hit = m.get_computed_blocks(request)[:2]
     external = max(0, (tokens - 1) // ps * ps - hit)
