@@ -131,6 +131,86 @@ class TestSubBlockHits:
     def test_a_hit_inside_a_block_counts_its_copies_as_vllm_does(self, fine):
         """An 8-token next turn hitting 6 of a finished 7-token request takes 2 attention blocks (the
         whole one, the copy of the hit's tail one) and a state block (the copy); vLLM's check also
+        counts the two tail blocks it reads (they come back once copied): 5 free blocks, not 3."""
+        assert _fits_by_free(extra=1, outcome="hit 6 external 0", taken=3) == 5
+
+    def test_a_load_that_cuts_the_hit_counts_no_hit_state(self, fine):
+        """A 9-token next turn: the load from 4 to 8 cuts the hit to 4, whose mamba blocks are then
+        null only; the turn takes 2 attention blocks and the loaded state's block, and vLLM's check
+        counts no hit state block for it: 3 free blocks suffice."""
+        assert _fits_by_free(extra=2, outcome="hit 4 external 4", taken=3, reads_only_block_0=True) == 3
+
+
+def _fits_by_free(*, extra: int, outcome: str, taken: int, reads_only_block_0: bool = False) -> int:
+    """The fewest free blocks with which the next turn of a finished 7-token request fits. With every
+    free block but ``spare`` held by others (uncached ones first, then cached ones the turn does not
+    read: all but the attention block of the first 4 tokens when ``reads_only_block_0``), the turn
+    must wait or fit as the reference says (the engine compares them at every step); it then takes
+    ``taken`` blocks."""
+    fits = {}
+    for spare in range(5):
+        engine, a, _ = _served_and_finished(7)
+        fam, ref = engine.families["prefill"], engine.refs["prefill"]
+        pool = fam.block_pool
+        free_blocks = [b for b in pool.blocks if b.ref_cnt == 0 and not b.is_null]
+        holdable = [b for b in free_blocks if b.block_hash is None]
+        if reads_only_block_0:
+            full = fam.group_of["full"].index
+            holdable += [b for b in free_blocks if b.block_hash is not None and not (
+                fam.api.kv_cache_utils.get_group_id(b.block_hash) == full and b.block_hash_num_tokens == 4)]
+        pool.touch(holdable[spare:])  # other requests hold (or hit) these
+        ref.free["full"] -= len(holdable) - spare
+        free = pool.get_num_free_blocks()
+        assert free == ref._shared_free()
+        rid = engine.next_turn(a, extra)
+        fits[free] = rid is not None
+        if rid is not None:
+            assert engine.log[-1].outcome == f"Req({rid}) prefix 7 {outcome}", engine.log[-1]
+            assert pool.get_num_free_blocks() == free - taken
+            engine.check()
+        else:
+            assert engine.log[-1].outcome == "full exhausted"
+    least = min(f for f, ok in fits.items() if ok)
+    assert fits == {f: f >= least for f in fits} and not all(fits.values()), fits
+    return least
+
+
+class TestSubBlockProducer:
+    @pytest.mark.parametrize("spare", [0, 1])
+    def test_the_producers_next_step_counts_the_copy_of_its_keyed_state(self, fine, spare):
+        """A 3-token prompt: the chunk 0..2 leaves the state after 2 tokens keyed in its block; the
+        chunk 2..3 needs no new block, but vLLM's check counts the copy the key moves to (back in the
+        free queue, cached, once copied): with no free block the chunk waits, with one it runs, as the
+        reference says (the engine compares them)."""
+        engine = Engine(config=CONFIGS[NAME], family_factory=_factory())
+        a = engine.admit(3)
+        assert engine.prefill(a, 3)
+        assert engine.log[-1].outcome == "positions 0..2"
+        fam, ref = engine.families["prefill"], engine.refs["prefill"]
+        pool = fam.block_pool
+        free = [b for b in pool.blocks if b.ref_cnt == 0 and not b.is_null]
+        pool.touch(free[spare:])  # other requests hold these
+        ref.free["full"] -= len(free) - spare
+        assert engine.prefill(a, 3) == bool(spare)
+        assert engine.log[-1].outcome == ("positions 2..3" if spare else "full exhausted")
+        if spare:
+            copy = [b for b in pool.blocks if b.ref_cnt == 0 and not b.is_null]
+            assert len(copy) == 1 and copy[0].block_hash is not None  # the copy, keyed, free
+            engine.check()
+
+    def test_a_load_past_the_hits_tail_supersedes_it(self, fine):
+        """The connector holds the whole blocks to 8: the scheduler cuts the local hit to its block
+        boundary (4) and loads the rest, so nothing is copied on write and no hit state is read."""
+        engine, a, _ = _served_and_finished(7)
+        fam = engine.families["prefill"]
+        rid = engine.next_turn(a, 3)
+        assert engine.log[-1].outcome == f"Req({rid}) prefix 7 hit 4 external 4", engine.log[-1]
+        assert fam.manager.take_kv_cache_block_copies() == ([], [])
+        engine.check()
+
+    def test_a_hit_inside_a_block_counts_its_copies_as_vllm_does(self, fine):
+        """An 8-token next turn hitting 6 of a finished 7-token request takes 2 attention blocks (the
+        whole one, the copy of the hit's tail one) and a state block (the copy); vLLM's check also
         counts the two tail blocks it reads (they come back once copied): 5 free blocks, not 3. With
         every uncached free block held by others, the turn must wait or fit as the reference says
         (the engine compares them at every step), and only from 5 free blocks on does it fit."""
