@@ -105,8 +105,14 @@ class TestAlignMode:
         assert engine.log[-1].outcome == "no chunk fits this budget: waits"
         assert engine.prefill(rid, 16)
         assert engine.log[-1].outcome == "positions 4..8"
+        if engine.families["prefill"].built.hash_block_size == 1:
+            # hits inside a block (test_vllm_partial_hits.py): the chunk also stops at the prompt's
+            # last token boundary, where the state is checkpointed
+            assert engine.prefill(rid, 16)
+            assert engine.log[-1].outcome == "positions 8..9"
         assert engine.prefill(rid, 16)
-        assert engine.log[-1].outcome == "positions 8..10"
+        assert engine.log[-1].outcome == ("positions 9..10" if engine.families["prefill"].built.hash_block_size == 1
+                                          else "positions 8..10")
         engine.check()
 
     def test_a_next_turn_revives_the_cached_state_block(self, align):
@@ -145,9 +151,10 @@ class TestAlignMode:
     @pytest.mark.parametrize("name", ["hybrid-extra-buffer", "hybrid-extra-buffer-ps4"])
     def test_fuzz_finds_nothing_in_align_mode(self, align, expect, fuzz, name):
         outcome = fuzz(CONFIGS[name], examples=30)
-        if expect == "44409" and outcome.failure is not None:
-            # Before #44409's fix a next turn (local hit plus connector tokens) on an align hybrid may
-            # pass vLLM's admission check and then run the pool dry: only that may fail.
+        if outcome.failure is not None:
+            # vllm#46892 (open at 0.33.0, on every release here): connector tokens past a request's
+            # hit need two state blocks where the admission check counts one, so near capacity the
+            # allocation runs the pool dry (test_vllm_admission.py). Only that real defect may fail.
             assert "Cannot get 1 free blocks from the pool" in str(outcome.failure), outcome.failure
             return
         assert outcome.failure is None, outcome.failure

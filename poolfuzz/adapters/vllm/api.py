@@ -42,6 +42,9 @@ class VllmAPI:
     # allocate_slots takes a step of no new tokens that only adopts a local hit (from ~0.30); before,
     # it refuses one without external tokens ("num_new_tokens must be greater than 0 ...")
     adopts_without_new_tokens: bool = False
+    # A mamba "align" group takes prefix hits inside a block when block hashes are finer than its
+    # blocks (``--prefix-match-unit``): the hit's tail block is copied on write (from ~0.32)
+    partial_hash_hits: bool = False
 
     def new_request(self, request_id: str, prompt: list[int], block_size: int):
         """A real ``vllm.v1.request.Request`` with a block hasher, as this release constructs one."""
@@ -101,7 +104,8 @@ def _load() -> VllmAPI:
         kv_cache_config_fields=frozenset(f.name for f in dataclasses.fields(KVCacheConfig)),
         request_params=frozenset(inspect.signature(Request).parameters), kv_cache_utils=kv_cache_utils,
         kv_events=kv_events, metrics_collector=KVCacheMetricsCollector,
-        adopts_without_new_tokens="computed tokens to adopt" in inspect.getsource(KVCacheManager.allocate_slots))
+        adopts_without_new_tokens="computed tokens to adopt" in inspect.getsource(KVCacheManager.allocate_slots),
+        partial_hash_hits=hasattr(kv_cache_utils, "partial_hash_hits_enabled"))
 
 
 def _hash_fn():

@@ -153,18 +153,24 @@ class VllmFamily:
         ids (for zeroing), the mamba boundary states a connector may offload, and the KV events."""
         m = self.manager
         take_copies = getattr(m, "take_kv_cache_block_copies", None)
-        if take_copies is not None:
-            copies, retained = take_copies()
-            for copy in copies:  # only mamba "align" groups copy on write (a state block they keep writing)
-                copy_block(self._mamba, "mamba", copy.src_block_id, copy.dst_block_id, 1)
-            if retained:
-                before = {b.block_id: "mamba" for b in retained}
-                self.block_pool.free_blocks(retained)  # the copy has run: the retention ends
-                self.report_frees(before)
+        copies, retained = take_copies() if take_copies is not None else ((), ())
         if hasattr(m, "take_new_block_ids"):
             # Where the cache needs zeroing (mamba layers read state before writing it), the worker
-            # zeroes every newly allocated attention block before the step's forward: never a hit block.
+            # zeroes every newly allocated attention block before the step's forward: never a hit
+            # block; a copy-on-write target first, as the worker zeroes before it copies.
             zero_blocks(self._attention, m.take_new_block_ids(), self.config.page_size)
+        if copies:
+            # A mamba "align" group copies the state block it keeps writing; every group copies the
+            # tail block of a hit inside a block. The copy's target is in the table of the group that
+            # copies (or in none: a mamba key moved to it), and only that group's layers are copied.
+            held = self.held_blocks()
+            for copy in copies:
+                space = held.get(copy.dst_block_id, "mamba")
+                comps, rows = (self._mamba, 1) if space == "mamba" else (self._attention, self.config.page_size)
+                copy_block(comps, space, copy.src_block_id, copy.dst_block_id, rows)
+            before = {b.block_id: held.get(b.block_id, "mamba") for b in retained}
+            self.block_pool.free_blocks(retained)  # the copy has run: the retention ends
+            self.report_frees(before)
         if hasattr(m, "take_boundary_state_offloads"):
             m.take_boundary_state_offloads()  # a connector would offload them; none is modelled
         if self.events is not None:

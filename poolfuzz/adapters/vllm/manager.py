@@ -10,6 +10,7 @@ import torch
 from poolfuzz.adapters.vllm.api import VllmAPI
 from poolfuzz.pools.components import DTYPES
 from poolfuzz.pools.config import ModelConfig
+from poolfuzz.pools.errors import ConfigError
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -27,6 +28,7 @@ class Built:
     manager: object  # vllm KVCacheManager
     groups: tuple[Group, ...]
     num_blocks: int  # block 0 is the null block
+    hash_block_size: int  # the tokens each block hash covers (the page size, or finer: sub-block hits)
     max_model_len: int
     caching: bool
 
@@ -76,6 +78,11 @@ def build_manager(api: VllmAPI, config: ModelConfig, mamba_mode: str) -> Built:
     caching = not (config.has_mamba and mamba_mode == "none")
     scheduler_block = math.lcm(*(g.block_size for g in groups))
     extra = {}
+    # An align hybrid on multi-token pages hashes every token, as a server started with
+    # ``--prefix-match-unit 1`` does, where the release takes hits inside a block: a hit then ends at
+    # the prompt's last token boundary (its state checkpointed there), and the hit's tail block is
+    # copied on write in every group. Single-token pages and other configs hash by the block.
+    hash_block = hash_block_for(api, config, mamba_mode)
     sparse = config.has_swa or (config.has_mamba and mamba_mode == "align")
     if caching and sparse and ps > 1 and "prefix_cache_retention_interval" in api.kv_cache_config_fields:
         # Multi-token pages run vLLM's sparse prefix-cache retention (SWA and mamba groups keep one
@@ -89,7 +96,7 @@ def build_manager(api: VllmAPI, config: ModelConfig, mamba_mode: str) -> Built:
     # As a scheduler that logs stats and publishes KV events (to a KV-aware router) builds it: the
     # family drains both every step and checks the events against the prefix cache.
     wanted = dict(kv_cache_config=kv_cache_config, max_model_len=max_model_len, enable_caching=caching,
-                  scheduler_block_size=scheduler_block, hash_block_size=ps, log_stats=True,
+                  scheduler_block_size=scheduler_block, hash_block_size=hash_block, log_stats=True,
                   enable_kv_cache_events=caching)
     if ps == 1 and not (config.has_swa or config.has_mamba):
         # A dense model on single-token pages speculates as EAGLE does (the manager drops the last
@@ -101,8 +108,20 @@ def build_manager(api: VllmAPI, config: ModelConfig, mamba_mode: str) -> Built:
         wanted["metrics_collector"] = api.metrics_collector(1.0)
     kwargs = {k: v for k, v in wanted.items() if k in api.manager_params}
     manager = api.KVCacheManager(**kwargs)
+    if hash_block < ps and not getattr(manager.coordinator, "enable_partial_hash_hits", False):
+        raise ConfigError(f"vLLM {api.version} hashes finer than a block but takes no hit inside one for "
+                          f"{config.name!r}: the vllm adapter's probe (VllmAPI.partial_hash_hits) needs updating")
     return Built(manager=manager, groups=tuple(groups), num_blocks=num_blocks, max_model_len=max_model_len,
-                 caching=caching)
+                 caching=caching, hash_block_size=hash_block)
+
+
+def hash_block_for(api: VllmAPI, config: ModelConfig, mamba_mode: str) -> int:
+    """The tokens a block hash covers: one for an align hybrid on multi-token pages where the release
+    takes hits inside a block, else the page size (see ``build_manager``)."""
+    ps = config.page_size
+    if ps > 1 and config.has_mamba and mamba_mode == "align" and api.partial_hash_hits:
+        return 1
+    return ps
 
 
 def _round_up(n: int, k: int) -> int:

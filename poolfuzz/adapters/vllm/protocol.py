@@ -80,7 +80,7 @@ class VllmProtocol:
             raise PoolExhausted(space="rows", requested=1, available=0)
         api = fam.api
         request = api.new_request(str(req.rid), [token_id(req.rid, p) for p in range(req.seqlen)],
-                                  fam.config.page_size)
+                                  fam.built.hash_block_size)
         live = LiveRequest(rid=req.rid, request=request, row=row)
         fam.live[req.rid] = live
         fam.by_row[row] = live
@@ -107,13 +107,18 @@ class VllmProtocol:
         the worker writes the state only at a chunk's end, and a block is cached with the state it
         holds, so a chunk that is not the prompt's last ends on a block boundary (none inside it:
         the chunk waits, ``end <= start``), and none runs past the next boundary of a chunk starting
-        mid-block or past the last boundary before the prompt's last token."""
+        mid-block or past the last boundary before the prompt's last token. With hashes finer than a
+        block (sub-block hits) a chunk also stops at the prompt's last hash boundary before its last
+        token, where the state a later hit inside that block starts from is checkpointed."""
         if fam.mamba_mode != "align" or start >= prompt_len:
             return end
-        bs = fam.config.page_size
+        bs, unit = fam.config.page_size, fam.built.hash_block_size
         if end < prompt_len:
             end = end // bs * bs
-        stops = ((start // bs + 1) * bs if start % bs else 0, (prompt_len - 1) // bs * bs)
+        last_block = (prompt_len - 1) // bs * bs
+        tail = (prompt_len - 1) // unit * unit if unit < bs else 0
+        stops = ((start // bs + 1) * bs if start % bs else 0, last_block,
+                 tail if last_block < tail < prompt_len else 0)
         return min((s for s in stops if start < s < end), default=end)
 
     def run_deferred_mamba_ops(self, reqs: list[ReqKv], fam) -> None:
@@ -199,13 +204,28 @@ class VllmProtocol:
         ps = fam.config.page_size
         external = 0
         if fam.api.takes_external_tokens:
-            external = max(0, n // ps * ps - hit)
+            # The connector is shown the hit cut to a block boundary (a hit inside a block ends there)
+            # and holds the request's whole blocks after it. As the scheduler takes it: past the
+            # hit's tail inside its block, the load supersedes that tail (cut from the local hit, so
+            # nothing is copied on write); else the local tail stays and nothing is loaded.
+            tail = hit % ps
+            external = max(0, n // ps * ps - (hit - tail))
+            if tail and external > tail and hasattr(m, "truncate_computed_blocks"):
+                blocks, hit = m.truncate_computed_blocks(blocks, hit - tail), hit - tail
+            elif tail:
+                external = 0
         if diverged and external == 0:
             found = m.get_computed_blocks(request)
             blocks, hit = found[0], found[1]
         if hasattr(m, "record_prefix_cache_stats"):
             m.record_prefix_cache_stats(request, hit)
-        return blocks, {"hit": hit, "external": external}
+        found = {"hit": hit, "external": external}
+        if fam.mamba_mode == "align" and hit:
+            # Whether the hit brings a cached state block: not where the load cut a hit inside a
+            # block (the mamba group's hit is then null blocks only; the connector loads the state).
+            mamba = blocks.blocks[fam.group_of["mamba"].index]
+            found["hit_state"] = bool(mamba) and not mamba[-1].is_null
+        return blocks, found
 
     def resume(self, req: ReqKv, fam) -> None:
         live = self._live(req, fam)
@@ -290,7 +310,7 @@ class VllmProtocol:
         tokens = fam.finished_tokens[src_rid][:prefix]
         tokens += [token_id(req.rid, p) for p in range(prefix, req.seqlen)]
         fam.live[req.rid] = LiveRequest(rid=req.rid, request=fam.api.new_request(str(req.rid), tokens,
-                                                                                 fam.config.page_size))
+                                                                                 fam.built.hash_block_size))
         req.retraction_backup = RetractionBackup(mode="cpu_tensor", num_tokens=req.seqlen - 1)
         return self.lookup(req, fam)
 

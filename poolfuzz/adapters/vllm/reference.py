@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from poolfuzz.adapters.vllm.api import load
-from poolfuzz.adapters.vllm.manager import num_blocks_for
+from poolfuzz.adapters.vllm.manager import hash_block_for, num_blocks_for
 from poolfuzz.pools.config import ModelConfig
 from poolfuzz.pools.errors import PoolExhausted
 from poolfuzz.pools.reference import ReferenceFamily, RefRequest, _floor, _pages
@@ -45,6 +45,13 @@ class VllmReference(ReferenceFamily):
         self.adopts = self.align and load().adopts_without_new_tokens  # see VllmAPI
         self.state_blocks: dict[int, set[int]] = {}  # align: rid -> indices of its real state blocks
         self.state_len: dict[int, int] = {}  # align: rid -> its mamba table's length in blocks
+        # Hits inside a block (hashes finer than a block, see manager.hash_block_for): a request whose
+        # allocation ends at its prompt's last hash boundary inside a block keys its running state
+        # block there, and its next allocation first moves that key to a copy (one block more in the
+        # check, back in the free queue, cached, once the copy has run).
+        self.unit = hash_block_for(load(), config, mamba_mode_for(config)) if self.align else self.ps
+        self.prompt_len: dict[int, int] = {}  # rid -> its vLLM request's prompt (for the boundary)
+        self.keyed_tail: set[int] = set()  # rids whose running state block is keyed at that boundary
         for space in BLOCK_SPACES:
             if space in self.capacity:
                 self.capacity[space] = self.pool * self._scale(space)
@@ -70,6 +77,7 @@ class VllmReference(ReferenceFamily):
         req = self.requests.get(rid) or RefRequest(rid=rid)
         self._take({"rows": 1})
         req.seqlen = seqlen
+        self.prompt_len[rid] = seqlen
         req.holds_row = True
         req.holds_mamba = False
         req.pending_state = () if self.config.has_mamba else None
@@ -96,12 +104,28 @@ class VllmReference(ReferenceFamily):
         self.state_blocks[rid] = states
         self.state_len[rid] = length
 
+    def _keys_tail(self, rid: int, cached: int) -> None:
+        """An allocation that caches up to ``cached`` tokens keys the running state block at the
+        prompt's last hash boundary when that boundary is ``cached`` and lies inside a block."""
+        if self.unit >= self.ps or rid not in self.prompt_len:
+            return
+        boundary = (self.prompt_len[rid] - 1) // self.unit * self.unit
+        if boundary and boundary == cached and boundary % self.ps:
+            self.keyed_tail.add(rid)
+
+    def _copy_keyed_tail(self, rid: int, needs: dict[str, int]) -> None:
+        """The check of the allocation after ``_keys_tail``: one block more (the key's copy)."""
+        if rid in self.keyed_tail:
+            self._need({**needs, "mamba": needs.get("mamba", 0) + 1})
+            self.keyed_tail.discard(rid)
+
     def held(self, space: str) -> int:
         if space == "mamba" and self.align:
             return sum(len(s) for s in self.state_blocks.values())
         return super().held(space)
 
     def release(self, rid: int) -> None:
+        self.keyed_tail.discard(rid)
         if self.align:
             self.free["mamba"] += len(self.state_blocks.pop(rid, ()))
             self.state_len.pop(rid, None)
@@ -122,16 +146,18 @@ class VllmReference(ReferenceFamily):
             needs["mamba"] = self._new_state_block(rid, new_len, self.state_len.get(rid, 0))
         elif self.config.has_mamba and not req.holds_mamba:
             needs["mamba"] = 1
+        self._copy_keyed_tail(rid, needs)
         self._take(needs)
         req.allocated = new_len
         req.holds_mamba = self.config.has_mamba
         if self.align:
             self._hold_state(rid, self.state_blocks.get(rid, set()), self.state_len.get(rid, 0), new_len)
+            self._keys_tail(rid, min(new_len, req.seqlen))
 
     def free_speculative_tail(self, rid: int) -> None:
         """vLLM rolls back ``num_computed_tokens`` only: the blocks stay with the request."""
 
-    def resume(self, rid: int, *, hit: int = 0, external: int = 0) -> None:
+    def resume(self, rid: int, *, hit: int = 0, external: int = 0, hit_state: bool | None = None) -> None:
         """Recompute after preemption, as the scheduler schedules it: a row, blocks for every token up
         to the last sampled one (null SWA blocks for the prefix outside the window) and a state block;
         the KV of ``[0, seqlen - 1)`` is then there again (found, loaded or recomputed)."""
@@ -151,18 +177,30 @@ class VllmReference(ReferenceFamily):
             if external:
                 states, length = {(hit + external - 1) // self.ps}, _blocks(hit + external, self.ps)
             elif hit:
-                states, length = {(hit - 1) // self.ps}, hit // self.ps
+                states, length = {(hit - 1) // self.ps}, _blocks(hit, self.ps)
             needs["mamba"] = len(states) + self._new_state_block(rid, slots, length)
-            if external and hit:
-                # vLLM's admission counts the hit's state block as a block the request takes (it is
-                # evictable, in the free queue) although the connector's state supersedes it and it
-                # is never touched: the check asks one block more than the allocation takes.
-                self._need({**needs, "mamba": needs["mamba"] + 1})
+            if hit % self.ps:
+                # A hit inside a block (never with connector tokens): each group copies the hit's
+                # tail block on write. The check counts the copy and the hit's block it reads, which
+                # returns to the free queue (cached) once the copy has run.
+                self._need({**needs, "full": needs["full"] + 1, "mamba": needs["mamba"] + 1})
+            # vLLM's admission check counts a first allocation's mamba blocks as one new block (its cap
+            # without speculative blocks) plus the hit's state block (evictable, in the free queue),
+            # whatever the allocation then takes. With a hit and connector tokens that end in the last
+            # token's block, the hit is superseded and never touched: the check asks one block more
+            # than the allocation takes, and the request waits. With connector tokens and no hit, the
+            # allocation takes two (the loaded state's block and the running state's) where the check
+            # counted one: near capacity vLLM raises "Cannot get 1 free blocks from the pool", a real
+            # defect (vllm#46892, open); the reference predicts exhaustion, so the crash is reported.
+            counted = 1 + int(hit > 0 if hit_state is None else hit_state)
+            if counted > needs["mamba"] and not hit % self.ps:
+                self._need({**needs, "mamba": counted})
         elif self.config.has_mamba:
             needs["mamba"] = 1
         self._take(needs)
         if self.align:
             self._hold_state(rid, states, length, slots)
+            self._keys_tail(rid, slots)  # a next turn cached up to its last prompt token's boundary
         req.holds_row = True
         req.holds_mamba = self.config.has_mamba
         req.allocated = slots
@@ -171,15 +209,17 @@ class VllmReference(ReferenceFamily):
         req.backup_tokens = None
 
     def next_turn(self, rid: int, *, seqlen: int, kv_owner: tuple[int, ...], state, hit: int = 0,
-                  external: int = 0) -> None:
+                  external: int = 0, hit_state: bool | None = None) -> None:
         """A finished request's next turn, scheduled as a resume of ``seqlen - 1`` tokens: its hit
         blocks are cached blocks in the free queue (each finished request continues once, so no live
         request holds them), and cost a free block as a new one would."""
         self.requests[rid] = RefRequest(rid=rid, seqlen=seqlen, backup_tokens=seqlen - 1)
+        self.prompt_len[rid] = seqlen
         try:
-            self.resume(rid, hit=hit, external=external)
+            self.resume(rid, hit=hit, external=external, hit_state=hit_state)
         except PoolExhausted:
             del self.requests[rid]
+            del self.prompt_len[rid]
             raise
         req = self.requests[rid]
         req.kv_owner = list(kv_owner)
