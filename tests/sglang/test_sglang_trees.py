@@ -84,9 +84,11 @@ def test_configs_the_tree_path_does_not_drive_say_why(tree_api):
     from poolfuzz.adapters.sglang import build_family
     from poolfuzz.adapters.sglang.trees import tree_problem
 
-    for name in ("swa", "hybrid-linear", "swa-ssm"):
+    for name in ("swa", "swa-ssm"):
         assert "not driven yet" in tree_problem(tree_api, CONFIGS[name])
         assert build_family(CONFIGS[name]).supports_fork is False
+    for name in ("hybrid-linear-ps4", "hybrid-extra-buffer"):  # SGLang's MambaComponent: page 1, no track
+        assert "page size 1 without the extra buffer" in tree_problem(tree_api, CONFIGS[name])
 
 
 def test_fuzzing_dense_with_forks_passes(tree_api, fuzz):
@@ -106,3 +108,59 @@ def test_sglangs_python_tree_core_runs_the_same_fork(tree_api, monkeypatch):
     e.check()
     e.sweep()
     e.drain()
+
+
+def _mamba_fork(e, *, decode_first: bool):
+    src = e.admit(6)
+    e.check()
+    e.prefill(src, 8)
+    e.check()
+    if decode_first:  # the tree's checkpoint is the prompt's: the decoded token is computed again
+        e.decode([src])
+        e.check()
+    dst = e.fork(src, 3)
+    e.check()
+    return src, dst
+
+
+@pytest.mark.parametrize("decode_first", [False, True])
+def test_a_mamba_fork_copies_the_trees_checkpoint_into_its_own_slot(tree_api, decode_first):
+    e = _engine("hybrid-linear")
+    fam = e.families["prefill"]
+    assert fam.supports_fork is True and fam.tree.supports_mamba()
+    # the configurator's rule for a mamba radix tree: 3 state slots a running request
+    assert fam.config.mamba_slots == 3 * CONFIGS["hybrid-linear"].request_rows
+    src, dst = _mamba_fork(e, decode_first=decode_first)
+    kv = e.requests[dst].kv
+    assert kv.cache_protected_len == 6  # the prompt's checkpoint, full KV and state
+    sg = fam.protocol.standin(kv, fam)
+    assert sg.kv.mamba_cow_src_index is None if decode_first else sg.kv.mamba_cow_src_index is not None
+    assert kv.mamba_pool_idx not in fam.cached_units()["mamba"]  # a slot of its own, not the tree's
+    e.prefill(dst, 8)
+    e.check()
+    e.decode([src, dst])
+    e.check()
+    e.finish(src)
+    e.check()
+    e.finish(dst)
+    e.check()
+    held, evictable = fam.tree_mamba()
+    assert held == evictable > 0  # the finished requests' states were donated to the tree, unlocked
+    e.sweep()
+    e.drain()
+
+
+@pytest.mark.parametrize("decode_first", [False, True])
+def test_a_copy_on_write_that_never_copies_is_caught(tree_api, decode_first):
+    e = _engine("hybrid-linear")
+    fam = e.families["prefill"]
+    fam.sg_req_pool.copy_mamba_state = lambda src, dst: None  # the slot keeps what it had
+    with pytest.raises(PoolfuzzFailure, match="StateLost.*mamba"):
+        src, dst = _mamba_fork(e, decode_first=decode_first)
+        e.prefill(dst, 8)
+        e.check()
+
+
+def test_fuzzing_hybrid_linear_with_forks_passes(tree_api, fuzz):
+    outcome = fuzz(CONFIGS["hybrid-linear"], examples=15)
+    assert outcome.failure is None, outcome.failure
