@@ -84,11 +84,9 @@ def test_configs_the_tree_path_does_not_drive_say_why(tree_api):
     from poolfuzz.adapters.sglang import build_family
     from poolfuzz.adapters.sglang.trees import tree_problem
 
-    for name in ("swa", "swa-ssm"):
-        assert "not driven yet" in tree_problem(tree_api, CONFIGS[name])
-        assert build_family(CONFIGS[name]).supports_fork is False
-    for name in ("hybrid-linear-ps4", "hybrid-extra-buffer"):  # SGLang's MambaComponent: page 1, no track
+    for name in ("hybrid-linear-ps4", "hybrid-extra-buffer", "swa-ssm-ps4"):  # SGLang's MambaComponent
         assert "page size 1 without the extra buffer" in tree_problem(tree_api, CONFIGS[name])
+        assert build_family(CONFIGS[name]).supports_fork is False
 
 
 def test_fuzzing_dense_with_forks_passes(tree_api, fuzz):
@@ -163,4 +161,38 @@ def test_a_copy_on_write_that_never_copies_is_caught(tree_api, decode_first):
 
 def test_fuzzing_hybrid_linear_with_forks_passes(tree_api, fuzz):
     outcome = fuzz(CONFIGS["hybrid-linear"], examples=15)
+    assert outcome.failure is None, outcome.failure
+
+
+@pytest.mark.parametrize("name", ["swa", "swa-ps4", "swa-ssm"])
+def test_a_swa_fork_shares_a_prefix_whose_early_window_the_tree_tombstoned(tree_api, name):
+    """A prompt longer than the window: the checkpoint after its prefill frees the SWA that slid out
+    (``free_out_of_window_slots``), so the tree's prefix is a tombstone before the window and live in
+    it. The fork matches it (the SWA validator needs only the window), locks it, and decodes on."""
+    e = _engine(name)
+    fam = e.families["prefill"]
+    assert fam.supports_fork is True and fam.tree.supports_swa()
+    window = CONFIGS[name].sliding_window
+    src = e.admit(3 * window)
+    e.check()
+    e.prefill(src, 3 * window)
+    e.check()
+    assert e.requests[src].kv.swa_evicted_seqlen > 0  # the checkpoint freed what slid out
+    dst = e.fork(src, 2)
+    e.check()
+    kv = e.requests[dst].kv
+    assert kv.cache_protected_len > window and kv.swa_evicted_seqlen == 0
+    e.prefill(dst, 8)
+    e.check()
+    e.decode([src, dst])
+    e.check()
+    e.finish(dst)
+    e.check()
+    e.sweep()
+    e.drain()
+
+
+@pytest.mark.parametrize("name", ["swa-ps4", "swa-ssm"])
+def test_fuzzing_swa_with_forks_passes(tree_api, fuzz, name):
+    outcome = fuzz(CONFIGS[name], examples=15)
     assert outcome.failure is None, outcome.failure

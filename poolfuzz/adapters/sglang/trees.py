@@ -31,7 +31,9 @@ from poolfuzz.adapters.sglang.family import SGLangFamily
 from poolfuzz.adapters.sglang.frees import free_group
 from poolfuzz.adapters.sglang.protocol import SGLangProtocol
 from poolfuzz.adapters.sglang.standin import _FLAT_FIELDS
+from poolfuzz.adapters.sglang import tree_swa
 from poolfuzz.pools.errors import PoolError, PoolExhausted
+from poolfuzz.pools.protocol import window_start
 from poolfuzz.pools.reference import ReferenceFamily, RefRequest, _pages
 
 TOKEN_SHIFT = 20  # position bits of a traceable token id
@@ -46,9 +48,6 @@ def tree_problem(api, config) -> str | None:
     if _common() is None:
         return (f"SGLang {api.version} has no mem_cache.common.match_kv_cache / checkpoint_kv_cache / "
                 "release_kv_cache (the scheduler glue the adapter calls)")
-    if config.has_swa:
-        return ("the tree's SWA component is not driven yet (its window tombstones need the scheduler's "
-                "SWA lock release and prefix-sharing window eviction)")
     if config.has_mamba and (config.page_size > 1 or config.mamba_track_slots):
         # SGLang's MambaComponent asserts page_size 1 without the extra buffer; the extra buffer's
         # checkpoints need the scheduler's track-seqlen bookkeeping (prepare_for_extend), not driven
@@ -128,7 +127,8 @@ def build_tree(family: SGLangFamily):
 
     c = family.config
     params = CacheInitParams(disable=False, req_to_token_pool=family.sg_req_pool,
-                             token_to_kv_pool_allocator=family.sg_allocator, page_size=c.page_size)
+                             token_to_kv_pool_allocator=family.sg_allocator, page_size=c.page_size,
+                             sliding_window_size=c.sliding_window if c.has_swa else None)
     ctx = registry.TreeCacheBuildContext(
         server_args=None, params=params, is_hybrid_swa=c.has_swa, is_hybrid_ssm=c.has_mamba,
         enable_hierarchical_cache=False, disable_radix_cache=False, tp_worker=None, model_config=None,
@@ -258,6 +258,13 @@ class SGLangTreeProtocol(SGLangProtocol):
         super().run_deferred_mamba_ops(reqs, family)
 
     # --- token allocation: evict first, as SGLang's allocation helpers do -------------------------
+    def _evict_swa(self, req, family, pre_len: int) -> None:
+        """With a tree an extend evicts no SWA itself; a decode evicts as the scheduler's trigger says."""
+        sg = self.standin(req, family)
+        if tree_swa.decoding(req, sg):
+            tree_swa.evict_window(family, sg, pre_len)
+        req.swa_evicted_seqlen = self._swa_evicted(sg, family)
+
     def _alloc_tokens(self, family, *, prefix_len: int, seq_len: int, last_loc: int, sg=None) -> torch.Tensor:
         n = seq_len - prefix_len
         ps = family.config.page_size
@@ -287,6 +294,8 @@ class SGLangTreeProtocol(SGLangProtocol):
             sg.extend_end = req.kv_committed_len
             self.common.checkpoint_kv_cache(sg, family.tree)
             self._protected(req, sg)
+            if family.config.has_swa:  # the checkpoint frees what slid out of the window
+                req.swa_evicted_seqlen = self._swa_evicted(sg, family)
         finally:
             self._done(family)
 
@@ -344,6 +353,22 @@ class SGLangTreeProtocol(SGLangProtocol):
         super().reset_for_retract(req)
         req.cache_protected_len = 0
 
+    def _pre_alloc(self, req, family, fill_len: int) -> None:
+        """The decode pre-allocation evicts from the tree first (``_pre_alloc``: ``evict_for_alloc`` for
+        the full pages, the SWA tail's reclaim); the paged SWA tail allocation does not evict itself."""
+        cfg = family.config
+        if cfg.has_swa and cfg.page_size > 1 and family.resume_swa_tail_only:
+            from sglang.srt.mem_cache.base_prefix_cache import EvictParams
+
+            ps, alloc = cfg.page_size, family.sg_allocator
+            tail = fill_len - window_start(cfg, fill_len)
+            full_short = -(-fill_len // ps) * ps - alloc.full_available_size()
+            swa_short = -(-tail // ps) * ps - alloc.swa_available_size()
+            if full_short > 0 or swa_short > 0:
+                family.tree.evict_for_alloc(EvictParams(num_tokens=max(full_short, 0),
+                                                        swa_num_tokens=max(swa_short, 0)))
+        super()._pre_alloc(req, family, fill_len)
+
     def pre_alloc(self, req, family, fill_len: int) -> None:
         super().pre_alloc(req, family, fill_len)
         sg = self.standin(req, family)
@@ -363,7 +388,17 @@ class SGLangTreeProtocol(SGLangProtocol):
     def fork(self, src, dst, family) -> None:
         """A new request whose prompt is the source's committed tokens and more, as the scheduler admits
         one: its row budget, then ``init_next_round_input`` (the match; on a mamba tree the state's
-        copy-on-write slot), the adder's lock, then ``alloc_req_slots`` and the KV of what was not hit."""
+        copy-on-write slot), the adder's lock, then ``alloc_req_slots`` and the KV of what was not hit.
+        A fork that does not fit leaves nothing behind: its id goes to the next request, on either node
+        (a transfer's pre-allocation would otherwise pick up the failed fork's prompt)."""
+        try:
+            self._fork(src, dst, family)
+        except PoolError:
+            self.standins.pop(dst.rid, None)
+            self.tokens.pop(dst.rid, None)
+            raise
+
+    def _fork(self, src, dst, family) -> None:
         prefix = src.kv_committed_len
         self._fresh(dst.rid, self._tokens(src.rid, src.seqlen)[:prefix])
         sg = self.standin(dst, family)
@@ -443,6 +478,11 @@ class SGLangTreeFamily(SGLangFamily):
         self.tree.evict(EvictParams(num_tokens=self.config.full_tokens, mamba_num=self.config.mamba_slots))
         self.notify_frees()
 
+    def tree_swa(self) -> tuple[int, int]:
+        """(SWA slots the tree holds, of them evictable), by the tree's own accounting."""
+        evictable = int(self.tree.swa_evictable_size())
+        return evictable + int(self.tree.swa_protected_size()), evictable
+
     def tree_mamba(self) -> tuple[int, int]:
         """(state slots the tree holds, of them evictable), by the tree's own accounting."""
         evictable = int(self.tree.mamba_evictable_size())
@@ -490,7 +530,23 @@ class TreeReference(ReferenceFamily):
             total += _pages(req.allocated, self.ps) - protected // self.ps
         return total
 
+    def request(self, rid: int) -> RefRequest:
+        """The request, with its SWA frontier as the real one stands: under a tree it moves where
+        the tree's checkpoints and the scheduler's trigger move it (the SWA free count still checks
+        what it freed)."""
+        req = super().request(rid)
+        sg = self.family.protocol.standins.get(rid)
+        if self.config.has_swa and req.holds_row and sg is not None and sg.kv is not None:
+            req.swa_lo = tree_swa.frontier(self.family, sg)
+        return req
+
+    def evict_swa(self, rid: int, pre_len: int) -> None:
+        """The frontier is read from the real request (``request``); the count from the tree."""
+
     def available(self, space: str) -> int:
+        if space == "swa":  # the live requests' window and the tree's SWA are held
+            held, _ = self.family.tree_swa()
+            return (self.total("swa") - tree_swa.private_swa_pages(self)) * self.ps - held
         if space == "mamba":  # the live requests' state slots and the tree's checkpoints are held
             held, _ = self.family.tree_mamba()
             holders = sum(req.holds_mamba for req in self.requests.values())
@@ -510,6 +566,10 @@ class TreeReference(ReferenceFamily):
                 have = self.available("full") + evictable
                 if n * self.ps > have:
                     raise PoolExhausted(space=space, requested=n * self.ps, available=self.available(space))
+            elif space == "swa":
+                _, evictable = self.family.tree_swa()
+                if n * self.ps > self.available("swa") + evictable:
+                    raise PoolExhausted(space=space, requested=n * self.ps, available=self.available(space))
             elif space == "mamba":
                 _, evictable = self.family.tree_mamba()
                 if n > self.available("mamba") + evictable:
@@ -525,8 +585,9 @@ class TreeReference(ReferenceFamily):
         seqlen = prefix if seqlen is None else seqlen
         hit = self.family.protocol.peek_hit(self.family, src_rid, prefix, seqlen)
         mamba = self.config.has_mamba
-        self._need({"rows": 1, **({"mamba": self.state_slots} if mamba else {}),
-                    "full": _pages(prefix, self.ps) - hit // self.ps})
+        pages = _pages(prefix, self.ps) - hit // self.ps
+        self._need({"rows": 1, **({"mamba": self.state_slots} if mamba else {}), "full": pages,
+                    **({"swa": pages} if self.config.has_swa else {})})
         self.free["rows"] -= 1
         req = RefRequest(rid=rid, holds_row=True, holds_mamba=mamba, allocated=prefix, committed=prefix,
                          seqlen=seqlen, kv_owner=list(src.kv_owner[:prefix]))
