@@ -196,3 +196,23 @@ def test_a_swa_fork_shares_a_prefix_whose_early_window_the_tree_tombstoned(tree_
 def test_fuzzing_swa_with_forks_passes(tree_api, fuzz, name):
     outcome = fuzz(CONFIGS[name], examples=15)
     assert outcome.failure is None, outcome.failure
+
+
+def test_decode_time_window_eviction_through_the_tree_passes(tree_api, fuzz, monkeypatch):
+    """SGLang's SGLANG_SWA_EVICTION_INTERVAL (128 by default, more than these contexts slide) at 1: every
+    decode past the window evicts through tree_cache.evict_sliding_windows."""
+    from poolfuzz.adapters.sglang import tree_swa
+
+    monkeypatch.setenv("SGLANG_SWA_EVICTION_INTERVAL", "1")
+    moved = []
+    real = tree_swa.evict_window
+
+    def counted(family, sg, pre_len):
+        before = tree_swa.frontier(family, sg)
+        real(family, sg, pre_len)
+        moved.append(tree_swa.frontier(family, sg) > before)
+
+    monkeypatch.setattr(tree_swa, "evict_window", counted)
+    outcome = fuzz(CONFIGS["swa-ps4"], examples=15)
+    assert outcome.failure is None, outcome.failure
+    assert any(moved)
