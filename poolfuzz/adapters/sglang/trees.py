@@ -53,8 +53,6 @@ def tree_problem(api, config) -> str | None:
         # checkpoints need the scheduler's track-seqlen bookkeeping (prepare_for_extend), not driven
         return ("the tree's mamba component is driven at page size 1 without the extra buffer only "
                 "(paged or extra-buffer checkpoints need the scheduler's mamba track bookkeeping)")
-    if config.has_mamba and config.spec_draft_tokens:
-        return "the tree's mamba component is not driven with speculative decoding's scratch yet"
     return None
 
 
