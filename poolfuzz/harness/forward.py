@@ -148,9 +148,33 @@ class Writer:
                     lo = hi
         if state_plan and ref.state:
             settle_cached_states(e, req, ref, state_plan)  # the states a per-block state cache found
+            held = req.kv.state_recompute_from
+            if held is not None:  # the state continues from the family's copy-on-write
+                req.kv.state_recompute_from = None
+                self._continue_state(req, ref, state_plan, held)
+                return
             rid, _, gen = ref.state[-1]
             for comp, spec in state_plan:
                 comp.tensor[req.kv.mamba_pool_idx] = row_cache.state_row(spec, rid, gen, e.ledger.chain(ref.state))
+
+    def _continue_state(self, req: Request, ref, plan: list, held: int) -> None:
+        """The forward of a recompute that starts from a copied state: the family's deferred
+        operations run (the copy-on-write of a state after ``held`` tokens, or the clear of a fresh
+        slot), then the state consumes the history's tokens after ``held``, each segment as the
+        request whose tokens they are. A copy from the wrong slot, or of a state the tree let
+        change, leaves a wrong chain, which the contents check names."""
+        e = self.engine
+        fam = e.families[req.node]
+        fam.protocol.run_deferred_mamba_ops([req.kv], fam)
+        idx = req.kv.mamba_pool_idx
+        for rid, start, end in ref.state:
+            start = max(start, held)
+            if start >= end:
+                continue
+            a, b = chain_affine(rid, start, end)
+            for comp, spec in plan:
+                old_chain = int(comp.tensor[idx].reshape(-1)[7:8].to(torch.int64))  # read the state
+                comp.tensor[idx] = row_cache.state_row(spec, rid, end, (old_chain * a + b) % 251)
 
     def padding(self, node: str) -> None:
         """A padded (CUDA-graph) batch writes its dummy rows to slot 0 of every component:

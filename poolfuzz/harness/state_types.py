@@ -171,6 +171,10 @@ class SlidingWindowKV(FullKV):
         """Every held position not yet evicted (``[swa_evicted_seqlen, kv_allocated_len)``, the window and the
         slots allocated ahead of it alike) has an SWA slot in ``full_to_swa``: the forward writes through it."""
         lo = kv.swa_evicted_seqlen
+        if kv.cache_protected_len > lo:
+            # A prefix tree's SWA before the window may be a tombstone (the tree freed it; the match
+            # needs only the window live): what the forwards read of the protected prefix is the window.
+            lo = max(lo, min(kv.cache_protected_len, self.first_position(fam.config, kv.kv_committed_len)))
         slots = self.physical(lookup, fam, tokens[lo:])
         missing = np.flatnonzero(slots <= 0)
         if not missing.size:

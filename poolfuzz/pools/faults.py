@@ -203,6 +203,16 @@ class StaleCowSource(ServingProtocol):
         super().release_kv(req, family)
 
 
+class CowKeepsSourceLocked(ServingProtocol):
+    """The copy-on-write never gives its source back: the tree node a fork matched stays locked after
+    the copy (its lock receipt is never replayed), so the tree can never evict that checkpoint and
+    its mamba slot is lost to every later request. The correct copy unlocks the node
+    (``dec_lock_ref``) once the state is in the request's own slot."""
+
+    def unlock_cow_source(self, req, family):
+        req.mamba_cow_src = None
+
+
 # --- prefix tree ---------------------------------------------------------------------------------
 class EvictionIgnoresLock(MambaPrefixTree):
     """Eviction takes least recently used checkpoints whether or not a request has locked them, so a
@@ -428,6 +438,8 @@ FAULTS: dict[str, Fault] = {
            {"transfer": TransferWithoutMambaFallback}),
         _f("cow-without-copy", "sglang#29354", lambda c: c.has_mamba, {"protocol": ForkWithoutCopy}),
         _f("stale-cow-source", "sglang#29354", lambda c: c.has_mamba, {"protocol": StaleCowSource}),
+        _f("cow-source-stays-locked", "mamba radix cache lock_ref (a lock receipt never replayed)",
+           lambda c: c.has_mamba, {"protocol": CowKeepsSourceLocked}),
         _f("tree-evicts-locked-node", "mamba radix cache lock_ref", lambda c: c.has_mamba,
            {"prefix_tree": EvictionIgnoresLock}),
         _f("tree-match-freed-node", "mamba radix cache eviction", lambda c: c.has_mamba,

@@ -70,6 +70,11 @@ class ReqKv:
     # Set by a family whose resume recomputes instead of restoring (vLLM): the first position the
     # engine must write again; None when the resume restored everything itself.
     recompute_from: int | None = None
+    # Set beside ``recompute_from`` by a family whose recompute continues the recurrent state from a
+    # copy-on-write (SGLang's mamba tree): the tokens the copied state already holds. The family's
+    # deferred state operations (the copy) run first and the forward folds only the tokens after
+    # them. None: the recompute writes the state outright (vLLM's resume rebuilds it from all tokens).
+    state_recompute_from: int | None = None
     # Positions ``[0, cache_protected_len)`` are a prefix tree's (a radix hit, or what the tree took
     # at a checkpoint), shared and locked, not the request's own (SGLang's ``cache_protected_len``)
     cache_protected_len: int = 0

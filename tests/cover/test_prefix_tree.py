@@ -129,3 +129,16 @@ class TestForkThroughTheTree:
             assert dst.mamba_cow_src == late.mamba_pool_idx  # the pending COW now reads req 4's slot
         else:
             assert late.mamba_pool_idx in family.prefix_tree.held_slots()  # a node on a reused slot
+
+    def test_a_copy_that_keeps_its_source_locked_pins_the_checkpoint(self):
+        """cow-source-stays-locked: after the copy the node is still locked, so admission cannot evict it
+        (the correct copy unlocks it: the test above evicts the same checkpoint)."""
+        family = build_family(CONFIGS["hybrid-linear"], device="cpu", faults=["cow-source-stays-locked"])
+        src = _served(family, 1, 4)
+        dst = ReqKv(rid=2, seqlen=6)
+        family.protocol.fork(src, dst, family)
+        family.protocol.run_deferred_mamba_ops([dst], family)  # copied, but never unlocked
+        assert dst.mamba_cow_src is None and family.prefix_tree.nodes[(1, 4)].lock_ref == 1
+        _served(family, 3, 1)
+        with pytest.raises(PoolExhausted):
+            family.protocol.admit(ReqKv(rid=4, seqlen=2), family)

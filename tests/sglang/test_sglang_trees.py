@@ -84,8 +84,8 @@ def test_configs_the_tree_path_does_not_drive_say_why(tree_api):
     from poolfuzz.adapters.sglang import build_family
     from poolfuzz.adapters.sglang.trees import tree_problem
 
-    for name in ("swa", "hybrid-linear", "swa-ssm"):
-        assert "not driven yet" in tree_problem(tree_api, CONFIGS[name])
+    for name in ("hybrid-linear-ps4", "hybrid-extra-buffer", "swa-ssm-ps4"):  # SGLang's MambaComponent
+        assert "page size 1 without the extra buffer" in tree_problem(tree_api, CONFIGS[name])
         assert build_family(CONFIGS[name]).supports_fork is False
 
 
@@ -106,3 +106,113 @@ def test_sglangs_python_tree_core_runs_the_same_fork(tree_api, monkeypatch):
     e.check()
     e.sweep()
     e.drain()
+
+
+def _mamba_fork(e, *, decode_first: bool):
+    src = e.admit(6)
+    e.check()
+    e.prefill(src, 8)
+    e.check()
+    if decode_first:  # the tree's checkpoint is the prompt's: the decoded token is computed again
+        e.decode([src])
+        e.check()
+    dst = e.fork(src, 3)
+    e.check()
+    return src, dst
+
+
+@pytest.mark.parametrize("decode_first", [False, True])
+def test_a_mamba_fork_copies_the_trees_checkpoint_into_its_own_slot(tree_api, decode_first):
+    e = _engine("hybrid-linear")
+    fam = e.families["prefill"]
+    assert fam.supports_fork is True and fam.tree.supports_mamba()
+    # the configurator's rule for a mamba radix tree: 3 state slots a running request
+    assert fam.config.mamba_slots == 3 * CONFIGS["hybrid-linear"].request_rows
+    src, dst = _mamba_fork(e, decode_first=decode_first)
+    kv = e.requests[dst].kv
+    assert kv.cache_protected_len == 6  # the prompt's checkpoint, full KV and state
+    sg = fam.protocol.standin(kv, fam)
+    assert sg.kv.mamba_cow_src_index is None if decode_first else sg.kv.mamba_cow_src_index is not None
+    assert kv.mamba_pool_idx not in fam.cached_units()["mamba"]  # a slot of its own, not the tree's
+    e.prefill(dst, 8)
+    e.check()
+    e.decode([src, dst])
+    e.check()
+    e.finish(src)
+    e.check()
+    e.finish(dst)
+    e.check()
+    held, evictable = fam.tree_mamba()
+    assert held == evictable > 0  # the finished requests' states were donated to the tree, unlocked
+    e.sweep()
+    e.drain()
+
+
+@pytest.mark.parametrize("decode_first", [False, True])
+def test_a_copy_on_write_that_never_copies_is_caught(tree_api, decode_first):
+    e = _engine("hybrid-linear")
+    fam = e.families["prefill"]
+    fam.sg_req_pool.copy_mamba_state = lambda src, dst: None  # the slot keeps what it had
+    with pytest.raises(PoolfuzzFailure, match="StateLost.*mamba"):
+        src, dst = _mamba_fork(e, decode_first=decode_first)
+        e.prefill(dst, 8)
+        e.check()
+
+
+def test_fuzzing_hybrid_linear_with_forks_passes(tree_api, fuzz):
+    outcome = fuzz(CONFIGS["hybrid-linear"], examples=15)
+    assert outcome.failure is None, outcome.failure
+
+
+@pytest.mark.parametrize("name", ["swa", "swa-ps4", "swa-ssm"])
+def test_a_swa_fork_shares_a_prefix_whose_early_window_the_tree_tombstoned(tree_api, name):
+    """A prompt longer than the window: the checkpoint after its prefill frees the SWA that slid out
+    (``free_out_of_window_slots``), so the tree's prefix is a tombstone before the window and live in
+    it. The fork matches it (the SWA validator needs only the window), locks it, and decodes on."""
+    e = _engine(name)
+    fam = e.families["prefill"]
+    assert fam.supports_fork is True and fam.tree.supports_swa()
+    window = CONFIGS[name].sliding_window
+    src = e.admit(3 * window)
+    e.check()
+    e.prefill(src, 3 * window)
+    e.check()
+    assert e.requests[src].kv.swa_evicted_seqlen > 0  # the checkpoint freed what slid out
+    dst = e.fork(src, 2)
+    e.check()
+    kv = e.requests[dst].kv
+    assert kv.cache_protected_len > window and kv.swa_evicted_seqlen == 0
+    e.prefill(dst, 8)
+    e.check()
+    e.decode([src, dst])
+    e.check()
+    e.finish(dst)
+    e.check()
+    e.sweep()
+    e.drain()
+
+
+@pytest.mark.parametrize("name", ["swa-ps4", "swa-ssm"])
+def test_fuzzing_swa_with_forks_passes(tree_api, fuzz, name):
+    outcome = fuzz(CONFIGS[name], examples=15)
+    assert outcome.failure is None, outcome.failure
+
+
+def test_decode_time_window_eviction_through_the_tree_passes(tree_api, fuzz, monkeypatch):
+    """SGLang's SGLANG_SWA_EVICTION_INTERVAL (128 by default, more than these contexts slide) at 1: every
+    decode past the window evicts through tree_cache.evict_sliding_windows."""
+    from poolfuzz.adapters.sglang import tree_swa
+
+    monkeypatch.setenv("SGLANG_SWA_EVICTION_INTERVAL", "1")
+    moved = []
+    real = tree_swa.evict_window
+
+    def counted(family, sg, pre_len):
+        before = tree_swa.frontier(family, sg)
+        real(family, sg, pre_len)
+        moved.append(tree_swa.frontier(family, sg) > before)
+
+    monkeypatch.setattr(tree_swa, "evict_window", counted)
+    outcome = fuzz(CONFIGS["swa-ps4"], examples=15)
+    assert outcome.failure is None, outcome.failure
+    assert any(moved)

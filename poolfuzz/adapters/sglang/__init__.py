@@ -11,12 +11,14 @@ from __future__ import annotations
 
 def build_family(config, *, device="cpu", faults=(), backup_mode=None):
     """The family factory registered as ``sglang`` in the ``poolfuzz.families`` entry points."""
+    from poolfuzz.adapters.sglang.api import load
     from poolfuzz.adapters.sglang.family import build_sglang_family
-    from poolfuzz.adapters.sglang.trees import with_tree
+    from poolfuzz.adapters.sglang.trees import tree_sized, with_tree
 
     # SGLang's own prefix tree in front of the pools, where the release's scheduler has one the
-    # adapter drives for this config (then forks go through it)
-    return with_tree(build_sglang_family(config, device=device, faults=faults, backup_mode=backup_mode))
+    # adapter drives for this config (then forks go through it), with the pools sized for it
+    sized = tree_sized(load(), config) if not faults else config
+    return with_tree(build_sglang_family(sized, device=device, faults=faults, backup_mode=backup_mode))
 
 
 def unsupported_reason(config) -> str | None:

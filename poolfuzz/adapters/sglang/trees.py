@@ -31,8 +31,9 @@ from poolfuzz.adapters.sglang.family import SGLangFamily
 from poolfuzz.adapters.sglang.frees import free_group
 from poolfuzz.adapters.sglang.protocol import SGLangProtocol
 from poolfuzz.adapters.sglang.standin import _FLAT_FIELDS
-from poolfuzz.pools.errors import PoolExhausted
-from poolfuzz.pools.reference import ReferenceFamily, RefRequest, _pages
+from poolfuzz.adapters.sglang import tree_swa
+from poolfuzz.pools.errors import PoolError, PoolExhausted
+from poolfuzz.pools.protocol import window_start
 
 TOKEN_SHIFT = 20  # position bits of a traceable token id
 
@@ -46,10 +47,32 @@ def tree_problem(api, config) -> str | None:
     if _common() is None:
         return (f"SGLang {api.version} has no mem_cache.common.match_kv_cache / checkpoint_kv_cache / "
                 "release_kv_cache (the scheduler glue the adapter calls)")
-    if config.has_swa or config.has_mamba:
-        return ("the tree's SWA and mamba components are not driven yet (their window tombstones and "
-                "recurrent-state checkpoints need the scheduler's SWA lock release and mamba COW bookkeeping)")
+    if config.has_mamba and (config.page_size > 1 or config.mamba_track_slots):
+        # SGLang's MambaComponent asserts page_size 1 without the extra buffer; the extra buffer's
+        # checkpoints need the scheduler's track-seqlen bookkeeping (prepare_for_extend), not driven
+        return ("the tree's mamba component is driven at page size 1 without the extra buffer only "
+                "(paged or extra-buffer checkpoints need the scheduler's mamba track bookkeeping)")
     return None
+
+
+def tree_sized(api, config):
+    """The config as SGLang's configurator sizes it when a radix tree caches recurrent state: every
+    running request may pin its own state slot and a locked checkpoint, and its next checkpoint or
+    copy-on-write needs one more, so ``resolve_max_num_reqs`` caps running requests at the mamba
+    slots over ``_calculate_mamba_ratio()`` (3 state slots a request). Here the request rows are the
+    config's, so the mamba pool gets ratio x rows slots where the config has fewer (a pool smaller
+    than that would make the tree's own ``assert ... "Can not alloc mamba cache"`` fire on a load
+    the configurator never admits). Other configs are returned unchanged."""
+    if not config.has_mamba or tree_problem(api, config) is not None:
+        return config
+    _publish_defaults()
+    try:
+        from sglang.srt.mem_cache import kv_cache_configurator as kvc
+
+        ratio = kvc.KVCacheConfigurator._calculate_mamba_ratio(None)  # reads the server's globals only
+    except (ImportError, AttributeError):  # a release without the configurator's rule: sized as given
+        return config
+    return config.replace(mamba_slots=max(config.mamba_slots, ratio * config.request_rows))
 
 
 def _common():
@@ -83,6 +106,13 @@ def _publish_defaults() -> None:
             parallel.attn_dcp_rank
         except (RuntimeError, ValueError):
             parallel.override_permanently(attn_dcp_rank=0)
+    server_args = runtime_context.get_server_args()
+    if not hasattr(server_args, "_mamba_cache_chunk_size"):
+        # The mamba checkpoint grid is max(the model's mamba chunk, page size), read from the model's HF
+        # config, which a run without a model has none of: SGLang honours a pre-seeded value (as its
+        # own test fixtures seed it). A model config without mamba_chunk_size gets FLA's chunk, 64 (the
+        # value SGLang falls back to; importing the FLA kernels for it probes Triton's GPU driver).
+        server_args._mamba_cache_chunk_size = 64
     _PUBLISHED["done"] = True
 
 
@@ -94,7 +124,8 @@ def build_tree(family: SGLangFamily):
 
     c = family.config
     params = CacheInitParams(disable=False, req_to_token_pool=family.sg_req_pool,
-                             token_to_kv_pool_allocator=family.sg_allocator, page_size=c.page_size)
+                             token_to_kv_pool_allocator=family.sg_allocator, page_size=c.page_size,
+                             sliding_window_size=c.sliding_window if c.has_swa else None)
     ctx = registry.TreeCacheBuildContext(
         server_args=None, params=params, is_hybrid_swa=c.has_swa, is_hybrid_ssm=c.has_mamba,
         enable_hierarchical_cache=False, disable_radix_cache=False, tp_worker=None, model_config=None,
@@ -201,11 +232,36 @@ class SGLangTreeProtocol(SGLangProtocol):
         """``match_kv_cache`` then ``tree_cache.lock(last_node)``: the prefix hit, in tokens."""
         self._sync_ids(req, sg)
         tree = family.tree
-        self.common.match_kv_cache(sg, tree, cow_mamba=False)
+        # init_next_round_input: a mamba tree copies the matched state into a slot of the request's
+        # own (allocated here, evicting if it must), deferred to the request's first extend forward
+        self.common.match_kv_cache(sg, tree, cow_mamba=tree.supports_mamba())
         sg.lock = tree.lock(sg.last_node)
         return int(sg.prefix_len)
 
+    def run_deferred_mamba_ops(self, reqs, family) -> None:
+        """The extend forward's deferred copy-on-write (``_maybe_execute_deferred_mamba_cow_and_clear``,
+        fed by ``_collect_deferred_mamba_cow_and_clear``): the matched checkpoint's state into the
+        request's slot; a fresh slot is cleared as before."""
+        if family.has_recurrent_state():
+            pool = family.sg_req_pool
+            for req in reqs:
+                kv = self.standin(req, family).kv
+                if kv.mamba_cow_src_index is not None and kv.mamba_pool_idx is not None:
+                    src = kv.mamba_cow_src_index.reshape(-1)
+                    dst = kv.mamba_pool_idx.reshape(1)
+                    pool.copy_mamba_state(pool.translate_mamba_indices(src), pool.translate_mamba_indices(dst))
+                    kv.mamba_cow_src_index = None
+                    kv.mamba_needs_clear = req.mamba_needs_clear = False
+        super().run_deferred_mamba_ops(reqs, family)
+
     # --- token allocation: evict first, as SGLang's allocation helpers do -------------------------
+    def _evict_swa(self, req, family, pre_len: int) -> None:
+        """With a tree an extend evicts no SWA itself; a decode evicts as the scheduler's trigger says."""
+        sg = self.standin(req, family)
+        if tree_swa.decoding(req, sg):
+            tree_swa.evict_window(family, sg, pre_len)
+        req.swa_evicted_seqlen = self._swa_evicted(sg, family)
+
     def _alloc_tokens(self, family, *, prefix_len: int, seq_len: int, last_loc: int, sg=None) -> torch.Tensor:
         n = seq_len - prefix_len
         ps = family.config.page_size
@@ -235,6 +291,8 @@ class SGLangTreeProtocol(SGLangProtocol):
             sg.extend_end = req.kv_committed_len
             self.common.checkpoint_kv_cache(sg, family.tree)
             self._protected(req, sg)
+            if family.config.has_swa:  # the checkpoint frees what slid out of the window
+                req.swa_evicted_seqlen = self._swa_evicted(sg, family)
         finally:
             self._done(family)
 
@@ -292,6 +350,22 @@ class SGLangTreeProtocol(SGLangProtocol):
         super().reset_for_retract(req)
         req.cache_protected_len = 0
 
+    def _pre_alloc(self, req, family, fill_len: int) -> None:
+        """The decode pre-allocation evicts from the tree first (``_pre_alloc``: ``evict_for_alloc`` for
+        the full pages, the SWA tail's reclaim); the paged SWA tail allocation does not evict itself."""
+        cfg = family.config
+        if cfg.has_swa and cfg.page_size > 1 and family.resume_swa_tail_only:
+            from sglang.srt.mem_cache.base_prefix_cache import EvictParams
+
+            ps, alloc = cfg.page_size, family.sg_allocator
+            tail = fill_len - window_start(cfg, fill_len)
+            full_short = -(-fill_len // ps) * ps - alloc.full_available_size()
+            swa_short = -(-tail // ps) * ps - alloc.swa_available_size()
+            if full_short > 0 or swa_short > 0:
+                family.tree.evict_for_alloc(EvictParams(num_tokens=max(full_short, 0),
+                                                        swa_num_tokens=max(swa_short, 0)))
+        super()._pre_alloc(req, family, fill_len)
+
     def pre_alloc(self, req, family, fill_len: int) -> None:
         super().pre_alloc(req, family, fill_len)
         sg = self.standin(req, family)
@@ -309,12 +383,33 @@ class SGLangTreeProtocol(SGLangProtocol):
         return min(int(probe.prefix_len), prefix)
 
     def fork(self, src, dst, family) -> None:
+        """A new request whose prompt is the source's committed tokens and more, as the scheduler admits
+        one: its row budget, then ``init_next_round_input`` (the match; on a mamba tree the state's
+        copy-on-write slot), the adder's lock, then ``alloc_req_slots`` and the KV of what was not hit.
+        A fork that does not fit leaves nothing behind: its id goes to the next request, on either node
+        (a transfer's pre-allocation would otherwise pick up the failed fork's prompt)."""
+        try:
+            self._fork(src, dst, family)
+        except PoolError:
+            self.standins.pop(dst.rid, None)
+            self.tokens.pop(dst.rid, None)
+            raise
+
+    def _fork(self, src, dst, family) -> None:
         prefix = src.kv_committed_len
         self._fresh(dst.rid, self._tokens(src.rid, src.seqlen)[:prefix])
+        sg = self.standin(dst, family)
+        if family.sg_req_pool.available_size() <= 0:  # get_num_allocatable_reqs: no match is tried
+            raise PoolExhausted(space="rows", requested=1, available=family.sg_req_pool.available_size())
         try:
-            super().admit(dst, family)
-            sg = self.standin(dst, family)
             hit = min(self._match_and_lock(dst, family, sg), prefix)
+            try:
+                super().admit(dst, family)
+            except PoolError:
+                self._not_added(sg, family)
+                raise
+            if sg.kv.mamba_cow_src_index is not None:  # the copy replaces the clear of a fresh slot
+                sg.kv.mamba_needs_clear = dst.mamba_needs_clear = False
             if hit:
                 indices = family.tree.prefix_device_indices(sg)[:hit]
                 self._write_row(dst, family, 0, indices.to(torch.int64))
@@ -330,6 +425,20 @@ class SGLangTreeProtocol(SGLangProtocol):
             raise
         dst.kv_committed_len = sg.kv.kv_committed_len = prefix
         dst.recompute_from = hit if hit < prefix else None
+        if family.has_recurrent_state() and hit < prefix:
+            dst.state_recompute_from = hit  # that forward starts from the copied (or cleared) state
+
+    def _not_added(self, sg, family) -> None:
+        """The scheduler's revert for a matched request the adder did not add: drop the staged
+        copy-on-write, give back the state slot the match took, unlock."""
+        kv = sg.kv
+        kv.mamba_cow_src_index = None
+        kv.mamba_needs_clear = False
+        if kv.mamba_pool_idx is not None and kv.req_pool_idx is None:
+            family.sg_req_pool.mamba_allocator.free(kv.mamba_pool_idx.unsqueeze(-1))
+            kv.mamba_pool_idx = None
+        family.tree.unlock(sg.lock)
+        sg.lock = None
 
 
 # =============================================================================================
@@ -355,13 +464,26 @@ class SGLangTreeFamily(SGLangFamily):
     def cached_units(self) -> dict[str, list[int]]:
         values = self.tree.all_values_flatten()
         ps = self.config.page_size
-        return {"full": sorted({int(v) // ps for v in values.tolist()})}
+        out = {"full": sorted({int(v) // ps for v in values.tolist()})}
+        if self.tree.supports_mamba():  # the recurrent-state checkpoints the tree holds
+            out["mamba"] = sorted(int(v) for v in self.tree.all_mamba_values_flatten().tolist())
+        return out
 
     def flush_prefix_cache(self) -> None:
         from sglang.srt.mem_cache.base_prefix_cache import EvictParams
 
-        self.tree.evict(EvictParams(num_tokens=self.config.full_tokens))
+        self.tree.evict(EvictParams(num_tokens=self.config.full_tokens, mamba_num=self.config.mamba_slots))
         self.notify_frees()
+
+    def tree_swa(self) -> tuple[int, int]:
+        """(SWA slots the tree holds, of them evictable), by the tree's own accounting."""
+        evictable = int(self.tree.swa_evictable_size())
+        return evictable + int(self.tree.swa_protected_size()), evictable
+
+    def tree_mamba(self) -> tuple[int, int]:
+        """(state slots the tree holds, of them evictable), by the tree's own accounting."""
+        evictable = int(self.tree.mamba_evictable_size())
+        return evictable + int(self.tree.mamba_protected_size()), evictable
 
     def tree_sizes(self) -> tuple[int, int]:
         """(tokens the tree holds, tokens of them evictable), by the tree's own accounting."""
@@ -372,67 +494,11 @@ class SGLangTreeFamily(SGLangFamily):
         family = self
 
         def build(config, *, backup_mode, **capabilities):
+            from poolfuzz.adapters.sglang.tree_reference import TreeReference
+
             return TreeReference(config, backup_mode=backup_mode, family=family, **capabilities)
 
         return build
-
-
-class TreeReference(ReferenceFamily):
-    """The reference model with a prefix tree in front of the full pool.
-
-    Rows are counted as the base model counts them. Full KV is counted as SGLang's tree would leave it:
-    each live request holds privately the pages past its protected prefix; the tree holds what its own
-    accounting says (``evictable_size + protected_size``); the rest must be free. An allocation
-    succeeds if it fits in the free pages plus what the tree may evict. The tree's sizes and each
-    request's protected length are read from the real tree: this audits that the allocator, the
-    requests' rows and the tree's accounting add up, not which nodes the tree chose to keep.
-    """
-
-    def __init__(self, config, *, backup_mode: str, family: SGLangTreeFamily, **capabilities):
-        super().__init__(config, backup_mode=backup_mode, **capabilities)
-        self.family = family
-
-    def _private_pages(self) -> int:
-        protocol = self.family.protocol
-        total = 0
-        for rid, req in self.requests.items():
-            if not req.holds_row:
-                continue
-            sg = protocol.standins.get(rid)
-            protected = int(sg.kv.cache_protected_len) if sg is not None and sg.kv is not None else 0
-            total += _pages(req.allocated, self.ps) - protected // self.ps
-        return total
-
-    def available(self, space: str) -> int:
-        if space != "full":
-            return super().available(space)
-        held, _ = self.family.tree_sizes()
-        return (self.total("full") - self._private_pages()) * self.ps - held
-
-    def _need(self, needs: dict[str, int]) -> None:
-        for space, n in needs.items():
-            if space == "full":
-                _, evictable = self.family.tree_sizes()
-                have = self.available("full") + evictable
-                if n * self.ps > have:
-                    raise PoolExhausted(space=space, requested=n * self.ps, available=self.available(space))
-            elif n > self.free.get(space, 0):
-                raise PoolExhausted(space=space, requested=n * self._scale(space), available=self.available(space))
-
-    def fork(self, src_rid: int, rid: int, *, seqlen: int | None = None) -> RefRequest:
-        """A row, and full pages for the source's committed tokens the tree does not match (the
-        match is the tree's: asked first, as the scheduler's policy asks before the adder locks)."""
-        src = self.requests[src_rid]
-        prefix = src.committed
-        seqlen = prefix if seqlen is None else seqlen
-        hit = self.family.protocol.peek_hit(self.family, src_rid, prefix, seqlen)
-        self._need({"rows": 1, "full": _pages(prefix, self.ps) - hit // self.ps})
-        self.free["rows"] -= 1
-        req = RefRequest(rid=rid, holds_row=True, allocated=prefix, committed=prefix, seqlen=seqlen,
-                         kv_owner=list(src.kv_owner[:prefix]))
-        self._fresh_track(req)
-        self.requests[rid] = req
-        return req
 
 
 def with_tree(family: SGLangFamily) -> SGLangFamily:
