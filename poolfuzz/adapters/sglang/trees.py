@@ -441,6 +441,9 @@ def with_tree(family: SGLangFamily) -> SGLangFamily:
     if tree_problem(family.api, family.config) is not None:
         return family
     out = SGLangTreeFamily(**{f.name: getattr(family, f.name) for f in fields(family)})
+    # and the capabilities set per family when built (pd_decode, supports_transfer, resume_swa_tail_only)
+    names = {f.name for f in fields(family)}
+    out.__dict__.update({k: v for k, v in vars(family).items() if k not in names})
     out.tree = build_tree(out)
     out.protocol = SGLangTreeProtocol(family.api)
     out.admission.tree_cache = out.tree
