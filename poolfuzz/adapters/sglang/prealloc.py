@@ -16,10 +16,10 @@ retracted one that resumes, is pre-allocated by ``DecodePreallocQueue._pre_alloc
 
 The demands are ``_prealloc_required_tokens``': whole pages of the fill length, and of the window tail where
 the release pre-allocates SWA for the tail only. The queue's policy terms are taken at the values of a
-decode server that reserves no decode headroom (``num_reserved_decode_tokens = 0``), keeps no decode-side
-radix cache and has no request running whose growth it must keep room for: so the gate asks for exactly
-what the allocation takes, and a "no" from it names the short space, as the queue's ``break`` leaves the
-request waiting.
+decode server that reserves no decode headroom (``num_reserved_decode_tokens = 0``) and has no request
+running whose growth it must keep room for; a decode-side radix cache (the tree family's) adds what it can
+evict. So the gate asks for what the allocation takes, and a "no" from it names the short space, as the
+queue's ``break`` leaves the request waiting.
 """
 
 from __future__ import annotations
@@ -49,13 +49,25 @@ def required_tokens(family, fill_len: int) -> tuple[int, int]:
     return full, full
 
 
-def budgets(family) -> tuple[int, int | None]:
-    """The queue's (full, swa) budgets; swa is None where the SWA side is not reserved on its own."""
+def _radix_evictable(tree_cache, family) -> int:
+    """``_radix_full_evictable``: what a decode-side radix cache can free on demand (0 for a chunk cache)."""
+    if tree_cache is None or not tree_cache.supports_prefix_sharing():
+        return 0
+    if family.config.has_swa and hasattr(tree_cache, "full_evictable_size"):
+        return int(tree_cache.full_evictable_size())
+    return int(tree_cache.evictable_size())
+
+
+def budgets(family, tree_cache=None) -> tuple[int, int | None]:
+    """The queue's (full, swa) budgets; swa is None where the SWA side is not reserved on its own. A decode
+    server with a radix cache (the tree family's) counts what the tree can evict, as
+    ``disaggregation_decode_enable_radix_cache`` does; its allocation then evicts first."""
     alloc = family.sg_allocator
+    evictable = _radix_evictable(tree_cache, family)
     swa_reserved = uses_swa_tail_prealloc(family) or _assumes_reclaim(alloc)
     if not swa_reserved:
-        return alloc.available_size(), None
-    full = alloc.full_available_size()
+        return alloc.available_size() + evictable, None
+    full = alloc.full_available_size() + evictable
     # _swa_tail_allocatable_token_budget: what the SWA side has free (a chunk cache holds nothing evictable)
     _, (_, swa_available) = alloc.swa_capacity_and_available(full_capacity=alloc.size_full,
                                                             swa_capacity=alloc.size_swa)
@@ -82,7 +94,7 @@ def check(family, fill_len: int, tree_cache=None) -> None:
     if ceiling is False:  # the queue aborts such a request (BAD_REQUEST); no pool of these configs has a ceiling
         raise PoolError(f"SGLang's decode queue rejects a pre-allocation of {full} full / {swa} SWA tokens "
                         "(prealloc_ceiling_fits)")
-    full_budget, swa_budget = budgets(family)
+    full_budget, swa_budget = budgets(family, tree_cache)
     if not alloc.prealloc_fits(tree_cache, full, swa, full_budget_tokens=full_budget,
                                swa_budget_tokens=swa_budget):
         # The queue's break leaves the request waiting; name the side that is short (one budget serves

@@ -299,14 +299,19 @@ class SGLangTreeProtocol(SGLangProtocol):
         sg.last_node = family.tree.root_node_handle()
 
     # --- fork: a new request whose prompt starts with the source's committed tokens ---------------
-    def peek_hit(self, family, src_rid: int, prefix: int, seqlen: int) -> int:
-        """What the radix match of a fork of ``src_rid`` finds (a throwaway request, nothing locked)."""
+    def peek_hit(self, family, src_rid: int, prefix: int, seqlen: int) -> tuple[int, int]:
+        """What the radix match of a fork of ``src_rid`` finds (a throwaway request), and the tree's
+        evictable tokens once that hit is locked, as the fork locks it before it allocates (locked
+        and unlocked again: nothing stays held)."""
         toks = self._tokens(src_rid, prefix)[:prefix] + [token_of(0, p) for p in range(prefix, seqlen)]
         probe = self.req_cls(rid="poolfuzz-peek", origin_input_text="", origin_input_ids=array("q", toks),
                              sampling_params=self.sampling(max_new_tokens=1 << 20))
         probe.refresh_fill_ids()
         self.common.match_kv_cache(probe, family.tree, cow_mamba=False)
-        return min(int(probe.prefix_len), prefix)
+        lock = family.tree.lock(probe.last_node)
+        evictable = int(family.tree.evictable_size())
+        family.tree.unlock(lock)
+        return min(int(probe.prefix_len), prefix), evictable
 
     def fork(self, src, dst, family) -> None:
         prefix = src.kv_committed_len
@@ -425,8 +430,12 @@ class TreeReference(ReferenceFamily):
         src = self.requests[src_rid]
         prefix = src.committed
         seqlen = prefix if seqlen is None else seqlen
-        hit = self.family.protocol.peek_hit(self.family, src_rid, prefix, seqlen)
-        self._need({"rows": 1, "full": _pages(prefix, self.ps) - hit // self.ps})
+        hit, evictable = self.family.protocol.peek_hit(self.family, src_rid, prefix, seqlen)
+        self._need({"rows": 1})
+        # the hit is locked before the allocation: what the tree may evict for it excludes the hit itself
+        need = (_pages(prefix, self.ps) - hit // self.ps) * self.ps
+        if need > self.available("full") + evictable:
+            raise PoolExhausted(space="full", requested=need, available=self.available("full"))
         self.free["rows"] -= 1
         req = RefRequest(rid=rid, holds_row=True, allocated=prefix, committed=prefix, seqlen=seqlen,
                          kv_owner=list(src.kv_owner[:prefix]))
