@@ -26,6 +26,7 @@ from poolfuzz.adapters.sglang.host import SGLangHostBackup, host_pool_problem, r
 from poolfuzz.adapters.sglang.pd import SGLangPDTransfer, pd_problem
 from poolfuzz.adapters.sglang.prealloc import DECODE, gate_problem
 from poolfuzz.adapters.sglang.protocol import SGLangProtocol
+from poolfuzz.adapters.sglang.reads import read_door
 from poolfuzz.adapters.sglang.request_pool import build_request_pool
 from poolfuzz.adapters.sglang.standin import standin_class
 from poolfuzz.adapters.sglang.storage import build_storage_pool, storage_problem
@@ -130,6 +131,17 @@ class SGLangFamily:
             self._last_free[space] = now
             if freed and view.on_free is not None:
                 view.on_free(space, view.slots_of(sorted(freed)))
+
+    def flush_prefix_cache(self) -> None:
+        """The idle server's ``Scheduler.flush_cache`` (the engine calls it once a node has no request
+        left): SGLang resets its pools in place, the request rows with their mamba slots and mappings, then
+        every token allocator; the engine then checks that every pool is whole."""
+        self.sg_req_pool.clear()
+        self.sg_allocator.clear()
+        reset = getattr(self.sg_req_pool, "reset_aux_cache_allocator", None)
+        if reset is not None:
+            reset()
+        self.notify_frees()
 
     # --- helpers the protocol uses ------------------------------------------------------------
     def space_short_of(self, needs: dict[str, int]) -> tuple[str, int, int] | None:
@@ -248,8 +260,8 @@ def _build(api: SGLangAPI, config: ModelConfig, dev, sdev: str, backup_mode: str
                              req_to_token_pool=sg_req_pool)
         if getattr(sg_kv, "full_to_swa_index_mapping", None) is None:
             sg_kv.register_mapping(sg_alloc.full_to_swa_index_mapping)
-        comps += _mha_components(sg_kv.full_kv_pool, c.full_layer_ids, "full")
-        comps += _mha_components(sg_kv.swa_kv_pool, c.swa_layer_ids, "swa")
+        comps += _mha_components(sg_kv.full_kv_pool, c.full_layer_ids, "full", door=sg_kv)
+        comps += _mha_components(sg_kv.swa_kv_pool, c.swa_layer_ids, "swa", door=sg_kv)
         subs = {"full": sg_alloc.full_attn_allocator, "swa": sg_alloc.swa_attn_allocator}
     else:
         if c.has_mamba:
@@ -260,7 +272,7 @@ def _build(api: SGLangAPI, config: ModelConfig, dev, sdev: str, backup_mode: str
         else:
             sg_kv = construct(api.MHATokenToKVPool, size=c.full_tokens, layer_num=c.full_layers, **common)
             full_pool = sg_kv
-        comps += _mha_components(full_pool, c.full_layer_ids, "full")
+        comps += _mha_components(full_pool, c.full_layer_ids, "full", door=sg_kv)
         alloc_cls = api.TokenToKVPoolAllocator if c.page_size == 1 else api.PagedTokenToKVPoolAllocator
         sg_alloc = construct(alloc_cls, size=c.full_tokens, page_size=c.page_size, dtype=kv_dtype, device=sdev,
                              kvcache=sg_kv, need_sort=need_sort)
@@ -328,9 +340,12 @@ def _carries_mamba(api: SGLangAPI, kv_pool) -> tuple[bool, bool]:
     return getattr(kv_pool, "mamba_pool", None) is not None, False
 
 
-def _mha_components(pool, layer_ids, space: str) -> list[Component]:
+def _mha_components(pool, layer_ids, space: str, *, door) -> list[Component]:
+    """K and V of each layer of a sub-pool, as the model's KV pool ``door`` hands them to the kernels."""
     out = []
     for local, layer_id in enumerate(layer_ids):
-        out.append(Component(name=f"{space}.k", layer=layer_id, space=space, tensor=pool.k_buffer[local]))
-        out.append(Component(name=f"{space}.v", layer=layer_id, space=space, tensor=pool.v_buffer[local]))
+        k = read_door(door, "get_key_buffer", layer_id, pool.k_buffer[local])
+        v = read_door(door, "get_value_buffer", layer_id, pool.v_buffer[local])
+        out.append(Component(name=f"{space}.k", layer=layer_id, space=space, tensor=k))
+        out.append(Component(name=f"{space}.v", layer=layer_id, space=space, tensor=v))
     return out
