@@ -61,8 +61,11 @@ class Engine:
                  options: EngineOptions = EngineOptions(), family_factory: FamilyFactory = build_family):
         self.config = config
         self.options = options
-        # One family per node; the factory is called once for each, in NODES order.
-        self.families = {n: family_factory(config, device=device, faults=faults, backup_mode=backup_mode)
+        # One family per node; the factory is called once for each, in NODES order. A factory that builds
+        # each node as its own server role (``builds_per_node``: SGLang's PD decode server) is told the node.
+        per_node = getattr(family_factory, "builds_per_node", False)
+        self.families = {n: family_factory(config, device=device, faults=faults, backup_mode=backup_mode,
+                                           **({"node": n} if per_node else {}))
                          for n in NODES}
         first = self.families["prefill"]
         self.device = first.device

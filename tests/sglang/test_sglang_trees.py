@@ -216,3 +216,25 @@ def test_decode_time_window_eviction_through_the_tree_passes(tree_api, fuzz, mon
     outcome = fuzz(CONFIGS["swa-ps4"], examples=15)
     assert outcome.failure is None, outcome.failure
     assert any(moved)
+
+
+def test_a_fork_whose_hit_is_all_the_tree_could_evict_waits(tree_api):
+    """The tree holds the source's old checkpoint (retracted, resumed) as its only evictable pages; the fork
+    matches and locks them, so nothing is left to evict for the rest: SGLang runs out, and the reference
+    model must say so too (it once counted the locked hit as evictable: a false outcome mismatch)."""
+    e = _engine("dense-ps4")
+    e.admit(5)
+    e.prefill(1, 5)
+    e.admit(15)
+    e.prefill(2, 15)
+    e.decode_speculative(1, draft=3, accepted=3)
+    e.retract(2)
+    e.resume("prefill")
+    e.decode([2])
+    e.decode([2])
+    e.check()
+    held, evictable = e.families["prefill"].tree_sizes()
+    assert evictable == 12 and e.families["prefill"].sg_allocator.available_size() == 4
+    assert e.fork(2, 0) is None
+    assert e.log[-1].outcome == "full exhausted", e.log[-1]
+    e.check()

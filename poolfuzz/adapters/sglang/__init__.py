@@ -9,8 +9,9 @@ import SGLang; building a family does (behind the CPU import shims in :mod:`.shi
 from __future__ import annotations
 
 
-def build_family(config, *, device="cpu", faults=(), backup_mode=None):
-    """The family factory registered as ``sglang`` in the ``poolfuzz.families`` entry points."""
+def build_family(config, *, device="cpu", faults=(), backup_mode=None, node=None):
+    """The family factory registered as ``sglang`` in the ``poolfuzz.families`` entry points. ``node``: the
+    engine's node it serves; "decode" builds SGLang's PD decode server (see ``SGLangFamily.pd_decode``)."""
     from poolfuzz.adapters.sglang.api import load
     from poolfuzz.adapters.sglang.family import build_sglang_family
     from poolfuzz.adapters.sglang.trees import tree_sized, with_tree
@@ -18,7 +19,7 @@ def build_family(config, *, device="cpu", faults=(), backup_mode=None):
     # SGLang's own prefix tree in front of the pools, where the release's scheduler has one the
     # adapter drives for this config (then forks go through it), with the pools sized for it
     sized = tree_sized(load(), config) if not faults else config
-    return with_tree(build_sglang_family(sized, device=device, faults=faults, backup_mode=backup_mode))
+    return with_tree(build_sglang_family(sized, device=device, faults=faults, backup_mode=backup_mode, node=node))
 
 
 def unsupported_reason(config) -> str | None:
@@ -42,6 +43,9 @@ def describe() -> dict:
 
 
 build_family.unsupported_reason = unsupported_reason
+# The engine names the node each family serves (``node="prefill"`` / ``"decode"``): the decode node is built
+# as SGLang's PD decode server.
+build_family.builds_per_node = True
 # What ``poolfuzz run --coverage`` measures (paths relative to site-packages): the memory pools, allocators and
 # caches, and the request's retraction path (``Req.offload_kv_cache`` / ``load_kv_cache``) the adapter borrows.
 build_family.engine_code = ("sglang/srt/mem_cache", "sglang/srt/managers/schedule_batch.py")

@@ -24,7 +24,9 @@ from poolfuzz.adapters.sglang.calls import paged_alloc_extend
 from poolfuzz.adapters.sglang.frees import debug_memory_pool
 from poolfuzz.adapters.sglang.host import SGLangHostBackup, host_pool_problem, resolve_backup_mode
 from poolfuzz.adapters.sglang.pd import SGLangPDTransfer, pd_problem
+from poolfuzz.adapters.sglang.prealloc import DECODE, gate_problem
 from poolfuzz.adapters.sglang.protocol import SGLangProtocol
+from poolfuzz.adapters.sglang.reads import read_door
 from poolfuzz.adapters.sglang.request_pool import build_request_pool
 from poolfuzz.adapters.sglang.standin import standin_class
 from poolfuzz.adapters.sglang.storage import build_storage_pool, storage_problem
@@ -57,11 +59,16 @@ class SGLangFamily:
       where the release has it; False (per family) where it does not.
       ``resume_swa_tail_only``: a paged SWA resume allocates SWA for the window tail only, where the
         release's SWA allocator has ``alloc_extend_swa_tail`` (set per release when built).
+      ``pd_decode``: this node is SGLang's PD decode server (the engine's decode node): its allocators are
+        built with ``need_sort`` as ``disaggregation_mode="decode"`` builds them, and every pre-allocation
+        (a transfer's, a resume's) first passes the decode queue's gate (``adapters.sglang.prealloc``), where
+        the release has one. The prefill node is a colocated server that also sends requests.
     """
 
     supports_fork = False
     supports_transfer = True
     resume_swa_tail_only = True
+    pd_decode = False
 
     api: SGLangAPI
     config: ModelConfig
@@ -125,6 +132,17 @@ class SGLangFamily:
             if freed and view.on_free is not None:
                 view.on_free(space, view.slots_of(sorted(freed)))
 
+    def flush_prefix_cache(self) -> None:
+        """The idle server's ``Scheduler.flush_cache`` (the engine calls it once a node has no request
+        left): SGLang resets its pools in place, the request rows with their mamba slots and mappings, then
+        every token allocator; the engine then checks that every pool is whole."""
+        self.sg_req_pool.clear()
+        self.sg_allocator.clear()
+        reset = getattr(self.sg_req_pool, "reset_aux_cache_allocator", None)
+        if reset is not None:
+            reset()
+        self.notify_frees()
+
     # --- helpers the protocol uses ------------------------------------------------------------
     def space_short_of(self, needs: dict[str, int]) -> tuple[str, int, int] | None:
         """The first space (in the harness's order) without ``needs[space]`` free units."""
@@ -171,7 +189,8 @@ def _paged_allocation_problem(api: SGLangAPI) -> str | None:
     return problem
 
 
-def build_sglang_family(config: ModelConfig, *, device="cpu", faults=(), backup_mode=None) -> SGLangFamily:
+def build_sglang_family(config: ModelConfig, *, device="cpu", faults=(), backup_mode=None,
+                        node: str | None = None) -> SGLangFamily:
     faults = tuple(faults)
     if faults:
         raise ConfigError(f"the sglang family runs SGLang's own code; catalogue faults {list(faults)} "
@@ -191,7 +210,7 @@ def build_sglang_family(config: ModelConfig, *, device="cpu", faults=(), backup_
     sdev = str(dev) if dev.type == "cpu" else f"cuda:{dev.index or 0}"
     try:
         with debug_memory_pool():
-            return _build(api, config, dev, sdev, backup_mode)
+            return _build(api, config, dev, sdev, backup_mode, pd_decode=node == DECODE)
     except (AssertionError, ValueError) as exc:
         # SGLang's constructors decide what this release can build: a config they refuse is
         # declined (a drawn one is skipped), never reported as a bug found in the pools.
@@ -200,8 +219,10 @@ def build_sglang_family(config: ModelConfig, *, device="cpu", faults=(), backup_
                           f"({type(exc).__name__}: {first})") from None
 
 
-def _build(api: SGLangAPI, config: ModelConfig, dev, sdev: str, backup_mode: str = "cpu_tensor") -> SGLangFamily:
+def _build(api: SGLangAPI, config: ModelConfig, dev, sdev: str, backup_mode: str = "cpu_tensor",
+           pd_decode: bool = False) -> SGLangFamily:
     c = config
+    need_sort = pd_decode  # the configurator's need_sort: disaggregation_mode in ("decode", "prefill")
     kv_dtype = KV_DTYPES[c.kv_dtype]
     # enable_kvcache_transpose (required by SWAKVPool / HybridLinearKVPool in some releases, which
     # assert it False): False asks for the standard [slots, heads, head_dim] layout poolfuzz reads.
@@ -227,7 +248,7 @@ def _build(api: SGLangAPI, config: ModelConfig, dev, sdev: str, backup_mode: str
         sg_kv, comps = build_storage_pool(api, c, common)
         alloc_cls = api.TokenToKVPoolAllocator if c.page_size == 1 else api.PagedTokenToKVPoolAllocator
         sg_alloc = construct(alloc_cls, size=c.full_tokens, page_size=c.page_size, dtype=kv_dtype, device=sdev,
-                             kvcache=sg_kv, need_sort=False)
+                             kvcache=sg_kv, need_sort=need_sort)
         subs = {"full": sg_alloc}
     elif c.has_swa:
         sg_kv = construct(api.SWAKVPool, size=c.full_tokens, size_swa=c.swa_tokens,
@@ -235,12 +256,12 @@ def _build(api: SGLangAPI, config: ModelConfig, dev, sdev: str, backup_mode: str
                           full_attention_layer_ids=list(c.full_layer_ids),
                           token_to_kv_pool_class=api.MHATokenToKVPool, **common)
         sg_alloc = construct(api.SWATokenToKVPoolAllocator, size=c.full_tokens, size_swa=c.swa_tokens,
-                             page_size=c.page_size, dtype=kv_dtype, device=sdev, kvcache=sg_kv, need_sort=False,
+                             page_size=c.page_size, dtype=kv_dtype, device=sdev, kvcache=sg_kv, need_sort=need_sort,
                              req_to_token_pool=sg_req_pool)
         if getattr(sg_kv, "full_to_swa_index_mapping", None) is None:
             sg_kv.register_mapping(sg_alloc.full_to_swa_index_mapping)
-        comps += _mha_components(sg_kv.full_kv_pool, c.full_layer_ids, "full")
-        comps += _mha_components(sg_kv.swa_kv_pool, c.swa_layer_ids, "swa")
+        comps += _mha_components(sg_kv.full_kv_pool, c.full_layer_ids, "full", door=sg_kv)
+        comps += _mha_components(sg_kv.swa_kv_pool, c.swa_layer_ids, "swa", door=sg_kv)
         subs = {"full": sg_alloc.full_attn_allocator, "swa": sg_alloc.swa_attn_allocator}
     else:
         if c.has_mamba:
@@ -251,10 +272,10 @@ def _build(api: SGLangAPI, config: ModelConfig, dev, sdev: str, backup_mode: str
         else:
             sg_kv = construct(api.MHATokenToKVPool, size=c.full_tokens, layer_num=c.full_layers, **common)
             full_pool = sg_kv
-        comps += _mha_components(full_pool, c.full_layer_ids, "full")
+        comps += _mha_components(full_pool, c.full_layer_ids, "full", door=sg_kv)
         alloc_cls = api.TokenToKVPoolAllocator if c.page_size == 1 else api.PagedTokenToKVPoolAllocator
         sg_alloc = construct(alloc_cls, size=c.full_tokens, page_size=c.page_size, dtype=kv_dtype, device=sdev,
-                             kvcache=sg_kv, need_sort=False)
+                             kvcache=sg_kv, need_sort=need_sort)
         subs = {"full": sg_alloc}
 
     views: dict[str, FreeListView] = {
@@ -288,6 +309,7 @@ def _build(api: SGLangAPI, config: ModelConfig, dev, sdev: str, backup_mode: str
     # The release's paged SWA resume: tail-only where its allocator can (0.5.12 on), else every position.
     family.resume_swa_tail_only = not c.has_swa or hasattr(sg_alloc, "alloc_extend_swa_tail")
     family.snapshot_free_lists()
+    family.pd_decode = pd_decode and gate_problem(api) is None
     if pd_problem(api) is None:
         family.transfer = SGLangPDTransfer()
     else:
@@ -318,9 +340,12 @@ def _carries_mamba(api: SGLangAPI, kv_pool) -> tuple[bool, bool]:
     return getattr(kv_pool, "mamba_pool", None) is not None, False
 
 
-def _mha_components(pool, layer_ids, space: str) -> list[Component]:
+def _mha_components(pool, layer_ids, space: str, *, door) -> list[Component]:
+    """K and V of each layer of a sub-pool, as the model's KV pool ``door`` hands them to the kernels."""
     out = []
     for local, layer_id in enumerate(layer_ids):
-        out.append(Component(name=f"{space}.k", layer=layer_id, space=space, tensor=pool.k_buffer[local]))
-        out.append(Component(name=f"{space}.v", layer=layer_id, space=space, tensor=pool.v_buffer[local]))
+        k = read_door(door, "get_key_buffer", layer_id, pool.k_buffer[local])
+        v = read_door(door, "get_value_buffer", layer_id, pool.v_buffer[local])
+        out.append(Component(name=f"{space}.k", layer=layer_id, space=space, tensor=k))
+        out.append(Component(name=f"{space}.v", layer=layer_id, space=space, tensor=v))
     return out

@@ -61,17 +61,28 @@ def state_items(family, req: ReqKv, state_type, length: int) -> list[int]:
     ps = c.page_size
     pool = family.sg_req_pool
     if name == "MAMBA":
-        return [int(pool.req_index_to_mamba_index_mapping[req.req_pool_idx])]
+        slot = pool.req_index_to_mamba_index_mapping[req.req_pool_idx]
+        translate = getattr(pool, "translate_mamba_indices", None)  # the _mamba_payload of either side
+        return [int(translate(slot.reshape(1))[0]) if translate is not None else int(slot)]
     if name in ("SWA", "BLOCK_SCALE_SWA"):
         start = max(0, length - c.sliding_window) // ps * ps
         full = pool.req_to_token[req.req_pool_idx, start:length].to(torch.int64)
-        swa = family.sg_allocator.translate_loc_from_full_to_swa(full)
+        alloc = family.sg_allocator
+        swa = getattr(alloc, "translate_swa_indices_for_transfer", alloc.translate_loc_from_full_to_swa)(full)
         return _pages(swa.to("cpu", torch.int64), ps)
     if name in ("DSA", "BLOCK_SCALE"):
-        return _pages(pool.req_to_token[req.req_pool_idx, :length].to(torch.int64), ps)
+        return _pages(kv_indices(family, req, length), ps)
     if name == "REQUEST_ROW":
         return [req.req_pool_idx]
     raise TransferMismatch(f"state type {name} is registered but the adapter does not compute its items")
+
+
+def kv_indices(family, req: ReqKv, length: int) -> torch.Tensor:
+    """The request's token ids as the transfer engine addresses them: the row, through the allocator's
+    ``translate_kv_indices_for_transfer`` where the release has it (identity for a static pool)."""
+    raw = family.sg_req_pool.req_to_token[req.req_pool_idx, :length].to(torch.int64)
+    translate = getattr(family.sg_allocator, "translate_kv_indices_for_transfer", None)
+    return (translate(raw) if translate is not None else raw).to("cpu", torch.int64)
 
 
 def _move(src_ptrs, dst_ptrs, item_lens, dst_item_lens, src_items, dst_items, what: str) -> None:
@@ -96,8 +107,8 @@ class SGLangPDTransfer:
         s_args, d_args = registration(src_family), registration(dst_family)
         length = src.kv_committed_len
         ps = src_family.config.page_size
-        s_pages = _pages(src_family.sg_req_pool.req_to_token[src.req_pool_idx, :length].to(torch.int64), ps)
-        d_pages = _pages(dst_family.sg_req_pool.req_to_token[dst.req_pool_idx, :length].to(torch.int64), ps)
+        s_pages = _pages(kv_indices(src_family, src, length), ps)
+        d_pages = _pages(kv_indices(dst_family, dst, length), ps)
         _move(s_args.kv_data_ptrs, d_args.kv_data_ptrs, s_args.kv_item_lens, d_args.kv_item_lens, s_pages, d_pages,
               "main KV")
         if [str(t) for t in s_args.state_types] != [str(t) for t in d_args.state_types]:

@@ -26,7 +26,7 @@ from poolfuzz.adapters.sglang.api import accepted_kwargs, parameters
 from poolfuzz.adapters.sglang.calls import paged_alloc_decode, paged_alloc_extend
 from poolfuzz.adapters.sglang.frees import free_group, free_row_segment, release_row, scheduling_pass
 from poolfuzz.adapters.sglang.shims import cpu_synchronize
-from poolfuzz.adapters.sglang import speculative, tracking
+from poolfuzz.adapters.sglang import prealloc, speculative, tracking
 from poolfuzz.pools.errors import DoubleFree, PoolError, PoolExhausted
 from poolfuzz.pools.protocol import ServingProtocol, floor_page, window_start
 from poolfuzz.adapters.sglang.views import mamba_state_tensors
@@ -63,12 +63,14 @@ class SGLangProtocol(ServingProtocol):
         finally:
             self._done(family)
 
-    def _alloc_row_and_mamba(self, req: ReqKv, family) -> None:
+    def _alloc_row_and_mamba(self, req: ReqKv, family, *, fill_len: int | None = None) -> None:
         sg = self.standin(req, family)
         kv = sg
         pool = family.sg_req_pool
         scheduling_pass(pool)  # the scheduler's pass over its waiting queue, before it binds rows
         family.admission.admit(family, sg)  # SGLang's own checks decide; nothing stricter here
+        if fill_len is not None and family.pd_decode:  # the decode queue's pre-allocation gate, then _pre_alloc
+            prealloc.check(family, fill_len, family.admission.tree_cache)
         try:
             if family.api.row_alloc_takes_reqs:
                 got = pool.alloc([sg])
@@ -398,7 +400,7 @@ class SGLangProtocol(ServingProtocol):
         ps = cfg.page_size
         sg = self.standin(req, family)
         kv = sg
-        self._alloc_row_and_mamba(req, family)
+        self._alloc_row_and_mamba(req, family, fill_len=fill_len)
         alloc = family.sg_allocator
         try:
             tail = None

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from poolfuzz.adapters.sglang.api import SGLangAPI, construct
+from poolfuzz.adapters.sglang.reads import read_door
 from poolfuzz.pools.components import Component
 from poolfuzz.pools.config import ModelConfig
 from poolfuzz.pools.errors import ConfigError
@@ -138,7 +139,8 @@ def _latent_components(pool, c: ModelConfig) -> list[Component]:
     r = c.kv_lora_rank
     out = []
     for local, layer_id in enumerate(c.full_layer_ids):
-        buf = pool.kv_buffer[local]
+        # the latent row as the MLA kernels get it (``get_key_buffer``: the compressed part then the rope part)
+        buf = read_door(pool, "get_key_buffer", layer_id, pool.kv_buffer[local])
         out.append(Component(name="mla.latent", layer=layer_id, space="full", tensor=buf[:, 0, :r]))
         out.append(Component(name="mla.rope", layer=layer_id, space="full", tensor=buf[:, 0, r:]))
     if c.attention == "dsa":

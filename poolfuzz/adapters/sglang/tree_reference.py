@@ -92,11 +92,14 @@ class TreeReference(ReferenceFamily):
         src = self.requests[src_rid]
         prefix = src.committed
         seqlen = prefix if seqlen is None else seqlen
-        hit = self.family.protocol.peek_hit(self.family, src_rid, prefix, seqlen)
+        hit, evictable = self.family.protocol.peek_hit(self.family, src_rid, prefix, seqlen)
         mamba = self.config.has_mamba
         pages = _pages(prefix, self.ps) - hit // self.ps
-        self._need({"rows": 1, **({"mamba": self.state_slots} if mamba else {}), "full": pages,
-                    **({"swa": pages} if self.config.has_swa else {})})
+        self._need({"rows": 1, **({"mamba": self.state_slots} if mamba else {})})
+        # the hit is locked before the allocation: what the tree may evict for it excludes the hit itself
+        if pages * self.ps > self.available("full") + evictable:
+            raise PoolExhausted(space="full", requested=pages * self.ps, available=self.available("full"))
+        self._need({"swa": pages} if self.config.has_swa else {})
         self.free["rows"] -= 1
         req = RefRequest(rid=rid, holds_row=True, holds_mamba=mamba, allocated=prefix, committed=prefix,
                          seqlen=seqlen, kv_owner=list(src.kv_owner[:prefix]))

@@ -373,14 +373,19 @@ class SGLangTreeProtocol(SGLangProtocol):
         sg.last_node = family.tree.root_node_handle()
 
     # --- fork: a new request whose prompt starts with the source's committed tokens ---------------
-    def peek_hit(self, family, src_rid: int, prefix: int, seqlen: int) -> int:
-        """What the radix match of a fork of ``src_rid`` finds (a throwaway request, nothing locked)."""
+    def peek_hit(self, family, src_rid: int, prefix: int, seqlen: int) -> tuple[int, int]:
+        """What the radix match of a fork of ``src_rid`` finds (a throwaway request), and the tree's
+        evictable tokens once that hit is locked, as the fork locks it before it allocates (locked
+        and unlocked again: nothing stays held)."""
         toks = self._tokens(src_rid, prefix)[:prefix] + [token_of(0, p) for p in range(prefix, seqlen)]
         probe = self.req_cls(rid="poolfuzz-peek", origin_input_text="", origin_input_ids=array("q", toks),
                              sampling_params=self.sampling(max_new_tokens=1 << 20))
         probe.refresh_fill_ids()
         self.common.match_kv_cache(probe, family.tree, cow_mamba=False)
-        return min(int(probe.prefix_len), prefix)
+        lock = family.tree.lock(probe.last_node)
+        evictable = int(family.tree.evictable_size())
+        family.tree.unlock(lock)
+        return min(int(probe.prefix_len), prefix), evictable
 
     def fork(self, src, dst, family) -> None:
         """A new request whose prompt is the source's committed tokens and more, as the scheduler admits
@@ -507,6 +512,9 @@ def with_tree(family: SGLangFamily) -> SGLangFamily:
     if tree_problem(family.api, family.config) is not None:
         return family
     out = SGLangTreeFamily(**{f.name: getattr(family, f.name) for f in fields(family)})
+    # and the capabilities set per family when built (pd_decode, supports_transfer, resume_swa_tail_only)
+    names = {f.name for f in fields(family)}
+    out.__dict__.update({k: v for k, v in vars(family).items() if k not in names})
     out.tree = build_tree(out)
     out.protocol = SGLangTreeProtocol(family.api)
     out.admission.tree_cache = out.tree

@@ -1,0 +1,45 @@
+"""The attention backend's read door: the KV tensors a layer's kernels get from the pool, which the harness checksums.
+
+A backend never indexes ``k_buffer`` itself: per layer it asks the model's KV pool for
+``get_key_buffer(layer_id)`` / ``get_value_buffer(layer_id)`` by model layer id, and the pool routes the
+id (``SWAKVPool`` to its full or SWA sub-pool, ``HybridLinearKVPool`` to its full-attention sub-pool's
+local layer, fp8 pools viewing their store dtype as the model dtype). The harness's components are those
+tensors (viewed back as the bytes the pool stores), so what the checksums compare is what the kernels
+read: a pool whose read door routes a layer elsewhere than its write door (``writes.py``) filed the row is
+caught as lost contents. A door that hands out a copy instead of its buffer is refused when the family is
+built (the harness's frees poison the buffer in place).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from poolfuzz.pools.errors import ConfigError
+
+
+def _storage(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()
+
+
+def pool_buffers(pool) -> list[torch.Tensor]:
+    """Every KV buffer of a model's KV pool and of its sub-pools (full, SWA)."""
+    out = []
+    for p in (pool, getattr(pool, "full_kv_pool", None), getattr(pool, "swa_kv_pool", None)):
+        for name in ("k_buffer", "v_buffer", "kv_buffer"):
+            out += list(getattr(p, name, None) or [])
+    return out
+
+
+def read_door(pool, getter: str, layer_id: int, raw: torch.Tensor) -> torch.Tensor:
+    """``pool.<getter>(layer_id)`` as the pool stores it (``raw``'s dtype); ``raw`` where the pool has no such
+    door. The door must hand out one of the pool's KV buffers in place."""
+    door = getattr(pool, getter, None)
+    if door is None:
+        return raw
+    got = door(layer_id)
+    if got.dtype != raw.dtype and got.element_size() == raw.element_size():
+        got = got.view(raw.dtype)
+    if _storage(got) not in {_storage(b) for b in pool_buffers(pool)}:
+        raise ConfigError(f"{type(pool).__name__}.{getter}({layer_id}) hands out a copy, not a KV buffer of the "
+                          "pool; poolfuzz checksums what the kernels read in place")
+    return got
