@@ -32,8 +32,9 @@ class _SaysYes:
 
 
 def test_the_mamba_gate_is_sglangs_and_takes_no_row(api):
-    """With every mamba slot held, SGLang's check refuses before a row is taken."""
-    fam = _family(api, "hybrid-linear")
+    """With every mamba slot held, SGLang's check refuses before a row is taken (a chunk-cache config:
+    with SGLang's mamba tree the pool is sized at three slots a row, so rows run out first)."""
+    fam = _family(api, "hybrid-linear-ps4")
     for rid in range(1, fam.config.mamba_slots + 1):
         fam.protocol.admit(ReqKv(rid=rid, seqlen=1), fam)
     rows_before = fam.free_lists()["rows"].available_size()
@@ -47,7 +48,7 @@ def test_the_mamba_gate_is_sglangs_and_takes_no_row(api):
 def test_an_allocation_past_the_gate_reports_what_the_pool_did(api):
     """Without the gate, HybridReqToTokenPool asserts after taking a row: the adapter reports it as a
     pool error and gives nothing back (the taken row shows in the free count)."""
-    fam = _family(api, "hybrid-linear")
+    fam = _family(api, "hybrid-linear-ps4")
     if not api.row_alloc_takes_reqs:
         pytest.skip(f"sglang {api.version} allocates the mamba slot apart from the row")
     for rid in range(1, fam.config.mamba_slots + 1):
