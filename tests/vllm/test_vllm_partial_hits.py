@@ -175,66 +175,6 @@ def _fits_by_free(*, extra: int, outcome: str, taken: int, reads_only_block_0: b
     return least
 
 
-class TestSubBlockProducer:
-    @pytest.mark.parametrize("spare", [0, 1])
-    def test_the_producers_next_step_counts_the_copy_of_its_keyed_state(self, fine, spare):
-        """A 3-token prompt: the chunk 0..2 leaves the state after 2 tokens keyed in its block; the
-        chunk 2..3 needs no new block, but vLLM's check counts the copy the key moves to (back in the
-        free queue, cached, once copied): with no free block the chunk waits, with one it runs, as the
-        reference says (the engine compares them)."""
-        engine = Engine(config=CONFIGS[NAME], family_factory=_factory())
-        a = engine.admit(3)
-        assert engine.prefill(a, 3)
-        assert engine.log[-1].outcome == "positions 0..2"
-        fam, ref = engine.families["prefill"], engine.refs["prefill"]
-        pool = fam.block_pool
-        free = [b for b in pool.blocks if b.ref_cnt == 0 and not b.is_null]
-        pool.touch(free[spare:])  # other requests hold these
-        ref.free["full"] -= len(free) - spare
-        assert engine.prefill(a, 3) == bool(spare)
-        assert engine.log[-1].outcome == ("positions 2..3" if spare else "full exhausted")
-        if spare:
-            copy = [b for b in pool.blocks if b.ref_cnt == 0 and not b.is_null]
-            assert len(copy) == 1 and copy[0].block_hash is not None  # the copy, keyed, free
-            engine.check()
-
-    def test_a_load_past_the_hits_tail_supersedes_it(self, fine):
-        """The connector holds the whole blocks to 8: the scheduler cuts the local hit to its block
-        boundary (4) and loads the rest, so nothing is copied on write and no hit state is read."""
-        engine, a, _ = _served_and_finished(7)
-        fam = engine.families["prefill"]
-        rid = engine.next_turn(a, 3)
-        assert engine.log[-1].outcome == f"Req({rid}) prefix 7 hit 4 external 4", engine.log[-1]
-        assert fam.manager.take_kv_cache_block_copies() == ([], [])
-        engine.check()
-
-    def test_a_hit_inside_a_block_counts_its_copies_as_vllm_does(self, fine):
-        """An 8-token next turn hitting 6 of a finished 7-token request takes 2 attention blocks (the
-        whole one, the copy of the hit's tail one) and a state block (the copy); vLLM's check also
-        counts the two tail blocks it reads (they come back once copied): 5 free blocks, not 3. With
-        every uncached free block held by others, the turn must wait or fit as the reference says
-        (the engine compares them at every step), and only from 5 free blocks on does it fit."""
-        outcomes = {}
-        for spare in range(4):
-            engine, a, _ = _served_and_finished(7)
-            fam, ref = engine.families["prefill"], engine.refs["prefill"]
-            pool = fam.block_pool
-            uncached = [b for b in pool.blocks if b.ref_cnt == 0 and b.block_hash is None and not b.is_null]
-            pool.touch(uncached[spare:])  # other requests hold these
-            ref.free["full"] -= len(uncached) - spare
-            free = pool.get_num_free_blocks()
-            assert free == ref._shared_free()
-            rid = engine.next_turn(a, 1)
-            outcomes[free] = rid is not None
-            if rid is not None:
-                assert engine.log[-1].outcome == f"Req({rid}) prefix 7 hit 6 external 0", engine.log[-1]
-                assert pool.get_num_free_blocks() == free - 3  # the two tail blocks read came back
-                engine.check()
-            else:
-                assert engine.log[-1].outcome == "full exhausted"
-        assert outcomes == {f: f >= 5 for f in outcomes} and set(outcomes.values()) == {True, False}, outcomes
-
-
 def test_a_release_without_sub_block_hits_hashes_by_the_block(api):
     if api.partial_hash_hits:
         pytest.skip(f"vLLM {api.version} takes hits inside a block")
