@@ -23,6 +23,18 @@ def _with(step: StepRecord, **args) -> StepRecord:
     return StepRecord(op=step.op, args={**step.args, **args}, outcome=step.outcome)
 
 
+def _grown(steps: list[StepRecord], admit: int, prefill: int, tokens: int) -> list[StepRecord] | None:
+    """``steps`` with one request's admit (at ``admit``) and prefill chunk (at ``prefill``) longer by
+    ``tokens``; None if its prompt would pass the machine's bound."""
+    prompt = steps[admit].args["prompt_len"] + tokens
+    if prompt > MAX_PROMPT:
+        return None
+    edited = list(steps)
+    edited[admit] = _with(steps[admit], prompt_len=prompt)
+    edited[prefill] = _with(steps[prefill], chunk=min(MAX_CHUNK, steps[prefill].args["chunk"] + tokens))
+    return edited
+
+
 def merged_prefills(steps: list[StepRecord]) -> Iterator[list[StepRecord]]:
     """Each prefill with the same request's next prefill folded into it (one chunk of their sum)."""
     for i, step in enumerate(steps):
@@ -59,11 +71,12 @@ def decodes_into_prompts(steps: list[StepRecord], created: tuple) -> Iterator[li
             places.append((a, p))
         else:
             for n in grows:
-                edited = list(steps)
+                edited = steps
                 for a, p in places:
-                    edited[a] = _with(edited[a], prompt_len=edited[a].args["prompt_len"] + n)
-                    edited[p] = _with(edited[p], chunk=min(MAX_CHUNK, edited[p].args["chunk"] + n))
-                if all(edited[a].args["prompt_len"] <= MAX_PROMPT for a, _ in places):
+                    edited = _grown(edited, a, p, n)
+                    if edited is None:
+                        break
+                else:
                     yield edited[:i] + edited[i + 1:]
 
 
@@ -82,12 +95,9 @@ def decodes_into_other_prompts(steps: list[StepRecord], created: tuple) -> Itera
         for rid, a in admitted.items():
             p = next((k for k in range(i - 1, a, -1) if steps[k].op == "prefill" and steps[k].args["rid"] == rid),
                      None)
-            if rid in decoded or p is None or steps[a].args["prompt_len"] + tokens > MAX_PROMPT:
-                continue
-            edited = list(steps)
-            edited[a] = _with(steps[a], prompt_len=steps[a].args["prompt_len"] + tokens)
-            edited[p] = _with(steps[p], chunk=min(MAX_CHUNK, steps[p].args["chunk"] + tokens))
-            yield edited[:i] + edited[i + 1:]
+            edited = None if rid in decoded or p is None else _grown(steps, a, p, tokens)
+            if edited is not None:
+                yield edited[:i] + edited[i + 1:]
 
 
 def requests_into_prompts(steps: list[StepRecord], created: tuple) -> Iterator[tuple[list[StepRecord], set[int]]]:
@@ -107,9 +117,6 @@ def requests_into_prompts(steps: list[StepRecord], created: tuple) -> Iterator[t
         tokens = sum(steps[i].args["chunk"] for i in uses[gone])
         for rid, a in admitted.items():
             prefills = [i for i in uses[rid] if steps[i].op == "prefill"]
-            if rid == gone or not prefills or steps[a].args["prompt_len"] + tokens > MAX_PROMPT:
-                continue
-            edited = list(steps)
-            edited[a] = _with(steps[a], prompt_len=steps[a].args["prompt_len"] + tokens)
-            edited[prefills[-1]] = _with(steps[prefills[-1]], chunk=min(MAX_CHUNK, steps[prefills[-1]].args["chunk"] + tokens))
-            yield edited, {a_gone, *uses[gone]}
+            edited = None if rid == gone or not prefills else _grown(steps, a, prefills[-1], tokens)
+            if edited is not None:
+                yield edited, {a_gone, *uses[gone]}
