@@ -7,15 +7,7 @@ import pytest
 from poolfuzz.pools.config import CONFIGS
 from poolfuzz.pools.errors import PoolError, PoolExhausted
 from poolfuzz.pools.request import ReqKv
-
-
-def _family(api, name):
-    from poolfuzz.adapters.sglang import build_family, unsupported_reason
-
-    why = unsupported_reason(CONFIGS[name])
-    if why:
-        pytest.skip(f"sglang {api.version}: {why}")
-    return build_family(CONFIGS[name])
+from tests.sglang.families import family_or_skip as _family
 
 
 class _SaysYes:

@@ -8,18 +8,10 @@ import torch
 from poolfuzz.pools.config import CONFIGS
 from poolfuzz.pools.errors import ConfigError, DoubleFree, PoolExhausted
 from poolfuzz.pools.request import ReqKv
+from tests.sglang.families import family_or_skip as _family
 
 BASE = ["dense", "swa", "hybrid-linear", "swa-ssm"]
 PAGED = [f"{name}-ps4" for name in BASE]
-
-
-def _family(api, name):
-    from poolfuzz.adapters.sglang import build_family, unsupported_reason
-
-    why = unsupported_reason(CONFIGS[name])
-    if why:
-        pytest.skip(f"sglang {api.version}: {why}")
-    return build_family(CONFIGS[name])
 
 
 class TestContract:

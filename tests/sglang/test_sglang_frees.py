@@ -8,17 +8,9 @@ import pytest
 
 from poolfuzz.pools.config import CONFIGS
 from poolfuzz.pools.request import ReqKv
+from tests.sglang.families import family_or_skip as _family
 
 CONFIGS_BOTH = ["dense", "dense-ps4", "swa", "swa-ps4", "hybrid-linear", "hybrid-linear-ps4", "swa-ssm", "swa-ssm-ps4"]
-
-
-def _family(api, name):
-    from poolfuzz.adapters.sglang import build_family, unsupported_reason
-
-    why = unsupported_reason(CONFIGS[name])
-    if why:
-        pytest.skip(f"sglang {api.version}: {why}")
-    return build_family(CONFIGS[name])
 
 
 class _Spy:
