@@ -48,11 +48,13 @@ EOF
 fi
 echo "gpu-check: $INFO"
 
-# check NAME TIMEOUT EXPECTED_EXIT DETAIL_CMD -- COMMAND...: runs COMMAND with a time limit, logs
-# to $WORK/NAME.log, records ok / FAIL / timeout and a detail line in the table.
+# check NAME TIMEOUT EXPECTED_EXIT MUST_MATCH DETAIL_CMD -- COMMAND...: runs COMMAND with a time
+# limit, logs to $WORK/NAME.log, records ok / FAIL / timeout and a detail line in the table. A check
+# is ok only when the exit code is the expected one AND the log has a line matching MUST_MATCH (an
+# extended regex): exit 1 is what a found bug gives, and also what a traceback gives.
 check() {
-  local name=$1 limit=$2 want=$3 detail=$4
-  shift 5
+  local name=$1 limit=$2 want=$3 must=$4 detail=$5
+  shift 6
   local t0 rc result
   t0=$(date +%s)
   echo "== $name: $*"
@@ -60,10 +62,12 @@ check() {
   rc=$?
   if [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ]; then
     result=timeout
-  elif [ "$rc" -eq "$want" ]; then
-    result=ok
-  else
+  elif [ "$rc" -ne "$want" ]; then
     result="FAIL(rc=$rc)"
+  elif ! grep -qE "$must" "$WORK/$name.log"; then
+    result="FAIL(no line matching '$must')"
+  else
+    result=ok
   fi
   if [ "$result" != ok ]; then
     FAILED=1
@@ -74,26 +78,26 @@ check() {
 
 last_summary() { grep -E '^poolfuzz: [0-9]+ passed' "$WORK/$1.log" | tail -n 1 | sed 's/^poolfuzz: //'; }
 
-check tests 210 0 "tail -n 1 '$WORK/tests.log' | tr -d '='" -- \
+check tests 210 0 ' passed' "tail -n 1 '$WORK/tests.log' | tr -d '='" -- \
   env HYPOTHESIS_PROFILE=gpu "$PY" -m pytest -q -p no:cacheprovider --device "$DEVICE" -n "$XDIST" $TESTS
 
-check run-correct 50 0 "last_summary run-correct" -- \
+check run-correct 50 0 '^poolfuzz: [0-9]+ passed' "last_summary run-correct" -- \
   poolfuzz run --device "$DEVICE" --minutes 0.5 --seed 1 --db none --out "$WORK/pass"
 
-check run-fault 50 1 "grep -m1 -o 'StateLost: req [0-9]* resumed; component [a-z.0-9]*' '$WORK/run-fault.log'" -- \
+check run-fault 50 1 'StateLost: req [0-9]+ resumed' "grep -m1 -o 'StateLost: req [0-9]* resumed; component [a-z.0-9]*' '$WORK/run-fault.log'" -- \
   poolfuzz run --device "$DEVICE" --config swa-ssm --faults "$FAULT" --examples 300 --seed 9 \
   --db "$WORK/db" --out "$WORK/fail" --shrink-seconds 20
 
 ARTIFACT=$(ls "$WORK"/fail/*.json 2>/dev/null | head -n 1)
 ARTIFACT=${ARTIFACT:-"$WORK/fail/missing.json"}
 
-check replay-on-cpu 25 1 "grep -m1 -E 'REPRODUCED|did not reproduce' '$WORK/replay-on-cpu.log'" -- \
+check replay-on-cpu 25 1 REPRODUCED "grep -m1 -E 'REPRODUCED|did not reproduce' '$WORK/replay-on-cpu.log'" -- \
   poolfuzz replay "$ARTIFACT" --device cpu
-check replay-on-device 25 1 "grep -m1 -E 'REPRODUCED|did not reproduce' '$WORK/replay-on-device.log'" -- \
+check replay-on-device 25 1 REPRODUCED "grep -m1 -E 'REPRODUCED|did not reproduce' '$WORK/replay-on-device.log'" -- \
   poolfuzz replay "$ARTIFACT" --device "$DEVICE"
 
 # The emitted test, run by a plain pytest on the device: the copy with the bug must fail, the fixed one pass.
-check emit-test 40 0 "tail -n 1 '$WORK/emit-test.log'" -- \
+check emit-test 40 0 '1 failed, 1 passed' "tail -n 1 '$WORK/emit-test.log'" -- \
   bash -c "poolfuzz emit-test '$ARTIFACT' -o '$WORK/test_regression_bug.py' || exit 3
     sed 's/^FAULTS = .*/FAULTS = []/' '$WORK/test_regression_bug.py' > '$WORK/test_regression_fixed.py'
     POOLFUZZ_DEVICE='$DEVICE' '$PY' -m pytest -q -p no:cacheprovider --rootdir '$WORK' \
@@ -101,7 +105,7 @@ check emit-test 40 0 "tail -n 1 '$WORK/emit-test.log'" -- \
     tail -n 1 '$WORK/emitted.log'
     grep -q '1 failed, 1 passed' '$WORK/emitted.log'"
 
-check two-workers 40 0 "last_summary two-workers" -- \
+check two-workers 40 0 '^poolfuzz: [0-9]+ passed' "last_summary two-workers" -- \
   poolfuzz run --device "$DEVICE" --workers 2 --config dense swa --examples 20 --seed 1 \
   --db "$WORK/db2" --out "$WORK/pass2"
 
@@ -116,7 +120,7 @@ print(f"checksum {d['checksum_gbps']:.0f} GB/s = {ratio:.2f} x {name} (>= 0.5)")
 sys.exit(0 if ratio >= 0.5 else 1)
 EOF
 bench_detail() { "$PY" "$WORK/bench_gate.py" "$WORK/bench.json"; }
-check bench 240 0 "bench_detail" -- \
+check bench 240 0 'GB/s = ' "bench_detail" -- \
   bash -c "poolfuzz bench --device '$DEVICE' --examples 50 --seeds 3 --json '$WORK/bench.json' &&
     '$PY' '$WORK/bench_gate.py' '$WORK/bench.json'"
 
