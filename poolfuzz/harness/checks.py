@@ -287,13 +287,8 @@ class Checker:
                     batches += self._host_batches(fam, node, req)
         if not batches:
             return
-        if all(b[5].device.type == "cpu" for b in batches):
-            if all(torch.equal(b[5], b[4]) for b in batches):
-                return
-        else:
-            bad = torch.stack([(b[5] != b[4].to(b[5].device)).any() for b in batches])
-            if not bool(bad.any()):  # the one host sync of a passing check
-                return
+        if _all_equal(batches):
+            return
         for comp, node, parts, slots, expected, got in batches:
             # The first wrong slot of each request: a waived or known one is counted and the others
             # of the batch are still checked (``fail`` raises the first that is neither).
@@ -435,3 +430,15 @@ def _action_of(engine, req: Request) -> str:
     if engine.action == "prefill" and req.origin != "admitted":
         return f"prefill.{req.origin}"
     return engine.action
+
+
+def _all_equal(batches: list) -> bool:
+    """Whether every batch read back what it expected, with one host sync for the device batches.
+
+    The host pools' batches are read on the CPU while the device pools' are read on the GPU: each
+    group is compared where it lives (one ``torch.stack`` over both would mix devices).
+    """
+    on_device = [(b[5] != b[4].to(b[5].device)).any() for b in batches if b[5].device.type != "cpu"]
+    if not all(torch.equal(b[5], b[4]) for b in batches if b[5].device.type == "cpu"):
+        return False
+    return not on_device or not bool(torch.stack(on_device).any())  # the one host sync of a passing check
