@@ -42,7 +42,7 @@ print("\n".join(str(last[k]) for k in sorted(last)))
 fi
 [ "${#versions[@]}" -gt 0 ] || { echo "sglang-compat: could not list SGLang releases" >&2; exit 2; }
 
-printf '%-13s | %-8s | %-7s | %-60s | %-11s | %-36s | %s\n' release installs imports "configs supported (of 16)" triton \
+printf '%-13s | %-8s | %-7s | %-60s | %-11s | %-36s | %s\n' release installs imports "configs supported (of $(cd "$repo" && python -c 'from poolfuzz.pools.config import CONFIGS; print(len(CONFIGS))'))" triton \
   "reach: memory_pool / allocators / mem_cache" "harness verdict"
 printf '%s\n' "--------------|----------|---------|--------------------------------------------------------------|-------------|--------------------------------------|----------------"
 for v in "${versions[@]}"; do
@@ -77,6 +77,9 @@ for name, config in CONFIGS.items():
     if not why:
         supported.append(name)
 
+class RunFailed(Exception):
+    """The campaign's poolfuzz run neither passed nor failed a check: its verdict is not "pass"."""
+
 def campaign(waive, coverage=None):
     """Every distinct signature per config, each shrunk once (the run keeps going past each):
     config -> [(signature, steps of its shrunk program)]."""
@@ -89,7 +92,10 @@ def campaign(waive, coverage=None):
         cmd += ["--waive", *waive]
     if coverage:
         cmd += ["--coverage", coverage]
-    subprocess.run(cmd, capture_output=True, text=True)
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode not in (0, 1):  # 2: bad usage; anything else: poolfuzz itself broke
+        last = (proc.stderr.strip() or proc.stdout.strip() or "no output").splitlines()[-1]
+        raise RunFailed(f"poolfuzz run exited {proc.returncode}: {last[:200]}")
     found = {}
     for path in sorted(glob.glob(f"{out}/*.json")):
         art = json.load(open(path))
@@ -127,12 +133,16 @@ def reach_of(directory):
 measure = os.environ.get("POOLFUZZ_COMPAT_REACH", "1") != "0"
 waived = []
 reach = reach_dir if measure else None  # each campaign overwrites it: the table shows the last
-found = campaign(waived, coverage=reach)
-# A check that fails at step 0 on every config hides everything behind it: waive it and look again,
-# until no such check is left (at most a few rounds: each round waives at least one more check).
-while step_zero := fails_at_step_zero_everywhere(found, waived):
-    waived += step_zero
+try:
     found = campaign(waived, coverage=reach)
+    # A check that fails at step 0 on every config hides everything behind it: waive it and look
+    # again, until no such check is left (a few rounds: each round waives at least one more check).
+    while step_zero := fails_at_step_zero_everywhere(found, waived):
+        waived += step_zero
+        found = campaign(waived, coverage=reach)
+except RunFailed as exc:
+    row("yes", f"{len(supported)} supported", f"FAILED: {exc}" + (f" (waived {','.join(waived)})" if waived else ""))
+    sys.exit(0)
 verdicts = [f"{name}: " + ", ".join(f"{sig} ({steps} steps)" for sig, steps in sigs)
             for name, sigs in found.items()]
 if waived:
