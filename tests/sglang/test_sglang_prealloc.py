@@ -114,3 +114,28 @@ def test_transfer_ids_go_through_the_allocators_translation(api, monkeypatch):
     with pytest.raises(PoolfuzzFailure) as info:
         _transfer(e, 5)
     assert info.value.divergence.space == "full", info.value
+
+
+def test_both_sides_short_names_the_side_the_decode_tree_cannot_evict_for(api):
+    """A 2-minute fuzz's false alarm (swa-ssm, seed 3): the decode node's tree holds a finished request,
+    full is short of free slots but not of free plus evictable ones, SWA is short of both. One budget
+    serves both sides at page size 1, so SGLang names neither; the adapter named full (free slots only)
+    where the reference names SWA. Both now count what the tree can evict."""
+    e = _engine(api, "swa-ssm")
+    if not hasattr(e.families["decode"], "tree"):
+        pytest.skip(f"sglang {api.version}: swa-ssm has no tree on the decode node")
+    first = e.admit(6)
+    e.prefill(first, 6)
+    second = e.fork(first, 3)
+    assert e.transfer(first)
+    e.prefill(second, 10)
+    e.finish(first)  # the decode node's tree keeps its tokens, evictable
+    third = e.fork(second, 6)
+    e.prefill(third, 11)
+    fourth = e.fork(third, 6)
+    assert e.transfer(second) and e.transfer(third)
+    e.prefill(fourth, 6)
+    e.check()
+    assert not e.transfer(fourth)
+    assert e.log[-1].outcome == "waits: decode swa exhausted"
+    e.check()

@@ -144,11 +144,13 @@ class SGLangFamily:
         self.notify_frees()
 
     # --- helpers the protocol uses ------------------------------------------------------------
-    def space_short_of(self, needs: dict[str, int]) -> tuple[str, int, int] | None:
-        """The first space (in the harness's order) without ``needs[space]`` free units."""
+    def space_short_of(self, needs: dict[str, int], evictable: dict[str, int] | None = None
+                       ) -> tuple[str, int, int] | None:
+        """The first space (in the harness's order) without ``needs[space]`` free units, counting the
+        tokens a prefix tree could evict for it (``evictable``, by space) as free."""
         for space, units in needs.items():
             view = self._free_views[space]
-            have = view.available_size() // view.page_size
+            have = (view.available_size() + (evictable or {}).get(space, 0)) // view.page_size
             if units > have:
                 return space, units * view.page_size, view.available_size()
         return None

@@ -58,6 +58,15 @@ def _radix_evictable(tree_cache, family) -> int:
     return int(tree_cache.evictable_size())
 
 
+def _evictable_by_space(tree_cache, family) -> dict[str, int]:
+    """What the decode tree can evict for each side. Where one budget serves both sides and both are
+    short of free slots, the side named is the one eviction cannot cover, as the reference names it."""
+    if tree_cache is None or not tree_cache.supports_prefix_sharing():
+        return {}
+    swa = getattr(tree_cache, "swa_evictable_size", None) if family.config.has_swa else None
+    return {"full": _radix_evictable(tree_cache, family), **({"swa": int(swa())} if swa is not None else {})}
+
+
 def budgets(family, tree_cache=None) -> tuple[int, int | None]:
     """The queue's (full, swa) budgets; swa is None where the SWA side is not reserved on its own. A decode
     server with a radix cache (the tree family's) counts what the tree can evict, as
@@ -101,7 +110,8 @@ def check(family, fill_len: int, tree_cache=None) -> None:
         # both sides where available_size() is the smaller of the two)
         ps = family.config.page_size
         needs = {"full": full // ps, **({"swa": swa // ps} if family.config.has_swa else {})}
-        space, requested, available = family.space_short_of(needs) or ("full", full, full_budget)
+        short = family.space_short_of(needs, _evictable_by_space(tree_cache, family))
+        space, requested, available = short or ("full", full, full_budget)
         raise PoolExhausted(space=space, requested=requested, available=available)
     if _assumes_reclaim(alloc):
         shortfall = alloc.reclaim_for_prealloc(tree_cache, full, swa)
