@@ -8,8 +8,7 @@ from poolfuzz.pools.config import CONFIGS, ModelConfig
 from poolfuzz.pools.errors import ConfigError
 
 # SGLang's DSA indexer asserts 128-value index keys on 64-token pages; MXFP8 scales blocks of 32.
-DSA_PS64 = CONFIGS["dsa"].replace(name="dsa-ps64", page_size=64, full_tokens=256, max_context=256,
-                                  index_head_dim=128)
+DSA_PS64 = CONFIGS["dsa-ps64"]
 MXFP8 = ModelConfig(name="mxfp8", architecture="llama", full_layers=2, full_tokens=48, request_rows=5,
                     max_context=48, kv_dtype="fp8_e4m3", head_num=2, head_dim=192, kv_scale_block=32)
 LATENT = {"mla": CONFIGS["mla"], "mla-ps4": CONFIGS["mla-ps4"], "dsa-ps64": DSA_PS64}
