@@ -303,6 +303,9 @@ class SGLangProtocol(ServingProtocol):
             return None
         return tracking.next_slot(req, self.standin(req, family), family.sg_req_pool)
 
+    def move_accepted(self, req: ReqKv, family, *, tgt: torch.Tensor, src: torch.Tensor) -> None:
+        speculative.move_accepted(family, tgt=tgt, src=src)
+
     def commit_speculative(self, req: ReqKv, family, *, accepted_step: int, drafted_steps: int,
                            track_slot: int | None) -> None:
         """After verify: SGLang's commit scatter from the request's scratch row (see adapters.sglang.speculative)."""
