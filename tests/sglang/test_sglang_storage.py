@@ -23,6 +23,15 @@ def _family(api, config):
     return build_family(config)
 
 
+def _page_aware_move_or_skip(api, name):
+    """A release whose DSA tree-verify move is page-unaware fails a fuzz there first (a real defect,
+    tests/sglang/test_sglang_tree_drafts.py::test_a_page_unaware_dsa_move_is_caught)."""
+    from tests.sglang.families import dsa_move_is_page_aware
+
+    if name == "dsa-ps64" and not dsa_move_is_page_aware(api):
+        pytest.skip(f"sglang {api.version}: its DSA index move is page-unaware, which a tree verify meets first")
+
+
 class TestLatentPools:
     @pytest.mark.parametrize("name", list(LATENT))
     def test_components_are_the_release_s_buffers(self, api, name):
@@ -41,6 +50,7 @@ class TestLatentPools:
     def test_fuzz_passes(self, api, fuzz, name):
         """MLA's copy carries whole latent rows and DSA's its index pages: nothing is lost."""
         _family(api, LATENT[name])
+        _page_aware_move_or_skip(api, name)
         outcome = fuzz(LATENT[name], examples=10)
         assert outcome.failure is None, outcome.failure
 
@@ -48,6 +58,7 @@ class TestLatentPools:
         """The harness checks what SGLang's DSA copy carries: with ``index_k`` left out of it (the
         MLA copy alone), a resumed request's index keys are another request's."""
         _family(api, DSA_PS64)
+        _page_aware_move_or_skip(api, "dsa-ps64")
         mla = api.MLATokenToKVPool
         monkeypatch.setattr(api.DSATokenToKVPool, "get_cpu_copy",
                             lambda self, indices, mamba_indices=None, req_pool_index=None:

@@ -7,6 +7,7 @@ import pytest
 from poolfuzz.harness.engine import Engine
 from poolfuzz.harness.failures import PoolfuzzFailure
 from poolfuzz.pools.config import CONFIGS
+from tests.sglang.families import dsa_move_is_page_aware
 
 # One of each KV pool SGLang 0.5.23 moves rows in: MHA, SWA (through full_to_swa), hybrid-linear, MLA, DSA.
 MOVING = ["dense", "swa-ps4", "hybrid-linear-ps4", "mla", "dsa-ps64"]
@@ -30,6 +31,8 @@ def _served(api, name) -> tuple[Engine, int]:
 @pytest.mark.parametrize("name", MOVING)
 def test_a_tree_verify_moves_the_accepted_path_through_the_pool(api, name, monkeypatch):
     e, rid = _served(api, name)
+    if name == "dsa-ps64" and not dsa_move_is_page_aware(api):
+        pytest.skip(f"sglang {api.version}: its DSA index move is page-unaware (test_a_page_unaware_dsa_move_is_caught)")
     cls = type(e.families["prefill"].sg_kv_pool)
     moved, real = [], cls.move_kv_cache
 
@@ -49,6 +52,8 @@ def test_a_tree_verify_moves_the_accepted_path_through_the_pool(api, name, monke
 @pytest.mark.parametrize("name", MOVING)
 def test_fuzz_with_tree_verifies_passes(api, fuzz, name):
     _served(api, name)
+    if name == "dsa-ps64" and not dsa_move_is_page_aware(api):
+        pytest.skip(f"sglang {api.version}: its DSA index move is page-unaware (test_a_page_unaware_dsa_move_is_caught)")
     outcome = fuzz(CONFIGS[name], examples=20)
     assert outcome.failure is None, outcome.failure
 
@@ -79,3 +84,18 @@ def test_a_move_of_one_layer_only_is_caught(api, fuzz, monkeypatch):
     outcome = fuzz(CONFIGS["dense"], examples=100)
     assert outcome.failure is not None, "a move that drops a layer was not caught"
     assert outcome.failure.divergence.layer == CONFIGS["dense"].full_layer_ids[1], outcome.failure
+
+
+def test_a_page_unaware_dsa_move_is_caught(api, fuzz):
+    """A real SGLang defect (0.5.18; fixed by 0.5.23): IndexKeyCache.move indexed the page-major index cache
+    by token location, so a tree verify's move reads and writes the wrong page or none (an IndexError). The
+    fuzzer reports it; on a release with the page-aware move the same run passes."""
+    _served(api, "dsa-ps64")
+    if dsa_move_is_page_aware(api):
+        assert fuzz(CONFIGS["dsa-ps64"], examples=20).failure is None
+        return
+    try:
+        outcome = fuzz(CONFIGS["dsa-ps64"], examples=20)
+    except IndexError:  # the move's token location past the page count: SGLang's own crash, reported
+        return
+    assert outcome.failure is not None, "a page-unaware DSA move was not caught"
