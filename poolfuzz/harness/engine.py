@@ -325,13 +325,16 @@ class Engine:
         self._record(outcome)
         return done
 
-    def decode_speculative(self, rid: int, draft: int, accepted: int) -> bool:
+    def decode_speculative(self, rid: int, draft: int, accepted: int, tree: bool = False) -> bool:
         """A speculative (MTP / EAGLE) step: KV slots and writes for the input token plus ``draft``
-        draft tokens, ``accepted`` of the drafts kept, then the over-allocated tail released."""
+        draft tokens, ``accepted`` of the drafts kept, then the over-allocated tail released. ``tree``:
+        the drafts are a tree of two branches a level (EAGLE topk 2, NGRAM), so at most ``draft // 2``
+        are accepted, and their KV moves to the window's front after verify."""
         if self.config.spec_draft_tokens:  # a verify checks at most this many tokens
             draft = min(draft, self.config.spec_draft_tokens - 1)
-        accepted = min(accepted, draft)
-        self._begin("decode_speculative", {"rid": rid, "draft": draft, "accepted": accepted})
+        accepted = min(accepted, draft // 2 if tree else draft)
+        self._begin("decode_speculative", {"rid": rid, "draft": draft, "accepted": accepted,
+                                           **({"tree": True} if tree else {})})
         req = self.requests[rid]
         fam, ref = self.families[req.node], self.refs[req.node]
         pos = req.kv.seqlen - 1
@@ -340,7 +343,7 @@ class Engine:
         if err:
             self._record(f"{err.space} exhausted")
             return False
-        self.writer.forward(req, pos, pos + 1 + accepted, written_end=pos + 1 + draft, verify=True)
+        self.writer.forward(req, pos, pos + 1 + accepted, written_end=pos + 1 + draft, verify=True, tree=tree)
         ref.verify(rid, pos, pos + 1 + draft)
         ref.commit(rid, pos + 1 + accepted)
         req.kv.seqlen += 1 + accepted

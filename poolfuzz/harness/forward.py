@@ -18,6 +18,25 @@ from poolfuzz.pools.speculative import scratch_name
 _EMPTY = torch.empty(0, dtype=torch.int64)
 
 
+def tree_depths(window: int, device) -> torch.Tensor:
+    """A verify window over a draft tree of two branches a level, in SGLang's breadth-first order: node 0
+    is the last sampled token, nodes ``2d - 1`` and ``2d`` are the two drafts at depth ``d``."""
+    return torch.tensor([(j + 1) // 2 for j in range(window)], dtype=torch.int64, device=device)
+
+
+def tree_verifies(engine) -> bool:
+    """Whether the engine issues tree verifies: a family whose pools move accepted rows
+    (``supports_tree_drafts``), and no per-step speculative scratch (a tree would need it per node)."""
+    return (getattr(engine.families["prefill"], "supports_tree_drafts", False)
+            and not engine.config.spec_draft_tokens)
+
+
+def accepted_node(depth: int) -> int:
+    """The window node of the accepted draft at ``depth``: the path runs down the second branch, so every
+    accepted row but none of the front ones sits where the chain layout would put it."""
+    return 2 * depth
+
+
 class Writer:
     """The writes of one engine's forward passes, onto the families' own buffers."""
 
@@ -39,12 +58,14 @@ class Writer:
         return plan
 
     def forward(self, req: Request, start: int, end: int, *, written_end: int | None = None,
-                verify: bool = False) -> None:
+                verify: bool = False, tree: bool = False) -> None:
         """Write KV for positions ``[start, written_end)`` in every layer, then commit ``[start, end)``:
         the recurrent state consumes those tokens. A speculative step writes KV for its draft
         tokens too (``written_end > end``) but commits only the accepted ones; where the mamba pool
         keeps speculative scratch (``spec_scratch``) a ``verify`` forward writes the state after each
-        token there and the family's commit copies the accepted one's into the state."""
+        token there and the family's commit copies the accepted one's into the state. A ``tree`` verify
+        lays the drafts out as a tree (:func:`tree_depths`): the accepted path's KV lands on its nodes'
+        slots, and the family moves it to the front of the window."""
         e = self.engine
         fam = e.families[req.node]
         written_end = end if written_end is None else written_end
@@ -54,8 +75,11 @@ class Writer:
         # A pool with a write door of its own (``writes_through_engine``) files the rows itself, as an
         # attention backend has it do; what the door does not take is written here.
         door = {} if getattr(fam.kv_pool, "writes_through_engine", False) else None
+        depths = tree_depths(written_end - start, e.device) if tree else None
         for comp, spec, state_type in kv_plan:
             rows = row_cache.kv_rows(spec, req.rid, start, written_end, e.device)
+            if depths is not None:  # each tree node holds the KV of its depth's position
+                rows = rows[depths]
             if door is None:
                 self._write_rows(fam, comp, state_type, slots, rows, targets)
             else:
@@ -67,6 +91,10 @@ class Writer:
             for key, (comp, state_type, rows) in door.items():
                 if key not in done:
                     self._write_rows(fam, comp, state_type, slots, rows, targets)
+        if tree and end - start > 1:  # move_accept_tokens_to_target_kvcache: the path to the window's front
+            accepted = range(1, end - start)
+            fam.protocol.move_accepted(req.kv, fam, tgt=slots[list(accepted)],
+                                       src=slots[[accepted_node(d) for d in accepted]])
         req.kv.kv_committed_len = end
         if state_plan:
             # optional (interface.py): a family without speculative scratch declares none

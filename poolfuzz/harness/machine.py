@@ -16,6 +16,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from poolfuzz.errors import ConfigError
 from poolfuzz.harness.engine import Engine
+from poolfuzz.harness.forward import tree_verifies
 from poolfuzz.harness.hypothesis_compat import set_database_identity
 from poolfuzz.harness.records import NODES, EngineOptions, Phase, StepRecord
 from poolfuzz.pools.config import CONFIGS, ModelConfig, get_config
@@ -78,6 +79,10 @@ def _has(phase: Phase, node: str | None = None):
 def _supports(op: str):
     """A family may decline a whole operation (``supports_fork = False``): plug-ins over real pools."""
     return lambda self: getattr(self.engine.families["prefill"], f"supports_{op}", True)
+
+
+def _tree_drafts(self) -> bool:
+    return tree_verifies(self.engine)
 
 
 class PoolMachine(RuleBasedStateMachine):
@@ -184,6 +189,13 @@ class PoolMachine(RuleBasedStateMachine):
     def decode_speculative(self, pick, draft, accepted):
         """MTP / EAGLE: draft tokens get KV slots, rejected ones are released after verify."""
         if not self.engine.decode_speculative(self._pick(Phase.RUNNING, pick).rid, draft, accepted):
+            event("pool full at speculative decode")
+
+    @precondition(lambda self: _tree_drafts(self) and _has(Phase.RUNNING)(self))
+    @rule(pick=picks, depth=draft_lengths, accepted=accepted_drafts)
+    def decode_speculative_tree(self, pick, depth, accepted):
+        """EAGLE tree / NGRAM verify: two drafts a level, the accepted path's KV moved to the window's front."""
+        if not self.engine.decode_speculative(self._pick(Phase.RUNNING, pick).rid, 2 * depth, accepted, tree=True):
             event("pool full at speculative decode")
 
     @precondition(_has(Phase.RUNNING))

@@ -14,6 +14,7 @@ from typing import Callable
 
 from poolfuzz.errors import ConfigError
 from poolfuzz.harness.failures import message_of, signature_of
+from poolfuzz.harness.forward import tree_verifies
 from poolfuzz.harness.program import CannotRun, precondition
 from poolfuzz.harness.records import NODES, Phase, StepRecord
 
@@ -60,6 +61,8 @@ def vocabulary(engine, prompts: tuple[int, ...]) -> list[StepRecord]:
         out += [step("decode", rids=[rid]), step("retract", rid=rid), step("finish", rid=rid)]
         if can("speculative"):
             out += [step("decode_speculative", rid=rid, draft=2, accepted=a) for a in (0, 2)]
+        if tree_verifies(engine):  # two drafts a level, two levels accepted: the path moves
+            out.append(step("decode_speculative", rid=rid, draft=4, accepted=2, tree=True))
         if can("fork"):
             out.append(step("fork", src_rid=rid, extra=1))
         if can("transfer") and engine.requests[rid].node == "prefill":

@@ -19,15 +19,19 @@ BACKUP_MODES = ("cpu_tensor", "host_pool")
 
 @dataclass(frozen=True)
 class Arg:
-    """One operation argument: an int at least ``minimum``, a non-empty list of them, or a node name."""
+    """One operation argument: an int at least ``minimum``, a non-empty list of them, a node name, or a flag
+    (``optional``: recorded only where it is set, as ``decode_speculative``'s ``tree``)."""
 
-    kind: str  # "int" | "ints" | "node"
+    kind: str  # "int" | "ints" | "node" | "bool"
     minimum: int = 1
+    optional: bool = False
 
     def problem(self, value) -> str | None:
         """Why ``value`` does not fit, or None."""
         if self.kind == "node":
             return None if isinstance(value, str) and value in NODES else f"must be one of {', '.join(NODES)}"
+        if self.kind == "bool":
+            return None if isinstance(value, bool) else "must be true or false"
         if self.kind == "ints":
             if not isinstance(value, list) or not value:
                 return "must be a non-empty list of request ids"
@@ -43,7 +47,8 @@ OPERATION_ARGS: dict[str, dict[str, Arg]] = {
     "admit": {"prompt_len": Arg("int", 1)},
     "prefill": {"rid": RID, "chunk": Arg("int", 1)},
     "decode": {"rids": Arg("ints", 1)},
-    "decode_speculative": {"rid": RID, "draft": Arg("int", 1), "accepted": Arg("int", 0)},
+    "decode_speculative": {"rid": RID, "draft": Arg("int", 1), "accepted": Arg("int", 0),
+                           "tree": Arg("bool", optional=True)},
     "evict_swa": {},
     "retract": {"rid": RID},
     "resume": {"node": Arg("node")},
@@ -105,9 +110,13 @@ def step_problem(i: int, raw: dict) -> str | None:
         return f"step {i} names operation {op!r}, which replay does not know"
     if not isinstance(args, dict):
         return f"step {i} ({op}): 'args' must be an object"
-    if set(args) != set(schema):
-        return f"step {i} ({op}): arguments {sorted(args)} must be exactly {sorted(schema)}"
+    required = {name for name, arg in schema.items() if not arg.optional}
+    if not required <= set(args) <= set(schema):
+        return f"step {i} ({op}): arguments {sorted(args)} must be {sorted(required)}, optionally with " \
+               f"{sorted(set(schema) - required)}"
     for name, arg in schema.items():
+        if name not in args:
+            continue
         why = arg.problem(args[name])
         if why is not None:
             return f"step {i} ({op}): argument {name}={args[name]!r} {why}"

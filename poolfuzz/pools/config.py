@@ -291,7 +291,15 @@ def _all_configs() -> dict[str, ModelConfig]:
         out[base.name] = base
         paged = _paged(base, 4, paged_dtypes[base.name])
         out[paged.name] = paged
+    out["dsa-ps64"] = _dsa_ps64(out["dsa"])
     return out
+
+
+def _dsa_ps64(dsa: ModelConfig) -> ModelConfig:
+    """DSA in the shape SGLang's indexer takes (0.5.23 asserts 64-token pages and 128-value index keys),
+    so ``--family sglang`` builds its DSATokenToKVPool. Four pages for five rows: a fifth request waits.
+    The context is the pool, as in every named config (a request's row never runs out before the pool)."""
+    return dsa.replace(name="dsa-ps64", page_size=64, index_head_dim=128, full_tokens=256, max_context=256)
 
 
 CONFIGS: dict[str, ModelConfig] = _all_configs()

@@ -28,9 +28,11 @@ class PoolFamily:
     """Every pool of one serving node for one model, and the protocol that drives them.
 
     ``supports_next_turn``: False; a finished request's tokens are not kept for a next turn (its
-    prefix hit is what ``fork`` models here, from a running request)."""
+    prefix hit is what ``fork`` models here, from a running request).
+    ``supports_tree_drafts``: every KV pool here moves accepted rows (``move_kv_cache``)."""
 
     supports_next_turn = False
+    supports_tree_drafts = True
 
     config: ModelConfig
     device: torch.device

@@ -26,6 +26,7 @@ from poolfuzz.pools.storage_faults import (
     MLACopiesValueBufferOnly,
     MLATransferItemOfLatentWidth,
     ScaledCopyWithoutScales,
+    ScaledMoveWithoutScales,
     TransferWithoutBlockScales,
     TransferWithoutDSAState,
 )
@@ -486,6 +487,8 @@ FAULTS: dict[str, Fault] = {
            {"scaled_kv_pool": ScaledCopyWithoutScales}),
         _f("pd-drops-block-scales", "MXFP8 PD state component (StateType.BLOCK_SCALE)",
            lambda c: c.kv_scale_block > 0, {"transfer": TransferWithoutBlockScales}),
+        _f("scaled-move-drops-scales", "MXFP8 move_kv_cache override (accepted-token move after tree verify)",
+           lambda c: c.kv_scale_block > 0, {"scaled_kv_pool": ScaledMoveWithoutScales}),
         # Free patterns: grouped frees, and a row cut off between two prefill chunks.
         _f("free-group-drops-swa", "SWATokenToKVPoolAllocator.free_group_end (SWA piles)", lambda c: c.has_swa,
            {"swa_allocator": FreeGroupDropsSWAPile}),

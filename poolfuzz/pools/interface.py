@@ -38,6 +38,10 @@ Optional capabilities, read with a default where a family does not declare them:
   ``components()`` (``rows`` space, one per draft step) a verify forward writes before
   ``protocol.commit_speculative(req, family, accepted_step=, drafted_steps=, track_slot=)``;
   ``req_pool.get_track_slots(row)`` (optional): extra-buffer track slots as the kernels read them.
+* ``supports_tree_drafts`` (class attribute, default False): speculative verify over a draft *tree*
+  (EAGLE with topk > 1, NGRAM): the accepted path's KV is written where its tree nodes sit in the
+  verify window, then ``protocol.move_accepted(req, family, tgt=, src=)`` moves it to the window's front
+  (full slot ids), before the tail is freed. Only for configs without speculative scratch.
 """
 
 from __future__ import annotations
@@ -130,6 +134,7 @@ class ServingProtocolLike(Protocol):
 
     def abort(self, req: ReqKv, family) -> None: ...
 
+    # Optional: ``move_accepted(req, family, *, tgt, src)`` (see ``supports_tree_drafts``).
     # Optional: ``finish(req, family)``, a finished request's release (the engine calls it where the
     # protocol has it, else ``release_kv``): the built-in protocol brackets it with a free group.
 

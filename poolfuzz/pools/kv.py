@@ -113,6 +113,17 @@ class MHATokenToKVPool(KVCache):
     def get_contiguous_buf_infos(self) -> list[torch.Tensor]:
         return [b for pair in zip(self.k_buffer, self.v_buffer) for b in pair]
 
+    def move_kv_cache(self, tgt_loc, src_loc) -> None:
+        """After a tree verify, the accepted tokens' rows move to the front of the window, every layer."""
+        tgt, src = _as_index(tgt_loc).to(self.device), _as_index(src_loc).to(self.device)
+        for buffers in self.move_buffers():
+            for buf in buffers:
+                buf[tgt] = buf[src]
+
+    def move_buffers(self) -> tuple[list[torch.Tensor], ...]:
+        """The per-slot buffers a move carries (a subclass with per-slot buffers of its own adds them)."""
+        return self.k_buffer, self.v_buffer
+
 
 @dataclass(frozen=True, kw_only=True)
 class SWACpuCopy:
@@ -184,6 +195,11 @@ class SWAKVPool(KVCache):
     def get_contiguous_buf_infos(self) -> list[torch.Tensor]:
         return self.full_kv_pool.get_contiguous_buf_infos()
 
+    def move_kv_cache(self, tgt_loc, src_loc) -> None:
+        """The full rows move by slot, the SWA rows by the SWA slots the full ones map to."""
+        self.full_kv_pool.move_kv_cache(tgt_loc, src_loc)
+        self.swa_kv_pool.move_kv_cache(self.translate(tgt_loc), self.translate(src_loc))
+
     def get_state_buf_infos(self, state_type: str) -> list[torch.Tensor]:
         if state_type != "SWA":
             return super().get_state_buf_infos(state_type)
@@ -240,6 +256,9 @@ class HybridLinearKVPool(KVCache):
 
     def get_contiguous_buf_infos(self) -> list[torch.Tensor]:
         return self.full_kv_pool.get_contiguous_buf_infos()
+
+    def move_kv_cache(self, tgt_loc, src_loc) -> None:
+        self.full_kv_pool.move_kv_cache(tgt_loc, src_loc)  # recurrent state is per request, not per slot
 
     def get_state_buf_infos(self, state_type: str) -> list[torch.Tensor]:
         if state_type != "MAMBA":

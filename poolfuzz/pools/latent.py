@@ -74,6 +74,12 @@ class MLATokenToKVPool(KVCache):
         """One buffer per layer (MLA has no separate V); an item is a page of whole latent rows."""
         return list(self.kv_buffer)
 
+    def move_kv_cache(self, tgt_loc, src_loc) -> None:
+        """After a tree verify: whole latent rows (compressed and rope parts) move, every layer."""
+        tgt, src = _as_index(tgt_loc).to(self.device), _as_index(src_loc).to(self.device)
+        for buf in self.kv_buffer:
+            buf[tgt] = buf[src]
+
 
 @dataclass(frozen=True, kw_only=True)
 class DSACpuCopy:
@@ -135,6 +141,15 @@ class DSATokenToKVPool(MLATokenToKVPool):
         super().load_cpu_copy(cpu.kv, indices)
         page_chunk = max(1, CPU_COPY_CHUNK // self.page_size)
         _load_rows(self.index_k_with_scale_buffer, cpu.index_k, self.index_pages(indices), page_chunk)
+
+    def move_kv_cache(self, tgt_loc, src_loc) -> None:
+        """The latent rows and, in lockstep, each token's index keys and scales inside its page."""
+        super().move_kv_cache(tgt_loc, src_loc)
+        tgt, src = _as_index(tgt_loc).to(self.device), _as_index(src_loc).to(self.device)
+        ps = self.page_size
+        for buf in self.index_k_with_scale_buffer:
+            for part in self.index_parts(buf):
+                part[tgt // ps, tgt % ps] = part[src // ps, src % ps]
 
     def get_state_buf_infos(self, state_type: str) -> list[torch.Tensor]:
         if state_type != "DSA":

@@ -144,6 +144,11 @@ class ServingProtocol:
                 family.allocator.free(family.req_pool.read(req.req_pool_idx, keep, req.kv_allocated_len))
             req.kv_allocated_len = keep
 
+    def move_accepted(self, req: ReqKv, family: PoolFamily, *, tgt: torch.Tensor, src: torch.Tensor) -> None:
+        """After a tree verify (``move_accept_tokens_to_target_kvcache``): the accepted path's rows, every
+        KV component, from their tree nodes' slots to the front of the request's verify window."""
+        family.kv_pool.move_kv_cache(tgt, src)
+
     def run_deferred_mamba_ops(self, reqs: list[ReqKv], family: PoolFamily) -> None:
         """On an extend forward only: copy-on-write sources first (then the tree node is unlocked:
         it stays cached), else clear fresh slots."""

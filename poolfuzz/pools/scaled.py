@@ -70,6 +70,9 @@ class MHATokenToKVPoolScaled(MHATokenToKVPool):
                 ks[part] = k_cpu.to(self.device)
                 vs[part] = v_cpu.to(self.device)
 
+    def move_buffers(self) -> tuple[list[torch.Tensor], ...]:
+        return super().move_buffers() + (self.k_scale_buffer, self.v_scale_buffer)  # scales move with K and V
+
     def get_state_buf_infos(self, state_type: str) -> list[torch.Tensor]:
         if state_type != "BLOCK_SCALE":
             return super().get_state_buf_infos(state_type)

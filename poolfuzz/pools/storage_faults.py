@@ -83,6 +83,15 @@ class ScaledCopyWithoutScales(MHATokenToKVPoolScaled):
         super(MHATokenToKVPoolScaled, self).load_cpu_copy(cpu, indices)
 
 
+class ScaledMoveWithoutScales(MHATokenToKVPoolScaled):
+    """After a tree verify the accepted rows move with the base MHA pool's move, which knows nothing of
+    scale buffers: the window's front gets the accepted fp8 K and V and keeps the first branch's scales
+    (SGLang's MXFP8 pool overrides ``move_kv_cache`` so the scales travel with their payload)."""
+
+    def move_buffers(self):
+        return super(MHATokenToKVPoolScaled, self).move_buffers()
+
+
 class TransferWithoutBlockScales(PDTransfer):
     """Appends ``BLOCK_SCALE`` only for the sub-pools of an SWA pool (as a PD setup that looks for
     MXFP8 scales in its SWA branch alone would), so a full-attention model's scales never cross to

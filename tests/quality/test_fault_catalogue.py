@@ -36,9 +36,11 @@ SIGNATURES = {
     "cow-without-copy": r"^StateLost: .*component mamba\.",
     "stale-cow-source": r"^(StateLost: .*component mamba\.|ReferenceMismatch: mamba pool|InvariantViolation: mamba slot/page \d+ is held by two owners)",
     # A checkpoint left locked after its copy: the tree can never evict it, so its slot never comes back.
-    # Seen at teardown, or at the first admission that needed that slot.
+    # Seen at teardown, at the first admission that needed that slot, or as one free slot fewer than the
+    # reference counts once a fork had the tree evict (the reference evicts the unlocked checkpoint).
     "cow-source-stays-locked": (r"(^InvariantViolation: after every request ended, mamba has \d+ of \d+ free \(leak\)"
-                                r"|reference predicts success, pools gave mamba exhausted)"),
+                                r"|reference predicts success, pools gave mamba exhausted"
+                                r"|^ReferenceMismatch: mamba pool has \d+ free but the reference says \d+)"),
     # The tree gives a locked checkpoint's slot away: the reference (which skips locked nodes)
     # predicts the mamba pool full, or counts one slot fewer free than the pools once the eviction is
     # done, or the pending copy-on-write reads another request's state.
@@ -77,6 +79,7 @@ SIGNATURES = {
     "pd-drops-dsa-index": r"^StateLost: req \d+ transferred; component dsa\.index_(k|scale) ",
     "scaled-copy-drops-scales": r"^StateLost: req \d+ resumed; component full\.[kv]_scale ",
     "pd-drops-block-scales": r"^StateLost: req \d+ transferred; component full\.[kv]_scale ",
+    "scaled-move-drops-scales": r"^StateLost: req \d+ decoded speculatively; component full\.[kv]_scale ",
     # Free patterns: a grouped free's SWA slots never come back; an abort mid-prefill leaks its last chunk.
     "free-group-drops-swa": r"^ReferenceMismatch: swa pool has \d+ free but the reference says",
     "abort-prefill-leaks-last-chunk": r"^ReferenceMismatch: full pool has \d+ free but the reference says",
@@ -111,7 +114,8 @@ def test_off_grid_faults_cannot_show_on_the_named_configs():
 
     named = CONFIGS.values()
     assert all(c.max_context <= CPU_COPY_CHUNK for c in named)  # one chunk: reloaded exactly
-    assert all(c.page_size <= 4 for c in named)  # a tile of four rows covers every page
+    tiled = applicable_configs("host-load-tiles-of-four")  # a tile of four rows covers every page it loads
+    assert all(c.page_size <= 4 for c in named if c.name in tiled)
     for c in (c for c in named if c.has_mamba):  # the layer map is right for every blocked layout
         pool = MambaLayerMapAssumesContiguous(size=1, num_layers=c.mamba_layers, conv_shapes=c.conv_shapes,
                                               temporal_shape=c.temporal_shape, dtype=c.state_dtype, device="cpu",

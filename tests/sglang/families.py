@@ -12,3 +12,22 @@ def family_or_skip(api, name):
     if why:
         pytest.skip(f"sglang {api.version}: {why}")
     return build_family(CONFIGS[name])
+
+
+def dsa_move_is_page_aware(api) -> bool:
+    """Whether the release's DSA index cache moves a token's keys inside its page (0.5.23), or indexes the
+    page-major buffer by token location (0.5.18: a tree verify's move lands on the wrong page or out of range;
+    the page-aware rewrite was proposed as sglang#31060 / #31218)."""
+    import torch
+
+    from poolfuzz.adapters.sglang import build_family
+
+    fam = build_family(CONFIGS["dsa-ps64"])
+    pool = fam.sg_kv_pool
+    buf = pool.index_k_with_scale_buffer[0]
+    buf[1].fill_(7)  # page 1, every token
+    try:
+        pool.move_kv_cache(torch.tensor([64]), torch.tensor([65]))  # token 65 (page 1) onto token 64 (page 1)
+    except IndexError:
+        return False
+    return bool((buf[1] == 7).all())

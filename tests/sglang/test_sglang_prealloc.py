@@ -139,3 +139,27 @@ def test_both_sides_short_names_the_side_the_decode_tree_cannot_evict_for(api):
     assert not e.transfer(fourth)
     assert e.log[-1].outcome == "waits: decode swa exhausted"
     e.check()
+
+
+def test_an_arriving_request_on_a_paged_swa_node_reclaims_the_swa_tail_as_pop_preallocated_does(api, monkeypatch):
+    """A transfer onto a paged SWA decode node asks ``reclaim_for_prealloc`` for its SWA tail after the fit check
+    (``pop_preallocated``'s ``_reclaim_swa_tail_capacity``); a resume does not (its queue reclaims only where
+    the allocator's answer counted evictable pages). A reclaim that reports a shortfall where the reference
+    knows the tail fits is reported."""
+    e = _engine(api, "swa-ps4")
+    alloc_cls = type(e.families["decode"].sg_allocator)
+    if not hasattr(alloc_cls, "reclaim_for_prealloc"):
+        pytest.skip("this release's SWA allocator has no reclaim_for_prealloc")
+    asked, real = [], alloc_cls.reclaim_for_prealloc
+
+    def spy(self, tree_cache, full_tokens, swa_tokens):
+        asked.append((full_tokens, swa_tokens))
+        return real(self, tree_cache, full_tokens, swa_tokens)
+
+    monkeypatch.setattr(alloc_cls, "reclaim_for_prealloc", spy)
+    rid, moved = _transfer(e, 14)
+    assert moved and asked == [(16, 8)], asked  # 14 tokens: 4 full pages; window 6 from token 8: 2 SWA pages
+    monkeypatch.setattr(alloc_cls, "reclaim_for_prealloc", lambda self, *a: "SWA eviction insufficient")
+    with pytest.raises(PoolfuzzFailure) as info:
+        _transfer(e, 5)
+    assert info.value.divergence.check == "outcome", info.value

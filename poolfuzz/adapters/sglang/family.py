@@ -30,7 +30,7 @@ from poolfuzz.adapters.sglang.reads import read_door
 from poolfuzz.adapters.sglang.request_pool import build_request_pool
 from poolfuzz.adapters.sglang.standin import standin_class
 from poolfuzz.adapters.sglang.storage import build_storage_pool, storage_problem
-from poolfuzz.adapters.sglang.speculative import SGLangScratch, speculative_problem
+from poolfuzz.adapters.sglang.speculative import SGLangScratch, moves_rows, native_kv_move, speculative_problem
 from poolfuzz.adapters.sglang.writes import write_rows
 from poolfuzz.adapters.sglang.tracking import check_built, extra_buffer_problem
 from poolfuzz.adapters.sglang.views import (AllocatorView, FreeListView, KVPoolView, MambaPoolView, ReqPoolView,
@@ -63,9 +63,13 @@ class SGLangFamily:
         built with ``need_sort`` as ``disaggregation_mode="decode"`` builds them, and every pre-allocation
         (a transfer's, a resume's) first passes the decode queue's gate (``adapters.sglang.prealloc``), where
         the release has one. The prefill node is a colocated server that also sends requests.
+      ``supports_tree_drafts``: a tree verify's accepted KV moves through the KV pool's own ``move_kv_cache``
+        (``adapters.sglang.speculative.move_accepted``); False (per family) where the built pool cannot move
+        a row on this machine.
     """
 
     supports_fork = False
+    supports_tree_drafts = True
     supports_transfer = True
     resume_swa_tail_only = True
     pd_decode = False
@@ -211,7 +215,7 @@ def build_sglang_family(config: ModelConfig, *, device="cpu", faults=(), backup_
     dev = resolve_device(device)
     sdev = str(dev) if dev.type == "cpu" else f"cuda:{dev.index or 0}"
     try:
-        with debug_memory_pool():
+        with debug_memory_pool(), native_kv_move():
             return _build(api, config, dev, sdev, backup_mode, pd_decode=node == DECODE)
     except (AssertionError, ValueError) as exc:
         # SGLang's constructors decide what this release can build: a config they refuse is
@@ -311,6 +315,7 @@ def _build(api: SGLangAPI, config: ModelConfig, dev, sdev: str, backup_mode: str
     # The release's paged SWA resume: tail-only where its allocator can (0.5.12 on), else every position.
     family.resume_swa_tail_only = not c.has_swa or hasattr(sg_alloc, "alloc_extend_swa_tail")
     family.snapshot_free_lists()
+    family.supports_tree_drafts = moves_rows(sg_kv, dev)  # a pool that cannot move rows here: chain drafts only
     family.pd_decode = pd_decode and gate_problem(api) is None
     if pd_problem(api) is None:
         family.transfer = SGLangPDTransfer()

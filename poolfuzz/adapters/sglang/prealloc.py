@@ -11,8 +11,9 @@ retracted one that resumes, is pre-allocated by ``DecodePreallocQueue._pre_alloc
   budgets (``_allocatable_token_budgets`` / ``_swa_tail_allocatable_token_budget``): the full side's
   ``available_size()`` (``full_available_size()`` where SWA is reserved separately), the SWA side's from
   ``swa_capacity_and_available(full_capacity=size_full, swa_capacity=size_swa)``;
-* ``prealloc_fits_assumes_reclaim()``, and where it says the answer counted evictable pages,
-  ``reclaim_for_prealloc``.
+* ``reclaim_for_prealloc``: for a request arriving from a prefill node (``pop_preallocated``) wherever the SWA
+  side is reserved on its own; for a resume (``resume_retracted_reqs``) only where
+  ``prealloc_fits_assumes_reclaim()`` says the answer counted evictable pages.
 
 The demands are ``_prealloc_required_tokens``': whole pages of the fill length, and of the window tail where
 the release pre-allocates SWA for the tail only. The queue's policy terms are taken at the values of a
@@ -95,8 +96,9 @@ def gate_problem(api) -> str | None:
     return None
 
 
-def check(family, fill_len: int, tree_cache=None) -> None:
-    """Raise PoolExhausted where SGLang's decode queue would leave a ``fill_len`` pre-allocation waiting."""
+def check(family, fill_len: int, tree_cache=None, *, arriving: bool = False) -> None:
+    """Raise PoolExhausted where SGLang's decode queue would leave a ``fill_len`` pre-allocation waiting.
+    ``arriving``: a transfer from the prefill node (else a resume of a retracted request)."""
     alloc = family.sg_allocator
     full, swa = required_tokens(family, fill_len)
     ceiling = alloc.prealloc_ceiling_fits(full, swa)
@@ -113,7 +115,7 @@ def check(family, fill_len: int, tree_cache=None) -> None:
         short = family.space_short_of(needs, _evictable_by_space(tree_cache, family))
         space, requested, available = short or ("full", full, full_budget)
         raise PoolExhausted(space=space, requested=requested, available=available)
-    if _assumes_reclaim(alloc):
+    if _assumes_reclaim(alloc) or (arriving and swa_budget is not None):
         shortfall = alloc.reclaim_for_prealloc(tree_cache, full, swa)
         if shortfall is not None:
             raise PoolExhausted(space="swa", requested=swa, available=alloc.swa_available_size())

@@ -70,7 +70,8 @@ class SGLangProtocol(ServingProtocol):
         scheduling_pass(pool)  # the scheduler's pass over its waiting queue, before it binds rows
         family.admission.admit(family, sg)  # SGLang's own checks decide; nothing stricter here
         if fill_len is not None and family.pd_decode:  # the decode queue's pre-allocation gate, then _pre_alloc
-            prealloc.check(family, fill_len, family.admission.tree_cache)
+            # a resume carries its retraction backup; a request arriving from the prefill node has none
+            prealloc.check(family, fill_len, family.admission.tree_cache, arriving=req.retraction_backup is None)
         try:
             if family.api.row_alloc_takes_reqs:
                 got = pool.alloc([sg])
@@ -301,6 +302,9 @@ class SGLangProtocol(ServingProtocol):
         if not req.mamba_track:
             return None
         return tracking.next_slot(req, self.standin(req, family), family.sg_req_pool)
+
+    def move_accepted(self, req: ReqKv, family, *, tgt: torch.Tensor, src: torch.Tensor) -> None:
+        speculative.move_accepted(family, tgt=tgt, src=src)
 
     def commit_speculative(self, req: ReqKv, family, *, accepted_step: int, drafted_steps: int,
                            track_slot: int | None) -> None:

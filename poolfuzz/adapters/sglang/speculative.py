@@ -13,6 +13,11 @@ accessor returns.
 
 from __future__ import annotations
 
+import contextlib
+import os
+
+import torch
+
 from poolfuzz.adapters.sglang.api import parameters
 from poolfuzz.adapters.sglang.request_pool import build_request_pool
 from poolfuzz.pools.speculative import scratch_components
@@ -81,3 +86,47 @@ def commit(req_pool, *, row: int, accepted_step: int, state_slot: int, track_slo
     for dst, src in pairs:
         for slot in slots:
             dst[:, slot] = src[:, row, accepted_step]
+
+
+def move_accepted(family, *, tgt, src) -> None:
+    """A tree verify's accepted path to the front of the window, as ``move_accept_tokens_to_target_kvcache``
+    ends: ``token_to_kv_pool_allocator.get_kvcache().move_kv_cache(tgt_cache_loc, accept_out_cache_loc)``
+    (the model's KV pool moves every layer, and an SWA pool its SWA peers through ``full_to_swa``)."""
+    alloc = family.sg_allocator
+    kv_pool = alloc.get_kvcache() if hasattr(alloc, "get_kvcache") else family.sg_kv_pool
+    device = family.device
+    kv_pool.move_kv_cache(tgt.to(device=device, dtype=torch.int64), src.to(device=device, dtype=torch.int64))
+
+
+# A speculative server builds its MHA pools with ``enable_kv_cache_copy`` (the configurator), whose tiled
+# row move is a Triton kernel (on a CPU server sgl_kernel's ``copy_all_layer_kv_cache_cpu``); neither runs
+# here. SGLang's own switch for the torch move (``move_kv_cache_native``) is this variable, read when a
+# pool is built.
+NATIVE_MOVE = "SGLANG_NATIVE_MOVE_KV_CACHE"
+
+
+@contextlib.contextmanager
+def native_kv_move():
+    """Build pools that move rows with SGLang's native (torch indexing) move."""
+    before = os.environ.get(NATIVE_MOVE)
+    os.environ[NATIVE_MOVE] = "1"
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(NATIVE_MOVE, None)
+        else:
+            os.environ[NATIVE_MOVE] = before
+
+
+def moves_rows(sg_kv, device) -> bool:
+    """Whether the built KV pool can move a row here: the padding slot onto itself (changes nothing)."""
+    move = getattr(sg_kv, "move_kv_cache", None)
+    if move is None:
+        return False
+    pad = torch.zeros(1, dtype=torch.int64, device=device)
+    try:
+        move(pad, pad)
+    except Exception:  # a kernel this machine cannot launch, or a pool built without its copy config
+        return False
+    return True
