@@ -1,0 +1,279 @@
+"""``poolfuzz run --family sglang:unified``: SGLang's unified memory pool (``--enable-unified-memory``).
+
+SGLang's KV cache configurator builds, for a hybrid Mamba model with the flag, one byte buffer shared by
+the full-attention KV sub-pool (growing down) and the per-request Mamba state sub-pool (growing up), each
+with a ``MultiEndedAllocator`` over virtual ids, bound in ``UnifiedMambaTokenToKVPoolAllocator`` and
+``UnifiedHybridReqToTokenPool`` (``init_unified_mamba_pools``). This module builds that stack on the CPU
+with the configurator's arguments for the config, and wraps it in the same family the ``sglang`` option
+drives, so every operation and check runs unchanged. What differs is said by the family's capabilities:
+  * the harness's components are virtual-id mirrors of SGLang's physical views (``unified_mirror``);
+  * the free lists are the sub-allocators' virtual ids; whether an allocation fits is the engine's own
+    byte-level answer (``UnifiedReference``);
+  * after every operation the scheduler's sync-boundary ``flush_opportunistic`` runs (lazy compaction,
+    SGLang's default), so rows move between physical pages as they do when serving.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+
+import torch
+
+from poolfuzz.adapters.sglang.admission import SchedulerAdmission
+from poolfuzz.adapters.sglang.api import SGLangAPI, _first, load
+from poolfuzz.adapters.sglang.family import KV_DTYPES, SGLangFamily, _carries_mamba
+from poolfuzz.adapters.sglang.protocol import SGLangProtocol
+from poolfuzz.adapters.sglang.request_pool import mamba_cache_params
+from poolfuzz.adapters.sglang.standin import standin_class
+from poolfuzz.adapters.sglang.storage import single_rank
+from poolfuzz.adapters.sglang.tracking import check_built, pool_kwargs
+from poolfuzz.adapters.sglang.unified_mirror import Mirror, held_slots, shadow_like, token_translate
+from poolfuzz.adapters.sglang.unified_reference import UnifiedReference
+from poolfuzz.adapters.sglang.views import (AllocatorView, FreeListView, KVPoolView, MambaPoolView, ReqPoolView,
+                                            _ints)
+from poolfuzz.adapters.sglang.writes import _as_pool_dtype, _Layer
+from poolfuzz.pools.components import Component
+from poolfuzz.pools.config import ModelConfig, uses_ssm_state
+from poolfuzz.pools.errors import ConfigError
+from poolfuzz.pools.family import resolve_device
+
+
+def unified_problem(api: SGLangAPI, config: ModelConfig) -> str | None:
+    """Why the unified pool of this SGLang is not driven for ``config`` here, or None."""
+    if _factory() is None:
+        return (f"SGLang {api.version} has no unified memory pool (--enable-unified-memory arrived in "
+                "0.5.23's mem_cache/unified_memory_pool.py); use --family sglang")
+    if not config.has_mamba:
+        if config.has_swa:
+            return ("the unified SWA pool (init_unified_swa_pools) is not driven by poolfuzz yet; "
+                    "use a hybrid Mamba config (hybrid-linear, hybrid-linear-ps4, hybrid-extra-buffer)")
+        return ("SGLang builds the unified memory pool only for hybrid Mamba and hybrid SWA models "
+                "(kv_cache_configurator: '--enable-unified-memory only supports hybrid Mamba and hybrid "
+                "sliding-window-attention models'); use --family sglang for this config")
+    if config.has_swa:
+        return ("the unified tri-pool (init_unified_mamba_swa_pools) is not driven by poolfuzz yet; "
+                "use hybrid-linear or hybrid-linear-ps4")
+    if config.spec_draft_tokens:
+        return ("speculative decoding's per-draft mamba caches on the unified pool are not driven by "
+                "poolfuzz yet; use hybrid-linear or hybrid-linear-ps4")
+    return None
+
+
+def _factory():
+    """SGLang's ``init_unified_mamba_pools``, or None where the release has no unified pool."""
+    return _first("sglang.srt.mem_cache.unified_memory_pool:init_unified_mamba_pools", required=False)
+
+
+class UnifiedFamily(SGLangFamily):
+    """SGLang's pools built on the unified memory pool.
+
+    Capabilities the harness reads, where they differ from :class:`SGLangFamily`:
+      ``supports_fork``: False; the family serves through a chunk cache (as ``--disable-radix-cache``).
+      ``supports_transfer``: False; PD transfer out of the unified pool (virtual-to-physical
+        translation for the connector, the disagg move gate) is not driven.
+      ``reference_factory``: :class:`UnifiedReference`: virtual ids are counted exactly; whether an
+        allocation fits is the unified allocator's own byte-level answer.
+    """
+
+    supports_fork = False
+    supports_transfer = False
+    mirrors: tuple = ()
+    kv_mirrors: tuple = ()
+    unified_buffer: object = None
+
+    def __repr__(self) -> str:
+        return f"UnifiedFamily({self.config.name}, sglang {self.api.version}, {self.device})"
+
+    def physical_buffers(self) -> list[torch.Tensor]:
+        """SGLang's own views the mirrors stand for (one shared byte buffer under them all)."""
+        return [mirror.physical for mirror in self.mirrors]
+
+    def push(self) -> None:
+        """The harness's rows of every held virtual id to where SGLang's tables point now."""
+        for mirror in self.mirrors:
+            mirror.push()
+
+    def pull(self) -> None:
+        """Every held virtual id's row read back from where SGLang's tables point now."""
+        for mirror in self.mirrors:
+            mirror.pull()
+
+    def notify_frees(self) -> None:
+        """The scheduler's sync boundary (``flush_opportunistic``, whose errors the scheduler swallows),
+        then every held row read back through the tables, then the frees reported."""
+        try:
+            self.sg_allocator.flush_opportunistic()
+        except Exception:  # the scheduler's own try/except: pass (scheduler.py, event loop)
+            pass
+        self.pull()
+        super().notify_frees()
+
+    def flush_prefix_cache(self) -> None:
+        self.push()
+        super().flush_prefix_cache()
+
+    def schedulable(self, space: str) -> int:
+        """What the engine says an allocation in ``space`` may take now (its own capacity view)."""
+        if space == "full":
+            return int(self.sg_allocator.available_size())
+        if space == "mamba":
+            return int(self.sg_req_pool.mamba_allocator.schedulable_available_size())
+        return 1 << 30
+
+    @property
+    def reference_factory(self):
+        family = self
+
+        def build(config, *, backup_mode, **capabilities):
+            return UnifiedReference(config, backup_mode=backup_mode, family=family, **capabilities)
+
+        return build
+
+
+def _pushing(protocol_cls: type) -> type:
+    """``protocol_cls`` whose every public operation first pushes the family's mirrors (the forward's
+    rows reach SGLang's buffers before SGLang acts on them) and pulls them after."""
+
+    def wrap(fn):
+        @functools.wraps(fn)
+        def call(self, *args, **kwargs):
+            family = next((a for a in (*args, *kwargs.values()) if isinstance(a, UnifiedFamily)), None)
+            if family is None:
+                return fn(self, *args, **kwargs)
+            family.push()
+            try:
+                return fn(self, *args, **kwargs)
+            finally:  # what SGLang wrote (a cleared or copied state, a moved row) read back
+                family.pull()
+
+        return call
+
+    ops = {name: wrap(fn) for name, fn in inspect.getmembers(protocol_cls, inspect.isfunction)
+           if not name.startswith("_") and name != "standin"}
+    return type(f"Unified{protocol_cls.__name__}", (protocol_cls,), {**ops, "__module__": __name__})
+
+
+UnifiedProtocol = _pushing(SGLangProtocol)
+
+
+def build_unified(config: ModelConfig, *, device="cpu", faults=(), backup_mode=None, node=None) -> UnifiedFamily:
+    """The family factory registered as ``sglang:unified``."""
+    if tuple(faults):
+        raise ConfigError(f"the sglang:unified family runs SGLang's own code; catalogue faults {list(faults)} "
+                          "only apply to the builtin family (drop --faults, or use --family builtin)")
+    if backup_mode not in (None, "cpu_tensor"):
+        raise ConfigError(f"the sglang:unified family retracts through the KV pool's CPU copy; backup mode "
+                          f"{backup_mode!r} is not driven on the unified pool (use cpu_tensor, or leave it unset)")
+    api = load()
+    problem = unified_problem(api, config)
+    if problem:
+        raise ConfigError(f"config {config.name!r} on sglang {api.version}: {problem}")
+    dev = resolve_device(device)
+    sdev = str(dev) if dev.type == "cpu" else f"cuda:{dev.index or 0}"
+    try:
+        return _build_mamba(api, config, dev, sdev, need_sort=node == "decode")
+    except (AssertionError, ValueError, RuntimeError) as exc:
+        first = str(exc).splitlines()[0] if str(exc) else ""
+        raise ConfigError(f"config {config.name!r} on sglang {api.version}: SGLang's unified pool factory "
+                          f"refuses it ({type(exc).__name__}: {first})") from None
+
+
+def _build_mamba(api: SGLangAPI, c: ModelConfig, dev, sdev: str, *, need_sort: bool) -> UnifiedFamily:
+    single_rank(api)
+    kv_dtype = KV_DTYPES[c.kv_dtype]
+    modes = pool_kwargs(c)
+    # ``_init_unified_mamba_pools``' arguments, for a config's model on one rank with the overlap
+    # schedule off (lazy compaction on: SGLang's default, ``_should_enable_lazy_compaction``); the
+    # request rows are the config's context wide, as the ``sglang`` family builds them
+    # (the model's context plus the configurator's 4 extra slots)
+    bundle = _factory()(
+        device=sdev, kv_cache_dtype=kv_dtype, head_num=c.head_num, head_dim=c.head_dim, v_head_dim=c.head_dim,
+        page_size=c.page_size, start_layer=0, end_layer=c.num_layers, is_draft_worker=False,
+        use_mla_backend=False, mamba_layer_ids=list(c.mamba_layer_ids),
+        full_attention_layer_ids=list(c.full_layer_ids), mamba2_cache_params=mamba_cache_params(api, c),
+        model_context_len=c.max_context - 4, extra_max_context_len=4, max_total_num_tokens=c.full_tokens,
+        max_mamba_cache_size=c.mamba_slots, max_num_reqs=c.request_rows, enable_memory_saver=False,
+        enable_mamba_extra_buffer=modes["enable_mamba_extra_buffer"], enable_mamba_extra_buffer_lazy=False,
+        speculative_num_draft_tokens=None, disable_overlap_schedule=not modes["enable_overlap_schedule"],
+        need_sort=need_sort, lazy_compaction=True)
+    req_pool, kv_pool, alloc = bundle.req_to_token_pool, bundle.token_to_kv_pool, bundle.token_to_kv_pool_allocator
+    problem = check_built(req_pool, c)
+    if problem:
+        raise ConfigError(f"config {c.name!r} on sglang {api.version}: {problem}")
+    alloc.prewarm_compaction()  # as the scheduler does right after it builds the pools
+    full, mamba = alloc.full_attn_allocator, alloc.mamba_allocator
+
+    kv_mirrors, comps = [], []
+    full_slots = full.num_virtual_ids * full.pool_page_size
+    for local, layer_id in enumerate(c.full_layer_ids):
+        for part, buffers in (("k", kv_pool.full_kv_pool.k_buffer), ("v", kv_pool.full_kv_pool.v_buffer)):
+            m = Mirror(shadow=shadow_like(buffers[local], full_slots), physical=buffers[local],
+                       translate=token_translate(full), held=functools.partial(held_slots, full))
+            kv_mirrors.append(m)
+            comps.append(Component(name=f"full.{part}", layer=layer_id, space="full", tensor=m.shadow))
+    state_mirrors = []
+    mamba_view = _MirroredMambaView(req_pool.mamba_pool, c.mamba_layer_ids)
+    for name, tensor in mamba_view.physical_tensors():
+        for local, layer_id in enumerate(c.mamba_layer_ids):
+            m = Mirror(shadow=shadow_like(tensor[local], mamba.num_virtual_ids), physical=tensor[local],
+                       translate=req_pool.mamba_allocator.translate, held=functools.partial(held_slots, mamba))
+            state_mirrors.append(m)
+            mamba_view.comps.append(Component(name=name, layer=layer_id, space="mamba", tensor=m.shadow))
+
+    write_loc = _first("sglang.srt.mem_cache.memory_pool:KVWriteLoc")
+
+    def door(*, slots, rows):
+        """A forward's KV writes: the backend hands SGLang's door the location its plan translated, marked
+        physical (``KVWriteLoc(loc, physical=True)``, as the pool's door demands)."""
+        loc = slots.to(torch.int64)
+        physical = write_loc(alloc.translate_write_loc(loc), physical=True)
+        done = set()
+        for layer_id in c.full_layer_ids:
+            k, v = ("full.k", layer_id), ("full.v", layer_id)
+            if k in rows and v in rows:
+                kv_pool.set_kv_buffer(_Layer(layer_id), physical, _as_pool_dtype(rows[k], kv_pool),
+                                      _as_pool_dtype(rows[v], kv_pool))
+                done |= {k, v}
+        for m in kv_mirrors:
+            m.pull(loc)
+        return done
+
+    views = {"rows": FreeListView(space="rows", owner=req_pool, read=lambda: _ints(req_pool.free_slots),
+                                  available=req_pool.available_size)}
+    for space, sub in (("full", full), ("mamba", mamba)):
+        # the sub-allocator's virtual ids: the slots the harness tracks (pages for the full side)
+        views[space] = FreeListView(space=space, owner=sub, read=lambda s=sub: _ints(s.free_virtual_ids),
+                                    available=lambda s=sub: s.free_virtual_ids.numel() * s.pool_page_size,
+                                    page_size=sub.pool_page_size, sources=lambda s=sub: [s.free_virtual_ids])
+    carries, declared = _carries_mamba(api, kv_pool)
+    view_cls = type(type(kv_pool).__name__, (KVPoolView,), {"cpu_copy_carries_mamba": carries,
+                                                            "declared": declared, "__module__": __name__})
+    family = UnifiedFamily(
+        api=api, config=c, device=dev, uses_ssm_state=uses_ssm_state(c), sg_req_pool=req_pool, sg_kv_pool=kv_pool,
+        sg_allocator=alloc, req_pool=ReqPoolView(req_pool, mamba=mamba_view, rows=views["rows"],
+                                                 mamba_free=views["mamba"]),
+        kv_pool=view_cls(kv_pool, comps, door=door), allocator=AllocatorView(alloc, swa=False), protocol=UnifiedProtocol(),
+        standin_cls=standin_class(api), admission=SchedulerAdmission(api))
+    family.mirrors = tuple(kv_mirrors + state_mirrors)
+    family.kv_mirrors = tuple(kv_mirrors)
+    family.unified_buffer = bundle.unified_memory_pool
+    family._free_views = views
+    family.pd_decode = False
+    family.snapshot_free_lists()
+    return family
+
+
+class _MirroredMambaView(MambaPoolView):
+    """The MambaPool's state as virtual-id mirrors (``components``); ``physical_tensors`` are SGLang's."""
+
+    def __init__(self, pool, layer_ids):
+        super().__init__(pool, layer_ids)
+        self.comps: list[Component] = []
+
+    def physical_tensors(self):
+        return self.state_tensors()
+
+    def components(self) -> list[Component]:
+        return list(self.comps)
+
