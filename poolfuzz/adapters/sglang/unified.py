@@ -21,6 +21,7 @@ import inspect
 import torch
 
 from poolfuzz.adapters.sglang.admission import SchedulerAdmission
+from poolfuzz.adapters.sglang.calls import paged_alloc_extend
 from poolfuzz.adapters.sglang.api import SGLangAPI, _first, load
 from poolfuzz.adapters.sglang.family import KV_DTYPES, SGLangFamily, _carries_mamba
 from poolfuzz.adapters.sglang.protocol import SGLangProtocol
@@ -29,7 +30,7 @@ from poolfuzz.adapters.sglang.standin import standin_class
 from poolfuzz.adapters.sglang.storage import single_rank
 from poolfuzz.adapters.sglang.tracking import check_built, pool_kwargs
 from poolfuzz.adapters.sglang.unified_mirror import Mirror, held_slots, shadow_like, token_translate
-from poolfuzz.adapters.sglang.unified_reference import UnifiedReference
+from poolfuzz.adapters.sglang.unified_reference import UnifiedReference, joint_short
 from poolfuzz.adapters.sglang.views import (AllocatorView, FreeListView, KVPoolView, MambaPoolView, ReqPoolView,
                                             _ints)
 from poolfuzz.adapters.sglang.writes import _as_pool_dtype, _Layer
@@ -47,17 +48,42 @@ def unified_problem(api: SGLangAPI, config: ModelConfig) -> str | None:
     if not config.has_mamba:
         if config.has_swa:
             return ("the unified SWA pool (init_unified_swa_pools) is not driven by poolfuzz yet; "
-                    "use a hybrid Mamba config (hybrid-linear, hybrid-linear-ps4, hybrid-extra-buffer)")
+                    "use a hybrid Mamba config (hybrid-linear, hybrid-extra-buffer)")
         return ("SGLang builds the unified memory pool only for hybrid Mamba and hybrid SWA models "
                 "(kv_cache_configurator: '--enable-unified-memory only supports hybrid Mamba and hybrid "
                 "sliding-window-attention models'); use --family sglang for this config")
     if config.has_swa:
         return ("the unified tri-pool (init_unified_mamba_swa_pools) is not driven by poolfuzz yet; "
-                "use hybrid-linear or hybrid-linear-ps4")
+                "use hybrid-linear or hybrid-extra-buffer")
     if config.spec_draft_tokens:
         return ("speculative decoding's per-draft mamba caches on the unified pool are not driven by "
-                "poolfuzz yet; use hybrid-linear or hybrid-linear-ps4")
+                "poolfuzz yet; use hybrid-linear or hybrid-extra-buffer")
+    if config.page_size > 1:
+        return _paged_problem(api, config)
     return None
+
+
+_PAGED_PROBE: dict[int, str | None] = {}
+
+
+def _paged_problem(api: SGLangAPI, config: ModelConfig) -> str | None:
+    """Try one paged allocation on a throwaway unified stack: the unified sub-pool allocator launches
+    SGLang's Triton ``alloc_extend_kernel`` for every paged allocation (it has no CPU path, unlike
+    ``PagedTokenToKVPoolAllocator``), which needs Triton (compiled on a GPU, or interpreted)."""
+    if config.page_size not in _PAGED_PROBE:
+        problem = None
+        try:
+            family = _build_mamba(api, config.replace(name="probe"), resolve_device("cpu"), "cpu", need_sort=False)
+            out = paged_alloc_extend(family.sg_allocator, prefix_len=0, seq_len=3, last_loc=-1)
+            if out is None or out.numel() != 3:
+                problem = f"the unified pool's paged alloc_extend gave {out!r} on an empty pool"
+        except Exception as exc:  # a kernel launch without Triton raises one of many types
+            problem = (f"SGLang {api.version}'s unified sub-pool allocator launches the Triton alloc_extend "
+                       f"kernel for every paged allocation, and it cannot run here ({type(exc).__name__}: "
+                       f"{str(exc).splitlines()[0] if str(exc) else ''}); use a page-size-1 config, or "
+                       "install Triton (ci/sglang-install.sh VENV VERSION --triton)")
+        _PAGED_PROBE[config.page_size] = problem
+    return _PAGED_PROBE[config.page_size]
 
 
 def _factory():
@@ -113,14 +139,6 @@ class UnifiedFamily(SGLangFamily):
         self.push()
         super().flush_prefix_cache()
 
-    def schedulable(self, space: str) -> int:
-        """What the engine says an allocation in ``space`` may take now (its own capacity view)."""
-        if space == "full":
-            return int(self.sg_allocator.available_size())
-        if space == "mamba":
-            return int(self.sg_req_pool.mamba_allocator.schedulable_available_size())
-        return 1 << 30
-
     @property
     def reference_factory(self):
         family = self
@@ -154,7 +172,22 @@ def _pushing(protocol_cls: type) -> type:
     return type(f"Unified{protocol_cls.__name__}", (protocol_cls,), {**ops, "__module__": __name__})
 
 
-UnifiedProtocol = _pushing(SGLangProtocol)
+class _UnifiedServing(SGLangProtocol):
+    """The protocol, with the prefill adder's joint budget before a request takes its state slots."""
+
+    def _alloc_row_and_mamba(self, req, family, *, fill_len=None) -> None:
+        sg = self.standin(req, family)
+        if family.has_recurrent_state() and sg.mamba_pool_idx is None:
+            family.admission.admit(family, sg)  # the adder's earlier terms first: a row, the mamba capacity
+            # a request re-admitted with ``fill_len`` tokens (a resume) takes them in the same pass
+            slots = 1 + family.config.mamba_track_slots
+            short = joint_short(family, mamba_slots=slots, tokens=fill_len or 0)
+            if short is not None:
+                raise short
+        super()._alloc_row_and_mamba(req, family, fill_len=fill_len)
+
+
+UnifiedProtocol = _pushing(_UnifiedServing)
 
 
 def build_unified(config: ModelConfig, *, device="cpu", faults=(), backup_mode=None, node=None) -> UnifiedFamily:
@@ -184,19 +217,23 @@ def _build_mamba(api: SGLangAPI, c: ModelConfig, dev, sdev: str, *, need_sort: b
     kv_dtype = KV_DTYPES[c.kv_dtype]
     modes = pool_kwargs(c)
     # ``_init_unified_mamba_pools``' arguments, for a config's model on one rank with the overlap
-    # schedule off (lazy compaction on: SGLang's default, ``_should_enable_lazy_compaction``); the
-    # request rows are the config's context wide, as the ``sglang`` family builds them
-    # (the model's context plus the configurator's 4 extra slots)
-    bundle = _factory()(
+    # schedule off (lazy compaction on: SGLang's default, ``_should_enable_lazy_compaction``)
+    args = dict(
         device=sdev, kv_cache_dtype=kv_dtype, head_num=c.head_num, head_dim=c.head_dim, v_head_dim=c.head_dim,
         page_size=c.page_size, start_layer=0, end_layer=c.num_layers, is_draft_worker=False,
         use_mla_backend=False, mamba_layer_ids=list(c.mamba_layer_ids),
         full_attention_layer_ids=list(c.full_layer_ids), mamba2_cache_params=mamba_cache_params(api, c),
-        model_context_len=c.max_context - 4, extra_max_context_len=4, max_total_num_tokens=c.full_tokens,
+        extra_max_context_len=4, max_total_num_tokens=c.full_tokens,
         max_mamba_cache_size=c.mamba_slots, max_num_reqs=c.request_rows, enable_memory_saver=False,
         enable_mamba_extra_buffer=modes["enable_mamba_extra_buffer"], enable_mamba_extra_buffer_lazy=False,
         speculative_num_draft_tokens=None, disable_overlap_schedule=not modes["enable_overlap_schedule"],
         need_sort=need_sort, lazy_compaction=True)
+    # The full side can hold more tokens than ``full_tokens`` (it grows into the state side's free
+    # bytes), and the harness ends no request by length: the model's context is what the full side can
+    # ever hold (the scheduler clamps a request to the pool), so a request row never overflows.
+    sized = _factory()(model_context_len=c.max_context, **args)
+    ever = sized.token_to_kv_pool_allocator.full_attn_allocator.max_slots
+    bundle = _factory()(model_context_len=max(c.max_context, ever), **args)
     req_pool, kv_pool, alloc = bundle.req_to_token_pool, bundle.token_to_kv_pool, bundle.token_to_kv_pool_allocator
     problem = check_built(req_pool, c)
     if problem:

@@ -1,9 +1,26 @@
-"""The reference model of a family on SGLang's unified memory pool (``unified.py``)."""
+"""The reference model of a family on SGLang's unified memory pool (``unified.py``), and the joint budget
+SGLang's prefill adder admits by on that pool."""
 
 from __future__ import annotations
 
 from poolfuzz.pools.errors import PoolExhausted
 from poolfuzz.pools.reference import ReferenceFamily
+
+
+def joint_short(family, *, mamba_slots: int, tokens: int) -> PoolExhausted | None:
+    """Why SGLang's prefill adder would not admit a request that takes ``mamba_slots`` new state slots and
+    ``tokens`` full KV slots now, or None. The adder's two unified-pool terms (``PrefillAdder.__init__``,
+    schedule_policy.py): new state slots within ``rem_mamba_slots`` (the mamba side's
+    ``schedulable_available_size``), and tokens plus ``mamba_slot_full_token_cost()`` per new slot within
+    the full side's ``available_size`` (a state slot eats shared-gap bytes the full side counts as free)."""
+    alloc = family.sg_allocator
+    mamba = alloc.mamba_allocator.schedulable_available_size()
+    if mamba_slots > mamba:
+        return PoolExhausted(space="mamba", requested=mamba_slots, available=mamba)
+    need = tokens + mamba_slots * alloc.mamba_slot_full_token_cost()
+    if need > alloc.available_size():
+        return PoolExhausted(space="full", requested=need, available=alloc.available_size())
+    return None
 
 
 class UnifiedReference(ReferenceFamily):
@@ -12,10 +29,11 @@ class UnifiedReference(ReferenceFamily):
     Each sub-pool's virtual ids are counted exactly, as the base model counts slots: a space's capacity is
     its allocator's id range (``num_virtual_ids`` less the reserved pages below ``min_page_index``), and
     every id a request takes or gives back moves the count. How many of those ids fit in bytes floats with
-    what the other sub-pool holds; whether an allocation fits is the unified allocator's own capacity view
-    (``schedulable_available_size``, which SGLang documents as ``>= N => alloc(N) succeeds``), read before
-    the real allocation, as the scheduler reads it. An allocation it promised that then fails, or an id
-    leaked or freed twice, is a mismatch.
+    what the other sub-pool holds: an allocation fits where SGLang promises it does, read before the real
+    allocation as the scheduler reads it: new state slots by the adder's joint budget (``joint_short``);
+    full KV alone by the allocator's ``available_size`` (its ``schedulable_available_size``, documented
+    ``>= N => alloc(N) succeeds``). An allocation promised that then fails, or an id leaked or freed
+    twice, is a mismatch.
     """
 
     def __init__(self, config, *, backup_mode: str, family, **capabilities):
@@ -27,7 +45,11 @@ class UnifiedReference(ReferenceFamily):
             self.free[space] = self.capacity[space] // self._scale(space)
 
     def _need(self, needs: dict[str, int]) -> None:
-        for space, n in needs.items():
-            units = n * self._scale(space)
-            if n > self.free.get(space, 0) or units > self.family.schedulable(space):
-                raise PoolExhausted(space=space, requested=units, available=self.available(space))
+        super()._need(needs)  # the virtual ids, space by space
+        tokens = needs.get("full", 0) * self.ps
+        if needs.get("mamba"):
+            short = joint_short(self.family, mamba_slots=needs["mamba"], tokens=tokens)
+            if short is not None:
+                raise short
+        elif tokens > self.family.sg_allocator.available_size():
+            raise PoolExhausted(space="full", requested=tokens, available=self.family.sg_allocator.available_size())
