@@ -272,8 +272,8 @@ def _build_mamba(api: SGLangAPI, c: ModelConfig, dev, sdev: str, *, need_sort: b
                 kv_pool.set_kv_buffer(_Layer(layer_id), physical, _as_pool_dtype(rows[k], kv_pool),
                                       _as_pool_dtype(rows[v], kv_pool))
                 done |= {k, v}
-        for m in kv_mirrors:
-            m.pull(loc)
+        for m in kv_mirrors:  # every held row: a write that landed on another id's row shows there now
+            m.pull()
         return done
 
     views = {"rows": FreeListView(space="rows", owner=req_pool, read=lambda: _ints(req_pool.free_slots),
