@@ -12,7 +12,7 @@ from poolfuzz.pools.config import CONFIGS
 from poolfuzz.pools.errors import ConfigError
 from tests.engine_fuzz import fuzz_family
 
-DRIVEN = ["hybrid-linear", "hybrid-extra-buffer"]
+DRIVEN = ["hybrid-linear", "hybrid-extra-buffer", "swa"]
 
 
 def _factory_or_skip(api, name=None):
@@ -53,7 +53,7 @@ def test_a_release_without_the_unified_pool_is_refused_by_name(api):
         assert why is None
 
 
-@pytest.mark.parametrize("name", ["dense", "mla", "swa", "swa-ssm", "hybrid-spec"])
+@pytest.mark.parametrize("name", ["dense", "mla", "swa-ssm", "hybrid-spec"])
 def test_configs_the_unified_family_does_not_drive_are_refused_in_one_line(api, name):
     from poolfuzz.adapters.sglang import build_unified_family, unified_unsupported_reason
 

@@ -45,19 +45,16 @@ def unified_problem(api: SGLangAPI, config: ModelConfig) -> str | None:
     if _factory() is None:
         return (f"SGLang {api.version} has no unified memory pool (--enable-unified-memory arrived in "
                 "0.5.23's mem_cache/unified_memory_pool.py); use --family sglang")
-    if not config.has_mamba:
-        if config.has_swa:
-            return ("the unified SWA pool (init_unified_swa_pools) is not driven by poolfuzz yet; "
-                    "use a hybrid Mamba config (hybrid-linear, hybrid-extra-buffer)")
+    if not config.has_mamba and not config.has_swa:
         return ("SGLang builds the unified memory pool only for hybrid Mamba and hybrid SWA models "
                 "(kv_cache_configurator: '--enable-unified-memory only supports hybrid Mamba and hybrid "
                 "sliding-window-attention models'); use --family sglang for this config")
-    if config.has_swa:
+    if config.has_swa and config.has_mamba:
         return ("the unified tri-pool (init_unified_mamba_swa_pools) is not driven by poolfuzz yet; "
-                "use hybrid-linear or hybrid-extra-buffer")
+                "use hybrid-linear, hybrid-extra-buffer or swa")
     if config.spec_draft_tokens:
         return ("speculative decoding's per-draft mamba caches on the unified pool are not driven by "
-                "poolfuzz yet; use hybrid-linear or hybrid-extra-buffer")
+                "poolfuzz yet; use hybrid-linear, hybrid-extra-buffer or swa")
     if config.page_size > 1:
         return _paged_problem(api, config)
     return None
@@ -73,7 +70,7 @@ def _paged_problem(api: SGLangAPI, config: ModelConfig) -> str | None:
     if config.page_size not in _PAGED_PROBE:
         problem = None
         try:
-            family = _build_mamba(api, config.replace(name="probe"), resolve_device("cpu"), "cpu", need_sort=False)
+            family = _build(api, config.replace(name="probe"), resolve_device("cpu"), "cpu", need_sort=False)
             out = paged_alloc_extend(family.sg_allocator, prefix_len=0, seq_len=3, last_loc=-1)
             if out is None or out.numel() != 3:
                 problem = f"the unified pool's paged alloc_extend gave {out!r} on an empty pool"
@@ -205,15 +202,24 @@ def build_unified(config: ModelConfig, *, device="cpu", faults=(), backup_mode=N
     dev = resolve_device(device)
     sdev = str(dev) if dev.type == "cpu" else f"cuda:{dev.index or 0}"
     try:
-        return _build_mamba(api, config, dev, sdev, need_sort=node == "decode")
+        return _build(api, config, dev, sdev, need_sort=node == "decode")
     except (AssertionError, ValueError, RuntimeError) as exc:
         first = str(exc).splitlines()[0] if str(exc) else ""
         raise ConfigError(f"config {config.name!r} on sglang {api.version}: SGLang's unified pool factory "
                           f"refuses it ({type(exc).__name__}: {first})") from None
 
 
-def _build_mamba(api: SGLangAPI, c: ModelConfig, dev, sdev: str, *, need_sort: bool) -> UnifiedFamily:
+def _build(api: SGLangAPI, c: ModelConfig, dev, sdev: str, *, need_sort: bool) -> UnifiedFamily:
+    """The configurator's unified factory for the model: the SWA pair, or the Mamba pair."""
     single_rank(api)
+    if c.has_swa:
+        from poolfuzz.adapters.sglang.unified_swa import build_swa
+
+        return build_swa(api, c, dev, sdev, need_sort=need_sort)
+    return _build_mamba(api, c, dev, sdev, need_sort=need_sort)
+
+
+def _build_mamba(api: SGLangAPI, c: ModelConfig, dev, sdev: str, *, need_sort: bool) -> UnifiedFamily:
     kv_dtype = KV_DTYPES[c.kv_dtype]
     modes = pool_kwargs(c)
     # ``_init_unified_mamba_pools``' arguments, for a config's model on one rank with the overlap
@@ -241,14 +247,8 @@ def _build_mamba(api: SGLangAPI, c: ModelConfig, dev, sdev: str, *, need_sort: b
     alloc.prewarm_compaction()  # as the scheduler does right after it builds the pools
     full, mamba = alloc.full_attn_allocator, alloc.mamba_allocator
 
-    kv_mirrors, comps = [], []
-    full_slots = full.num_virtual_ids * full.pool_page_size
-    for local, layer_id in enumerate(c.full_layer_ids):
-        for part, buffers in (("k", kv_pool.full_kv_pool.k_buffer), ("v", kv_pool.full_kv_pool.v_buffer)):
-            m = Mirror(shadow=shadow_like(buffers[local], full_slots), physical=buffers[local],
-                       translate=token_translate(full), held=functools.partial(held_slots, full))
-            kv_mirrors.append(m)
-            comps.append(Component(name=f"full.{part}", layer=layer_id, space="full", tensor=m.shadow))
+    kv_mirrors, comps = mirrored_kv(kv_pool.full_kv_pool, c.full_layer_ids, "full", full,
+                                    held=functools.partial(held_slots, full))
     state_mirrors = []
     mamba_view = _MirroredMambaView(req_pool.mamba_pool, c.mamba_layer_ids)
     for name, tensor in mamba_view.physical_tensors():
@@ -299,6 +299,19 @@ def _build_mamba(api: SGLangAPI, c: ModelConfig, dev, sdev: str, *, need_sort: b
     family.pd_decode = False
     family.snapshot_free_lists()
     return family
+
+
+def mirrored_kv(pool, layer_ids, space: str, allocator, *, held) -> tuple[list[Mirror], list[Component]]:
+    """K and V of each layer of a unified MHA sub-pool: virtual-id mirrors of its physical views."""
+    mirrors, comps = [], []
+    slots = allocator.num_virtual_ids * allocator.pool_page_size
+    for local, layer_id in enumerate(layer_ids):
+        for part, buffers in (("k", pool.k_buffer), ("v", pool.v_buffer)):
+            m = Mirror(shadow=shadow_like(buffers[local], slots), physical=buffers[local],
+                       translate=token_translate(allocator), held=held)
+            mirrors.append(m)
+            comps.append(Component(name=f"{space}.{part}", layer=layer_id, space=space, tensor=m.shadow))
+    return mirrors, comps
 
 
 class _MirroredMambaView(MambaPoolView):

@@ -31,18 +31,25 @@ class UnifiedReference(ReferenceFamily):
     every id a request takes or gives back moves the count. How many of those ids fit in bytes floats with
     what the other sub-pool holds: an allocation fits where SGLang promises it does, read before the real
     allocation as the scheduler reads it: new state slots by the adder's joint budget (``joint_short``);
-    full KV alone by the allocator's ``available_size`` (its ``schedulable_available_size``, documented
-    ``>= N => alloc(N) succeeds``). An allocation promised that then fails, or an id leaked or freed
-    twice, is a mismatch.
+    full and SWA KV together by the SWA pair's ``can_reserve`` (the state its ``ensure_capacity`` reaches
+    by compacting both sides); full KV alone by the allocator's ``available_size`` (its
+    ``schedulable_available_size``, documented ``>= N => alloc(N) succeeds``). The real pools name no
+    short side on a byte shortfall (their free ids are not short), so neither does this: "full". An
+    allocation promised that then fails, or an id leaked or freed twice, is a mismatch.
     """
 
     def __init__(self, config, *, backup_mode: str, family, **capabilities):
         super().__init__(config, backup_mode=backup_mode, **capabilities)
         self.family = family
         alloc = family.sg_allocator
-        for space, sub in (("full", alloc.full_attn_allocator), ("mamba", alloc.mamba_allocator)):
-            self.capacity[space] = (sub.num_virtual_ids - sub.min_page_index) * sub.pool_page_size
-            self.free[space] = self.capacity[space] // self._scale(space)
+        full = alloc.full_attn_allocator
+        # the SWA side binds the full side's virtual ids: its units are those ids
+        subs = {"full": full, "swa": full, "mamba": getattr(alloc, "mamba_allocator", None)}
+        for space in self.capacity:
+            if subs.get(space) is not None:
+                sub = subs[space]
+                self.capacity[space] = (sub.num_virtual_ids - sub.min_page_index) * sub.pool_page_size
+                self.free[space] = self.capacity[space] // self._scale(space)
 
     def _need(self, needs: dict[str, int]) -> None:
         super()._need(needs)  # the virtual ids, space by space
@@ -51,5 +58,10 @@ class UnifiedReference(ReferenceFamily):
             short = joint_short(self.family, mamba_slots=needs["mamba"], tokens=tokens)
             if short is not None:
                 raise short
-        elif tokens > self.family.sg_allocator.available_size():
-            raise PoolExhausted(space="full", requested=tokens, available=self.family.sg_allocator.available_size())
+            return
+        alloc = self.family.sg_allocator
+        if "swa" in needs:  # the SWA pair's admission: the shared envelope, after compacting both sides
+            if not alloc.can_reserve(tokens, needs["swa"] * self.ps):
+                raise PoolExhausted(space="full", requested=tokens, available=alloc.available_size())
+        elif tokens > alloc.available_size():
+            raise PoolExhausted(space="full", requested=tokens, available=alloc.available_size())
