@@ -160,3 +160,20 @@ def test_the_reference_counts_virtual_ids_and_asks_sglang_whether_bytes_fit(api)
     assert ref.available("full") == fam.free_lists()["full"].available_size()
     torch.testing.assert_close(torch.tensor(ref.available("full")),
                                torch.tensor(ref.capacity["full"] - 20))
+
+
+def test_a_window_eviction_that_keeps_the_swa_pages_is_caught(api, monkeypatch):
+    e = _engine(api, "swa")
+    fam = e.families["prefill"]
+    cls = type(fam.sg_allocator)  # every SWA tombstone path keeps the pages bound
+    monkeypatch.setattr(cls, "free_swa", lambda self, free_index: None)
+    monkeypatch.setattr(cls, "free_swa_segment", lambda self, free_index, *, start_pos: None)
+    window = CONFIGS["swa"].sliding_window
+    a = e.admit(window + 6)
+    with pytest.raises(PoolfuzzFailure) as err:
+        e.prefill(a, window + 6)
+        for _ in range(4):
+            e.decode([a])
+            e.evict_swa()
+        e.sweep()
+    assert "swa" in str(err.value)
