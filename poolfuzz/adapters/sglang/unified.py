@@ -1,14 +1,16 @@
 """``poolfuzz run --family sglang:unified``: SGLang's unified memory pool (``--enable-unified-memory``).
 
-SGLang's KV cache configurator builds, for a hybrid Mamba model with the flag, one byte buffer shared by
-the full-attention KV sub-pool (growing down) and the per-request Mamba state sub-pool (growing up), each
-with a ``MultiEndedAllocator`` over virtual ids, bound in ``UnifiedMambaTokenToKVPoolAllocator`` and
-``UnifiedHybridReqToTokenPool`` (``init_unified_mamba_pools``). This module builds that stack on the CPU
-with the configurator's arguments for the config, and wraps it in the same family the ``sglang`` option
-drives, so every operation and check runs unchanged. What differs is said by the family's capabilities:
+SGLang's KV cache configurator builds, for a hybrid model with the flag, one byte buffer shared by its
+sub-pools, each with a ``MultiEndedAllocator`` over virtual ids: for a hybrid Mamba model the full-attention
+KV (growing down) and the per-request Mamba state (growing up), bound in ``UnifiedMambaTokenToKVPoolAllocator``
+and ``UnifiedHybridReqToTokenPool`` (``init_unified_mamba_pools``, built here); for a hybrid SWA model the
+full and sliding-window KV, and with Mamba layers too the tri-pool (``unified_swa.py``). This module builds
+the stack on the CPU with the configurator's arguments for the config, and wraps it in the same family the
+``sglang`` option drives, so every operation and check runs unchanged. What differs is said by the family's
+capabilities:
   * the harness's components are virtual-id mirrors of SGLang's physical views (``unified_mirror``);
   * the free lists are the sub-allocators' virtual ids; whether an allocation fits is the engine's own
-    byte-level answer (``UnifiedReference``);
+    answer (``unified_reference``);
   * after every operation the scheduler's sync-boundary ``flush_opportunistic`` runs (lazy compaction,
     SGLang's default), so rows move between physical pages as they do when serving.
 """
@@ -49,12 +51,9 @@ def unified_problem(api: SGLangAPI, config: ModelConfig) -> str | None:
         return ("SGLang builds the unified memory pool only for hybrid Mamba and hybrid SWA models "
                 "(kv_cache_configurator: '--enable-unified-memory only supports hybrid Mamba and hybrid "
                 "sliding-window-attention models'); use --family sglang for this config")
-    if config.has_swa and config.has_mamba:
-        return ("the unified tri-pool (init_unified_mamba_swa_pools) is not driven by poolfuzz yet; "
-                "use hybrid-linear, hybrid-extra-buffer or swa")
     if config.spec_draft_tokens:
         return ("speculative decoding's per-draft mamba caches on the unified pool are not driven by "
-                "poolfuzz yet; use hybrid-linear, hybrid-extra-buffer or swa")
+                "poolfuzz yet; use hybrid-linear, hybrid-extra-buffer, swa or swa-ssm")
     if config.page_size > 1:
         return _paged_problem(api, config)
     return None
@@ -249,15 +248,7 @@ def _build_mamba(api: SGLangAPI, c: ModelConfig, dev, sdev: str, *, need_sort: b
 
     kv_mirrors, comps = mirrored_kv(kv_pool.full_kv_pool, c.full_layer_ids, "full", full,
                                     held=functools.partial(held_slots, full))
-    state_mirrors = []
-    mamba_view = _MirroredMambaView(req_pool.mamba_pool, c.mamba_layer_ids)
-    for name, tensor in mamba_view.physical_tensors():
-        for local, layer_id in enumerate(c.mamba_layer_ids):
-            m = Mirror(shadow=shadow_like(tensor[local], mamba.num_virtual_ids), physical=tensor[local],
-                       translate=req_pool.mamba_allocator.translate, held=functools.partial(held_slots, mamba))
-            state_mirrors.append(m)
-            mamba_view.comps.append(Component(name=name, layer=layer_id, space="mamba", tensor=m.shadow))
-
+    mamba_view, state_mirrors = mirrored_state(req_pool, c.mamba_layer_ids, mamba)
     write_loc = _first("sglang.srt.mem_cache.memory_pool:KVWriteLoc")
 
     def door(*, slots, rows):
@@ -312,6 +303,18 @@ def mirrored_kv(pool, layer_ids, space: str, allocator, *, held) -> tuple[list[M
             mirrors.append(m)
             comps.append(Component(name=f"{space}.{part}", layer=layer_id, space=space, tensor=m.shadow))
     return mirrors, comps
+
+
+def mirrored_state(req_pool, layer_ids, allocator) -> tuple[MambaPoolView, list[Mirror]]:
+    """The unified Mamba pool's state tensors as virtual-id mirrors, each layer of each tensor."""
+    view, mirrors = _MirroredMambaView(req_pool.mamba_pool, layer_ids), []
+    for name, tensor in view.physical_tensors():
+        for local, layer_id in enumerate(layer_ids):
+            m = Mirror(shadow=shadow_like(tensor[local], allocator.num_virtual_ids), physical=tensor[local],
+                       translate=req_pool.mamba_allocator.translate, held=functools.partial(held_slots, allocator))
+            mirrors.append(m)
+            view.comps.append(Component(name=name, layer=layer_id, space="mamba", tensor=m.shadow))
+    return view, mirrors
 
 
 class _MirroredMambaView(MambaPoolView):

@@ -58,9 +58,15 @@ class UnifiedReference(ReferenceFamily):
             short = joint_short(self.family, mamba_slots=needs["mamba"], tokens=tokens)
             if short is not None:
                 raise short
-            return
+            if "full" not in needs:
+                return
         alloc = self.family.sg_allocator
-        if "swa" in needs:  # the SWA pair's admission: the shared envelope, after compacting both sides
+        if "swa" in needs and hasattr(alloc, "mamba_allocator"):
+            # the tri-pool's gate relieves its float SWA band as it decides, with no read-only answer:
+            # its own ``ensure_capacity`` (which its alloc runs first) decides, and the alloc then must fit
+            if not alloc.ensure_capacity(tokens, needs["swa"] * self.ps):
+                raise PoolExhausted(space="full", requested=tokens, available=alloc.available_size())
+        elif "swa" in needs:  # the SWA pair's admission: the shared envelope, after compacting both sides
             if not alloc.can_reserve(tokens, needs["swa"] * self.ps):
                 raise PoolExhausted(space="full", requested=tokens, available=alloc.available_size())
         elif tokens > alloc.available_size():
