@@ -19,7 +19,7 @@ from poolfuzz.adapters.sglang.family import KV_DTYPES, _carries_mamba
 from poolfuzz.adapters.sglang.standin import standin_class
 from poolfuzz.adapters.sglang.request_pool import mamba_cache_params
 from poolfuzz.adapters.sglang.tracking import pool_kwargs
-from poolfuzz.adapters.sglang.unified import UnifiedFamily, UnifiedProtocol, mirrored_kv, mirrored_state
+from poolfuzz.adapters.sglang.unified_family import UnifiedFamily, UnifiedProtocol, mirrored_kv, mirrored_state
 from poolfuzz.adapters.sglang.unified_mirror import Mirror, held_slots, shadow_like
 from poolfuzz.adapters.sglang.views import FreeListView, KVPoolView, ReqPoolView, _ints
 from poolfuzz.adapters.sglang.writes import _as_pool_dtype, _Layer
