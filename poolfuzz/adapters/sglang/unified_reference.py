@@ -31,8 +31,9 @@ class UnifiedReference(ReferenceFamily):
     every id a request takes or gives back moves the count. How many of those ids fit in bytes floats with
     what the other sub-pool holds: an allocation fits where SGLang promises it does, read before the real
     allocation as the scheduler reads it: new state slots by the adder's joint budget (``joint_short``);
-    full and SWA KV together by the SWA pair's ``can_reserve`` (the state its ``ensure_capacity`` reaches
-    by compacting both sides); full KV alone by the allocator's ``available_size`` (its
+    a decode by the allocator's decode gate (``check_decode_capacity``, what ``check_decode_mem`` asks);
+    full and SWA KV together by the SWA pair's own gate, ``ensure_capacity`` (it compacts as it decides, as
+    the alloc that follows would); full KV alone by the allocator's ``available_size`` (its
     ``schedulable_available_size``, documented ``>= N => alloc(N) succeeds``). The real pools name no
     short side on a byte shortfall (their free ids are not short), so neither does this: "full". An
     allocation promised that then fails, or an id leaked or freed twice, is a mismatch.
@@ -51,9 +52,28 @@ class UnifiedReference(ReferenceFamily):
                 self.capacity[space] = (sub.num_virtual_ids - sub.min_page_index) * sub.pool_page_size
                 self.free[space] = self.capacity[space] // self._scale(space)
 
+    _decoding = False  # the allocation under way is a decode's: the scheduler's decode gate decides
+
+    def extend(self, rid: int, new_len: int) -> None:
+        req = self.requests[rid]
+        # the adapter asks ``check_decode_mem`` before a one-token allocation past a prefix (a decode)
+        self._decoding = req.allocated > 0 and new_len - req.allocated == 1
+        try:
+            super().extend(rid, new_len)
+        finally:
+            self._decoding = False
+
     def _need(self, needs: dict[str, int]) -> None:
         super()._need(needs)  # the virtual ids, space by space
         tokens = needs.get("full", 0) * self.ps
+        if self._decoding:
+            # the allocator's own decode gate (what ``check_decode_mem`` calls; the scheduler retracts on
+            # a no): on the SWA pair it reads the joint ``available_size``, stricter than the compaction
+            # its ``ensure_capacity`` would run
+            alloc = self.family.sg_allocator
+            if not alloc.check_decode_capacity(num_tokens=tokens, tree_cache=None, requests=[], spec_algorithm=None):
+                raise PoolExhausted(space="full", requested=tokens, available=alloc.available_size())
+            return
         if needs.get("mamba"):
             short = joint_short(self.family, mamba_slots=needs["mamba"], tokens=tokens)
             if short is not None:
@@ -61,13 +81,11 @@ class UnifiedReference(ReferenceFamily):
             if "full" not in needs:
                 return
         alloc = self.family.sg_allocator
-        if "swa" in needs and hasattr(alloc, "mamba_allocator"):
-            # the tri-pool's gate relieves its float SWA band as it decides, with no read-only answer:
-            # its own ``ensure_capacity`` (which its alloc runs first) decides, and the alloc then must fit
+        if "swa" in needs:
+            # the SWA pairs' gate compacts (and the tri-pool's relieves its float band) as it decides, with
+            # no read-only answer that agrees with it (``can_reserve`` is stricter): the gate the alloc runs
+            # first, ``ensure_capacity``, decides here, and the alloc then must fit
             if not alloc.ensure_capacity(tokens, needs["swa"] * self.ps):
-                raise PoolExhausted(space="full", requested=tokens, available=alloc.available_size())
-        elif "swa" in needs:  # the SWA pair's admission: the shared envelope, after compacting both sides
-            if not alloc.can_reserve(tokens, needs["swa"] * self.ps):
                 raise PoolExhausted(space="full", requested=tokens, available=alloc.available_size())
         elif tokens > alloc.available_size():
             raise PoolExhausted(space="full", requested=tokens, available=alloc.available_size())
