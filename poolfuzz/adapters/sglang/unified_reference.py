@@ -84,8 +84,11 @@ class UnifiedReference(ReferenceFamily):
         if "swa" in needs:
             # the SWA pairs' gate compacts (and the tri-pool's relieves its float band) as it decides, with
             # no read-only answer that agrees with it (``can_reserve`` is stricter): the gate the alloc runs
-            # first, ``ensure_capacity``, decides here, and the alloc then must fit
-            if not alloc.ensure_capacity(tokens, needs["swa"] * self.ps):
+            # first, ``ensure_capacity``, decides here, and the alloc then must fit. Asked twice: the
+            # tri-pool's gate can refuse what its own flush has just made room for, and the alloc's call
+            # comes after the reference's (seen on 0.5.23, swa-ssm)
+            swa_tokens = needs["swa"] * self.ps
+            if not (alloc.ensure_capacity(tokens, swa_tokens) or alloc.ensure_capacity(tokens, swa_tokens)):
                 raise PoolExhausted(space="full", requested=tokens, available=alloc.available_size())
         elif tokens > alloc.available_size():
             raise PoolExhausted(space="full", requested=tokens, available=alloc.available_size())
