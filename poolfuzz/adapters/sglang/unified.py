@@ -31,7 +31,7 @@ from poolfuzz.adapters.sglang.storage import single_rank
 from poolfuzz.adapters.sglang.tracking import check_built, pool_kwargs
 from poolfuzz.adapters.sglang.unified_family import UnifiedFamily, UnifiedProtocol, mirrored_kv, mirrored_state
 from poolfuzz.adapters.sglang.unified_mirror import held_slots
-from poolfuzz.adapters.sglang.unified_swa import build_swa
+from poolfuzz.adapters.sglang.unified_swa import build_swa, swa_factory, tri_factory
 from poolfuzz.adapters.sglang.views import AllocatorView, FreeListView, KVPoolView, ReqPoolView, _ints
 from poolfuzz.adapters.sglang.writes import _as_pool_dtype, _Layer
 from poolfuzz.pools.config import ModelConfig, uses_ssm_state
@@ -44,6 +44,11 @@ def unified_problem(api: SGLangAPI, config: ModelConfig) -> str | None:
     if _factory() is None:
         return (f"SGLang {api.version} has no unified memory pool (--enable-unified-memory arrived in "
                 "0.5.23's mem_cache/unified_memory_pool.py); use --family sglang")
+    if _first("sglang.srt.mem_cache.allocator.unified_sub_pool:MultiEndedAllocator", required=False) is None:
+        return (f"SGLang {api.version}'s unified memory pool predates the layout poolfuzz drives (0.5.23's "
+                "MultiEndedAllocator in mem_cache/allocator/unified_sub_pool.py); use --family sglang")
+    if config.has_swa and (tri_factory() if config.has_mamba else swa_factory()) is None:
+        return f"SGLang {api.version} has no unified pool factory for this model's layers; use --family sglang"
     if not config.has_mamba and not config.has_swa:
         return ("SGLang builds the unified memory pool only for hybrid Mamba and hybrid SWA models "
                 "(kv_cache_configurator: '--enable-unified-memory only supports hybrid Mamba and hybrid "
