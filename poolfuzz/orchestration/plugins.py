@@ -33,6 +33,7 @@ DEFAULT_FAMILY = "builtin"
 SHIPPED = {
     "builtin": "poolfuzz.pools.family:build_family",
     "sglang": "poolfuzz.adapters.sglang:build_family",
+    "sglang:unified": "poolfuzz.adapters.sglang:build_unified_family",
     "vllm": "poolfuzz.adapters.vllm:build_family",
 }
 
@@ -69,10 +70,10 @@ def _entry_points():
 def resolve_family(spec: str | None) -> FamilyPlugin:
     """The plug-in ``spec`` names; a ConfigError that says what to do when it cannot load."""
     name = spec or DEFAULT_FAMILY
+    if name in SHIPPED:  # first: a shipped variant's name ("sglang:unified") is no module path
+        return FamilyPlugin(name=name, target=SHIPPED[name], origin="shipped", factory=_load(SHIPPED[name], name))
     if ":" in name:
         return FamilyPlugin(name=name, target=name, origin="module path", factory=_load(name, name))
-    if name in SHIPPED:
-        return FamilyPlugin(name=name, target=SHIPPED[name], origin="shipped", factory=_load(SHIPPED[name], name))
     for ep in _entry_points():
         if ep.name == name:
             dist = getattr(getattr(ep, "dist", None), "name", None) or "unknown distribution"

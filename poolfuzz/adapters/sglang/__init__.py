@@ -49,3 +49,24 @@ build_family.builds_per_node = True
 # What ``poolfuzz run --coverage`` measures (paths relative to site-packages): the memory pools, allocators and
 # caches, and the request's retraction path (``Req.offload_kv_cache`` / ``load_kv_cache``) the adapter borrows.
 build_family.engine_code = ("sglang/srt/mem_cache", "sglang/srt/managers/schedule_batch.py")
+
+
+def build_unified_family(config, *, device="cpu", faults=(), backup_mode=None, node=None):
+    """The family factory registered as ``sglang:unified``: SGLang's unified memory pool
+    (``--enable-unified-memory``), see :mod:`poolfuzz.adapters.sglang.unified`."""
+    from poolfuzz.adapters.sglang.unified import build_unified
+
+    return build_unified(config, device=device, faults=faults, backup_mode=backup_mode, node=node)
+
+
+def unified_unsupported_reason(config) -> str | None:
+    """Why the installed SGLang's unified pool is not driven for ``config`` here, or None."""
+    from poolfuzz.adapters.sglang.api import load
+    from poolfuzz.adapters.sglang.unified import unified_problem
+
+    return unified_problem(load(), config)
+
+
+build_unified_family.unsupported_reason = unified_unsupported_reason
+build_unified_family.builds_per_node = True
+build_unified_family.engine_code = build_family.engine_code

@@ -199,11 +199,14 @@ class SGLangProtocol(ServingProtocol):
         if not family.has_recurrent_state():
             return
         pool = family.sg_req_pool.mamba_pool
+        # the model runner translates the request's mamba slot to the state pool's physical one (the
+        # unified pool's slots are virtual; identity elsewhere, absent before 0.5.23)
+        translate = getattr(family.sg_req_pool, "translate_mamba_indices", lambda idx: idx)
         for req in reqs:
             kv = self.standin(req, family)
             if getattr(kv, "mamba_needs_clear", False) and kv.mamba_pool_idx is not None:
                 idx = torch.as_tensor(kv.mamba_pool_idx).reshape(1).to(torch.int64)
-                pool.clear_slots(idx.to(_tensor_device(pool)))
+                pool.clear_slots(translate(idx.to(_tensor_device(pool))))
             kv.mamba_needs_clear = False
             req.mamba_needs_clear = False
 
@@ -352,7 +355,9 @@ class SGLangProtocol(ServingProtocol):
 
     def _unalias_backup(self, sg, family, req: ReqKv) -> None:
         """Copy backup tensors that share storage with a live pool buffer (the CPU trap)."""
-        live = {_storage_ptr(c.tensor) for c in family.components()}
+        # the buffers SGLang reads: the components, or what they mirror (``UnifiedFamily.physical_buffers``)
+        buffers = getattr(family, "physical_buffers", lambda: [c.tensor for c in family.components()])()
+        live = {_storage_ptr(t) for t in buffers}
         hits: list[str] = []
 
         def fix(obj, path):

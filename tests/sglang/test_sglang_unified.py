@@ -1,0 +1,227 @@
+"""``--family sglang:unified``: SGLang's unified memory pool (0.5.23's ``--enable-unified-memory``), driven
+through the same operations and checks, and caught when one of its allocators is broken."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from poolfuzz.harness.engine import Engine
+from poolfuzz.harness.failures import PoolfuzzFailure
+from poolfuzz.pools.config import CONFIGS
+from poolfuzz.pools.errors import ConfigError
+from tests.engine_fuzz import fuzz_family
+
+DRIVEN = ["hybrid-linear", "hybrid-extra-buffer", "swa"]  # swa-ssm: see the tri-pool defect below
+
+
+def _factory_or_skip(api, name=None):
+    from poolfuzz.adapters.sglang import build_unified_family, unified_unsupported_reason
+
+    why = unified_unsupported_reason(CONFIGS[name or DRIVEN[0]])
+    if why:
+        pytest.skip(f"sglang {api.version}: {why}")
+    return build_unified_family
+
+
+def _engine(api, name="hybrid-linear"):
+    return Engine(config=CONFIGS[name], family_factory=_factory_or_skip(api, name))
+
+
+def _two_then_one_finished(e):
+    """a and b prefilled, a finished: SGLang's lazy free leaves a hole under b, which its compaction fills by
+    moving b's rows (at the scheduler's sync boundary)."""
+    a = e.admit(6)
+    e.prefill(a, 6)
+    b = e.admit(5)
+    e.prefill(b, 5)
+    e.check()
+    e.finish(a)
+    e.decode([b])
+    e.sweep()
+    return b
+
+
+def test_a_release_without_the_unified_pool_is_refused_by_name(api):
+    from poolfuzz.adapters.sglang import unified_unsupported_reason
+    from poolfuzz.adapters.sglang.unified import _factory
+
+    why = unified_unsupported_reason(CONFIGS["hybrid-linear"])
+    try:
+        from sglang.srt.mem_cache.allocator.unified_sub_pool import MultiEndedAllocator  # noqa: F401
+        layout = True
+    except ImportError:
+        layout = False
+    if _factory() is None:
+        assert "has no unified memory pool" in why and "--family sglang" in why
+    elif not layout:
+        assert "predates the layout poolfuzz drives" in why and "--family sglang" in why
+    else:
+        assert why is None
+
+
+@pytest.mark.parametrize("name", ["dense", "mla", "hybrid-spec"])
+def test_configs_the_unified_family_does_not_drive_are_refused_in_one_line(api, name):
+    from poolfuzz.adapters.sglang import build_unified_family, unified_unsupported_reason
+
+    _factory_or_skip(api)
+    why = unified_unsupported_reason(CONFIGS[name])
+    assert why and "\n" not in why
+    with pytest.raises(ConfigError, match="sglang:unified|unified|hybrid"):
+        build_unified_family(CONFIGS[name])
+
+
+def test_the_family_is_sglangs_unified_stack_seen_through_virtual_ids(api):
+    e = _engine(api)
+    fam = e.families["prefill"]
+    assert type(fam.sg_allocator).__name__ == "UnifiedMambaTokenToKVPoolAllocator"
+    assert type(fam.sg_req_pool).__name__ == "UnifiedHybridReqToTokenPool"
+    # the components the harness reads are mirrors: none shares storage with SGLang's byte buffer
+    raw = fam.unified_buffer._raw.untyped_storage().data_ptr()
+    assert all(c.tensor.untyped_storage().data_ptr() != raw for c in fam.components())
+    assert {m.physical.untyped_storage().data_ptr() for m in fam.mirrors} == {raw}
+
+
+def test_compaction_moves_a_live_requests_rows_and_the_checksums_follow_them(api):
+    e = _engine(api)
+    fam = e.families["prefill"]
+    full = fam.sg_allocator.full_attn_allocator
+    moves = []
+    real = type(full)._move_pages
+    cls = type(full)
+    try:
+        cls._move_pages = lambda self, src, dst: (moves.append(src.numel()), real(self, src, dst))[1]
+        b = _two_then_one_finished(e)
+        slots = fam.req_pool.read(e.requests[b].kv.req_pool_idx, 0, 5)
+        assert sum(moves) > 0  # SGLang moved physical pages while b was live
+        assert 0 not in full.translate_kv_loc(slots).tolist()
+        e.sweep()  # b's KV, read where the table now points, is still b's
+    finally:
+        cls._move_pages = real
+
+
+def test_a_compaction_that_copies_nothing_is_caught_as_state_loss(api, monkeypatch):
+    e = _engine(api)
+    cls = type(e.families["prefill"].sg_allocator.full_attn_allocator)
+    monkeypatch.setattr(cls, "_move_pages", lambda self, src, dst: None)  # rebinds, but moves no data
+    with pytest.raises(PoolfuzzFailure) as err:
+        _two_then_one_finished(e)
+    assert err.value.divergence.kind == "state-lost"
+
+
+def test_a_sub_pool_free_that_keeps_a_slot_is_caught(api, monkeypatch):
+    e = _engine(api)
+    cls = type(e.families["prefill"].sg_allocator.full_attn_allocator)
+    real = cls._free_lazy
+
+    def keeps_one(self, free_index, pages=None):
+        real(self, free_index, pages)
+        self.free_virtual_ids = self.free_virtual_ids[:-1]  # the last page freed never comes back
+
+    monkeypatch.setattr(cls, "_free_lazy", keeps_one)
+    a = e.admit(4)
+    e.prefill(a, 4)
+    with pytest.raises(PoolfuzzFailure) as err:
+        e.finish(a)
+        e.check()
+    assert "full" in str(err.value)
+
+
+def test_a_mapping_that_is_not_written_is_caught(api, monkeypatch):
+    e = _engine(api)
+    import sglang.srt.mem_cache.allocator.unified_sub_pool as sub_pool
+
+    real = sub_pool.alloc_bind_inplace
+
+    def drops_last(v_pages, v2p, p2v, start_phys):
+        out = real(v_pages, v2p, p2v, start_phys)
+        if v_pages.numel() > 1:
+            v2p[v_pages[-1]] = -1  # the last page's mapping is never written
+        return out
+
+    monkeypatch.setattr(sub_pool, "alloc_bind_inplace", drops_last)
+    with pytest.raises(PoolfuzzFailure) as err:
+        a = e.admit(4)
+        e.prefill(a, 4)
+        b = e.admit(3)
+        e.prefill(b, 3)  # its last token is written where a's last token is read: the page-0 sink
+        e.sweep()
+    assert err.value.divergence.kind == "state-lost" and err.value.divergence.rid == a
+
+
+@pytest.mark.parametrize("name", DRIVEN)
+def test_the_state_machine_finds_nothing_on_the_unified_pool(api, name):
+    outcome = fuzz_family(_factory_or_skip(api, name), CONFIGS[name], examples=25)
+    assert outcome.failure is None, f"{outcome.failure}\n" + "\n".join(map(str, outcome.steps))
+
+
+def test_the_reference_counts_virtual_ids_and_asks_sglang_whether_bytes_fit(api):
+    e = _engine(api)
+    fam, ref = e.families["prefill"], e.refs["prefill"]
+    full = fam.sg_allocator.full_attn_allocator
+    assert ref.capacity["full"] == (full.num_virtual_ids - full.min_page_index) * full.pool_page_size
+    assert ref.capacity["full"] > CONFIGS["hybrid-linear"].full_tokens  # ids for more than the byte budget
+    a = e.admit(20)
+    e.prefill(a, 20)
+    e.check()
+    assert ref.available("full") == fam.free_lists()["full"].available_size()
+    torch.testing.assert_close(torch.tensor(ref.available("full")),
+                               torch.tensor(ref.capacity["full"] - 20))
+
+
+def test_a_window_eviction_that_keeps_the_swa_pages_is_caught(api, monkeypatch):
+    e = _engine(api, "swa")
+    fam = e.families["prefill"]
+    cls = type(fam.sg_allocator)  # every SWA tombstone path keeps the pages bound
+    monkeypatch.setattr(cls, "free_swa", lambda self, free_index: None)
+    monkeypatch.setattr(cls, "free_swa_segment", lambda self, free_index, *, start_pos: None)
+    window = CONFIGS["swa"].sliding_window
+    a = e.admit(window + 6)
+    with pytest.raises(PoolfuzzFailure) as err:
+        e.prefill(a, window + 6)
+        for _ in range(4):
+            e.decode([a])
+            e.evict_swa()
+        e.sweep()
+    assert "swa" in str(err.value)
+
+
+def _tri_pool_translates_its_backups():
+    """Whether this release's ``UnifiedMambaPool`` translates the (virtual) slots its CPU copy is handed."""
+    from sglang.srt.mem_cache.memory_pool import MambaPool
+    from sglang.srt.mem_cache.unified_memory_pool import UnifiedMambaPool
+
+    return UnifiedMambaPool.get_cpu_copy is not MambaPool.get_cpu_copy
+
+
+def _retract_and_resume(e):
+    a = e.admit(1)
+    e.admit(1)
+    e.prefill(a, 1)
+    e.retract(a)
+    e.resume("prefill")
+    e.sweep()
+
+
+def test_the_tri_pool_retraction_defect_of_sglang_0_5_23_is_found(api, monkeypatch):
+    """A real defect: on the tri-pool (Mamba + SWA, ``init_unified_mamba_swa_pools``) the KV pool does not
+    carry the recurrent state, so ``Req.offload_kv_cache`` backs it up with ``mamba_pool.get_cpu_copy`` and
+    restores it with ``load_cpu_copy``, handing them the request's VIRTUAL mamba slot; ``UnifiedMambaPool``
+    indexes physical rows and does not translate. The backup reads another row (zeros here) and the restore
+    writes into whatever physical row the virtual id names, which can be another request's SWA KV."""
+    e = _engine(api, "swa-ssm")
+    if _tri_pool_translates_its_backups():
+        _retract_and_resume(e)  # fixed in this release: nothing to find
+        return
+    with pytest.raises(PoolfuzzFailure) as err:
+        _retract_and_resume(e)
+    assert err.value.divergence.kind == "state-lost" and "mamba" in str(err.value)
+    # ...and the same program passes once the pool translates, as its two-pool sibling's KV pool does
+    from sglang.srt.mem_cache.memory_pool import MambaPool
+    from sglang.srt.mem_cache.unified_memory_pool import UnifiedMambaPool
+
+    monkeypatch.setattr(UnifiedMambaPool, "get_cpu_copy",
+                        lambda self, idx: MambaPool.get_cpu_copy(self, self.host_transfer_translate(idx)))
+    monkeypatch.setattr(UnifiedMambaPool, "load_cpu_copy",
+                        lambda self, cpu, idx: MambaPool.load_cpu_copy(self, cpu, self.host_transfer_translate(idx)))
+    _retract_and_resume(_engine(api, "swa-ssm"))
