@@ -114,3 +114,20 @@ class TreeReference(ReferenceFamily):
         self._fresh_track(req)
         self.requests[rid] = req
         return req
+
+    def next_turn(self, rid: int, *, seqlen: int, kv_owner, state, hit: int = 0, host: int = 0,
+                  evictable: int = 0) -> RefRequest:
+        """A finished request's next turn (``SGLangTreeProtocol.begin_turn``): a row, then full pages for
+        every prompt token but the last that the device hit does not cover. A host hit after it costs
+        the same pages (the load-back allocates them, or, declined, the recompute does); what the tree
+        may evict for them excludes the device hit, which is locked first (the probe's ``evictable``)."""
+        loaded = seqlen - 1
+        pages = _pages(loaded, self.ps) - hit // self.ps
+        self._need({"rows": 1})
+        if pages * self.ps > self.available("full") + evictable:
+            raise PoolExhausted(space="full", requested=pages * self.ps, available=self.available("full"))
+        self.free["rows"] -= 1
+        req = RefRequest(rid=rid, holds_row=True, allocated=loaded, committed=loaded, seqlen=seqlen,
+                         kv_owner=list(kv_owner), state=state)
+        self.requests[rid] = req
+        return req
