@@ -24,7 +24,7 @@ from contextlib import contextmanager
 import torch
 
 from poolfuzz.adapters.sglang.host import HOST_LAYOUT, IO_BACKEND, install_cpu_transfer_ops
-from poolfuzz.pools.config import ModelConfig, uses_ssm_state
+from poolfuzz.pools.config import ModelConfig
 
 HOST_RATIO = 2.0  # SGLang's default --hicache-ratio: host pages = 2 x device pages
 WRITE_POLICY = "write_through"  # SGLang's default --hicache-write-policy
@@ -34,8 +34,6 @@ def hicache_problem(api, config: ModelConfig, *, pd_decode: bool) -> str | None:
     """Why the adapter does not run HiCache for ``config`` on this node, or None."""
     if pd_decode:
         return "the PD decode server backs retractions up into its host pool instead (host.py)"
-    if uses_ssm_state(config) or config.has_mamba:
-        return "the mamba host pool accepts only page-first layouts, whose CPU copies are not driven"
     if config.has_swa:
         return "the SWA host tier is not driven"
     if config.kv_scale_block or config.attention == "dsa":
@@ -64,15 +62,23 @@ def install_cpu_host_register() -> bool:
     return True
 
 
+def host_layout(config: ModelConfig) -> str:
+    """``--hicache-mem-layout``: both layouts the ``direct`` backend copies are driven, one per shape.
+    The mamba host pool accepts page-first layouts only (``MambaPoolHost``), so a model with recurrent
+    state, and every paged config, gets ``page_first_direct``; the rest keep the layer-first layout
+    a decode server's host receive resolves."""
+    return "page_first_direct" if config.has_mamba or config.page_size > 1 else HOST_LAYOUT
+
+
 @contextmanager
-def hicache_arguments():
+def hicache_arguments(config: ModelConfig):
     """The server arguments ``--enable-hierarchical-cache`` sets, scoped to the tree's build."""
     from sglang.srt.runtime_context import get_memory
 
     install_cpu_transfer_ops()
     install_cpu_host_register()
     with get_memory().override(enable_hierarchical_cache=True, hicache_ratio=HOST_RATIO,
-                               hicache_io_backend=IO_BACKEND, hicache_mem_layout=HOST_LAYOUT,
+                               hicache_io_backend=IO_BACKEND, hicache_mem_layout=host_layout(config),
                                hicache_write_policy=WRITE_POLICY):
         yield
 

@@ -135,7 +135,7 @@ def build_tree(family: SGLangFamily, *, hierarchical: bool = False):
         tp_size=1, tp_rank=0, tp_group=None, full_tokens_per_layer=c.full_tokens)
     if not hierarchical:
         return registry.default_radix_cache_factory(ctx)
-    with hicache.hicache_arguments():
+    with hicache.hicache_arguments(c):
         return registry.default_radix_cache_factory(ctx)
 
 
