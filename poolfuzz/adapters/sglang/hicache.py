@@ -34,8 +34,6 @@ def hicache_problem(api, config: ModelConfig, *, pd_decode: bool) -> str | None:
     """Why the adapter does not run HiCache for ``config`` on this node, or None."""
     if pd_decode:
         return "the PD decode server backs retractions up into its host pool instead (host.py)"
-    if config.has_swa:
-        return "the SWA host tier is not driven"
     if config.kv_scale_block or config.attention == "dsa":
         return "block-scaled and DSA host pools are not driven"
     try:
