@@ -34,6 +34,10 @@ def hicache_problem(api, config: ModelConfig, *, pd_decode: bool) -> str | None:
     """Why the adapter does not run HiCache for ``config`` on this node, or None."""
     if pd_decode:
         return "the PD decode server backs retractions up into its host pool instead (host.py)"
+    if config.has_swa:
+        # with a host tier the tree frees SWA the reference's accounting (swa_evictable_size) does not
+        # count: a fork it predicts out of SWA succeeds (swa-ssm, 12 steps); not modelled yet
+        return "the SWA host tier is not driven (its SWA reclaim is not modelled by the tree reference)"
     if config.kv_scale_block or config.attention == "dsa":
         return "block-scaled and DSA host pools are not driven"
     try:

@@ -117,17 +117,25 @@ class TreeReference(ReferenceFamily):
 
     def next_turn(self, rid: int, *, seqlen: int, kv_owner, state, hit: int = 0, host: int = 0,
                   evictable: int = 0) -> RefRequest:
-        """A finished request's next turn (``SGLangTreeProtocol.begin_turn``): a row, then full pages for
-        every prompt token but the last that the device hit does not cover. A host hit after it costs
-        the same pages (the load-back allocates them, or, declined, the recompute does); what the tree
-        may evict for them excludes the device hit, which is locked first (the probe's ``evictable``)."""
+        """A finished request's next turn (``SGLangTreeProtocol.begin_turn``), counted as a fork is: a row
+        (and a state slot), then full (and SWA) pages for every prompt token but the last that the
+        device hit does not cover. A host hit after it costs the same pages (the load-back allocates
+        them, or, declined, the recompute does); what the tree may evict for them excludes the device
+        hit, which is locked first (the probe's ``evictable``)."""
         loaded = seqlen - 1
+        mamba = self.config.has_mamba
         pages = _pages(loaded, self.ps) - hit // self.ps
-        self._need({"rows": 1})
+        self._need({"rows": 1, **({"mamba": self.state_slots} if mamba else {})})
         if pages * self.ps > self.available("full") + evictable:
             raise PoolExhausted(space="full", requested=pages * self.ps, available=self.available("full"))
+        self._need({"swa": pages} if self.config.has_swa else {})
         self.free["rows"] -= 1
-        req = RefRequest(rid=rid, holds_row=True, allocated=loaded, committed=loaded, seqlen=seqlen,
-                         kv_owner=list(kv_owner), state=state)
+        req = RefRequest(rid=rid, holds_row=True, holds_mamba=mamba, allocated=loaded, committed=loaded,
+                         seqlen=seqlen, kv_owner=list(kv_owner))
+        if mamba and hit >= loaded:  # the whole prompt but its last token hit: the copy waits for the forward
+            req.pending_state = state
+        else:  # copied (or cleared) and carried through the recomputed tokens right away
+            req.state = state
+        self._fresh_track(req)
         self.requests[rid] = req
         return req

@@ -467,6 +467,8 @@ class SGLangTreeProtocol(SGLangProtocol):
             raise
         req.kv_committed_len = sg.kv.kv_committed_len = loaded
         req.recompute_from = hit if hit < loaded else None
+        if family.has_recurrent_state() and hit < loaded:
+            req.state_recompute_from = hit  # that forward starts from the copied (or cleared) state
 
     def _probe(self, family, toks: list[int]) -> tuple[int, int, int]:
         """What the radix match of ``toks`` finds (a throwaway request): the device hit, the host hit
@@ -581,8 +583,10 @@ def with_tree(family: SGLangFamily) -> SGLangFamily:
     # and the capabilities set per family when built (pd_decode, supports_transfer, resume_swa_tail_only)
     names = {f.name for f in fields(family)}
     out.__dict__.update({k: v for k, v in vars(family).items() if k not in names})
-    # a next turn is driven where the tree caches only KV (a recurrent state's or a window's turn is not)
-    out.supports_next_turn = not (family.config.has_mamba or family.config.has_swa)
+    # A next turn goes through the tree's match, as a fork does. Not on SWA configs: a turn's window
+    # on the PD decode node is not modelled by the tree reference (swa-ssm: a transfer after a decode-node
+    # turn of 18 tokens finds SWA short where the reference predicts success, 14 steps).
+    out.supports_next_turn = not family.config.has_swa
     out.hierarchical = hicache.hicache_problem(family.api, family.config, pd_decode=family.pd_decode) is None
     out.tree = build_tree(out, hierarchical=out.hierarchical)
     out.protocol = SGLangTreeProtocol(family.api)
