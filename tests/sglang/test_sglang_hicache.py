@@ -66,7 +66,7 @@ def _demoted_then_continued(e):
     return turn
 
 
-@pytest.mark.parametrize("name", ["dense", "dense-ps4", "mla", "mla-ps4"])
+@pytest.mark.parametrize("name", ["dense", "dense-ps4", "mla", "mla-ps4", "hybrid-linear"])
 def test_a_demoted_prefix_is_loaded_back_and_reads_right(hicache_api, name):
     from poolfuzz.adapters.sglang.hicache import host_layout
 
