@@ -65,6 +65,23 @@ class TreeReference(ReferenceFamily):
         held, _ = self.family.tree_sizes()
         return (self.total("full") - self._private_pages()) * self.ps - held
 
+    _gate_counts_full_evictable_only = False
+
+    def pre_alloc(self, rid: int, fill_len: int):
+        """A resume's pre-allocation. On the PD decode server without SWA tail pre-allocation (page size
+        1) SGLang's queue gate budgets one side, ``available_size() + _radix_full_evictable()``, and its
+        ``_pre_alloc`` reclaims no SWA: what the tree could free of SWA alone does not count."""
+        from poolfuzz.adapters.sglang import prealloc
+
+        fam = self.family
+        self._gate_counts_full_evictable_only = bool(
+            fam.pd_decode and self.config.has_swa and not prealloc.uses_swa_tail_prealloc(fam)
+            and not prealloc._assumes_reclaim(fam.sg_allocator))
+        try:
+            return super().pre_alloc(rid, fill_len)
+        finally:
+            self._gate_counts_full_evictable_only = False
+
     def _ensure_mamba(self, n: int) -> None:
         """The tree evicts its own checkpoints (``available`` reads what it holds)."""
 
@@ -77,6 +94,8 @@ class TreeReference(ReferenceFamily):
                     raise PoolExhausted(space=space, requested=n * self.ps, available=self.available(space))
             elif space == "swa":
                 _, evictable = self.family.tree_swa()
+                if self._gate_counts_full_evictable_only:
+                    evictable = self.family.tree_sizes()[1]
                 if n * self.ps > self.available("swa") + evictable:
                     raise PoolExhausted(space=space, requested=n * self.ps, available=self.available(space))
             elif space == "mamba":
