@@ -260,3 +260,14 @@ def test_a_decode_node_resume_at_page_size_1_waits_as_the_queue_gate_says(tree_a
         e.check()
     e.sweep()
     e.drain()
+
+
+def test_both_tree_cores_run_the_prefill_node_on_the_default_and_the_decode_server_on_python(tree_api, monkeypatch):
+    from poolfuzz.adapters.sglang import build_family
+
+    monkeypatch.delenv("SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND", raising=False)
+    prefill, decode = (build_family(CONFIGS["dense"], node=n) for n in ("prefill", "decode"))
+    assert "rust" in type(prefill.tree.tree_core).__module__
+    assert "rust" not in type(decode.tree.tree_core).__module__
+    monkeypatch.setenv("SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND", "python")  # a named core serves both
+    assert "rust" not in type(build_family(CONFIGS["dense"], node="prefill").tree.tree_core).__module__

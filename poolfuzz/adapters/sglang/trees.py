@@ -127,7 +127,8 @@ def build_tree(family: SGLangFamily, *, hierarchical: bool = False):
     c = family.config
     params = CacheInitParams(disable=False, req_to_token_pool=family.sg_req_pool,
                              token_to_kv_pool_allocator=family.sg_allocator, page_size=c.page_size,
-                             sliding_window_size=c.sliding_window if c.has_swa else None)
+                             sliding_window_size=c.sliding_window if c.has_swa else None,
+                             **_tree_core(family, CacheInitParams))
     ctx = registry.TreeCacheBuildContext(
         server_args=get_server_args() if hierarchical else None, params=params, is_hybrid_swa=c.has_swa,
         is_hybrid_ssm=c.has_mamba, enable_hierarchical_cache=hierarchical, disable_radix_cache=False,
@@ -137,6 +138,23 @@ def build_tree(family: SGLangFamily, *, hierarchical: bool = False):
         return registry.default_radix_cache_factory(ctx)
     with hicache.hicache_arguments(c):
         return registry.default_radix_cache_factory(ctx)
+
+
+PYTHON_TREE_CORE = "python"
+
+
+def _tree_core(family, params_cls) -> dict:
+    """Both of 0.5.23's tree cores run in every run: the prefill node keeps the default (the bundled Rust
+    core, whose tree walk coverage cannot see), the PD decode server takes SGLang's Python core through
+    its own per-cache override (``CacheInitParams.tree_core_backend``). A core named by
+    ``SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND`` serves both nodes."""
+    import os
+
+    if "tree_core_backend" not in getattr(params_cls, "__dataclass_fields__", {}):
+        return {}  # a release with one tree core
+    if os.environ.get("SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND") or not family.pd_decode:
+        return {}
+    return {"tree_core_backend": PYTHON_TREE_CORE}
 
 
 # =============================================================================================
