@@ -14,6 +14,7 @@ from poolfuzz.pools.config import ModelConfig
 from poolfuzz.pools.errors import ConfigError, PoolExhausted
 from poolfuzz.pools.free_faults import AbortMidPrefillLeaksLastChunk, FreeGroupDropsSWAPile
 from poolfuzz.pools.host import HostKVPool
+from poolfuzz.pools.host_faults import HostLoadStopsAtPoolLayerCount
 from poolfuzz.pools.kv import MHATokenToKVPool, SWAKVPool
 from poolfuzz.pools.mamba import MambaPool, MambaSlotAllocator
 from poolfuzz.pools.prefix_tree import MambaPrefixTree
@@ -453,6 +454,9 @@ FAULTS: dict[str, Fault] = {
         _f("host-discard-keeps-swa-slots", "host_pool retraction discard (HostPoolGroup.release_transfers)",
            lambda c: c.has_swa and not c.has_mamba and c.attention == "mha" and not c.kv_scale_block,
            {"protocol": DiscardKeepsSWAHostSlots}, backup_mode="host_pool"),
+        _f("host-load-stops-at-pool-layer-count", "HiCache layer-wise load (transfer_layer_id_max: model layers)",
+           lambda c: c.has_swa and not c.has_mamba and c.attention == "mha" and not c.kv_scale_block,
+           {"host_pool": HostLoadStopsAtPoolLayerCount}, backup_mode="host_pool"),
         # Off the named grid: each applies to named configs too, where it cannot show (contexts of
         # at most 64 tokens, blocked layers, page sizes 1 and 4); drawn configs reach it.
         _f("reload-chunk-at-chunk-number", "sglang#7409 (chunked offload)", _any,

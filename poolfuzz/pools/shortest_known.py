@@ -27,6 +27,8 @@ SHORTEST_KNOWN: dict[str, int] = {
     "track-slots-not-freed": 1, "ping-pong-stuck": 3,
     # The best shrink of `hunt --seeds 5`: a request served, retracted into the host pool and aborted.
     "host-discard-keeps-swa-slots": 3,
+    # By hand: a request served, retracted into the host pool and resumed (the load skips layer 2).
+    "host-load-stops-at-pool-layer-count": 4,
     # By hand: admit, prefill, then one speculative step (that rejects a draft, for the first): 3.
     "spec-commit-last-draft": 3, "spec-commit-batch-position": 3,
     # By `poolfuzz shortest` (every program of its vocabulary, by length): a copy that drops a component is

@@ -56,6 +56,8 @@ SIGNATURES = {
     "allocator-double-free-undetected": r"(swa slot/page \d+ is held|swa free list holds duplicates|swa pool has)",
     # The SWA host pool's slots of an aborted retracted request are never given back.
     "host-discard-keeps-swa-slots": r"^ReferenceMismatch: host\.swa pool has \d+ free but the reference says",
+    # The SWA host pool's higher model layers are never loaded back: the resumed request reads them.
+    "host-load-stops-at-pool-layer-count": r"^StateLost: req \d+ resumed; component swa\.[kv] layer \d+ position \d+;",
     # Off the named grid: a resumed long request reads the second chunk's rows at the first's positions.
     "reload-chunk-at-chunk-number": r"^StateLost: req \d+ resumed; component full\.[kv] layer \d+ position \d+;",
     # Two interleaved mamba layers share one state tensor: the later layer's write overwrites the other.

@@ -238,3 +238,36 @@ def test_a_fork_whose_hit_is_all_the_tree_could_evict_waits(tree_api):
     assert e.fork(2, 0) is None
     assert e.log[-1].outcome == "full exhausted", e.log[-1]
     e.check()
+
+
+# The 2-minute fuzz of swa (seed 7) on the decode node: a fork retracted there and resumed. At page size 1
+# SGLang's decode queue budgets available_size() plus the tree's full-evictable tokens and reclaims no SWA,
+# so the resume waits; the tree reference once counted the tree's evictable SWA and predicted success.
+DECODE_RESUME_AT_PAGE_SIZE_1 = [
+    ("admit", {"prompt_len": 2}), ("prefill", {"rid": 1, "chunk": 4}), ("transfer", {"rid": 1}),
+    ("fork", {"src_rid": 1, "extra": 5}), ("decode", {"rids": [1]}),
+    ("decode_speculative", {"rid": 1, "draft": 1, "accepted": 1}), ("fork", {"src_rid": 1, "extra": 1}),
+    ("fork", {"src_rid": 1, "extra": 1}), ("prefill", {"rid": 2, "chunk": 16}), ("fork", {"src_rid": 2, "extra": 4}),
+    ("decode_speculative", {"rid": 1, "draft": 1, "accepted": 0}),
+    ("decode_speculative", {"rid": 1, "draft": 2, "accepted": 2}), ("retract", {"rid": 2}),
+    ("resume", {"node": "decode"})]
+
+
+def test_a_decode_node_resume_at_page_size_1_waits_as_the_queue_gate_says(tree_api):
+    e = _engine("swa")
+    for op, args in DECODE_RESUME_AT_PAGE_SIZE_1:
+        getattr(e, op)(**args)
+        e.check()
+    e.sweep()
+    e.drain()
+
+
+def test_both_tree_cores_run_the_prefill_node_on_the_default_and_the_decode_server_on_python(tree_api, monkeypatch):
+    from poolfuzz.adapters.sglang import build_family
+
+    monkeypatch.delenv("SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND", raising=False)
+    prefill, decode = (build_family(CONFIGS["dense"], node=n) for n in ("prefill", "decode"))
+    assert "rust" in type(prefill.tree.tree_core).__module__
+    assert "rust" not in type(decode.tree.tree_core).__module__
+    monkeypatch.setenv("SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND", "python")  # a named core serves both
+    assert "rust" not in type(build_family(CONFIGS["dense"], node="prefill").tree.tree_core).__module__

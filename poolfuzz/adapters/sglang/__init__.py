@@ -46,6 +46,9 @@ build_family.unsupported_reason = unsupported_reason
 # The engine names the node each family serves (``node="prefill"`` / ``"decode"``): the decode node is built
 # as SGLang's PD decode server.
 build_family.builds_per_node = True
+# A chat's next turn goes through SGLang's tree (``SGLangTreeFamily.supports_next_turn``, per config): the
+# machine gets the rule; a family that does not continue keeps no finished request, so it never fires.
+build_family.supports_next_turn = True
 # What ``poolfuzz run --coverage`` measures (paths relative to site-packages): the memory pools, allocators and
 # caches, and the request's retraction path (``Req.offload_kv_cache`` / ``load_kv_cache``) the adapter borrows.
 build_family.engine_code = ("sglang/srt/mem_cache", "sglang/srt/managers/schedule_batch.py")

@@ -15,10 +15,12 @@ What the adapter supplies is what a server would: the host pools sized by the co
 (nothing to pin for on a CPU), and a stand-in tree that carries those borrowed methods with the
 attributes they read, holding no prefix of its own (so reclaiming host space evicts nothing).
 
-One call-time stand-in: the ``direct`` backend's copy, ``sgl_kernel.kvcacheio.transfer_kv_direct``, is
-imported by the host pool modules only under CUDA/ROCm/XPU. Where it is missing (a CPU-only machine)
-:func:`install_cpu_transfer_ops` gives those modules a torch copy with its contract (for each layer,
-``dst[dst_indices] = src[src_indices]``); SGLang's own kernel is never replaced where it exists.
+One call-time stand-in: the ``direct`` backend's copies (``sgl_kernel.kvcacheio.transfer_kv_direct`` and,
+for page-first host layouts, ``transfer_kv_per_layer_direct_pf_lf`` / ``transfer_kv_all_layer_direct_lf_pf``)
+are imported by the host pool modules only under CUDA/ROCm/XPU. Where they are missing (a CPU-only
+machine) :func:`install_cpu_transfer_ops` gives those modules torch copies with their contracts (for each
+layer, ``dst[dst_indices] = src[src_indices]``, a page-first buffer indexed ``[page, layer, offset]``);
+SGLang's own kernels are never replaced where they exist.
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ from poolfuzz.pools.request import HostTransfer, RetractionBackup
 HOST_LAYOUT = "layer_first"  # what a decode server's host receive resolves (handle_hicache)
 IO_BACKEND = "direct"  # the backend whose op has a CPU contract; "kernel" takes raw pointer tables
 HOST_POOL_MODULES = ("sglang.srt.mem_cache.pool_host.mha", "sglang.srt.mem_cache.pool_host.mla",
-                     "sglang.srt.mem_cache.memory_pool_host")
+                     "sglang.srt.mem_cache.pool_host.mamba", "sglang.srt.mem_cache.memory_pool_host")
 # The tree methods a host_pool retraction runs, borrowed unchanged onto the stand-in tree.
 TREE_METHODS = ("backup_kv_cache", "restore_kv_cache", "discard_kv_cache_backup", "_retraction_device_transfers",
                 "_reclaim_retraction_host", "_build_sidecar_transfers")
@@ -59,17 +61,64 @@ def _transfer_kv_direct(src_layers, dst_layers, src_indices, dst_indices, page_s
         d[dst.to(d.device)] = s[src.to(s.device)].to(d.device)
 
 
+def _page_rows(indices: torch.Tensor, page_size: int) -> torch.Tensor:
+    """The page numbers of token indices that come in whole pages (each page's first index)."""
+    return indices.to(torch.int64).cpu()[::page_size] // page_size
+
+
+def _transfer_kv_per_layer_direct_pf_lf(src_ptrs, dst_ptrs, src_indices, dst_indices, layer_id, page_size):
+    """``transfer_kv_per_layer_direct_pf_lf``'s contract on the CPU: host buffers page-first
+    ``[pages, layers, page_size, ...]`` (one, or K then V) into layer-first device rows; ``dst_ptrs``
+    holds the device buffers of consecutive layers from ``layer_id`` (K ones, then V ones)."""
+    if src_indices.numel() != dst_indices.numel():
+        raise ValueError(f"transfer_kv_per_layer_direct_pf_lf: {src_indices.numel()} source rows, "
+                         f"{dst_indices.numel()} destination")
+    if src_indices.numel() == 0:
+        return
+    pages, dst = _page_rows(src_indices, page_size), dst_indices.to(torch.int64).cpu()
+    layers = len(dst_ptrs) // len(src_ptrs)
+    for which, src in enumerate(src_ptrs):
+        for j in range(layers):
+            out = dst_ptrs[which * layers + j]
+            rows = src[pages.to(src.device), layer_id + j]
+            out[dst.to(out.device)] = rows.reshape(-1, *rows.shape[2:]).to(out.device)
+
+
+def _transfer_kv_all_layer_direct_lf_pf(src_ptrs, dst_ptrs, src_indices, dst_indices, page_size):
+    """``transfer_kv_all_layer_direct_lf_pf``'s contract on the CPU: layer-first device rows of every
+    layer (K ones, then V ones) into page-first host buffers ``[pages, layers, page_size, ...]``."""
+    if src_indices.numel() != dst_indices.numel():
+        raise ValueError(f"transfer_kv_all_layer_direct_lf_pf: {src_indices.numel()} source rows, "
+                         f"{dst_indices.numel()} destination")
+    if src_indices.numel() == 0:
+        return
+    src, pages = src_indices.to(torch.int64).cpu(), _page_rows(dst_indices, page_size)
+    layers = len(src_ptrs) // len(dst_ptrs)
+    for which, out in enumerate(dst_ptrs):
+        for j in range(layers):
+            layer = src_ptrs[which * layers + j]
+            rows = layer[src.to(layer.device)].reshape(len(pages), page_size, *layer.shape[1:])
+            out[pages.to(out.device), j] = rows.to(out.device)
+
+
+# The ``direct`` backend's copies, by the name each host pool module calls them under.
+CPU_TRANSFER_OPS = {"transfer_kv_direct": _transfer_kv_direct,
+                    "transfer_kv_per_layer_direct_pf_lf": _transfer_kv_per_layer_direct_pf_lf,
+                    "transfer_kv_all_layer_direct_lf_pf": _transfer_kv_all_layer_direct_lf_pf}
+
+
 def install_cpu_transfer_ops() -> list[str]:
-    """Give the host pool modules the ``direct`` copy where their CUDA-only import left it out."""
+    """Give the host pool modules the ``direct`` copies where their CUDA-only import left them out."""
     done = []
     for name in HOST_POOL_MODULES:
         try:
             module = importlib.import_module(name)
         except Exception:  # not in this release (or not importable here): nothing to give it
             continue
-        if not hasattr(module, "transfer_kv_direct"):
-            module.transfer_kv_direct = _transfer_kv_direct
-            done.append(name)
+        for op, cpu_op in CPU_TRANSFER_OPS.items():
+            if getattr(module, op, None) is None:  # absent, or None where a CUDA-only import left it unset
+                setattr(module, op, cpu_op)
+                done.append(f"{name}.{op}")
     return done
 
 

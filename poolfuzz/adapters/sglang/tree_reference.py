@@ -65,6 +65,23 @@ class TreeReference(ReferenceFamily):
         held, _ = self.family.tree_sizes()
         return (self.total("full") - self._private_pages()) * self.ps - held
 
+    _gate_counts_full_evictable_only = False
+
+    def pre_alloc(self, rid: int, fill_len: int):
+        """A resume's pre-allocation. On the PD decode server without SWA tail pre-allocation (page size
+        1) SGLang's queue gate budgets one side, ``available_size() + _radix_full_evictable()``, and its
+        ``_pre_alloc`` reclaims no SWA: what the tree could free of SWA alone does not count."""
+        from poolfuzz.adapters.sglang import prealloc
+
+        fam = self.family
+        self._gate_counts_full_evictable_only = bool(
+            fam.pd_decode and self.config.has_swa and not prealloc.uses_swa_tail_prealloc(fam)
+            and not prealloc._assumes_reclaim(fam.sg_allocator))
+        try:
+            return super().pre_alloc(rid, fill_len)
+        finally:
+            self._gate_counts_full_evictable_only = False
+
     def _ensure_mamba(self, n: int) -> None:
         """The tree evicts its own checkpoints (``available`` reads what it holds)."""
 
@@ -77,6 +94,8 @@ class TreeReference(ReferenceFamily):
                     raise PoolExhausted(space=space, requested=n * self.ps, available=self.available(space))
             elif space == "swa":
                 _, evictable = self.family.tree_swa()
+                if self._gate_counts_full_evictable_only:
+                    evictable = self.family.tree_sizes()[1]
                 if n * self.ps > self.available("swa") + evictable:
                     raise PoolExhausted(space=space, requested=n * self.ps, available=self.available(space))
             elif space == "mamba":
@@ -111,6 +130,31 @@ class TreeReference(ReferenceFamily):
                 req.state = src.state
             else:
                 req.pending_state = src.state
+        self._fresh_track(req)
+        self.requests[rid] = req
+        return req
+
+    def next_turn(self, rid: int, *, seqlen: int, kv_owner, state, hit: int = 0, host: int = 0,
+                  evictable: int = 0) -> RefRequest:
+        """A finished request's next turn (``SGLangTreeProtocol.begin_turn``), counted as a fork is: a row
+        (and a state slot), then full (and SWA) pages for every prompt token but the last that the
+        device hit does not cover. A host hit after it costs the same pages (the load-back allocates
+        them, or, declined, the recompute does); what the tree may evict for them excludes the device
+        hit, which is locked first (the probe's ``evictable``)."""
+        loaded = seqlen - 1
+        mamba = self.config.has_mamba
+        pages = _pages(loaded, self.ps) - hit // self.ps
+        self._need({"rows": 1, **({"mamba": self.state_slots} if mamba else {})})
+        if pages * self.ps > self.available("full") + evictable:
+            raise PoolExhausted(space="full", requested=pages * self.ps, available=self.available("full"))
+        self._need({"swa": pages} if self.config.has_swa else {})
+        self.free["rows"] -= 1
+        req = RefRequest(rid=rid, holds_row=True, holds_mamba=mamba, allocated=loaded, committed=loaded,
+                         seqlen=seqlen, kv_owner=list(kv_owner))
+        if mamba and hit >= loaded:  # the whole prompt but its last token hit: the copy waits for the forward
+            req.pending_state = state
+        else:  # copied (or cleared) and carried through the recomputed tokens right away
+            req.state = state
         self._fresh_track(req)
         self.requests[rid] = req
         return req

@@ -31,7 +31,8 @@ from poolfuzz.adapters.sglang.family import SGLangFamily
 from poolfuzz.adapters.sglang.frees import free_group
 from poolfuzz.adapters.sglang.protocol import SGLangProtocol
 from poolfuzz.adapters.sglang.standin import _FLAT_FIELDS
-from poolfuzz.adapters.sglang import tree_swa
+from poolfuzz.adapters.sglang import hicache, tree_swa
+from poolfuzz.adapters.sglang.tree_build import _publish_defaults, build_tree
 from poolfuzz.pools.errors import PoolError, PoolExhausted
 from poolfuzz.pools.protocol import window_start
 
@@ -82,55 +83,6 @@ def _common():
         return None
     needed = ("match_kv_cache", "checkpoint_kv_cache", "release_kv_cache", "evict_from_tree_cache")
     return common if all(hasattr(common, n) for n in needed) else None
-
-
-_PUBLISHED: dict[str, bool] = {}
-
-
-def _publish_defaults() -> None:
-    """The tree reads the server's configuration from SGLang's runtime context: where nothing is
-    published yet, install default server arguments once per process (no model, so no resolution
-    pipeline, which would fetch one: every field keeps its default)."""
-    if _PUBLISHED:
-        return
-    from sglang.srt import runtime_context
-    from sglang.srt.server_args import ServerArgs
-
-    context = runtime_context.get_context()
-    if not context.is_config_namespace_published("memory"):
-        context.set_server_args(ServerArgs(model_path="poolfuzz-no-model", device="cpu"))
-        # The server's widths now come from the arguments; the rank a launcher would write is the
-        # single rank of a CPU run (MLA's pools and their retraction read it).
-        parallel = runtime_context.get_parallel()
-        try:
-            parallel.attn_dcp_rank
-        except (RuntimeError, ValueError):
-            parallel.override_permanently(attn_dcp_rank=0)
-    server_args = runtime_context.get_server_args()
-    if not hasattr(server_args, "_mamba_cache_chunk_size"):
-        # The mamba checkpoint grid is max(the model's mamba chunk, page size), read from the model's HF
-        # config, which a run without a model has none of: SGLang honours a pre-seeded value (as its
-        # own test fixtures seed it). A model config without mamba_chunk_size gets FLA's chunk, 64 (the
-        # value SGLang falls back to; importing the FLA kernels for it probes Triton's GPU driver).
-        server_args._mamba_cache_chunk_size = 64
-    _PUBLISHED["done"] = True
-
-
-def build_tree(family: SGLangFamily):
-    """The tree the release's scheduler builds for this model (its registry's default chain)."""
-    _publish_defaults()
-    from sglang.srt.mem_cache import registry
-    from sglang.srt.mem_cache.cache_init_params import CacheInitParams
-
-    c = family.config
-    params = CacheInitParams(disable=False, req_to_token_pool=family.sg_req_pool,
-                             token_to_kv_pool_allocator=family.sg_allocator, page_size=c.page_size,
-                             sliding_window_size=c.sliding_window if c.has_swa else None)
-    ctx = registry.TreeCacheBuildContext(
-        server_args=None, params=params, is_hybrid_swa=c.has_swa, is_hybrid_ssm=c.has_mamba,
-        enable_hierarchical_cache=False, disable_radix_cache=False, tp_worker=None, model_config=None,
-        tp_size=1, tp_rank=0, tp_group=None, full_tokens_per_layer=c.full_tokens)
-    return registry.default_radix_cache_factory(ctx)
 
 
 # =============================================================================================
@@ -189,6 +141,7 @@ class SGLangTreeProtocol(SGLangProtocol):
         self.sampling = SamplingParams
         self.finish_length, self.finish_abort = FINISH_LENGTH, FINISH_ABORT
         self.tokens: dict[int, list[int]] = {}  # rid -> its token ids, prompt and output
+        self.turns: dict[int, int] = {}  # rid of a next turn begun, not yet admitted -> its source's prefix
 
     # --- requests ----------------------------------------------------------------------------
     def _tokens(self, rid: int, n: int) -> list[int]:
@@ -235,6 +188,7 @@ class SGLangTreeProtocol(SGLangProtocol):
         # init_next_round_input: a mamba tree copies the matched state into a slot of the request's
         # own (allocated here, evicting if it must), deferred to the request's first extend forward
         self.common.match_kv_cache(sg, tree, cow_mamba=tree.supports_mamba())
+        hicache.load_back(tree, sg)  # a match ending on the host: the adder loads it back first
         sg.lock = tree.lock(sg.last_node)
         return int(sg.prefix_len)
 
@@ -253,6 +207,10 @@ class SGLangTreeProtocol(SGLangProtocol):
                     kv.mamba_cow_src_index = None
                     kv.mamba_needs_clear = req.mamba_needs_clear = False
         super().run_deferred_mamba_ops(reqs, family)
+
+    def _done(self, family) -> None:
+        hicache.poll(family.tree)
+        super()._done(family)
 
     # --- token allocation: evict first, as SGLang's allocation helpers do -------------------------
     def _evict_swa(self, req, family, pre_len: int) -> None:
@@ -378,14 +336,8 @@ class SGLangTreeProtocol(SGLangProtocol):
         evictable tokens once that hit is locked, as the fork locks it before it allocates (locked
         and unlocked again: nothing stays held)."""
         toks = self._tokens(src_rid, prefix)[:prefix] + [token_of(0, p) for p in range(prefix, seqlen)]
-        probe = self.req_cls(rid="poolfuzz-peek", origin_input_text="", origin_input_ids=array("q", toks),
-                             sampling_params=self.sampling(max_new_tokens=1 << 20))
-        probe.refresh_fill_ids()
-        self.common.match_kv_cache(probe, family.tree, cow_mamba=False)
-        lock = family.tree.lock(probe.last_node)
-        evictable = int(family.tree.evictable_size())
-        family.tree.unlock(lock)
-        return min(int(probe.prefix_len), prefix), evictable
+        hit, _, evictable = self._probe(family, toks)
+        return min(hit, prefix), evictable
 
     def fork(self, src, dst, family) -> None:
         """A new request whose prompt is the source's committed tokens and more, as the scheduler admits
@@ -408,19 +360,7 @@ class SGLangTreeProtocol(SGLangProtocol):
             raise PoolExhausted(space="rows", requested=1, available=family.sg_req_pool.available_size())
         try:
             hit = min(self._match_and_lock(dst, family, sg), prefix)
-            try:
-                super().admit(dst, family)
-            except PoolError:
-                self._not_added(sg, family)
-                raise
-            if sg.kv.mamba_cow_src_index is not None:  # the copy replaces the clear of a fresh slot
-                sg.kv.mamba_needs_clear = dst.mamba_needs_clear = False
-            if hit:
-                indices = family.tree.prefix_device_indices(sg)[:hit]
-                self._write_row(dst, family, 0, indices.to(torch.int64))
-            dst.kv_allocated_len = sg.kv.kv_allocated_len = hit
-            dst.kv_committed_len = sg.kv.kv_committed_len = hit
-            dst.cache_protected_len = sg.kv.cache_protected_len = hit
+            self._admit_hit(dst, family, sg, hit)
         finally:
             self._done(family)
         try:
@@ -432,6 +372,78 @@ class SGLangTreeProtocol(SGLangProtocol):
         dst.recompute_from = hit if hit < prefix else None
         if family.has_recurrent_state() and hit < prefix:
             dst.state_recompute_from = hit  # that forward starts from the copied (or cleared) state
+
+    # --- a chat's next turn: a new request whose prompt continues a finished one's tokens ---------
+    def begin_turn(self, req, family, *, src_rid: int, prefix: int) -> dict:
+        """The next turn of finished ``src_rid`` arrives: its first ``prefix`` tokens, then its own. The
+        scheduler's policy matches it first (a throwaway probe here, as for a fork): the device hit, and
+        on a HiCache tree the host hit after it, which admission loads back."""
+        self._fresh(req.rid, self._tokens(src_rid, prefix)[:prefix])
+        self.turns[req.rid] = prefix
+        hit, host, evictable = self._probe(family, self.tokens[req.rid] + [token_of(req.rid, p)
+                                                                          for p in range(prefix, req.seqlen)])
+        return {"hit": hit, "host": host, "evictable": evictable}
+
+    def end_turn(self, req, family) -> None:
+        """The turn did not fit: nothing of it stays (the scheduler leaves it waiting)."""
+        self.turns.pop(req.rid, None)
+        self.standins.pop(req.rid, None)
+        self.tokens.pop(req.rid, None)
+
+    def resume(self, req, family) -> None:
+        """A retracted request's resume, or a next turn's admission (``begin_turn``): the prefill adder's
+        match, load-back and lock, ``alloc_req_slots``, then one extend of every prompt token but the
+        last (what the hit did not cover is computed again)."""
+        if req.rid not in self.turns:
+            return super().resume(req, family)
+        self.turns.pop(req.rid)
+        sg = self.standin(req, family)
+        if family.sg_req_pool.available_size() <= 0:  # get_num_allocatable_reqs: no match is tried
+            raise PoolExhausted(space="rows", requested=1, available=family.sg_req_pool.available_size())
+        loaded = req.seqlen - 1
+        try:
+            hit = min(self._match_and_lock(req, family, sg), loaded)
+            self._admit_hit(req, family, sg, hit)
+        finally:
+            self._done(family)
+        try:
+            self.extend(req, family, loaded)
+        except PoolExhausted:
+            self._release_through_tree(req, family, checkpoint=False)
+            raise
+        req.kv_committed_len = sg.kv.kv_committed_len = loaded
+        req.recompute_from = hit if hit < loaded else None
+        if family.has_recurrent_state() and hit < loaded:
+            req.state_recompute_from = hit  # that forward starts from the copied (or cleared) state
+
+    def _probe(self, family, toks: list[int]) -> tuple[int, int, int]:
+        """What the radix match of ``toks`` finds (a throwaway request): the device hit, the host hit
+        after it, and the tree's evictable tokens with the device hit locked (locked and unlocked again)."""
+        probe = self.req_cls(rid="poolfuzz-peek", origin_input_text="", origin_input_ids=array("q", toks),
+                             sampling_params=self.sampling(max_new_tokens=1 << 20))
+        probe.refresh_fill_ids()
+        self.common.match_kv_cache(probe, family.tree, cow_mamba=False)
+        lock = family.tree.lock(probe.last_node)
+        evictable = int(family.tree.evictable_size())
+        family.tree.unlock(lock)
+        return int(probe.prefix_len), int(probe.host_hit_length), evictable
+
+    def _admit_hit(self, dst, family, sg, hit: int) -> None:
+        """After the match: the row (reverted as the scheduler reverts a request the adder did not
+        add), then the hit's slots at the head of it, held by the tree."""
+        try:
+            SGLangProtocol.admit(self, dst, family)
+        except PoolError:
+            self._not_added(sg, family)
+            raise
+        if sg.kv.mamba_cow_src_index is not None:  # the copy replaces the clear of a fresh slot
+            sg.kv.mamba_needs_clear = dst.mamba_needs_clear = False
+        if hit:
+            indices = family.tree.prefix_device_indices(sg)[:hit]
+            self._write_row(dst, family, 0, indices.to(torch.int64))
+        dst.kv_allocated_len = sg.kv.kv_allocated_len = hit
+        dst.kv_committed_len = sg.kv.kv_committed_len = hit
+        dst.cache_protected_len = sg.kv.cache_protected_len = hit
 
     def _not_added(self, sg, family) -> None:
         """The scheduler's revert for a matched request the adder did not add: drop the staged
@@ -463,6 +475,8 @@ class SGLangTreeFamily(SGLangFamily):
     """
 
     supports_fork = True
+    supports_next_turn = False  # set per config by ``with_tree``: a next turn goes through the tree's match
+    hierarchical = False  # HiCache: the tree has a host tier (``hicache.py``)
     caches_freed_units = True  # a finished request's KV goes into the tree, freed (and reported) when evicted
     tree: object = None
 
@@ -515,7 +529,12 @@ def with_tree(family: SGLangFamily) -> SGLangFamily:
     # and the capabilities set per family when built (pd_decode, supports_transfer, resume_swa_tail_only)
     names = {f.name for f in fields(family)}
     out.__dict__.update({k: v for k, v in vars(family).items() if k not in names})
-    out.tree = build_tree(out)
+    # A next turn goes through the tree's match, as a fork does. Not on SWA configs: a turn's window
+    # on the PD decode node is not modelled by the tree reference (swa-ssm: a transfer after a decode-node
+    # turn of 18 tokens finds SWA short where the reference predicts success, 14 steps).
+    out.supports_next_turn = not family.config.has_swa
+    out.hierarchical = hicache.hicache_problem(family.api, family.config, pd_decode=family.pd_decode) is None
+    out.tree = build_tree(out, hierarchical=out.hierarchical)
     out.protocol = SGLangTreeProtocol(family.api)
     out.admission.tree_cache = out.tree
     out.snapshot_free_lists()

@@ -1,0 +1,129 @@
+"""HiCache through SGLang's own tree: device->host write-through and host->device load-back on the CPU.
+
+A prefill server started with ``--enable-hierarchical-cache`` builds its ``UnifiedRadixCache`` with a
+host tier (``init_hicache``: a ``HostPoolGroup`` of the host pool SGLang's assembler picks for each
+device pool, and a ``HybridCacheController``). Cached nodes are written through to the host as they
+are inserted; eviction under pressure demotes a backed-up node to the host and frees its device slots;
+a later match that ends on the host is loaded back by the prefill adder (``init_load_back``, under a
+host lock), and the scheduler polls the transfers once a step (``check_hicache_events``). The adapter
+runs that path on the prefill node of the configs it can build it for, with the server arguments a
+CPU run needs (the ``direct`` I/O backend, the layer-first layout) scoped to the build.
+
+One call-time stand-in: a host pool pins its buffer with ``cudaHostRegister`` when ``pin_memory`` is
+set, which is the assembler's default; where torch has no CUDA (a CPU-only machine) there is nothing
+to pin, so :func:`install_cpu_host_register` gives ``pool_host.common`` a register that records no
+range (what ``destroy`` then unregisters: nothing). SGLang's own register is never replaced where CUDA
+exists. The copies themselves are ``host.install_cpu_transfer_ops``'s.
+"""
+
+from __future__ import annotations
+
+import types
+from contextlib import contextmanager
+
+import torch
+
+from poolfuzz.adapters.sglang.host import HOST_LAYOUT, IO_BACKEND, install_cpu_transfer_ops
+from poolfuzz.pools.config import ModelConfig
+
+HOST_RATIO = 2.0  # SGLang's default --hicache-ratio: host pages = 2 x device pages
+WRITE_POLICY = "write_through"  # SGLang's default --hicache-write-policy
+
+
+def hicache_problem(api, config: ModelConfig, *, pd_decode: bool) -> str | None:
+    """Why the adapter does not run HiCache for ``config`` on this node, or None."""
+    if pd_decode:
+        return "the PD decode server backs retractions up into its host pool instead (host.py)"
+    if config.has_swa:
+        # with a host tier the tree frees SWA the reference's accounting (swa_evictable_size) does not
+        # count: a fork it predicts out of SWA succeeds (swa-ssm, 12 steps); not modelled yet
+        return "the SWA host tier is not driven (its SWA reclaim is not modelled by the tree reference)"
+    if config.kv_scale_block or config.attention == "dsa":
+        return "block-scaled and DSA host pools are not driven"
+    try:
+        from sglang.srt.mem_cache import unified_radix_cache as urc
+    except ImportError:
+        return f"SGLang {api.version} has no unified radix tree"
+    if not all(hasattr(urc.UnifiedRadixCache, m) for m in ("init_hicache", "init_load_back", "check_hicache_events")):
+        return f"SGLang {api.version}'s tree has no HiCache entry points (init_hicache / init_load_back)"
+    return None
+
+
+def install_cpu_host_register() -> bool:
+    """A no-op ``cudaHostRegister`` for host pools on a machine without CUDA (see the module docstring)."""
+    if torch.cuda.is_available():
+        return False
+    from sglang.srt.mem_cache.pool_host import common
+
+    attr = common._CUDA_HOST_REGISTERED_RANGES_ATTR
+
+    def register_nothing(buffer, registration_granularity_bytes=None):
+        setattr(buffer, attr, [])  # nothing was registered, so destroy() unregisters nothing
+
+    common._cuda_host_register = register_nothing
+    return True
+
+
+def host_layout(config: ModelConfig) -> str:
+    """``--hicache-mem-layout``: both layouts the ``direct`` backend copies are driven, one per shape.
+    The mamba host pool accepts page-first layouts only (``MambaPoolHost``), so a model with recurrent
+    state, and every paged config, gets ``page_first_direct``; the rest keep the layer-first layout
+    a decode server's host receive resolves."""
+    return "page_first_direct" if config.has_mamba or config.page_size > 1 else HOST_LAYOUT
+
+
+@contextmanager
+def hicache_arguments(config: ModelConfig):
+    """The server arguments ``--enable-hierarchical-cache`` sets, scoped to the tree's build."""
+    from sglang.srt.runtime_context import get_memory
+
+    install_cpu_transfer_ops()
+    install_cpu_host_register()
+    with get_memory().override(enable_hierarchical_cache=True, hicache_ratio=HOST_RATIO,
+                               hicache_io_backend=IO_BACKEND, hicache_mem_layout=host_layout(config),
+                               hicache_write_policy=WRITE_POLICY):
+        yield
+
+
+def worker_standin():
+    """The one call the tree makes on the TP worker: registering the load-back layer counter, which
+    the model's attention layers wait on; the adapter's forward waits for the whole load instead."""
+    return types.SimpleNamespace(register_hicache_layer_transfer_counter=lambda counter: None)
+
+
+# =============================================================================================
+# The scheduler's calls
+# =============================================================================================
+def load_back(tree, sg) -> int:
+    """The prefill adder's load-back of a match that ends on the host (``PrefillAdder.add_one_req``):
+    pin the host match, ``init_load_back``, then the request's prefix grows by what was loaded and the
+    tree owns it (``load_back_is_cache_owned``). Returns the tokens loaded."""
+    if not sg.needs_host_load_back():
+        return 0
+    from sglang.srt.mem_cache.base_prefix_cache import InitLoadBackParams
+
+    promised = int(sg.host_hit_length)
+    host_lock = tree.inc_host_lock_ref(sg.best_match_node).to_dec_params()
+    try:
+        loaded = tree.init_load_back(InitLoadBackParams(best_match_node=sg.best_match_node,
+                                                        host_hit_length=promised, req=sg))
+    finally:
+        tree.dec_host_lock_ref(sg.best_match_node, host_lock)
+    if loaded is None:
+        return 0
+    sg.host_loaded_length, sg.last_node = int(loaded[0]), loaded[1]
+    if 0 < sg.host_loaded_length < promised:  # the adder's own all-or-nothing assertion
+        raise RuntimeError(f"HiCache load-back must commit all promised FULL tokens or none: req={sg.rid} "
+                           f"promised={promised} loaded={sg.host_loaded_length}")
+    sg.prefix_len += sg.host_loaded_length
+    if tree.load_back_is_cache_owned():
+        sg.kv.cache_protected_len = sg.prefix_len
+    # the batch's forward starts the queued host->device copies before its first layer
+    tree.ready_to_load_host_cache()
+    return sg.host_loaded_length
+
+
+def poll(tree) -> None:
+    """The scheduler's once-a-step poll: finished write-throughs and load-backs release their locks."""
+    if getattr(tree, "cache_controller", None) is not None:
+        tree.check_hicache_events()

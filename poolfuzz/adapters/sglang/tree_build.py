@@ -1,0 +1,77 @@
+"""Building the prefix tree the installed release's scheduler would build (``trees.py`` drives it)."""
+
+from __future__ import annotations
+
+from poolfuzz.adapters.sglang import hicache
+
+_PUBLISHED: dict[str, bool] = {}
+
+
+def _publish_defaults() -> None:
+    """The tree reads the server's configuration from SGLang's runtime context: where nothing is
+    published yet, install default server arguments once per process (no model, so no resolution
+    pipeline, which would fetch one: every field keeps its default)."""
+    if _PUBLISHED:
+        return
+    from sglang.srt import runtime_context
+    from sglang.srt.server_args import ServerArgs
+
+    context = runtime_context.get_context()
+    if not context.is_config_namespace_published("memory"):
+        context.set_server_args(ServerArgs(model_path="poolfuzz-no-model", device="cpu"))
+        # The server's widths now come from the arguments; the rank a launcher would write is the
+        # single rank of a CPU run (MLA's pools and their retraction read it).
+        parallel = runtime_context.get_parallel()
+        try:
+            parallel.attn_dcp_rank
+        except (RuntimeError, ValueError):
+            parallel.override_permanently(attn_dcp_rank=0)
+    server_args = runtime_context.get_server_args()
+    if not hasattr(server_args, "_mamba_cache_chunk_size"):
+        # The mamba checkpoint grid is max(the model's mamba chunk, page size), read from the model's HF
+        # config, which a run without a model has none of: SGLang honours a pre-seeded value (as its
+        # own test fixtures seed it). A model config without mamba_chunk_size gets FLA's chunk, 64 (the
+        # value SGLang falls back to; importing the FLA kernels for it probes Triton's GPU driver).
+        server_args._mamba_cache_chunk_size = 64
+    _PUBLISHED["done"] = True
+
+
+def build_tree(family, *, hierarchical: bool = False):
+    """The tree the release's scheduler builds for this model (its registry's default chain); with
+    ``hierarchical``, as ``--enable-hierarchical-cache`` builds it (``hicache.py``)."""
+    _publish_defaults()
+    from sglang.srt.mem_cache import registry
+    from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+    from sglang.srt.runtime_context import get_server_args
+
+    c = family.config
+    params = CacheInitParams(disable=False, req_to_token_pool=family.sg_req_pool,
+                             token_to_kv_pool_allocator=family.sg_allocator, page_size=c.page_size,
+                             sliding_window_size=c.sliding_window if c.has_swa else None,
+                             **_tree_core(family, CacheInitParams))
+    ctx = registry.TreeCacheBuildContext(
+        server_args=get_server_args() if hierarchical else None, params=params, is_hybrid_swa=c.has_swa,
+        is_hybrid_ssm=c.has_mamba, enable_hierarchical_cache=hierarchical, disable_radix_cache=False,
+        tp_worker=hicache.worker_standin() if hierarchical else None, model_config=None,
+        tp_size=1, tp_rank=0, tp_group=None, full_tokens_per_layer=c.full_tokens)
+    if not hierarchical:
+        return registry.default_radix_cache_factory(ctx)
+    with hicache.hicache_arguments(c):
+        return registry.default_radix_cache_factory(ctx)
+
+
+PYTHON_TREE_CORE = "python"
+
+
+def _tree_core(family, params_cls) -> dict:
+    """Both of 0.5.23's tree cores run in every run: the prefill node keeps the default (the bundled Rust
+    core, whose tree walk coverage cannot see), the PD decode server takes SGLang's Python core through
+    its own per-cache override (``CacheInitParams.tree_core_backend``). A core named by
+    ``SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND`` serves both nodes."""
+    import os
+
+    if "tree_core_backend" not in getattr(params_cls, "__dataclass_fields__", {}):
+        return {}  # a release with one tree core
+    if os.environ.get("SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND") or not family.pd_decode:
+        return {}
+    return {"tree_core_backend": PYTHON_TREE_CORE}
