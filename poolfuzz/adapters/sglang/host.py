@@ -171,7 +171,17 @@ def host_pool_problem(api, config: ModelConfig) -> str | None:
         return "mamba extra-buffer mode is not driven through SGLang"
     if _hicache_api() is None:
         return f"SGLang {api.version} has no host_pool retraction backup (mem_cache.common.backup_kv_cache(backend=))"
+    if not _host_pools_take_buffer_info():
+        return (f"SGLang {api.version}'s host pools are built from the device pool itself (its pools have no "
+                "get_device_pool_infos); poolfuzz builds them from the buffer info, as 0.5.23 does")
     return None
+
+
+@lru_cache(maxsize=1)
+def _host_pools_take_buffer_info() -> bool:
+    """Whether the device pools describe their buffers for the host pools' constructors (0.5.23)."""
+    memory_pool = importlib.import_module("sglang.srt.mem_cache.memory_pool")
+    return hasattr(memory_pool.MHATokenToKVPool, "get_device_pool_infos")
 
 
 def resolve_backup_mode(api, config: ModelConfig) -> str:

@@ -59,13 +59,24 @@ def _radix_evictable(tree_cache, family) -> int:
     return int(tree_cache.evictable_size())
 
 
+def swa_reserved_apart(family) -> bool:
+    """Does the queue budget the SWA side on its own? Else one budget, ``available_size()`` (the
+    smaller side) plus the tree's full-evictable tokens, serves both."""
+    return uses_swa_tail_prealloc(family) or _assumes_reclaim(family.sg_allocator)
+
+
 def _evictable_by_space(tree_cache, family) -> dict[str, int]:
-    """What the decode tree can evict for each side. Where one budget serves both sides and both are
-    short of free slots, the side named is the one eviction cannot cover, as the reference names it."""
+    """What the decode tree can evict for each side, as the queue's gate counts it, so that the side
+    named short is the one the gate's eviction cannot cover (the reference names it so too)."""
     if tree_cache is None or not tree_cache.supports_prefix_sharing():
         return {}
-    swa = getattr(tree_cache, "swa_evictable_size", None) if family.config.has_swa else None
-    return {"full": _radix_evictable(tree_cache, family), **({"swa": int(swa())} if swa is not None else {})}
+    full = _radix_evictable(tree_cache, family)
+    if not family.config.has_swa:
+        return {"full": full}
+    if not swa_reserved_apart(family):  # one budget: the full-evictable tokens count for both sides
+        return {"full": full, "swa": full}
+    swa = getattr(tree_cache, "swa_evictable_size", None)
+    return {"full": full, **({"swa": int(swa())} if swa is not None else {})}
 
 
 def budgets(family, tree_cache=None) -> tuple[int, int | None]:
@@ -74,8 +85,7 @@ def budgets(family, tree_cache=None) -> tuple[int, int | None]:
     ``disaggregation_decode_enable_radix_cache`` does; its allocation then evicts first."""
     alloc = family.sg_allocator
     evictable = _radix_evictable(tree_cache, family)
-    swa_reserved = uses_swa_tail_prealloc(family) or _assumes_reclaim(alloc)
-    if not swa_reserved:
+    if not swa_reserved_apart(family):
         return alloc.available_size() + evictable, None
     full = alloc.full_available_size() + evictable
     # _swa_tail_allocatable_token_budget: what the SWA side has free (a chunk cache holds nothing evictable)

@@ -75,8 +75,7 @@ class TreeReference(ReferenceFamily):
 
         fam = self.family
         self._gate_counts_full_evictable_only = bool(
-            fam.pd_decode and self.config.has_swa and not prealloc.uses_swa_tail_prealloc(fam)
-            and not prealloc._assumes_reclaim(fam.sg_allocator))
+            fam.pd_decode and self.config.has_swa and not prealloc.swa_reserved_apart(fam))
         try:
             return super().pre_alloc(rid, fill_len)
         finally:

@@ -32,7 +32,11 @@ def evict_window(family, sg, pre_len: int) -> None:
 
     tree = family.tree
     interval = max(1, envs.SGLANG_SWA_EVICTION_INTERVAL.get())
-    due = ScheduleBatch._swa_eviction_trigger(_TriggerBatch(), tree.swa_retain_window, interval)
+    # what maybe_evict_swa passes: the tree's retained window where it has one (0.5.23), else the
+    # sliding window itself (0.5.22 and before)
+    window = getattr(tree, "swa_retain_window", None)
+    due = ScheduleBatch._swa_eviction_trigger(_TriggerBatch(), tree.sliding_window_size if window is None else window,
+                                              interval)
     if sg.kv.holds_kv and due(sg):
         tree.evict_sliding_windows(sg, pre_len, eviction_interval=1)
 
