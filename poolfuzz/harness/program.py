@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Iterator
 
 from poolfuzz.harness.engine import Engine
+from poolfuzz.harness.forward import tree_verifies
 from poolfuzz.harness.records import EngineOptions, Phase, StepRecord
 
 
@@ -86,6 +87,9 @@ def precondition(engine: Engine, step: StepRecord, *, strict: bool = False) -> N
             _need(engine, rid, Phase.RUNNING)
     elif step.op in ("retract", "finish", "decode_speculative"):
         _need(engine, a["rid"], Phase.RUNNING)
+        if a.get("tree") and not tree_verifies(engine):  # recorded on a family whose pools move rows
+            raise CannotRun("a tree verify needs a family whose pools move accepted rows "
+                            "(supports_tree_drafts) and no speculative scratch; this one has not")
     elif step.op == "transfer":
         _need(engine, a["rid"], Phase.RUNNING, "prefill")
     elif step.op == "fork":

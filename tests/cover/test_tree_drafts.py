@@ -79,3 +79,20 @@ def test_no_tree_steps_where_speculative_scratch_is_kept():
         engine = Engine(config=CONFIGS["hybrid-spec"], family_factory=build_family)
 
     assert not tree_verifies(_Machine.engine)
+
+
+def test_a_recorded_tree_step_cannot_run_on_a_family_that_issues_no_tree_verifies():
+    """An artifact with a tree verify, replayed where the family moves no accepted rows (or keeps a
+    speculative scratch), is refused by the step's precondition, not run into a traceback."""
+    from poolfuzz.harness.program import CannotRun, precondition
+    from poolfuzz.harness.records import StepRecord
+
+    tree_step = StepRecord(op="decode_speculative", args={"rid": 1, "draft": 2, "accepted": 1, "tree": True},
+                           outcome="")
+    e, rid = _served("hybrid-spec")  # a speculative scratch per step: no tree verifies
+    assert rid == 1
+    with pytest.raises(CannotRun, match="supports_tree_drafts"):
+        precondition(e, tree_step)
+    precondition(e, StepRecord(op="decode_speculative", args={"rid": 1, "draft": 2, "accepted": 1}, outcome=""))
+    served, _ = _served("dense")
+    precondition(served, tree_step)  # the built-in MHA pool moves rows: the step runs

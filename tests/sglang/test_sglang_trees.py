@@ -258,6 +258,8 @@ def test_a_decode_node_resume_at_page_size_1_waits_as_the_queue_gate_says(tree_a
     for op, args in DECODE_RESUME_AT_PAGE_SIZE_1:
         getattr(e, op)(**args)
         e.check()
+    # the gate's one budget (available_size() plus full-evictable tokens) is short, and both sides agree
+    assert (e.log[-1].op, e.log[-1].outcome) == ("resume", "Req(2) waits: swa exhausted")
     e.sweep()
     e.drain()
 

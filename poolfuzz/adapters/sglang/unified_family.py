@@ -25,10 +25,13 @@ class UnifiedFamily(SGLangFamily):
         translation for the connector, the disagg move gate) is not driven.
       ``reference_factory``: :class:`UnifiedReference`: virtual ids are counted exactly; whether an
         allocation fits is the unified allocator's own byte-level answer.
+      ``supports_tree_drafts``: False; the unified pools' ``move_kv_cache`` moves physical pages for
+        compaction (the SWA pair's raises NotImplementedError), while a tree verify hands it virtual ids.
     """
 
     supports_fork = False
     supports_transfer = False
+    supports_tree_drafts = False
     mirrors: tuple = ()
     kv_mirrors: tuple = ()
     unified_buffer: object = None
