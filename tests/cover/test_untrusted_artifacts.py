@@ -270,7 +270,7 @@ _families = st.sampled_from([f"{SENTINEL_MODULE}:factory", f"{SENTINEL_MODULE}",
 _ints = st.integers(-3, 12) | st.sampled_from([2**31 - 1, 2**31, 2**63]) | st.booleans()
 _args = {"prompt_len": _ints, "rid": _ints, "chunk": _ints, "rids": st.lists(_ints, max_size=3),
          "draft": _ints, "accepted": _ints, "node": st.sampled_from(["prefill", "decode", "x"]) | _json,
-         "src_rid": _ints, "extra": _ints}
+         "src_rid": _ints, "extra": _ints, "tree": _ints | _json}
 
 
 @st.composite
