@@ -11,8 +11,10 @@ from poolfuzz.pools.config import CONFIGS
 @pytest.fixture
 def hicache_api(api):
     from poolfuzz.adapters.sglang.hicache import hicache_problem
+    from poolfuzz.adapters.sglang.trees import tree_problem
 
-    problem = hicache_problem(api, CONFIGS["dense"], pd_decode=False)
+    # HiCache is built into SGLang's tree: a release whose tree is not driven has no host tier here
+    problem = tree_problem(api, CONFIGS["dense"]) or hicache_problem(api, CONFIGS["dense"], pd_decode=False)
     if problem:
         pytest.skip(f"this release's HiCache is not driven: {problem}")
     return api
