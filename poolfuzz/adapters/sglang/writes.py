@@ -13,6 +13,8 @@ directly by the harness.
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 
 from poolfuzz.adapters.sglang.api import _first
@@ -33,14 +35,17 @@ def _as_pool_dtype(rows: torch.Tensor, pool) -> torch.Tensor:
     return rows.view(dtype) if rows.dtype != dtype and rows.element_size() == torch.empty(0, dtype=dtype).element_size() else rows
 
 
-def _write_loc(pool, loc: torch.Tensor):
-    """What the backend passes: a ``KVWriteLoc`` with the SWA translation where this release has one
-    (before it, a bare loc that the SWA pool translates itself)."""
-    write_loc = _first("sglang.srt.mem_cache.memory_pool:KVWriteLoc", required=False)
-    if write_loc is None:
-        return loc
+def _write_loc(pool, loc: torch.Tensor) -> tuple[object, dict]:
+    """What the backend passes, as (loc argument, keyword arguments): a ``KVWriteLoc`` with the SWA
+    translation where this release has one; before it, a bare loc, with the translation as ``swa_loc=``
+    where ``set_kv_buffer`` takes one (0.5.13: the SWA pool never translates itself), else nothing."""
     translate = getattr(pool, "translate_loc_from_full_to_swa", None)
-    return write_loc(loc, swa_loc=translate(loc) if translate is not None else None)
+    swa_loc = translate(loc) if translate is not None else None
+    write_loc = _first("sglang.srt.mem_cache.memory_pool:KVWriteLoc", required=False)
+    if write_loc is not None:
+        return write_loc(loc, swa_loc=swa_loc), {}
+    takes_swa_loc = "swa_loc" in inspect.signature(pool.set_kv_buffer).parameters
+    return loc, ({"swa_loc": swa_loc} if takes_swa_loc and swa_loc is not None else {})
 
 
 def write_rows(pool, *, mha_layers, mla_layers, slots: torch.Tensor, rows: dict) -> set:
@@ -50,13 +55,13 @@ def write_rows(pool, *, mha_layers, mla_layers, slots: torch.Tensor, rows: dict)
         return set()
     device = next(iter(rows.values())).device
     loc = slots.to(device=device, dtype=torch.int64)
-    loc_info = _write_loc(pool, loc)
+    loc_info, loc_kwargs = _write_loc(pool, loc)
     done = set()
     for space, layer_id in mha_layers:
         k, v = (f"{space}.k", layer_id), (f"{space}.v", layer_id)
         if k in rows and v in rows:
             pool.set_kv_buffer(_Layer(layer_id), loc_info, _as_pool_dtype(rows[k], pool),
-                               _as_pool_dtype(rows[v], pool))
+                               _as_pool_dtype(rows[v], pool), **loc_kwargs)
             done |= {k, v}
     for layer_id in mla_layers:
         nope, rope = ("mla.latent", layer_id), ("mla.rope", layer_id)
@@ -64,6 +69,6 @@ def write_rows(pool, *, mha_layers, mla_layers, slots: torch.Tensor, rows: dict)
             # The CPU backends' door: one latent row, the compressed part then the rope part (the split
             # ``set_mla_kv_buffer`` is a Triton kernel); ``cache_v`` is not read by an MLA pool.
             latent = torch.cat([rows[nope], rows[rope]], dim=-1).unsqueeze(1)
-            pool.set_kv_buffer(_Layer(layer_id), loc_info, _as_pool_dtype(latent, pool), None)
+            pool.set_kv_buffer(_Layer(layer_id), loc_info, _as_pool_dtype(latent, pool), None, **loc_kwargs)
             done |= {nope, rope}
     return done
