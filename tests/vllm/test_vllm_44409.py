@@ -104,4 +104,6 @@ def test_the_fuzzer_finds_it_and_shrinks_it(api):
     ops = [step.op for step in result.engine_steps]
     # The shared block comes from a prefix hit: a next turn's, or a resume's lookup.
     assert ops[-1] in ("next_turn", "resume"), ops
-    assert len(ops) <= 16, ops
+    # 16 until stop 14, whose new rules (tree verify, next turns through the tree) change the draws: 17
+    # measured on 0.23.0 at f6c816c with this seed and shrink limit
+    assert len(ops) <= 18, ops
