@@ -31,6 +31,7 @@ def fuzz_family(family_factory, config, *, examples: int, steps: int = 30) -> Ou
     try:
         run_state_machine_as_test(Tracked, settings=settings(
             max_examples=examples, stateful_step_count=steps, deadline=None, derandomize=True, database=None,
+            report_multiple_bugs=False,  # one shrunk failure, as `poolfuzz run` reports: never an ExceptionGroup
             suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much]))
     except PoolfuzzFailure as exc:
         return Outcome(failure=exc, steps=list(last["engine"].log))

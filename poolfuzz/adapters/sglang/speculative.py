@@ -95,13 +95,14 @@ def move_accepted(family, *, tgt, src) -> None:
     alloc = family.sg_allocator
     kv_pool = alloc.get_kvcache() if hasattr(alloc, "get_kvcache") else family.sg_kv_pool
     device = family.device
-    kv_pool.move_kv_cache(tgt.to(device=device, dtype=torch.int64), src.to(device=device, dtype=torch.int64))
+    with native_kv_move():  # releases up to 0.5.22 read the switch at each move, 0.5.23 when the pool is built
+        kv_pool.move_kv_cache(tgt.to(device=device, dtype=torch.int64), src.to(device=device, dtype=torch.int64))
 
 
 # A speculative server builds its MHA pools with ``enable_kv_cache_copy`` (the configurator), whose tiled
 # row move is a Triton kernel (on a CPU server sgl_kernel's ``copy_all_layer_kv_cache_cpu``); neither runs
-# here. SGLang's own switch for the torch move (``move_kv_cache_native``) is this variable, read when a
-# pool is built.
+# here. SGLang's own switch for the torch move (``move_kv_cache_native``) is this variable: 0.5.23 reads it
+# when a pool is built, earlier releases (0.5.13) at every ``move_kv_cache``, so it is set around both.
 NATIVE_MOVE = "SGLANG_NATIVE_MOVE_KV_CACHE"
 
 
@@ -126,7 +127,8 @@ def moves_rows(sg_kv, device) -> bool:
         return False
     pad = torch.zeros(1, dtype=torch.int64, device=device)
     try:
-        move(pad, pad)
+        with native_kv_move():
+            move(pad, pad)
     except Exception:  # a kernel this machine cannot launch, or a pool built without its copy config
         return False
     return True
