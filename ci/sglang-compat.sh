@@ -59,7 +59,7 @@ version, reach_dir, artifacts = sys.argv[1], sys.argv[2], sys.argv[3]
 def row(imports, configs, verdict, triton="-", reach="-"):
     print(f"{version:13} | {'yes':8} | {imports:7} | {configs:60} | {triton:11} | {reach:36} | {verdict}", flush=True)
 try:
-    from poolfuzz.adapters.sglang import describe, unsupported_reason, build_family
+    from poolfuzz.adapters.sglang import describe, unsupported_reason, unified_unsupported_reason
     info = describe()
 except Exception as exc:
     row("no", "-", f"{type(exc).__name__}: {str(exc)[:150]}")
@@ -68,25 +68,30 @@ import glob, json, os, shutil, subprocess
 from poolfuzz.pools.config import CONFIGS
 from poolfuzz.harness.failures import WAIVABLE
 examples = os.environ.get("POOLFUZZ_COMPAT_EXAMPLES", "60")
-supported = []
-for name, config in CONFIGS.items():
-    try:
-        why = unsupported_reason(config)
-    except Exception as exc:
-        why = f"{type(exc).__name__}: {exc}"
-    if not why:
-        supported.append(name)
+def supported_by(reason):
+    """The named configs the release runs with a family whose probe is ``reason``."""
+    out = []
+    for name, config in CONFIGS.items():
+        try:
+            why = reason(config)
+        except Exception as exc:
+            why = f"{type(exc).__name__}: {exc}"
+        if not why:
+            out.append(name)
+    return out
+
+supported = supported_by(unsupported_reason)
 
 class RunFailed(Exception):
     """The campaign's poolfuzz run neither passed nor failed a check: its verdict is not "pass"."""
 
-def campaign(waive, coverage=None):
+def campaign(waive, coverage=None, family="sglang", configs=None):
     """Every distinct signature per config, each shrunk once (the run keeps going past each):
     config -> [(signature, steps of its shrunk program)]."""
-    out = os.path.join(artifacts, "+".join(waive) or "unwaived")
+    out = os.path.join(artifacts, family.replace(":", "-"), "+".join(waive) or "unwaived")
     shutil.rmtree(out, ignore_errors=True)
     os.makedirs(out)
-    cmd = [sys.executable, "-m", "poolfuzz.cli", "run", "--family", "sglang", "--config", *supported,
+    cmd = [sys.executable, "-m", "poolfuzz.cli", "run", "--family", family, "--config", *(configs or supported),
            "--examples", examples, "--seed", "1", "--db", "none", "--out", out, "--shrink-seconds", "20"]
     if waive:
         cmd += ["--waive", *waive]
@@ -153,5 +158,17 @@ configs = f"{len(supported)}: " + ("all" if len(supported) == len(CONFIGS) else
 triton = "interpreted" if info.get("kernels_interpreted") and info.get("paged_kernels") else "-"
 row("yes", configs, "; ".join(verdicts) if verdicts else "pass on all", triton,
     reach_of(reach_dir) if measure else "not measured")
+# The unified memory pool (--enable-unified-memory), where the release has it: its own row.
+unified = supported_by(unified_unsupported_reason)
+if unified:
+    version += " unified"
+    try:
+        found = campaign([], family="sglang:unified", configs=unified)
+    except RunFailed as exc:
+        row("yes", f"{len(unified)} supported", f"FAILED: {exc}")
+        sys.exit(0)
+    verdicts = [f"{name}: " + ", ".join(f"{sig} ({steps} steps)" for sig, steps in sigs)
+                for name, sigs in found.items()]
+    row("yes", f"{len(unified)}: " + ", ".join(unified), "; ".join(verdicts) if verdicts else "pass on all")
 PY
 done
