@@ -23,13 +23,13 @@ import torch
 
 from poolfuzz.adapters.sglang.admission import SchedulerAdmission
 from poolfuzz.adapters.sglang.calls import paged_alloc_extend
-from poolfuzz.adapters.sglang.api import SGLangAPI, _first, load
+from poolfuzz.adapters.sglang.api import SGLangAPI, _first, call_with, load
 from poolfuzz.adapters.sglang.family import KV_DTYPES, _carries_mamba
 from poolfuzz.adapters.sglang.request_pool import mamba_cache_params
 from poolfuzz.adapters.sglang.standin import standin_class
 from poolfuzz.adapters.sglang.storage import single_rank
 from poolfuzz.adapters.sglang.tracking import check_built, pool_kwargs
-from poolfuzz.adapters.sglang.unified_family import UnifiedFamily, UnifiedProtocol, mirrored_kv, mirrored_state
+from poolfuzz.adapters.sglang.unified_family import UnifiedFamily, UnifiedProtocol, mirrored_kv, mirrored_state, prewarm_compaction
 from poolfuzz.adapters.sglang.unified_mirror import held_slots
 from poolfuzz.adapters.sglang.unified_swa import build_swa, swa_factory, tri_factory
 from poolfuzz.adapters.sglang.views import AllocatorView, FreeListView, KVPoolView, ReqPoolView, _ints
@@ -137,14 +137,14 @@ def _build_mamba(api: SGLangAPI, c: ModelConfig, dev, sdev: str, *, need_sort: b
     # The full side can hold more tokens than ``full_tokens`` (it grows into the state side's free
     # bytes), and the harness ends no request by length: the model's context is what the full side can
     # ever hold (the scheduler clamps a request to the pool), so a request row never overflows.
-    sized = _factory()(model_context_len=c.max_context, **args)
+    sized = call_with(_factory(), model_context_len=c.max_context, **args)
     ever = sized.token_to_kv_pool_allocator.full_attn_allocator.max_slots
-    bundle = _factory()(model_context_len=max(c.max_context, ever), **args)
+    bundle = call_with(_factory(), model_context_len=max(c.max_context, ever), **args)
     req_pool, kv_pool, alloc = bundle.req_to_token_pool, bundle.token_to_kv_pool, bundle.token_to_kv_pool_allocator
     problem = check_built(req_pool, c)
     if problem:
         raise ConfigError(f"config {c.name!r} on sglang {api.version}: {problem}")
-    alloc.prewarm_compaction()  # as the scheduler does right after it builds the pools
+    prewarm_compaction(alloc)
     full, mamba = alloc.full_attn_allocator, alloc.mamba_allocator
 
     kv_mirrors, comps = mirrored_kv(kv_pool.full_kv_pool, c.full_layer_ids, "full", full,

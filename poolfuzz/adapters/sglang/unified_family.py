@@ -155,3 +155,12 @@ class _MirroredMambaView(MambaPoolView):
 
     def components(self) -> list[Component]:
         return list(self.comps)
+
+
+def prewarm_compaction(allocator) -> None:
+    """What the scheduler does right after it builds a unified pool (0.5.23: ``prewarm_compaction``, the
+    first compaction move made before serving). A release whose allocator has no such step (0.5.22) builds
+    without it, as its scheduler does."""
+    prewarm = getattr(allocator, "prewarm_compaction", None)
+    if prewarm is not None:
+        prewarm()

@@ -14,12 +14,12 @@ import functools
 import torch
 
 from poolfuzz.adapters.sglang.admission import SchedulerAdmission
-from poolfuzz.adapters.sglang.api import SGLangAPI, _first, construct
+from poolfuzz.adapters.sglang.api import SGLangAPI, _first, call_with, construct
 from poolfuzz.adapters.sglang.family import KV_DTYPES, _carries_mamba
 from poolfuzz.adapters.sglang.standin import standin_class
 from poolfuzz.adapters.sglang.request_pool import mamba_cache_params
 from poolfuzz.adapters.sglang.tracking import pool_kwargs
-from poolfuzz.adapters.sglang.unified_family import UnifiedFamily, UnifiedProtocol, mirrored_kv, mirrored_state
+from poolfuzz.adapters.sglang.unified_family import UnifiedFamily, UnifiedProtocol, mirrored_kv, mirrored_state, prewarm_compaction
 from poolfuzz.adapters.sglang.unified_mirror import Mirror, held_slots, shadow_like
 from poolfuzz.adapters.sglang.views import FreeListView, KVPoolView, ReqPoolView, _ints
 from poolfuzz.adapters.sglang.writes import _as_pool_dtype, _Layer
@@ -80,19 +80,19 @@ def build_swa(api: SGLangAPI, c: ModelConfig, dev, sdev: str, *, need_sort: bool
                     enable_mamba_extra_buffer_lazy=False,
                     disable_overlap_schedule=not modes["enable_overlap_schedule"])
         # rows as wide as the full side can ever grow (see unified._build_mamba)
-        sized = tri_factory()(model_context_len=c.max_context, **args)
+        sized = call_with(tri_factory(), model_context_len=c.max_context, **args)
         ever = sized.token_to_kv_pool_allocator.full_attn_allocator.max_slots
-        bundle = tri_factory()(model_context_len=max(c.max_context, ever), **args)
+        bundle = call_with(tri_factory(), model_context_len=max(c.max_context, ever), **args)
         req_pool = bundle.req_to_token_pool
     else:
-        bundle = swa_factory()(model_context_len=c.max_context, **args)
+        bundle = call_with(swa_factory(), model_context_len=c.max_context, **args)
     alloc, kv_pool = bundle.token_to_kv_pool_allocator, bundle.token_to_kv_pool
     full, swa = alloc.full_attn_allocator, alloc.swa_attn_allocator
     if not c.has_mamba:  # the configurator's plain request pool, rows as wide as the full side can grow
         req_pool = construct(api.ReqToTokenPool, size=c.request_rows,
                              max_context_len=max(c.max_context, full.max_slots), device=sdev,
                              enable_memory_saver=False)
-    alloc.prewarm_compaction()
+    prewarm_compaction(alloc)
 
     kv_mirrors, comps = mirrored_kv(kv_pool.full_kv_pool, c.full_layer_ids, "full", full,
                                     held=functools.partial(held_slots, full))
