@@ -64,6 +64,13 @@ class UnifiedReference(ReferenceFamily):
             self._decoding = False
 
     def _need(self, needs: dict[str, int]) -> None:
+        if needs.get("mamba") and needs.get("rows", 0) <= self.free.get("rows", 0):
+            # the adder asks for state slots (``ensure_mamba_capacity``, the mamba side's schedulable size)
+            # before it counts any KV: where both sides are short, the scheduler names the state side (seen
+            # on 0.5.22, hybrid-linear-ps4: a resume short of both)
+            mamba = self.family.sg_allocator.mamba_allocator.schedulable_available_size()
+            if needs["mamba"] > mamba:
+                raise PoolExhausted(space="mamba", requested=needs["mamba"], available=mamba)
         super()._need(needs)  # the virtual ids, space by space
         tokens = needs.get("full", 0) * self.ps
         if self._decoding:
