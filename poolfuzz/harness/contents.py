@@ -18,6 +18,9 @@ import torch
 TAG_WIDTH = 8
 KIND_ZERO, KIND_KV, KIND_STATE, KIND_POISON, KIND_PADDING = 0, 1, 2, 3, 4
 CHAIN_MOD = 251  # prime below 256, so a chain byte is exact in every dtype
+# A KV row's chain byte: 0 for the token's KV; this for a draft a tree verify wrote on the branch it then
+# rejected (same request, position, layer and component, so a move from that branch is told apart)
+REJECTED_DRAFT_CHAIN = 1
 CHAIN_MUL = 31
 
 COMPONENT_CODES = {"full.k": 1, "full.v": 2, "swa.k": 3, "swa.v": 4, "mamba.temporal": 5,
@@ -50,7 +53,8 @@ class Tag:
     def describe(self) -> str:
         comp = CODE_NAMES.get(self.component, f"component#{self.component}")
         if self.kind == KIND_KV:
-            return f"req {self.rid} pos {self.position} ({comp} layer {self.layer})"
+            rejected = ", a draft on the branch the verify rejected" if self.chain == REJECTED_DRAFT_CHAIN else ""
+            return f"req {self.rid} pos {self.position} ({comp} layer {self.layer}){rejected}"
         if self.kind == KIND_STATE:
             return f"req {self.rid} gen {self.position} chain {self.chain}"
         if self.kind == KIND_POISON:

@@ -76,10 +76,14 @@ class Writer:
         # attention backend has it do; what the door does not take is written here.
         door = {} if getattr(fam.kv_pool, "writes_through_engine", False) else None
         depths = tree_depths(written_end - start, e.device) if tree else None
+        off_path = torch.arange(written_end - start, device=e.device) % 2 == 1 if tree else None  # nodes 2d - 1
         for comp, spec, state_type in kv_plan:
             rows = row_cache.kv_rows(spec, req.rid, start, written_end, e.device)
             if depths is not None:  # each tree node holds the KV of its depth's position
                 rows = rows[depths]
+                # the branch the path never takes holds rejected drafts, told apart by their chain byte
+                rejected = row_cache.rejected_draft_rows(spec, req.rid, start, written_end, e.device)[depths]
+                rows[off_path] = rejected[off_path]
             if door is None:
                 self._write_rows(fam, comp, state_type, slots, rows, targets)
             else:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from poolfuzz.harness.checksums import row_checksums
-from poolfuzz.harness.contents import CHAIN_MOD, KIND_KV, KIND_POISON, KIND_STATE
+from poolfuzz.harness.contents import CHAIN_MOD, KIND_KV, KIND_POISON, KIND_STATE, REJECTED_DRAFT_CHAIN
 from poolfuzz.harness.ledger import POISON_CHAIN, ComponentSpec, Ledger, build_rows
 
 MAX_ENTRIES = 50_000
@@ -40,6 +40,14 @@ def kv_rows(spec: ComponentSpec, rid: int, start: int, end: int, device) -> torc
     dev = torch.device(device)
     rows = _get(("kv", spec, rid, dev), end, lambda n: build_rows(
         spec, kind=KIND_KV, rid=rid, position=torch.arange(n), chain=0, device=dev))
+    return rows[start:end]
+
+
+def rejected_draft_rows(spec: ComponentSpec, rid: int, start: int, end: int, device) -> torch.Tensor:
+    """``kv_rows`` with the rejected-draft chain byte: what a tree verify wrote on its other branch."""
+    dev = torch.device(device)
+    rows = _get(("draft", spec, rid, dev), end, lambda n: build_rows(
+        spec, kind=KIND_KV, rid=rid, position=torch.arange(n), chain=REJECTED_DRAFT_CHAIN, device=dev))
     return rows[start:end]
 
 

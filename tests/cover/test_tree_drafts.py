@@ -96,3 +96,18 @@ def test_a_recorded_tree_step_cannot_run_on_a_family_that_issues_no_tree_verifie
     precondition(e, StepRecord(op="decode_speculative", args={"rid": 1, "draft": 2, "accepted": 1}, outcome=""))
     served, _ = _served("dense")
     precondition(served, tree_step)  # the built-in MHA pool moves rows: the step runs
+
+
+@pytest.mark.parametrize("name", ["dense", "swa-ps4"])
+def test_a_move_from_the_branch_the_verify_rejected_is_caught(name, monkeypatch):
+    """The rejected branch's nodes hold drafts for the same depths: a move that takes them (an accept index
+    off by one node) lands KV of the right positions but of drafts the verify rejected, and says so."""
+    from poolfuzz.harness import forward
+
+    monkeypatch.setattr(forward, "accepted_node", lambda depth: 2 * depth - 1)
+    e, rid = _served(name)
+    e.decode_speculative(rid, 6, 3, tree=True)
+    with pytest.raises(PoolfuzzFailure) as info:
+        e.check()
+    assert type(info.value).__name__ == "StateLost" and info.value.divergence.rid == rid, info.value
+    assert "a draft on the branch the verify rejected" in str(info.value), info.value
