@@ -13,10 +13,11 @@ from poolfuzz.pools.blueprint import Blueprint
 from poolfuzz.pools.config import ModelConfig
 from poolfuzz.pools.errors import ConfigError, PoolExhausted
 from poolfuzz.pools.free_faults import AbortMidPrefillLeaksLastChunk, FreeGroupDropsSWAPile
+from poolfuzz.pools.grid_faults import MambaLayerMapAssumesContiguous, ReloadChunkAtChunkNumber
 from poolfuzz.pools.host import HostKVPool
 from poolfuzz.pools.host_faults import HostLoadStopsAtPoolLayerCount
-from poolfuzz.pools.kv import MHATokenToKVPool, SWAKVPool
-from poolfuzz.pools.mamba import MambaPool, MambaSlotAllocator
+from poolfuzz.pools.kv import SWAKVPool
+from poolfuzz.pools.mamba import MambaSlotAllocator
 from poolfuzz.pools.prefix_tree import MambaPrefixTree
 from poolfuzz.pools.protocol import ServingProtocol
 from poolfuzz.pools.req_to_token import HybridReqToTokenPool
@@ -316,31 +317,6 @@ class FreesPartialPages(ServingProtocol):
             family.allocator.free(family.req_pool.read(req.req_pool_idx, req.kv_committed_len,
                                                        req.kv_allocated_len))
             req.kv_allocated_len = req.kv_committed_len
-
-
-# --- off the named grid: sizes and shapes the eight named configs do not have ---------------------
-class ReloadChunkAtChunkNumber(MHATokenToKVPool):
-    """Reload of a chunked CPU copy (8192 positions a chunk, sglang#7409) slices the target slots at
-    the chunk's *number*, not its first position: one chunk (every context up to 8192 tokens) is
-    exact; past it, the second chunk overwrites positions 1.. of the first, the rest stay unloaded."""
-
-    def load_cpu_copy(self, cpu, indices, mamba_indices=None):
-        idx = _as_index(indices).to(self.device)
-        for k, v, chunks in zip(self.k_buffer, self.v_buffer, cpu.layers):
-            for i, (k_cpu, v_cpu) in enumerate(chunks):
-                part = idx[i:i + k_cpu.shape[0]]
-                k[part] = k_cpu.to(self.device)
-                v[part] = v_cpu.to(self.device)
-
-
-class MambaLayerMapAssumesContiguous(MambaPool):
-    """Maps a model layer to its state tensor by offset from where the mamba layers would start if
-    they were the last layers, not by its rank among them (sglang#20457's layer-id map, with its
-    ``.get(layer_id, layer_id)`` style fallback): right for a blocked layout, but with mamba layers
-    interleaved between attention layers two layers share one state tensor."""
-
-    def local_layer(self, layer_id: int) -> int:
-        return layer_id - (self.layer_ids[-1] + 1 - self.num_layers)
 
 
 class HostLoadTilesOfFour(HostKVPool):

@@ -111,7 +111,7 @@ def test_fault_is_found_and_named(fault, config):
 
 def test_off_grid_faults_cannot_show_on_the_named_configs():
     """Why the named configs never find them: each needs a size or shape none of the eight has."""
-    from poolfuzz.pools.faults import MambaLayerMapAssumesContiguous
+    from poolfuzz.pools.grid_faults import MambaLayerMapAssumesContiguous
     from poolfuzz.pools.kv import CPU_COPY_CHUNK
 
     named = CONFIGS.values()
