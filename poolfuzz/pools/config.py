@@ -203,8 +203,8 @@ def _validate_all_swa(c: ModelConfig) -> list[str]:
     """A model without full attention: every layer sliding-window (SGLang's PureSWATokenToKVPoolAllocator,
     which asserts page size 1, and its PureSWARadixCache)."""
     if not c.swa_layers or c.mamba_layers or c.attention != "mha" or c.kv_scale_block:
-        return ["full_layers = 0 needs an all-SWA model: swa_layers > 0, no mamba layers, attention 'mha' "
-                "and no scale blocks (otherwise set full_layers >= 1)"]
+        return ["full_layers must be >= 1 unless every layer is sliding-window (an all-SWA model: swa_layers > 0, "
+                "no mamba layers, attention 'mha', no scale blocks)"]
     problems = []
     if c.page_size != 1:
         problems.append(f"an all-SWA model (full_layers = 0) needs page_size 1, got {c.page_size} "
@@ -273,13 +273,7 @@ def _base_configs() -> list[ModelConfig]:
         sliding_window=6, mamba_slots=4, full_tokens=48, swa_tokens=32, request_rows=5,
         max_context=64, kv_dtype="bfloat16", state_dtype="bfloat16",
     )
-    # Every layer sliding-window (SGLang's all-SWA path: PureSWATokenToKVPoolAllocator and PureSWARadixCache):
-    # the token slots are the window's own, freed as the window slides (page size 1 only)
-    swa_only = ModelConfig(
-        name="swa-only", architecture="gpt-oss", full_layers=0, swa_layers=2, sliding_window=6,
-        full_tokens=0, swa_tokens=40, request_rows=5, max_context=64, kv_dtype="bfloat16",
-    )
-    return [dense, swa, hybrid, swa_ssm, swa_only]
+    return [dense, swa, hybrid, swa_ssm]
 
 
 def _storage_configs() -> list[ModelConfig]:
@@ -320,11 +314,19 @@ def _all_configs() -> dict[str, ModelConfig]:
                     "hybrid-extra-buffer": "float32", "hybrid-spec": "bfloat16"}
     for base in _base_configs() + _storage_configs() + _mode_configs(_base_configs()):
         out[base.name] = base
-        if base.name in paged_dtypes:  # (an all-SWA model runs at page size 1 only)
-            paged = _paged(base, 4, paged_dtypes[base.name])
-            out[paged.name] = paged
+        paged = _paged(base, 4, paged_dtypes[base.name])
+        out[paged.name] = paged
     out["dsa-ps64"] = _dsa_ps64(out["dsa"])
+    out["swa-only"] = _swa_only()
     return out
+
+
+def _swa_only() -> ModelConfig:
+    """Every layer sliding-window (SGLang's all-SWA path: PureSWATokenToKVPoolAllocator and PureSWARadixCache): the
+    token slots are the window's own, freed as the window slides, at page size 1 only. The window lets a request
+    outgrow the pool, so its row (the context) is what ends it."""
+    return ModelConfig(name="swa-only", architecture="gpt-oss", full_layers=0, swa_layers=2, sliding_window=6,
+                       full_tokens=0, swa_tokens=40, request_rows=5, max_context=64, kv_dtype="bfloat16")
 
 
 def _dsa_ps64(dsa: ModelConfig) -> ModelConfig:

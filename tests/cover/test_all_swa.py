@@ -60,8 +60,8 @@ def test_held_slots_start_at_the_window_frontier():
 
 @pytest.mark.parametrize("changes, words", [
     (dict(page_size=4), "page_size 1"), (dict(full_tokens=64), "full_tokens = 0"),
-    (dict(mamba_layers=1, mamba_slots=2), "all-SWA model"), (dict(swa_layers=0, sliding_window=0, swa_tokens=0),
-                                                              "all-SWA model")])
+    (dict(mamba_layers=1, mamba_slots=2), "all-SWA model"),
+    (dict(swa_layers=0, sliding_window=0, swa_tokens=0), "full_layers must be >= 1")])
 def test_impossible_all_swa_configs_are_refused(changes, words):
     with pytest.raises(ConfigError, match=words):
         CONFIGS["swa-only"].replace(**changes)
