@@ -77,3 +77,46 @@ def test_a_fork_hits_the_pure_swa_radix_cache_and_finish_caches_the_prefill(pure
 def test_swa_only_fuzzes_clean(pure_swa_api, fuzz):
     outcome = fuzz(CONFIG, examples=40)
     assert outcome.failure is None, outcome.failure
+
+
+def _tree_holds_free_slots(fam) -> list[int]:
+    """SGLang's own objects, read directly: the slots PureSWARadixCache holds that its allocator lists as free."""
+    from poolfuzz.adapters.sglang.views import token_free_pages
+
+    if not fam.tree_sizes()[0]:
+        return []
+    free = set(token_free_pages(fam.sg_allocator.swa_attn_allocator))
+    return sorted(int(v) for v in fam.tree.all_values_flatten().tolist() if int(v) in free)
+
+
+def test_a_tree_that_recaches_window_evicted_slots_is_caught(pure_swa_api, monkeypatch):
+    """With eviction every token (``SGLANG_SWA_EVICTION_INTERVAL=1``; the default, 128, is past these contexts),
+    a request transferred to the decode node holds no tree prefix, so decode eviction frees its first
+    positions; its finish checkpoints ``[0, owned)`` into PureSWARadixCache, whose key is capped only by
+    ``swa_evict_floor`` (0 unless the model is prefill-aware): the tree then holds slots the allocator lists
+    as free (sglang#31486 describes it, closed). Whatever the release does, the harness's verdict is SGLang's
+    own state: it reports a failure exactly when the tree holds a free slot."""
+    from poolfuzz.harness.failures import PoolfuzzFailure
+
+    monkeypatch.setenv("SGLANG_SWA_EVICTION_INTERVAL", "1")
+    e = _engine()
+    fam = e.families["decode"]
+    if getattr(fam, "tree", None) is None:
+        pytest.skip(f"SGLang {pure_swa_api.version}'s tree is not driven here")
+    rid = e.admit(5)
+    e.prefill(rid, 5)
+    e.transfer(rid)
+    e.decode_speculative(rid, 1, 1)
+    e.decode([rid])
+    e.check()
+    assert e.requests[rid].kv.swa_evicted_seqlen > 0  # the window slid on the decode node
+    try:
+        e.finish(rid)
+        e.check()
+        caught = None
+    except PoolfuzzFailure as exc:
+        caught = exc
+    stale = _tree_holds_free_slots(fam)
+    assert (caught is not None) == bool(stale), (caught, stale)
+    if caught is not None:
+        assert "swa" in str(caught) and type(caught).__name__ in ("InvariantViolation", "ReferenceMismatch"), caught
