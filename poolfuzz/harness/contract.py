@@ -73,13 +73,14 @@ def check_structure(family) -> list[str]:
     """Do the family's spaces, components and free lists fit together?"""
     problems = []
     lists = family.free_lists()
-    for space in ("rows", "full"):
-        if space not in lists:
-            problems.append(f"free_lists() has no {space!r} space")
+    if "rows" not in lists:
+        problems.append("free_lists() has no 'rows' space")
     try:
         kinds = state_types_for(lists)
     except ValueError as exc:
         return problems + [str(exc)]
+    if not any(kind.row_addressed for kind in kinds.values()):
+        problems.append("free_lists() has no space that req_to_token addresses ('full', or an all-SWA model's 'swa')")
     if family.backup_mode not in BACKUP_MODES:
         problems.append(f"backup_mode {family.backup_mode!r} is not one of {', '.join(BACKUP_MODES)}")
     comps = list(family.components()) + list(family.host_components())
@@ -113,7 +114,8 @@ def check_free_reports(family) -> list[str]:
     family.set_free_listener(None)
     # A family whose freed units stay readable for its prefix cache (``caches_freed_units``) reports
     # them only when they leave the cache: its full space owes no report here.
-    spaces = ("rows",) if getattr(family, "caches_freed_units", False) else ("rows", "full")
+    kv = [space for space, kind in state_types_for(family.free_lists()).items() if kind.row_addressed]
+    spaces = ("rows",) if getattr(family, "caches_freed_units", False) else ("rows", *kv)
     return [f"freeing a request's {space} was not reported to the free listener"
             for space in spaces if not freed.get(space)]
 

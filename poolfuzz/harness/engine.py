@@ -294,6 +294,9 @@ class Engine:
                 continue
             ref = self.refs[req.node]
             pos = req.kv.seqlen - 1
+            if pos + 1 > self.config.max_context:  # its row is full: the scheduler finished it by length
+                notes.append(f"Req({rid}) is at its context length")
+                continue
             self._maybe_evict(req, pos)
             err = self._extend(req, pos + 1)
             if err and self.options.retract_on_decode_oom:
@@ -332,12 +335,18 @@ class Engine:
         are accepted, and their KV moves to the window's front after verify."""
         if self.config.spec_draft_tokens:  # a verify checks at most this many tokens
             draft = min(draft, self.config.spec_draft_tokens - 1)
+        # The request's row ends at the context length (only an all-SWA model's window lets a request get
+        # there: the scheduler finishes it by length, and a verify never drafts past it)
+        draft = min(draft, self.config.max_context - self.requests[rid].kv.seqlen)
         accepted = min(accepted, draft // 2 if tree else draft)
         self._begin("decode_speculative", {"rid": rid, "draft": draft, "accepted": accepted,
                                            **({"tree": True} if tree else {})})
         req = self.requests[rid]
         fam, ref = self.families[req.node], self.refs[req.node]
         pos = req.kv.seqlen - 1
+        if draft < 0:
+            self._record(f"Req({rid}) is at its context length")
+            return False
         self._maybe_evict(req, pos)
         err = self._extend(req, pos + 1 + draft)
         if err:

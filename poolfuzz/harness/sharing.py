@@ -44,7 +44,9 @@ def audit_protected_prefixes(engine, node: str, fam, cached: dict[str, list[int]
     ``ReqKv.cache_protected_len``) is not all held by the prefix tree: the tree evicted a locked node,
     or handed out a prefix whose slots it no longer holds."""
     out = []
-    units = set(cached.get("full", ()))
+    # the space req_to_token addresses: full KV, or an all-SWA model's window slots
+    space = next(s for s, kind in engine.state_types.items() if kind.row_addressed)
+    units = set(cached.get(space, ()))
     ps = fam.config.page_size
     for req in engine.requests.values():
         n = req.kv.cache_protected_len
@@ -53,8 +55,8 @@ def audit_protected_prefixes(engine, node: str, fam, cached: dict[str, list[int]
         tokens = engine.lookup.tokens(fam, req.kv.req_pool_idx, 0, n)
         for position, slot in enumerate(tokens.tolist()):
             if slot // ps not in units:
-                out.append((req.rid, "full", (
+                out.append((req.rid, space, (
                     f"position {position} of its protected prefix (the first {n}, locked in the prefix tree) sits in "
-                    f"full slot {slot}, which the tree no longer holds (evicted while locked, or a stale match)", slot)))
+                    f"{space} slot {slot}, which the tree no longer holds (evicted while locked, or a stale match)", slot)))
                 break
     return out

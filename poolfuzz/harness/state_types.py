@@ -74,6 +74,9 @@ class StateType:
     # Its components are per-row scratch: speculative decoding's intermediate state, one row per request
     # row, draft step by step (poolfuzz.pools.speculative)
     scratch: ClassVar[bool] = False
+    # Its slots are what ``req_to_token`` holds (the space a request's token positions are allocated in;
+    # every family has one: full KV, or an all-SWA model's window)
+    row_addressed: ClassVar[bool] = False
 
     def held_units(self, lookup: SlotLookup, fam, kv, tokens: np.ndarray) -> list[int]:
         """The units (pages, slots or rows) a live request holds in this space."""
@@ -107,6 +110,7 @@ class FullKV(StateType):
     """Full-attention KV: one slot per position, from position 0, addressed by the row's token slots."""
 
     space = "full"
+    row_addressed = True
 
     def first_position(self, config, committed: int) -> int:
         """The first position whose KV a live request must still hold."""
@@ -149,6 +153,7 @@ class SlidingWindowKV(FullKV):
     """SWA KV: positions inside the window only, each mapped from its full slot by ``full_to_swa``."""
 
     space = "swa"
+    row_addressed = False
 
     def first_position(self, config, committed):
         return max(0, committed - config.sliding_window)
@@ -183,6 +188,19 @@ class SlidingWindowKV(FullKV):
         return (f"position {position} (full slot {int(tokens[position])}) is held and not evicted (evicted up to "
                 f"{lo}, allocated {kv.kv_allocated_len}) but full_to_swa maps it to no SWA slot",
                 int(tokens[position]))
+
+
+class WindowOnlyKV(SlidingWindowKV):
+    """An all-SWA model's KV (no full attention): ``req_to_token`` holds the SWA slots themselves
+    (``full_to_swa`` is the identity). A position the window evicted is freed while the row keeps its
+    stale slot, so a request holds only ``[max(cache_protected_len, swa_evicted_seqlen), kv_allocated_len)``."""
+
+    row_addressed = True
+
+    def held_units(self, lookup, fam, kv, tokens):
+        ps = fam.config.page_size
+        lo = max(kv.cache_protected_len, kv.swa_evicted_seqlen)
+        return sorted({t // ps for t in self.physical(lookup, fam, tokens[lo:]).tolist() if t > 0})
 
 
 class RecurrentState(StateType):
@@ -266,11 +284,14 @@ HOST_PREFIX = "host."
 
 
 def state_types_for(spaces: Iterable[str]) -> dict[str, StateType]:
-    """The state type of each index space a family has (its free lists' keys)."""
+    """The state type of each index space a family has (its free lists' keys). SWA KV without a full
+    space beside it is an all-SWA model's window-only KV."""
+    spaces = list(spaces)
+    kinds = dict(KINDS) if "full" in spaces else {**KINDS, "swa": WindowOnlyKV}
     out = {}
     for space in spaces:
-        if space in KINDS:
-            out[space] = KINDS[space]()
+        if space in kinds:
+            out[space] = kinds[space]()
         elif space.startswith(HOST_PREFIX):
             out[space] = HostCopy(space)
         else:

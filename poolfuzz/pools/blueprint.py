@@ -14,6 +14,7 @@ from poolfuzz.pools.scaled import MHATokenToKVPoolScaled
 from poolfuzz.pools.mamba import MambaPool, MambaSlotAllocator
 from poolfuzz.pools.prefix_tree import MambaPrefixTree
 from poolfuzz.pools.protocol import ServingProtocol
+from poolfuzz.pools.pure_swa import PureSWAKVPool, PureSWATokenAllocator
 from poolfuzz.pools.req_to_token import HybridReqToTokenPool, ReqToTokenPool
 from poolfuzz.pools.speculative import SpeculativeScratch
 from poolfuzz.pools.swa_allocator import SWATokenAllocator
@@ -35,6 +36,8 @@ class Blueprint:
     hybrid_req_pool: type = HybridReqToTokenPool
     token_allocator: type = TokenAllocator
     swa_allocator: type = SWATokenAllocator
+    pure_swa_kv_pool: type = PureSWAKVPool  # an all-SWA model's (no full attention)
+    pure_swa_allocator: type = PureSWATokenAllocator
     host_pool: type = HostKVPool
     protocol: type = ServingProtocol
     transfer: type = PDTransfer
@@ -48,7 +51,7 @@ class Blueprint:
         """The KV pool class a config is built with: SWA, hybrid-linear (mamba), MLA, DSA or plain
         MHA (block-scaled where the config has scale blocks)."""
         if config.has_swa:
-            return self.swa_kv_pool
+            return self.swa_kv_pool if config.has_full else self.pure_swa_kv_pool
         if config.has_mamba:
             return self.hybrid_kv_pool
         if config.attention == "mla":

@@ -83,6 +83,11 @@ class ModelConfig:
         return self.swa_layers > 0
 
     @property
+    def has_full(self) -> bool:
+        """Full-attention KV of its own; False for an all-SWA model, whose token slots are the window's."""
+        return self.full_layers > 0
+
+    @property
     def has_mamba(self) -> bool:
         return self.mamba_layers > 0
 
@@ -119,7 +124,9 @@ class ModelConfig:
 
     def device_capacity(self) -> dict[str, int]:
         """Free units of each device space of a fresh family: rows, mamba slots, token slots."""
-        out = {"rows": self.request_rows, "full": self.full_tokens}
+        out = {"rows": self.request_rows}
+        if self.has_full:
+            out["full"] = self.full_tokens
         if self.has_swa:
             out["swa"] = self.swa_tokens
         if self.has_mamba:
@@ -134,8 +141,10 @@ def _validate(c: ModelConfig) -> list[str]:
     problems = []
     if c.page_size < 1:
         problems.append(f"page_size must be >= 1, got {c.page_size}")
-    if c.full_layers < 1:
-        problems.append("full_layers must be >= 1 (every supported family has full attention)")
+    if c.full_layers < 0:
+        problems.append("full_layers cannot be negative")
+    elif c.full_layers == 0:
+        problems += _validate_all_swa(c)
     if c.swa_layers < 0 or c.mamba_layers < 0:
         problems.append("layer counts cannot be negative")
     if c.kv_dtype not in KV_DTYPES:
@@ -143,7 +152,7 @@ def _validate(c: ModelConfig) -> list[str]:
     if c.state_dtype not in STATE_DTYPES:
         problems.append(f"state_dtype {c.state_dtype!r} is not one of {', '.join(STATE_DTYPES)}")
     if c.page_size >= 1:
-        if c.full_tokens < c.page_size or c.full_tokens % c.page_size:
+        if c.full_layers and (c.full_tokens < c.page_size or c.full_tokens % c.page_size):
             problems.append(
                 f"full_tokens ({c.full_tokens}) must be a positive multiple of page_size ({c.page_size})"
             )
@@ -187,6 +196,22 @@ def _validate(c: ModelConfig) -> list[str]:
                 problems.append(f"conv shape {shape} holds fewer than 12 values")
         if _prod(c.temporal_shape) < 12:
             problems.append(f"temporal shape {c.temporal_shape} holds fewer than 12 values")
+    return problems
+
+
+def _validate_all_swa(c: ModelConfig) -> list[str]:
+    """A model without full attention: every layer sliding-window (SGLang's PureSWATokenToKVPoolAllocator,
+    which asserts page size 1, and its PureSWARadixCache)."""
+    if not c.swa_layers or c.mamba_layers or c.attention != "mha" or c.kv_scale_block:
+        return ["full_layers must be >= 1 unless every layer is sliding-window (an all-SWA model: swa_layers > 0, "
+                "no mamba layers, attention 'mha', no scale blocks)"]
+    problems = []
+    if c.page_size != 1:
+        problems.append(f"an all-SWA model (full_layers = 0) needs page_size 1, got {c.page_size} "
+                        "(SGLang's PureSWATokenToKVPoolAllocator allocates single slots)")
+    if c.full_tokens:
+        problems.append(f"an all-SWA model (full_layers = 0) has no full KV pool: set full_tokens = 0, "
+                        f"got {c.full_tokens}")
     return problems
 
 
@@ -292,7 +317,16 @@ def _all_configs() -> dict[str, ModelConfig]:
         paged = _paged(base, 4, paged_dtypes[base.name])
         out[paged.name] = paged
     out["dsa-ps64"] = _dsa_ps64(out["dsa"])
+    out["swa-only"] = _swa_only()
     return out
+
+
+def _swa_only() -> ModelConfig:
+    """Every layer sliding-window (SGLang's all-SWA path: PureSWATokenToKVPoolAllocator and PureSWARadixCache): the
+    token slots are the window's own, freed as the window slides, at page size 1 only. The window lets a request
+    outgrow the pool, so its row (the context) is what ends it."""
+    return ModelConfig(name="swa-only", architecture="gpt-oss", full_layers=0, swa_layers=2, sliding_window=6,
+                       full_tokens=0, swa_tokens=40, request_rows=5, max_context=64, kv_dtype="bfloat16")
 
 
 def _dsa_ps64(dsa: ModelConfig) -> ModelConfig:

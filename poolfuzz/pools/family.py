@@ -16,6 +16,7 @@ from poolfuzz.pools.kv import KVCache, MHATokenToKVPool
 from poolfuzz.pools.prefix_tree import MambaPrefixTree
 from poolfuzz.pools.protocol import ServingProtocol
 from poolfuzz.pools.req_to_token import ReqToTokenPool
+from poolfuzz.pools.pure_swa import PureSWATokenAllocator
 from poolfuzz.pools.swa_allocator import SWATokenAllocator
 from poolfuzz.pools.faults import blueprint_with, required_backup_mode
 from poolfuzz.pools.transfer import PDTransfer
@@ -39,7 +40,7 @@ class PoolFamily:
     faults: tuple[str, ...]
     req_pool: ReqToTokenPool
     kv_pool: KVCache
-    allocator: TokenAllocator | SWATokenAllocator
+    allocator: TokenAllocator | SWATokenAllocator | PureSWATokenAllocator
     backup_mode: str
     host_pools: dict[str, HostKVPool] = field(default_factory=dict)
     protocol: ServingProtocol = field(default_factory=ServingProtocol)
@@ -197,6 +198,11 @@ def build_family(config: ModelConfig, *, device="cpu", faults: Iterable[str] = (
         kv_pool = kv_cls(size=c.full_tokens, layer_ids=c.full_layer_ids, kv_lora_rank=c.kv_lora_rank,
                          qk_rope_head_dim=c.qk_rope_head_dim, **extra, **kv_args)
         allocator = bp.token_allocator(size=c.full_tokens, page_size=c.page_size)
+    elif c.has_swa and not c.has_full:  # all-SWA: the window's slots are the only token slots
+        kv_pool = bp.pure_swa_kv_pool(size=0, size_swa=c.swa_tokens, full_layer_ids=(), swa_layer_ids=c.swa_layer_ids,
+                                      kv_class=bp.token_kv_pool(c), **kv_args)
+        allocator = bp.pure_swa_allocator(size_swa=c.swa_tokens, page_size=c.page_size)
+        kv_pool.register_mapping(allocator.full_to_swa)
     elif c.has_swa:
         kv_cls = bp.swa_kv_pool
         kv_pool = kv_cls(size=c.full_tokens, size_swa=c.swa_tokens, full_layer_ids=c.full_layer_ids,

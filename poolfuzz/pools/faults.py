@@ -21,6 +21,7 @@ from poolfuzz.pools.mamba import MambaSlotAllocator
 from poolfuzz.pools.prefix_tree import MambaPrefixTree
 from poolfuzz.pools.protocol import ServingProtocol
 from poolfuzz.pools.req_to_token import HybridReqToTokenPool
+from poolfuzz.pools.window_faults import ReleaseFreesEvictedWindow
 from poolfuzz.pools.spec_faults import CommitsByBatchPosition, CommitsLastDraft
 from poolfuzz.pools.storage_faults import (
     DSACopyWithoutIndexCache,
@@ -366,6 +367,15 @@ def _swa_and_mamba(c: ModelConfig) -> bool:
     return c.has_swa and c.has_mamba
 
 
+def _mixed_swa(c: ModelConfig) -> bool:
+    """SWA beside full attention: the SWA allocator with its full_to_swa mapping, and SWA host pools."""
+    return c.has_swa and c.has_full
+
+
+def _all_swa(c: ModelConfig) -> bool:
+    return c.has_swa and not c.has_full
+
+
 def _mamba_carried_by_kv_pool(c: ModelConfig) -> bool:
     return c.has_mamba and not c.has_swa
 
@@ -404,13 +414,13 @@ FAULTS: dict[str, Fault] = {
         _f("backup-drops-last-token", "sglang#23346 (seqlen-1)", _any, {"protocol": BackupDropsLastToken}),
         _f("backup-includes-unwritten-token", "sglang#23346 (seqlen-1)", _any,
            {"protocol": BackupIncludesUnwrittenToken}),
-        _f("swa-reload-unmapped-rows", "sglang#35888", lambda c: c.has_swa, {"swa_kv_pool": SWAReloadIgnoresMasks},
+        _f("swa-reload-unmapped-rows", "sglang#35888", _mixed_swa, {"swa_kv_pool": SWAReloadIgnoresMasks},
            backup_mode="cpu_tensor"),
         _f("swa-evict-off-by-one", "sglang#22470", lambda c: c.has_swa, {"protocol": EvictsOneTokenTooMany}),
         # Paged configs resume with tail-only SWA, which sets the frontier explicitly and masks it.
         _f("swa-evicted-seqlen-not-reset", "sglang#18059", lambda c: c.has_swa and c.page_size == 1,
            {"protocol": KeepsEvictedSeqlenOnRetract}),
-        _f("free-swa-keeps-mapping", "sglang#25805", lambda c: c.has_swa, {"swa_allocator": FreeSWAKeepsMapping}),
+        _f("free-swa-keeps-mapping", "sglang#25805", _mixed_swa, {"swa_allocator": FreeSWAKeepsMapping}),
         _f("paged-free-partial-page", "sglang#27779", _paged, {"protocol": FreesPartialPages}),
         _f("pd-drops-mamba-fallback", "sglang#35957 (PD)", _swa_and_mamba,
            {"transfer": TransferWithoutMambaFallback}),
@@ -425,13 +435,13 @@ FAULTS: dict[str, Fault] = {
         _f("reload-into-old-indices", "sglang#23346", _any, {"protocol": ReloadIntoOldIndices},
            backup_mode="cpu_tensor"),
         _f("mamba-leak-on-abort", "sglang#12693", lambda c: c.has_mamba, {"protocol": ResumeLeaksMambaOnAbort}),
-        _f("allocator-double-free-undetected", "sglang#25805", lambda c: c.has_swa,
+        _f("allocator-double-free-undetected", "sglang#25805", _mixed_swa,
            {"swa_allocator": SilentDoubleFreeSWAAllocator}),
         _f("host-discard-keeps-swa-slots", "host_pool retraction discard (HostPoolGroup.release_transfers)",
-           lambda c: c.has_swa and not c.has_mamba and c.attention == "mha" and not c.kv_scale_block,
+           lambda c: _mixed_swa(c) and not c.has_mamba and c.attention == "mha" and not c.kv_scale_block,
            {"protocol": DiscardKeepsSWAHostSlots}, backup_mode="host_pool"),
         _f("host-load-stops-at-pool-layer-count", "HiCache layer-wise load (transfer_layer_id_max: model layers)",
-           lambda c: c.has_swa and not c.has_mamba and c.attention == "mha" and not c.kv_scale_block,
+           lambda c: _mixed_swa(c) and not c.has_mamba and c.attention == "mha" and not c.kv_scale_block,
            {"host_pool": HostLoadStopsAtPoolLayerCount}, backup_mode="host_pool"),
         # Off the named grid: each applies to named configs too, where it cannot show (contexts of
         # at most 64 tokens, blocked layers, page sizes 1 and 4); drawn configs reach it.
@@ -470,10 +480,13 @@ FAULTS: dict[str, Fault] = {
         _f("scaled-move-drops-scales", "MXFP8 move_kv_cache override (accepted-token move after tree verify)",
            lambda c: c.kv_scale_block > 0, {"scaled_kv_pool": ScaledMoveWithoutScales}),
         # Free patterns: grouped frees, and a row cut off between two prefill chunks.
-        _f("free-group-drops-swa", "SWATokenToKVPoolAllocator.free_group_end (SWA piles)", lambda c: c.has_swa,
+        _f("free-group-drops-swa", "SWATokenToKVPoolAllocator.free_group_end (SWA piles)", _mixed_swa,
            {"swa_allocator": FreeGroupDropsSWAPile}),
         _f("abort-prefill-leaks-last-chunk", "chunked-prefill abort (release_kv_cache of the chunked req)", _any,
            {"protocol": AbortMidPrefillLeaksLastChunk}),
+        # All-SWA models: the token slots are the window's own
+        _f("release-frees-evicted-window", "all-SWA release_kv_cache (swa_dead_lo; PureSWATokenToKVPoolAllocator)",
+           _all_swa, {"protocol": ReleaseFreesEvictedWindow}),
     ]
 }
 

@@ -235,8 +235,9 @@ class ServingProtocol:
     def release_kv(self, req: ReqKv, family: PoolFamily) -> None:
         """Free KV (full and SWA peers), then the mamba slot, then the row."""
         row = req.req_pool_idx
-        if req.kv_allocated_len:
-            family.allocator.free(family.req_pool.read(row, 0, req.kv_allocated_len))
+        start = self.release_start(req, family)
+        if req.kv_allocated_len > start:
+            family.allocator.free(family.req_pool.read(row, start, req.kv_allocated_len))
         if req.mamba_pool_idx is not None:
             family.req_pool.free_mamba(row, req.mamba_pool_idx)
         self.free_track_slots(req, family)
@@ -246,6 +247,12 @@ class ServingProtocol:
         req.req_pool_idx = None
         req.mamba_pool_idx = None
         req.kv_allocated_len = req.kv_committed_len = 0
+
+    def release_start(self, req: ReqKv, family: PoolFamily) -> int:
+        """The first position whose slot a release frees: 0, or, where the token slots are the window's own
+        (an all-SWA model, ``allocator.window_only``), the first one the window has not evicted
+        (SGLang's ``swa_dead_lo``)."""
+        return req.swa_evicted_seqlen if getattr(family.allocator, "window_only", False) else 0
 
     def reset_for_retract(self, req: ReqKv) -> None:
         req.retraction_count += 1

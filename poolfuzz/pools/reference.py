@@ -109,6 +109,10 @@ class ReferenceFamily:
             self.tree[req.cow_key][0] -= 1
         req.cow_key = None
 
+    def _kv_pages(self, pages: int) -> dict[str, int]:
+        """``pages`` of each token space the model has (full, SWA or both), in the order they are allocated."""
+        return {space: pages for space, has in (("full", self.config.has_full), ("swa", self.config.has_swa)) if has}
+
     def _take(self, needs: dict[str, int]) -> None:
         self._need(needs)
         for space, n in needs.items():
@@ -158,9 +162,7 @@ class ReferenceFamily:
         needs = {"rows": 1}
         if self.config.has_mamba:
             needs["mamba"] = self.state_slots if hit else self.state_slots + 1  # and a new checkpoint
-        needs["full"] = pages
-        if self.config.has_swa:
-            needs["swa"] = pages
+        needs.update(self._kv_pages(pages))
         try:
             self._need({"rows": 1})
             if self.config.has_mamba:
@@ -232,10 +234,7 @@ class ReferenceFamily:
         if new_len <= req.allocated:
             return
         pages = _pages(new_len, self.ps) - _pages(req.allocated, self.ps)
-        needs = {"full": pages}
-        if self.config.has_swa:
-            needs["swa"] = pages
-        self._take(needs)
+        self._take(self._kv_pages(pages))
         req.allocated = new_len
 
     def free_speculative_tail(self, rid: int) -> None:
@@ -243,9 +242,8 @@ class ReferenceFamily:
         req = self.requests[rid]
         keep = min(req.allocated, _pages(req.committed, self.ps) * self.ps)
         freed = _pages(req.allocated, self.ps) - _pages(keep, self.ps)
-        self.free["full"] += freed
-        if self.config.has_swa:
-            self.free["swa"] += freed
+        for space, n in self._kv_pages(freed).items():
+            self.free[space] += n
         req.allocated = keep
 
     def evict_swa(self, rid: int, pre_len: int) -> None:
@@ -259,7 +257,8 @@ class ReferenceFamily:
 
     def release(self, rid: int) -> None:
         req = self.requests[rid]
-        self.free["full"] += _pages(req.allocated, self.ps)
+        if self.config.has_full:
+            self.free["full"] += _pages(req.allocated, self.ps)
         if self.config.has_swa:
             self.free["swa"] += _pages(req.allocated, self.ps) - req.swa_lo // self.ps
         if req.holds_mamba:
@@ -303,7 +302,8 @@ class ReferenceFamily:
             needs["mamba"] = self.state_slots
             self._need({"rows": 1})
             self._ensure_mamba(self.state_slots)
-        needs["full"] = _pages(fill_len, self.ps)
+        if c.has_full:
+            needs["full"] = _pages(fill_len, self.ps)
         swa_lo = 0
         if c.has_swa:
             if self.ps > 1 and self.resume_swa_tail_only:

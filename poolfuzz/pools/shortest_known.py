@@ -44,6 +44,9 @@ SHORTEST_KNOWN: dict[str, int] = {
     # By `poolfuzz shortest`: a fork whose pending copy-on-write is released at teardown (admit, prefill,
     # fork: 3); the drain's flush cannot evict the checkpoint it left locked.
     "cow-source-stays-locked": 3,
+    # By hand (tests/cover/test_all_swa.py replays it): a request longer than the window, prefilled and
+    # decoded once (the window slides), whose release at teardown frees the evicted slots again (3).
+    "release-frees-evicted-window": 3,
 }
 
 # Where a shape of config needs a longer program than SHORTEST_KNOWN's: (does the config have the

@@ -84,7 +84,10 @@ SIGNATURES = {
     "scaled-move-drops-scales": r"^StateLost: req \d+ decoded speculatively; component full\.[kv]_scale ",
     # Free patterns: a grouped free's SWA slots never come back; an abort mid-prefill leaks its last chunk.
     "free-group-drops-swa": r"^ReferenceMismatch: swa pool has \d+ free but the reference says",
-    "abort-prefill-leaks-last-chunk": r"^ReferenceMismatch: full pool has \d+ free but the reference says",
+    "abort-prefill-leaks-last-chunk": r"^ReferenceMismatch: (full|swa) pool has \d+ free but the reference says",
+    # An all-SWA release from position 0 frees the window-evicted slots again (or somebody else's, reused).
+    "release-frees-evicted-window": r"^(DoubleFree: double free in swa pool|InvariantViolation: swa slot/page \d+ is "
+                                    r"held|ReferenceMismatch: swa pool has \d+ free)",
 }
 
 # Faults whose bug only shows off the named grid: found on drawn configs, inert on the named ones.

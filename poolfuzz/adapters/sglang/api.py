@@ -111,6 +111,8 @@ class SGLangAPI:
     MLATokenToKVPool: type | None = None
     DSATokenToKVPool: type | None = None  # NSATokenToKVPool before the rename
     MHATokenToKVPoolMXFP8: type | None = None
+    # The allocator of an all-SWA model (every layer sliding-window; None where the release has none)
+    PureSWATokenToKVPoolAllocator: type | None = None
     get_parallel: Callable | None = None  # the runtime's parallel context, where pools read it
 
     @property
@@ -232,5 +234,6 @@ def _probe(sglang_version: str, installed: dict) -> SGLangAPI:
         MLATokenToKVPool=_first(f"{mp}:MLATokenToKVPool", required=False),
         DSATokenToKVPool=_first(f"{mp}:DSATokenToKVPool", f"{mp}:NSATokenToKVPool", required=False),
         MHATokenToKVPoolMXFP8=_first(f"{mp}:MHATokenToKVPoolMXFP8", required=False),
+        PureSWATokenToKVPoolAllocator=_first(f"{alloc}.swa:PureSWATokenToKVPoolAllocator", required=False),
         get_parallel=_first("sglang.srt.runtime_context:get_parallel", required=False),
     )

@@ -153,7 +153,9 @@ class SGLangFamily:
         """The first space (in the harness's order) without ``needs[space]`` free units, counting the
         tokens a prefix tree could evict for it (``evictable``, by space) as free."""
         for space, units in needs.items():
-            view = self._free_views[space]
+            view = self._free_views.get(space)
+            if view is None:  # an all-SWA model has no full space: its SWA need is the same count
+                continue
             have = (view.available_size() + (evictable or {}).get(space, 0)) // view.page_size
             if units > have:
                 return space, units * view.page_size, view.available_size()
@@ -163,6 +165,9 @@ class SGLangFamily:
 def unsupported_reason(config: ModelConfig) -> str | None:
     """Why the installed SGLang cannot run ``config`` here, or None. Probes, never versions."""
     api = load()
+    if config.has_swa and not config.has_full and api.PureSWATokenToKVPoolAllocator is None:
+        return (f"SGLang {api.version} has no PureSWATokenToKVPoolAllocator: it builds no pools for an all-SWA "
+                "model (every layer sliding-window; full_layers = 0)")
     if config.page_size > 1:
         problem = _paged_allocation_problem(api)
         if problem:
@@ -256,6 +261,13 @@ def _build(api: SGLangAPI, config: ModelConfig, dev, sdev: str, backup_mode: str
         sg_alloc = construct(alloc_cls, size=c.full_tokens, page_size=c.page_size, dtype=kv_dtype, device=sdev,
                              kvcache=sg_kv, need_sort=need_sort)
         subs = {"full": sg_alloc}
+    elif c.has_swa and not c.has_full:  # all-SWA: as kv_cache_configurator builds it (no full side)
+        sg_kv = construct(api.SWAKVPool, size=0, size_swa=c.swa_tokens, swa_attention_layer_ids=list(c.swa_layer_ids),
+                          full_attention_layer_ids=[], token_to_kv_pool_class=api.MHATokenToKVPool, **common)
+        sg_alloc = construct(api.PureSWATokenToKVPoolAllocator, size_swa=c.swa_tokens, page_size=c.page_size,
+                             dtype=kv_dtype, device=sdev, kvcache=sg_kv, need_sort=need_sort)
+        comps += _mha_components(sg_kv.swa_kv_pool, c.swa_layer_ids, "swa", door=sg_kv)
+        subs = {"swa": sg_alloc.swa_attn_allocator}
     elif c.has_swa:
         sg_kv = construct(api.SWAKVPool, size=c.full_tokens, size_swa=c.swa_tokens,
                           swa_attention_layer_ids=list(c.swa_layer_ids),

@@ -73,7 +73,17 @@ def free_row_segment(family, row: int, start: int, end: int, *, swa_evicted: int
         # releases whose segment free takes the whole row (no start positions of its own)
         seg(family.sg_allocator, [(tokens, 0)], **accepted_kwargs(seg, swa_evicted_seqlen=swa_evicted, swa_dead_lo=0))
     else:
+        if window_only(family):  # PureSWAChunkCache.cache_finished_req: the evicted range is already free
+            tokens = tokens[max(0, swa_evicted - start):]
         family.sg_allocator.free(tokens)
+
+
+def window_only(family) -> bool:
+    """An all-SWA model's allocator (``PureSWATokenToKVPoolAllocator``: one allocator serves as both sides),
+    whose row slots before the SWA frontier were freed by window eviction and have no full peer to keep."""
+    alloc = family.sg_allocator
+    return getattr(alloc, "full_attn_allocator", None) is not None and alloc.full_attn_allocator is getattr(
+        alloc, "swa_attn_allocator", None)
 
 
 def release_row(family, row: int, *, committed: int, allocated: int, swa_evicted: int) -> None:

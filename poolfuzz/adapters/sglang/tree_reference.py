@@ -94,7 +94,10 @@ class TreeReference(ReferenceFamily):
             elif space == "swa":
                 _, evictable = self.family.tree_swa()
                 if self._gate_counts_full_evictable_only:
-                    evictable = self.family.tree_sizes()[1]
+                    from poolfuzz.adapters.sglang import prealloc
+
+                    # what the gate counts, ``_radix_full_evictable``: an all-SWA tree's full_evictable_size is 0
+                    evictable = prealloc._radix_evictable(self.family.tree, self.family)
                 if n * self.ps > self.available("swa") + evictable:
                     raise PoolExhausted(space=space, requested=n * self.ps, available=self.available(space))
             elif space == "mamba":
@@ -103,6 +106,16 @@ class TreeReference(ReferenceFamily):
                     raise PoolExhausted(space=space, requested=n, available=self.available(space))
             elif n > self.free.get(space, 0):
                 raise PoolExhausted(space=space, requested=n * self._scale(space), available=self.available(space))
+
+    def _need_past_hit(self, pages: int, evictable: int) -> None:
+        """Token pages past a locked hit: against the free slots and what the tree may evict with the hit
+        locked (``evictable``), in the space the tree's values are (full KV, or an all-SWA model's window);
+        beside full KV, SWA pages as usual."""
+        space = "full" if self.config.has_full else "swa"
+        if pages * self.ps > self.available(space) + evictable:
+            raise PoolExhausted(space=space, requested=pages * self.ps, available=self.available(space))
+        if self.config.has_full and self.config.has_swa:
+            self._need({"swa": pages})
 
     def fork(self, src_rid: int, rid: int, *, seqlen: int | None = None) -> RefRequest:
         """A row, and full pages for the source's committed tokens the tree does not match (the
@@ -115,9 +128,7 @@ class TreeReference(ReferenceFamily):
         pages = _pages(prefix, self.ps) - hit // self.ps
         self._need({"rows": 1, **({"mamba": self.state_slots} if mamba else {})})
         # the hit is locked before the allocation: what the tree may evict for it excludes the hit itself
-        if pages * self.ps > self.available("full") + evictable:
-            raise PoolExhausted(space="full", requested=pages * self.ps, available=self.available("full"))
-        self._need({"swa": pages} if self.config.has_swa else {})
+        self._need_past_hit(pages, evictable)
         self.free["rows"] -= 1
         req = RefRequest(rid=rid, holds_row=True, holds_mamba=mamba, allocated=prefix, committed=prefix,
                          seqlen=seqlen, kv_owner=list(src.kv_owner[:prefix]))
@@ -144,9 +155,7 @@ class TreeReference(ReferenceFamily):
         mamba = self.config.has_mamba
         pages = _pages(loaded, self.ps) - hit // self.ps
         self._need({"rows": 1, **({"mamba": self.state_slots} if mamba else {})})
-        if pages * self.ps > self.available("full") + evictable:
-            raise PoolExhausted(space="full", requested=pages * self.ps, available=self.available("full"))
-        self._need({"swa": pages} if self.config.has_swa else {})
+        self._need_past_hit(pages, evictable)
         self.free["rows"] -= 1
         req = RefRequest(rid=rid, holds_row=True, holds_mamba=mamba, allocated=loaded, committed=loaded,
                          seqlen=seqlen, kv_owner=list(kv_owner))

@@ -481,9 +481,11 @@ class SGLangTreeFamily(SGLangFamily):
     tree: object = None
 
     def cached_units(self) -> dict[str, list[int]]:
-        values = self.tree.all_values_flatten()
         ps = self.config.page_size
-        out = {"full": sorted({int(v) // ps for v in values.tolist()})}
+        # RadixCache's flatten cats nothing on an empty tree (a ValueError): it holds no slot then
+        values = self.tree.all_values_flatten() if self.tree_sizes()[0] else torch.empty(0, dtype=torch.int64)
+        # the slots the tree's values are: full KV, or an all-SWA model's window slots (PureSWARadixCache)
+        out = {"full" if self.config.has_full else "swa": sorted({int(v) // ps for v in values.tolist()})}
         if self.tree.supports_mamba():  # the recurrent-state checkpoints the tree holds
             out["mamba"] = sorted(int(v) for v in self.tree.all_mamba_values_flatten().tolist())
         return out
@@ -491,7 +493,9 @@ class SGLangTreeFamily(SGLangFamily):
     def flush_prefix_cache(self) -> None:
         from sglang.srt.mem_cache.base_prefix_cache import EvictParams
 
-        self.tree.evict(EvictParams(num_tokens=self.config.full_tokens, mamba_num=self.config.mamba_slots))
+        # every token the tree could hold (an all-SWA model's tree holds window slots: PureSWARadixCache)
+        tokens = max(self.config.full_tokens, self.config.swa_tokens)
+        self.tree.evict(EvictParams(num_tokens=tokens, mamba_num=self.config.mamba_slots))
         self.notify_frees()
 
     def tree_swa(self) -> tuple[int, int]:
