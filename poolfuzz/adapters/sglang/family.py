@@ -241,7 +241,7 @@ def _build(api: SGLangAPI, config: ModelConfig, dev, sdev: str, backup_mode: str
         problem = check_built(sg_req_pool, c)
         if problem:
             raise ConfigError(f"config {c.name!r} on sglang {api.version}: {problem}")
-        mamba_view = MambaPoolView(sg_req_pool.mamba_pool, c.mamba_layer_ids)
+        mamba_view = MambaPoolView(sg_req_pool.mamba_pool, c.mamba_layer_ids, req_pool=sg_req_pool)
         if c.spec_draft_tokens:
             mamba_view.spec_scratch = SGLangScratch(sg_req_pool, layer_ids=c.mamba_layer_ids,
                                                     draft_tokens=c.spec_draft_tokens)
