@@ -10,6 +10,7 @@ from poolfuzz.pools.config import ModelConfig, uses_ssm_state
 from poolfuzz.pools.host import HostKVPool
 from poolfuzz.pools.kv import HybridLinearKVPool, MHATokenToKVPool, SWAKVPool
 from poolfuzz.pools.latent import DSATokenToKVPool, MLATokenToKVPool
+from poolfuzz.pools.quantised import MHATokenToKVPoolQuantised
 from poolfuzz.pools.scaled import MHATokenToKVPoolScaled
 from poolfuzz.pools.mamba import MambaPool, MambaSlotAllocator
 from poolfuzz.pools.prefix_tree import MambaPrefixTree
@@ -26,6 +27,7 @@ class Blueprint:
 
     mha_kv_pool: type = MHATokenToKVPool
     scaled_kv_pool: type = MHATokenToKVPoolScaled
+    quant_kv_pool: type = MHATokenToKVPoolQuantised  # built with a KV quant method (config.kv_quant)
     mla_kv_pool: type = MLATokenToKVPool
     dsa_kv_pool: type = DSATokenToKVPool
     swa_kv_pool: type = SWAKVPool
@@ -59,4 +61,6 @@ class Blueprint:
 
     def token_kv_pool(self, config: ModelConfig) -> type:
         """The per-token MHA pool (also the sub-pool of SWA and hybrid-linear pools)."""
+        if config.kv_quant:
+            return self.quant_kv_pool
         return self.scaled_kv_pool if config.kv_scale_block else self.mha_kv_pool

@@ -68,3 +68,9 @@ def mamba_layer_states(req_pool, layer_ids, conv: list[torch.Tensor], temporal: 
                               "MambaPool's state; poolfuzz checksums what the kernels update in place")
         out[layer_id] = (got_conv, got_temporal)
     return out
+
+
+def stored_bytes(buf: torch.Tensor) -> torch.Tensor:
+    """A KV buffer stored as an fp8 dtype itself (a pool built with a KV quant method, and its host pool) as
+    the bytes the harness writes and checksums, as SGLang's other fp8 pools store them (uint8)."""
+    return buf.view(torch.uint8) if buf.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) else buf

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from poolfuzz.adapters.sglang.api import SGLangAPI, construct
+from poolfuzz.adapters.sglang.api import SGLangAPI, _first, construct
 from poolfuzz.adapters.sglang.reads import read_door
 from poolfuzz.pools.components import Component
 from poolfuzz.pools.config import ModelConfig
@@ -46,6 +46,8 @@ def storage_problem(api: SGLangAPI, config: ModelConfig) -> str | None:
         if api.DSATokenToKVPool is None:
             return "this SGLang has no DSATokenToKVPool (or NSATokenToKVPool)"
         return _dsa_problem(api, config)
+    if config.kv_quant:
+        return _quant_problem(api, config)
     if config.kv_scale_block:
         cls = api.MHATokenToKVPoolMXFP8
         if cls is None:
@@ -168,3 +170,44 @@ def _scaled_components(pool, c: ModelConfig) -> list[Component]:
                                   f"(shape {tuple(buf.shape)}); poolfuzz reads per-slot scales only")
             out.append(Component(name=name, layer=layer_id, space="full", tensor=buf.view(torch.uint8)))
     return out
+
+
+_QUANT_GETTER = "sglang.srt.layers.quantization.fp4_kv_cache_quant_method:get_kv_cache_quant_method"
+_QUANT_PROBE: dict[str, str | None] = {}
+
+
+def quant_method_kwargs(api: SGLangAPI, config: ModelConfig) -> dict:
+    """``quant_method=`` as SGLang's configurator passes it to an MHA pool (``_build_mha_quant_method``:
+    ``get_kv_cache_quant_method("cpu_fp8_e4m3")`` for fp8_e4m3 KV on its CPU engine); {} for none."""
+    if not config.kv_quant:
+        return {}
+    problem = _quant_problem(api, config)
+    if problem:
+        raise ConfigError(f"config {config.name!r} on sglang {api.version}: {problem}")
+    return {"quant_method": _first(_QUANT_GETTER)(config.kv_quant)}
+
+
+def _quant_problem(api: SGLangAPI, config: ModelConfig) -> str | None:
+    """Build a one-slot pool with the method and write one row through its door: a release without KV
+    quant methods (or without this one) declines the config."""
+    if config.kv_quant not in _QUANT_PROBE:
+        problem = None
+        getter = _first(_QUANT_GETTER, required=False)
+        if getter is None:
+            problem = "this SGLang has no KV cache quant methods (get_kv_cache_quant_method)"
+        else:
+            try:
+                from poolfuzz.adapters.sglang.writes import _Layer
+
+                pool = construct(api.MHATokenToKVPool, size=2, page_size=1, dtype=torch.float8_e4m3fn, head_num=1,
+                                 head_dim=16, layer_num=1, device="cpu", enable_memory_saver=False,
+                                 quant_method=getter(config.kv_quant))
+                row = torch.arange(16, dtype=torch.float16).view(1, 1, 16)
+                pool.set_kv_buffer(_Layer(0), torch.tensor([1]), row, row.clone())
+                if not torch.equal(pool.k_buffer[0][1].to(torch.float16), row[0]):
+                    problem = "its quantised write door does not store what it is handed"
+            except Exception as exc:  # an unknown method name, a constructor without quant_method=, ...
+                problem = (f"SGLang {api.version} cannot build an MHA pool with KV quant method {config.kv_quant!r} "
+                           f"({type(exc).__name__}: {_what_failed(exc)})")
+        _QUANT_PROBE[config.kv_quant] = problem
+    return _QUANT_PROBE[config.kv_quant]
