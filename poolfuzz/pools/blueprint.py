@@ -10,6 +10,7 @@ from poolfuzz.pools.config import ModelConfig, uses_ssm_state
 from poolfuzz.pools.host import HostKVPool
 from poolfuzz.pools.kv import HybridLinearKVPool, MHATokenToKVPool, SWAKVPool
 from poolfuzz.pools.latent import DSATokenToKVPool, MLATokenToKVPool
+from poolfuzz.pools.latent_fp4 import MLATokenToKVPoolFP4
 from poolfuzz.pools.quantised import MHATokenToKVPoolQuantised
 from poolfuzz.pools.scaled import MHATokenToKVPoolScaled
 from poolfuzz.pools.mamba import MambaPool, MambaSlotAllocator
@@ -29,6 +30,7 @@ class Blueprint:
     scaled_kv_pool: type = MHATokenToKVPoolScaled
     quant_kv_pool: type = MHATokenToKVPoolQuantised  # built with a KV quant method (config.kv_quant)
     mla_kv_pool: type = MLATokenToKVPool
+    mla_fp4_kv_pool: type = MLATokenToKVPoolFP4  # MLA with kv_quant fp4_mx_block16
     dsa_kv_pool: type = DSATokenToKVPool
     swa_kv_pool: type = SWAKVPool
     hybrid_kv_pool: type = HybridLinearKVPool
@@ -54,7 +56,7 @@ class Blueprint:
         if config.has_mamba:
             return self.hybrid_kv_pool
         if config.attention == "mla":
-            return self.mla_kv_pool
+            return self.mla_fp4_kv_pool if config.kv_quant else self.mla_kv_pool
         if config.attention == "dsa":
             return self.dsa_kv_pool
         return self.token_kv_pool(config)

@@ -18,7 +18,7 @@ from poolfuzz.pools.host_faults import HostLoadStopsAtPoolLayerCount
 from poolfuzz.pools.kv import MHATokenToKVPool, SWAKVPool
 from poolfuzz.pools.mamba import MambaPool, MambaSlotAllocator
 from poolfuzz.pools.prefix_tree import MambaPrefixTree
-from poolfuzz.pools.quant_faults import QuantStoreSkipsLastToken
+from poolfuzz.pools.quant_faults import FP4CopyWithoutScales, QuantStoreSkipsLastToken
 from poolfuzz.pools.protocol import ServingProtocol
 from poolfuzz.pools.req_to_token import HybridReqToTokenPool
 from poolfuzz.pools.spec_faults import CommitsByBatchPosition, CommitsLastDraft
@@ -495,7 +495,9 @@ FAULTS: dict[str, Fault] = {
         _f("scaled-move-drops-scales", "MXFP8 move_kv_cache override (accepted-token move after tree verify)",
            lambda c: c.kv_scale_block > 0, {"scaled_kv_pool": ScaledMoveWithoutScales}),
         _f("quant-store-skips-last-token", "CPUFP8KVCacheMethod.quantize_and_store (quantised set_kv_buffer)",
-           lambda c: bool(c.kv_quant), {"quant_kv_pool": QuantStoreSkipsLastToken}),
+           lambda c: c.kv_quant == "cpu_fp8_e4m3", {"quant_kv_pool": QuantStoreSkipsLastToken}),
+        _f("fp4-copy-drops-scales", "MLATokenToKVPoolFP4 get_cpu_copy / load_cpu_copy (inherited from MLA)",
+           lambda c: c.kv_quant == "fp4_mx_block16", {"mla_fp4_kv_pool": FP4CopyWithoutScales}),
         # Free patterns: grouped frees, and a row cut off between two prefill chunks.
         _f("free-group-drops-swa", "SWATokenToKVPoolAllocator.free_group_end (SWA piles)", lambda c: c.has_swa,
            {"swa_allocator": FreeGroupDropsSWAPile}),

@@ -329,7 +329,7 @@ def _build(api: SGLangAPI, config: ModelConfig, dev, sdev: str, backup_mode: str
 def _write_door(sg_kv, c: ModelConfig):
     """The KV pool's own write door for the config's layers (``adapters.sglang.writes``). A pool with
     scale buffers quantises what it is handed, so its rows (already bytes) are written directly."""
-    if c.kv_scale_block:
+    if c.kv_scale_block or c.kv_quant == "fp4_mx_block16":
         return None
     mha = [] if c.latent else [("full", i) for i in c.full_layer_ids] + [("swa", i) for i in c.swa_layer_ids]
     return functools.partial(write_rows, sg_kv, mha_layers=mha, mla_layers=list(c.full_layer_ids) if c.latent else [],

@@ -46,6 +46,8 @@ def storage_problem(api: SGLangAPI, config: ModelConfig) -> str | None:
         if api.DSATokenToKVPool is None:
             return "this SGLang has no DSATokenToKVPool (or NSATokenToKVPool)"
         return _dsa_problem(api, config)
+    if config.kv_quant == "fp4_mx_block16":
+        return _fp4_problem(api, config)
     if config.kv_quant:
         return _quant_problem(api, config)
     if config.kv_scale_block:
@@ -130,6 +132,9 @@ def build_storage_pool(api: SGLangAPI, config: ModelConfig, common: dict) -> tup
         if c.attention == "dsa":
             pool = construct(api.DSATokenToKVPool, index_head_dim=c.index_head_dim,
                              kv_cache_dim=c.kv_lora_rank + c.qk_rope_head_dim, **args)
+        elif c.kv_quant:  # SGLang's configurator: MLA with an fp4_e2m1 KV cache dtype (_build_mla_fp4_kv_pool)
+            pool = construct(_first(_FP4_POOL), **dict(args, dtype=torch.float4_e2m1fn_x2))
+            return pool, _fp4_components(pool, c)
         else:
             pool = construct(api.MLATokenToKVPool, **args)
         return pool, _latent_components(pool, c)
@@ -211,3 +216,46 @@ def _quant_problem(api: SGLangAPI, config: ModelConfig) -> str | None:
                            f"({type(exc).__name__}: {_what_failed(exc)})")
         _QUANT_PROBE[config.kv_quant] = problem
     return _QUANT_PROBE[config.kv_quant]
+
+
+_FP4_POOL = "sglang.srt.mem_cache.memory_pool:MLATokenToKVPoolFP4"
+_FP4_PROBE: dict[tuple, str | None] = {}
+
+
+def _fp4_problem(api: SGLangAPI, config: ModelConfig) -> str | None:
+    """Build a one-page FP4 MLA pool of the config's row: the release must have the class, and store a row
+    as packed bytes beside a scale byte per 16 values, as poolfuzz reads it."""
+    key = (config.kv_lora_rank, config.qk_rope_head_dim)
+    if key not in _FP4_PROBE:
+        problem = None
+        cls = _first(_FP4_POOL, required=False)
+        if cls is None or not hasattr(torch, "float4_e2m1fn_x2"):
+            problem = "this SGLang (or torch) has no FP4 MLA KV pool (MLATokenToKVPoolFP4, float4_e2m1fn_x2)"
+        else:
+            try:
+                single_rank(api)
+                width = config.kv_lora_rank + config.qk_rope_head_dim
+                pool = construct(cls, size=1, page_size=1, dtype=torch.float4_e2m1fn_x2,
+                                 kv_lora_rank=config.kv_lora_rank, qk_rope_head_dim=config.qk_rope_head_dim,
+                                 layer_num=1, device="cpu", enable_memory_saver=False)
+                shapes = (tuple(pool.kv_buffer[0].shape[1:]), tuple(pool.kv_scale_buffer[0].shape[1:]))
+                if shapes != ((1, width // 2), (width // 16,)):
+                    problem = f"its FP4 MLA rows are laid out as {shapes}, not packed bytes and 16-value scales"
+            except Exception as exc:  # what the release's constructor refuses varies
+                problem = (f"SGLang {api.version} cannot build an FP4 MLA pool here "
+                           f"({type(exc).__name__}: {_what_failed(exc)})")
+        _FP4_PROBE[key] = problem
+    return _FP4_PROBE[key]
+
+
+def _fp4_components(pool, c: ModelConfig) -> list[Component]:
+    """The packed latent row's two parts (the compressed part's bytes, then the rope part's) and its scale row.
+    Read from the buffers: the pool's ``get_key_buffer`` hands the kernels a dequantised copy."""
+    half = c.kv_lora_rank // 2
+    out = []
+    for local, layer_id in enumerate(c.full_layer_ids):
+        buf = pool.kv_buffer[local]
+        out.append(Component(name="mla.latent", layer=layer_id, space="full", tensor=buf[:, 0, :half]))
+        out.append(Component(name="mla.rope", layer=layer_id, space="full", tensor=buf[:, 0, half:]))
+        out.append(Component(name="mla.scale", layer=layer_id, space="full", tensor=pool.kv_scale_buffer[local]))
+    return out
