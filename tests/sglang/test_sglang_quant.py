@@ -62,3 +62,41 @@ def test_a_quantiser_that_skips_the_last_token_is_caught(api, monkeypatch):
         e.check()
     d = info.value.divergence
     assert d.component in ("full.k", "full.v") and d.position == 4, info.value
+
+
+def _fp4_pool_carries_scales() -> bool:
+    """Probe the release's FP4 MLA pool: does its retraction copy carry a slot's scale row?"""
+    import torch
+    from sglang.srt.mem_cache.memory_pool import MLATokenToKVPoolFP4
+
+    from poolfuzz.adapters.sglang.api import construct
+    from poolfuzz.adapters.sglang.shims import cpu_synchronize
+
+    pool = construct(MLATokenToKVPoolFP4, size=8, page_size=1, dtype=torch.float4_e2m1fn_x2, kv_lora_rank=160,
+                     qk_rope_head_dim=32, layer_num=1, device="cpu", enable_memory_saver=False)
+    pool.kv_scale_buffer[0][1] = 7
+    with cpu_synchronize(torch.device("cpu")):
+        pool.load_cpu_copy(pool.get_cpu_copy(torch.tensor([1])), torch.tensor([2]))
+    return bool((pool.kv_scale_buffer[0][2] == 7).all())
+
+
+def test_an_fp4_mla_retraction_that_leaves_the_scales_behind_is_caught(api):
+    """SGLang's MLATokenToKVPoolFP4 (0.5.23) inherits MLATokenToKVPool's get_cpu_copy / load_cpu_copy, which
+    carry kv_buffer only: a resumed request's packed rows land in new slots beside those slots' old scale rows.
+    A release whose copy carries them passes."""
+    config = _config("mla-fp4")
+    from poolfuzz.adapters.sglang import build_family
+
+    e = Engine(config=config, family_factory=build_family)
+    rid = e.admit(5)
+    e.prefill(rid, 5)
+    node = e.requests[rid].node
+    e.retract(rid)
+    if _fp4_pool_carries_scales():
+        e.resume(node)
+        e.check()
+        return
+    with pytest.raises(PoolfuzzFailure) as info:
+        e.resume(node)
+        e.check()
+    assert info.value.divergence.component == "mla.scale", info.value
