@@ -10,6 +10,8 @@ from poolfuzz.pools.config import ModelConfig, uses_ssm_state
 from poolfuzz.pools.host import HostKVPool
 from poolfuzz.pools.kv import HybridLinearKVPool, MHATokenToKVPool, SWAKVPool
 from poolfuzz.pools.latent import DSATokenToKVPool, MLATokenToKVPool
+from poolfuzz.pools.latent_fp4 import MLATokenToKVPoolFP4
+from poolfuzz.pools.quantised import MHATokenToKVPoolQuantised
 from poolfuzz.pools.scaled import MHATokenToKVPoolScaled
 from poolfuzz.pools.mamba import MambaPool, MambaSlotAllocator
 from poolfuzz.pools.prefix_tree import MambaPrefixTree
@@ -27,7 +29,9 @@ class Blueprint:
 
     mha_kv_pool: type = MHATokenToKVPool
     scaled_kv_pool: type = MHATokenToKVPoolScaled
+    quant_kv_pool: type = MHATokenToKVPoolQuantised  # built with a KV quant method (config.kv_quant)
     mla_kv_pool: type = MLATokenToKVPool
+    mla_fp4_kv_pool: type = MLATokenToKVPoolFP4  # MLA with kv_quant fp4_mx_block16
     dsa_kv_pool: type = DSATokenToKVPool
     swa_kv_pool: type = SWAKVPool
     hybrid_kv_pool: type = HybridLinearKVPool
@@ -55,11 +59,13 @@ class Blueprint:
         if config.has_mamba:
             return self.hybrid_kv_pool
         if config.attention == "mla":
-            return self.mla_kv_pool
+            return self.mla_fp4_kv_pool if config.kv_quant else self.mla_kv_pool
         if config.attention == "dsa":
             return self.dsa_kv_pool
         return self.token_kv_pool(config)
 
     def token_kv_pool(self, config: ModelConfig) -> type:
         """The per-token MHA pool (also the sub-pool of SWA and hybrid-linear pools)."""
+        if config.kv_quant:
+            return self.quant_kv_pool
         return self.scaled_kv_pool if config.kv_scale_block else self.mha_kv_pool

@@ -67,6 +67,12 @@ class ModelConfig:
     # conv-window caches, one row per request row), and the commit copies the last accepted one's
     # into the state slot. 0: off (a speculative step then folds the accepted tokens directly).
     spec_draft_tokens: int = 0
+    # How KV is quantised: "" for not at all; "cpu_fp8_e4m3", SGLang's CPU fp8 KV cache (an MHA pool built
+    # with that ``quant_method``, whose write door quantises the model's K and V into the fp8 buffers,
+    # ``pools.quantised``; attention "mha", kv_dtype fp8_e4m3); "fp4_mx_block16", SGLang's FP4 MLA pool
+    # (``MLATokenToKVPoolFP4``: packed 4-bit latent rows and a scale byte per 16 values, ``pools.latent_fp4``;
+    # attention "mla"). Full-attention models only.
+    kv_quant: str = ""
 
     def __post_init__(self) -> None:
         problems = _validate(self)
@@ -230,6 +236,17 @@ def _validate_storage(c: ModelConfig) -> list[str]:
     if c.attention == "dsa" and (c.index_head_dim % DSA_QUANT_BLOCK or c.index_head_dim // DSA_QUANT_BLOCK * 4 < 12):
         problems.append(f"index_head_dim ({c.index_head_dim}) must be a multiple of {DSA_QUANT_BLOCK} "
                         f"and at least {3 * DSA_QUANT_BLOCK} (its scales carry a tag)")
+    if c.kv_quant and (c.kv_quant not in ("cpu_fp8_e4m3", "fp4_mx_block16") or c.kv_scale_block or c.has_swa
+                       or c.has_mamba):
+        problems.append(f"kv_quant {c.kv_quant!r} must be 'cpu_fp8_e4m3' or 'fp4_mx_block16', with no "
+                        "kv_scale_block and full-attention layers only")
+    elif c.kv_quant == "cpu_fp8_e4m3" and (c.attention != "mha" or c.kv_dtype != "fp8_e4m3"):
+        problems.append("kv_quant 'cpu_fp8_e4m3' needs attention 'mha' and kv_dtype 'fp8_e4m3'")
+    elif c.kv_quant == "fp4_mx_block16" and (c.attention != "mla" or c.kv_lora_rank % 32 or c.qk_rope_head_dim % 32
+                                             or (c.kv_lora_rank + c.qk_rope_head_dim) // 16 < 12):
+        problems.append("kv_quant 'fp4_mx_block16' needs attention 'mla', kv_lora_rank and qk_rope_head_dim "
+                        "multiples of 32 (16-value scale blocks, two values a byte) and at least 192 values a row "
+                        "(its 12 scale bytes carry a tag)")
     if c.kv_scale_block:
         if c.attention != "mha" or not c.kv_dtype.startswith("fp8") or c.has_swa or c.has_mamba:
             problems.append("kv_scale_block needs attention 'mha', an fp8 kv_dtype and full-attention layers only "
@@ -281,9 +298,14 @@ def _storage_configs() -> list[ModelConfig]:
     mla = ModelConfig(name="mla", architecture="deepseek-v3", attention="mla", full_layers=2, full_tokens=48,
                       request_rows=5, max_context=48, kv_dtype="bfloat16")
     dsa = mla.replace(name="dsa", architecture="deepseek-v3.2", attention="dsa")
+    dense = _base_configs()[0]
     scaled = ModelConfig(name="fp8-scaled", architecture="llama", full_layers=2, full_tokens=48, request_rows=5,
                          max_context=48, kv_dtype="fp8_e4m3", head_num=2, head_dim=48, kv_scale_block=8)
-    return [mla, dsa, scaled]
+    # SGLang's CPU fp8 KV cache (``--kv-cache-dtype fp8_e4m3`` on its CPU engine): the quantising write door
+    cpu_fp8 = dense.replace(name="dense-cpu-fp8", kv_dtype="fp8_e4m3", kv_quant="cpu_fp8_e4m3")
+    # DeepSeek with ``--kv-cache-dtype fp4_e2m1``: SGLang's MLATokenToKVPoolFP4
+    mla_fp4 = mla.replace(name="mla-fp4", kv_quant="fp4_mx_block16", kv_lora_rank=160, qk_rope_head_dim=32)
+    return [mla, dsa, scaled, cpu_fp8, mla_fp4]
 
 
 def _mode_configs(base: list[ModelConfig]) -> list[ModelConfig]:
@@ -311,7 +333,8 @@ def _all_configs() -> dict[str, ModelConfig]:
     out = {}
     paged_dtypes = {"dense": "fp8_e4m3", "swa": "bfloat16", "hybrid-linear": "float32",
                     "swa-ssm": "float16", "mla": "bfloat16", "dsa": "bfloat16", "fp8-scaled": "fp8_e5m2",
-                    "hybrid-extra-buffer": "float32", "hybrid-spec": "bfloat16"}
+                    "hybrid-extra-buffer": "float32", "hybrid-spec": "bfloat16",
+                    "dense-cpu-fp8": "fp8_e4m3", "mla-fp4": "bfloat16"}
     for base in _base_configs() + _storage_configs() + _mode_configs(_base_configs()):
         out[base.name] = base
         paged = _paged(base, 4, paged_dtypes[base.name])

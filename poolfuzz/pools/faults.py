@@ -19,6 +19,7 @@ from poolfuzz.pools.host_faults import HostLoadStopsAtPoolLayerCount
 from poolfuzz.pools.kv import SWAKVPool
 from poolfuzz.pools.mamba import MambaSlotAllocator
 from poolfuzz.pools.prefix_tree import MambaPrefixTree
+from poolfuzz.pools.quant_faults import FP4CopyWithoutScales, QuantStoreSkipsLastToken
 from poolfuzz.pools.protocol import ServingProtocol
 from poolfuzz.pools.req_to_token import HybridReqToTokenPool
 from poolfuzz.pools.window_faults import ReleaseFreesEvictedWindow
@@ -479,6 +480,10 @@ FAULTS: dict[str, Fault] = {
            lambda c: c.kv_scale_block > 0, {"transfer": TransferWithoutBlockScales}),
         _f("scaled-move-drops-scales", "MXFP8 move_kv_cache override (accepted-token move after tree verify)",
            lambda c: c.kv_scale_block > 0, {"scaled_kv_pool": ScaledMoveWithoutScales}),
+        _f("quant-store-skips-last-token", "CPUFP8KVCacheMethod.quantize_and_store (quantised set_kv_buffer)",
+           lambda c: c.kv_quant == "cpu_fp8_e4m3", {"quant_kv_pool": QuantStoreSkipsLastToken}),
+        _f("fp4-copy-drops-scales", "MLATokenToKVPoolFP4 get_cpu_copy / load_cpu_copy (inherited from MLA)",
+           lambda c: c.kv_quant == "fp4_mx_block16", {"mla_fp4_kv_pool": FP4CopyWithoutScales}),
         # Free patterns: grouped frees, and a row cut off between two prefill chunks.
         _f("free-group-drops-swa", "SWATokenToKVPoolAllocator.free_group_end (SWA piles)", _mixed_swa,
            {"swa_allocator": FreeGroupDropsSWAPile}),

@@ -67,7 +67,7 @@ def expected_state_items(config, length: int) -> tuple[tuple[str, str, int], ...
         items.append(("MAMBA", "kv_pool" if not config.has_swa else "req_pool", 1))
     if config.attention == "dsa":
         items.append(("DSA", "kv_pool", -(-length // ps)))  # the index cache's pages
-    if config.kv_scale_block:
+    if config.kv_scale_block or config.kv_quant == "fp4_mx_block16":  # MXFP8's and FP4 MLA's scale rows
         items.append(("BLOCK_SCALE", "kv_pool", -(-length // ps)))
     return tuple(items)
 

@@ -79,3 +79,63 @@ def test_a_read_door_that_hands_out_a_copy_is_refused(api, monkeypatch):
     with pytest.raises(ConfigError, match="hands out a copy"):
         _engine(config)
 
+
+
+@pytest.mark.parametrize("name", ["hybrid-linear", "hybrid-spec"])
+def test_every_mamba_layer_is_read_through_the_request_pool_the_kernels_hold(api, monkeypatch, name):
+    """The linear-attention kernels get a layer's conv and temporal state from ``mamba2_layer_cache(layer_id)``
+    by model layer id; the harness checksums those tensors."""
+    config = _config(api, name)
+    from poolfuzz.adapters.sglang.api import load
+
+    cls = load().HybridReqToTokenPool
+    if not hasattr(cls, "mamba2_layer_cache"):
+        pytest.skip(f"sglang {api.version}'s request pool has no mamba2_layer_cache door")
+    asked = []
+    real = cls.mamba2_layer_cache
+    monkeypatch.setattr(cls, "mamba2_layer_cache", lambda self, layer_id: (asked.append(layer_id),
+                                                                           real(self, layer_id))[1])
+    e = _engine(config)
+    assert sorted(set(asked)) == sorted(config.mamba_layer_ids)
+    rid = e.admit(7)
+    e.prefill(rid, 7)
+    e.decode([rid])
+    e.check()
+
+
+def test_a_mamba_map_that_sends_two_layers_to_one_state_is_caught(api, monkeypatch):
+    """Every mamba layer's kernels get local layer 0's state: the second layer's updates overwrite the first's,
+    and the checksums say which layer's state the slot holds instead."""
+    config = _config(api, "hybrid-linear")
+    from poolfuzz.adapters.sglang.api import load
+
+    cls = load().HybridReqToTokenPool
+    if not hasattr(cls, "mamba2_layer_index"):
+        pytest.skip(f"sglang {api.version}'s request pool has no mamba2_layer_index")
+    real = cls.mamba2_layer_index
+    monkeypatch.setattr(cls, "mamba2_layer_index", lambda self, layer_id: (real(self, layer_id), 0)[1])
+    e = _engine(config)
+    with pytest.raises(PoolfuzzFailure) as info:
+        rid = e.admit(7)
+        e.prefill(rid, 7)
+        e.check()
+    assert info.value.divergence.component.startswith("mamba."), info.value
+
+
+def test_a_mamba_door_that_hands_out_a_copy_is_refused(api, monkeypatch):
+    config = _config(api, "hybrid-linear")
+    from poolfuzz.adapters.sglang.api import load
+
+    cls = load().MambaPool
+    if not hasattr(cls, "mamba2_layer_cache"):
+        pytest.skip(f"sglang {api.version}'s MambaPool has no mamba2_layer_cache door")
+    real = cls.mamba2_layer_cache
+
+    def copied(self, layer):
+        state = real(self, layer)
+        return type(state)(**{**{f: getattr(state, f) for f in state.__dataclass_fields__},
+                              "temporal": state.temporal.clone()})
+
+    monkeypatch.setattr(cls, "mamba2_layer_cache", copied)
+    with pytest.raises(ConfigError, match="hands out a copy"):
+        _engine(config)

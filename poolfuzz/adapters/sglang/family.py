@@ -26,10 +26,10 @@ from poolfuzz.adapters.sglang.host import SGLangHostBackup, host_pool_problem, r
 from poolfuzz.adapters.sglang.pd import SGLangPDTransfer, pd_problem
 from poolfuzz.adapters.sglang.prealloc import DECODE, gate_problem
 from poolfuzz.adapters.sglang.protocol import SGLangProtocol
-from poolfuzz.adapters.sglang.reads import read_door
+from poolfuzz.adapters.sglang.reads import read_door, stored_bytes
 from poolfuzz.adapters.sglang.request_pool import build_request_pool
 from poolfuzz.adapters.sglang.standin import standin_class
-from poolfuzz.adapters.sglang.storage import build_storage_pool, storage_problem
+from poolfuzz.adapters.sglang.storage import build_storage_pool, quant_method_kwargs, storage_problem
 from poolfuzz.adapters.sglang.speculative import SGLangScratch, moves_rows, native_kv_move, speculative_problem
 from poolfuzz.adapters.sglang.writes import write_rows
 from poolfuzz.adapters.sglang.tracking import check_built, extra_buffer_problem
@@ -40,6 +40,7 @@ from poolfuzz.pools.components import Component
 from poolfuzz.pools.config import ModelConfig, uses_ssm_state
 from poolfuzz.pools.errors import ConfigError
 from poolfuzz.pools.family import resolve_device
+from poolfuzz.pools.quantised import MODEL_DTYPE
 
 KV_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32,
              "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
@@ -246,7 +247,7 @@ def _build(api: SGLangAPI, config: ModelConfig, dev, sdev: str, backup_mode: str
         problem = check_built(sg_req_pool, c)
         if problem:
             raise ConfigError(f"config {c.name!r} on sglang {api.version}: {problem}")
-        mamba_view = MambaPoolView(sg_req_pool.mamba_pool, c.mamba_layer_ids)
+        mamba_view = MambaPoolView(sg_req_pool.mamba_pool, c.mamba_layer_ids, req_pool=sg_req_pool)
         if c.spec_draft_tokens:
             mamba_view.spec_scratch = SGLangScratch(sg_req_pool, layer_ids=c.mamba_layer_ids,
                                                     draft_tokens=c.spec_draft_tokens)
@@ -288,7 +289,8 @@ def _build(api: SGLangAPI, config: ModelConfig, dev, sdev: str, backup_mode: str
                               use_mla=False, **common)
             full_pool = sg_kv.full_kv_pool
         else:
-            sg_kv = construct(api.MHATokenToKVPool, size=c.full_tokens, layer_num=c.full_layers, **common)
+            sg_kv = construct(api.MHATokenToKVPool, size=c.full_tokens, layer_num=c.full_layers, **common,
+                              **quant_method_kwargs(api, c))
             full_pool = sg_kv
         comps += _mha_components(full_pool, c.full_layer_ids, "full", door=sg_kv)
         alloc_cls = api.TokenToKVPoolAllocator if c.page_size == 1 else api.PagedTokenToKVPoolAllocator
@@ -339,10 +341,11 @@ def _build(api: SGLangAPI, config: ModelConfig, dev, sdev: str, backup_mode: str
 def _write_door(sg_kv, c: ModelConfig):
     """The KV pool's own write door for the config's layers (``adapters.sglang.writes``). A pool with
     scale buffers quantises what it is handed, so its rows (already bytes) are written directly."""
-    if c.kv_scale_block:
+    if c.kv_scale_block or c.kv_quant == "fp4_mx_block16":
         return None
     mha = [] if c.latent else [("full", i) for i in c.full_layer_ids] + [("swa", i) for i in c.swa_layer_ids]
-    return functools.partial(write_rows, sg_kv, mha_layers=mha, mla_layers=list(c.full_layer_ids) if c.latent else [])
+    return functools.partial(write_rows, sg_kv, mha_layers=mha, mla_layers=list(c.full_layer_ids) if c.latent else [],
+                             model_dtype=MODEL_DTYPE if c.kv_quant else None)
 
 
 def _carries_mamba(api: SGLangAPI, kv_pool) -> tuple[bool, bool]:
@@ -363,8 +366,8 @@ def _mha_components(pool, layer_ids, space: str, *, door) -> list[Component]:
     """K and V of each layer of a sub-pool, as the model's KV pool ``door`` hands them to the kernels."""
     out = []
     for local, layer_id in enumerate(layer_ids):
-        k = read_door(door, "get_key_buffer", layer_id, pool.k_buffer[local])
-        v = read_door(door, "get_value_buffer", layer_id, pool.v_buffer[local])
+        k = stored_bytes(read_door(door, "get_key_buffer", layer_id, pool.k_buffer[local]))
+        v = stored_bytes(read_door(door, "get_value_buffer", layer_id, pool.v_buffer[local]))
         out.append(Component(name=f"{space}.k", layer=layer_id, space=space, tensor=k))
         out.append(Component(name=f"{space}.v", layer=layer_id, space=space, tensor=v))
     return out

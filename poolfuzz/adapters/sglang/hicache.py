@@ -40,6 +40,8 @@ def hicache_problem(api, config: ModelConfig, *, pd_decode: bool) -> str | None:
         return "the SWA host tier is not driven (its SWA reclaim is not modelled by the tree reference)"
     if config.kv_scale_block or config.attention == "dsa":
         return "block-scaled and DSA host pools are not driven"
+    if config.kv_quant == "fp4_mx_block16":  # SGLang's MLAKVPoolHost raises ValueError for an FP4 device pool
+        return "SGLang's MLA host cache refuses FP4 KV (its packed payload and block scales cannot be restored)"
     try:
         from sglang.srt.mem_cache import unified_radix_cache as urc
     except ImportError:

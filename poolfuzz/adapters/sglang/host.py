@@ -34,6 +34,7 @@ from functools import lru_cache
 
 import torch
 
+from poolfuzz.adapters.sglang.reads import stored_bytes
 from poolfuzz.adapters.sglang.views import FreeListView, _ints
 from poolfuzz.pools.components import Component
 from poolfuzz.pools.config import ModelConfig, uses_ssm_state
@@ -220,8 +221,10 @@ class HostFreeListView(FreeListView):
                 out.append(Component(name="host.mla.latent", layer=layer_id, space=self.space, tensor=row[:, :r]))
                 out.append(Component(name="host.mla.rope", layer=layer_id, space=self.space, tensor=row[:, r:]))
                 continue
-            out.append(Component(name=f"{self.space}.k", layer=layer_id, space=self.space, tensor=pool.k_buffer[local]))
-            out.append(Component(name=f"{self.space}.v", layer=layer_id, space=self.space, tensor=pool.v_buffer[local]))
+            out.append(Component(name=f"{self.space}.k", layer=layer_id, space=self.space,
+                                 tensor=stored_bytes(pool.k_buffer[local])))
+            out.append(Component(name=f"{self.space}.v", layer=layer_id, space=self.space,
+                                 tensor=stored_bytes(pool.v_buffer[local])))
         return out
 
 

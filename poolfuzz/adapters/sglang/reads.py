@@ -43,3 +43,34 @@ def read_door(pool, getter: str, layer_id: int, raw: torch.Tensor) -> torch.Tens
         raise ConfigError(f"{type(pool).__name__}.{getter}({layer_id}) hands out a copy, not a KV buffer of the "
                           "pool; poolfuzz checksums what the kernels read in place")
     return got
+
+
+def mamba_layer_states(req_pool, layer_ids, conv: list[torch.Tensor], temporal: torch.Tensor
+                       ) -> dict[int, tuple[list[torch.Tensor], torch.Tensor]]:
+    """Each mamba layer's (conv tensors, temporal) as the linear-attention kernels get them: the request
+    pool's ``mamba2_layer_cache(layer_id)`` by model layer id (``HybridReqToTokenPool`` maps the id through
+    its ``mamba_map``, the MambaPool slices its ``State`` with ``at_layer_idx``). A pool that sends two layers
+    to one state has them overwrite each other, which the checksums catch. ``conv`` / ``temporal`` (every
+    layer, ``[layers, slots+1, ...]``) where the release has no such door; a door that hands out a copy is
+    refused (the kernels update the state in place)."""
+    door = getattr(req_pool, "mamba2_layer_cache", None)
+    if door is None:
+        return {layer_id: ([c[local] for c in conv], temporal[local]) for local, layer_id in enumerate(layer_ids)}
+    owned = {_storage(t) for t in [*conv, temporal]}
+    out = {}
+    for layer_id in layer_ids:
+        state = door(layer_id)
+        got_conv, got_temporal = list(state.conv), state.temporal
+        if isinstance(state.conv, torch.Tensor):  # a release whose State holds one conv tensor
+            got_conv = [state.conv]
+        if any(_storage(t) not in owned for t in [*got_conv, got_temporal]):
+            raise ConfigError(f"{type(req_pool).__name__}.mamba2_layer_cache({layer_id}) hands out a copy, not the "
+                              "MambaPool's state; poolfuzz checksums what the kernels update in place")
+        out[layer_id] = (got_conv, got_temporal)
+    return out
+
+
+def stored_bytes(buf: torch.Tensor) -> torch.Tensor:
+    """A KV buffer stored as an fp8 dtype itself (a pool built with a KV quant method, and its host pool) as
+    the bytes the harness writes and checksums, as SGLang's other fp8 pools store them (uint8)."""
+    return buf.view(torch.uint8) if buf.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) else buf

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from poolfuzz.adapters.sglang.api import SGLangAPI, construct
+from poolfuzz.adapters.sglang.api import SGLangAPI, _first, construct
 from poolfuzz.adapters.sglang.reads import read_door
 from poolfuzz.pools.components import Component
 from poolfuzz.pools.config import ModelConfig
@@ -46,6 +46,10 @@ def storage_problem(api: SGLangAPI, config: ModelConfig) -> str | None:
         if api.DSATokenToKVPool is None:
             return "this SGLang has no DSATokenToKVPool (or NSATokenToKVPool)"
         return _dsa_problem(api, config)
+    if config.kv_quant == "fp4_mx_block16":
+        return _fp4_problem(api, config)
+    if config.kv_quant:
+        return _quant_problem(api, config)
     if config.kv_scale_block:
         cls = api.MHATokenToKVPoolMXFP8
         if cls is None:
@@ -128,6 +132,9 @@ def build_storage_pool(api: SGLangAPI, config: ModelConfig, common: dict) -> tup
         if c.attention == "dsa":
             pool = construct(api.DSATokenToKVPool, index_head_dim=c.index_head_dim,
                              kv_cache_dim=c.kv_lora_rank + c.qk_rope_head_dim, **args)
+        elif c.kv_quant:  # SGLang's configurator: MLA with an fp4_e2m1 KV cache dtype (_build_mla_fp4_kv_pool)
+            pool = construct(_first(_FP4_POOL), **dict(args, dtype=torch.float4_e2m1fn_x2))
+            return pool, _fp4_components(pool, c)
         else:
             pool = construct(api.MLATokenToKVPool, **args)
         return pool, _latent_components(pool, c)
@@ -167,4 +174,88 @@ def _scaled_components(pool, c: ModelConfig) -> list[Component]:
                 raise ConfigError(f"config {c.name!r}: SGLang's MXFP8 scales are interleaved by page here "
                                   f"(shape {tuple(buf.shape)}); poolfuzz reads per-slot scales only")
             out.append(Component(name=name, layer=layer_id, space="full", tensor=buf.view(torch.uint8)))
+    return out
+
+
+_QUANT_GETTER = "sglang.srt.layers.quantization.fp4_kv_cache_quant_method:get_kv_cache_quant_method"
+_QUANT_PROBE: dict[str, str | None] = {}
+
+
+def quant_method_kwargs(api: SGLangAPI, config: ModelConfig) -> dict:
+    """``quant_method=`` as SGLang's configurator passes it to an MHA pool (``_build_mha_quant_method``:
+    ``get_kv_cache_quant_method("cpu_fp8_e4m3")`` for fp8_e4m3 KV on its CPU engine); {} for none."""
+    if not config.kv_quant:
+        return {}
+    problem = _quant_problem(api, config)
+    if problem:
+        raise ConfigError(f"config {config.name!r} on sglang {api.version}: {problem}")
+    return {"quant_method": _first(_QUANT_GETTER)(config.kv_quant)}
+
+
+def _quant_problem(api: SGLangAPI, config: ModelConfig) -> str | None:
+    """Build a one-slot pool with the method and write one row through its door: a release without KV
+    quant methods (or without this one) declines the config."""
+    if config.kv_quant not in _QUANT_PROBE:
+        problem = None
+        getter = _first(_QUANT_GETTER, required=False)
+        if getter is None:
+            problem = "this SGLang has no KV cache quant methods (get_kv_cache_quant_method)"
+        else:
+            try:
+                from poolfuzz.adapters.sglang.writes import _Layer
+
+                pool = construct(api.MHATokenToKVPool, size=2, page_size=1, dtype=torch.float8_e4m3fn, head_num=1,
+                                 head_dim=16, layer_num=1, device="cpu", enable_memory_saver=False,
+                                 quant_method=getter(config.kv_quant))
+                row = torch.arange(16, dtype=torch.float16).view(1, 1, 16)
+                pool.set_kv_buffer(_Layer(0), torch.tensor([1]), row, row.clone())
+                if not torch.equal(pool.k_buffer[0][1].to(torch.float16), row[0]):
+                    problem = "its quantised write door does not store what it is handed"
+            except Exception as exc:  # an unknown method name, a constructor without quant_method=, ...
+                problem = (f"SGLang {api.version} cannot build an MHA pool with KV quant method {config.kv_quant!r} "
+                           f"({type(exc).__name__}: {_what_failed(exc)})")
+        _QUANT_PROBE[config.kv_quant] = problem
+    return _QUANT_PROBE[config.kv_quant]
+
+
+_FP4_POOL = "sglang.srt.mem_cache.memory_pool:MLATokenToKVPoolFP4"
+_FP4_PROBE: dict[tuple, str | None] = {}
+
+
+def _fp4_problem(api: SGLangAPI, config: ModelConfig) -> str | None:
+    """Build a one-page FP4 MLA pool of the config's row: the release must have the class, and store a row
+    as packed bytes beside a scale byte per 16 values, as poolfuzz reads it."""
+    key = (config.kv_lora_rank, config.qk_rope_head_dim)
+    if key not in _FP4_PROBE:
+        problem = None
+        cls = _first(_FP4_POOL, required=False)
+        if cls is None or not hasattr(torch, "float4_e2m1fn_x2"):
+            problem = "this SGLang (or torch) has no FP4 MLA KV pool (MLATokenToKVPoolFP4, float4_e2m1fn_x2)"
+        else:
+            try:
+                single_rank(api)
+                width = config.kv_lora_rank + config.qk_rope_head_dim
+                pool = construct(cls, size=1, page_size=1, dtype=torch.float4_e2m1fn_x2,
+                                 kv_lora_rank=config.kv_lora_rank, qk_rope_head_dim=config.qk_rope_head_dim,
+                                 layer_num=1, device="cpu", enable_memory_saver=False)
+                shapes = (tuple(pool.kv_buffer[0].shape[1:]), tuple(pool.kv_scale_buffer[0].shape[1:]))
+                if shapes != ((1, width // 2), (width // 16,)):
+                    problem = f"its FP4 MLA rows are laid out as {shapes}, not packed bytes and 16-value scales"
+            except Exception as exc:  # what the release's constructor refuses varies
+                problem = (f"SGLang {api.version} cannot build an FP4 MLA pool here "
+                           f"({type(exc).__name__}: {_what_failed(exc)})")
+        _FP4_PROBE[key] = problem
+    return _FP4_PROBE[key]
+
+
+def _fp4_components(pool, c: ModelConfig) -> list[Component]:
+    """The packed latent row's two parts (the compressed part's bytes, then the rope part's) and its scale row.
+    Read from the buffers: the pool's ``get_key_buffer`` hands the kernels a dequantised copy."""
+    half = c.kv_lora_rank // 2
+    out = []
+    for local, layer_id in enumerate(c.full_layer_ids):
+        buf = pool.kv_buffer[local]
+        out.append(Component(name="mla.latent", layer=layer_id, space="full", tensor=buf[:, 0, :half]))
+        out.append(Component(name="mla.rope", layer=layer_id, space="full", tensor=buf[:, 0, half:]))
+        out.append(Component(name="mla.scale", layer=layer_id, space="full", tensor=pool.kv_scale_buffer[local]))
     return out

@@ -11,6 +11,7 @@ from typing import Callable
 
 import torch
 
+from poolfuzz.adapters.sglang.reads import mamba_layer_states
 from poolfuzz.pools.components import Component
 from poolfuzz.pools.errors import ConfigError
 
@@ -135,17 +136,22 @@ class MambaPoolView:
 
     spec_scratch = None
 
-    def __init__(self, pool, layer_ids: tuple[int, ...]):
+    def __init__(self, pool, layer_ids: tuple[int, ...], *, req_pool=None):
         self.pool = pool
         self.layer_ids = layer_ids
+        self.req_pool = req_pool  # the kernels' door to each layer's state (``reads.mamba_layer_states``)
 
     def state_tensors(self) -> list[tuple[str, torch.Tensor]]:
         conv, temporal = mamba_state_tensors(self.pool)
         return [(f"mamba.conv{i}", c) for i, c in enumerate(conv)] + [("mamba.temporal", temporal)]
 
     def components(self) -> list[Component]:
-        return [Component(name=name, layer=layer_id, space="mamba", tensor=t[local])
-                for name, t in self.state_tensors() for local, layer_id in enumerate(self.layer_ids)]
+        conv, temporal = mamba_state_tensors(self.pool)
+        states = mamba_layer_states(self.req_pool, self.layer_ids, conv, temporal)
+        out = [Component(name=f"mamba.conv{i}", layer=layer_id, space="mamba", tensor=states[layer_id][0][i])
+               for i in range(len(conv)) for layer_id in self.layer_ids]
+        return out + [Component(name="mamba.temporal", layer=layer_id, space="mamba", tensor=states[layer_id][1])
+                      for layer_id in self.layer_ids]
 
 
 class ReqPoolView:

@@ -48,11 +48,15 @@ def _write_loc(pool, loc: torch.Tensor) -> tuple[object, dict]:
     return loc, ({"swa_loc": swa_loc} if takes_swa_loc and swa_loc is not None else {})
 
 
-def write_rows(pool, *, mha_layers, mla_layers, slots: torch.Tensor, rows: dict) -> set:
+def write_rows(pool, *, mha_layers, mla_layers, slots: torch.Tensor, rows: dict, model_dtype=None) -> set:
     """Write ``rows[(component, layer)]`` for the full slots ``slots`` through the pool's door, layer by
-    layer; return the keys written. ``mha_layers``: (space, layer id) of every K/V layer."""
+    layer; return the keys written. ``mha_layers``: (space, layer id) of every K/V layer. ``model_dtype``:
+    a pool built with a KV quant method quantises what it is handed, so its rows (the bytes it stores) go
+    in as the model computes K and V, in this dtype (exact for every stored byte)."""
     if not rows:
         return set()
+    if model_dtype is not None:
+        rows = {key: r.view(pool.dtype).to(model_dtype) for key, r in rows.items()}
     device = next(iter(rows.values())).device
     loc = slots.to(device=device, dtype=torch.int64)
     loc_info, loc_kwargs = _write_loc(pool, loc)
