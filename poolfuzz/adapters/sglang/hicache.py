@@ -96,9 +96,45 @@ def host_tier(config: ModelConfig) -> tuple[str, str]:
     return ("page_head", KERNEL) if paged else ("page_first", KERNEL)
 
 
+def direct_tier(config: ModelConfig) -> tuple[str, str]:
+    """The ``direct`` pair for the config's shape: what a release without a wanted tier runs."""
+    return ("page_first_direct" if config.has_mamba or config.page_size > 1 else HOST_LAYOUT), IO_BACKEND
+
+
+def tier_problem(config: ModelConfig, tier: tuple[str, str]) -> str | None:
+    """Why this release's host pools would not run ``tier`` for ``config``, or None: probed in the host
+    pool classes' own source (the layout in the buffer allocation, the backend in the load method)."""
+    import inspect
+    import importlib
+
+    layout, io_backend = tier
+    kinds = [("mla", "MLATokenToKVPoolHost") if config.latent else ("mha", "MHATokenToKVPoolHost")]
+    if config.has_mamba:
+        kinds.append(("mamba", "MambaPoolHost"))
+    for module_name, cls_name in kinds:
+        try:
+            cls = getattr(importlib.import_module(f"sglang.srt.mem_cache.pool_host.{module_name}"), cls_name)
+            source = inspect.getsource(cls)
+        except (ImportError, AttributeError, OSError, TypeError) as exc:
+            return f"this SGLang has no pool_host.{module_name}.{cls_name} to probe ({exc})"
+        if f'"{layout}"' not in source:
+            return f"this SGLang's {cls_name} has no {layout!r} host memory layout"
+        if io_backend != IO_BACKEND and f'io_backend == "{io_backend}"' not in source:
+            return f"this SGLang's {cls_name} has no {io_backend!r} I/O backend"
+    return None
+
+
+def resolved_tier(config: ModelConfig) -> tuple[tuple[str, str], str | None]:
+    """The tier the adapter runs: :func:`host_tier`'s, or where the release declines it the ``direct``
+    pair, with the reason."""
+    wanted = host_tier(config)
+    problem = tier_problem(config, wanted) if wanted != direct_tier(config) else None
+    return (direct_tier(config), f"{wanted[0]} / {wanted[1]}: {problem}") if problem else (wanted, None)
+
+
 def host_layout(config: ModelConfig) -> str:
-    """The tier's ``--hicache-mem-layout`` (see :func:`host_tier`)."""
-    return host_tier(config)[0]
+    """The ``--hicache-mem-layout`` the adapter runs (see :func:`host_tier`)."""
+    return resolved_tier(config)[0][0]
 
 
 @contextmanager
@@ -106,7 +142,7 @@ def hicache_arguments(config: ModelConfig):
     """The server arguments ``--enable-hierarchical-cache`` sets, scoped to the tree's build."""
     from sglang.srt.runtime_context import get_memory
 
-    layout, io_backend = host_tier(config)
+    (layout, io_backend), _ = resolved_tier(config)
     install_cpu_transfer_ops()
     install_cpu_kernel_ops()
     install_cpu_host_register()
