@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import inspect
+
 import pytest
 
 from poolfuzz.harness.failures import PoolfuzzFailure
@@ -135,3 +137,20 @@ def test_fuzzing_the_kernel_tiers_passes(hicache_api, fuzz):
     for name in ("dense", "dense-ps4", "mla-ps4", "hybrid-linear"):
         outcome = fuzz(CONFIGS[name], examples=8)
         assert outcome.failure is None, (name, outcome.failure)
+
+
+def test_this_release_runs_every_wanted_tier_and_a_missing_layout_is_declined_with_its_reason(hicache_api,
+                                                                                               monkeypatch):
+    from sglang.srt.mem_cache.pool_host import mha
+
+    from poolfuzz.adapters.sglang import hicache
+
+    for name in TIERED:
+        assert hicache.resolved_tier(CONFIGS[name]) == (hicache.host_tier(CONFIGS[name]), None), name
+    # a release whose MHA host pool has no page_head layout (probed in its source): dense-ps4 runs the
+    # direct pair instead, and says why
+    monkeypatch.setattr(inspect, "getsource",
+                        lambda obj: "" if obj is mha.MHATokenToKVPoolHost else 'io_backend == "kernel"')
+    tier, reason = hicache.resolved_tier(CONFIGS["dense-ps4"])
+    assert tier == ("page_first_direct", "direct")
+    assert "page_head / kernel" in reason and "no 'page_head' host memory layout" in reason
