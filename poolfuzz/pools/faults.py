@@ -15,7 +15,7 @@ from poolfuzz.pools.errors import ConfigError, PoolExhausted
 from poolfuzz.pools.free_faults import AbortMidPrefillLeaksLastChunk, FreeGroupDropsSWAPile
 from poolfuzz.pools.grid_faults import MambaLayerMapAssumesContiguous, ReloadChunkAtChunkNumber
 from poolfuzz.pools.host import HostKVPool
-from poolfuzz.pools.host_faults import HostLoadStopsAtPoolLayerCount
+from poolfuzz.pools.host_faults import HostLoadStopsAtPoolLayerCount, HostPageStrideOmitsALayer
 from poolfuzz.pools.kv import SWAKVPool
 from poolfuzz.pools.mamba import MambaSlotAllocator
 from poolfuzz.pools.prefix_tree import MambaPrefixTree
@@ -389,6 +389,10 @@ def _any(c: ModelConfig) -> bool:
     return True
 
 
+def _host_mha_layers(c) -> bool:  # an MHA host pool of two or more layers
+    return len(c.full_layer_ids) > 1 and not c.has_mamba and c.attention == "mha" and not c.kv_scale_block
+
+
 def _f(id, upstream, applies_to, overrides, description=None, backup_mode=None):
     cls = next(iter(overrides.values()))
     text = description or (cls.__doc__ or "").strip().split("\n\n")[0].replace("\n", " ")
@@ -444,6 +448,8 @@ FAULTS: dict[str, Fault] = {
         _f("host-load-stops-at-pool-layer-count", "HiCache layer-wise load (transfer_layer_id_max: model layers)",
            lambda c: _mixed_swa(c) and not c.has_mamba and c.attention == "mha" and not c.kv_scale_block,
            {"host_pool": HostLoadStopsAtPoolLayerCount}, backup_mode="host_pool"),
+        _f("host-page-stride-omits-a-layer", "HiCache page_first layout (kernel backend: layout_dim)",
+           _host_mha_layers, {"host_pool": HostPageStrideOmitsALayer}, backup_mode="host_pool"),
         # Off the named grid: each applies to named configs too, where it cannot show (contexts of
         # at most 64 tokens, blocked layers, page sizes 1 and 4); drawn configs reach it.
         _f("reload-chunk-at-chunk-number", "sglang#7409 (chunked offload)", _any,

@@ -29,6 +29,9 @@ SHORTEST_KNOWN: dict[str, int] = {
     "host-discard-keeps-swa-slots": 3,
     # By hand: a request served, retracted into the host pool and resumed (the load skips layer 2).
     "host-load-stops-at-pool-layer-count": 4,
+    # By hand: a request of two tokens served and retracted: its host copy holds its own top layer at
+    # position 1's first layer (admit, prefill, retract).
+    "host-page-stride-omits-a-layer": 3,
     # By hand: admit, prefill, then one speculative step (that rejects a draft, for the first): 3.
     "spec-commit-last-draft": 3, "spec-commit-batch-position": 3,
     # By `poolfuzz shortest` (every program of its vocabulary, by length): a copy that drops a component is

@@ -51,3 +51,30 @@ def test_the_bound_is_right_where_the_pool_holds_the_model_first_layers():
     for op, args in program:
         getattr(engine, op)(**args)
         engine.check()
+
+
+# A two-token request served and retracted into the host pool: a page stride one layer short puts its
+# slot 0 top layer where slot 1's first layer belongs, which the host copy's checksum sees at once.
+SERVED_RETRACTED = [("admit", {"prompt_len": 6}), ("prefill", {"rid": 1, "chunk": 6}), ("retract", {"rid": 1})]
+
+
+@pytest.mark.parametrize("config", ["dense", "dense-ps4"])
+def test_a_page_first_host_stride_one_layer_short_shows_the_neighbour_layer(config):
+    fault = "host-page-stride-omits-a-layer"
+    assert len(SERVED_RETRACTED) == shortest_known(fault, CONFIGS[config])
+    failure = _fails(config, [fault], SERVED_RETRACTED)
+    assert failure is not None and type(failure).__name__ == "StateLost", failure
+    assert "component host.full.k layer 0 position 1" in str(failure) and "layer 1)" in str(failure), str(failure)
+    assert _fails(config, [], SERVED_RETRACTED + [("resume", {"node": "prefill"})]) is None
+
+
+def test_the_page_first_fault_keeps_the_pool_page_first_and_needs_two_layers():
+    from poolfuzz.pools.faults import get_fault
+    from poolfuzz.pools.host_faults import HostPageStrideOmitsALayer
+
+    fault = get_fault("host-page-stride-omits-a-layer")
+    assert fault.applies_to(CONFIGS["dense"]) and not fault.applies_to(CONFIGS["hybrid-linear"])
+    engine = new_engine(config=CONFIGS["dense"], faults=["host-page-stride-omits-a-layer"])
+    pool = engine.families["prefill"].host_pools["host.full"]
+    assert isinstance(pool, HostPageStrideOmitsALayer)
+    assert pool.k.data_ptr() == pool.k_pages.data_ptr() and pool.k_pages.shape[1] == len(pool.layer_ids)

@@ -58,6 +58,8 @@ SIGNATURES = {
     "host-discard-keeps-swa-slots": r"^ReferenceMismatch: host\.swa pool has \d+ free but the reference says",
     # The SWA host pool's higher model layers are never loaded back: the resumed request reads them.
     "host-load-stops-at-pool-layer-count": r"^StateLost: req \d+ resumed; component swa\.[kv] layer \d+ position \d+;",
+    # the host copy itself: its slot's first layer holds the previous slot's top layer
+    "host-page-stride-omits-a-layer": r"^StateLost: req \d+ retracted; component host\.full\.[kv] layer 0 position \d+;",
     # Off the named grid: a resumed long request reads the second chunk's rows at the first's positions.
     "reload-chunk-at-chunk-number": r"^StateLost: req \d+ resumed; component full\.[kv] layer \d+ position \d+;",
     # Two interleaved mamba layers share one state tensor: the later layer's write overwrites the other.

@@ -154,11 +154,32 @@ class TestBackup:
 
         from poolfuzz.adapters.sglang.host import _transfer_kv_direct
 
-        _family(api, CONFIGS["dense"])  # installs the CPU copy where it is missing
+        # dense-ps4: its retraction host pools take the direct copies (retraction_io_backend)
+        _family(api, CONFIGS["dense-ps4"])  # installs the CPU copy where it is missing
         def drops_last_layer(*, src_layers, dst_layers, src_indices, dst_indices, page_size):
             _transfer_kv_direct(src_layers[:-1], dst_layers[:-1], src_indices, dst_indices, page_size)
 
         monkeypatch.setattr(host_mha, "transfer_kv_direct", drops_last_layer)
+        outcome = fuzz(CONFIGS["dense-ps4"], examples=30)
+        exc = outcome.failure
+        assert exc is not None and type(exc).__name__ == "StateLost", exc
+        assert exc.divergence.component.startswith("host.full."), exc
+
+    def test_a_kernel_write_back_that_loses_a_layer_is_reported(self, api, monkeypatch, fuzz):
+        """Page size 1 retracts through the kernel backend (SGLang's default): the same defect in its
+        all-layer copy is caught."""
+        import sglang.srt.mem_cache.pool_host.mha as host_mha
+
+        from poolfuzz.adapters.sglang.host import retraction_io_backend
+        from poolfuzz.adapters.sglang.kernel_io import transfer_kv_all_layer
+
+        assert retraction_io_backend(CONFIGS["dense"]) == "kernel"
+        _family(api, CONFIGS["dense"])  # installs the CPU copies where they are missing
+
+        def drops_last_layer(*, num_layers, **kw):
+            transfer_kv_all_layer(num_layers=num_layers - 1, **kw)
+
+        monkeypatch.setattr(host_mha, "transfer_kv_all_layer", drops_last_layer)
         outcome = fuzz(CONFIGS["dense"], examples=30)
         exc = outcome.failure
         assert exc is not None and type(exc).__name__ == "StateLost", exc

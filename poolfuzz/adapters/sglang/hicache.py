@@ -6,8 +6,9 @@ device pool, and a ``HybridCacheController``). Cached nodes are written through 
 are inserted; eviction under pressure demotes a backed-up node to the host and frees its device slots;
 a later match that ends on the host is loaded back by the prefill adder (``init_load_back``, under a
 host lock), and the scheduler polls the transfers once a step (``check_hicache_events``). The adapter
-runs that path on the prefill node of the configs it can build it for, with the server arguments a
-CPU run needs (the ``direct`` I/O backend, the layer-first layout) scoped to the build.
+runs that path on the prefill node of the configs it can build it for, with the server arguments
+scoped to the build: the host memory layout and I/O backend of :func:`host_tier` (the ``kernel``
+backend's copies on a CPU are ``kernel_io``'s).
 
 One call-time stand-in: a host pool pins its buffer with ``cudaHostRegister`` when ``pin_memory`` is
 set, which is the assembler's default; where torch has no CUDA (a CPU-only machine) there is nothing
@@ -24,6 +25,7 @@ from contextlib import contextmanager
 import torch
 
 from poolfuzz.adapters.sglang.host import HOST_LAYOUT, IO_BACKEND, install_cpu_transfer_ops
+from poolfuzz.adapters.sglang.kernel_io import install_cpu_kernel_ops, register_buffers
 from poolfuzz.pools.config import ModelConfig
 
 HOST_RATIO = 2.0  # SGLang's default --hicache-ratio: host pages = 2 x device pages
@@ -66,12 +68,75 @@ def install_cpu_host_register() -> bool:
     return True
 
 
+# The ``kernel`` backend's layouts (``--hicache-mem-layout``) per host pool kind. SGLang's own resolution
+# (``resolve_layout_io_compatibility``) turns ``page_first_direct`` + kernel into direct and ``page_first``
+# + direct into ``page_first_direct``, so each pair below is one the server runs as given.
+KERNEL = "kernel"
+
+
+def host_tier(config: ModelConfig) -> tuple[str, str]:
+    """``(--hicache-mem-layout, --hicache-io-backend)`` of the config's HiCache tier. Each host pool kind
+    runs every pair its transfer methods have a CPU copy for, one pair per config shape, so one
+    ``--family sglang`` run (and every drawn config of that shape) covers them all:
+
+    ==========================  ==========================  ===============================================
+    shape                        page size 1                 paged
+    ==========================  ==========================  ===============================================
+    MHA                          page_first, kernel          page_head, kernel
+    MLA                          layer_first, direct         page_first, kernel
+    recurrent state (mamba)      page_first, kernel          page_first_direct, direct (mamba is page-first
+                                                             only: ``MambaPoolHost`` asserts it)
+    ==========================  ==========================  ===============================================
+
+    MHA's layer-first direct copies run on the PD decode server's host_pool retraction (``host.py``), and a
+    speculative mamba config keeps the direct pair (its draft layers ride the same host pools)."""
+    paged = config.page_size > 1
+    if config.has_mamba:
+        return ("page_first_direct", IO_BACKEND) if paged or config.spec_draft_tokens else ("page_first", KERNEL)
+    if config.latent:
+        return ("page_first", KERNEL) if paged else (HOST_LAYOUT, IO_BACKEND)
+    return ("page_head", KERNEL) if paged else ("page_first", KERNEL)
+
+
+def direct_tier(config: ModelConfig) -> tuple[str, str]:
+    """The ``direct`` pair for the config's shape: what a release without a wanted tier runs."""
+    return ("page_first_direct" if config.has_mamba or config.page_size > 1 else HOST_LAYOUT), IO_BACKEND
+
+
+def tier_problem(config: ModelConfig, tier: tuple[str, str]) -> str | None:
+    """Why this release's host pools would not run ``tier`` for ``config``, or None: probed in the host
+    pool classes' own source (the layout in the buffer allocation, the backend in the load method)."""
+    import inspect
+    import importlib
+
+    layout, io_backend = tier
+    kinds = [("mla", "MLATokenToKVPoolHost") if config.latent else ("mha", "MHATokenToKVPoolHost")]
+    if config.has_mamba:
+        kinds.append(("mamba", "MambaPoolHost"))
+    for module_name, cls_name in kinds:
+        try:
+            cls = getattr(importlib.import_module(f"sglang.srt.mem_cache.pool_host.{module_name}"), cls_name)
+            source = inspect.getsource(cls)
+        except (ImportError, AttributeError, OSError, TypeError) as exc:
+            return f"this SGLang has no pool_host.{module_name}.{cls_name} to probe ({exc})"
+        if f'"{layout}"' not in source:
+            return f"this SGLang's {cls_name} has no {layout!r} host memory layout"
+        if io_backend != IO_BACKEND and f'io_backend == "{io_backend}"' not in source:
+            return f"this SGLang's {cls_name} has no {io_backend!r} I/O backend"
+    return None
+
+
+def resolved_tier(config: ModelConfig) -> tuple[tuple[str, str], str | None]:
+    """The tier the adapter runs: :func:`host_tier`'s, or where the release declines it the ``direct``
+    pair, with the reason."""
+    wanted = host_tier(config)
+    problem = tier_problem(config, wanted) if wanted != direct_tier(config) else None
+    return (direct_tier(config), f"{wanted[0]} / {wanted[1]}: {problem}") if problem else (wanted, None)
+
+
 def host_layout(config: ModelConfig) -> str:
-    """``--hicache-mem-layout``: both layouts the ``direct`` backend copies are driven, one per shape.
-    The mamba host pool accepts page-first layouts only (``MambaPoolHost``), so a model with recurrent
-    state, and every paged config, gets ``page_first_direct``; the rest keep the layer-first layout
-    a decode server's host receive resolves."""
-    return "page_first_direct" if config.has_mamba or config.page_size > 1 else HOST_LAYOUT
+    """The ``--hicache-mem-layout`` the adapter runs (see :func:`host_tier`)."""
+    return resolved_tier(config)[0][0]
 
 
 @contextmanager
@@ -79,12 +144,21 @@ def hicache_arguments(config: ModelConfig):
     """The server arguments ``--enable-hierarchical-cache`` sets, scoped to the tree's build."""
     from sglang.srt.runtime_context import get_memory
 
+    (layout, io_backend), _ = resolved_tier(config)
     install_cpu_transfer_ops()
+    install_cpu_kernel_ops()
     install_cpu_host_register()
     with get_memory().override(enable_hierarchical_cache=True, hicache_ratio=HOST_RATIO,
-                               hicache_io_backend=IO_BACKEND, hicache_mem_layout=host_layout(config),
+                               hicache_io_backend=io_backend, hicache_mem_layout=layout,
                                hicache_write_policy=WRITE_POLICY):
         yield
+
+
+def register_kernel_buffers(tree) -> None:
+    """Make the tree's host and device pools addressable by the ``kernel`` copies (``kernel_io``)."""
+    group = getattr(tree, "host_pool_group", None)
+    for entry in getattr(group, "entries", ()) or ():
+        register_buffers(entry.host_pool, entry.device_pool)
 
 
 def worker_standin():

@@ -11,7 +11,7 @@ and move the rows with the controller's ``L2TransferEngine`` (write-back: every 
 layer by layer).
 
 What the adapter supplies is what a server would: the host pools sized by the config
-(``host_token_capacity``), the layer-first layout and the ``direct`` I/O backend, unpinned memory
+(``host_token_capacity``), the layer-first layout and the I/O backend of :func:`retraction_io_backend`, unpinned memory
 (nothing to pin for on a CPU), and a stand-in tree that carries those borrowed methods with the
 attributes they read, holding no prefix of its own (so reclaiming host space evicts nothing).
 
@@ -34,6 +34,7 @@ from functools import lru_cache
 
 import torch
 
+from poolfuzz.adapters.sglang.kernel_io import install_cpu_kernel_ops, register_buffers
 from poolfuzz.adapters.sglang.reads import stored_bytes
 from poolfuzz.adapters.sglang.views import FreeListView, _ints
 from poolfuzz.pools.components import Component
@@ -43,7 +44,14 @@ from poolfuzz.pools.protocol import window_start
 from poolfuzz.pools.request import HostTransfer, RetractionBackup
 
 HOST_LAYOUT = "layer_first"  # what a decode server's host receive resolves (handle_hicache)
-IO_BACKEND = "direct"  # the backend whose op has a CPU contract; "kernel" takes raw pointer tables
+IO_BACKEND = "direct"  # the backend whose copies take tensors; "kernel" takes raw pointer tables (kernel_io.py)
+
+
+def retraction_io_backend(config: ModelConfig) -> str:
+    """``--hicache-io-backend`` of the decode server's retraction host pools: SGLang's default, ``kernel``
+    (layer-first: ``transfer_kv_per_layer`` / ``transfer_kv_all_layer`` over pointer tables, ``kernel_io``'s
+    copies on a CPU), at page size 1; paged configs keep the ``direct`` copies, so both run."""
+    return IO_BACKEND if config.page_size > 1 else "kernel"
 HOST_POOL_MODULES = ("sglang.srt.mem_cache.pool_host.mha", "sglang.srt.mem_cache.pool_host.mla",
                      "sglang.srt.mem_cache.pool_host.mamba", "sglang.srt.mem_cache.memory_pool_host")
 # The tree methods a host_pool retraction runs, borrowed unchanged onto the stand-in tree.
@@ -243,6 +251,8 @@ class SGLangHostBackup:
     def __init__(self, *, api, config: ModelConfig, req_pool, allocator, kv_pool):
         hc = _hicache_api()
         install_cpu_transfer_ops()
+        install_cpu_kernel_ops()
+        self.io_backend = retraction_io_backend(config)
         # torch.cpu.Event has no timing; SGLang warns once that transfer timing is off, which is all it is.
         logging.getLogger("sglang.srt.mem_cache.l2_transfer").setLevel(logging.ERROR)
         self.hc = hc
@@ -259,6 +269,7 @@ class SGLangHostBackup:
         self.views: dict[str, HostFreeListView] = {}
         for space, name, device_pool, layer_ids in subs:
             host = self._host_pool(device_pool)
+            register_buffers(host, device_pool)  # addressable by the kernel backend's copies
             # Transfer layer ids are model layers; each pool maps them to its own (SGLang's layer mappings).
             mapping = {layer: local for local, layer in enumerate(layer_ids)}
             entries.append(hc.build_pool_entry(name=name, host_pool=host, device_pool=device_pool,
@@ -269,7 +280,7 @@ class SGLangHostBackup:
         self.group = hc.HostPoolGroup(entries)
         self.controller = hc.HybridCacheController(
             allocator, self.group, config.page_size, tp_group=None, load_cache_event=threading.Event(),
-            io_backend=IO_BACKEND, transfer_layer_id_max=layers)
+            io_backend=self.io_backend, transfer_layer_id_max=layers)
         self.tree = self._standin_tree()
 
     def _host_pool(self, device_pool):

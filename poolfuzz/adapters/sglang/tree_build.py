@@ -57,7 +57,9 @@ def build_tree(family, *, hierarchical: bool = False):
     if not hierarchical:
         return registry.default_radix_cache_factory(ctx)
     with hicache.hicache_arguments(c):
-        return registry.default_radix_cache_factory(ctx)
+        tree = registry.default_radix_cache_factory(ctx)
+    hicache.register_kernel_buffers(tree)
+    return tree
 
 
 PYTHON_TREE_CORE = "python"
