@@ -110,12 +110,16 @@ class TreeReference(ReferenceFamily):
     def _need_past_hit(self, pages: int, evictable: int) -> None:
         """Token pages past a locked hit: against the free slots and what the tree may evict with the hit
         locked (``evictable``), in the space the tree's values are (full KV, or an all-SWA model's window);
-        beside full KV, SWA pages as usual."""
+        beside full KV, SWA pages against the free SWA and the SWA evictable under the same lock."""
         space = "full" if self.config.has_full else "swa"
         if pages * self.ps > self.available(space) + evictable:
             raise PoolExhausted(space=space, requested=pages * self.ps, available=self.available(space))
         if self.config.has_full and self.config.has_swa:
-            self._need({"swa": pages})
+            # the SWA the allocation may evict is counted with the hit locked too (the probe's): the lock
+            # protects the hit's window (seen on swa, seed 3: a fork after a host_pool resume)
+            swa_evictable = self.family.protocol.locked_swa_evictable
+            if pages * self.ps > self.available("swa") + swa_evictable:
+                raise PoolExhausted(space="swa", requested=pages * self.ps, available=self.available("swa"))
 
     def fork(self, src_rid: int, rid: int, *, seqlen: int | None = None) -> RefRequest:
         """A row, and full pages for the source's committed tokens the tree does not match (the

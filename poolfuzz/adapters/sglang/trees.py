@@ -131,6 +131,10 @@ def _released_committed(req) -> int:
 class SGLangTreeProtocol(SGLangProtocol):
     """The chunk-cache protocol of :class:`SGLangProtocol`, with SGLang's tree where a scheduler has one."""
 
+    # The tree's evictable SWA tokens with the last probe's hit locked (``_probe``): what a fork or next
+    # turn can evict of SWA once it has locked its hit, as the reference reads it
+    locked_swa_evictable: int = 0
+
     def __init__(self, api):
         super().__init__()
         from sglang.srt.managers.schedule_batch import FINISH_ABORT, FINISH_LENGTH
@@ -418,13 +422,16 @@ class SGLangTreeProtocol(SGLangProtocol):
 
     def _probe(self, family, toks: list[int]) -> tuple[int, int, int]:
         """What the radix match of ``toks`` finds (a throwaway request): the device hit, the host hit
-        after it, and the tree's evictable tokens with the device hit locked (locked and unlocked again)."""
+        after it, and the tree's evictable tokens with the device hit locked (locked and unlocked again).
+        The evictable SWA under the same lock is kept as ``locked_swa_evictable``."""
         probe = self.req_cls(rid="poolfuzz-peek", origin_input_text="", origin_input_ids=array("q", toks),
                              sampling_params=self.sampling(max_new_tokens=1 << 20))
         probe.refresh_fill_ids()
         self.common.match_kv_cache(probe, family.tree, cow_mamba=False)
         lock = family.tree.lock(probe.last_node)
         evictable = int(family.tree.evictable_size())
+        # the hit's lock protects its window's SWA too: what the fork's allocation can evict of it
+        self.locked_swa_evictable = int(family.tree.swa_evictable_size()) if family.config.has_swa else 0
         family.tree.unlock(lock)
         return int(probe.prefix_len), int(probe.host_hit_length), evictable
 
