@@ -44,9 +44,16 @@ def unified_problem(api: SGLangAPI, config: ModelConfig) -> str | None:
     if _factory() is None:
         return (f"SGLang {api.version} has no unified memory pool (--enable-unified-memory arrived in "
                 "0.5.23's mem_cache/unified_memory_pool.py); use --family sglang")
-    if _first("sglang.srt.mem_cache.allocator.unified_sub_pool:MultiEndedAllocator", required=False) is None:
+    sub_pool = _first("sglang.srt.mem_cache.allocator.unified_sub_pool:MultiEndedAllocator", required=False)
+    if sub_pool is None:
         return (f"SGLang {api.version}'s unified memory pool predates the layout poolfuzz drives (0.5.23's "
                 "MultiEndedAllocator in mem_cache/allocator/unified_sub_pool.py); use --family sglang")
+    if not hasattr(sub_pool, "translate_write_loc"):
+        # the write door hands the pool ``KVWriteLoc(translate_write_loc(loc), physical=True)``, as the
+        # attention backends of 0.5.22 on do; an earlier unified pool is written another way, not modelled
+        return (f"SGLang {api.version}'s unified allocator has no translate_write_loc (the physical write "
+                "location a forward hands the pool from 0.5.22 on), which poolfuzz's write door uses; use "
+                "--family sglang")
     if config.has_swa and (tri_factory() if config.has_mamba else swa_factory()) is None:
         return f"SGLang {api.version} has no unified pool factory for this model's layers; use --family sglang"
     if not config.has_mamba and not config.has_swa:
