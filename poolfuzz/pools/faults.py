@@ -385,6 +385,10 @@ def _paged(c: ModelConfig) -> bool:
     return c.page_size > 1
 
 
+def _mla_unquantised(c: ModelConfig) -> bool:  # MLATokenToKVPool itself (FP4 MLA is its own class)
+    return c.attention == "mla" and not c.kv_quant
+
+
 def _any(c: ModelConfig) -> bool:
     return True
 
@@ -470,10 +474,10 @@ FAULTS: dict[str, Fault] = {
         _f("spec-commit-batch-position", "MTP verify commit scratch rows (src_indices_raw, stable rows)",
            lambda c: c.spec_draft_tokens > 0, {"spec_scratch": CommitsByBatchPosition}),
         # Pool classes that store KV other than as K and V rows: each fault drops or misplaces one buffer.
-        _f("mla-copy-drops-rope", "MLA get_value_buffer is the latent part only", lambda c: c.attention == "mla",
+        _f("mla-copy-drops-rope", "MLA get_value_buffer is the latent part only", _mla_unquantised,
            {"mla_kv_pool": MLACopiesValueBufferOnly}),
         _f("mla-pd-item-of-latent-width", "MLA PD item lengths (get_contiguous_buf_infos)",
-           lambda c: c.attention == "mla", {"mla_kv_pool": MLATransferItemOfLatentWidth}),
+           _mla_unquantised, {"mla_kv_pool": MLATransferItemOfLatentWidth}),
         _f("dsa-copy-drops-index", "DSA get_cpu_copy offloads index_k with the KV", lambda c: c.attention == "dsa",
            {"dsa_kv_pool": DSACopyWithoutIndexCache}),
         _f("dsa-index-scales-transposed", "DSA IndexKeyCache page layout (per-token scales)",

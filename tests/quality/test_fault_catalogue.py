@@ -84,6 +84,9 @@ SIGNATURES = {
     "scaled-copy-drops-scales": r"^StateLost: req \d+ resumed; component full\.[kv]_scale ",
     "pd-drops-block-scales": r"^StateLost: req \d+ transferred; component full\.[kv]_scale ",
     "scaled-move-drops-scales": r"^StateLost: req \d+ decoded speculatively; component full\.[kv]_scale ",
+    "fp4-copy-drops-scales": r"^StateLost: req \d+ resumed; component mla\.scale layer \d+ position \d+;",
+    # A quantising write door that skips the forward's last token: that token's K or V is never stored.
+    "quant-store-skips-last-token": r"^StateLost: req \d+ [a-z ]+; component full\.[kv] layer \d+ position \d+;",
     # Free patterns: a grouped free's SWA slots never come back; an abort mid-prefill leaks its last chunk.
     "free-group-drops-swa": r"^ReferenceMismatch: swa pool has \d+ free but the reference says",
     "abort-prefill-leaks-last-chunk": r"^ReferenceMismatch: (full|swa) pool has \d+ free but the reference says",
