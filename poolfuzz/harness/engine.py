@@ -337,14 +337,15 @@ class Engine:
             draft = min(draft, self.config.spec_draft_tokens - 1)
         # The request's row ends at the context length (only an all-SWA model's window lets a request get
         # there: the scheduler finishes it by length, and a verify never drafts past it)
-        draft = min(draft, self.config.max_context - self.requests[rid].kv.seqlen)
+        room = self.config.max_context - self.requests[rid].kv.seqlen
+        draft = max(0, min(draft, room))  # logged as run: never a negative draft
         accepted = min(accepted, draft // 2 if tree else draft)
         self._begin("decode_speculative", {"rid": rid, "draft": draft, "accepted": accepted,
                                            **({"tree": True} if tree else {})})
         req = self.requests[rid]
         fam, ref = self.families[req.node], self.refs[req.node]
         pos = req.kv.seqlen - 1
-        if draft < 0:
+        if room < 0:
             self._record(f"Req({rid}) is at its context length")
             return False
         self._maybe_evict(req, pos)

@@ -37,6 +37,17 @@ def accepted_node(depth: int) -> int:
     return 2 * depth
 
 
+def _off_path(window: int, device) -> torch.Tensor:
+    """The window's nodes off the accepted path (built from :func:`accepted_node`, so the two never
+    disagree): the branch the verify rejects, whose drafts are written as rejected ones."""
+    mask = torch.ones(window, dtype=torch.bool)
+    mask[0] = False  # the last sampled token: the root, on every path
+    for depth in range(1, (window + 1) // 2 + 1):
+        if accepted_node(depth) < window:
+            mask[accepted_node(depth)] = False
+    return mask.to(device)
+
+
 class Writer:
     """The writes of one engine's forward passes, onto the families' own buffers."""
 
@@ -76,7 +87,7 @@ class Writer:
         # attention backend has it do; what the door does not take is written here.
         door = {} if getattr(fam.kv_pool, "writes_through_engine", False) else None
         depths = tree_depths(written_end - start, e.device) if tree else None
-        off_path = torch.arange(written_end - start, device=e.device) % 2 == 1 if tree else None  # nodes 2d - 1
+        off_path = _off_path(written_end - start, e.device) if tree else None
         for comp, spec, state_type in kv_plan:
             rows = row_cache.kv_rows(spec, req.rid, start, written_end, e.device)
             if depths is not None:  # each tree node holds the KV of its depth's position

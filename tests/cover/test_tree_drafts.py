@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from poolfuzz.harness.engine import Engine
 from poolfuzz.harness.failures import PoolfuzzFailure
@@ -102,10 +103,17 @@ def test_a_recorded_tree_step_cannot_run_on_a_family_that_issues_no_tree_verifie
 def test_a_move_from_the_branch_the_verify_rejected_is_caught(name, monkeypatch):
     """The rejected branch's nodes hold drafts for the same depths: a move that takes them (an accept index
     off by one node) lands KV of the right positions but of drafts the verify rejected, and says so."""
-    from poolfuzz.harness import forward
-
-    monkeypatch.setattr(forward, "accepted_node", lambda depth: 2 * depth - 1)
     e, rid = _served(name)
+    protocol_cls = type(e.families["prefill"].protocol)
+    real = protocol_cls.move_accepted
+
+    def from_the_other_branch(self, kv, fam, *, tgt, src):
+        row = fam.req_pool.read(kv.req_pool_idx, 0, kv.kv_allocated_len).tolist()
+        root = row.index(int(tgt[0])) - 1  # the window's node 0; depth d's two drafts are nodes 2d - 1, 2d
+        wrong = torch.tensor([row[root + 2 * d - 1] for d in range(1, len(tgt) + 1)], dtype=src.dtype)
+        return real(self, kv, fam, tgt=tgt, src=wrong)
+
+    monkeypatch.setattr(protocol_cls, "move_accepted", from_the_other_branch)
     e.decode_speculative(rid, 6, 3, tree=True)
     with pytest.raises(PoolfuzzFailure) as info:
         e.check()

@@ -117,6 +117,9 @@ def test_a_tree_that_recaches_window_evicted_slots_is_caught(pure_swa_api, monke
     except PoolfuzzFailure as exc:
         caught = exc
     stale = _tree_holds_free_slots(fam)
+    if not stale and caught is None:
+        # a release whose tree keeps window-evicted slots out (sglang#31486 merged): nothing to catch here
+        pytest.skip(f"SGLang {pure_swa_api.version}'s tree held no freed slot after the finish")
     assert (caught is not None) == bool(stale), (caught, stale)
     if caught is not None:
         assert "swa" in str(caught) and type(caught).__name__ in ("InvariantViolation", "ReferenceMismatch"), caught

@@ -33,4 +33,6 @@ def test_a_fork_after_a_host_pool_resume_waits_as_the_locked_tree_says(api):
     fam = e.families["prefill"]
     assert e.fork(rid, 1) is None  # SGLang's pools are short of SWA once the hit is locked; so says the reference
     e.check()
-    assert fam.protocol.locked_swa_evictable < fam.tree_swa()[1]  # the lock protected part of the window
+    prefix = e.requests[rid].kv.kv_committed_len
+    _, _, swa_locked = fam.protocol.peek_hit(fam, rid, prefix, prefix + 1)
+    assert swa_locked < fam.tree_swa()[1]  # the hit's lock protects part of the tree's evictable window

@@ -107,7 +107,7 @@ class TreeReference(ReferenceFamily):
             elif n > self.free.get(space, 0):
                 raise PoolExhausted(space=space, requested=n * self._scale(space), available=self.available(space))
 
-    def _need_past_hit(self, pages: int, evictable: int) -> None:
+    def _need_past_hit(self, pages: int, evictable: int, swa_evictable: int) -> None:
         """Token pages past a locked hit: against the free slots and what the tree may evict with the hit
         locked (``evictable``), in the space the tree's values are (full KV, or an all-SWA model's window);
         beside full KV, SWA pages against the free SWA and the SWA evictable under the same lock."""
@@ -117,7 +117,6 @@ class TreeReference(ReferenceFamily):
         if self.config.has_full and self.config.has_swa:
             # the SWA the allocation may evict is counted with the hit locked too (the probe's): the lock
             # protects the hit's window (seen on swa, seed 3: a fork after a host_pool resume)
-            swa_evictable = self.family.protocol.locked_swa_evictable
             if pages * self.ps > self.available("swa") + swa_evictable:
                 raise PoolExhausted(space="swa", requested=pages * self.ps, available=self.available("swa"))
 
@@ -127,12 +126,12 @@ class TreeReference(ReferenceFamily):
         src = self.requests[src_rid]
         prefix = src.committed
         seqlen = prefix if seqlen is None else seqlen
-        hit, evictable = self.family.protocol.peek_hit(self.family, src_rid, prefix, seqlen)
+        hit, evictable, swa_evictable = self.family.protocol.peek_hit(self.family, src_rid, prefix, seqlen)
         mamba = self.config.has_mamba
         pages = _pages(prefix, self.ps) - hit // self.ps
         self._need({"rows": 1, **({"mamba": self.state_slots} if mamba else {})})
         # the hit is locked before the allocation: what the tree may evict for it excludes the hit itself
-        self._need_past_hit(pages, evictable)
+        self._need_past_hit(pages, evictable, swa_evictable)
         self.free["rows"] -= 1
         req = RefRequest(rid=rid, holds_row=True, holds_mamba=mamba, allocated=prefix, committed=prefix,
                          seqlen=seqlen, kv_owner=list(src.kv_owner[:prefix]))
@@ -149,7 +148,7 @@ class TreeReference(ReferenceFamily):
         return req
 
     def next_turn(self, rid: int, *, seqlen: int, kv_owner, state, hit: int = 0, host: int = 0,
-                  evictable: int = 0) -> RefRequest:
+                  evictable: int = 0, swa_evictable: int = 0) -> RefRequest:
         """A finished request's next turn (``SGLangTreeProtocol.begin_turn``), counted as a fork is: a row
         (and a state slot), then full (and SWA) pages for every prompt token but the last that the
         device hit does not cover. A host hit after it costs the same pages (the load-back allocates
@@ -159,7 +158,7 @@ class TreeReference(ReferenceFamily):
         mamba = self.config.has_mamba
         pages = _pages(loaded, self.ps) - hit // self.ps
         self._need({"rows": 1, **({"mamba": self.state_slots} if mamba else {})})
-        self._need_past_hit(pages, evictable)
+        self._need_past_hit(pages, evictable, swa_evictable)
         self.free["rows"] -= 1
         req = RefRequest(rid=rid, holds_row=True, holds_mamba=mamba, allocated=loaded, committed=loaded,
                          seqlen=seqlen, kv_owner=list(kv_owner))

@@ -131,10 +131,6 @@ def _released_committed(req) -> int:
 class SGLangTreeProtocol(SGLangProtocol):
     """The chunk-cache protocol of :class:`SGLangProtocol`, with SGLang's tree where a scheduler has one."""
 
-    # The tree's evictable SWA tokens with the last probe's hit locked (``_probe``): what a fork or next
-    # turn can evict of SWA once it has locked its hit, as the reference reads it
-    locked_swa_evictable: int = 0
-
     def __init__(self, api):
         super().__init__()
         from sglang.srt.managers.schedule_batch import FINISH_ABORT, FINISH_LENGTH
@@ -335,13 +331,13 @@ class SGLangTreeProtocol(SGLangProtocol):
         sg.last_node = family.tree.root_node_handle()
 
     # --- fork: a new request whose prompt starts with the source's committed tokens ---------------
-    def peek_hit(self, family, src_rid: int, prefix: int, seqlen: int) -> tuple[int, int]:
+    def peek_hit(self, family, src_rid: int, prefix: int, seqlen: int) -> tuple[int, int, int]:
         """What the radix match of a fork of ``src_rid`` finds (a throwaway request), and the tree's
         evictable tokens once that hit is locked, as the fork locks it before it allocates (locked
         and unlocked again: nothing stays held)."""
         toks = self._tokens(src_rid, prefix)[:prefix] + [token_of(0, p) for p in range(prefix, seqlen)]
-        hit, _, evictable = self._probe(family, toks)
-        return min(hit, prefix), evictable
+        hit, _, evictable, swa_evictable = self._probe(family, toks)
+        return min(hit, prefix), evictable, swa_evictable
 
     def fork(self, src, dst, family) -> None:
         """A new request whose prompt is the source's committed tokens and more, as the scheduler admits
@@ -384,9 +380,9 @@ class SGLangTreeProtocol(SGLangProtocol):
         on a HiCache tree the host hit after it, which admission loads back."""
         self._fresh(req.rid, self._tokens(src_rid, prefix)[:prefix])
         self.turns[req.rid] = prefix
-        hit, host, evictable = self._probe(family, self.tokens[req.rid] + [token_of(req.rid, p)
+        hit, host, evictable, swa_evictable = self._probe(family, self.tokens[req.rid] + [token_of(req.rid, p)
                                                                           for p in range(prefix, req.seqlen)])
-        return {"hit": hit, "host": host, "evictable": evictable}
+        return {"hit": hit, "host": host, "evictable": evictable, "swa_evictable": swa_evictable}
 
     def end_turn(self, req, family) -> None:
         """The turn did not fit: nothing of it stays (the scheduler leaves it waiting)."""
@@ -420,20 +416,19 @@ class SGLangTreeProtocol(SGLangProtocol):
         if family.has_recurrent_state() and hit < loaded:
             req.state_recompute_from = hit  # that forward starts from the copied (or cleared) state
 
-    def _probe(self, family, toks: list[int]) -> tuple[int, int, int]:
+    def _probe(self, family, toks: list[int]) -> tuple[int, int, int, int]:
         """What the radix match of ``toks`` finds (a throwaway request): the device hit, the host hit
-        after it, and the tree's evictable tokens with the device hit locked (locked and unlocked again).
-        The evictable SWA under the same lock is kept as ``locked_swa_evictable``."""
+        after it, and the tree's evictable tokens, then evictable SWA tokens, with the device hit locked (locked
+        and unlocked again): the lock protects the hit's window of SWA too."""
         probe = self.req_cls(rid="poolfuzz-peek", origin_input_text="", origin_input_ids=array("q", toks),
                              sampling_params=self.sampling(max_new_tokens=1 << 20))
         probe.refresh_fill_ids()
         self.common.match_kv_cache(probe, family.tree, cow_mamba=False)
         lock = family.tree.lock(probe.last_node)
         evictable = int(family.tree.evictable_size())
-        # the hit's lock protects its window's SWA too: what the fork's allocation can evict of it
-        self.locked_swa_evictable = int(family.tree.swa_evictable_size()) if family.config.has_swa else 0
+        swa_evictable = int(family.tree.swa_evictable_size()) if family.config.has_swa else 0
         family.tree.unlock(lock)
-        return int(probe.prefix_len), int(probe.host_hit_length), evictable
+        return int(probe.prefix_len), int(probe.host_hit_length), evictable, swa_evictable
 
     def _admit_hit(self, dst, family, sg, hit: int) -> None:
         """After the match: the row (reverted as the scheduler reverts a request the adder did not
