@@ -27,7 +27,8 @@ class TestContract:
         reason = unsupported_reason(CONFIGS[name])
         if reason is not None:  # a dimension the adapter does not drive: declined with its reason, never run
             c = CONFIGS[name]
-            assert c.attention != "mha" or c.kv_scale_block or c.mamba_track_slots or c.spec_draft_tokens
+            assert (c.attention != "mha" or c.kv_scale_block or c.mamba_track_slots or c.spec_draft_tokens
+                    or c.kv_quant or not c.full_layer_ids)
             with pytest.raises(ConfigError, match="cannot build"):
                 build_family(CONFIGS[name])
             return

@@ -222,6 +222,10 @@ def unsupported_reason(config: ModelConfig) -> str | None:
         return "KV scale buffers are not modelled in the vllm family's worker storage yet"
     if getattr(config, "spec_draft_tokens", 0):
         return "the speculative scratch rows are SGLang's MambaPool's; not driven through vLLM"
+    if getattr(config, "kv_quant", ""):
+        return f"KV quant method {config.kv_quant!r} is SGLang's; not driven through vLLM"
+    if not config.full_layer_ids:
+        return "an all-SWA model (no full-attention layers) is not driven through vLLM's manager yet"
     return None
 
 
