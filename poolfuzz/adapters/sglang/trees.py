@@ -358,20 +358,7 @@ class SGLangTreeProtocol(SGLangProtocol):
         sg = self.standin(dst, family)
         if family.sg_req_pool.available_size() <= 0:  # get_num_allocatable_reqs: no match is tried
             raise PoolExhausted(space="rows", requested=1, available=family.sg_req_pool.available_size())
-        try:
-            hit = min(self._match_and_lock(dst, family, sg), prefix)
-            self._admit_hit(dst, family, sg, hit)
-        finally:
-            self._done(family)
-        try:
-            self.extend(dst, family, prefix)  # the unmatched tokens are computed again
-        except PoolExhausted:
-            self._release_through_tree(dst, family, checkpoint=False)
-            raise
-        dst.kv_committed_len = sg.kv.kv_committed_len = prefix
-        dst.recompute_from = hit if hit < prefix else None
-        if family.has_recurrent_state() and hit < prefix:
-            dst.state_recompute_from = hit  # that forward starts from the copied (or cleared) state
+        self._admit_and_compute(dst, family, sg, prefix)
 
     # --- a chat's next turn: a new request whose prompt continues a finished one's tokens ---------
     def begin_turn(self, req, family, *, src_rid: int, prefix: int) -> dict:
@@ -400,20 +387,24 @@ class SGLangTreeProtocol(SGLangProtocol):
         sg = self.standin(req, family)
         if family.sg_req_pool.available_size() <= 0:  # get_num_allocatable_reqs: no match is tried
             raise PoolExhausted(space="rows", requested=1, available=family.sg_req_pool.available_size())
-        loaded = req.seqlen - 1
+        self._admit_and_compute(req, family, sg, req.seqlen - 1)
+
+    def _admit_and_compute(self, req, family, sg, upto: int) -> None:
+        """A fork's or next turn's admission of ``[0, upto)``: the match and lock, the row and the hit's slots,
+        then one extend of what the hit did not cover (computed again); nothing stays if it does not fit."""
         try:
-            hit = min(self._match_and_lock(req, family, sg), loaded)
+            hit = min(self._match_and_lock(req, family, sg), upto)
             self._admit_hit(req, family, sg, hit)
         finally:
             self._done(family)
         try:
-            self.extend(req, family, loaded)
+            self.extend(req, family, upto)
         except PoolExhausted:
             self._release_through_tree(req, family, checkpoint=False)
             raise
-        req.kv_committed_len = sg.kv.kv_committed_len = loaded
-        req.recompute_from = hit if hit < loaded else None
-        if family.has_recurrent_state() and hit < loaded:
+        req.kv_committed_len = sg.kv.kv_committed_len = upto
+        req.recompute_from = hit if hit < upto else None
+        if family.has_recurrent_state() and hit < upto:
             req.state_recompute_from = hit  # that forward starts from the copied (or cleared) state
 
     def _probe(self, family, toks: list[int]) -> tuple[int, int, int, int]:

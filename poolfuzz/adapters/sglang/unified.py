@@ -24,15 +24,15 @@ import torch
 from poolfuzz.adapters.sglang.admission import SchedulerAdmission
 from poolfuzz.adapters.sglang.calls import paged_alloc_extend
 from poolfuzz.adapters.sglang.api import SGLangAPI, _first, call_with, load
-from poolfuzz.adapters.sglang.family import KV_DTYPES, _carries_mamba
+from poolfuzz.adapters.sglang.family import KV_DTYPES
 from poolfuzz.adapters.sglang.request_pool import mamba_cache_params
 from poolfuzz.adapters.sglang.standin import standin_class
 from poolfuzz.adapters.sglang.storage import single_rank
 from poolfuzz.adapters.sglang.tracking import check_built, pool_kwargs
-from poolfuzz.adapters.sglang.unified_family import UnifiedFamily, UnifiedProtocol, mirrored_kv, mirrored_state, prewarm_compaction
+from poolfuzz.adapters.sglang.unified_family import UnifiedFamily, UnifiedProtocol, kv_pool_view, mirrored_kv, mirrored_state, prewarm_compaction
 from poolfuzz.adapters.sglang.unified_mirror import held_slots
 from poolfuzz.adapters.sglang.unified_swa import build_swa, swa_factory, tri_factory
-from poolfuzz.adapters.sglang.views import AllocatorView, FreeListView, KVPoolView, ReqPoolView, _ints
+from poolfuzz.adapters.sglang.views import AllocatorView, FreeListView, ReqPoolView, _ints
 from poolfuzz.adapters.sglang.writes import _as_pool_dtype, _Layer
 from poolfuzz.pools.config import ModelConfig, uses_ssm_state
 from poolfuzz.pools.errors import ConfigError
@@ -182,14 +182,11 @@ def _build_mamba(api: SGLangAPI, c: ModelConfig, dev, sdev: str, *, need_sort: b
         views[space] = FreeListView(space=space, owner=sub, read=lambda s=sub: _ints(s.free_virtual_ids),
                                     available=lambda s=sub: s.free_virtual_ids.numel() * s.pool_page_size,
                                     page_size=sub.pool_page_size, sources=lambda s=sub: [s.free_virtual_ids])
-    carries, declared = _carries_mamba(api, kv_pool)
-    view_cls = type(type(kv_pool).__name__, (KVPoolView,), {"cpu_copy_carries_mamba": carries,
-                                                            "declared": declared, "__module__": __name__})
     family = UnifiedFamily(
         api=api, config=c, device=dev, uses_ssm_state=uses_ssm_state(c), sg_req_pool=req_pool, sg_kv_pool=kv_pool,
         sg_allocator=alloc, req_pool=ReqPoolView(req_pool, mamba=mamba_view, rows=views["rows"],
                                                  mamba_free=views["mamba"]),
-        kv_pool=view_cls(kv_pool, comps, door=door), allocator=AllocatorView(alloc, swa=False), protocol=UnifiedProtocol(),
+        kv_pool=kv_pool_view(api, kv_pool, comps, door=door), allocator=AllocatorView(alloc, swa=False), protocol=UnifiedProtocol(),
         standin_cls=standin_class(api), admission=SchedulerAdmission(api))
     family.mirrors = tuple(kv_mirrors + state_mirrors)
     family.kv_mirrors = tuple(kv_mirrors)

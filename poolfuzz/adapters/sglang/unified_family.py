@@ -8,11 +8,11 @@ import inspect
 
 import torch
 
-from poolfuzz.adapters.sglang.family import SGLangFamily
+from poolfuzz.adapters.sglang.family import SGLangFamily, _carries_mamba
 from poolfuzz.adapters.sglang.protocol import SGLangProtocol
 from poolfuzz.adapters.sglang.unified_mirror import Mirror, held_slots, shadow_like, token_translate
 from poolfuzz.adapters.sglang.unified_reference import UnifiedReference, joint_short
-from poolfuzz.adapters.sglang.views import MambaPoolView
+from poolfuzz.adapters.sglang.views import KVPoolView, MambaPoolView
 from poolfuzz.pools.components import Component
 
 
@@ -164,3 +164,11 @@ def prewarm_compaction(allocator) -> None:
     prewarm = getattr(allocator, "prewarm_compaction", None)
     if prewarm is not None:
         prewarm()
+
+
+def kv_pool_view(api, kv_pool, comps, *, door) -> KVPoolView:
+    """The harness's view of a unified KV pool, with the capabilities its CPU copy declares."""
+    carries, declared = _carries_mamba(api, kv_pool)
+    view_cls = type(type(kv_pool).__name__, (KVPoolView,), {"cpu_copy_carries_mamba": carries,
+                                                            "declared": declared, "__module__": __name__})
+    return view_cls(kv_pool, comps, door=door)

@@ -15,13 +15,13 @@ import torch
 
 from poolfuzz.adapters.sglang.admission import SchedulerAdmission
 from poolfuzz.adapters.sglang.api import SGLangAPI, _first, call_with, construct
-from poolfuzz.adapters.sglang.family import KV_DTYPES, _carries_mamba
+from poolfuzz.adapters.sglang.family import KV_DTYPES
 from poolfuzz.adapters.sglang.standin import standin_class
 from poolfuzz.adapters.sglang.request_pool import mamba_cache_params
 from poolfuzz.adapters.sglang.tracking import pool_kwargs
-from poolfuzz.adapters.sglang.unified_family import UnifiedFamily, UnifiedProtocol, mirrored_kv, mirrored_state, prewarm_compaction
+from poolfuzz.adapters.sglang.unified_family import UnifiedFamily, UnifiedProtocol, kv_pool_view, mirrored_kv, mirrored_state, prewarm_compaction
 from poolfuzz.adapters.sglang.unified_mirror import Mirror, held_slots, shadow_like
-from poolfuzz.adapters.sglang.views import FreeListView, KVPoolView, ReqPoolView, _ints
+from poolfuzz.adapters.sglang.views import FreeListView, ReqPoolView, _ints
 from poolfuzz.adapters.sglang.writes import _as_pool_dtype, _Layer
 from poolfuzz.pools.components import Component
 from poolfuzz.pools.config import ModelConfig, uses_ssm_state
@@ -144,14 +144,11 @@ def build_swa(api: SGLangAPI, c: ModelConfig, dev, sdev: str, *, need_sort: bool
         views["mamba"] = FreeListView(space="mamba", owner=mamba, read=lambda: _ints(mamba.free_virtual_ids),
                                       available=lambda: mamba.free_virtual_ids.numel(),
                                       sources=lambda: [mamba.free_virtual_ids])
-    carries, declared = _carries_mamba(api, kv_pool)
-    view_cls = type(type(kv_pool).__name__, (KVPoolView,), {"cpu_copy_carries_mamba": carries,
-                                                            "declared": declared, "__module__": __name__})
     family = UnifiedFamily(
         api=api, config=c, device=dev, uses_ssm_state=uses_ssm_state(c), sg_req_pool=req_pool, sg_kv_pool=kv_pool,
         sg_allocator=alloc, req_pool=ReqPoolView(req_pool, mamba=mamba_view, rows=views["rows"],
                                                  mamba_free=views.get("mamba")),
-        kv_pool=view_cls(kv_pool, comps, door=door), allocator=UnifiedSWAView(alloc), protocol=UnifiedProtocol(),
+        kv_pool=kv_pool_view(api, kv_pool, comps, door=door), allocator=UnifiedSWAView(alloc), protocol=UnifiedProtocol(),
         standin_cls=standin_class(api), admission=SchedulerAdmission(api))
     family.mirrors = tuple(kv_mirrors + state_mirrors)
     family.kv_mirrors = tuple(kv_mirrors)
