@@ -16,6 +16,7 @@ from poolfuzz.harness.forward import Writer
 from poolfuzz.harness.ledger import ComponentSpec
 from poolfuzz.harness.records import NO_CULPRIT, NODES, EngineOptions, Phase, Request, StepRecord
 from poolfuzz.harness.state_types import CachedPrefixes, SlotLookup, state_types_for
+from poolfuzz.harness.taint import KnownBugTaint
 from poolfuzz.pools.config import ModelConfig
 from poolfuzz.pools.errors import PoolError, PoolExhausted
 from poolfuzz.pools.family import build_family
@@ -49,13 +50,13 @@ class _Blame:
         return False
 
 
-class Engine:
+class Engine(KnownBugTaint):
     """Plays one serving deployment (a prefill and a decode node) over real pool families."""
 
     # The operations a program may call, in the order the README lists them; everything else
     # public is a query (``live``, ``pressure``, ...) or a check.
     OPERATIONS = ("admit", "prefill", "decode", "decode_speculative", "evict_swa", "retract", "resume",
-                  "abort", "finish", "transfer", "fork", "next_turn")
+                  "abort", "finish", "transfer", "fork", "next_turn", "flush")
 
     def __init__(self, *, config: ModelConfig, device="cpu", faults=(), backup_mode: str | None = None,
                  options: EngineOptions = EngineOptions(), family_factory: FamilyFactory = build_family):
@@ -88,6 +89,7 @@ class Engine:
         self.retracted: dict[str, list[int]] = {n: [] for n in NODES}  # per node, in resume order
         self.finished: dict[int, turns.FinishedTurn] = {}  # what a next turn continues (see turns.py)
         self.next_rid = 1
+        self.served: set[str] = set()  # nodes a request ended on since their last flush
         self.step = 0  # operations run so far; the failing one is named by it
         self.op = "init"  # the operation running (or last run)
         # The last request-level action the step ran: the op itself, or the retract / resume a decode
@@ -139,56 +141,6 @@ class Engine:
             return None
         op, args = self.pending
         return StepRecord(op=op, args=dict(args), outcome=f"raised {type(exc).__name__}")
-
-    def taint_with(self, divergence) -> None:
-        """A known bug was passed over here: what it touched is suspect for the rest of the example."""
-        space = divergence.space or "*"
-        self.taint.add((space, divergence.slot_after if space != "*" else None))
-        if divergence.check == "shared-unit":  # one block of the pool every group draws from: the
-            # same block in each group, and every group's free count, are suspect from here on
-            fam = self.families.get(divergence.node)
-            self.taint.update((s, divergence.slot_after) for s in getattr(fam, "shared_unit_spaces", ()))
-        if divergence.rid is not None:
-            self.tainted_requests.add(divergence.rid)
-
-    def tainted(self, divergence) -> bool:
-        """Is a failure downstream of a known bug passed over earlier in this example? Where it names
-        a slot, only that slot of its space counts; else any taint of its space (or of anything)."""
-        if not self.taint:
-            return False
-        if ("*", None) in self.taint or divergence is None or not divergence.space:
-            return True
-        if divergence.rid is not None and divergence.rid in self.tainted_requests:
-            return True
-        slot = divergence.slot_after
-        # An outcome mismatch involves the space each side ran out of: a known leak of mamba slots
-        # explains "reference predicts full exhausted, pools gave mamba exhausted".
-        for space in divergence.spaces():
-            if (space, None) in self.taint:
-                return True
-            # A pool's own error (a double free) surfaces where broken bookkeeping is next used, not
-            # at the slot a check saw broken: any known bug in its space explains it.
-            if slot is not None and divergence.check != "pool-error":
-                if (space, slot) in self.taint:
-                    return True
-            elif any(s == space for s, _ in self.taint):
-                return True
-        return False
-
-    def crash_downstream(self, exc: BaseException | None = None) -> bool:
-        """Does a crash of the pools follow from a known bug passed over earlier in this example? When
-        the pools' own typed error names a space a known bug broke (a double free of a slot whose
-        mapping a known bug left behind), or when the operation that crashed served a request the known
-        bug reached: a crash elsewhere (a release that cannot retract at all, an index out of bounds on
-        a fresh admit) is a bug of its own, however broken something else already was."""
-        if ("*", None) in self.taint:
-            return True
-        space = getattr(exc, "space", None) if isinstance(exc, PoolError) else None
-        if space is not None and any(s == space for s, _ in self.taint):
-            return True
-        args = self.pending[1] if self.pending else {}
-        rids = [args[k] for k in ("rid", "src_rid") if k in args] + list(args.get("rids", ()))
-        return any(r in self.tainted_requests for r in rids)
 
     def live(self, phase: Phase, node: str | None = None) -> list[Request]:
         return [r for r in self.requests.values() if r.phase is phase and (node is None or r.node == node)]
@@ -413,6 +365,7 @@ class Engine:
             with self._blame(rid):
                 fam.protocol.release_kv(req.kv, fam)
             ref.finish(rid)
+            self.served.add(req.node)
             del self.requests[rid]
             return "aborted", f"aborted: {err.space} exhausted"
         backed_up = req.kv.retraction_backup.num_tokens
@@ -472,6 +425,7 @@ class Engine:
             self.retracted[req.node].remove(rid)
         else:
             ref.finish(rid)
+            self.served.add(req.node)
         self._record(f"was {req.phase.value}")
 
     def finish(self, rid: int) -> None:
@@ -483,6 +437,7 @@ class Engine:
         with self._blame(rid):
             release(req.kv, fam)
         ref.finish(rid)
+        self.served.add(req.node)
         self._record("released")
 
     def transfer(self, rid: int) -> bool:
@@ -504,6 +459,7 @@ class Engine:
         with self._blame(rid):
             src_fam.protocol.release_kv(req.kv, src_fam)
         src_ref.finish(rid)
+        self.served.add("prefill")
         req.kv = dst
         req.node = "decode"
         req.slots_before = snapshot
@@ -542,6 +498,22 @@ class Engine:
     def next_turn(self, src_rid: int, extra: int) -> int | None:
         """A chat's next turn: finished request ``src_rid``'s tokens, then ``extra`` of its own."""
         return turns.next_turn(self, src_rid, extra)
+
+    def flushable(self) -> list[str]:
+        """Nodes whose family can flush (``flush_cache``), with no request live and one served since."""
+        return [n for n in NODES if n in self.served and getattr(self.families[n], "flush_cache", None)
+                and not any(r.node == n for r in self.requests.values())]
+
+    def flush(self, node: str) -> None:
+        """The idle node's ``flush_cache`` (as after an RL weight update): its prefix cache is dropped and
+        its pools reset in place. Every pool must then be whole, and serve the requests that follow."""
+        self._begin("flush", {"node": node})
+        with self._blame(NO_CULPRIT):
+            self.families[node].flush_cache()
+        self.refs[node].flush_cache()
+        self.served.discard(node)
+        self.checker.check_whole((node,), check="flush-leak", when="after the flush reset its pools")
+        self._record("pools reset")
 
     # ======================================================================================
     # Checks and queries

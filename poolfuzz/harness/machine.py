@@ -262,6 +262,13 @@ class PoolMachine(RuleBasedStateMachine):
         if self.engine.fork(self._pick(Phase.RUNNING, pick).rid, extra) is None:
             event("pool full at fork")
 
+    @precondition(lambda self: bool(self.engine.flushable()))
+    @rule(pick=picks)
+    def flush(self, pick):
+        """An idle node flushes its cache (``flush_cache``, as after a weight update) and serves on."""
+        nodes = self.engine.flushable()
+        self.engine.flush(nodes[pick % len(nodes)])
+
     @invariant()
     def pools_agree_with_reference(self):
         if type(self).observer is not None:

@@ -105,6 +105,11 @@ def precondition(engine: Engine, step: StepRecord, *, strict: bool = False) -> N
             raise CannotRun(f"req {a['rid']} does not exist (it was never admitted here, or has ended)")
     elif step.op == "resume" and a.get("node") not in engine.retracted:
         raise CannotRun(f"node {a.get('node')!r} does not exist")
+    elif step.op == "flush":
+        busy = [r.rid for r in engine.requests.values() if r.node == a["node"]]
+        if busy or not getattr(engine.families[a["node"]], "flush_cache", None):
+            raise CannotRun(f"node {a['node']} cannot flush: " + (f"req {busy[0]} is live there" if busy
+                            else "its family has no flush_cache"))
 
 
 @dataclass(frozen=True)

@@ -73,6 +73,7 @@ def vocabulary(engine, prompts: tuple[int, ...]) -> list[StepRecord]:
         out.append(step("abort", rid=req.rid))
     out += [step("resume", node=n) for n in NODES if engine.retracted.get(n)]
     out += [step("next_turn", src_rid=rid, extra=1) for rid in sorted(engine.finished)]
+    out += [step("flush", node=n) for n in engine.flushable()]
     return out
 
 

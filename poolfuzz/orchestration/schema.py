@@ -57,6 +57,7 @@ OPERATION_ARGS: dict[str, dict[str, Arg]] = {
     "transfer": {"rid": RID},
     "fork": {"src_rid": RID, "extra": Arg("int", 1)},
     "next_turn": {"src_rid": RID, "extra": Arg("int", 1)},
+    "flush": {"node": Arg("node")},
 }
 
 _STR, _INT, _BOOL = (str,), (int,), (bool,)

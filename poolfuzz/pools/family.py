@@ -111,6 +111,17 @@ class PoolFamily:
         if self.prefix_tree is not None:
             self.prefix_tree.flush()
 
+    def flush_cache(self) -> None:
+        """An idle server's ``Scheduler.flush_cache`` (as after a weight update): the prefix tree is reset,
+        its checkpoints dropped rather than freed, then the request rows (with their mamba slots and
+        mappings) and every token allocator are reset in place."""
+        dropped = self.prefix_tree.reset() if self.prefix_tree is not None else []
+        self.req_pool.clear()
+        self.allocator.clear()
+        listener = self.free_lists().get("mamba")
+        if dropped and listener is not None and listener.on_free is not None:  # free now: poisoned
+            listener.on_free("mamba", torch.as_tensor(dropped, dtype=torch.int64))
+
 
 def resolve_backup_mode(config: ModelConfig, kv_pool_cls: type, predicate) -> str:
     """host_pool iff the model keeps no recurrent state and the KV pool has host entries."""

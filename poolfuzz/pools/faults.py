@@ -12,6 +12,7 @@ from poolfuzz.pools.allocator import TokenAllocator, _as_index
 from poolfuzz.pools.blueprint import Blueprint
 from poolfuzz.pools.config import ModelConfig
 from poolfuzz.pools.errors import ConfigError, PoolExhausted
+from poolfuzz.pools.flush_faults import ClearKeepsStateSlots
 from poolfuzz.pools.free_faults import AbortMidPrefillLeaksLastChunk, FreeGroupDropsSWAPile
 from poolfuzz.pools.grid_faults import MambaLayerMapAssumesContiguous, ReloadChunkAtChunkNumber
 from poolfuzz.pools.host import HostKVPool
@@ -420,6 +421,8 @@ FAULTS: dict[str, Fault] = {
         _f("mamba-mapping-not-written", "HybridReqToTokenPool.alloc's row-to-mamba mapping (get_mamba_indices)",
            lambda c: c.has_mamba, {"hybrid_req_pool": MambaMappingNeverWritten}),
         _f("mamba-not-cleared", "sglang#10400", lambda c: c.has_mamba, {"protocol": SkipsFreshSlotClear}),
+        _f("flush-keeps-state-slots", "sglang#28185 (HybridReqToTokenPool.clear releases the checkpoint pool)",
+           lambda c: c.has_mamba, {"hybrid_req_pool": ClearKeepsStateSlots}),
         _f("backup-drops-last-token", "sglang#23346 (seqlen-1)", _any, {"protocol": BackupDropsLastToken}),
         _f("backup-includes-unwritten-token", "sglang#23346 (seqlen-1)", _any,
            {"protocol": BackupIncludesUnwrittenToken}),

@@ -31,6 +31,9 @@ Optional capabilities, read with a default where a family does not declare them:
 * ``cached_units() -> dict[space, list[int]]`` and ``flush_prefix_cache()``: a family with a prefix
   cache says which units the cache holds for itself (counted as held: never free, never twice), and
   evicts every unlocked entry when the harness drains the node (the pools must then be whole).
+* ``flush_cache()`` (default: none, the ``flush`` rule is skipped): an idle server's cache flush
+  (SGLang's ``Scheduler.flush_cache``): the prefix cache dropped, not evicted, and the pools reset in
+  place; the engine calls it on a node with no request left and then finds every pool whole.
 * ``kv_pool.writes_through_engine`` (default False): the forward hands its KV rows to
   ``kv_pool.write_rows(slots, {(component, layer): rows}) -> keys written`` (the engine's own write
   door) instead of writing the buffers; the rest it writes itself.

@@ -101,5 +101,12 @@ class MambaPrefixTree:
         """Evict every unlocked node (an idle server's cache flush)."""
         self.evict(len(self.nodes))
 
+    def reset(self) -> list[int]:
+        """Drop every node without freeing its slot (``RadixCache.reset`` in a cache flush: the pools are
+        reset in place next); returns the slots the tree held."""
+        slots = self.held_slots()
+        self.nodes.clear()
+        return slots
+
     def held_slots(self) -> list[int]:
         return [n.slot for n in self.nodes.values()]

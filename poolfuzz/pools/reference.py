@@ -104,6 +104,11 @@ class ReferenceFamily:
     def flush_prefix_cache(self) -> None:
         self._ensure_mamba(self.free.get("mamba", 0) + len(self.tree))
 
+    def flush_cache(self) -> None:
+        """An idle node's cache flush: the prefix tree is gone and every pool is whole again."""
+        self.tree.clear()
+        self.free = {space: self.total(space) for space in self.capacity}
+
     def _unlock(self, req: RefRequest) -> None:
         if req.cow_key is not None and req.cow_key in self.tree:
             self.tree[req.cow_key][0] -= 1

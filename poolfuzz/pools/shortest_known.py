@@ -51,6 +51,9 @@ SHORTEST_KNOWN: dict[str, int] = {
     # By hand (tests/cover/test_all_swa.py replays it): a request longer than the window, prefilled and
     # decoded once (the window slides), whose release at teardown frees the evicted slots again (3).
     "release-frees-evicted-window": 3,
+    # The best shrink of `hunt --seeds 5`: a request served and forked (the tree checkpoints its state), the
+    # fork aborted, the source finished, then the flush that leaves the checkpoint's slot taken (6).
+    "flush-keeps-state-slots": 6,
 }
 
 # Where a shape of config needs a longer program than SHORTEST_KNOWN's: (does the config have the

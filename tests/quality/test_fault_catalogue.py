@@ -48,7 +48,8 @@ SIGNATURES = {
                                 r"|ReferenceMismatch: mamba pool has \d+ free but the reference says)"),
     # A node kept on a freed slot: the tree and the free list (or a new owner) both claim the slot.
     "tree-match-freed-node": (r"(mamba slot/page \d+ is held (\(by (req \d+|the prefix cache)\) but also in the free list|by two owners)"
-                              r"|reference predicts .*mamba|StateLost: .*component mamba\.)"),
+                              r"|reference predicts .*mamba|StateLost: .*component mamba\.|the pools raised DoubleFree: "
+                              r"double free in mamba pool)"),
     # The load-back lands in freed slots; the resumed request (or, where the old and new slots
     # coincide up to some position, its next decode) reads another position's rows.
     "reload-into-old-indices": r"^StateLost: .*(resumed|decoded); component ",
@@ -92,7 +93,11 @@ SIGNATURES = {
     "abort-prefill-leaks-last-chunk": r"^ReferenceMismatch: (full|swa) pool has \d+ free but the reference says",
     # An all-SWA release from position 0 frees the window-evicted slots again (or somebody else's, reused).
     "release-frees-evicted-window": r"^(DoubleFree: double free in swa pool|InvariantViolation: swa slot/page \d+ is "
-                                    r"held|ReferenceMismatch: swa pool has \d+ free)",
+                                    r"held|ReferenceMismatch: (swa pool has \d+ free|req \d+: the pools raised "
+                                    r"DoubleFree: double free in swa pool))",
+    # A flush whose request-pool reset keeps the mamba allocator: the dropped checkpoints' slots stay taken.
+    "flush-keeps-state-slots": r"^(InvariantViolation: after .* mamba has \d+ of \d+ free|ReferenceMismatch: "
+                               r"mamba pool has \d+ free)",
 }
 
 # Faults whose bug only shows off the named grid: found on drawn configs, inert on the named ones.

@@ -138,9 +138,13 @@ class SGLangFamily:
                 view.on_free(space, view.slots_of(sorted(freed)))
 
     def flush_prefix_cache(self) -> None:
-        """The idle server's ``Scheduler.flush_cache`` (the engine calls it once a node has no request
-        left): SGLang resets its pools in place, the request rows with their mamba slots and mappings, then
-        every token allocator; the engine then checks that every pool is whole."""
+        """The drain (every request of the node ended): without a prefix cache, the idle server's flush."""
+        self.flush_cache()
+
+    def flush_cache(self) -> None:
+        """The idle server's ``Scheduler.flush_cache`` (as after a weight update): SGLang resets its pools in
+        place, the request rows with their mamba slots and mappings, then every token allocator; the engine
+        then checks that every pool is whole, and serves on."""
         self.sg_req_pool.clear()
         self.sg_allocator.clear()
         reset = getattr(self.sg_req_pool, "reset_aux_cache_allocator", None)

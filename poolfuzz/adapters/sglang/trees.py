@@ -491,6 +491,12 @@ class SGLangTreeFamily(SGLangFamily):
         self.tree.evict(EvictParams(num_tokens=tokens, mamba_num=self.config.mamba_slots))
         self.notify_frees()
 
+    def flush_cache(self) -> None:
+        """``Scheduler.flush_cache``: the tree is reset first (its nodes dropped, not freed one by one; a
+        HiCache tree clears its host pool too), then the pools in place."""
+        self.tree.reset()
+        super().flush_cache()
+
     def tree_swa(self) -> tuple[int, int]:
         """(SWA slots the tree holds, of them evictable), by the tree's own accounting."""
         evictable = int(self.tree.swa_evictable_size())

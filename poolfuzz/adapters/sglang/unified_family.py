@@ -63,9 +63,9 @@ class UnifiedFamily(SGLangFamily):
         self.pull()
         super().notify_frees()
 
-    def flush_prefix_cache(self) -> None:
+    def flush_cache(self) -> None:
         self.push()
-        super().flush_prefix_cache()
+        super().flush_cache()
 
     @property
     def reference_factory(self):
