@@ -198,12 +198,17 @@ def test_fuzzing_swa_with_forks_passes(tree_api, fuzz, name):
     assert outcome.failure is None, outcome.failure
 
 
-def test_decode_time_window_eviction_through_the_tree_passes(tree_api, fuzz, monkeypatch):
-    """SGLang's SGLANG_SWA_EVICTION_INTERVAL (128 by default, more than these contexts slide) at 1: every
-    decode past the window evicts through tree_cache.evict_sliding_windows."""
+@pytest.mark.parametrize("interval", ["1", None])
+def test_decode_time_window_eviction_through_the_tree_passes(tree_api, fuzz, monkeypatch, interval):
+    """SGLang's SGLANG_SWA_EVICTION_INTERVAL at 1 (every decode past the window evicts through
+    tree_cache.evict_sliding_windows), and unset: the adapter's default, one window (``eviction_interval``:
+    SGLang's own 128 would never evict in these contexts)."""
     from poolfuzz.adapters.sglang import tree_swa
 
-    monkeypatch.setenv("SGLANG_SWA_EVICTION_INTERVAL", "1")
+    if interval is None:
+        monkeypatch.delenv("SGLANG_SWA_EVICTION_INTERVAL", raising=False)
+    else:
+        monkeypatch.setenv("SGLANG_SWA_EVICTION_INTERVAL", interval)
     moved = []
     real = tree_swa.evict_window
 
@@ -216,6 +221,16 @@ def test_decode_time_window_eviction_through_the_tree_passes(tree_api, fuzz, mon
     outcome = fuzz(CONFIGS["swa-ps4"], examples=15)
     assert outcome.failure is None, outcome.failure
     assert any(moved)
+
+
+def test_the_eviction_interval_is_one_window_unless_the_environment_sets_it(tree_api, monkeypatch):
+    from poolfuzz.adapters.sglang import tree_swa
+
+    fam = _engine("swa-ps4").families["prefill"]
+    monkeypatch.delenv("SGLANG_SWA_EVICTION_INTERVAL", raising=False)
+    assert tree_swa.eviction_interval(fam) == CONFIGS["swa-ps4"].sliding_window
+    monkeypatch.setenv("SGLANG_SWA_EVICTION_INTERVAL", "128")
+    assert tree_swa.eviction_interval(fam) == 128
 
 
 def test_a_fork_whose_hit_is_all_the_tree_could_evict_waits(tree_api):

@@ -4,14 +4,18 @@
 With a tree, an extend evicts no SWA of its own (the tree's checkpoint frees what slid out of the
 window, ``SWAComponent.free_out_of_window_slots``); a decode evicts through
 ``tree_cache.evict_sliding_windows`` when the scheduler's trigger (``_swa_eviction_trigger``, with
-``SGLANG_SWA_EVICTION_INTERVAL``) says it is due. A request's SWA below its protected prefix is the
-tree's (live, or a tombstone the tree already freed); it holds privately the SWA of
-``[max(frontier, protected), allocated)``.
+``SGLANG_SWA_EVICTION_INTERVAL`` scaled to the harness's contexts: ``eviction_interval``) says it is
+due. A request's SWA below its protected prefix is the tree's (live, or a tombstone the tree already
+freed); it holds privately the SWA of ``[max(frontier, protected), allocated)``.
 """
 
 from __future__ import annotations
 
+import os
+
 from poolfuzz.pools.reference import _pages
+
+INTERVAL_VARIABLE = "SGLANG_SWA_EVICTION_INTERVAL"
 
 
 class _TriggerBatch:
@@ -25,13 +29,24 @@ def decoding(req, sg) -> bool:
     return req.kv_committed_len >= len(sg.origin_input_ids)
 
 
+def eviction_interval(family) -> int:
+    """The decode-time SWA eviction interval the adapter runs SGLang with: ``SGLANG_SWA_EVICTION_INTERVAL``
+    where the environment sets it, else SGLang's default scaled to the harness's contexts. The default,
+    128 tokens, is one window of gpt-oss (sliding window 128) and a fraction of longer windows; a harness
+    context is tens of tokens, where 128 would never evict. One window here keeps gpt-oss's ratio."""
+    if os.environ.get(INTERVAL_VARIABLE):
+        from sglang.srt.environ import envs
+
+        return max(1, envs.SGLANG_SWA_EVICTION_INTERVAL.get())
+    return max(1, family.config.sliding_window)
+
+
 def evict_window(family, sg, pre_len: int) -> None:
     """``maybe_evict_swa``'s decode branch for one request, with the release's own trigger."""
-    from sglang.srt.environ import envs
     from sglang.srt.managers.schedule_batch import ScheduleBatch
 
     tree = family.tree
-    interval = max(1, envs.SGLANG_SWA_EVICTION_INTERVAL.get())
+    interval = eviction_interval(family)
     # what maybe_evict_swa passes: the tree's retained window where it has one (0.5.23), else the
     # sliding window itself (0.5.22 and before)
     window = getattr(tree, "swa_retain_window", None)
