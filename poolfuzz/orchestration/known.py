@@ -2,7 +2,9 @@
 
 A failure whose signature is known is counted and passed over, never reported or shrunk, so a
 release with one unfixed bug is still fuzzed everywhere else. Files are untrusted input: an
-artifact is read as data (``artifacts.load``), a text file as one signature per line.
+artifact is read as data (``artifacts.load``), a text file as one signature per line, optionally
+after the config it is known on (``swa-only ReferenceMismatch:free-count:swa``): a bug judged on one
+config stays a finding on every other.
 """
 
 from __future__ import annotations
@@ -38,10 +40,22 @@ def load_known(path: str) -> tuple[str, ...]:
         line = line.split("#", 1)[0].strip()
         if not line:
             continue
-        if not SIGNATURE.match(line):
+        fields = line.split()
+        if len(fields) > 2 or not SIGNATURE.match(fields[-1]):
             raise UsageError(f"--known {path}: line {number} is not a failure signature ({line[:60]!r}); "
-                             "signatures read like StateLost:contents:mamba@resume")
-        out.append(line)
+                             "signatures read like StateLost:contents:mamba@resume, optionally after a config "
+                             "name (swa-only StateLost:contents:swa@resume)")
+        out.append(" ".join(fields))
+    return tuple(dict.fromkeys(out))
+
+
+def known_on(known: tuple[str, ...], config: str) -> tuple[str, ...]:
+    """The signatures known on ``config``: every unqualified one, and those given for that config."""
+    out = []
+    for entry in known:
+        where, _, signature = entry.rpartition(" ")
+        if not where or where == config:
+            out.append(signature)
     return tuple(dict.fromkeys(out))
 
 

@@ -127,6 +127,7 @@ def _run_campaign(plan: Plan, lane: Lane, device: str, database, budget: float |
     counted, not reported. Returns False when interrupted."""
     from poolfuzz.harness.records import EngineOptions
     from poolfuzz.orchestration.database import KeepingDatabase
+    from poolfuzz.orchestration.known import known_on
     from poolfuzz.orchestration.runner import run_machine
 
     started = time.perf_counter()
@@ -140,7 +141,8 @@ def _run_campaign(plan: Plan, lane: Lane, device: str, database, budget: float |
         left = None if budget is None else budget - (time.perf_counter() - started)
         if (left is not None and left <= 0) or (remaining is not None and remaining <= 0):
             break
-        round_options = dataclasses.replace(options, known=tuple(dict.fromkeys((*plan.known, *found))))
+        round_options = dataclasses.replace(options, known=tuple(dict.fromkeys((*known_on(plan.known, lane.config),
+                                                                                 *found))))
         writer = _ArtifactWriter(plan, lane, device, round_options)
 
         def progress(snap, lane=lane, last=last):

@@ -8,7 +8,7 @@ import pytest
 from poolfuzz.cli import run_cli
 from poolfuzz.harness.failures import CHECKS, SIGNATURE, WAIVABLE, bug_key, signature_from
 from poolfuzz.orchestration.artifacts import load
-from poolfuzz.orchestration.known import load_known
+from poolfuzz.orchestration.known import known_on, load_known
 from poolfuzz.orchestration.runner import run_machine
 from poolfuzz.pools.config import CONFIGS
 
@@ -109,6 +109,36 @@ def test_known_signatures_from_a_text_file(tmp_path):
     f = tmp_path / "known.txt"
     f.write_text("# bugs we live with\nStateLost:contents:mamba@resume\n\nInvariantViolation:reserved:mamba@init  # slot 0\n")
     assert load_known(str(f)) == ("StateLost:contents:mamba@resume", "InvariantViolation:reserved:mamba@init")
+
+
+def test_a_signature_known_on_one_config_is_a_finding_on_every_other(tmp_path, capsys):
+    f = tmp_path / "known.txt"
+    f.write_text("# judged on dense only\ndense  ReferenceMismatch:free-count:full\nCrash:KeyError@admit\n")
+    known = load_known(str(f))
+    assert known == ("dense ReferenceMismatch:free-count:full", "Crash:KeyError@admit")
+    assert known_on(known, "dense") == ("ReferenceMismatch:free-count:full", "Crash:KeyError@admit")
+    assert known_on(known, "dense-ps4") == ("Crash:KeyError@admit",)
+    # slot 0 in the mamba free list fails every example at step 0: known on hybrid-linear, new on -ps4
+    f.write_text("hybrid-linear InvariantViolation:reserved:mamba\n")
+    common = ["run", "--faults", "mamba-slot-zero", "--examples", "10", "--seed", "1", "--db", "none", "--known", str(f)]
+    assert run_cli([*common, "--config", "hybrid-linear", "--out", str(tmp_path / "known")]) == 0
+    assert "InvariantViolation:reserved:mamba" in capsys.readouterr().out
+    assert run_cli([*common, "--config", "hybrid-linear-ps4", "--out", str(tmp_path / "new")]) == 1
+    assert "InvariantViolation: mamba free list holds the reserved slot" in capsys.readouterr().out
+
+
+def test_the_shipped_known_defects_name_configs_that_exist():
+    """ci/known/*.txt: every line judged on one named config (a bare signature would hide it everywhere)."""
+    from pathlib import Path
+
+    from poolfuzz.pools import CONFIGS
+
+    files = sorted((Path(__file__).parents[2] / "ci" / "known").glob("*.txt"))
+    assert files
+    for f in files:
+        for entry in load_known(str(f)):
+            config, _, signature = entry.rpartition(" ")
+            assert config in CONFIGS, (f.name, entry)
 
 
 @pytest.mark.parametrize(("argv", "problem"), [
