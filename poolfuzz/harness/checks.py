@@ -112,6 +112,14 @@ class Checker:
                         check, f"{when}, {space} has {alloc.available_size()} of {total} free (leak)", node,
                         space=space)
 
+    def check_engine_idle(self, node: str) -> None:
+        """A node with no request left: the engine's own idle memory check (the family's ``idle_problem``,
+        where it has one) must find nothing either; what it reports is a finding whoever is wrong."""
+        ask = getattr(self.engine.families[node], "idle_problem", None)
+        problem = ask() if ask is not None else None
+        if problem:
+            self.invariant("engine-idle-check", f"the engine's own idle memory check reports: {problem}", node)
+
     def audit_predicate(self) -> None:
         audit_predicate(self.engine, self.invariant)
 

@@ -508,6 +508,7 @@ class Engine(KnownBugTaint):
         """The idle node's ``flush_cache`` (as after an RL weight update): its prefix cache is dropped and
         its pools reset in place. Every pool must then be whole, and serve the requests that follow."""
         self._begin("flush", {"node": node})
+        self.checker.check_engine_idle(node)
         with self._blame(NO_CULPRIT):
             self.families[node].flush_cache()
         self.refs[node].flush_cache()
@@ -537,6 +538,7 @@ class Engine(KnownBugTaint):
                 self.finish(req.rid)
             self.check()
         for node, fam in self.families.items():  # an idle server may evict its whole prefix cache
+            self.checker.check_engine_idle(node)
             flush = getattr(fam, "flush_prefix_cache", None)
             if flush is not None:
                 with self._blame(NO_CULPRIT):

@@ -119,6 +119,8 @@ CHECKS: dict[str, str] = {
     "free-list": "a free list holds no unit twice and not the reserved one",
     "leak": "after every request ended, every space is whole",
     "flush-leak": "after an idle node's cache flush reset its pools, every space is whole",
+    "engine-idle-check": "on an idle node, the engine's own idle memory check (SGLang's Scheduler.on_idle) "
+                         "reports nothing",
     "ssm-predicate": "uses_ssm_state agrees with the recurrent-state components the family has",
     "backup-mode": "a model with recurrent state never takes the host_pool retraction backup",
     "carries-mamba": "cpu_copy_carries_mamba says what the KV pool's CPU copy really carried",
@@ -132,6 +134,7 @@ WAIVABLE = frozenset(CHECKS) - {"outcome", "pool-error", "backup-short", "backup
 # Checks of a condition that persists once broken (a free list, a holding, a count): the operation
 # that first sees it is incidental, so two signatures that differ only there name one bug.
 STATE_CHECKS = frozenset({"reserved", "ownership", "free-list", "free-count", "leak", "flush-leak",
+                          "engine-idle-check",
                           "live-requests", "ssm-predicate", "backup-mode", "carries-mamba",
                           "backed-up-twice", "shared-unit",
                           "consumer-map"})

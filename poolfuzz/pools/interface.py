@@ -34,6 +34,9 @@ Optional capabilities, read with a default where a family does not declare them:
 * ``flush_cache()`` (default: none, the ``flush`` rule is skipped): an idle server's cache flush
   (SGLang's ``Scheduler.flush_cache``): the prefix cache dropped, not evicted, and the pools reset in
   place; the engine calls it on a node with no request left and then finds every pool whole.
+* ``idle_problem() -> str | None`` (default: none): the engine's own idle memory check on a node with no
+  request left (SGLang's ``Scheduler.on_idle`` leak check), asked before a flush and at the drain; what
+  it reports is a failure (``engine-idle-check``).
 * ``kv_pool.writes_through_engine`` (default False): the forward hands its KV rows to
   ``kv_pool.write_rows(slots, {(component, layer): rows}) -> keys written`` (the engine's own write
   door) instead of writing the buffers; the rest it writes itself.

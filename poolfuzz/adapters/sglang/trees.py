@@ -31,7 +31,7 @@ from poolfuzz.adapters.sglang.family import SGLangFamily
 from poolfuzz.adapters.sglang.frees import free_group
 from poolfuzz.adapters.sglang.protocol import SGLangProtocol
 from poolfuzz.adapters.sglang.standin import _FLAT_FIELDS
-from poolfuzz.adapters.sglang import hicache, tree_swa
+from poolfuzz.adapters.sglang import hicache, idle_check, tree_swa
 from poolfuzz.adapters.sglang.tree_build import _publish_defaults, build_tree
 from poolfuzz.pools.errors import PoolError, PoolExhausted
 from poolfuzz.pools.protocol import window_start
@@ -490,6 +490,10 @@ class SGLangTreeFamily(SGLangFamily):
         tokens = max(self.config.full_tokens, self.config.swa_tokens)
         self.tree.evict(EvictParams(num_tokens=tokens, mamba_num=self.config.mamba_slots))
         self.notify_frees()
+
+    def idle_problem(self) -> str | None:
+        """What SGLang's own idle memory check reports on this idle node, or None (``idle_check``)."""
+        return idle_check.problem(self)
 
     def flush_cache(self) -> None:
         """``Scheduler.flush_cache``: the tree is reset first (its nodes dropped, not freed one by one; a
