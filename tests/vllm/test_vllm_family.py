@@ -103,6 +103,29 @@ def _factory():
     return build_family
 
 
+class TestFlush:
+    @pytest.mark.parametrize("name", ["dense-ps4", "hybrid-linear"])
+    def test_a_mid_run_reset_of_the_prefix_cache_serves_on(self, api, name):
+        """reset_prefix_cache on an idle node (as RL frameworks call it after a weight update): every block
+        free again, a finished request's next turn finds nothing cached, and the node serves on."""
+        engine = Engine(config=CONFIGS[name], family_factory=_factory())
+        a = engine.admit(9)
+        engine.prefill(a, 9)
+        engine.decode([a])
+        engine.finish(a)
+        engine.check()
+        assert engine.flushable() == ["prefill"]
+        engine.flush("prefill")
+        engine.check()
+        b = engine.next_turn(a, 3)
+        assert "hit 0" in engine.log[-1].outcome, engine.log[-1]
+        engine.prefill(b, 13)
+        engine.decode([b])
+        engine.check()
+        engine.sweep()
+        engine.drain()
+
+
 class TestFuzz:
     @pytest.mark.parametrize("name", ["dense", "swa-ps4", "hybrid-linear"])
     def test_fuzz_finds_nothing_on_non_anchor_configs(self, api, expect, fuzz, name):

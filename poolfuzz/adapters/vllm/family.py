@@ -195,6 +195,11 @@ class VllmFamily:
         self.end_of_schedule()
         self.report_frees(cached)  # uncached now: the free listener may poison them
 
+    def flush_cache(self) -> None:
+        """A mid-run reset of an idle server's cache (``reset_prefix_cache``, which RL frameworks call after
+        each weight update): the same as the drain's, then the node serves on."""
+        self.flush_prefix_cache()
+
     def _pool_problem(self) -> str | None:
         ps = self.config.page_size
         written = null_block_written(self.components(), lambda space: 1 if space == "mamba" else ps)
