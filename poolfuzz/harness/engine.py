@@ -25,6 +25,7 @@ from poolfuzz.pools.request import ReqKv
 
 __all__ = ["NODES", "NO_CULPRIT", "Engine", "EngineOptions", "Phase", "Request", "StepRecord"]
 
+FLUSH_AFTER = 3  # requests a node serves between two flushes (see ``flushable``)
 FamilyFactory = Callable[..., object]  # factory(config, *, device, faults, backup_mode) -> a pool family
 
 
@@ -89,7 +90,7 @@ class Engine(KnownBugTaint):
         self.retracted: dict[str, list[int]] = {n: [] for n in NODES}  # per node, in resume order
         self.finished: dict[int, turns.FinishedTurn] = {}  # what a next turn continues (see turns.py)
         self.next_rid = 1
-        self.served: set[str] = set()  # nodes a request ended on since their last flush
+        self.served: dict[str, int] = dict.fromkeys(NODES, 0)  # requests ended on each node since its last flush
         self.step = 0  # operations run so far; the failing one is named by it
         self.op = "init"  # the operation running (or last run)
         # The last request-level action the step ran: the op itself, or the retract / resume a decode
@@ -365,7 +366,7 @@ class Engine(KnownBugTaint):
             with self._blame(rid):
                 fam.protocol.release_kv(req.kv, fam)
             ref.finish(rid)
-            self.served.add(req.node)
+            self.served[req.node] += 1
             del self.requests[rid]
             return "aborted", f"aborted: {err.space} exhausted"
         backed_up = req.kv.retraction_backup.num_tokens
@@ -425,7 +426,7 @@ class Engine(KnownBugTaint):
             self.retracted[req.node].remove(rid)
         else:
             ref.finish(rid)
-            self.served.add(req.node)
+            self.served[req.node] += 1
         self._record(f"was {req.phase.value}")
 
     def finish(self, rid: int) -> None:
@@ -437,7 +438,7 @@ class Engine(KnownBugTaint):
         with self._blame(rid):
             release(req.kv, fam)
         ref.finish(rid)
-        self.served.add(req.node)
+        self.served[req.node] += 1
         self._record("released")
 
     def transfer(self, rid: int) -> bool:
@@ -459,7 +460,7 @@ class Engine(KnownBugTaint):
         with self._blame(rid):
             src_fam.protocol.release_kv(req.kv, src_fam)
         src_ref.finish(rid)
-        self.served.add("prefill")
+        self.served["prefill"] += 1
         req.kv = dst
         req.node = "decode"
         req.slots_before = snapshot
@@ -500,8 +501,10 @@ class Engine(KnownBugTaint):
         return turns.next_turn(self, src_rid, extra)
 
     def flushable(self) -> list[str]:
-        """Nodes whose family can flush (``flush_cache``), with no request live and one served since."""
-        return [n for n in NODES if n in self.served and getattr(self.families[n], "flush_cache", None)
+        """Nodes whose family can flush (``flush_cache``), with no request live and ``FLUSH_AFTER`` served
+        since their last flush: a weight update comes after a batch of requests, not after each one (a
+        flush after every request would spend the steps that build the prefix hits other bugs need)."""
+        return [n for n in NODES if self.served[n] >= FLUSH_AFTER and getattr(self.families[n], "flush_cache", None)
                 and not any(r.node == n for r in self.requests.values())]
 
     def flush(self, node: str) -> None:
@@ -512,7 +515,7 @@ class Engine(KnownBugTaint):
         with self._blame(NO_CULPRIT):
             self.families[node].flush_cache()
         self.refs[node].flush_cache()
-        self.served.discard(node)
+        self.served[node] = 0
         self.checker.check_whole((node,), check="flush-leak", when="after the flush reset its pools")
         self._record("pools reset")
 

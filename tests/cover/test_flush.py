@@ -2,6 +2,7 @@
 
 import pytest
 
+from poolfuzz.harness.engine import FLUSH_AFTER
 from poolfuzz.harness.failures import PoolfuzzFailure
 from poolfuzz.harness.program import CannotRun, new_engine, precondition
 from poolfuzz.harness.records import StepRecord
@@ -54,15 +55,20 @@ def test_a_reset_that_keeps_the_state_slots_is_caught_at_the_flush():
     assert "after the flush reset its pools, mamba has" in str(info.value)
 
 
-def test_only_an_idle_node_that_served_a_request_flushes():
+def test_only_an_idle_node_that_served_a_batch_of_requests_flushes():
     e = new_engine(config=CONFIGS["dense"])
     assert e.flushable() == []  # nothing served yet
-    rid = e.admit(3)
-    e.prefill(rid, 3)
-    with pytest.raises(CannotRun, match="req 1 is live there"):
-        precondition(e, StepRecord(op="flush", args={"node": "prefill"}, outcome=""))
-    e.finish(rid)
-    assert e.flushable() == ["prefill"]
+    for served in range(1, FLUSH_AFTER + 1):
+        rid = e.admit(3)
+        e.prefill(rid, 3)
+        if served == 1:
+            with pytest.raises(CannotRun, match=f"req {rid} is live there"):
+                precondition(e, StepRecord(op="flush", args={"node": "prefill"}, outcome=""))
+        assert e.flushable() == []
+        e.finish(rid)
+    assert e.flushable() == ["prefill"]  # a weight update after a batch of requests
+    e.flush("prefill")
+    assert e.flushable() == []
 
 
 def test_a_family_without_flush_cache_never_flushes(monkeypatch):
