@@ -370,7 +370,7 @@ def _all_configs() -> dict[str, ModelConfig]:
                     "swa-ssm": "float16", "mla": "bfloat16", "dsa": "bfloat16", "fp8-scaled": "fp8_e5m2",
                     "hybrid-extra-buffer": "float32", "hybrid-spec": "bfloat16",
                     "dense-cpu-fp8": "fp8_e4m3", "mla-fp4": "bfloat16",
-                    "minimax-sparse": "bfloat16", "minimax-sparse-konly": "bfloat16"}
+                    "minimax-sparse": "fp8_e4m3", "minimax-sparse-konly": "bfloat16"}
     for base in _base_configs() + _storage_configs() + _mode_configs(_base_configs()):
         out[base.name] = base
         paged = _paged(base, 4, paged_dtypes[base.name])

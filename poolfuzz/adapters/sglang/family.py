@@ -376,8 +376,7 @@ def _decline_if_pd_refuses(family: SGLangFamily) -> None:
         reason = f"SGLang {family.api.version}'s PD setup refuses this KV pool ({str(exc).splitlines()[0]})"
         family.supports_transfer = family.supports_retract = False
         family.transfer = None
-        family.declined = {"transfer": reason,
-                           "retract": reason + "; a colocated server recomputes a retracted request"}
+        family.declined.update(transfer=reason, retract=reason + "; a colocated server recomputes a retracted request")
 
 
 def _write_door(sg_kv, c: ModelConfig):

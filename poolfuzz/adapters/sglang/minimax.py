@@ -18,6 +18,7 @@ from poolfuzz.adapters.sglang.writes import _as_pool_dtype, _Layer, _write_loc
 from poolfuzz.pools.components import Component
 from poolfuzz.pools.config import ModelConfig
 from poolfuzz.pools.errors import ConfigError
+from poolfuzz.pools.quantised import MODEL_DTYPE
 
 _POOL = "sglang.srt.mem_cache.memory_pool:MiniMaxSparseKVPool"
 
@@ -39,9 +40,20 @@ def build_msa_pool(api: SGLangAPI, config: ModelConfig, common: dict):
     sparse = sorted(c.msa_layer_ids("V") + c.msa_layer_ids("K"))
     pool = construct(_first(_POOL), size=c.full_tokens, idx_head_dim=c.index_head_dim,
                      dense_layer_ids=list(c.msa_layer_ids("D")), sparse_layer_ids=sparse,
-                     disable_value_sparse_layer_ids=list(c.msa_layer_ids("K")), index_dtype=common["dtype"],
+                     disable_value_sparse_layer_ids=list(c.msa_layer_ids("K")), index_dtype=_index_dtype(common["dtype"]),
                      start_layer=0, end_layer=c.full_layers, enable_hisparse=False, **common)
     return pool, _components(pool, c)
+
+
+def _index_dtype(kv_dtype: torch.dtype) -> torch.dtype:
+    """The index caches' dtype as the configurator asks SGLang for it (``get_minimax_sparse_index_dtype``: off a
+    Hopper GPU and without fp8 attention GEMMs, the model dtype); the KV dtype where the release has no such rule."""
+    rule = _first("sglang.srt.mem_cache.memory_pool:get_minimax_sparse_index_dtype", required=False)
+    if rule is None:
+        return kv_dtype
+    # the model's dtype: the KV dtype unless the KV cache is fp8 (``--kv-cache-dtype auto`` is the model's)
+    model_dtype = MODEL_DTYPE if kv_dtype in (torch.float8_e4m3fn, torch.float8_e5m2) else kv_dtype
+    return rule(fp8_attn_gemm=False, kv_cache_dtype=kv_dtype, model_dtype=model_dtype)
 
 
 def _sub_pool_buffers(pool) -> set[int]:
@@ -63,20 +75,24 @@ def _components(pool, c: ModelConfig) -> list[Component]:
     """Main K and V of every layer, the index key of every sparse layer and the index value of the K+V group,
     each as the pool's read door hands it to the kernels."""
     out = []
+    dense = set(c.msa_layer_ids("D"))
     for lid in c.full_layer_ids:
-        out.append(Component(name="full.k", layer=lid, space="full",
-                             tensor=_in_place(pool, pool.get_key_buffer(lid), f"get_key_buffer({lid})")))
-        out.append(Component(name="full.v", layer=lid, space="full",
-                             tensor=_in_place(pool, pool.get_value_buffer(lid), f"get_value_buffer({lid})")))
+        # a dense layer's backend asks for K and V apart; the sparse backend for both at once
+        k, v = ((pool.get_key_buffer(lid), pool.get_value_buffer(lid)) if lid in dense else pool.get_kv_buffer(lid))
+        out.append(Component(name="full.k", layer=lid, space="full", tensor=_in_place(pool, k, f"K of layer {lid}")))
+        out.append(Component(name="full.v", layer=lid, space="full", tensor=_in_place(pool, v, f"V of layer {lid}")))
+        if lid in dense:
+            continue
+        # the index key as a caller that needs only K gets it (either group), the value from the K+V door
+        out.append(Component(name="msa.index_k", layer=lid, space="full",
+                             tensor=_in_place(pool, pool.get_index_k_buffer(lid), f"get_index_k_buffer({lid})")))
         if lid in c.msa_layer_ids("V"):
-            k, v = pool.get_index_kv_buffer(lid)
-            out.append(Component(name="msa.index_k", layer=lid, space="full",
-                                 tensor=_in_place(pool, k, f"get_index_kv_buffer({lid})")))
+            ik, iv = pool.get_index_kv_buffer(lid)
+            if ik.data_ptr() != out[-1].tensor.data_ptr():
+                raise ConfigError(f"MiniMaxSparseKVPool's two index-key doors of layer {lid} hand out different "
+                                  "buffers; poolfuzz checksums one")
             out.append(Component(name="msa.index_v", layer=lid, space="full",
-                                 tensor=_in_place(pool, v, f"get_index_kv_buffer({lid})")))
-        elif lid in c.msa_layer_ids("K"):
-            out.append(Component(name="msa.index_k", layer=lid, space="full",
-                                 tensor=_in_place(pool, pool.get_index_k_buffer(lid), f"get_index_k_buffer({lid})")))
+                                 tensor=_in_place(pool, iv, f"get_index_kv_buffer({lid})")))
     return out
 
 
