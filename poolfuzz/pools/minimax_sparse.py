@@ -41,10 +41,12 @@ class MiniMaxSparseKVPool(KVCache):
 
     def __init__(self, *, size: int, page_size: int, dtype: str, head_num: int, head_dim: int,
                  layer_ids: tuple[int, ...], kv_sparse_layer_ids: tuple[int, ...],
-                 k_only_layer_ids: tuple[int, ...], index_head_dim: int, device: torch.device):
+                 k_only_layer_ids: tuple[int, ...], index_head_dim: int, device: torch.device,
+                 kv_class: type | None = None):
+        # kv_class: the main pool's class (SGLang's main_pool_cls), so a fault in it reaches here too
         self.page_size = page_size
         self.device = torch.device(device)
-        self.main_pool = MHATokenToKVPool(size=size, page_size=page_size, dtype=dtype, head_num=head_num,
+        self.main_pool = (kv_class or MHATokenToKVPool)(size=size, page_size=page_size, dtype=dtype, head_num=head_num,
                                           head_dim=head_dim, layer_ids=tuple(layer_ids), device=device)
         self.kv_sparse_layer_ids = tuple(kv_sparse_layer_ids)
         self.k_only_layer_ids = tuple(k_only_layer_ids)
