@@ -357,11 +357,12 @@ def _decline_if_no_cpu_copy(family: SGLangFamily) -> None:
     that reason instead of failing every run on it (tests/sglang/test_sglang_minimax.py shows the crash)."""
     try:
         family.sg_kv_pool.get_cpu_copy(torch.empty(0, dtype=torch.int64, device=family.device))
-    except NotImplementedError:
+    except NotImplementedError as exc:
+        said = f": {str(exc).splitlines()[0]}" if str(exc) else " (KVCache's stub: the pool has no get_cpu_copy)"
         family.supports_retract = False
-        family.declined.setdefault("retract", f"SGLang {family.api.version}'s {type(family.sg_kv_pool).__name__} has "
-                                              "no get_cpu_copy (KVCache's raises NotImplementedError): its PD decode "
-                                              "server's cpu_tensor retraction backup would crash")
+        family.declined.setdefault("retract", f"SGLang {family.api.version}'s {type(family.sg_kv_pool).__name__}."
+                                              f"get_cpu_copy raises NotImplementedError{said}; its PD decode server's "
+                                              "cpu_tensor retraction backup would crash")
     except Exception:  # an empty copy some pool cannot take: the real retractions will say what they do
         pass
 
@@ -377,6 +378,8 @@ def _decline_if_pd_refuses(family: SGLangFamily) -> None:
         family.supports_transfer = family.supports_retract = False
         family.transfer = None
         family.declined.update(transfer=reason, retract=reason + "; a colocated server recomputes a retracted request")
+    except Exception:  # anything else is the first transfer's to report, as when registration was lazy
+        pass
 
 
 def _write_door(sg_kv, c: ModelConfig):
