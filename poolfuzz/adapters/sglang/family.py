@@ -373,6 +373,7 @@ def _decline_if_pd_refuses(family: SGLangFamily) -> None:
     nothing is transferred, and nothing is backed up at retraction (only a PD decode server does that)."""
     try:
         registration(family)
+        del family._pd_args  # registered again at the first transfer, as before (a test may patch it first)
     except NotImplementedError as exc:
         reason = f"SGLang {family.api.version}'s PD setup refuses this KV pool ({str(exc).splitlines()[0]})"
         family.supports_transfer = family.supports_retract = False
