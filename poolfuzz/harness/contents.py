@@ -28,7 +28,9 @@ COMPONENT_CODES = {"full.k": 1, "full.v": 2, "swa.k": 3, "swa.v": 4, "mamba.temp
                    # the block scales of a quantised (MXFP8) KV pool
                    "mla.latent": 6, "mla.rope": 7, "dsa.index_k": 8, "dsa.index_scale": 9,
                    "full.k_scale": 10, "full.v_scale": 11, "swa.k_scale": 12, "swa.v_scale": 13,
-                   "mla.scale": 14}  # the block scales of an FP4 MLA pool
+                   "mla.scale": 14,  # the block scales of an FP4 MLA pool
+                   # MiniMax sparse attention's index caches (keys of every sparse layer, values of the K+V group)
+                   "msa.index_k": 15, "msa.index_v": 24}
 for _i in range(8):
     COMPONENT_CODES[f"mamba.conv{_i}"] = 16 + _i
 CODE_NAMES = {v: k for k, v in COMPONENT_CODES.items()}

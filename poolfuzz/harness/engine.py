@@ -341,7 +341,10 @@ class Engine(KnownBugTaint):
         self._record(f"touched {sorted(self.touched)}")
 
     def sglang_victim(self, node: str) -> int | None:
-        """SGLang's retract order: fewest outputs first, then longest prompt; never the last one."""
+        """SGLang's retract order: fewest outputs first, then longest prompt; never the last one. None where the
+        node's family declines retraction (``supports_retract = False``: no server of the engine backs its KV up)."""
+        if not getattr(self.families[node], "supports_retract", True):
+            return None
         running = self.live(Phase.RUNNING, node)
         if len(running) < 2:
             return None

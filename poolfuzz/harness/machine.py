@@ -198,7 +198,7 @@ class PoolMachine(RuleBasedStateMachine):
         if not self.engine.decode_speculative(self._pick(Phase.RUNNING, pick).rid, 2 * depth, accepted, tree=True):
             event("pool full at speculative decode")
 
-    @precondition(_has(Phase.RUNNING))
+    @precondition(lambda self: _supports("retract")(self) and _has(Phase.RUNNING)(self))
     @rule(pick=picks)
     def retract(self, pick):
         """Retract an arbitrary running request (a scheduler may pick any victim)."""

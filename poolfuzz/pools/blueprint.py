@@ -11,6 +11,7 @@ from poolfuzz.pools.host import HostKVPool
 from poolfuzz.pools.kv import HybridLinearKVPool, MHATokenToKVPool, SWAKVPool
 from poolfuzz.pools.latent import DSATokenToKVPool, MLATokenToKVPool
 from poolfuzz.pools.latent_fp4 import MLATokenToKVPoolFP4
+from poolfuzz.pools.minimax_sparse import MiniMaxSparseKVPool
 from poolfuzz.pools.quantised import MHATokenToKVPoolQuantised
 from poolfuzz.pools.scaled import MHATokenToKVPoolScaled
 from poolfuzz.pools.mamba import MambaPool, MambaSlotAllocator
@@ -33,6 +34,7 @@ class Blueprint:
     mla_kv_pool: type = MLATokenToKVPool
     mla_fp4_kv_pool: type = MLATokenToKVPoolFP4  # MLA with kv_quant fp4_mx_block16
     dsa_kv_pool: type = DSATokenToKVPool
+    msa_kv_pool: type = MiniMaxSparseKVPool  # MiniMax sparse attention (attention "msa")
     swa_kv_pool: type = SWAKVPool
     hybrid_kv_pool: type = HybridLinearKVPool
     mamba_pool: type = MambaPool
@@ -52,7 +54,7 @@ class Blueprint:
     backup_resolver: Callable[..., str] = None  # None: resolve_backup_mode
 
     def kv_pool_class(self, config: ModelConfig) -> type:
-        """The KV pool class a config is built with: SWA, hybrid-linear (mamba), MLA, DSA or plain
+        """The KV pool class a config is built with: SWA, hybrid-linear (mamba), MLA, DSA, MiniMax sparse or plain
         MHA (block-scaled where the config has scale blocks)."""
         if config.has_swa:
             return self.swa_kv_pool if config.has_full else self.pure_swa_kv_pool
@@ -62,6 +64,8 @@ class Blueprint:
             return self.mla_fp4_kv_pool if config.kv_quant else self.mla_kv_pool
         if config.attention == "dsa":
             return self.dsa_kv_pool
+        if config.attention == "msa":
+            return self.msa_kv_pool
         return self.token_kv_pool(config)
 
     def token_kv_pool(self, config: ModelConfig) -> type:

@@ -19,7 +19,9 @@ KV_DTYPES = ("bfloat16", "float16", "float32", "fp8_e4m3", "fp8_e5m2")
 # How full-attention KV is stored: per-head K and V (MHA); one latent row per token, the compressed
 # KV then the rope part (MLA, SGLang's MLATokenToKVPool); MLA plus the DSA indexer's keys and
 # scales in a page-major cache of their own (SGLang's DSATokenToKVPool, earlier NSATokenToKVPool).
-ATTENTIONS = ("mha", "mla", "dsa")
+# "msa": MiniMax sparse attention (SGLang's MiniMaxSparseKVPool): K and V of every layer in one MHA pool, and
+# beside each sparse layer a single-head index cache, keys and values or keys only (``msa_layers``).
+ATTENTIONS = ("mha", "mla", "dsa", "msa")
 DSA_QUANT_BLOCK = 16  # index-key values per float32 scale (SGLang: 128; small here so rows stay small)
 STATE_DTYPES = ("bfloat16", "float16", "float32")
 
@@ -73,6 +75,10 @@ class ModelConfig:
     # (``MLATokenToKVPoolFP4``: packed 4-bit latent rows and a scale byte per 16 values, ``pools.latent_fp4``;
     # attention "mla"). Full-attention models only.
     kv_quant: str = ""
+    # MiniMax sparse attention (attention "msa"): one letter per full-attention layer, in order: D dense,
+    # V sparse with an index key and value per token (SGLang's index_kv_pool), K sparse with an index key
+    # only (its index_k_pool: the layers of ``sparse_disable_index_value``). Index rows: index_head_dim values.
+    msa_layers: str = ""
 
     def __post_init__(self) -> None:
         problems = _validate(self)
@@ -83,6 +89,10 @@ class ModelConfig:
     def latent(self) -> bool:
         """Full attention stored as MLA latent rows (MLA and DSA)."""
         return self.attention in ("mla", "dsa")
+
+    def msa_layer_ids(self, kind: str) -> tuple[int, ...]:
+        """The full-attention layers of one MiniMax kind: "D" dense, "V" index K and V, "K" index K only."""
+        return tuple(lid for lid, k in zip(self.full_layer_ids, self.msa_layers) if k == kind)
 
     @property
     def has_swa(self) -> bool:
@@ -236,6 +246,8 @@ def _validate_storage(c: ModelConfig) -> list[str]:
     if c.attention == "dsa" and (c.index_head_dim % DSA_QUANT_BLOCK or c.index_head_dim // DSA_QUANT_BLOCK * 4 < 12):
         problems.append(f"index_head_dim ({c.index_head_dim}) must be a multiple of {DSA_QUANT_BLOCK} "
                         f"and at least {3 * DSA_QUANT_BLOCK} (its scales carry a tag)")
+    if c.attention == "msa" or c.msa_layers:
+        problems += _validate_msa(c)
     if c.kv_quant and (c.kv_quant not in ("cpu_fp8_e4m3", "fp4_mx_block16") or c.kv_scale_block or c.has_swa
                        or c.has_mamba):
         problems.append(f"kv_quant {c.kv_quant!r} must be 'cpu_fp8_e4m3' or 'fp4_mx_block16', with no "
@@ -256,6 +268,23 @@ def _validate_storage(c: ModelConfig) -> list[str]:
         elif c.head_num * c.head_dim // c.kv_scale_block < 12:
             problems.append(f"head_num*head_dim/kv_scale_block must be >= 12 (each scale row carries a tag), "
                             f"got {c.head_num * c.head_dim // c.kv_scale_block}")
+    return problems
+
+
+def _validate_msa(c: ModelConfig) -> list[str]:
+    """MiniMax sparse attention: full-attention MHA layers only, each dense or sparse (index K+V, or K only)."""
+    if c.attention != "msa":
+        return [f"msa_layers is set but attention is {c.attention!r}; set attention = 'msa'"]
+    problems = []
+    if c.has_swa or c.has_mamba or c.kv_quant or c.kv_scale_block:
+        problems.append("attention 'msa' is built for full-attention MHA models here (no SWA or mamba layers, "
+                        "no kv_quant or kv_scale_block)")
+    if len(c.msa_layers) != c.full_layers or set(c.msa_layers) - set("DVK") or not set(c.msa_layers) & set("VK"):
+        problems.append(f"msa_layers {c.msa_layers!r} must give one letter per full-attention layer "
+                        f"({c.full_layers}): D dense, V sparse with index K and V, K sparse with index K only; "
+                        "at least one sparse")
+    if c.index_head_dim < 12:
+        problems.append(f"index_head_dim ({c.index_head_dim}) must be >= 12 (an index row carries a tag)")
     return problems
 
 
@@ -305,7 +334,13 @@ def _storage_configs() -> list[ModelConfig]:
     cpu_fp8 = dense.replace(name="dense-cpu-fp8", kv_dtype="fp8_e4m3", kv_quant="cpu_fp8_e4m3")
     # DeepSeek with ``--kv-cache-dtype fp4_e2m1``: SGLang's MLATokenToKVPoolFP4
     mla_fp4 = mla.replace(name="mla-fp4", kv_quant="fp4_mx_block16", kv_lora_rank=160, qk_rope_head_dim=32)
-    return [mla, dsa, scaled, cpu_fp8, mla_fp4]
+    # MiniMax M3 (SGLang's MiniMaxSparseKVPool): a dense layer, then sparse layers whose indexer keeps keys and
+    # values (V) or keys only (K: ``sparse_disable_index_value``); index rows of one 16-value head
+    msa = dense.replace(name="minimax-sparse", architecture="minimax-m3", attention="msa", full_layers=4,
+                        msa_layers="DVKV", index_head_dim=16)
+    # ... and a model whose sparse layers all keep index keys only: the shape SGLang's PD and HiCache take
+    msa_konly = msa.replace(name="minimax-sparse-konly", msa_layers="DKDK")
+    return [mla, dsa, scaled, cpu_fp8, mla_fp4, msa, msa_konly]
 
 
 def _mode_configs(base: list[ModelConfig]) -> list[ModelConfig]:
@@ -334,7 +369,8 @@ def _all_configs() -> dict[str, ModelConfig]:
     paged_dtypes = {"dense": "fp8_e4m3", "swa": "bfloat16", "hybrid-linear": "float32",
                     "swa-ssm": "float16", "mla": "bfloat16", "dsa": "bfloat16", "fp8-scaled": "fp8_e5m2",
                     "hybrid-extra-buffer": "float32", "hybrid-spec": "bfloat16",
-                    "dense-cpu-fp8": "fp8_e4m3", "mla-fp4": "bfloat16"}
+                    "dense-cpu-fp8": "fp8_e4m3", "mla-fp4": "bfloat16",
+                    "minimax-sparse": "fp8_e4m3", "minimax-sparse-konly": "bfloat16"}
     for base in _base_configs() + _storage_configs() + _mode_configs(_base_configs()):
         out[base.name] = base
         paged = _paged(base, 4, paged_dtypes[base.name])

@@ -209,6 +209,11 @@ def build_family(config: ModelConfig, *, device="cpu", faults: Iterable[str] = (
         kv_pool = kv_cls(size=c.full_tokens, layer_ids=c.full_layer_ids, kv_lora_rank=c.kv_lora_rank,
                          qk_rope_head_dim=c.qk_rope_head_dim, **extra, **kv_args)
         allocator = bp.token_allocator(size=c.full_tokens, page_size=c.page_size)
+    elif c.attention == "msa":
+        kv_pool = bp.kv_pool_class(c)(size=c.full_tokens, layer_ids=c.full_layer_ids,
+                                      kv_sparse_layer_ids=c.msa_layer_ids("V"), k_only_layer_ids=c.msa_layer_ids("K"),
+                                      index_head_dim=c.index_head_dim, kv_class=bp.token_kv_pool(c), **kv_args)
+        allocator = bp.token_allocator(size=c.full_tokens, page_size=c.page_size)
     elif c.has_swa and not c.has_full:  # all-SWA: the window's slots are the only token slots
         kv_pool = bp.pure_swa_kv_pool(size=0, size_swa=c.swa_tokens, full_layer_ids=(), swa_layer_ids=c.swa_layer_ids,
                                       kv_class=bp.token_kv_pool(c), **kv_args)

@@ -30,6 +30,7 @@ from poolfuzz.pools.storage_faults import (
     DSAIndexScalesTransposed,
     MLACopiesValueBufferOnly,
     MLATransferItemOfLatentWidth,
+    MiniMaxCopySkipsKOnlyIndex,
     ScaledCopyWithoutScales,
     ScaledMoveWithoutScales,
     TransferWithoutBlockScales,
@@ -497,6 +498,8 @@ FAULTS: dict[str, Fault] = {
            lambda c: c.kv_quant == "cpu_fp8_e4m3", {"quant_kv_pool": QuantStoreSkipsLastToken}),
         _f("fp4-copy-drops-scales", "MLATokenToKVPoolFP4 get_cpu_copy / load_cpu_copy (inherited from MLA)",
            lambda c: c.kv_quant == "fp4_mx_block16", {"mla_fp4_kv_pool": FP4CopyWithoutScales}),
+        _f("msa-copy-skips-k-only-index", "MiniMaxSparseKVPool sub-pools (index_k_pool: sparse_disable_index_value)",
+           lambda c: bool(c.msa_layer_ids("K")), {"msa_kv_pool": MiniMaxCopySkipsKOnlyIndex}),
         # Free patterns: grouped frees, and a row cut off between two prefill chunks.
         _f("free-group-drops-swa", "SWATokenToKVPoolAllocator.free_group_end (SWA piles)", _mixed_swa,
            {"swa_allocator": FreeGroupDropsSWAPile}),

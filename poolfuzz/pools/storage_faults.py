@@ -1,10 +1,13 @@
-"""Catalogue faults of the MLA, DSA and block-scaled KV pools: each drops or misplaces one buffer."""
+"""Catalogue faults of the MLA, DSA, MiniMax sparse and block-scaled KV pools: each drops or misplaces one buffer."""
 
 from __future__ import annotations
+
+import dataclasses
 
 from poolfuzz.pools.allocator import _as_index
 from poolfuzz.pools.kv import CPU_COPY_CHUNK
 from poolfuzz.pools.latent import DSATokenToKVPool, MLATokenToKVPool, _copy_rows
+from poolfuzz.pools.minimax_sparse import MiniMaxSparseKVPool
 from poolfuzz.pools.scaled import MHATokenToKVPoolScaled
 from poolfuzz.pools.transfer import PDTransfer
 
@@ -99,3 +102,13 @@ class TransferWithoutBlockScales(PDTransfer):
 
     def state_components(self, family):
         return [c for c in super().state_components(family) if c[0] != "BLOCK_SCALE"]
+
+
+class MiniMaxCopySkipsKOnlyIndex(MiniMaxSparseKVPool):
+    """The retraction copy carries the main K/V and the K+V index group (``index_kv_pool``) but not the K-only
+    group's keys (``index_k_pool``, the layers of ``sparse_disable_index_value``), as a copy written before the
+    K-only pool was split off would: a resumed request's K-only sparse layers select tokens by another
+    request's index keys. The correct copy carries every sub-pool."""
+
+    def get_cpu_copy(self, indices, mamba_indices=None):
+        return dataclasses.replace(super().get_cpu_copy(indices), index_k=None)

@@ -32,8 +32,9 @@ class TransferMismatch(PoolError):
 
 
 # State types whose items are pages of a request's full-attention tokens: the block scales of a
-# quantised KV pool (rows per slot, ``page_size`` rows an item) and DSA's index cache (a page a row).
-PAGED_STATE_TYPES = ("BLOCK_SCALE", "DSA")
+# quantised KV pool (rows per slot, ``page_size`` rows an item), DSA's index cache (a page a row) and MiniMax's
+# index caches (rows per slot).
+PAGED_STATE_TYPES = ("BLOCK_SCALE", "DSA", "MINIMAX_INDEX")
 
 
 def _pages(tokens: torch.Tensor, ps: int) -> torch.Tensor:
@@ -95,7 +96,7 @@ class PDTransfer:
         for (state_type, src_source), (_, dst_source) in zip(src_components, dst_components):
             s_items = self.state_items(src, src_family, state_type, length)
             d_items = self.state_items(dst, dst_family, state_type, length)
-            rows = ps if state_type in ("SWA", "BLOCK_SCALE") else 1
+            rows = ps if state_type in ("SWA", "BLOCK_SCALE", "MINIMAX_INDEX") else 1
             _copy_items(self.state_buffers(src_family, state_type, src_source),
                         self.state_buffers(dst_family, state_type, dst_source), s_items, d_items, rows)
             moved.append((state_type, src_source, s_items.numel()))

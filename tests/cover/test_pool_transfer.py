@@ -69,6 +69,8 @@ def expected_state_items(config, length: int) -> tuple[tuple[str, str, int], ...
         items.append(("DSA", "kv_pool", -(-length // ps)))  # the index cache's pages
     if config.kv_scale_block or config.kv_quant == "fp4_mx_block16":  # MXFP8's and FP4 MLA's scale rows
         items.append(("BLOCK_SCALE", "kv_pool", -(-length // ps)))
+    if config.attention == "msa":  # MiniMax's index caches, by the page of main KV
+        items.append(("MINIMAX_INDEX", "kv_pool", -(-length // ps)))
     return tuple(items)
 
 

@@ -23,7 +23,8 @@ from poolfuzz.adapters.sglang.api import SGLangAPI, construct, load
 from poolfuzz.adapters.sglang.calls import paged_alloc_extend
 from poolfuzz.adapters.sglang.frees import debug_memory_pool
 from poolfuzz.adapters.sglang.host import SGLangHostBackup, host_pool_problem, resolve_backup_mode
-from poolfuzz.adapters.sglang.pd import SGLangPDTransfer, pd_problem
+from poolfuzz.adapters.sglang.minimax import write_msa_rows
+from poolfuzz.adapters.sglang.pd import SGLangPDTransfer, pd_problem, registration
 from poolfuzz.adapters.sglang.prealloc import DECODE, gate_problem
 from poolfuzz.adapters.sglang.protocol import SGLangProtocol
 from poolfuzz.adapters.sglang.reads import read_door, stored_bytes
@@ -64,6 +65,9 @@ class SGLangFamily:
         built with ``need_sort`` as ``disaggregation_mode="decode"`` builds them, and every pre-allocation
         (a transfer's, a resume's) first passes the decode queue's gate (``adapters.sglang.prealloc``), where
         the release has one. The prefill node is a colocated server that also sends requests.
+      ``supports_retract``: False where SGLang's own PD setup (``setup_state_kv_args``) refuses the KV pool: SGLang
+        backs a request's KV up at retraction only on a PD decode server (``release_req``), which then cannot
+        exist, and a colocated server recomputes a retracted request instead (``declined`` says why).
       ``supports_tree_drafts``: a tree verify's accepted KV moves through the KV pool's own ``move_kv_cache``
         (``adapters.sglang.speculative.move_accepted``); False (per family) where the built pool cannot move
         a row on this machine.
@@ -72,6 +76,7 @@ class SGLangFamily:
     supports_fork = False
     supports_tree_drafts = True
     supports_transfer = True
+    supports_retract = True
     resume_swa_tail_only = True
     pd_decode = False
 
@@ -95,6 +100,7 @@ class SGLangFamily:
     standin_cls: type = None
     # Backups whose tensors aliased a live pool buffer and were copied (CPU only; see protocol).
     cpu_aliases: list = field(default_factory=list)
+    declined: dict = field(default_factory=dict)  # operation -> the engine's reason it is not driven
     _free_views: dict = field(default_factory=dict)
     _last_free: dict = field(default_factory=dict)
 
@@ -260,7 +266,7 @@ def _build(api: SGLangAPI, config: ModelConfig, dev, sdev: str, backup_mode: str
                                 device=sdev, enable_memory_saver=False)
 
     comps: list[Component] = []
-    if c.latent or c.kv_scale_block:
+    if c.latent or c.kv_scale_block or c.attention == "msa":
         sg_kv, comps = build_storage_pool(api, c, common)
         alloc_cls = api.TokenToKVPoolAllocator if c.page_size == 1 else api.PagedTokenToKVPoolAllocator
         sg_alloc = construct(alloc_cls, size=c.full_tokens, page_size=c.page_size, dtype=kv_dtype, device=sdev,
@@ -334,12 +340,51 @@ def _build(api: SGLangAPI, config: ModelConfig, dev, sdev: str, backup_mode: str
     family.resume_swa_tail_only = not c.has_swa or hasattr(sg_alloc, "alloc_extend_swa_tail")
     family.snapshot_free_lists()
     family.supports_tree_drafts = moves_rows(sg_kv, dev)  # a pool that cannot move rows here: chain drafts only
+    if not family.supports_tree_drafts:
+        family.declined["tree_drafts"] = (f"{type(sg_kv).__name__}.move_kv_cache cannot move a row here (a tree "
+                                          "verify's accepted-token move); chain drafts only")
+    if backup_mode == "cpu_tensor":
+        _decline_if_no_cpu_copy(family)
     family.pd_decode = pd_decode and gate_problem(api) is None
     if pd_problem(api) is None:
         family.transfer = SGLangPDTransfer()
+        _decline_if_pd_refuses(family)
     else:
         family.supports_transfer = False
     return family
+
+
+def _decline_if_no_cpu_copy(family: SGLangFamily) -> None:
+    """A KV pool without a CPU copy (0.5.23's MiniMaxSparseKVPool inherits ``KVCache.get_cpu_copy``, which raises
+    ``NotImplementedError``): SGLang's PD decode server would crash at its first cpu_tensor retraction, and no
+    SGLang check refuses the mode. A loud known crash in every example, so the family declines retraction with
+    that reason instead of failing every run on it (tests/sglang/test_sglang_minimax.py shows the crash)."""
+    try:
+        family.sg_kv_pool.get_cpu_copy(torch.empty(0, dtype=torch.int64, device=family.device))
+    except NotImplementedError as exc:
+        said = f": {str(exc).splitlines()[0]}" if str(exc) else " (KVCache's stub: the pool has no get_cpu_copy)"
+        family.supports_retract = False
+        family.declined.setdefault("retract", f"SGLang {family.api.version}'s {type(family.sg_kv_pool).__name__}."
+                                              f"get_cpu_copy raises NotImplementedError{said}; its PD decode server's "
+                                              "cpu_tensor retraction backup would crash")
+    except Exception:  # an empty copy some pool cannot take: the real retractions will say what they do
+        pass
+
+
+def _decline_if_pd_refuses(family: SGLangFamily) -> None:
+    """Register the node for PD as SGLang's disaggregation setup does: where SGLang refuses the pool
+    (``NotImplementedError``: 0.5.23's MiniMax pool with index values), no PD server of this model starts, so
+    nothing is transferred, and nothing is backed up at retraction (only a PD decode server does that)."""
+    try:
+        registration(family)
+        del family._pd_args  # registered again at the first transfer, as before (a test may patch it first)
+    except NotImplementedError as exc:
+        reason = f"SGLang {family.api.version}'s PD setup refuses this KV pool ({str(exc).splitlines()[0]})"
+        family.supports_transfer = family.supports_retract = False
+        family.transfer = None
+        family.declined.update(transfer=reason, retract=reason + "; a colocated server recomputes a retracted request")
+    except Exception:  # anything else is the first transfer's to report, as when registration was lazy
+        pass
 
 
 def _write_door(sg_kv, c: ModelConfig):
@@ -347,6 +392,8 @@ def _write_door(sg_kv, c: ModelConfig):
     scale buffers quantises what it is handed, so its rows (already bytes) are written directly."""
     if c.kv_scale_block or c.kv_quant == "fp4_mx_block16":
         return None
+    if c.attention == "msa":
+        return functools.partial(write_msa_rows, sg_kv, config=c)
     mha = [] if c.latent else [("full", i) for i in c.full_layer_ids] + [("swa", i) for i in c.swa_layer_ids]
     return functools.partial(write_rows, sg_kv, mha_layers=mha, mla_layers=list(c.full_layer_ids) if c.latent else [],
                              model_dtype=MODEL_DTYPE if c.kv_quant else None)

@@ -86,6 +86,8 @@ def host_tier(config: ModelConfig) -> tuple[str, str]:
     MLA                          layer_first, direct         page_first, kernel
     recurrent state (mamba)      page_first, kernel          page_first_direct, direct (mamba is page-first
                                                              only: ``MambaPoolHost`` asserts it)
+    MiniMax sparse (K-only)      page_first, kernel          page_first_direct, direct (its index-K host pool
+                                                             has no page_head layout)
     ==========================  ==========================  ===============================================
 
     MHA's layer-first direct copies run on the PD decode server's host_pool retraction (``host.py``), and a
@@ -95,6 +97,8 @@ def host_tier(config: ModelConfig) -> tuple[str, str]:
         return ("page_first_direct", IO_BACKEND) if paged or config.spec_draft_tokens else ("page_first", KERNEL)
     if config.latent:
         return ("page_first", KERNEL) if paged else (HOST_LAYOUT, IO_BACKEND)
+    if config.attention == "msa" and paged:  # MiniMax's K-only index host pool has no page_head layout
+        return "page_first_direct", IO_BACKEND
     return ("page_head", KERNEL) if paged else ("page_first", KERNEL)
 
 

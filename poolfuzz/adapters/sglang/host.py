@@ -176,6 +176,9 @@ def host_pool_problem(api, config: ModelConfig) -> str | None:
         return "the DSA host pool (pool_host/dsa) is not driven here"
     if config.has_swa and not config.full_layer_ids:
         return "SGLang's host-pool retraction does not support pure-SWA models"
+    if config.attention == "msa":
+        return ("SGLang's decode server backs a MiniMax sparse pool up as cpu_tensor (resolve_decode_retraction_backup "
+                "takes host_pool for MHATokenToKVPool and SWAKVPool only); its host-pool retraction is not driven here")
     if config.mamba_track_slots:
         return "mamba extra-buffer mode is not driven through SGLang"
     if _hicache_api() is None:

@@ -70,7 +70,8 @@ def state_items(family, req: ReqKv, state_type, length: int) -> list[int]:
         alloc = family.sg_allocator
         swa = getattr(alloc, "translate_swa_indices_for_transfer", alloc.translate_loc_from_full_to_swa)(full)
         return _pages(swa.to("cpu", torch.int64), ps)
-    if name in ("DSA", "NSA", "BLOCK_SCALE"):  # NSA: the DSA state's name up to 0.5.12 (same pages)
+    # NSA: the DSA state's name up to 0.5.12 (same pages, prefill.py's _nsa_payload)
+    if name in ("DSA", "NSA", "BLOCK_SCALE", "MINIMAX_INDEX_K", "MINIMAX_DENSE_KV"):
         return _pages(kv_indices(family, req, length), ps)
     if name == "REQUEST_ROW":
         return [req.req_pool_idx]

@@ -1,4 +1,4 @@
-"""SGLang's KV pools that store KV other than as K and V rows: MLA, DSA and MXFP8 block-scaled.
+"""SGLang's KV pools that store KV other than as K and V rows: MLA, DSA, MiniMax sparse and MXFP8 block-scaled.
 
 Each is built from the installed release's own class, with the keywords its constructor names;
 a release without the class, or whose class cannot run here, declines the config with a reason.
@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from poolfuzz.adapters.sglang.api import SGLangAPI, _first, construct
+from poolfuzz.adapters.sglang.minimax import build_msa_pool, msa_problem
 from poolfuzz.adapters.sglang.reads import read_door
 from poolfuzz.pools.components import Component
 from poolfuzz.pools.config import ModelConfig
@@ -40,6 +41,8 @@ def single_rank(api: SGLangAPI) -> None:
 
 def storage_problem(api: SGLangAPI, config: ModelConfig) -> str | None:
     """Why this release cannot build the config's KV storage, or None."""
+    if config.attention == "msa":
+        return msa_problem(api, config)
     if config.attention == "mla" and api.MLATokenToKVPool is None:
         return "this SGLang has no MLATokenToKVPool"
     if config.attention == "dsa":
@@ -121,11 +124,13 @@ def _mxfp8_problem(api: SGLangAPI) -> str | None:
 
 
 def build_storage_pool(api: SGLangAPI, config: ModelConfig, common: dict) -> tuple[object, list[Component]]:
-    """The release's MLA, DSA or MXFP8 pool for a full-attention-only config, and its components."""
+    """The release's MLA, DSA, MiniMax sparse or MXFP8 pool for a full-attention-only config, and its components."""
     c = config
     problem = storage_problem(api, c)
     if problem:
         raise ConfigError(f"config {c.name!r} on sglang {api.version}: {problem}")
+    if c.attention == "msa":
+        return build_msa_pool(api, c, {k: v for k, v in common.items() if k != "enable_kvcache_transpose"})
     single_rank(api)
     if c.latent:
         args = dict(common, size=c.full_tokens, kv_lora_rank=c.kv_lora_rank, qk_rope_head_dim=c.qk_rope_head_dim, layer_num=c.full_layers)

@@ -527,6 +527,9 @@ class SGLangTreeFamily(SGLangFamily):
         return build
 
 
+_HICACHE_REFUSED: dict = {}  # config -> why SGLang's HiCache assembler refused its pool
+
+
 def with_tree(family: SGLangFamily) -> SGLangFamily:
     """The family with SGLang's tree in front of its pools, where the tree path drives the config;
     else the family unchanged (a chunk cache: no prefix sharing, ``supports_fork`` False)."""
@@ -541,7 +544,21 @@ def with_tree(family: SGLangFamily) -> SGLangFamily:
     # turn of 18 tokens finds SWA short where the reference predicts success, 14 steps).
     out.supports_next_turn = not family.config.has_swa
     out.hierarchical = hicache.hicache_problem(family.api, family.config, pd_decode=family.pd_decode) is None
-    out.tree = build_tree(out, hierarchical=out.hierarchical)
+    refused = _HICACHE_REFUSED.get(family.config) if out.hierarchical else None
+    if refused is None:
+        try:
+            out.tree = build_tree(out, hierarchical=out.hierarchical)
+        except ValueError as exc:
+            if not out.hierarchical:
+                raise
+            # SGLang's HiCache assembler refuses the pool (0.5.23: a MiniMax pool with index values): the
+            # server runs the tree without a host tier. Asked once per config (SGLang logs the refusal).
+            refused = _HICACHE_REFUSED[family.config] = (f"SGLang's HiCache refuses this pool "
+                                                         f"({str(exc).splitlines()[0]})")
+    if refused is not None:
+        out.declined = dict(out.declined, hicache=refused)
+        out.hierarchical = False
+        out.tree = build_tree(out, hierarchical=False)
     out.protocol = SGLangTreeProtocol(family.api)
     out.admission.tree_cache = out.tree
     out.snapshot_free_lists()
