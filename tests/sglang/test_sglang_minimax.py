@@ -43,8 +43,13 @@ def test_sglangs_own_pool_and_every_index_cache_are_components(api):
 @pytest.mark.parametrize("name", ["minimax-sparse", "minimax-sparse-ps4", "minimax-sparse-konly",
                                   "minimax-sparse-konly-ps4"])
 def test_the_release_passes_a_short_fuzz(api, name):
+    """No false alarm; the K-only model's one known crash (a retraction on the PD decode node: the pool has
+    no CPU copy, see the test below) is the only failure it may show."""
     outcome = fuzz_family(__import__("poolfuzz.adapters.sglang", fromlist=["build_family"]).build_family,
                           _config(name), examples=8)
+    if outcome.failure is not None and "konly" in name:
+        assert "NotImplementedError" in str(outcome.failure) and "retract" in str(outcome.failure), outcome.failure
+        return
     assert outcome.failure is None, outcome.failure
 
 
@@ -90,21 +95,26 @@ def test_the_k_only_model_transfers_and_keeps_its_host_tier(api):
         assert fam.hierarchical and "hicache" not in fam.declined
 
 
-def test_sglangs_retraction_of_a_minimax_request_crashes(api):
-    """SGLang 0.5.23 has no guard: its PD decode server (K-only MiniMax passes PD setup) resolves the cpu_tensor
-    backup and calls ``get_cpu_copy``, which MiniMaxSparseKVPool does not have. poolfuzz declines retraction for
-    it with that reason; this test drives SGLang's own ``offload_kv_cache`` to show the crash it would report.
-    When a release gives the pool a CPU copy, this test fails: drop the declined reason then."""
+def test_sglangs_retraction_of_a_k_only_minimax_request_crashes_and_poolfuzz_says_so(api):
+    """A PD decode server of the K-only model (PD allowed) backs a retracted request up with SGLang's
+    ``offload_kv_cache``, which calls ``get_cpu_copy``; MiniMaxSparseKVPool has none (``KVCache``'s stub raises
+    NotImplementedError, sglang#32603 proposes one) and no SGLang check refuses the mode. poolfuzz adds no guard
+    SGLang lacks: it reports the crash, on the decode node as SGLang runs it (ci/known/sglang-0.5.23.txt
+    carries it as judged). When a release gives the pool a CPU copy, the retraction passes and the test skips."""
     from poolfuzz.adapters.sglang import build_family
 
     e = Engine(config=_config("minimax-sparse-konly"), family_factory=build_family)
     rid = e.admit(3)
     e.prefill(rid, 3)
-    req = e.requests[rid]
-    fam = e.families[req.node]
-    assert not fam.supports_retract and "get_cpu_copy" in fam.declined["retract"]
-    with pytest.raises(NotImplementedError):
-        fam.protocol.retract(req.kv, fam)  # SGLang's release_req order: offload_kv_cache first
+    if not e.transfer(rid):
+        pytest.skip(f"SGLang {api.version}: the decode node takes no transfer here")
+    fam = e.families["decode"]
+    assert fam.supports_retract and "retract" not in fam.declined
+    try:
+        e.retract(rid)
+    except NotImplementedError:
+        return
+    pytest.skip(f"SGLang {api.version}'s MiniMaxSparseKVPool has a CPU copy: the retraction passed")
 
 
 @pytest.mark.parametrize("name", ["minimax-sparse-konly", "minimax-sparse-konly-ps4"])

@@ -343,8 +343,6 @@ def _build(api: SGLangAPI, config: ModelConfig, dev, sdev: str, backup_mode: str
     if not family.supports_tree_drafts:
         family.declined["tree_drafts"] = (f"{type(sg_kv).__name__}.move_kv_cache cannot move a row here (a tree "
                                           "verify's accepted-token move); chain drafts only")
-    if backup_mode == "cpu_tensor":
-        _decline_if_no_cpu_copy(family)
     family.pd_decode = pd_decode and gate_problem(api) is None
     if pd_problem(api) is None:
         family.transfer = SGLangPDTransfer()
@@ -352,23 +350,6 @@ def _build(api: SGLangAPI, config: ModelConfig, dev, sdev: str, backup_mode: str
     else:
         family.supports_transfer = False
     return family
-
-
-def _decline_if_no_cpu_copy(family: SGLangFamily) -> None:
-    """A KV pool without a CPU copy (0.5.23's MiniMaxSparseKVPool inherits ``KVCache.get_cpu_copy``, which raises
-    ``NotImplementedError``): SGLang's PD decode server would crash at its first cpu_tensor retraction, and no
-    SGLang check refuses the mode. A loud known crash in every example, so the family declines retraction with
-    that reason instead of failing every run on it (tests/sglang/test_sglang_minimax.py shows the crash)."""
-    try:
-        family.sg_kv_pool.get_cpu_copy(torch.empty(0, dtype=torch.int64, device=family.device))
-    except NotImplementedError as exc:
-        said = f": {str(exc).splitlines()[0]}" if str(exc) else " (KVCache's stub: the pool has no get_cpu_copy)"
-        family.supports_retract = False
-        family.declined.setdefault("retract", f"SGLang {family.api.version}'s {type(family.sg_kv_pool).__name__}."
-                                              f"get_cpu_copy raises NotImplementedError{said}; its PD decode server's "
-                                              "cpu_tensor retraction backup would crash")
-    except Exception:  # an empty copy some pool cannot take: the real retractions will say what they do
-        pass
 
 
 def _decline_if_pd_refuses(family: SGLangFamily) -> None:
