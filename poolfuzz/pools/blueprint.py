@@ -69,3 +69,8 @@ class Blueprint:
         if config.kv_quant:
             return self.quant_kv_pool
         return self.scaled_kv_pool if config.kv_scale_block else self.mha_kv_pool
+
+    def hybrid_full_pool(self, config: ModelConfig) -> type:
+        """The full-attention sub-pool of a hybrid-linear pool: MLA latent rows where the config's attention is
+        MLA (Kimi-Linear; SGLang's ``HybridLinearKVPool(use_mla=True)``), else the per-token MHA pool."""
+        return self.mla_kv_pool if config.attention == "mla" else self.token_kv_pool(config)

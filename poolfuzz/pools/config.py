@@ -227,9 +227,10 @@ def _validate_storage(c: ModelConfig) -> list[str]:
     if c.attention not in ATTENTIONS:
         return [f"attention {c.attention!r} is not one of {', '.join(ATTENTIONS)}"]
     if c.latent:
-        if c.has_swa or c.has_mamba:
-            problems.append(f"attention {c.attention!r} is built for full-attention-only models here "
-                            "(swa_layers and mamba_layers must be 0)")
+        # MLA beside recurrent layers is Kimi-Linear's shape (SGLang's HybridLinearKVPool with use_mla)
+        if c.has_swa or (c.has_mamba and (c.attention != "mla" or c.kv_quant)):
+            problems.append(f"attention {c.attention!r} is built for full-attention-only models here, and 'mla' "
+                            "(unquantised) also beside mamba layers (swa_layers must be 0; mamba_layers 0 unless mla)")
         if c.kv_lora_rank < 12 or c.qk_rope_head_dim < 12:
             problems.append(f"kv_lora_rank ({c.kv_lora_rank}) and qk_rope_head_dim ({c.qk_rope_head_dim}) "
                             "must each be >= 12 (each part of a latent row carries a tag)")
@@ -308,6 +309,15 @@ def _storage_configs() -> list[ModelConfig]:
     return [mla, dsa, scaled, cpu_fp8, mla_fp4]
 
 
+def _hybrid_storage_configs() -> list[ModelConfig]:
+    """Recurrent models whose full-attention KV is stored other than as K and V rows: Kimi-Linear's MLA
+    layers between its KDA (linear-attention) layers, SGLang's HybridLinearKVPool with an MLA sub-pool.
+    The full layers are not the first ones, so the pool maps model layer ids to its sub-pool's."""
+    return [ModelConfig(name="mla-ssm", architecture="kimi-linear", attention="mla", full_layers=2, mamba_layers=2,
+                        layer_pattern="MFMF", mamba_slots=4, full_tokens=48, request_rows=5, max_context=48,
+                        kv_dtype="bfloat16", state_dtype="float32", conv_shapes=((6, 3), (6, 3), (6, 3)))]
+
+
 def _mode_configs(base: list[ModelConfig]) -> list[ModelConfig]:
     """Hybrid models in SGLang's mamba extra-buffer mode with the overlap schedule: each request
     holds a ping-pong pair of track slots beside its state slot (three slots a request)."""
@@ -334,8 +344,8 @@ def _all_configs() -> dict[str, ModelConfig]:
     paged_dtypes = {"dense": "fp8_e4m3", "swa": "bfloat16", "hybrid-linear": "float32",
                     "swa-ssm": "float16", "mla": "bfloat16", "dsa": "bfloat16", "fp8-scaled": "fp8_e5m2",
                     "hybrid-extra-buffer": "float32", "hybrid-spec": "bfloat16",
-                    "dense-cpu-fp8": "fp8_e4m3", "mla-fp4": "bfloat16"}
-    for base in _base_configs() + _storage_configs() + _mode_configs(_base_configs()):
+                    "dense-cpu-fp8": "fp8_e4m3", "mla-fp4": "bfloat16", "mla-ssm": "bfloat16"}
+    for base in _base_configs() + _storage_configs() + _hybrid_storage_configs() + _mode_configs(_base_configs()):
         out[base.name] = base
         paged = _paged(base, 4, paged_dtypes[base.name])
         out[paged.name] = paged

@@ -27,6 +27,7 @@ from poolfuzz.pools.spec_faults import CommitsByBatchPosition, CommitsLastDraft
 from poolfuzz.pools.storage_faults import (
     DSACopyWithoutIndexCache,
     DSAIndexScalesTransposed,
+    HybridMLATransferItemOfHeadWidth,
     MLACopiesValueBufferOnly,
     MLATransferItemOfLatentWidth,
     ScaledCopyWithoutScales,
@@ -478,6 +479,8 @@ FAULTS: dict[str, Fault] = {
            {"mla_kv_pool": MLACopiesValueBufferOnly}),
         _f("mla-pd-item-of-latent-width", "MLA PD item lengths (get_contiguous_buf_infos)",
            _mla_unquantised, {"mla_kv_pool": MLATransferItemOfLatentWidth}),
+        _f("hybrid-mla-pd-item-of-head-width", "HybridLinearKVPool use_mla (Kimi-Linear PD buffer registration)",
+           lambda c: c.has_mamba and c.attention == "mla", {"hybrid_kv_pool": HybridMLATransferItemOfHeadWidth}),
         _f("dsa-copy-drops-index", "DSA get_cpu_copy offloads index_k with the KV", lambda c: c.attention == "dsa",
            {"dsa_kv_pool": DSACopyWithoutIndexCache}),
         _f("dsa-index-scales-transposed", "DSA IndexKeyCache page layout (per-token scales)",

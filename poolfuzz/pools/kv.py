@@ -235,11 +235,15 @@ class HybridLinearKVPool(KVCache):
     state_types = ("MAMBA",)
 
     def __init__(self, *, size: int, page_size: int, dtype: str, head_num: int, head_dim: int,
-                 full_layer_ids, device: torch.device, mamba_pool: MambaPool, kv_class: type | None = None):
+                 full_layer_ids, device: torch.device, mamba_pool: MambaPool, kv_class: type | None = None,
+                 **full_args):
+        """``full_args``: what the sub-pool class takes besides the MHA shape (an MLA pool's row parts)."""
         self.page_size = page_size
         self.device = torch.device(device)
+        self.head_num, self.head_dim = head_num, head_dim
         self.full_kv_pool = (kv_class or MHATokenToKVPool)(size=size, page_size=page_size, dtype=dtype, head_num=head_num,
-                                             head_dim=head_dim, layer_ids=tuple(full_layer_ids), device=device)
+                                             head_dim=head_dim, layer_ids=tuple(full_layer_ids), device=device,
+                                             **full_args)
         self.mamba_pool = mamba_pool
 
     def components(self) -> list[Component]:

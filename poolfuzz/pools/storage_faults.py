@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from poolfuzz.pools.allocator import _as_index
-from poolfuzz.pools.kv import CPU_COPY_CHUNK
+from poolfuzz.pools.kv import CPU_COPY_CHUNK, HybridLinearKVPool
 from poolfuzz.pools.latent import DSATokenToKVPool, MLATokenToKVPool, _copy_rows
 from poolfuzz.pools.scaled import MHATokenToKVPoolScaled
 from poolfuzz.pools.transfer import PDTransfer
@@ -99,3 +99,15 @@ class TransferWithoutBlockScales(PDTransfer):
 
     def state_components(self, family):
         return [c for c in super().state_components(family) if c[0] != "BLOCK_SCALE"]
+
+
+class HybridMLATransferItemOfHeadWidth(HybridLinearKVPool):
+    """The hybrid pool registers its full-attention buffers for PD with the MHA item length it was built with
+    (``head_num * head_dim`` values a token), as the MHA branch of ``HybridLinearKVPool`` would, although its
+    sub-pool is MLA (Kimi-Linear): a token's item is not its latent row, so page N is read from, and written
+    to, bytes of other tokens and across latent and rope parts. The correct registration is the sub-pool's
+    own (``get_contiguous_buf_infos``: whole latent rows)."""
+
+    def get_contiguous_buf_infos(self):
+        width = self.head_num * self.head_dim
+        return [b.view(-1).view(-1, width) for b in self.full_kv_pool.get_contiguous_buf_infos()]

@@ -78,6 +78,7 @@ SIGNATURES = {
     # Pool classes with more than K and V: the report names the buffer that was dropped or misplaced.
     "mla-copy-drops-rope": r"^StateLost: req \d+ resumed; component mla\.rope layer \d+ position \d+;",
     "mla-pd-item-of-latent-width": r"^StateLost: req \d+ transferred; component mla\.(latent|rope) ",
+    "hybrid-mla-pd-item-of-head-width": r"^StateLost: req \d+ transferred; component mla\.(latent|rope) ",
     "dsa-copy-drops-index": r"^StateLost: req \d+ resumed; component dsa\.index_(k|scale) ",
     "dsa-index-scales-transposed": r"^StateLost: req \d+ resumed; component dsa\.index_scale ",
     "pd-drops-dsa-index": r"^StateLost: req \d+ transferred; component dsa\.index_(k|scale) ",

@@ -1,0 +1,72 @@
+"""Kimi-Linear's pools: SGLang's HybridLinearKVPool with an MLA sub-pool (adapters/sglang/hybrid_mla.py),
+built by the installed release and fuzzed through the harness."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from poolfuzz.pools.config import CONFIGS
+
+NAMES = ["mla-ssm", "mla-ssm-ps4"]
+
+
+def _family(api, config):
+    from poolfuzz.adapters.sglang import build_family, unsupported_reason
+
+    why = unsupported_reason(config)
+    if why:
+        pytest.skip(f"sglang {api.version}: {why}")
+    return build_family(config)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_the_hybrid_pool_holds_an_mla_sub_pool_read_by_model_layer(api, name):
+    """The MLA layers are model layers 1 and 3; the sub-pool's buffers 0 and 1 are what the kernels read."""
+    fam = _family(api, CONFIGS[name])
+    pool = fam.sg_kv_pool
+    assert type(pool).__name__ == "HybridLinearKVPool" and pool.use_mla
+    assert isinstance(pool.full_kv_pool, api.MLATokenToKVPool)
+    by_layer = {(c.name, c.layer): c.tensor for c in fam.components()}
+    for local, layer_id in enumerate(CONFIGS[name].full_layer_ids):
+        buf = pool.full_kv_pool.kv_buffer[local]
+        assert by_layer[("mla.latent", layer_id)].data_ptr() == buf.data_ptr()
+        assert by_layer[("mla.rope", layer_id)].data_ptr() == buf[:, 0, 16:].data_ptr()
+
+
+def test_the_write_door_files_a_model_layer_under_its_sub_pool_layer(api):
+    """A row written through the hybrid pool's door for model layer 3 lands in the sub-pool's layer 1."""
+    fam = _family(api, CONFIGS["mla-ssm"])
+    row = torch.arange(32, dtype=torch.bfloat16).reshape(1, 32)
+    done = fam.kv_pool.write_rows(torch.tensor([5]), {("mla.latent", 3): row[:, :16], ("mla.rope", 3): row[:, 16:]})
+    assert done == {("mla.latent", 3), ("mla.rope", 3)}
+    subs = fam.sg_kv_pool.full_kv_pool.kv_buffer
+    assert torch.equal(subs[1][5, 0], row[0]) and not subs[0][5].any()
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_fuzz_passes(api, fuzz, name):
+    """Retraction, resume, PD transfer and tree-verify moves carry whole latent rows and the recurrent state."""
+    _family(api, CONFIGS[name])
+    outcome = fuzz(CONFIGS[name], examples=10)
+    assert outcome.failure is None, outcome.failure
+
+
+def test_a_door_that_files_every_layer_under_one_is_caught(api, fuzz, monkeypatch):
+    """With ``_transfer_id_context`` mapping every model layer to the sub-pool's first layer, model layer 3's
+    rows overwrite model layer 1's: the harness names the lost latent row, it does not pass."""
+    _family(api, CONFIGS["mla-ssm"])
+    import contextlib
+
+    @contextlib.contextmanager
+    def first_layer(self, layer):
+        original, layer.layer_id = layer.layer_id, 0
+        try:
+            yield
+        finally:
+            layer.layer_id = original
+
+    monkeypatch.setattr(api.HybridLinearKVPool, "_transfer_id_context", first_layer)
+    outcome = fuzz(CONFIGS["mla-ssm"], examples=20)
+    assert outcome.failure is not None, "a hybrid MLA door that files every layer under one was not caught"
+    assert outcome.failure.divergence.component in ("mla.latent", "mla.rope"), outcome.failure
