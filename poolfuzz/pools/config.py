@@ -69,9 +69,9 @@ class ModelConfig:
     spec_draft_tokens: int = 0
     # How KV is quantised: "" for not at all; "cpu_fp8_e4m3", SGLang's CPU fp8 KV cache (an MHA pool built
     # with that ``quant_method``, whose write door quantises the model's K and V into the fp8 buffers,
-    # ``pools.quantised``; attention "mha", kv_dtype fp8_e4m3); "fp4_mx_block16", SGLang's FP4 MLA pool
-    # (``MLATokenToKVPoolFP4``: packed 4-bit latent rows and a scale byte per 16 values, ``pools.latent_fp4``;
-    # attention "mla"). Full-attention models only.
+    # ``pools.quantised``; attention "mha", kv_dtype fp8_e4m3); "fp4_mx_block16", SGLang's FP4 KV cache: packed
+    # 4-bit rows and a scale byte per 16 values (attention "mla": ``MLATokenToKVPoolFP4``, ``pools.latent_fp4``;
+    # attention "mha": ``pools.mha_fp4``). Full-attention models only.
     kv_quant: str = ""
 
     def __post_init__(self) -> None:
@@ -243,11 +243,16 @@ def _validate_storage(c: ModelConfig) -> list[str]:
                         "kv_scale_block and full-attention layers only")
     elif c.kv_quant == "cpu_fp8_e4m3" and (c.attention != "mha" or c.kv_dtype != "fp8_e4m3"):
         problems.append("kv_quant 'cpu_fp8_e4m3' needs attention 'mha' and kv_dtype 'fp8_e4m3'")
+    elif c.kv_quant == "fp4_mx_block16" and c.attention == "mha":
+        if c.head_dim % 2 or (c.head_num * c.head_dim) % 16 or c.head_num * c.head_dim // 16 < 12:
+            problems.append("kv_quant 'fp4_mx_block16' on MHA needs an even head_dim and head_num*head_dim a multiple "
+                            "of 16 of at least 192 values (a scale byte per 16 values of a token's K; its 12 scale "
+                            "bytes carry a tag)")
     elif c.kv_quant == "fp4_mx_block16" and (c.attention != "mla" or c.kv_lora_rank % 32 or c.qk_rope_head_dim % 32
                                              or (c.kv_lora_rank + c.qk_rope_head_dim) // 16 < 12):
-        problems.append("kv_quant 'fp4_mx_block16' needs attention 'mla', kv_lora_rank and qk_rope_head_dim "
-                        "multiples of 32 (16-value scale blocks, two values a byte) and at least 192 values a row "
-                        "(its 12 scale bytes carry a tag)")
+        problems.append("kv_quant 'fp4_mx_block16' needs attention 'mha' or 'mla'; for mla, kv_lora_rank and "
+                        "qk_rope_head_dim multiples of 32 (16-value scale blocks, two values a byte) and at least 192 "
+                        "values a row (its 12 scale bytes carry a tag)")
     if c.kv_scale_block:
         if c.attention != "mha" or not c.kv_dtype.startswith("fp8") or c.has_swa or c.has_mamba:
             problems.append("kv_scale_block needs attention 'mha', an fp8 kv_dtype and full-attention layers only "
@@ -306,7 +311,9 @@ def _storage_configs() -> list[ModelConfig]:
     cpu_fp8 = dense.replace(name="dense-cpu-fp8", kv_dtype="fp8_e4m3", kv_quant="cpu_fp8_e4m3")
     # DeepSeek with ``--kv-cache-dtype fp4_e2m1``: SGLang's MLATokenToKVPoolFP4
     mla_fp4 = mla.replace(name="mla-fp4", kv_quant="fp4_mx_block16", kv_lora_rank=160, qk_rope_head_dim=32)
-    return [mla, dsa, scaled, cpu_fp8, mla_fp4]
+    # An MHA model with ``--kv-cache-dtype fp4_mx_block16``: packed K and V, a scale row each (12 bytes a token)
+    dense_fp4 = dense.replace(name="dense-fp4", kv_quant="fp4_mx_block16", head_num=2, head_dim=96)
+    return [mla, dsa, scaled, cpu_fp8, mla_fp4, dense_fp4]
 
 
 def _hybrid_storage_configs() -> list[ModelConfig]:
@@ -344,7 +351,8 @@ def _all_configs() -> dict[str, ModelConfig]:
     paged_dtypes = {"dense": "fp8_e4m3", "swa": "bfloat16", "hybrid-linear": "float32",
                     "swa-ssm": "float16", "mla": "bfloat16", "dsa": "bfloat16", "fp8-scaled": "fp8_e5m2",
                     "hybrid-extra-buffer": "float32", "hybrid-spec": "bfloat16",
-                    "dense-cpu-fp8": "fp8_e4m3", "mla-fp4": "bfloat16", "mla-ssm": "bfloat16"}
+                    "dense-cpu-fp8": "fp8_e4m3", "mla-fp4": "bfloat16", "mla-ssm": "bfloat16",
+                    "dense-fp4": "bfloat16"}
     for base in _base_configs() + _storage_configs() + _hybrid_storage_configs() + _mode_configs(_base_configs()):
         out[base.name] = base
         paged = _paged(base, 4, paged_dtypes[base.name])

@@ -41,7 +41,7 @@ SHORTEST_KNOWN: dict[str, int] = {
     "dsa-index-scales-transposed": 4, "pd-drops-dsa-index": 3, "scaled-copy-drops-scales": 4, "pd-drops-block-scales": 3,
     # By hand: admit, prefill, one tree verify that accepts two drafts (3).
     "scaled-move-drops-scales": 3,
-    "quant-store-skips-last-token": 2, "fp4-copy-drops-scales": 4,
+    "quant-store-skips-last-token": 2, "fp4-copy-drops-scales": 4, "fp4-mha-copy-drops-scales": 4,
     # By hand (tests/cover/test_free_patterns.py replays both): a request longer than the window,
     # prefilled, whose grouped release leaks its SWA slots (admit, prefill: 2); one chunk, then the
     # abort (admit, prefill, abort: 3; the hunt's shrinks keep the warm start's request and stop at 4).

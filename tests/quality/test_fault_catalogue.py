@@ -86,6 +86,7 @@ SIGNATURES = {
     "pd-drops-block-scales": r"^StateLost: req \d+ transferred; component full\.[kv]_scale ",
     "scaled-move-drops-scales": r"^StateLost: req \d+ decoded speculatively; component full\.[kv]_scale ",
     "fp4-copy-drops-scales": r"^StateLost: req \d+ resumed; component mla\.scale layer \d+ position \d+;",
+    "fp4-mha-copy-drops-scales": r"^StateLost: req \d+ resumed; component full\.[kv]_scale layer \d+ position \d+;",
     # A quantising write door that skips the forward's last token: that token's K or V is never stored.
     "quant-store-skips-last-token": r"^StateLost: req \d+ [a-z ]+; component full\.[kv] layer \d+ position \d+;",
     # Free patterns: a grouped free's SWA slots never come back; an abort mid-prefill leaks its last chunk.

@@ -259,7 +259,7 @@ def _build(api: SGLangAPI, config: ModelConfig, dev, sdev: str, backup_mode: str
                                 device=sdev, enable_memory_saver=False)
 
     comps: list[Component] = []
-    if (c.latent and not c.has_mamba) or c.kv_scale_block:
+    if (c.latent and not c.has_mamba) or c.kv_scale_block or c.kv_quant == "fp4_mx_block16":
         sg_kv, comps = build_storage_pool(api, c, common)
         alloc_cls = api.TokenToKVPoolAllocator if c.page_size == 1 else api.PagedTokenToKVPoolAllocator
         sg_alloc = construct(alloc_cls, size=c.full_tokens, page_size=c.page_size, dtype=kv_dtype, device=sdev,
