@@ -35,7 +35,7 @@ def hybrid_mla_problem(api: SGLangAPI, config: ModelConfig) -> str | None:
                 single_rank(api)
                 pool = construct(api.HybridLinearKVPool, size=1, page_size=1, dtype=torch.bfloat16, head_num=1,
                                  head_dim=16, full_attention_layer_ids=list(config.full_layer_ids), device="cpu",
-                                 mamba_pool=None, enable_memory_saver=False, use_mla=True,
+                                 mamba_pool=None, enable_memory_saver=False, enable_kvcache_transpose=False, use_mla=True,
                                  kv_lora_rank=config.kv_lora_rank, qk_rope_head_dim=config.qk_rope_head_dim)
                 if not isinstance(pool.full_kv_pool, api.MLATokenToKVPool):
                     problem = (f"its HybridLinearKVPool(use_mla=True) builds a {type(pool.full_kv_pool).__name__} "

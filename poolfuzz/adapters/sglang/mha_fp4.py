@@ -21,7 +21,6 @@ from poolfuzz.pools.config import ModelConfig
 from poolfuzz.pools.errors import ConfigError
 
 _REGISTRY = "sglang.srt.layers.quantization.fp4_kv_cache_quant_method:KV_CACHE_QUANT_REGISTRY"
-_GETTER = "sglang.srt.layers.quantization.fp4_kv_cache_quant_method:get_kv_cache_quant_method"
 _POOL = "sglang.srt.mem_cache.memory_pool:MHATokenToKVPoolFP4"
 # The CPU attention backend among those the recipe serves (its prefill and decode accesses: plain reads)
 _BACKEND = "torch_native"
@@ -34,9 +33,12 @@ def _quant_method(config: ModelConfig, device: str):
     registry = _first(_REGISTRY, required=False)
     if registry is None or config.kv_quant not in registry:
         return None
-    method = _first(_GETTER)(config.kv_quant, num_layers=config.full_layers, device=device,
-                             page_size=config.page_size)
-    method.configure_attention_backends(_BACKEND, _BACKEND)
+    # the registry's class with the keywords this release's takes (0.5.18's takes no page_size)
+    method = construct(registry[config.kv_quant], num_layers=config.full_layers, device=device,
+                       page_size=config.page_size)
+    configure = getattr(method, "configure_attention_backends", None)  # releases that select accesses
+    if configure is not None:
+        configure(_BACKEND, _BACKEND)
     return method
 
 
