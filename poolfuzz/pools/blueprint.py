@@ -76,5 +76,8 @@ class Blueprint:
 
     def hybrid_full_pool(self, config: ModelConfig) -> type:
         """The full-attention sub-pool of a hybrid-linear pool: MLA latent rows where the config's attention is
-        MLA (Kimi-Linear; SGLang's ``HybridLinearKVPool(use_mla=True)``), else the per-token MHA pool."""
-        return self.mla_kv_pool if config.attention == "mla" else self.token_kv_pool(config)
+        MLA (Kimi-Linear; SGLang's ``HybridLinearKVPool(use_mla=True)``), DSA where it is DSA (``use_dsa``), else
+        the per-token MHA pool."""
+        if config.latent:
+            return self.dsa_kv_pool if config.attention == "dsa" else self.mla_kv_pool
+        return self.token_kv_pool(config)

@@ -227,10 +227,10 @@ def _validate_storage(c: ModelConfig) -> list[str]:
     if c.attention not in ATTENTIONS:
         return [f"attention {c.attention!r} is not one of {', '.join(ATTENTIONS)}"]
     if c.latent:
-        # MLA beside recurrent layers is Kimi-Linear's shape (SGLang's HybridLinearKVPool with use_mla)
-        if c.has_swa or (c.has_mamba and (c.attention != "mla" or c.kv_quant)):
-            problems.append(f"attention {c.attention!r} is built for full-attention-only models here, and 'mla' "
-                            "(unquantised) also beside mamba layers (swa_layers must be 0; mamba_layers 0 unless mla)")
+        # MLA beside recurrent layers is Kimi-Linear's shape (SGLang's HybridLinearKVPool with use_mla; use_dsa too)
+        if c.has_swa or (c.has_mamba and c.kv_quant):
+            problems.append(f"attention {c.attention!r} is built for full-attention-only models here, and unquantised "
+                            "also beside mamba layers (swa_layers must be 0; mamba_layers 0 with a kv_quant)")
         if c.kv_lora_rank < 12 or c.qk_rope_head_dim < 12:
             problems.append(f"kv_lora_rank ({c.kv_lora_rank}) and qk_rope_head_dim ({c.qk_rope_head_dim}) "
                             "must each be >= 12 (each part of a latent row carries a tag)")
@@ -325,6 +325,13 @@ def _hybrid_storage_configs() -> list[ModelConfig]:
                         kv_dtype="bfloat16", state_dtype="float32", conv_shapes=((6, 3), (6, 3), (6, 3)))]
 
 
+def _dsa_ssm_ps64(mla_ssm: ModelConfig) -> ModelConfig:
+    """DSA layers between recurrent ones (SGLang's HybridLinearKVPool with use_dsa: the DSA sub-pool keeps its
+    index cache, which PD sends as the DSA state after the MAMBA one), in the shape SGLang's indexer takes."""
+    return mla_ssm.replace(name="dsa-ssm-ps64", attention="dsa", page_size=64, index_head_dim=128, full_tokens=256,
+                           max_context=256)
+
+
 def _mode_configs(base: list[ModelConfig]) -> list[ModelConfig]:
     """Hybrid models in SGLang's mamba extra-buffer mode with the overlap schedule: each request
     holds a ping-pong pair of track slots beside its state slot (three slots a request)."""
@@ -358,6 +365,7 @@ def _all_configs() -> dict[str, ModelConfig]:
         paged = _paged(base, 4, paged_dtypes[base.name])
         out[paged.name] = paged
     out["dsa-ps64"] = _dsa_ps64(out["dsa"])
+    out["dsa-ssm-ps64"] = _dsa_ssm_ps64(out["mla-ssm"])
     out["swa-only"] = _swa_only()
     return out
 

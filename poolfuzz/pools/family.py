@@ -212,6 +212,8 @@ def build_family(config: ModelConfig, *, device="cpu", faults: Iterable[str] = (
     elif c.has_mamba:
         kv_cls = bp.hybrid_kv_pool
         latent = dict(kv_lora_rank=c.kv_lora_rank, qk_rope_head_dim=c.qk_rope_head_dim) if c.latent else {}
+        if c.attention == "dsa":
+            latent["index_head_dim"] = c.index_head_dim
         kv_pool = kv_cls(size=c.full_tokens, full_layer_ids=c.full_layer_ids, mamba_pool=mamba_pool,
                          kv_class=bp.hybrid_full_pool(c), **latent, **kv_args)
         allocator = bp.token_allocator(size=c.full_tokens, page_size=c.page_size)

@@ -245,6 +245,8 @@ class HybridLinearKVPool(KVCache):
                                              head_dim=head_dim, layer_ids=tuple(full_layer_ids), device=device,
                                              **full_args)
         self.mamba_pool = mamba_pool
+        # A DSA sub-pool's index cache crosses PD as its own state, after the recurrent state (SGLang: MAMBA, DSA)
+        self.state_types = ("MAMBA",) + tuple(self.full_kv_pool.state_types)
 
     def components(self) -> list[Component]:
         return self.full_kv_pool.components()  # the mamba components belong to the request pool
@@ -266,5 +268,5 @@ class HybridLinearKVPool(KVCache):
 
     def get_state_buf_infos(self, state_type: str) -> list[torch.Tensor]:
         if state_type != "MAMBA":
-            return super().get_state_buf_infos(state_type)
+            return self.full_kv_pool.get_state_buf_infos(state_type)
         return self.mamba_pool.get_state_buf_infos()

@@ -57,10 +57,32 @@ def test_the_same_program_passes_without_the_fault():
     e.check()
 
 
-def test_only_unquantised_mla_may_sit_beside_mamba_layers():
+def test_only_unquantised_latent_attention_may_sit_beside_mamba_layers():
     base = dict(name="x", architecture="kimi-linear", full_tokens=48, max_context=48, mamba_layers=1, mamba_slots=2)
     ModelConfig(**base, attention="mla")
-    with pytest.raises(ConfigError, match="'mla' .*also beside mamba layers"):
-        ModelConfig(**base, attention="dsa")
-    with pytest.raises(ConfigError, match="'mla' .*also beside mamba layers"):
+    ModelConfig(**base, attention="dsa")
+    with pytest.raises(ConfigError, match="unquantised also beside mamba layers"):
         ModelConfig(**base, attention="mla", kv_quant="fp4_mx_block16", kv_lora_rank=160, qk_rope_head_dim=32)
+
+
+def test_a_dsa_sub_pool_sends_its_index_cache_after_the_recurrent_state():
+    """``dsa-ssm-ps64``: the hybrid pool's PD state is MAMBA, then the DSA sub-pool's index pages (SGLang's order)."""
+    family = build_family(CONFIGS["dsa-ssm-ps64"])
+    assert family.transfer.state_components(family) == [("MAMBA", "kv_pool"), ("DSA", "kv_pool")]
+    assert family.kv_pool.get_state_buf_infos("DSA") == family.kv_pool.full_kv_pool.index_k_with_scale_buffer
+
+
+@pytest.mark.parametrize("fault", ["pd-drops-dsa-index", "dsa-copy-drops-index"])
+def test_a_hybrid_dsa_pool_that_loses_its_index_cache_is_caught(fault):
+    e = Engine(config=CONFIGS["dsa-ssm-ps64"], faults=(fault,))
+    rid = e.admit(5)
+    e.prefill(rid, 5)
+    with pytest.raises(PoolfuzzFailure) as info:
+        if fault == "pd-drops-dsa-index":
+            e.transfer(rid)
+        else:
+            node = e.requests[rid].node
+            e.retract(rid)
+            e.resume(node)
+        e.check()
+    assert info.value.divergence.component.startswith("dsa.index_"), info.value

@@ -70,3 +70,28 @@ def test_a_door_that_files_every_layer_under_one_is_caught(api, fuzz, monkeypatc
     outcome = fuzz(CONFIGS["mla-ssm"], examples=20)
     assert outcome.failure is not None, "a hybrid MLA door that files every layer under one was not caught"
     assert outcome.failure.divergence.component in ("mla.latent", "mla.rope"), outcome.failure
+
+
+def test_a_dsa_sub_pool_is_read_by_model_layer(api):
+    """``dsa-ssm-ps64``: HybridLinearKVPool(use_dsa=True); the index keys are the DSA sub-pool's, by model layer."""
+    fam = _family(api, CONFIGS["dsa-ssm-ps64"])
+    pool = fam.sg_kv_pool
+    assert pool.use_dsa and isinstance(pool.full_kv_pool, api.DSATokenToKVPool)
+    index = {c.layer: c.tensor for c in fam.components() if c.name == "dsa.index_k"}
+    assert [index[layer].data_ptr() for layer in (1, 3)] == [b.data_ptr() for b in pool.full_kv_pool.index_k_with_scale_buffer]
+
+
+def test_a_dsa_hybrid_fuzz_passes(api, fuzz):
+    _family(api, CONFIGS["dsa-ssm-ps64"])
+    outcome = fuzz(CONFIGS["dsa-ssm-ps64"], examples=5)
+    assert outcome.failure is None, outcome.failure
+
+
+def test_a_pd_registration_without_the_index_cache_is_caught(api, fuzz, monkeypatch):
+    """The DSA state registered with no buffers (as a hybrid pool that left its sub-pool's index cache out would):
+    the decode node's index keys are not the request's."""
+    _family(api, CONFIGS["dsa-ssm-ps64"])
+    monkeypatch.setattr(api.DSATokenToKVPool, "get_state_buf_infos", lambda self: ([], [], []))
+    outcome = fuzz(CONFIGS["dsa-ssm-ps64"], examples=30)
+    assert outcome.failure is not None, "a hybrid DSA PD without the index cache was not caught"
+    assert outcome.failure.divergence.component == "dsa.index_k", outcome.failure
