@@ -319,17 +319,19 @@ def _storage_configs() -> list[ModelConfig]:
 def _hybrid_storage_configs() -> list[ModelConfig]:
     """Recurrent models whose full-attention KV is stored other than as K and V rows: Kimi-Linear's MLA
     layers between its KDA (linear-attention) layers, SGLang's HybridLinearKVPool with an MLA sub-pool.
-    The full layers are not the first ones, so the pool maps model layer ids to its sub-pool's."""
+    The full layers are not the first ones, so the pool maps model layer ids to its sub-pool's. Blocked, as every
+    named config is (Kimi-Linear interleaves three KDA layers a MLA one: drawn layouts reach that)."""
     return [ModelConfig(name="mla-ssm", architecture="kimi-linear", attention="mla", full_layers=2, mamba_layers=2,
-                        layer_pattern="MFMF", mamba_slots=4, full_tokens=48, request_rows=5, max_context=48,
+                        layer_pattern="MMFF", mamba_slots=4, full_tokens=48, request_rows=5, max_context=48,
                         kv_dtype="bfloat16", state_dtype="float32", conv_shapes=((6, 3), (6, 3), (6, 3)))]
 
 
 def _dsa_ssm_ps64(mla_ssm: ModelConfig) -> ModelConfig:
     """DSA layers between recurrent ones (SGLang's HybridLinearKVPool with use_dsa: the DSA sub-pool keeps its
-    index cache, which PD sends as the DSA state after the MAMBA one), in the shape SGLang's indexer takes."""
-    return mla_ssm.replace(name="dsa-ssm-ps64", attention="dsa", page_size=64, index_head_dim=128, full_tokens=256,
-                           max_context=256)
+    index cache, which PD sends as the DSA state after the MAMBA one), in the shape SGLang's indexer takes. Three
+    pages for five rows, so a resume often finds no room while a mamba slot is free."""
+    return mla_ssm.replace(name="dsa-ssm-ps64", attention="dsa", page_size=64, index_head_dim=128, full_tokens=192,
+                           max_context=192)
 
 
 def _mode_configs(base: list[ModelConfig]) -> list[ModelConfig]:

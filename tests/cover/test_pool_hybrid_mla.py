@@ -18,8 +18,8 @@ def test_the_full_layers_are_latent_rows_beside_the_recurrent_state(name):
     assert isinstance(family.kv_pool.full_kv_pool, MLATokenToKVPool) and family.kv_pool.cpu_copy_carries_mamba
     comps = family.components()
     assert {(x.name, x.layer) for x in comps if x.space == "full"} == {
-        (part, layer) for part in ("mla.latent", "mla.rope") for layer in (1, 3)}
-    assert {x.layer for x in comps if x.name.startswith("mamba.")} == {0, 2}
+        (part, layer) for part in ("mla.latent", "mla.rope") for layer in (2, 3)}
+    assert {x.layer for x in comps if x.name.startswith("mamba.")} == {0, 1}
     assert family.backup_mode == "cpu_tensor"  # recurrent state: no host pool carries it
 
 

@@ -22,7 +22,7 @@ def _family(api, config):
 
 @pytest.mark.parametrize("name", NAMES)
 def test_the_hybrid_pool_holds_an_mla_sub_pool_read_by_model_layer(api, name):
-    """The MLA layers are model layers 1 and 3; the sub-pool's buffers 0 and 1 are what the kernels read."""
+    """The MLA layers are model layers 2 and 3; the sub-pool's buffers 0 and 1 are what the kernels read."""
     fam = _family(api, CONFIGS[name])
     pool = fam.sg_kv_pool
     assert type(pool).__name__ == "HybridLinearKVPool" and pool.use_mla
@@ -54,7 +54,7 @@ def test_fuzz_passes(api, fuzz, name):
 
 def test_a_door_that_files_every_layer_under_one_is_caught(api, fuzz, monkeypatch):
     """With ``_transfer_id_context`` mapping every model layer to the sub-pool's first layer, model layer 3's
-    rows overwrite model layer 1's: the harness names the lost latent row, it does not pass."""
+    rows overwrite model layer 2's: the harness names the lost latent row, it does not pass."""
     _family(api, CONFIGS["mla-ssm"])
     import contextlib
 
@@ -78,7 +78,7 @@ def test_a_dsa_sub_pool_is_read_by_model_layer(api):
     pool = fam.sg_kv_pool
     assert pool.use_dsa and isinstance(pool.full_kv_pool, api.DSATokenToKVPool)
     index = {c.layer: c.tensor for c in fam.components() if c.name == "dsa.index_k"}
-    assert [index[layer].data_ptr() for layer in (1, 3)] == [b.data_ptr() for b in pool.full_kv_pool.index_k_with_scale_buffer]
+    assert [index[layer].data_ptr() for layer in (2, 3)] == [b.data_ptr() for b in pool.full_kv_pool.index_k_with_scale_buffer]
 
 
 def test_a_dsa_hybrid_fuzz_passes(api, fuzz):

@@ -108,7 +108,7 @@ def _entry_pairs(s_args, d_args) -> list[tuple[int, int]]:
     ``build_transfer_entry_pairs`` where it has one (the transfer engines do), else by position."""
     n_src, n_dst = len(s_args.kv_data_ptrs), len(d_args.kv_data_ptrs)
     build = _first(f"{_UTILS}:build_transfer_entry_pairs", required=False)
-    if build is None or n_src != n_dst and not (s_args.kv_layer_ids and d_args.kv_layer_ids):
+    if build is None:
         if n_src != n_dst:
             raise TransferMismatch(f"main KV: prefill registers {n_src} buffers, decode {n_dst}")
         return [(i, i) for i in range(n_src)]
