@@ -11,6 +11,7 @@ from poolfuzz.pools.host import HostKVPool
 from poolfuzz.pools.kv import HybridLinearKVPool, MHATokenToKVPool, SWAKVPool
 from poolfuzz.pools.latent import DSATokenToKVPool, MLATokenToKVPool
 from poolfuzz.pools.latent_fp4 import MLATokenToKVPoolFP4
+from poolfuzz.pools.mha_fp4 import MHATokenToKVPoolFP4
 from poolfuzz.pools.minimax_sparse import MiniMaxSparseKVPool
 from poolfuzz.pools.quantised import MHATokenToKVPoolQuantised
 from poolfuzz.pools.scaled import MHATokenToKVPoolScaled
@@ -33,6 +34,7 @@ class Blueprint:
     quant_kv_pool: type = MHATokenToKVPoolQuantised  # built with a KV quant method (config.kv_quant)
     mla_kv_pool: type = MLATokenToKVPool
     mla_fp4_kv_pool: type = MLATokenToKVPoolFP4  # MLA with kv_quant fp4_mx_block16
+    mha_fp4_kv_pool: type = MHATokenToKVPoolFP4  # MHA with kv_quant fp4_mx_block16
     dsa_kv_pool: type = DSATokenToKVPool
     msa_kv_pool: type = MiniMaxSparseKVPool  # MiniMax sparse attention (attention "msa")
     swa_kv_pool: type = SWAKVPool
@@ -70,6 +72,16 @@ class Blueprint:
 
     def token_kv_pool(self, config: ModelConfig) -> type:
         """The per-token MHA pool (also the sub-pool of SWA and hybrid-linear pools)."""
+        if config.kv_quant == "fp4_mx_block16":
+            return self.mha_fp4_kv_pool
         if config.kv_quant:
             return self.quant_kv_pool
         return self.scaled_kv_pool if config.kv_scale_block else self.mha_kv_pool
+
+    def hybrid_full_pool(self, config: ModelConfig) -> type:
+        """The full-attention sub-pool of a hybrid-linear pool: MLA latent rows where the config's attention is
+        MLA (Kimi-Linear; SGLang's ``HybridLinearKVPool(use_mla=True)``), DSA where it is DSA (``use_dsa``), else
+        the per-token MHA pool."""
+        if config.latent:
+            return self.dsa_kv_pool if config.attention == "dsa" else self.mla_kv_pool
+        return self.token_kv_pool(config)

@@ -71,9 +71,9 @@ class ModelConfig:
     spec_draft_tokens: int = 0
     # How KV is quantised: "" for not at all; "cpu_fp8_e4m3", SGLang's CPU fp8 KV cache (an MHA pool built
     # with that ``quant_method``, whose write door quantises the model's K and V into the fp8 buffers,
-    # ``pools.quantised``; attention "mha", kv_dtype fp8_e4m3); "fp4_mx_block16", SGLang's FP4 MLA pool
-    # (``MLATokenToKVPoolFP4``: packed 4-bit latent rows and a scale byte per 16 values, ``pools.latent_fp4``;
-    # attention "mla"). Full-attention models only.
+    # ``pools.quantised``; attention "mha", kv_dtype fp8_e4m3); "fp4_mx_block16", SGLang's FP4 KV cache: packed
+    # 4-bit rows and a scale byte per 16 values (attention "mla": ``MLATokenToKVPoolFP4``, ``pools.latent_fp4``;
+    # attention "mha": ``pools.mha_fp4``). Full-attention models only.
     kv_quant: str = ""
     # MiniMax sparse attention (attention "msa"): one letter per full-attention layer, in order: D dense,
     # V sparse with an index key and value per token (SGLang's index_kv_pool), K sparse with an index key
@@ -237,9 +237,10 @@ def _validate_storage(c: ModelConfig) -> list[str]:
     if c.attention not in ATTENTIONS:
         return [f"attention {c.attention!r} is not one of {', '.join(ATTENTIONS)}"]
     if c.latent:
-        if c.has_swa or c.has_mamba:
-            problems.append(f"attention {c.attention!r} is built for full-attention-only models here "
-                            "(swa_layers and mamba_layers must be 0)")
+        # MLA beside recurrent layers is Kimi-Linear's shape (SGLang's HybridLinearKVPool with use_mla; use_dsa too)
+        if c.has_swa or (c.has_mamba and c.kv_quant):
+            problems.append(f"attention {c.attention!r} is built for full-attention-only models here, and unquantised "
+                            "also beside mamba layers (swa_layers must be 0; mamba_layers 0 with a kv_quant)")
         if c.kv_lora_rank < 12 or c.qk_rope_head_dim < 12:
             problems.append(f"kv_lora_rank ({c.kv_lora_rank}) and qk_rope_head_dim ({c.qk_rope_head_dim}) "
                             "must each be >= 12 (each part of a latent row carries a tag)")
@@ -254,11 +255,16 @@ def _validate_storage(c: ModelConfig) -> list[str]:
                         "kv_scale_block and full-attention layers only")
     elif c.kv_quant == "cpu_fp8_e4m3" and (c.attention != "mha" or c.kv_dtype != "fp8_e4m3"):
         problems.append("kv_quant 'cpu_fp8_e4m3' needs attention 'mha' and kv_dtype 'fp8_e4m3'")
+    elif c.kv_quant == "fp4_mx_block16" and c.attention == "mha":
+        if c.head_dim % 2 or (c.head_num * c.head_dim) % 16 or c.head_num * c.head_dim // 16 < 12:
+            problems.append("kv_quant 'fp4_mx_block16' on MHA needs an even head_dim and head_num*head_dim a multiple "
+                            "of 16 of at least 192 values (a scale byte per 16 values of a token's K; its 12 scale "
+                            "bytes carry a tag)")
     elif c.kv_quant == "fp4_mx_block16" and (c.attention != "mla" or c.kv_lora_rank % 32 or c.qk_rope_head_dim % 32
                                              or (c.kv_lora_rank + c.qk_rope_head_dim) // 16 < 12):
-        problems.append("kv_quant 'fp4_mx_block16' needs attention 'mla', kv_lora_rank and qk_rope_head_dim "
-                        "multiples of 32 (16-value scale blocks, two values a byte) and at least 192 values a row "
-                        "(its 12 scale bytes carry a tag)")
+        problems.append("kv_quant 'fp4_mx_block16' needs attention 'mha' or 'mla'; for mla, kv_lora_rank and "
+                        "qk_rope_head_dim multiples of 32 (16-value scale blocks, two values a byte) and at least 192 "
+                        "values a row (its 12 scale bytes carry a tag)")
     if c.kv_scale_block:
         if c.attention != "mha" or not c.kv_dtype.startswith("fp8") or c.has_swa or c.has_mamba:
             problems.append("kv_scale_block needs attention 'mha', an fp8 kv_dtype and full-attention layers only "
@@ -340,7 +346,27 @@ def _storage_configs() -> list[ModelConfig]:
                         msa_layers="DVKV", index_head_dim=16)
     # ... and a model whose sparse layers all keep index keys only: the shape SGLang's PD and HiCache take
     msa_konly = msa.replace(name="minimax-sparse-konly", msa_layers="DKDK")
-    return [mla, dsa, scaled, cpu_fp8, mla_fp4, msa, msa_konly]
+    # An MHA model with ``--kv-cache-dtype fp4_mx_block16``: packed K and V, a scale row each (12 bytes a token)
+    dense_fp4 = dense.replace(name="dense-fp4", kv_quant="fp4_mx_block16", head_num=2, head_dim=96)
+    return [mla, dsa, scaled, cpu_fp8, mla_fp4, msa, msa_konly, dense_fp4]
+
+
+def _hybrid_storage_configs() -> list[ModelConfig]:
+    """Recurrent models whose full-attention KV is stored other than as K and V rows: Kimi-Linear's MLA
+    layers between its KDA (linear-attention) layers, SGLang's HybridLinearKVPool with an MLA sub-pool.
+    The full layers are not the first ones, so the pool maps model layer ids to its sub-pool's. Blocked, as every
+    named config is (Kimi-Linear interleaves three KDA layers a MLA one: drawn layouts reach that)."""
+    return [ModelConfig(name="mla-ssm", architecture="kimi-linear", attention="mla", full_layers=2, mamba_layers=2,
+                        layer_pattern="MMFF", mamba_slots=4, full_tokens=48, request_rows=5, max_context=48,
+                        kv_dtype="bfloat16", state_dtype="float32", conv_shapes=((6, 3), (6, 3), (6, 3)))]
+
+
+def _dsa_ssm_ps64(mla_ssm: ModelConfig) -> ModelConfig:
+    """DSA layers between recurrent ones (SGLang's HybridLinearKVPool with use_dsa: the DSA sub-pool keeps its
+    index cache, which PD sends as the DSA state after the MAMBA one), in the shape SGLang's indexer takes. Three
+    pages for five rows, so a resume often finds no room while a mamba slot is free."""
+    return mla_ssm.replace(name="dsa-ssm-ps64", attention="dsa", page_size=64, index_head_dim=128, full_tokens=192,
+                           max_context=192)
 
 
 def _mode_configs(base: list[ModelConfig]) -> list[ModelConfig]:
@@ -370,12 +396,14 @@ def _all_configs() -> dict[str, ModelConfig]:
                     "swa-ssm": "float16", "mla": "bfloat16", "dsa": "bfloat16", "fp8-scaled": "fp8_e5m2",
                     "hybrid-extra-buffer": "float32", "hybrid-spec": "bfloat16",
                     "dense-cpu-fp8": "fp8_e4m3", "mla-fp4": "bfloat16",
-                    "minimax-sparse": "fp8_e4m3", "minimax-sparse-konly": "bfloat16"}
-    for base in _base_configs() + _storage_configs() + _mode_configs(_base_configs()):
+                    "minimax-sparse": "fp8_e4m3", "minimax-sparse-konly": "bfloat16", "mla-ssm": "bfloat16",
+                    "dense-fp4": "bfloat16"}
+    for base in _base_configs() + _storage_configs() + _hybrid_storage_configs() + _mode_configs(_base_configs()):
         out[base.name] = base
         paged = _paged(base, 4, paged_dtypes[base.name])
         out[paged.name] = paged
     out["dsa-ps64"] = _dsa_ps64(out["dsa"])
+    out["dsa-ssm-ps64"] = _dsa_ssm_ps64(out["mla-ssm"])
     out["swa-only"] = _swa_only()
     return out
 

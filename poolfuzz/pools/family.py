@@ -203,7 +203,7 @@ def build_family(config: ModelConfig, *, device="cpu", faults: Iterable[str] = (
     kv_args = dict(page_size=c.page_size, dtype=c.kv_dtype, head_num=c.head_num, head_dim=c.head_dim, device=dev)
     if c.kv_scale_block:
         kv_args["scale_block"] = c.kv_scale_block
-    if c.latent:
+    if c.latent and not c.has_mamba:
         kv_cls = bp.kv_pool_class(c)
         extra = dict(index_head_dim=c.index_head_dim) if c.attention == "dsa" else {}
         kv_pool = kv_cls(size=c.full_tokens, layer_ids=c.full_layer_ids, kv_lora_rank=c.kv_lora_rank,
@@ -227,8 +227,11 @@ def build_family(config: ModelConfig, *, device="cpu", faults: Iterable[str] = (
         kv_pool.register_mapping(allocator.full_to_swa)
     elif c.has_mamba:
         kv_cls = bp.hybrid_kv_pool
+        latent = dict(kv_lora_rank=c.kv_lora_rank, qk_rope_head_dim=c.qk_rope_head_dim) if c.latent else {}
+        if c.attention == "dsa":
+            latent["index_head_dim"] = c.index_head_dim
         kv_pool = kv_cls(size=c.full_tokens, full_layer_ids=c.full_layer_ids, mamba_pool=mamba_pool,
-                         kv_class=bp.token_kv_pool(c), **kv_args)
+                         kv_class=bp.hybrid_full_pool(c), **latent, **kv_args)
         allocator = bp.token_allocator(size=c.full_tokens, page_size=c.page_size)
     else:
         kv_cls = bp.token_kv_pool(c)

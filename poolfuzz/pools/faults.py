@@ -20,22 +20,16 @@ from poolfuzz.pools.host_faults import HostLoadStopsAtPoolLayerCount, HostPageSt
 from poolfuzz.pools.kv import SWAKVPool
 from poolfuzz.pools.mamba import MambaSlotAllocator
 from poolfuzz.pools.prefix_tree import MambaPrefixTree
-from poolfuzz.pools.quant_faults import FP4CopyWithoutScales, QuantStoreSkipsLastToken
+from poolfuzz.pools.quant_faults import FP4CopyWithoutScales, FP4MHACopyWithoutScales, QuantStoreSkipsLastToken
 from poolfuzz.pools.protocol import ServingProtocol
 from poolfuzz.pools.req_to_token import HybridReqToTokenPool
 from poolfuzz.pools.window_faults import ReleaseFreesEvictedWindow
 from poolfuzz.pools.spec_faults import CommitsByBatchPosition, CommitsLastDraft
-from poolfuzz.pools.storage_faults import (
-    DSACopyWithoutIndexCache,
-    DSAIndexScalesTransposed,
-    MLACopiesValueBufferOnly,
-    MLATransferItemOfLatentWidth,
-    MiniMaxCopySkipsKOnlyIndex,
-    ScaledCopyWithoutScales,
-    ScaledMoveWithoutScales,
-    TransferWithoutBlockScales,
-    TransferWithoutDSAState,
-)
+from poolfuzz.pools.storage_faults import (DSACopyWithoutIndexCache, DSAIndexScalesTransposed,
+                                           HybridMLATransferItemOfHeadWidth, MiniMaxCopySkipsKOnlyIndex,
+                                           MLACopiesValueBufferOnly, MLATransferItemOfLatentWidth,
+                                           ScaledCopyWithoutScales, ScaledMoveWithoutScales,
+                                           TransferWithoutBlockScales, TransferWithoutDSAState)
 from poolfuzz.pools.swa_allocator import SWATokenAllocator
 from poolfuzz.pools.transfer import PDTransfer
 
@@ -395,8 +389,12 @@ def _any(c: ModelConfig) -> bool:
     return True
 
 
-def _host_mha_layers(c) -> bool:  # an MHA host pool of two or more layers
-    return len(c.full_layer_ids) > 1 and not c.has_mamba and c.attention == "mha" and not c.kv_scale_block
+def _host_mha_layers(c) -> bool:  # an MHA host pool of two or more layers (no scale buffers, which it cannot hold)
+    return len(c.full_layer_ids) > 1 and not c.has_mamba and _host_mha(c)
+
+
+def _host_mha(c) -> bool:
+    return c.attention == "mha" and not c.kv_scale_block and c.kv_quant != "fp4_mx_block16"
 
 
 def _f(id, upstream, applies_to, overrides, description=None, backup_mode=None):
@@ -465,7 +463,7 @@ FAULTS: dict[str, Fault] = {
         _f("mamba-layer-map-contiguous", "sglang#20457 (layer-id map)", lambda c: c.has_mamba,
            {"mamba_pool": MambaLayerMapAssumesContiguous}),
         _f("host-load-tiles-of-four", "sglang#23596 (page-size kernel)",
-           lambda c: c.page_size > 1 and not c.has_mamba and c.attention == "mha" and not c.kv_scale_block,
+           lambda c: c.page_size > 1 and not c.has_mamba and _host_mha(c),
            {"host_pool": HostLoadTilesOfFour}, backup_mode="host_pool"),
         # Modes: the extra slots a request holds in mamba extra-buffer mode
         _f("track-slots-not-freed", "sglang#12693 class (mamba ping-pong track buffers)",
@@ -482,6 +480,8 @@ FAULTS: dict[str, Fault] = {
            {"mla_kv_pool": MLACopiesValueBufferOnly}),
         _f("mla-pd-item-of-latent-width", "MLA PD item lengths (get_contiguous_buf_infos)",
            _mla_unquantised, {"mla_kv_pool": MLATransferItemOfLatentWidth}),
+        _f("hybrid-mla-pd-item-of-head-width", "HybridLinearKVPool use_mla (Kimi-Linear PD buffer registration)",
+           lambda c: c.has_mamba and c.attention == "mla", {"hybrid_kv_pool": HybridMLATransferItemOfHeadWidth}),
         _f("dsa-copy-drops-index", "DSA get_cpu_copy offloads index_k with the KV", lambda c: c.attention == "dsa",
            {"dsa_kv_pool": DSACopyWithoutIndexCache}),
         _f("dsa-index-scales-transposed", "DSA IndexKeyCache page layout (per-token scales)",
@@ -497,7 +497,9 @@ FAULTS: dict[str, Fault] = {
         _f("quant-store-skips-last-token", "CPUFP8KVCacheMethod.quantize_and_store (quantised set_kv_buffer)",
            lambda c: c.kv_quant == "cpu_fp8_e4m3", {"quant_kv_pool": QuantStoreSkipsLastToken}),
         _f("fp4-copy-drops-scales", "MLATokenToKVPoolFP4 get_cpu_copy / load_cpu_copy (inherited from MLA)",
-           lambda c: c.kv_quant == "fp4_mx_block16", {"mla_fp4_kv_pool": FP4CopyWithoutScales}),
+           lambda c: c.kv_quant == "fp4_mx_block16" and c.latent, {"mla_fp4_kv_pool": FP4CopyWithoutScales}),
+        _f("fp4-mha-copy-drops-scales", "MHATokenToKVPool get_cpu_copy / load_cpu_copy (k/v only), FP4 quant method",
+           lambda c: c.kv_quant == "fp4_mx_block16" and not c.latent, {"mha_fp4_kv_pool": FP4MHACopyWithoutScales}),
         _f("msa-copy-skips-k-only-index", "MiniMaxSparseKVPool sub-pools (index_k_pool: sparse_disable_index_value)",
            lambda c: bool(c.msa_layer_ids("K")), {"msa_kv_pool": MiniMaxCopySkipsKOnlyIndex}),
         # Free patterns: grouped frees, and a row cut off between two prefill chunks.

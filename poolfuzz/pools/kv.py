@@ -235,12 +235,18 @@ class HybridLinearKVPool(KVCache):
     state_types = ("MAMBA",)
 
     def __init__(self, *, size: int, page_size: int, dtype: str, head_num: int, head_dim: int,
-                 full_layer_ids, device: torch.device, mamba_pool: MambaPool, kv_class: type | None = None):
+                 full_layer_ids, device: torch.device, mamba_pool: MambaPool, kv_class: type | None = None,
+                 **full_args):
+        """``full_args``: what the sub-pool class takes besides the MHA shape (an MLA pool's row parts)."""
         self.page_size = page_size
         self.device = torch.device(device)
+        self.head_num, self.head_dim = head_num, head_dim
         self.full_kv_pool = (kv_class or MHATokenToKVPool)(size=size, page_size=page_size, dtype=dtype, head_num=head_num,
-                                             head_dim=head_dim, layer_ids=tuple(full_layer_ids), device=device)
+                                             head_dim=head_dim, layer_ids=tuple(full_layer_ids), device=device,
+                                             **full_args)
         self.mamba_pool = mamba_pool
+        # A DSA sub-pool's index cache crosses PD as its own state, after the recurrent state (SGLang: MAMBA, DSA)
+        self.state_types = ("MAMBA",) + tuple(self.full_kv_pool.state_types)
 
     def components(self) -> list[Component]:
         return self.full_kv_pool.components()  # the mamba components belong to the request pool
@@ -262,5 +268,5 @@ class HybridLinearKVPool(KVCache):
 
     def get_state_buf_infos(self, state_type: str) -> list[torch.Tensor]:
         if state_type != "MAMBA":
-            return super().get_state_buf_infos(state_type)
+            return self.full_kv_pool.get_state_buf_infos(state_type)
         return self.mamba_pool.get_state_buf_infos()

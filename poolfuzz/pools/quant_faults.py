@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from poolfuzz.pools.kv import MHATokenToKVPool
 from poolfuzz.pools.latent import MLATokenToKVPool
 from poolfuzz.pools.latent_fp4 import MLATokenToKVPoolFP4
+from poolfuzz.pools.mha_fp4 import MHATokenToKVPoolFP4
 from poolfuzz.pools.quantised import MHATokenToKVPoolQuantised
 
 
@@ -24,3 +26,13 @@ class FP4CopyWithoutScales(MLATokenToKVPoolFP4):
 
     get_cpu_copy = MLATokenToKVPool.get_cpu_copy
     load_cpu_copy = MLATokenToKVPool.load_cpu_copy
+
+
+class FP4MHACopyWithoutScales(MHATokenToKVPoolFP4):
+    """The retraction backup is the plain MHA pool's: it copies the packed K and V rows and not their scale rows,
+    so a resumed request's K and V dequantise against whatever scales their new slots held (SGLang 0.5.23's
+    ``MHATokenToKVPool.get_cpu_copy`` / ``load_cpu_copy`` carry ``k_buffer`` and ``v_buffer`` only, also when its
+    FP4 quant method gave it scale buffers). The correct copy carries both, as SGLang's MXFP8 pool does."""
+
+    get_cpu_copy = MHATokenToKVPool.get_cpu_copy
+    load_cpu_copy = MHATokenToKVPool.load_cpu_copy

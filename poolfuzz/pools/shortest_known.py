@@ -36,11 +36,13 @@ SHORTEST_KNOWN: dict[str, int] = {
     "spec-commit-last-draft": 3, "spec-commit-batch-position": 3,
     # By `poolfuzz shortest` (every program of its vocabulary, by length): a copy that drops a component is
     # served, retracted, resumed (4; the DSA index scales on pages too); a PD item of the wrong width is served and transferred (3).
-    "mla-copy-drops-rope": 4, "mla-pd-item-of-latent-width": 3, "dsa-copy-drops-index": 4,
+    "mla-copy-drops-rope": 4, "mla-pd-item-of-latent-width": 3,
+    "hybrid-mla-pd-item-of-head-width": 3, "dsa-copy-drops-index": 4,
     "dsa-index-scales-transposed": 4, "pd-drops-dsa-index": 3, "scaled-copy-drops-scales": 4, "pd-drops-block-scales": 3,
     # By hand: admit, prefill, one tree verify that accepts two drafts (3).
     "scaled-move-drops-scales": 3,
-    "quant-store-skips-last-token": 2, "fp4-copy-drops-scales": 4, "msa-copy-skips-k-only-index": 4,
+    "quant-store-skips-last-token": 2, "fp4-copy-drops-scales": 4, "fp4-mha-copy-drops-scales": 4,
+    "msa-copy-skips-k-only-index": 4,
     # By hand (tests/cover/test_free_patterns.py replays both): a request longer than the window,
     # prefilled, whose grouped release leaks its SWA slots (admit, prefill: 2); one chunk, then the
     # abort (admit, prefill, abort: 3; the hunt's shrinks keep the warm start's request and stop at 4).

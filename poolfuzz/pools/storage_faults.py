@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from poolfuzz.pools.allocator import _as_index
-from poolfuzz.pools.kv import CPU_COPY_CHUNK
+from poolfuzz.pools.kv import CPU_COPY_CHUNK, HybridLinearKVPool
 from poolfuzz.pools.latent import DSATokenToKVPool, MLATokenToKVPool, _copy_rows
 from poolfuzz.pools.minimax_sparse import MiniMaxSparseKVPool
 from poolfuzz.pools.scaled import MHATokenToKVPoolScaled
@@ -112,3 +112,15 @@ class MiniMaxCopySkipsKOnlyIndex(MiniMaxSparseKVPool):
 
     def get_cpu_copy(self, indices, mamba_indices=None):
         return dataclasses.replace(super().get_cpu_copy(indices), index_k=None)
+
+
+class HybridMLATransferItemOfHeadWidth(HybridLinearKVPool):
+    """The hybrid pool registers its full-attention buffers for PD with the MHA item length it was built with
+    (``head_num * head_dim`` values a token), as the MHA branch of ``HybridLinearKVPool`` would, although its
+    sub-pool is MLA (Kimi-Linear): a token's item is not its latent row, so page N is read from, and written
+    to, bytes of other tokens and across latent and rope parts. The correct registration is the sub-pool's
+    own (``get_contiguous_buf_infos``: whole latent rows)."""
+
+    def get_contiguous_buf_infos(self):
+        width = self.head_num * self.head_dim
+        return [b.view(-1).view(-1, width) for b in self.full_kv_pool.get_contiguous_buf_infos()]

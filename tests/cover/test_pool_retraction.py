@@ -15,11 +15,11 @@ SEQLEN = 23  # 22 committed positions: past every sliding window, not page-align
 
 
 def host_pool_possible(name: str) -> bool:
-    """No recurrent state, and KV the host pool mirrors (plain K and V rows: not MLA, DSA or scaled) beside full
+    """No recurrent state, and KV the host pool mirrors (plain K and V rows: not MLA, DSA, scaled or FP4) beside full
     attention (SGLang's host-pool retraction rejects an all-SWA model)."""
     config = CONFIGS[name]
     return (not uses_ssm_state(config) and config.attention == "mha" and not config.kv_scale_block
-            and config.has_full)
+            and config.kv_quant != "fp4_mx_block16" and config.has_full)
 
 
 def modes_of(name: str) -> list[str]:

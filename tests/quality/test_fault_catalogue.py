@@ -79,6 +79,7 @@ SIGNATURES = {
     # Pool classes with more than K and V: the report names the buffer that was dropped or misplaced.
     "mla-copy-drops-rope": r"^StateLost: req \d+ resumed; component mla\.rope layer \d+ position \d+;",
     "mla-pd-item-of-latent-width": r"^StateLost: req \d+ transferred; component mla\.(latent|rope) ",
+    "hybrid-mla-pd-item-of-head-width": r"^StateLost: req \d+ transferred; component mla\.(latent|rope) ",
     "dsa-copy-drops-index": r"^StateLost: req \d+ resumed; component dsa\.index_(k|scale) ",
     "dsa-index-scales-transposed": r"^StateLost: req \d+ resumed; component dsa\.index_scale ",
     "pd-drops-dsa-index": r"^StateLost: req \d+ transferred; component dsa\.index_(k|scale) ",
@@ -87,6 +88,7 @@ SIGNATURES = {
     "scaled-move-drops-scales": r"^StateLost: req \d+ decoded speculatively; component full\.[kv]_scale ",
     "fp4-copy-drops-scales": r"^StateLost: req \d+ resumed; component mla\.scale layer \d+ position \d+;",
     "msa-copy-skips-k-only-index": r"^StateLost: req \d+ resumed; component msa\.index_k layer \d+ position \d+;",
+    "fp4-mha-copy-drops-scales": r"^StateLost: req \d+ resumed; component full\.[kv]_scale layer \d+ position \d+;",
     # A quantising write door that skips the forward's last token: that token's K or V is never stored.
     "quant-store-skips-last-token": r"^StateLost: req \d+ [a-z ]+; component full\.[kv] layer \d+ position \d+;",
     # Free patterns: a grouped free's SWA slots never come back; an abort mid-prefill leaks its last chunk.

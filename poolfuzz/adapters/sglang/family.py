@@ -23,6 +23,7 @@ from poolfuzz.adapters.sglang.api import SGLangAPI, construct, load
 from poolfuzz.adapters.sglang.calls import paged_alloc_extend
 from poolfuzz.adapters.sglang.frees import debug_memory_pool
 from poolfuzz.adapters.sglang.host import SGLangHostBackup, host_pool_problem, resolve_backup_mode
+from poolfuzz.adapters.sglang.hybrid_mla import build_hybrid_mla_pool, hybrid_mla_problem
 from poolfuzz.adapters.sglang.minimax import write_msa_rows
 from poolfuzz.adapters.sglang.pd import SGLangPDTransfer, pd_problem, registration
 from poolfuzz.adapters.sglang.prealloc import DECODE, gate_problem
@@ -183,6 +184,8 @@ def unsupported_reason(config: ModelConfig) -> str | None:
         problem = _paged_allocation_problem(api)
         if problem:
             return problem
+    if config.latent and config.has_mamba:
+        return extra_buffer_problem(api, config) or speculative_problem(api, config) or hybrid_mla_problem(api, config)
     return extra_buffer_problem(api, config) or speculative_problem(api, config) or storage_problem(api, config)
 
 
@@ -266,7 +269,8 @@ def _build(api: SGLangAPI, config: ModelConfig, dev, sdev: str, backup_mode: str
                                 device=sdev, enable_memory_saver=False)
 
     comps: list[Component] = []
-    if c.latent or c.kv_scale_block or c.attention == "msa":
+    if ((c.latent and not c.has_mamba) or c.kv_scale_block or c.kv_quant == "fp4_mx_block16"
+            or c.attention == "msa"):
         sg_kv, comps = build_storage_pool(api, c, common)
         alloc_cls = api.TokenToKVPoolAllocator if c.page_size == 1 else api.PagedTokenToKVPoolAllocator
         sg_alloc = construct(alloc_cls, size=c.full_tokens, page_size=c.page_size, dtype=kv_dtype, device=sdev,
@@ -292,6 +296,12 @@ def _build(api: SGLangAPI, config: ModelConfig, dev, sdev: str, backup_mode: str
         comps += _mha_components(sg_kv.full_kv_pool, c.full_layer_ids, "full", door=sg_kv)
         comps += _mha_components(sg_kv.swa_kv_pool, c.swa_layer_ids, "swa", door=sg_kv)
         subs = {"full": sg_alloc.full_attn_allocator, "swa": sg_alloc.swa_attn_allocator}
+    elif c.latent:  # Kimi-Linear: MLA layers between recurrent ones (adapters.sglang.hybrid_mla)
+        sg_kv, comps = build_hybrid_mla_pool(api, c, sg_req_pool.mamba_pool, common)
+        alloc_cls = api.TokenToKVPoolAllocator if c.page_size == 1 else api.PagedTokenToKVPoolAllocator
+        sg_alloc = construct(alloc_cls, size=c.full_tokens, page_size=c.page_size, dtype=kv_dtype, device=sdev,
+                             kvcache=sg_kv, need_sort=need_sort)
+        subs = {"full": sg_alloc}
     else:
         if c.has_mamba:
             sg_kv = construct(api.HybridLinearKVPool, size=c.full_tokens,

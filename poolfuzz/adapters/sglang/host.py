@@ -172,6 +172,9 @@ def host_pool_problem(api, config: ModelConfig) -> str | None:
         return "host-pool retraction has no recurrent-state sidecar (SGLang: it does not support Mamba models)"
     if config.kv_scale_block:
         return "the block-scaled host pool (pool_host/mha_mxfp8) is not driven here"
+    if config.kv_quant == "fp4_mx_block16":  # 0.5.23's MHATokenToKVPoolHost raises this ValueError for it
+        return ("SGLang's MHA host pool refuses an FP4 pool's per-token scales ('MHA host transfers do not support KV "
+                "scale layout token'): its decode server needs --disaggregation-decode-retraction-backup cpu_tensor")
     if config.attention == "dsa":
         return "the DSA host pool (pool_host/dsa) is not driven here"
     if config.has_swa and not config.full_layer_ids:

@@ -45,6 +45,12 @@ def registration(family):
         kv_args.kv_data_ptrs, kv_args.kv_data_lens, kv_args.kv_item_lens = (
             infos(family.sg_kv_pool) if infos is not None else family.sg_kv_pool.get_contiguous_buf_infos())
         _first(f"{_UTILS}:setup_state_kv_args")(kv_args, family.sg_kv_pool, req_to_token_pool=family.sg_req_pool)
+        # the model layer of every entry (a hybrid pool's ``get_kv_layer_ids``; [] for the others), as prefill
+        # and decode register it where the release pairs entries by layer
+        layer_ids = _first(f"{_UTILS}:build_kv_layer_ids", required=False)
+        kv_args.kv_layer_ids = [] if layer_ids is None else layer_ids(
+            token_to_kv_pool=family.sg_kv_pool, draft_token_to_kv_pool=None, num_draft_entries=0,
+            num_hidden_layers=family.config.num_layers)
         got = family._pd_args = kv_args
     return got
 
@@ -98,6 +104,21 @@ def _move(src_ptrs, dst_ptrs, item_lens, dst_item_lens, src_items, dst_items, wh
             ctypes.memmove(dst + d * item, src + s * item, item)
 
 
+def _entry_pairs(s_args, d_args) -> list[tuple[int, int]]:
+    """(prefill entry, decode entry) of the main KV: paired by model layer with the release's
+    ``build_transfer_entry_pairs`` where it has one (the transfer engines do), else by position."""
+    n_src, n_dst = len(s_args.kv_data_ptrs), len(d_args.kv_data_ptrs)
+    build = _first(f"{_UTILS}:build_transfer_entry_pairs", required=False)
+    if build is None:
+        if n_src != n_dst:
+            raise TransferMismatch(f"main KV: prefill registers {n_src} buffers, decode {n_dst}")
+        return [(i, i) for i in range(n_src)]
+    try:
+        return build(s_args.kv_layer_ids, d_args.kv_layer_ids, n_src, n_dst)
+    except RuntimeError as exc:  # the engines refuse a registration they cannot pair
+        raise TransferMismatch(f"main KV: {exc}") from None
+
+
 class SGLangPDTransfer:
     """Moves one request between two SGLang families by their PD registrations (see the module docstring)."""
 
@@ -110,7 +131,9 @@ class SGLangPDTransfer:
         ps = src_family.config.page_size
         s_pages = _pages(kv_indices(src_family, src, length), ps)
         d_pages = _pages(kv_indices(dst_family, dst, length), ps)
-        _move(s_args.kv_data_ptrs, d_args.kv_data_ptrs, s_args.kv_item_lens, d_args.kv_item_lens, s_pages, d_pages,
+        pairs = _entry_pairs(s_args, d_args)
+        _move([s_args.kv_data_ptrs[i] for i, _ in pairs], [d_args.kv_data_ptrs[j] for _, j in pairs],
+              [s_args.kv_item_lens[i] for i, _ in pairs], [d_args.kv_item_lens[j] for _, j in pairs], s_pages, d_pages,
               "main KV")
         if [str(t) for t in s_args.state_types] != [str(t) for t in d_args.state_types]:
             raise TransferMismatch(f"state types differ: prefill {s_args.state_types}, decode {d_args.state_types}")

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from poolfuzz.adapters.sglang.api import SGLangAPI, _first, construct
+from poolfuzz.adapters.sglang.mha_fp4 import build_mha_fp4_pool, mha_fp4_problem
 from poolfuzz.adapters.sglang.minimax import build_msa_pool, msa_problem
 from poolfuzz.adapters.sglang.reads import read_door
 from poolfuzz.pools.components import Component
@@ -50,7 +51,7 @@ def storage_problem(api: SGLangAPI, config: ModelConfig) -> str | None:
             return "this SGLang has no DSATokenToKVPool (or NSATokenToKVPool)"
         return _dsa_problem(api, config)
     if config.kv_quant == "fp4_mx_block16":
-        return _fp4_problem(api, config)
+        return _fp4_problem(api, config) if config.latent else mha_fp4_problem(api, config)
     if config.kv_quant:
         return _quant_problem(api, config)
     if config.kv_scale_block:
@@ -132,6 +133,8 @@ def build_storage_pool(api: SGLangAPI, config: ModelConfig, common: dict) -> tup
     if c.attention == "msa":
         return build_msa_pool(api, c, {k: v for k, v in common.items() if k != "enable_kvcache_transpose"})
     single_rank(api)
+    if c.kv_quant == "fp4_mx_block16" and not c.latent:
+        return build_mha_fp4_pool(api, c, common)
     if c.latent:
         args = dict(common, size=c.full_tokens, kv_lora_rank=c.kv_lora_rank, qk_rope_head_dim=c.qk_rope_head_dim, layer_num=c.full_layers)
         if c.attention == "dsa":
