@@ -25,7 +25,7 @@ from poolfuzz.pools.request import ReqKv
 
 __all__ = ["NODES", "NO_CULPRIT", "Engine", "EngineOptions", "Phase", "Request", "StepRecord"]
 
-FLUSH_AFTER = 3  # requests a node serves between two flushes (see ``flushable``)
+FLUSH_AFTER = 1  # requests a node serves between two flushes (see ``flushable``)
 FamilyFactory = Callable[..., object]  # factory(config, *, device, faults, backup_mode) -> a pool family
 
 
@@ -505,8 +505,7 @@ class Engine(KnownBugTaint):
 
     def flushable(self) -> list[str]:
         """Nodes whose family can flush (``flush_cache``), with no request live and ``FLUSH_AFTER`` served
-        since their last flush: a weight update comes after a batch of requests, not after each one (a
-        flush after every request would spend the steps that build the prefix hits other bugs need)."""
+        since their last flush (one: 3 shifted which seeds find the catalogue's bugs and found no more)."""
         return [n for n in NODES if self.served[n] >= FLUSH_AFTER and getattr(self.families[n], "flush_cache", None)
                 and not any(r.node == n for r in self.requests.values())]
 
