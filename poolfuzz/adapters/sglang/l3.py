@@ -34,6 +34,10 @@ from poolfuzz.pools.config import ModelConfig
 
 BACKEND = "file"  # the storage backend SGLang ships that needs no network
 PREFETCH_POLICY = "wait_complete"  # a prefetch completes whole before its request is admitted
+# --hicache-ratio with an L3 tier below the host: the host is a staging tier a little larger than the device
+# (SGLang warns at or below 1), so written-through prefixes leave it, and come back through storage, within
+# the few dozen steps of an example (at SGLang's default 2 they seldom leave it at all)
+HOST_RATIO = 1.25
 SETTLE_SECONDS = 30.0  # a storage operation not back by then is a hang: reported, never waited out
 
 
@@ -53,10 +57,6 @@ def storage_problem(api, config: ModelConfig) -> str | None:
         return f"SGLang {api.version}'s tree has no L3 entry points (write_backup_storage / prefetch_from_storage)"
     if BACKEND not in getattr(StorageBackendFactory, "_registry", {BACKEND: None}):
         return f"SGLang {api.version} registers no {BACKEND!r} storage backend"
-    if config.has_mamba:
-        # SGLang's file backend stores the KV pages only (batch_set); a mamba tree's state sidecar needs
-        # the v2 pool interface, whose prefetch the hybrid check rejects when the state page is missing
-        return "the recurrent-state sidecar of the L3 tier (v2 pool transfers) is not driven"
     return None
 
 
@@ -81,14 +81,15 @@ def _single_rank() -> None:
 
 @contextmanager
 def storage_arguments(config: ModelConfig, directory: str):
-    """``--hicache-storage-backend file`` with its files in ``directory``, scoped to the tree's build.
-    The prefetch threshold is one page (SGLang's default, 256 tokens, is past every context here)."""
+    """``--hicache-storage-backend file`` with its files in ``directory``, scoped to the tree's build, and
+    the host ratio of :data:`HOST_RATIO`. The prefetch threshold is one page (SGLang's default, 256 tokens,
+    is past every context here)."""
     from sglang.srt.runtime_context import get_memory
 
     _single_rank()
     extra = json.dumps({"prefetch_threshold": config.page_size, "file_storage_path": directory})
     with get_memory().override(hicache_storage_backend=BACKEND, hicache_storage_backend_extra_config=extra,
-                               hicache_storage_prefetch_policy=PREFETCH_POLICY):
+                               hicache_storage_prefetch_policy=PREFETCH_POLICY, hicache_ratio=HOST_RATIO):
         yield
 
 
@@ -159,3 +160,86 @@ def close(tree, directory: str | None) -> None:
         atexit.unregister(shutdown)  # registered by init_hicache; the tree is done with
     if directory:
         shutil.rmtree(directory, ignore_errors=True)
+
+
+# =============================================================================================
+# Reading storage back for the checks
+# =============================================================================================
+def _layer_token_rows(layout: str):
+    """How a host page's structured view (``get_data_page(index, flat=False)``: the flat bytes storage
+    keeps) is read as ``[layer, token, *row]``, per host memory layout; for MHA the K and V halves are
+    split off first (the page's leading axis)."""
+    return {"layer_first": lambda x: x,  # [layers, tokens, ...]
+            "page_first": lambda x: x.transpose(0, 1),  # [tokens, layers, ...]
+            "page_first_direct": lambda x: x[0],  # [1 page, layers, tokens, ...]
+            "page_head": lambda x: x[0].permute(2, 1, 0, 3)}.get(layout)  # [1 page, heads, tokens, layers, dim]
+
+
+class StorageReader:
+    """Reads back, once each, the KV pages the tree's storage backend holds under the keys of the token
+    sequences the adapter made (``tokens``: rid -> its token ids), as SGLang keys them (a chain of page
+    hashes from the root: ``get_storage_hash_str``); ``owner_of(token)`` names the request a token is of.
+    The recurrent-state pages a mamba tree stores beside them are not read (a page keyed by the KV's hash,
+    under its own pool's name)."""
+
+    def __init__(self, *, tree, config: ModelConfig, tokens: dict, owner_of):
+        from sglang.srt.mem_cache.radix_cache import RadixKey
+        from sglang.srt.mem_cache.utils import get_storage_hash_str
+
+        self.tree, self.config, self.tokens, self.owner_of = tree, config, tokens, owner_of
+        self._key, self._hash = RadixKey, get_storage_hash_str
+        self.read: set[str] = set()  # keys already read back (a file is written once; ``set`` skips a stored key)
+        self._chains: dict[tuple, list[str]] = {}
+
+    def _page_hashes(self, toks: list[int]) -> list[str]:
+        ps = self.config.page_size
+        n = len(toks) // ps * ps
+        whole = tuple(toks[:n])
+        got = self._chains.get(whole)
+        if got is None:
+            from array import array
+
+            key = self._key(array("q", whole), is_bigram=bool(getattr(self.tree.tree_core, "is_eagle", False)))
+            got = self._chains[whole] = list(self._hash(key.page_aligned(ps), None, page_size=ps)) if n else []
+        return got
+
+    def take(self) -> list:
+        """The pages stored since the last call."""
+        if not enabled(self.tree):
+            return []
+        backend = self.tree.cache_controller.storage_backend
+        ps = self.config.page_size
+        out = []
+        for toks in list(self.tokens.values()):
+            for page, key in enumerate(self._page_hashes(toks)):
+                if key in self.read or not backend.exists(key):
+                    continue
+                self.read.add(key)
+                out.append(self._page(backend, key, page * ps, toks[page * ps:(page + 1) * ps]))
+        return out
+
+    def _page(self, backend, key: str, first: int, toks: list[int]):
+        from poolfuzz.adapters.sglang.reads import stored_bytes
+        from poolfuzz.pools.components import Component
+        from poolfuzz.pools.storage_tier import StoredPage
+
+        host = self.tree.cache_controller.storage_host_pool
+        shape = host.get_data_page(0, flat=False).shape
+        flat = backend.get(key, host.get_dummy_flat_data_page())
+        page = stored_bytes(flat.reshape(shape))
+        rows = _layer_token_rows(host.layout)
+        c = self.config
+        comps = []
+        if c.latent:  # [layers, tokens, 1, latent | rope]
+            grid = rows(page)[:, :, 0]
+            for local, layer in enumerate(c.full_layer_ids):
+                r = c.kv_lora_rank
+                comps.append(Component(name="host.mla.latent", layer=layer, space="l3", tensor=grid[local, :, :r]))
+                comps.append(Component(name="host.mla.rope", layer=layer, space="l3", tensor=grid[local, :, r:]))
+        else:  # [k | v, ...]
+            k, v = rows(page[0]), rows(page[1])
+            for local, layer in enumerate(c.full_layer_ids):
+                comps.append(Component(name="host.full.k", layer=layer, space="l3", tensor=k[local]))
+                comps.append(Component(name="host.full.v", layer=layer, space="l3", tensor=v[local]))
+        return StoredPage(key=key, first_position=first, owners=tuple(self.owner_of(t) for t in toks),
+                          components=tuple(comps))

@@ -473,6 +473,7 @@ class SGLangTreeFamily(SGLangFamily):
     supports_next_turn = False  # set per config by ``with_tree``: a next turn goes through the tree's match
     hierarchical = False  # HiCache: the tree has a host tier (``hicache.py``)
     storage_dir: str | None = None  # HiCache's L3 tier: the ``file`` backend's directory (``l3.py``), or None
+    storage_reader: object = None  # reads the L3 pages back for the checks (``l3.StorageReader``)
     caches_freed_units = True  # a finished request's KV goes into the tree, freed (and reported) when evicted
     tree: object = None
 
@@ -492,6 +493,10 @@ class SGLangTreeFamily(SGLangFamily):
         if self.hierarchical:
             l3.close(self.tree, self.storage_dir)
             self.storage_dir = None
+
+    def take_stored_pages(self) -> list:
+        """HiCache's L3 pages stored since the last call, read back for the checks (``l3.StorageReader``)."""
+        return self.storage_reader.take() if self.storage_reader is not None else []
 
     def flush_prefix_cache(self) -> None:
         from sglang.srt.mem_cache.base_prefix_cache import EvictParams
@@ -547,6 +552,9 @@ def with_tree(family: SGLangFamily) -> SGLangFamily:
     if out.hierarchical:  # a backstop for an engine nobody closes (a test's): its threads stop with the family
         weakref.finalize(out, l3.close, out.tree, out.storage_dir)
     out.protocol = SGLangTreeProtocol(family.api)
+    if l3.enabled(out.tree):
+        out.storage_reader = l3.StorageReader(tree=out.tree, config=out.config, tokens=out.protocol.tokens,
+                                              owner_of=lambda token: token >> TOKEN_SHIFT)
     out.admission.tree_cache = out.tree
     out.snapshot_free_lists()
     return out
