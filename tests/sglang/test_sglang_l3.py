@@ -7,6 +7,7 @@ import os
 import threading
 
 import pytest
+import torch
 
 from poolfuzz.harness.failures import PoolfuzzFailure
 from poolfuzz.pools.config import CONFIGS
@@ -124,7 +125,8 @@ def _host_cls(name: str):
     return mla.MLATokenToKVPoolHost if CONFIGS[name].latent else mha.MHATokenToKVPoolHost
 
 
-@pytest.mark.parametrize("name", ["dense", "mla-ps4"])
+# the copying interface runs on the page-size-1 configs (``l3.storage_backend``)
+@pytest.mark.parametrize("name", ["dense", "mla"])
 def test_a_page_stored_under_the_next_pages_key_is_caught_when_stored(l3_api, name, monkeypatch):
     e = _engine(name)  # SGLang's modules are importable once a family is built
     from sglang.srt.mem_cache.hicache_storage import HiCacheFile
@@ -142,14 +144,14 @@ def test_a_page_stored_under_the_next_pages_key_is_caught_when_stored(l3_api, na
 
 
 def test_a_page_written_with_its_last_layer_missing_is_caught_and_the_layer_named(l3_api, monkeypatch):
-    e = _engine("dense-ps4")
-    cls = _host_cls("dense-ps4")
+    e = _engine("dense")
+    cls = _host_cls("dense")
     real = cls.get_data_page
-    last = max(CONFIGS["dense-ps4"].full_layer_ids)
+    last = max(CONFIGS["dense"].full_layer_ids)
 
     def without_last_layer(self, index, flat=True):
         page = real(self, index, flat=False).clone()
-        page[0, 0, :, :, -1] = 0  # page_head: [k | v, page, heads, tokens, layers, dim]: K of the last layer
+        page[0, :, -1] = 0  # page_first: [k | v, tokens, layers, heads, dim]: K of the last layer
         return page.flatten() if flat else page
 
     monkeypatch.setattr(cls, "get_data_page", without_last_layer)
@@ -159,7 +161,7 @@ def test_a_page_written_with_its_last_layer_missing_is_caught_and_the_layer_name
     e.close()
 
 
-@pytest.mark.parametrize("name", ["dense", "mla-ps4", "hybrid-linear"])
+@pytest.mark.parametrize("name", ["dense", "mla", "hybrid-linear"])
 def test_a_prefetch_into_the_wrong_host_slot_is_caught_on_the_device(l3_api, name, monkeypatch):
     e = _engine(name)
     cls = _host_cls(name)
@@ -179,3 +181,59 @@ def test_a_prefetch_into_the_wrong_host_slot_is_caught_on_the_device(l3_api, nam
 def test_fuzzing_dense_ps4_with_storage_passes(l3_api, fuzz):
     outcome = fuzz(CONFIGS["dense-ps4"], examples=15)
     assert outcome.failure is None, outcome.failure
+
+
+# --- the zero-copy interface (zero_copy.py): SGLang's get_page_buffer_meta decides every address ------
+@pytest.mark.parametrize("name", ["dense-ps4", "mla-ps4"])
+def test_paged_configs_store_through_the_zero_copy_interface(l3_api, name, monkeypatch):
+    from poolfuzz.adapters.sglang.zero_copy import CLASS_NAME
+
+    e = _engine(name)
+    controller = e.families["prefill"].tree.cache_controller
+    assert type(controller.storage_backend).__name__ == CLASS_NAME
+    assert controller.page_set_func == controller._page_set_zero_copy
+    cls = _host_cls(name)
+    metas = []
+    real = cls.get_page_buffer_meta
+    monkeypatch.setattr(cls, "get_page_buffer_meta", lambda self, indices: metas.append(len(indices)) or real(self, indices))
+    loaded = _spy_prefetches(monkeypatch)
+    _stored_evicted_continued(e)
+    assert metas and loaded[-1] >= 16  # pages went out and came back through the pool's own meta
+    e.close()
+
+
+@pytest.mark.parametrize("name", ["dense-ps4", "mla-ps4"])
+def test_a_page_meta_that_points_one_page_on_is_caught_when_stored(l3_api, name, monkeypatch):
+    e = _engine(name)
+    cls = _host_cls(name)
+    real = cls.get_page_buffer_meta
+
+    def one_page_on(self, indices):
+        ptrs, sizes = real(self, indices)
+        page_bytes = real(self, torch.arange(self.page_size, 2 * self.page_size))[0][0] - real(
+            self, torch.arange(self.page_size))[0][0]
+        return [p + page_bytes for p in ptrs], sizes
+
+    monkeypatch.setattr(cls, "get_page_buffer_meta", one_page_on)
+    part = "mla.latent" if CONFIGS[name].latent else "full.k"
+    with pytest.raises(PoolfuzzFailure, match=rf"StateLost: req 1 stored in L3 .*component host\.{part} layer 0 "
+                                              r"position 0; .*\(expected req 1 pos 0\)"):
+        _stored_evicted_continued(e)
+    e.close()
+
+
+def test_a_page_meta_past_the_host_buffer_is_an_illegal_address(l3_api, monkeypatch):
+    from poolfuzz.adapters.sglang.kernel_io import IllegalAddress
+
+    e = _engine("dense-ps4")
+    cls = _host_cls("dense-ps4")
+    real = cls.get_page_buffer_meta
+
+    def past_the_end(self, indices):
+        ptrs, sizes = real(self, indices)
+        return ptrs, [s + self.kv_buffer.numel() * self.kv_buffer.element_size() for s in sizes]
+
+    monkeypatch.setattr(cls, "get_page_buffer_meta", past_the_end)
+    with pytest.raises(IllegalAddress, match="past the end of its buffer"):
+        _stored_evicted_continued(e)
+    e.close()

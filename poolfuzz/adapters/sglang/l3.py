@@ -30,6 +30,7 @@ import tempfile
 import time
 from contextlib import contextmanager
 
+from poolfuzz.adapters.sglang import zero_copy
 from poolfuzz.pools.config import ModelConfig
 
 BACKEND = "file"  # the storage backend SGLang ships that needs no network
@@ -79,6 +80,25 @@ def _single_rank() -> None:
         ctx.override_permanently(**unset)
 
 
+def storage_backend(config: ModelConfig, directory: str) -> tuple[str, dict]:
+    """``(--hicache-storage-backend, its extra config)``: SGLang's ``file`` backend, whose copying interface
+    reads and writes flat pages (``get_data_page`` / ``set_from_flat_data_page``), or, for a paged KV-only
+    model, the zero-copy interface that real L3 engines use (``get_page_buffer_meta``), through
+    ``zero_copy``'s stand-in. A mamba tree keeps the file backend: its state pages go through the v2 pool
+    interface, which the stand-in does not offer. So each config shape runs one interface:
+
+    ===========  ==============  ===========================
+    shape         page size 1     paged
+    ===========  ==============  ===========================
+    MHA, MLA      file            zero-copy (dynamic, v1)
+    mamba         file            (no tree at page size > 1)
+    ===========  ==============  ===========================
+    """
+    if config.page_size > 1 and not config.has_mamba:
+        return zero_copy.BACKEND, zero_copy.extra_config()
+    return BACKEND, {"file_storage_path": directory}
+
+
 @contextmanager
 def storage_arguments(config: ModelConfig, directory: str):
     """``--hicache-storage-backend file`` with its files in ``directory``, scoped to the tree's build, and
@@ -87,8 +107,9 @@ def storage_arguments(config: ModelConfig, directory: str):
     from sglang.srt.runtime_context import get_memory
 
     _single_rank()
-    extra = json.dumps({"prefetch_threshold": config.page_size, "file_storage_path": directory})
-    with get_memory().override(hicache_storage_backend=BACKEND, hicache_storage_backend_extra_config=extra,
+    backend, extra = storage_backend(config, directory)
+    extra = json.dumps(dict(extra, prefetch_threshold=config.page_size))
+    with get_memory().override(hicache_storage_backend=backend, hicache_storage_backend_extra_config=extra,
                                hicache_storage_prefetch_policy=PREFETCH_POLICY, hicache_ratio=HOST_RATIO):
         yield
 
@@ -122,6 +143,9 @@ def settle(tree) -> None:
                               f"{len(tree.ongoing_prefetch)} prefetch(es) still in flight after {SETTLE_SECONDS:.0f} s")
         time.sleep(0.001)
         tree.check_hicache_events()
+    faults = getattr(tree.cache_controller.storage_backend, "faults", None) if enabled(tree) else None
+    if faults:  # a zero-copy address outside the host pools (``zero_copy``): the process would be dead
+        raise faults.pop(0)
 
 
 def prefetch(tree, sg, common) -> int:
@@ -225,7 +249,8 @@ class StorageReader:
 
         host = self.tree.cache_controller.storage_host_pool
         shape = host.get_data_page(0, flat=False).shape
-        flat = backend.get(key, host.get_dummy_flat_data_page())
+        zero_copied = getattr(backend, "flat_page", None)  # zero_copy's stand-in: it keeps the meta's chunks
+        flat = zero_copied(key, host) if zero_copied else backend.get(key, host.get_dummy_flat_data_page())
         page = stored_bytes(flat.reshape(shape))
         rows = _layer_token_rows(host.layout)
         c = self.config
