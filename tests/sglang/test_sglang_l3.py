@@ -183,7 +183,14 @@ def test_fuzzing_dense_ps4_with_storage_passes(l3_api, fuzz):
     assert outcome.failure is None, outcome.failure
 
 
-# --- the zero-copy interface (zero_copy.py): SGLang's get_page_buffer_meta decides every address ------
+# --- the zero-copy interface (zero_copy.py): SGLang's page meta decides every address ----------------
+def _meta_method(name: str) -> str:
+    """The host pool's meta the stand-in asks: split by heads on a page-head host (``tp_lcm_size``)."""
+    from poolfuzz.adapters.sglang.hicache import host_layout
+
+    return "get_split_heads_page_buffer_meta" if host_layout(CONFIGS[name]) == "page_head" else "get_page_buffer_meta"
+
+
 @pytest.mark.parametrize("name", ["dense-ps4", "mla-ps4"])
 def test_paged_configs_store_through_the_zero_copy_interface(l3_api, name, monkeypatch):
     from poolfuzz.adapters.sglang.zero_copy import CLASS_NAME
@@ -192,10 +199,11 @@ def test_paged_configs_store_through_the_zero_copy_interface(l3_api, name, monke
     controller = e.families["prefill"].tree.cache_controller
     assert type(controller.storage_backend).__name__ == CLASS_NAME
     assert controller.page_set_func == controller._page_set_zero_copy
-    cls = _host_cls(name)
+    assert controller.storage_backend.split_factor == (2 if _meta_method(name).startswith("get_split") else 1)
+    cls, method = _host_cls(name), _meta_method(name)
     metas = []
-    real = cls.get_page_buffer_meta
-    monkeypatch.setattr(cls, "get_page_buffer_meta", lambda self, indices: metas.append(len(indices)) or real(self, indices))
+    real = getattr(cls, method)
+    monkeypatch.setattr(cls, method, lambda self, indices, *a: metas.append(len(indices)) or real(self, indices, *a))
     loaded = _spy_prefetches(monkeypatch)
     _stored_evicted_continued(e)
     assert metas and loaded[-1] >= 16  # pages went out and came back through the pool's own meta
@@ -205,16 +213,16 @@ def test_paged_configs_store_through_the_zero_copy_interface(l3_api, name, monke
 @pytest.mark.parametrize("name", ["dense-ps4", "mla-ps4"])
 def test_a_page_meta_that_points_one_page_on_is_caught_when_stored(l3_api, name, monkeypatch):
     e = _engine(name)
-    cls = _host_cls(name)
-    real = cls.get_page_buffer_meta
+    cls, method = _host_cls(name), _meta_method(name)
+    real = getattr(cls, method)
 
-    def one_page_on(self, indices):
-        ptrs, sizes = real(self, indices)
-        page_bytes = real(self, torch.arange(self.page_size, 2 * self.page_size))[0][0] - real(
-            self, torch.arange(self.page_size))[0][0]
+    def one_page_on(self, indices, *args):
+        ptrs, sizes = real(self, indices, *args)
+        page_bytes = real(self, torch.arange(self.page_size, 2 * self.page_size), *args)[0][0] - real(
+            self, torch.arange(self.page_size), *args)[0][0]
         return [p + page_bytes for p in ptrs], sizes
 
-    monkeypatch.setattr(cls, "get_page_buffer_meta", one_page_on)
+    monkeypatch.setattr(cls, method, one_page_on)
     part = "mla.latent" if CONFIGS[name].latent else "full.k"
     with pytest.raises(PoolfuzzFailure, match=rf"StateLost: req 1 stored in L3 .*component host\.{part} layer 0 "
                                               r"position 0; .*\(expected req 1 pos 0\)"):
@@ -222,11 +230,28 @@ def test_a_page_meta_that_points_one_page_on_is_caught_when_stored(l3_api, name,
     e.close()
 
 
+def test_a_head_split_meta_that_repeats_the_first_heads_is_caught(l3_api, monkeypatch):
+    """Every part of a page-head page pointing at its first heads: the second half of the heads is never stored."""
+    e = _engine("dense-ps4")
+    cls = _host_cls("dense-ps4")
+    real = cls.get_split_heads_page_buffer_meta
+
+    def first_heads_only(self, indices, split_factor):
+        ptrs, sizes = real(self, indices, split_factor)
+        return [ptrs[i - i % (2 * split_factor) + i % 2] for i in range(len(ptrs))], sizes
+
+    monkeypatch.setattr(cls, "get_split_heads_page_buffer_meta", first_heads_only)
+    with pytest.raises(PoolfuzzFailure, match=r"StateLost: req 1 stored in L3 .*component host\.full\.k layer 0 "
+                                              r"position 0; slot 0 holds req 1 pos 0 .*torn"):
+        _stored_evicted_continued(e)
+    e.close()
+
+
 def test_a_page_meta_past_the_host_buffer_is_an_illegal_address(l3_api, monkeypatch):
     from poolfuzz.adapters.sglang.kernel_io import IllegalAddress
 
-    e = _engine("dense-ps4")
-    cls = _host_cls("dense-ps4")
+    e = _engine("mla-ps4")
+    cls = _host_cls("mla-ps4")
     real = cls.get_page_buffer_meta
 
     def past_the_end(self, indices):

@@ -80,7 +80,7 @@ def _single_rank() -> None:
         ctx.override_permanently(**unset)
 
 
-def storage_backend(config: ModelConfig, directory: str) -> tuple[str, dict]:
+def storage_backend(config: ModelConfig, directory: str, layout: str) -> tuple[str, dict]:
     """``(--hicache-storage-backend, its extra config)``: SGLang's ``file`` backend, whose copying interface
     reads and writes flat pages (``get_data_page`` / ``set_from_flat_data_page``), or, for a paged KV-only
     model, the zero-copy interface that real L3 engines use (``get_page_buffer_meta``), through
@@ -93,21 +93,23 @@ def storage_backend(config: ModelConfig, directory: str) -> tuple[str, dict]:
     MHA, MLA      file            zero-copy (dynamic, v1)
     mamba         file            (no tree at page size > 1)
     ===========  ==============  ===========================
+
+    (``layout``: the host's ``--hicache-mem-layout``; a ``page_head`` host stores its pages split by heads.)
     """
     if config.page_size > 1 and not config.has_mamba:
-        return zero_copy.BACKEND, zero_copy.extra_config()
+        return zero_copy.BACKEND, zero_copy.extra_config(layout=layout, head_num=config.head_num)
     return BACKEND, {"file_storage_path": directory}
 
 
 @contextmanager
-def storage_arguments(config: ModelConfig, directory: str):
+def storage_arguments(config: ModelConfig, directory: str, layout: str):
     """``--hicache-storage-backend file`` with its files in ``directory``, scoped to the tree's build, and
     the host ratio of :data:`HOST_RATIO`. The prefetch threshold is one page (SGLang's default, 256 tokens,
     is past every context here)."""
     from sglang.srt.runtime_context import get_memory
 
     _single_rank()
-    backend, extra = storage_backend(config, directory)
+    backend, extra = storage_backend(config, directory, layout)
     extra = json.dumps(dict(extra, prefetch_threshold=config.page_size))
     with get_memory().override(hicache_storage_backend=backend, hicache_storage_backend_extra_config=extra,
                                hicache_storage_prefetch_policy=PREFETCH_POLICY, hicache_ratio=HOST_RATIO):

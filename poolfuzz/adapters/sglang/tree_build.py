@@ -59,7 +59,7 @@ def build_tree(family, *, hierarchical: bool = False, storage_dir: str | None = 
         tp_size=1, tp_rank=0, tp_group=None, full_tokens_per_layer=c.full_tokens)
     if not hierarchical:
         return registry.default_radix_cache_factory(ctx)
-    storage = l3.storage_arguments(c, storage_dir) if storage_dir else nullcontext()
+    storage = l3.storage_arguments(c, storage_dir, hicache.host_layout(c)) if storage_dir else nullcontext()
     with hicache.hicache_arguments(c), storage:
         tree = registry.default_radix_cache_factory(ctx)
     hicache.register_kernel_buffers(tree)

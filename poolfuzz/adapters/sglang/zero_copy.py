@@ -28,10 +28,19 @@ BACKEND = "dynamic"
 CLASS_NAME = "ZeroCopyStore"
 
 
-def extra_config() -> dict:
-    """``--hicache-storage-backend-extra-config`` naming this backend to SGLang's factory."""
-    return {"backend_name": "poolfuzz-zero-copy", "module_path": __name__, "class_name": CLASS_NAME,
-            "interface_v1": 1}
+HEAD_SPLIT = 2  # ``tp_lcm_size`` on a page-head host: pages stored as a two-rank decode server reads them
+
+
+def extra_config(*, layout: str, head_num: int) -> dict:
+    """``--hicache-storage-backend-extra-config`` naming this backend to SGLang's factory. On a ``page_head``
+    host (the layout for storage shared by servers of different TP sizes) it also sets ``tp_lcm_size``: the
+    pages are then stored split by heads, each part an object of its own, as a backend writes them for a
+    decode server with twice this one's TP (``get_split_heads_page_buffer_meta``)."""
+    out = {"backend_name": "poolfuzz-zero-copy", "module_path": __name__, "class_name": CLASS_NAME,
+           "interface_v1": 1}
+    if layout == "page_head" and head_num % HEAD_SPLIT == 0:
+        out["tp_lcm_size"] = HEAD_SPLIT
+    return out
 
 
 def _bytes_at(address: int, size: int, what: str) -> torch.Tensor:
@@ -52,6 +61,8 @@ def _store_class():
 
         def __init__(self, storage_config=None, kwargs=None):
             self.objects: dict[str, list[torch.Tensor]] = {}
+            split = getattr(storage_config, "should_split_heads", False)
+            self.split_factor = storage_config.tp_lcm_size // storage_config.tp_size if split else 1
             # What a DMA engine would have faulted on. SGLang's storage threads log a backend's exception
             # and go on (the page is just not stored); a GPU's illegal access kills the process, so the
             # adapter re-raises these after each poll (``l3.settle``).
@@ -65,7 +76,11 @@ def _store_class():
                 raise
 
         def _meta(self, keys, host_indices):
-            ptrs, sizes = self.mem_pool_host.get_page_buffer_meta(host_indices)
+            host = self.mem_pool_host
+            if self.split_factor > 1:
+                ptrs, sizes = host.get_split_heads_page_buffer_meta(host_indices, self.split_factor)
+            else:
+                ptrs, sizes = host.get_page_buffer_meta(host_indices)
             if len(ptrs) % max(len(keys), 1) or len(ptrs) != len(sizes):
                 raise IllegalAddress(f"zero-copy stand-in: {len(ptrs)} addresses and {len(sizes)} sizes for "
                                      f"{len(keys)} pages")
