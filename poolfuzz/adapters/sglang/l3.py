@@ -179,11 +179,16 @@ def prefetch(tree, sg, common) -> int:
 
 
 def close(tree, directory: str | None) -> None:
-    """Detach the storage backend (SGLang's ``shutdown``: its threads stop) and remove its files."""
+    """The server's shutdown of a HiCache tree: detach the storage backend (the tree's ``atexit`` hook,
+    ``shutdown``: its threads stop), then, as a scheduler's graceful exit does, release its host pools
+    (``release_host_resources``: each host pool's ``destroy``); and remove the backend's files."""
     shutdown = getattr(tree, "shutdown", None)
     if shutdown is not None:
         shutdown()
         atexit.unregister(shutdown)  # registered by init_hicache; the tree is done with
+    release = getattr(tree, "release_host_resources", None)
+    if release is not None:
+        release()
     if directory:
         shutil.rmtree(directory, ignore_errors=True)
 
