@@ -1,4 +1,5 @@
-"""HiCache's L3 storage tier on the CPU: SGLang's ``file`` backend, one temporary directory per tree.
+"""HiCache's L3 storage tier on the CPU: one storage backend per tree (SGLang's ``file`` backend in a
+temporary directory of its own, or ``zero_copy``'s stand-in for the zero-copy interface: :func:`storage_backend`).
 
 A server started with ``--hicache-storage-backend file`` backs every node the tree writes through to
 the host up into storage as well: when the write-through's ack comes in (``writing_check``), the tree
@@ -18,7 +19,8 @@ Four threads run this per tree. The adapter keeps them deterministic by settling
 no storage operation is in flight between two steps (the ``wait_complete`` prefetch policy makes a
 prefetch all-or-nothing, as the checks need). :func:`close` detaches the backend (SGLang's own
 ``shutdown``: drain, stop the threads, release what is still tracked) and removes the directory; the
-family calls it when its example ends (``SGLangTreeFamily.close``).
+family calls it when its example ends (``SGLangTreeFamily.close``). :class:`StorageReader` reads each
+stored page back for the checks (``harness/storage_audit.py``).
 """
 
 from __future__ import annotations
