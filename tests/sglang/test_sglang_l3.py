@@ -191,8 +191,8 @@ def _meta_method(name: str) -> str:
     return "get_split_heads_page_buffer_meta" if host_layout(CONFIGS[name]) == "page_head" else "get_page_buffer_meta"
 
 
-@pytest.mark.parametrize("name", ["dense-ps4", "mla-ps4"])
-def test_paged_configs_store_through_the_zero_copy_interface(l3_api, name, monkeypatch):
+@pytest.mark.parametrize("name", ["dense-ps4", "mla-ps4", "dense-cpu-fp8"])
+def test_the_zero_copy_configs_store_through_the_pools_meta(l3_api, name, monkeypatch):
     from poolfuzz.adapters.sglang.zero_copy import CLASS_NAME
 
     e = _engine(name)

@@ -84,21 +84,24 @@ def _single_rank() -> None:
 
 def storage_backend(config: ModelConfig, directory: str, layout: str) -> tuple[str, dict]:
     """``(--hicache-storage-backend, its extra config)``: SGLang's ``file`` backend, whose copying interface
-    reads and writes flat pages (``get_data_page`` / ``set_from_flat_data_page``), or, for a paged KV-only
-    model, the zero-copy interface that real L3 engines use (``get_page_buffer_meta``), through
-    ``zero_copy``'s stand-in. A mamba tree keeps the file backend: its state pages go through the v2 pool
-    interface, which the stand-in does not offer. So each config shape runs one interface:
+    reads and writes flat pages (``get_data_page`` / ``set_from_flat_data_page``), or the zero-copy interface
+    that real L3 engines use (``get_page_buffer_meta``; split by heads on a ``page_head`` host), through
+    ``zero_copy``'s stand-in. Each host layout runs both across the configs: a KV-only config takes the
+    zero-copy one when it is paged, and its KV-quantised twin (same host layout) the other way round. A mamba
+    tree keeps the file backend: its state pages go through the v2 pool interface, which the stand-in does
+    not offer.
 
-    ===========  ==============  ===========================
-    shape         page size 1     paged
-    ===========  ==============  ===========================
-    MHA, MLA      file            zero-copy (dynamic, v1)
-    mamba         file            (no tree at page size > 1)
-    ===========  ==============  ===========================
+    ==========================  ===============================  ==================================
+    config                       page size 1                      paged
+    ==========================  ===============================  ==================================
+    MHA, MLA                     file                             zero-copy (page_head: head split)
+    MHA with a KV quant method   zero-copy                        file
+    mamba                        file                             (no tree at page size > 1)
+    ==========================  ===============================  ==================================
 
-    (``layout``: the host's ``--hicache-mem-layout``; a ``page_head`` host stores its pages split by heads.)
+    (``layout``: the host's ``--hicache-mem-layout``.)
     """
-    if config.page_size > 1 and not config.has_mamba:
+    if not config.has_mamba and (config.page_size > 1) != bool(config.kv_quant):
         return zero_copy.BACKEND, zero_copy.extra_config(layout=layout, head_num=config.head_num)
     return BACKEND, {"file_storage_path": directory}
 
