@@ -199,6 +199,7 @@ def test_the_zero_copy_configs_store_through_the_pools_meta(l3_api, name, monkey
     controller = e.families["prefill"].tree.cache_controller
     assert type(controller.storage_backend).__name__ == CLASS_NAME
     assert controller.page_set_func == controller._page_set_zero_copy
+    assert type(controller.storage_host_pool.allocator).__name__ == "ShmHostTensorAllocator"  # "allocator": "shm"
     assert controller.storage_backend.split_factor == (2 if _meta_method(name).startswith("get_split") else 1)
     cls, method = _host_cls(name), _meta_method(name)
     metas = []

@@ -6,7 +6,9 @@ indices (``_page_set_zero_copy`` / ``_page_get_zero_copy``), and the backend ask
 each page's bytes are: ``get_page_buffer_meta(host_indices)``, one (address, size) per object of a page
 (per layer K and V on a layer-first host, K and V of the whole page on a page-first one; one object per
 page for MLA). The real backends hand those addresses to an RDMA or file engine; this one copies the
-bytes itself, from and to the host pool buffers the adapter registered (``kernel_io.REGISTRY``), and an
+bytes itself, from and to the host pool buffers the adapter registered (``kernel_io.REGISTRY``; the host
+pools live in shared memory, SGLang's ``"allocator": "shm"`` for a dynamic backend, as an engine in another
+process reads them), and an
 address outside them, or a size past a buffer's end, raises ``IllegalAddress``, as the engine's DMA
 would fault. Everything that decides the addresses (the pool's layout arithmetic, the controller's
 batching) is SGLang's. The objects live in memory, one store per tree, gone with it.
@@ -37,7 +39,7 @@ def extra_config(*, layout: str, head_num: int) -> dict:
     pages are then stored split by heads, each part an object of its own, as a backend writes them for a
     decode server with twice this one's TP (``get_split_heads_page_buffer_meta``)."""
     out = {"backend_name": "poolfuzz-zero-copy", "module_path": __name__, "class_name": CLASS_NAME,
-           "interface_v1": 1}
+           "interface_v1": 1, "allocator": "shm"}
     if layout == "page_head" and head_num % HEAD_SPLIT == 0:
         out["tp_lcm_size"] = HEAD_SPLIT
     return out
