@@ -13,6 +13,7 @@ from poolfuzz.harness.contents import describe_row
 from poolfuzz.harness.ledger import ComponentSpec
 from poolfuzz.harness.records import NODES, Phase, Request
 from poolfuzz.harness.sharing import audit_protected_prefixes, audit_shared_units
+from poolfuzz.harness.storage_audit import audit_storage
 from poolfuzz.pools.allocator import TokenAllocator
 from poolfuzz.pools.speculative import draft_step
 
@@ -98,6 +99,7 @@ class Checker:
         if free_lists:
             self._check_free_lists()
         self._check_contents(reqs)
+        audit_storage(self.engine, self.fail)  # pages stored since the last check (HiCache's L3)
 
     def check_whole(self, nodes=NODES, *, check: str = "leak", when: str = "after every request ended") -> None:
         """After every request of ``nodes`` ended (and the drain or a flush emptied their caches): every

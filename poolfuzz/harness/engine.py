@@ -551,6 +551,14 @@ class Engine(KnownBugTaint):
                 self.refs[node].flush_prefix_cache()
         self.checker.check_whole()
 
+    def close(self) -> None:
+        """The example is over: each family that holds something beyond it (a ``close`` method, e.g.
+        SGLang's HiCache storage threads and their directory) lets it go. Called after teardown."""
+        for fam in self.families.values():
+            close = getattr(fam, "close", None)
+            if close is not None:
+                close()
+
     def pressure(self) -> float:
         """The fullest device pool's used fraction, over both nodes (0 empty, 1 exhausted)."""
         return self.checker.pressure()

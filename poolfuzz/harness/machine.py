@@ -301,6 +301,7 @@ class PoolMachine(RuleBasedStateMachine):
         finally:
             if type(self).observer is not None:
                 type(self).observer.example_ended(engine)
+            engine.close()
         if engine.broken and isinstance(step_failure, Exception):
             steps = list(engine.log)
             pending = engine.pending_step(step_failure)

@@ -45,10 +45,11 @@ def test_sglangs_own_pool_and_every_index_cache_are_components(api):
 def test_the_release_passes_a_short_fuzz(api, name):
     """No false alarm; the K-only model's one known crash (a retraction on the PD decode node: the pool has
     no CPU copy, see the test below) is the only failure it may show."""
-    outcome = fuzz_family(__import__("poolfuzz.adapters.sglang", fromlist=["build_family"]).build_family,
-                          _config(name), examples=8)
-    if outcome.failure is not None and "konly" in name:
-        assert "NotImplementedError" in str(outcome.failure) and "retract" in str(outcome.failure), outcome.failure
+    try:
+        outcome = fuzz_family(__import__("poolfuzz.adapters.sglang", fromlist=["build_family"]).build_family,
+                              _config(name), examples=8)
+    except NotImplementedError:  # raised by SGLang's retraction, shrunk by Hypothesis
+        assert "konly" in name
         return
     assert outcome.failure is None, outcome.failure
 

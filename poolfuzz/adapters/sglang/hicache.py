@@ -24,6 +24,7 @@ from contextlib import contextmanager
 
 import torch
 
+from poolfuzz.adapters.sglang import l3
 from poolfuzz.adapters.sglang.host import HOST_LAYOUT, IO_BACKEND, install_cpu_transfer_ops
 from poolfuzz.adapters.sglang.kernel_io import install_cpu_kernel_ops, register_buffers
 from poolfuzz.pools.config import ModelConfig
@@ -159,10 +160,15 @@ def hicache_arguments(config: ModelConfig):
 
 
 def register_kernel_buffers(tree) -> None:
-    """Make the tree's host and device pools addressable by the ``kernel`` copies (``kernel_io``)."""
+    """Make the tree's host and device pools addressable by the ``kernel`` copies (``kernel_io``); on a
+    machine without CUDA, also unpin them: a host pool allocates each L3 page's bounce buffer
+    (``get_dummy_flat_data_page``) with its ``pin_memory``, which CPU-only torch refuses, as it has no
+    pinned memory to give (the register stand-in above is the same fact at build time)."""
     group = getattr(tree, "host_pool_group", None)
     for entry in getattr(group, "entries", ()) or ():
         register_buffers(entry.host_pool, entry.device_pool)
+        if not torch.cuda.is_available() and getattr(entry.host_pool, "pin_memory", False):
+            entry.host_pool.pin_memory = False
 
 
 def worker_standin():
@@ -206,4 +212,4 @@ def load_back(tree, sg) -> int:
 def poll(tree) -> None:
     """The scheduler's once-a-step poll: finished write-throughs and load-backs release their locks."""
     if getattr(tree, "cache_controller", None) is not None:
-        tree.check_hicache_events()
+        l3.settle(tree)  # with an L3 tier: until no backup or prefetch is in flight

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from poolfuzz.adapters.sglang import hicache
+from contextlib import nullcontext
+
+from poolfuzz.adapters.sglang import hicache, l3
 
 _PUBLISHED: dict[str, bool] = {}
 
@@ -36,9 +38,10 @@ def _publish_defaults() -> None:
     _PUBLISHED["done"] = True
 
 
-def build_tree(family, *, hierarchical: bool = False):
+def build_tree(family, *, hierarchical: bool = False, storage_dir: str | None = None):
     """The tree the release's scheduler builds for this model (its registry's default chain); with
-    ``hierarchical``, as ``--enable-hierarchical-cache`` builds it (``hicache.py``)."""
+    ``hierarchical``, as ``--enable-hierarchical-cache`` builds it (``hicache.py``), and with a
+    ``storage_dir`` also ``--hicache-storage-backend file`` there (``l3.py``)."""
     _publish_defaults()
     from sglang.srt.mem_cache import registry
     from sglang.srt.mem_cache.cache_init_params import CacheInitParams
@@ -56,7 +59,8 @@ def build_tree(family, *, hierarchical: bool = False):
         tp_size=1, tp_rank=0, tp_group=None, full_tokens_per_layer=c.full_tokens)
     if not hierarchical:
         return registry.default_radix_cache_factory(ctx)
-    with hicache.hicache_arguments(c):
+    storage = l3.storage_arguments(c, storage_dir, hicache.host_layout(c)) if storage_dir else nullcontext()
+    with hicache.hicache_arguments(c), storage:
         tree = registry.default_radix_cache_factory(ctx)
     hicache.register_kernel_buffers(tree)
     return tree

@@ -22,6 +22,7 @@ prompt starts with its source's tokens, so only a fork (never two unrelated requ
 
 from __future__ import annotations
 
+import weakref
 from array import array
 from dataclasses import fields
 
@@ -31,7 +32,7 @@ from poolfuzz.adapters.sglang.family import SGLangFamily
 from poolfuzz.adapters.sglang.frees import free_group
 from poolfuzz.adapters.sglang.protocol import SGLangProtocol
 from poolfuzz.adapters.sglang.standin import _FLAT_FIELDS
-from poolfuzz.adapters.sglang import hicache, idle_check, tree_swa
+from poolfuzz.adapters.sglang import hicache, idle_check, l3, tree_swa
 from poolfuzz.adapters.sglang.tree_build import _publish_defaults, build_tree
 from poolfuzz.pools.errors import PoolError, PoolExhausted
 from poolfuzz.pools.protocol import window_start
@@ -187,6 +188,7 @@ class SGLangTreeProtocol(SGLangProtocol):
         tree = family.tree
         # init_next_round_input: a mamba tree copies the matched state into a slot of the request's
         # own (allocated here, evicting if it must), deferred to the request's first extend forward
+        l3.prefetch(tree, sg, self.common)  # on arrival: what storage holds past the host's hit, onto the host
         self.common.match_kv_cache(sg, tree, cow_mamba=tree.supports_mamba())
         hicache.load_back(tree, sg)  # a match ending on the host: the adder loads it back first
         sg.lock = tree.lock(sg.last_node)
@@ -470,6 +472,8 @@ class SGLangTreeFamily(SGLangFamily):
     supports_fork = True
     supports_next_turn = False  # set per config by ``with_tree``: a next turn goes through the tree's match
     hierarchical = False  # HiCache: the tree has a host tier (``hicache.py``)
+    storage_dir: str | None = None  # HiCache's L3 tier: the ``file`` backend's directory (``l3.py``), or None
+    storage_reader: object = None  # reads the L3 pages back for the checks (``l3.StorageReader``)
     caches_freed_units = True  # a finished request's KV goes into the tree, freed (and reported) when evicted
     tree: object = None
 
@@ -482,6 +486,17 @@ class SGLangTreeFamily(SGLangFamily):
         if self.tree.supports_mamba():  # the recurrent-state checkpoints the tree holds
             out["mamba"] = sorted(int(v) for v in self.tree.all_mamba_values_flatten().tolist())
         return out
+
+    def close(self) -> None:
+        """The end of the example (the engine's ``close``): a tree with a host tier detaches its storage
+        backend, whose four threads stop, and its files go; the ``atexit`` hook SGLang registered goes too."""
+        if self.hierarchical:
+            l3.close(self.tree, self.storage_dir)
+            self.storage_dir = None
+
+    def take_stored_pages(self) -> list:
+        """HiCache's L3 pages stored since the last call, read back for the checks (``l3.StorageReader``)."""
+        return self.storage_reader.take() if self.storage_reader is not None else []
 
     def flush_prefix_cache(self) -> None:
         from sglang.srt.mem_cache.base_prefix_cache import EvictParams
@@ -546,8 +561,10 @@ def with_tree(family: SGLangFamily) -> SGLangFamily:
     out.hierarchical = hicache.hicache_problem(family.api, family.config, pd_decode=family.pd_decode) is None
     refused = _HICACHE_REFUSED.get(family.config) if out.hierarchical else None
     if refused is None:
+        if out.hierarchical and l3.storage_problem(family.api, family.config) is None:
+            out.storage_dir = l3.new_directory()
         try:
-            out.tree = build_tree(out, hierarchical=out.hierarchical)
+            out.tree = build_tree(out, hierarchical=out.hierarchical, storage_dir=out.storage_dir)
         except ValueError as exc:
             if not out.hierarchical:
                 raise
@@ -556,10 +573,17 @@ def with_tree(family: SGLangFamily) -> SGLangFamily:
             refused = _HICACHE_REFUSED[family.config] = (f"SGLang's HiCache refuses this pool "
                                                          f"({str(exc).splitlines()[0]})")
     if refused is not None:
+        l3.close(None, out.storage_dir)
+        out.storage_dir = None
         out.declined = dict(out.declined, hicache=refused)
         out.hierarchical = False
         out.tree = build_tree(out, hierarchical=False)
+    if out.hierarchical:  # a backstop for an engine nobody closes (a test's): its threads stop with the family
+        weakref.finalize(out, l3.close, out.tree, out.storage_dir)
     out.protocol = SGLangTreeProtocol(family.api)
+    if l3.enabled(out.tree):
+        out.storage_reader = l3.StorageReader(tree=out.tree, config=out.config, tokens=out.protocol.tokens,
+                                              owner_of=lambda token: token >> TOKEN_SHIFT)
     out.admission.tree_cache = out.tree
     out.snapshot_free_lists()
     return out
