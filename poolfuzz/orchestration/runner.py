@@ -295,12 +295,16 @@ def run_machine(config, *, device="cpu", faults=(), backup_mode=None, max_exampl
         blob = blob or final.reproduce
     hypothesis_steps = None
     signature = _signature(error, final)
+    shorter = None
     if final is not None and signature is not None and minimise_seconds and len(engine_steps) > 1:
-        shorter = minimise(list(engine_steps), bug=bug_key(signature), max_seconds=minimise_seconds,
-                           new_engine=lambda: new_engine(config=final.model_config or config, device=device,
-                                                         faults=faults, backup_mode=backup_mode,
-                                                         family_factory=family_factory,
-                                                         options=dataclasses.asdict(options)))
+        try:  # a Ctrl-C here keeps Hypothesis's shrink: the artifact must still be written as final
+            shorter = minimise(list(engine_steps), bug=bug_key(signature), max_seconds=minimise_seconds,
+                               new_engine=lambda: new_engine(config=final.model_config or config, device=device,
+                                                             faults=faults, backup_mode=backup_mode,
+                                                             family_factory=family_factory,
+                                                             options=dataclasses.asdict(options)))
+        except KeyboardInterrupt:
+            interrupted = True
         if shorter is not None and len(shorter.steps) < len(engine_steps):
             hypothesis_steps, engine_steps = len(engine_steps), tuple(shorter.steps)
             got = shorter.replayed
