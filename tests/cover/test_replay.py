@@ -157,10 +157,10 @@ def test_interrupted_run_leaves_its_best_shrink(tmp_path, sig):
         assert art.status in ("interrupted", "shrunk")
         assert "1 failed (interrupted)" in stdout or "1 failed" in stdout
         assert "Traceback" not in stdout
-    else:
+        assert not [f for f in os.listdir(out) if f.endswith(".tmp")]
+    else:  # a kill can land inside a rewrite: its hidden temp file may stay, the artifact itself is whole
         assert art.status in ("shrinking", "shrunk")
     assert art.failure.startswith("StateLost")
-    assert not [f for f in os.listdir(out) if f.endswith(".tmp")]
     assert run_cli(["replay", path, "--device", "cpu"]) == 1
 
 
