@@ -19,6 +19,7 @@ from poolfuzz.errors import UsageError
 from poolfuzz.harness.program import check_steps, step_to_json
 from poolfuzz.harness.records import StepRecord
 from poolfuzz.orchestration import schema
+from poolfuzz.orchestration.stopping import stop_signals_deferred
 
 SCHEMA = "poolfuzz-failure"
 VERSION = 1
@@ -113,12 +114,13 @@ def write_atomic(path: str | os.PathLike, artifact: Artifact) -> Path:
 
 def write_text_atomic(path: Path, text: str) -> None:
     """Write to a temp file in the same folder, fsync, then rename over ``path``."""
-    tmp = _temp_copy(path.parent, path.name, text)
-    try:
-        os.replace(tmp, path)
-    except BaseException:
-        _unlink(tmp)
-        raise
+    with stop_signals_deferred():  # a Ctrl-C or SIGTERM lands after the rename, never between temp and rename
+        tmp = _temp_copy(path.parent, path.name, text)
+        try:
+            os.replace(tmp, path)
+        except BaseException:
+            _unlink(tmp)
+            raise
 
 
 def write_new_atomic(folder: str | os.PathLike, name_for, artifact: Artifact) -> Path:
@@ -128,26 +130,32 @@ def write_new_atomic(folder: str | os.PathLike, name_for, artifact: Artifact) ->
     same second never share a file, and no reader ever sees an empty or partial artifact."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    tmp = _temp_copy(folder, name_for(1), dumps(artifact))
-    try:
-        k = 1
-        while True:
-            path = folder / name_for(k)
+    text = dumps(artifact)
+    with stop_signals_deferred():  # as in write_text_atomic: no stop signal between temp file and link
+        tmp = _temp_copy(folder, name_for(1), text)
+        try:
+            return _link_under_free_name(tmp, folder, name_for)
+        finally:
+            _unlink(tmp)
+
+
+def _link_under_free_name(tmp: str, folder: Path, name_for) -> Path:
+    k = 1
+    while True:
+        path = folder / name_for(k)
+        try:
+            os.link(tmp, path)
+            return path
+        except FileExistsError:
+            k += 1
+        except OSError:  # a filesystem without hard links: reserve the name, then rename over it
             try:
-                os.link(tmp, path)
-                return path
+                os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
             except FileExistsError:
                 k += 1
-            except OSError:  # a filesystem without hard links: reserve the name, then rename over it
-                try:
-                    os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
-                except FileExistsError:
-                    k += 1
-                    continue
-                os.replace(tmp, path)
-                return path
-    finally:
-        _unlink(tmp)
+                continue
+            os.replace(tmp, path)
+            return path
 
 
 def _temp_copy(folder: Path, name: str, text: str) -> str:

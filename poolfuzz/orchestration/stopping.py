@@ -76,6 +76,26 @@ def stop_signals_blocked():
         signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
 
+@contextlib.contextmanager
+def stop_signals_deferred():
+    """Hold SIGINT and SIGTERM while the block runs, then deliver the first one taken to the handler
+    that was installed before. A signal mask would not do: it is per thread, and the kernel hands a
+    process-directed signal to any thread that does not block it (torch's pool threads), whose
+    Python handler then still raises in the main thread. Outside the main thread this is a no-op."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    taken: list[int] = []
+    old = {s: signal.signal(s, lambda signum, frame: taken.append(signum)) for s in STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        for s, handler in old.items():
+            signal.signal(s, handler)
+        if taken:
+            signal.raise_signal(taken[0])
+
+
 def worker_ready() -> None:
     """Unblock the stop signals a worker inherited blocked (call inside its KeyboardInterrupt handler)."""
     signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)

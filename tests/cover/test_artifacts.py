@@ -2,12 +2,15 @@
 
 import json
 import os
+import signal
+import tempfile
 
 import pytest
 from programs import FAULT_35957, PROGRAM_35957
 
 from poolfuzz.cli import run_cli
 from poolfuzz.orchestration import artifacts
+from poolfuzz.orchestration.stopping import Interrupts
 from poolfuzz.orchestration.artifacts import (
     ArtifactError,
     from_program,
@@ -48,6 +51,27 @@ def test_write_is_atomic_and_leaves_no_temp_files(tmp_path, artifact_path):
     with pytest.raises(TypeError):
         write_atomic(artifact_path, art)
     assert artifact_path.read_text() == before
+    assert sorted(os.listdir(artifact_path.parent)) == ["a.json"]
+
+
+def test_a_stop_signal_during_a_write_lands_after_the_rename(artifact_path, monkeypatch):
+    """SIGTERM just after the temp file is made (seen once in CI under load) used to leave it behind:
+    the write holds the stop signals, and the interrupt arrives once the new artifact is in place."""
+    art = load(artifact_path)
+    art.status = "interrupted" if art.status != "interrupted" else "shrunk"
+    real_mkstemp = tempfile.mkstemp
+
+    def signalled_mkstemp(*args, **kwargs):
+        made = real_mkstemp(*args, **kwargs)
+        os.kill(os.getpid(), signal.SIGTERM)
+        for _ in range(1000):  # Python bytecode, where an unblocked handler raises
+            pass
+        return made
+
+    monkeypatch.setattr(artifacts.tempfile, "mkstemp", signalled_mkstemp)
+    with Interrupts().installed(), pytest.raises(KeyboardInterrupt):
+        write_atomic(artifact_path, art)
+    assert load(artifact_path).status == art.status
     assert sorted(os.listdir(artifact_path.parent)) == ["a.json"]
 
 
