@@ -27,7 +27,7 @@ def register(sub) -> None:
 
 def main(args, out=None) -> int:
     from poolfuzz.orchestration import artifacts
-    from poolfuzz.harness.program import new_engine, replay
+    from poolfuzz.harness.program import new_engine
     from poolfuzz.pools.family import resolve_device
 
     out = out or sys.stdout
@@ -49,6 +49,13 @@ def main(args, out=None) -> int:
         w("\nREPRODUCED at step 0 (building the families):\n")
         _report(w, exc, art)
         return 1
+    with engine:  # a family's storage threads and files go when the replay ends
+        return _replay_steps(w, engine, art, device, args.verbose)
+
+
+def _replay_steps(w, engine, art, device, verbose: bool) -> int:
+    from poolfuzz.harness.program import replay
+
     w(f"     0  start\n          {engine.occupancy()}\n")
     for ev in replay(engine, art.program):
         label = "teardown: sweep, drain" if ev.step is None else _call(ev.step)
@@ -57,10 +64,10 @@ def main(args, out=None) -> int:
               "the pools behaved differently before the recorded failure: the bug may be fixed\n")
             return 0
         w(f"{ev.index:6}  {label}" + (f"  -> {ev.outcome}" if ev.outcome else "") + "\n")
-        if args.verbose and ev.step is not None and ev.step.outcome and ev.step.outcome != ev.outcome:
+        if verbose and ev.step is not None and ev.step.outcome and ev.step.outcome != ev.outcome:
             w(f"          recorded: {ev.step.outcome}\n")
         w(f"          {ev.occupancy}\n")
-        if args.verbose:
+        if verbose:
             for line in _requests(engine):
                 w(f"          {line}\n")
         if ev.failure is not None:

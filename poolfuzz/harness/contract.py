@@ -136,12 +136,12 @@ def check_family(factory, config: ModelConfig, *, device="cpu") -> None:
         problems = check_structure(family) + check_free_reports(family)
     if not problems:
         try:
-            engine = Engine(config=config, device=device, family_factory=factory)
-            for op, args in PROGRAM:
-                getattr(engine, op)(**args)
-                engine.check()
-            engine.sweep()
-            engine.drain()
+            with Engine(config=config, device=device, family_factory=factory) as engine:
+                for op, args in PROGRAM:
+                    getattr(engine, op)(**args)
+                    engine.check()
+                engine.sweep()
+                engine.drain()
         except Exception as exc:
             problems.append(f"the contract program failed: {type(exc).__name__}: {exc}")
     if problems:

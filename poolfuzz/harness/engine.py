@@ -103,6 +103,7 @@ class Engine(KnownBugTaint):
         self.touched: set[int] = set()  # requests this step changed: their contents are checked
         self.events: set[str] = set()  # labels of this step for Hypothesis statistics
         self.broken = False  # True from the start of an operation until its check has passed
+        self.closed = False
         self.log: list[StepRecord] = []  # the program so far
         self.stats = {"checksum_calls": 0, "slots_checked": 0, "sweeps": 0}
         self.waived: dict[str, int] = {}  # violations of waived checks, counted instead of raised
@@ -553,11 +554,21 @@ class Engine(KnownBugTaint):
 
     def close(self) -> None:
         """The example is over: each family that holds something beyond it (a ``close`` method, e.g.
-        SGLang's HiCache storage threads and their directory) lets it go. Called after teardown."""
+        SGLang's HiCache storage threads and their directory) lets it go. Called after teardown; once.
+        ``with engine:`` closes it at the end of the block."""
+        if self.closed:
+            return
+        self.closed = True
         for fam in self.families.values():
             close = getattr(fam, "close", None)
             if close is not None:
                 close()
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def pressure(self) -> float:
         """The fullest device pool's used fraction, over both nodes (0 empty, 1 exhausted)."""

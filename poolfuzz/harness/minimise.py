@@ -51,6 +51,11 @@ def run_program(new_engine: Callable, steps: list[StepRecord]) -> Replayed:
     except Exception as exc:  # a failure while the families are built (an audit, a crash): step 0
         return Replayed(failure=exc, in_teardown=False, op="init", created=(), cannot_run=False,
                         divergence=failures.divergence_of(exc))
+    with engine:  # a family's storage threads and files go with each replay
+        return _replayed(engine, steps)
+
+
+def _replayed(engine, steps: list[StepRecord]) -> Replayed:
     created: list = []
     outcomes: list = []
     last_rid = engine.next_rid

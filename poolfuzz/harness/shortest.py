@@ -88,7 +88,11 @@ def shortest_failure(new_engine: Callable[[], object], *, max_steps: int, prompt
         """(engine, failure) after ``steps``; failure None if they ran clean."""
         engine = new_engine()
         for s in steps:
-            precondition(engine, s, strict=True)
+            try:
+                precondition(engine, s, strict=True)
+            except CannotRun:
+                engine.close()
+                raise
             try:
                 getattr(engine, s.op)(**s.args)
                 engine.check()
@@ -112,28 +116,31 @@ def shortest_failure(new_engine: Callable[[], object], *, max_steps: int, prompt
     def search(prefix: list[StepRecord], length: int) -> Shortest | None:
         nonlocal explored
         engine, _ = run(prefix)
-        if len(prefix) == length:
-            explored += 1
-            exc = teardown(engine)
-            return None if exc is None else found(prefix, engine, exc, True)
-        for nxt in vocabulary(engine, prompts):
+        with engine:  # every engine built is closed: a family's storage threads and files go with it
+            if len(prefix) == length:
+                explored += 1
+                exc = teardown(engine)
+                return None if exc is None else found(prefix, engine, exc, True)
+            moves = vocabulary(engine, prompts)
+        for nxt in moves:
             steps = prefix + [nxt]
             try:
-                engine, exc = run(steps)
+                child, exc = run(steps)
             except CannotRun:
                 continue
-            if exc is not None:  # a failure at a step: the program ends here
-                explored += 1
-                if len(steps) == length:
-                    return found(steps, engine, exc, False)
-                continue  # shorter than this length: searched (and passed over) at its own length
+            with child:
+                if exc is not None:  # a failure at a step: the program ends here
+                    explored += 1
+                    if len(steps) == length:
+                        return found(steps, child, exc, False)
+                    continue  # shorter than this length: searched (and passed over) at its own length
             result = search(steps, length)
             if result is not None:
                 return result
         return None
 
     try:
-        new_engine()
+        new_engine().close()
     except ConfigError:
         raise  # an impossible config or fault selection is the user's to fix, not a failure found
     except Exception as exc:  # noqa: BLE001 - the families' own audits fail as they are built

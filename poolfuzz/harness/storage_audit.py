@@ -9,8 +9,6 @@ it is stored, before any request reads it back.
 
 from __future__ import annotations
 
-import torch
-
 from poolfuzz.harness import failures
 from poolfuzz.harness.checksums import row_checksums
 from poolfuzz.harness.contents import describe_row

@@ -12,6 +12,7 @@ import json
 import os
 import re
 import tempfile
+import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -156,6 +157,32 @@ def _link_under_free_name(tmp: str, folder: Path, name_for) -> Path:
                 continue
             os.replace(tmp, path)
             return path
+
+
+STALE_TEMP_SECONDS = 600.0  # a write takes milliseconds: a temp file this old was left by a killed process
+
+
+def sweep_stale_temps(folder: str | os.PathLike) -> list[str]:
+    """Remove the hidden temp files a killed run left in ``folder`` (SIGKILL mid-write: nothing can
+    clean up then); the names removed. Only this module's own names (``.<name>.<random>.tmp``) and only
+    old ones: a run sharing the folder may be writing one right now."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        return []
+    now = time.time()
+    gone = []
+    for entry in folder.iterdir():
+        name = entry.name
+        if not (name.startswith(".") and name.endswith(".tmp")) or not entry.is_file():
+            continue
+        try:
+            if now - entry.stat().st_mtime < STALE_TEMP_SECONDS:
+                continue
+            entry.unlink()
+            gone.append(name)
+        except OSError:  # another run swept it first, or it is not ours to remove
+            continue
+    return gone
 
 
 def _temp_copy(folder: Path, name: str, text: str) -> str:
@@ -371,14 +398,21 @@ def from_program(config, steps, *, faults=(), device="cpu", backup_mode: str | N
     Useful to pin a known failure as an artifact without fuzzing; raises ValueError if the program
     does not fail.
     """
-    from poolfuzz.harness.failures import divergence_of, message_of
-    from poolfuzz.harness.program import new_engine, replay
+    from poolfuzz.harness.program import new_engine
     from poolfuzz.pools.config import get_config
 
     records = check_steps([s if isinstance(s, dict) else step_to_json(s) for s in steps])
     model = get_config(config) if isinstance(config, str) else config
     engine = new_engine(config=model, device=device, faults=faults, backup_mode=backup_mode,
                         family_factory=family_factory(family))
+    with engine:
+        return _record(engine, records, model=model, family=family, faults=faults, seed=seed)
+
+
+def _record(engine, records, *, model, family, faults, seed) -> Artifact:
+    from poolfuzz.harness.failures import divergence_of, message_of
+    from poolfuzz.harness.program import replay
+
     recorded: list[StepRecord] = []
     for ev in replay(engine, records):
         if ev.cannot_run:

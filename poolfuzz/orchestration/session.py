@@ -314,6 +314,9 @@ def run_session(plan: Plan, *, stream: TextIO | None = None, tty: bool | None = 
                  f"{budget}, seed {plan.seed}" + (f", faults {', '.join(plan.faults)}" if plan.faults else "")
                  + f"; database {plan.db or 'off'}; failures to {plan.out}/\n")
     stream.flush()
+    from poolfuzz.orchestration.artifacts import sweep_stale_temps
+
+    sweep_stale_temps(plan.out)  # what an earlier run killed mid-write left
     deadline = None if plan.seconds is None else time.time() + plan.seconds
     result = SessionResult(exit_code=EXIT_OK, lanes=states)
     # SIGTERM (a CI timeout, systemd, kill) stops the run as Ctrl-C does: summary, artifacts kept.

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from poolfuzz.pools.components import DTYPES, Component
+from poolfuzz.pools.components import Component
 
 DRAFT_MARK = "@draft"
 

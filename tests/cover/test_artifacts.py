@@ -4,6 +4,7 @@ import json
 import os
 import signal
 import tempfile
+import time
 
 import pytest
 from programs import FAULT_35957, PROGRAM_35957
@@ -73,6 +74,21 @@ def test_a_stop_signal_during_a_write_lands_after_the_rename(artifact_path, monk
         write_atomic(artifact_path, art)
     assert load(artifact_path).status == art.status
     assert sorted(os.listdir(artifact_path.parent)) == ["a.json"]
+
+
+def test_a_run_sweeps_the_temp_files_a_killed_run_left(tmp_path):
+    """Only old hidden temp files go: a fresh one may be another run's write in progress, and a file
+    that is not a temp file is never touched."""
+    old, fresh = tmp_path / ".a.json.x1.tmp", tmp_path / ".b.json.x2.tmp"
+    keep = [tmp_path / "a.json", tmp_path / ".notes", tmp_path / "scratch.tmp"]
+    for f in (old, fresh, *keep):
+        f.write_text("{}")
+    long_ago = time.time() - artifacts.STALE_TEMP_SECONDS - 1
+    os.utime(old, (long_ago, long_ago))
+    os.utime(keep[1], (long_ago, long_ago))
+    assert artifacts.sweep_stale_temps(tmp_path) == [old.name]
+    assert sorted(os.listdir(tmp_path)) == sorted([fresh.name, *(f.name for f in keep)])
+    assert artifacts.sweep_stale_temps(tmp_path / "absent") == []
 
 
 def _corrupt(path, mutate):
