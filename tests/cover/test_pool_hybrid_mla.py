@@ -4,8 +4,6 @@ layers mapped to the sub-pool's, and the catalogue fault that registers it for P
 import pytest
 import torch
 
-from poolfuzz.harness.engine import Engine
-from poolfuzz.harness.failures import PoolfuzzFailure
 from poolfuzz.pools import CONFIGS, ConfigError, build_family
 from poolfuzz.pools.config import ModelConfig
 from poolfuzz.pools.latent import MLATokenToKVPool
@@ -36,27 +34,6 @@ def test_a_retraction_carries_the_latent_rows_and_the_state():
     assert bool((pool.mamba_pool.temporal[:, int(other[0])] == 7).all())
 
 
-@pytest.mark.parametrize("name", ["mla-ssm", "mla-ssm-ps4"])
-def test_a_pd_registration_of_mha_items_is_caught(name):
-    """The hybrid pool registers its MLA buffers with items of head_num * head_dim values: the decode node's
-    latent rows hold bytes of other tokens, and the report names the latent row."""
-    e = Engine(config=CONFIGS[name], faults=("hybrid-mla-pd-item-of-head-width",))
-    rid = e.admit(5)
-    e.prefill(rid, 5)
-    with pytest.raises(PoolfuzzFailure) as info:
-        e.transfer(rid)
-        e.check()
-    assert info.value.divergence.component in ("mla.latent", "mla.rope"), info.value
-
-
-def test_the_same_program_passes_without_the_fault():
-    e = Engine(config=CONFIGS["mla-ssm"])
-    rid = e.admit(5)
-    e.prefill(rid, 5)
-    e.transfer(rid)
-    e.check()
-
-
 def test_only_unquantised_latent_attention_may_sit_beside_mamba_layers():
     base = dict(name="x", architecture="kimi-linear", full_tokens=48, max_context=48, mamba_layers=1, mamba_slots=2)
     ModelConfig(**base, attention="mla")
@@ -70,19 +47,3 @@ def test_a_dsa_sub_pool_sends_its_index_cache_after_the_recurrent_state():
     family = build_family(CONFIGS["dsa-ssm-ps64"])
     assert family.transfer.state_components(family) == [("MAMBA", "kv_pool"), ("DSA", "kv_pool")]
     assert family.kv_pool.get_state_buf_infos("DSA") == family.kv_pool.full_kv_pool.index_k_with_scale_buffer
-
-
-@pytest.mark.parametrize("fault", ["pd-drops-dsa-index", "dsa-copy-drops-index"])
-def test_a_hybrid_dsa_pool_that_loses_its_index_cache_is_caught(fault):
-    e = Engine(config=CONFIGS["dsa-ssm-ps64"], faults=(fault,))
-    rid = e.admit(5)
-    e.prefill(rid, 5)
-    with pytest.raises(PoolfuzzFailure) as info:
-        if fault == "pd-drops-dsa-index":
-            e.transfer(rid)
-        else:
-            node = e.requests[rid].node
-            e.retract(rid)
-            e.resume(node)
-        e.check()
-    assert info.value.divergence.component.startswith("dsa.index_"), info.value

@@ -6,8 +6,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from poolfuzz.harness.engine import Engine
-from poolfuzz.harness.failures import PoolfuzzFailure
 from poolfuzz.pools.config import CONFIGS
 from poolfuzz.pools.errors import ConfigError
 from poolfuzz.pools.family import build_family
@@ -35,29 +33,6 @@ def test_the_scales_travel_with_their_rows(path):
         for buf in pool.get_state_buf_infos("BLOCK_SCALE"):
             buf[7] = buf[3]
     assert torch.equal(pool.v_scale_buffer[1][7], torch.arange(12, dtype=torch.uint8))
-
-
-@pytest.mark.parametrize("name", ["dense-fp4", "dense-fp4-ps4"])
-def test_a_retraction_that_leaves_the_scales_behind_is_caught(name):
-    e = Engine(config=CONFIGS[name], faults=("fp4-mha-copy-drops-scales",))
-    rid = e.admit(5)
-    e.prefill(rid, 5)
-    node = e.requests[rid].node
-    e.retract(rid)
-    with pytest.raises(PoolfuzzFailure) as info:
-        e.resume(node)
-        e.check()
-    assert info.value.divergence.component in ("full.k_scale", "full.v_scale"), info.value
-
-
-def test_the_same_program_passes_without_the_fault():
-    e = Engine(config=CONFIGS["dense-fp4"])
-    rid = e.admit(5)
-    e.prefill(rid, 5)
-    node = e.requests[rid].node
-    e.retract(rid)
-    e.resume(node)
-    e.check()
 
 
 @pytest.mark.parametrize("changes", [dict(head_dim=8), dict(head_dim=95), dict(swa_layers=1, sliding_window=4,

@@ -7,8 +7,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from poolfuzz.harness.engine import Engine
-from poolfuzz.harness.failures import PoolfuzzFailure
 from poolfuzz.pools.config import CONFIGS
 from poolfuzz.pools.errors import ConfigError
 from poolfuzz.pools.family import build_family
@@ -43,30 +41,6 @@ def test_every_index_row_travels_with_its_slot(path):
             b[7] = b[3]
     for n, comp in enumerate(comps):
         assert bool((comp.tensor[7] == n + 1).all()), comp
-
-
-@pytest.mark.parametrize("name", ["minimax-sparse", "minimax-sparse-ps4", "minimax-sparse-konly"])
-def test_a_retraction_copy_that_skips_the_k_only_group_is_caught(name):
-    e = Engine(config=CONFIGS[name], faults=("msa-copy-skips-k-only-index",))
-    rid = e.admit(5)
-    e.prefill(rid, 5)
-    node = e.requests[rid].node
-    e.retract(rid)
-    with pytest.raises(PoolfuzzFailure) as info:
-        e.resume(node)
-        e.check()
-    div = info.value.divergence
-    assert (div.component, div.layer) in {("msa.index_k", lid) for lid in CONFIGS[name].msa_layer_ids("K")}, info.value
-
-
-def test_the_correct_pool_survives_the_same_program():
-    e = Engine(config=CONFIGS["minimax-sparse"])
-    rid = e.admit(5)
-    e.prefill(rid, 5)
-    node = e.requests[rid].node
-    e.retract(rid)
-    e.resume(node)
-    e.check()
 
 
 @pytest.mark.parametrize("changes, words", [

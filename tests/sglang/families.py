@@ -31,3 +31,33 @@ def dsa_move_is_page_aware(api) -> bool:
     except IndexError:
         return False
     return bool((buf[1] == 7).all())
+
+
+def served_pressed_continued(e, *, before_next_turn=None) -> int:
+    """A 20-token chat served and finished (written through to the host where the tree has one), a
+    40-token request that needs the device slots (the chat's nodes are demoted), then the chat's next
+    turn, which finds its prefix below the device and loads it back; every step checked. Returns the
+    next turn's rid. ``before_next_turn()`` runs between the pressure and the next turn."""
+    first = e.admit(20)
+    e.check()
+    e.prefill(first, 20)
+    e.check()
+    e.decode([first])
+    e.check()
+    e.finish(first)
+    e.check()
+    big = e.admit(40)
+    e.check()
+    e.prefill(big, 40)
+    e.check()
+    e.finish(big)
+    e.check()
+    if before_next_turn is not None:
+        before_next_turn()
+    turn = e.next_turn(first, 3)
+    e.check()
+    e.prefill(turn, 8)
+    e.check()
+    e.decode([turn])
+    e.check()
+    return turn

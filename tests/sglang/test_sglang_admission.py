@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 
-from poolfuzz.pools.config import CONFIGS
 from poolfuzz.pools.errors import PoolError, PoolExhausted
 from poolfuzz.pools.request import ReqKv
 from tests.sglang.families import family_or_skip as _family

@@ -6,6 +6,7 @@ import pytest
 
 from poolfuzz.harness.failures import PoolfuzzFailure
 from poolfuzz.pools.config import CONFIGS
+from tests.sglang.families import served_pressed_continued
 
 
 @pytest.fixture
@@ -42,30 +43,8 @@ def _spy_load_backs(fam) -> list[tuple[int, int]]:
 
 
 def _demoted_then_continued(e):
-    """A 20-token chat served and finished (its KV written through to the host), a 40-token request
-    that needs the device slots (the chat's nodes are demoted to the host), then the chat's next turn:
-    its prefix is matched on the host and loaded back. Returns the next turn's rid."""
-    first = e.admit(20)
-    e.check()
-    e.prefill(first, 20)
-    e.check()
-    e.decode([first])
-    e.check()
-    e.finish(first)
-    e.check()
-    big = e.admit(40)
-    e.check()
-    e.prefill(big, 40)
-    e.check()
-    e.finish(big)
-    e.check()
-    turn = e.next_turn(first, 3)
-    e.check()
-    e.prefill(turn, 8)
-    e.check()
-    e.decode([turn])
-    e.check()
-    return turn
+    """The chat demoted to the host and continued: its prefix is matched on the host and loaded back."""
+    return served_pressed_continued(e)
 
 
 @pytest.mark.parametrize("name", ["dense", "dense-ps4", "mla", "mla-ps4", "hybrid-linear"])

@@ -8,6 +8,7 @@ import pytest
 
 from poolfuzz.harness.failures import PoolfuzzFailure
 from poolfuzz.pools.config import CONFIGS
+from tests.sglang.families import served_pressed_continued
 
 TIERED = ["dense", "dense-ps4", "mla", "mla-ps4", "hybrid-linear", "hybrid-spec"]
 
@@ -32,26 +33,7 @@ def _engine(name: str):
 
 def _served_demoted_continued(e) -> None:
     """A chat written through to the host, demoted by a larger request, then continued (loaded back)."""
-    first = e.admit(20)
-    e.check()
-    e.prefill(first, 20)
-    e.check()
-    e.decode([first])
-    e.check()
-    e.finish(first)
-    e.check()
-    big = e.admit(40)
-    e.check()
-    e.prefill(big, 40)
-    e.check()
-    e.finish(big)
-    e.check()
-    turn = e.next_turn(first, 3)
-    e.check()
-    e.prefill(turn, 8)
-    e.check()
-    e.decode([turn])
-    e.check()
+    served_pressed_continued(e)
 
 
 @pytest.mark.parametrize("name", TIERED)

@@ -11,6 +11,7 @@ import torch
 
 from poolfuzz.harness.failures import PoolfuzzFailure
 from poolfuzz.pools.config import CONFIGS
+from tests.sglang.families import served_pressed_continued
 
 STORED = ["dense", "dense-ps4", "mla", "mla-ps4", "hybrid-linear"]
 
@@ -53,34 +54,17 @@ def _spy_prefetches(monkeypatch) -> list[int]:
 
 
 def _stored_evicted_continued(e) -> int:
-    """A 20-token chat served and finished (written through to the host and backed up into storage), a
-    40-token request, then the idle server's flush of its device tree and its host tier, so the chat's
-    prefix is held by storage only; then the chat's next turn, which prefetches it. Returns its rid."""
+    """The chat served, finished and backed up into storage; then the idle server's flush of its device
+    tree and its host tier, so the chat's prefix is held by storage only; then the chat's next turn, which
+    prefetches it. Returns its rid."""
     fam = e.families["prefill"]
-    first = e.admit(20)
-    e.check()
-    e.prefill(first, 20)
-    e.check()
-    e.decode([first])
-    e.check()
-    e.finish(first)
-    e.check()
-    big = e.admit(40)
-    e.check()
-    e.prefill(big, 40)
-    e.check()
-    e.finish(big)
-    e.check()
-    fam.flush_prefix_cache()
-    e.refs["prefill"].flush_prefix_cache()
-    fam.tree.evict_host(fam.config.full_tokens * 4)  # every host page: only storage holds the chat now
-    turn = e.next_turn(first, 3)
-    e.check()
-    e.prefill(turn, 8)
-    e.check()
-    e.decode([turn])
-    e.check()
-    return turn
+
+    def only_storage_holds_the_chat():
+        fam.flush_prefix_cache()
+        e.refs["prefill"].flush_prefix_cache()
+        fam.tree.evict_host(fam.config.full_tokens * 4)  # every host page
+
+    return served_pressed_continued(e, before_next_turn=only_storage_holds_the_chat)
 
 
 @pytest.mark.parametrize("name", STORED)
