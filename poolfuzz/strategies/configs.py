@@ -23,6 +23,11 @@ PAGE_SIZES = (2, 4, 8, 16, 32, 64)
 LONG_CONTEXT = 65536
 LONG_POOL = LONG_CONTEXT  # a multiple of every page size
 MAX_LAYERS = 4  # of each kind
+# How the full-attention KV is stored, "plain" K and V rows first (what a draw shrinks to): SGLang's MLA and
+# DSA pools (also between recurrent layers, Kimi-Linear's shape), MiniMax's sparse index caches, MHA with
+# UE8M0 scale blocks, its CPU fp8 quantiser, and FP4 (MHA and MLA) with a scale row a token. A kind the
+# drawn layers cannot hold (latent or quantised KV beside SWA layers, say) stays plain.
+STORAGES = ("plain", "mla", "dsa", "msa", "fp8-scaled", "cpu-fp8", "fp4-mha", "fp4-mla")
 
 
 def configs(names: list[str] | None = None) -> st.SearchStrategy[ModelConfig]:
@@ -75,6 +80,7 @@ def _drawn(draw) -> ModelConfig:
     # speculative scratch for verifies of 2 to 5 tokens; both shrink to off
     track_slots = draw(st.sampled_from((0, 1, 2)))
     spec_tokens = draw(st.one_of(st.just(0), st.integers(2, 5)))
+    storage = draw(st.sampled_from(STORAGES))
     blocked = "F" * full + "S" * swa + "M" * mamba
     pattern = ""
     if draw(st.booleans()):  # an interleaving; shrinks back to the blocked layout
@@ -100,7 +106,33 @@ def _drawn(draw) -> ModelConfig:
     if mamba:
         fields.update(mamba_slots=mamba_slots, conv_shapes=conv, temporal_shape=temporal, state_dtype=state_dtype,
                       mamba_track_slots=track_slots, spec_draft_tokens=spec_tokens)
+    fields.update(_storage_fields(storage, fields))
     return ModelConfig(**fields)
+
+
+def _storage_fields(storage: str, f: dict) -> dict:
+    """The fields of a storage kind, derived from what was drawn (no draw of its own, so choosing a kind never
+    shifts the draws before it); {} where the drawn layers cannot hold that kind."""
+    swa, mamba, full = f["swa_layers"], f["mamba_layers"], f["full_layers"]
+    heads, head_dim = f["head_num"], f["head_dim"]
+    if storage == "plain" or swa or (mamba and storage not in ("mla", "dsa")):
+        return {}  # latent KV may sit beside recurrent layers (unquantised); every other kind: full layers only
+    if storage in ("mla", "dsa"):
+        latent = dict(attention=storage, kv_lora_rank=heads * head_dim, qk_rope_head_dim=max(12, head_dim))
+        # DSA's index keys: 16-value scale blocks, three to six of them
+        return latent | (dict(index_head_dim=16 * (2 + heads)) if storage == "dsa" else {})
+    if storage == "msa":  # one letter per full layer (dense, index K+V, index K only), at least one sparse
+        letters = "".join("DVK"[(head_dim + i) % 3] for i in range(full))
+        return dict(attention="msa", msa_layers=letters if set(letters) & set("VK") else "V" + letters[1:],
+                    index_head_dim=max(12, head_dim))
+    if storage == "fp8-scaled":  # the smallest block that leaves a tag's 12 scales a row
+        block = max(b for b in range(1, head_dim + 1) if head_dim % b == 0 and heads * head_dim // b >= 12)
+        return dict(kv_dtype=f["kv_dtype"] if f["kv_dtype"].startswith("fp8") else "fp8_e4m3", kv_scale_block=block)
+    if storage == "cpu-fp8":
+        return dict(kv_dtype="fp8_e4m3", kv_quant="cpu_fp8_e4m3")
+    if storage == "fp4-mha":  # packed pairs, a scale byte per 16 values, at least 12 scale bytes a token
+        return dict(kv_quant="fp4_mx_block16", head_num=max(2, heads), head_dim=96)
+    return dict(attention="mla", kv_quant="fp4_mx_block16", kv_lora_rank=32 * (4 + heads), qk_rope_head_dim=32)
 
 
 def drawn_configs(*, faults=(), where: Callable[[ModelConfig], bool] | None = None) -> st.SearchStrategy[ModelConfig]:

@@ -39,6 +39,25 @@ def test_the_strategy_reaches_off_grid_shapes():
     find(drawn_configs(), lambda c: c.kv_dtype == "fp8_e5m2" and c.page_size == 2, settings=s)
 
 
+@pytest.mark.parametrize("storage", [
+    lambda c: c.attention == "mla" and c.has_mamba and c.layer_pattern,  # Kimi-Linear's interleaving, drawn
+    lambda c: c.attention == "dsa" and c.page_size > 1,
+    lambda c: c.attention == "msa" and "K" in c.msa_layers,
+    lambda c: c.kv_scale_block > 0,
+    lambda c: c.kv_quant == "cpu_fp8_e4m3",
+    lambda c: c.kv_quant == "fp4_mx_block16" and c.attention == "mha",
+    lambda c: c.kv_quant == "fp4_mx_block16" and c.attention == "mla",
+], ids=["mla-between-mamba", "dsa-paged", "msa-k-only", "fp8-scaled", "cpu-fp8", "fp4-mha", "fp4-mla"])
+def test_the_strategy_draws_every_storage_kind_and_it_builds(storage):
+    build_family(find(drawn_configs(), storage, settings=settings(database=None, max_examples=3000)))
+
+
+@pytest.mark.parametrize("fault", ["fp4-mha-copy-drops-scales", "hybrid-mla-pd-item-of-head-width"])
+def test_a_storage_kinds_fault_is_found_on_drawn_configs(fault):
+    result = run_machine(drawn_configs(faults=[fault]), faults=[fault], max_examples=200, seed=0, shrink_limit=0)
+    assert not result.passed and result.failure.startswith("StateLost"), result.failure
+
+
 def test_faults_restrict_the_draw_to_configs_they_apply_to():
     @FAST
     @given(drawn_configs(faults=["swa-ignores-mamba-backup"]))
