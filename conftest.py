@@ -31,6 +31,11 @@ def pytest_configure(config):
     import torch
 
     torch.set_num_threads(1)
+    # Hypothesis draws literals from every loaded local module: load them all before any test, so a
+    # seeded test draws what it drew alone, whatever ran before it on its worker.
+    from poolfuzz.orchestration.constants import load_every_module
+
+    load_every_module()
 
 
 def pytest_addoption(parser):

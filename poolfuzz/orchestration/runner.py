@@ -37,6 +37,7 @@ from poolfuzz.harness.machine import machine_for
 from poolfuzz.harness.minimise import minimise
 from poolfuzz.harness.program import new_engine
 from poolfuzz.harness.records import EngineOptions
+from poolfuzz.orchestration.constants import load_every_module
 from poolfuzz.pools.config import ModelConfig
 from poolfuzz.pools.family import expected_backup_mode
 from poolfuzz.strategies import DRAWN_NAME
@@ -234,6 +235,7 @@ def run_machine(config, *, device="cpu", faults=(), backup_mode=None, max_exampl
     violations instead of failing. ``minimise_seconds`` (0: off) bounds the last pass over the reported
     program, which deletes the steps Hypothesis could not (see ``harness.minimise``).
     """
+    load_every_module()  # the same seed draws the same examples in any process
     started = time.perf_counter()
     tracker = _Tracker(started=started, deadline=None if time_budget is None else started + time_budget,
                        shrink_limit=shrink_limit, on_progress=on_progress, on_failure=on_failure,

@@ -4,6 +4,7 @@ import inspect
 import json
 import os
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -72,8 +73,11 @@ def test_measurement_starts_before_the_engine_is_imported_and_misses_what_never_
     # A fault that was not switched on, on a config it does not apply to: its body never ran.
     body = _body_lines(faults.EvictsOneTokenTooMany.evict_swa)
     assert body and body <= set(lines[f"{ENGINE}/faults.py"]["missing_lines"])
-    # Never imported by a run: reported at 0%, not left out.
-    assert lines[f"{ENGINE}/config_file.py"]["summary"]["covered_lines"] == 0
+    # Every file of the engine's tree is in the report, none left out (a run loads all of poolfuzz's own modules
+    # so that a seed draws the same examples in any process; an engine file no run imports would be reported at
+    # 0%: SGLang's storage back-ends are, in CI's reach table).
+    tree = Path(errors.__file__).parent
+    assert {f"{ENGINE}/{p.relative_to(tree)}" for p in tree.rglob("*.py")} <= set(lines)
 
 
 def test_a_family_without_engine_code_is_bad_usage(tmp_path, monkeypatch, capsys):
