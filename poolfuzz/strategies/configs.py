@@ -1,20 +1,23 @@
 """Model-config strategies: the named built-in configs, and configs Hypothesis draws itself.
 
-A drawn config covers what the eight named ones cannot: page sizes up to 64, windows from 1 to
-past the pool, pools from one page up, long contexts past the 8192-token chunking of the backup
-and reload paths, up to four layers of each kind in any interleaving, every KV and state dtype,
-state shapes, and host pools of any size. Every choice shrinks toward the simplest config (page
-size 1, the smallest sizes, the fewest layers, the blocked layout), so a failure is reported on
-the smallest config that still fails.
+A drawn config covers what the named ones cannot: page sizes up to 64, windows from 1 to past the
+pool, pools from one page up, long contexts past the 8192-token chunking of the backup and reload
+paths, up to four layers of each kind in any interleaving, every KV and state dtype, state shapes,
+host pools of any size, and every way the full-attention KV is stored (``STORAGES``). Every choice
+shrinks toward the simplest config (page size 1, the smallest sizes, the fewest layers, the blocked
+layout), so a failure is reported on the smallest config that still fails. Faults that need a storage
+kind steer the draw to it (``drawn_configs``).
 """
 
 from __future__ import annotations
 
+import itertools
 from typing import Callable
 
 from hypothesis import strategies as st
 
 from poolfuzz.pools.config import CONFIGS, KV_DTYPES, STATE_DTYPES, ModelConfig
+from poolfuzz.pools.errors import ConfigError
 
 DRAWN_NAME = "random"  # the name every drawn config carries (and --config random asks for)
 PAGE_SIZES = (2, 4, 8, 16, 32, 64)
@@ -54,59 +57,83 @@ def _state_shapes(draw):
 
 
 @st.composite
-def _drawn(draw) -> ModelConfig:
+def _drawn(draw, storages: tuple[str, ...] = STORAGES, storage_decides_layers: bool = False) -> ModelConfig:
     # Every field is drawn whether or not the layers use it, in a fixed order, the layout last: the
     # shrinker can then drop a kind of layer without shifting every later draw (which would turn the
     # example into an unrelated one and stop the shrink at a needlessly large config).
-    full = draw(st.integers(1, MAX_LAYERS))
-    swa = draw(st.integers(0, MAX_LAYERS))
-    mamba = draw(st.integers(0, MAX_LAYERS))
-    ps = draw(st.one_of(st.just(1), st.sampled_from(PAGE_SIZES)))
-    long = draw(st.integers(0, 4)) == 4  # one config in five, and it shrinks to a short one
-    full_pages = draw(st.integers(1, max(1, 256 // ps)))  # from one page to many
-    extra_context = draw(st.integers(0, 64))
-    swa_pages = draw(st.integers(1, max(1, 256 // ps)))
-    window = draw(st.one_of(st.integers(1, 16), st.integers(17, 1024)))  # 1 to past the pool
-    head_num = draw(st.integers(1, 4))
-    head_dim = draw(st.integers(_at_least(12, head_num), 16))
-    kv_dtype = draw(st.sampled_from(KV_DTYPES))
-    rows = draw(st.integers(1, 8))
-    # host_pool backups: 0 is twice the full pool; a small host pool makes backups abort
-    host_pages = draw(st.one_of(st.just(0), st.integers(1, 32)))
-    mamba_slots = draw(st.integers(1, 8))
-    conv, temporal = draw(_state_shapes())
-    state_dtype = draw(st.sampled_from(STATE_DTYPES))
-    # The modes of a recurrent-state model: extra-buffer track slots (1, or the overlap schedule's 2) and
-    # speculative scratch for verifies of 2 to 5 tokens; both shrink to off
-    track_slots = draw(st.sampled_from((0, 1, 2)))
-    spec_tokens = draw(st.one_of(st.just(0), st.integers(2, 5)))
-    storage = draw(st.sampled_from(STORAGES))
-    blocked = "F" * full + "S" * swa + "M" * mamba
+    d = dict(
+        full=draw(st.integers(1, MAX_LAYERS)),
+        swa=draw(st.integers(0, MAX_LAYERS)),
+        mamba=draw(st.integers(0, MAX_LAYERS)),
+        ps=draw(st.one_of(st.just(1), st.sampled_from(PAGE_SIZES))),
+        long=draw(st.integers(0, 4)) == 4,  # one config in five, and it shrinks to a short one
+    )
+    d.update(
+        full_pages=draw(st.integers(1, max(1, 256 // d["ps"]))),  # from one page to many
+        extra_context=draw(st.integers(0, 64)),
+        swa_pages=draw(st.integers(1, max(1, 256 // d["ps"]))),
+        window=draw(st.one_of(st.integers(1, 16), st.integers(17, 1024))),  # 1 to past the pool
+        head_num=draw(st.integers(1, 4)),
+    )
+    d.update(
+        head_dim=draw(st.integers(_at_least(12, d["head_num"]), 16)),
+        kv_dtype=draw(st.sampled_from(KV_DTYPES)),
+        rows=draw(st.integers(1, 8)),
+        # host_pool backups: 0 is twice the full pool; a small host pool makes backups abort
+        host_pages=draw(st.one_of(st.just(0), st.integers(1, 32))),
+        mamba_slots=draw(st.integers(1, 8)),
+        state_shapes=draw(_state_shapes()),
+        state_dtype=draw(st.sampled_from(STATE_DTYPES)),
+        # The modes of a recurrent-state model: extra-buffer track slots (1, or the overlap schedule's 2) and
+        # speculative scratch for verifies of 2 to 5 tokens; both shrink to off
+        track_slots=draw(st.sampled_from((0, 1, 2))),
+        spec_tokens=draw(st.one_of(st.just(0), st.integers(2, 5))),
+        storage=draw(st.sampled_from(storages)),
+    )
+    if storage_decides_layers:  # drop the layers the kind cannot sit beside, rather than the kind
+        d.update(_layers_for(d["storage"], d["swa"], d["mamba"]))
+    blocked = "F" * d["full"] + "S" * d["swa"] + "M" * d["mamba"]
     pattern = ""
     if draw(st.booleans()):  # an interleaving; shrinks back to the blocked layout
         pattern = "".join(draw(st.permutations(list(blocked))))
         pattern = "" if pattern == blocked else pattern
-    if long:
+    return _config_from(d, pattern)
+
+
+def _layers_for(storage: str, swa: int, mamba: int) -> dict:
+    """The SWA and recurrent layer counts a storage kind can be held beside (see ``_storage_fields``)."""
+    if storage == "plain":
+        return dict(swa=swa, mamba=mamba)
+    return dict(swa=0, mamba=mamba if storage in ("mla", "dsa") else 0)
+
+
+def _config_from(d: dict, pattern: str) -> ModelConfig:
+    """The config of one set of drawn values (no draws here: ``_steering`` builds configs with it too)."""
+    full, swa, mamba, ps = d["full"], d["swa"], d["mamba"], d["ps"]
+    if d["long"]:
         full_tokens = swa_tokens = max_context = LONG_CONTEXT
     else:
-        full_tokens, swa_tokens = ps * full_pages, ps * swa_pages
+        full_tokens, swa_tokens = ps * d["full_pages"], ps * d["swa_pages"]
         # The engine, like the named configs, never lets a request outgrow its row: a request can
         # hold the whole full pool, so the context is at least the pool.
-        max_context = max(2, full_tokens + extra_context)
+        max_context = max(2, full_tokens + d["extra_context"])
     fields = dict(
         name=DRAWN_NAME, page_size=ps, full_layers=full, swa_layers=swa, mamba_layers=mamba,
-        layer_pattern=pattern, head_num=head_num, head_dim=head_dim, kv_dtype=kv_dtype, full_tokens=full_tokens,
-        max_context=max_context, request_rows=rows, host_tokens=host_pages * ps,
+        layer_pattern=pattern, head_num=d["head_num"], head_dim=d["head_dim"], kv_dtype=d["kv_dtype"],
+        full_tokens=full_tokens, max_context=max_context, request_rows=d["rows"], host_tokens=d["host_pages"] * ps,
         # The architecture is what uses_ssm_state reads: it must agree with the layers built.
         architecture="qwen3-next" if mamba else ("gpt-oss" if swa else "llama"),
     )
     if swa:
+        window = d["window"]
         fields.update(sliding_window=window if window <= 16 else window * max(1, full_tokens // 256),
                       swa_tokens=swa_tokens)
     if mamba:
-        fields.update(mamba_slots=mamba_slots, conv_shapes=conv, temporal_shape=temporal, state_dtype=state_dtype,
-                      mamba_track_slots=track_slots, spec_draft_tokens=spec_tokens)
-    fields.update(_storage_fields(storage, fields))
+        conv, temporal = d["state_shapes"]
+        fields.update(mamba_slots=d["mamba_slots"], conv_shapes=conv, temporal_shape=temporal,
+                      state_dtype=d["state_dtype"], mamba_track_slots=d["track_slots"],
+                      spec_draft_tokens=d["spec_tokens"])
+    fields.update(_storage_fields(d["storage"], fields))
     return ModelConfig(**fields)
 
 
@@ -119,8 +146,10 @@ def _storage_fields(storage: str, f: dict) -> dict:
         return {}  # latent KV may sit beside recurrent layers (unquantised); every other kind: full layers only
     if storage in ("mla", "dsa"):
         latent = dict(attention=storage, kv_lora_rank=heads * head_dim, qk_rope_head_dim=max(12, head_dim))
-        # DSA's index keys: 16-value scale blocks, three to six of them
-        return latent | (dict(index_head_dim=16 * (2 + heads)) if storage == "dsa" else {})
+        # DSA's index keys: 16-value scale blocks, three to six of them; at 64-token pages the shape SGLang's
+        # indexer asserts (128 values), so the sglang family builds its DSA pool from a draw too
+        index = 128 if f["page_size"] == 64 else 16 * (2 + heads)
+        return latent | (dict(index_head_dim=index) if storage == "dsa" else {})
     if storage == "msa":  # one letter per full layer (dense, index K+V, index K only), at least one sparse
         letters = "".join("DVK"[(head_dim + i) % 3] for i in range(full))
         return dict(attention="msa", msa_layers=letters if set(letters) & set("VK") else "V" + letters[1:],
@@ -140,5 +169,38 @@ def drawn_configs(*, faults=(), where: Callable[[ModelConfig], bool] | None = No
     from poolfuzz.pools.faults import get_fault
 
     checks = [get_fault(f).applies_to for f in faults] + ([where] if where is not None else [])
-    strategy = _drawn()
-    return strategy.filter(lambda c: all(ok(c) for ok in checks)) if checks else strategy
+    if not checks:
+        return _drawn()
+    kinds = _steering(checks)
+    # Plain rows accepted, or no probe passed (the checks want a mode or a size the probes lack): filter the
+    # usual draw. Otherwise the checks want a storage kind, rare under the usual draw (FP4 on full layers
+    # only: about one draw in a hundred, and Hypothesis gives a filter three tries): draw only the kinds they
+    # accept, with the layers those kinds can be held beside.
+    steer = kinds and "plain" not in kinds
+    strategy = _drawn(storages=kinds, storage_decides_layers=True) if steer else _drawn()
+    return strategy.filter(lambda c: all(ok(c) for ok in checks))
+
+
+# Small configs, one per mix of layer kinds, that tell which storage kinds a set of checks can accept.
+_PROBE = dict(ps=1, long=False, full_pages=16, extra_context=0, swa_pages=16, window=4, head_num=1, head_dim=12,
+              kv_dtype=KV_DTYPES[0], rows=2, host_pages=0, mamba_slots=2, state_shapes=(((12, 1),), (1, 2, 6)),
+              state_dtype=STATE_DTYPES[0], track_slots=0, spec_tokens=0)
+
+
+def _steering(checks: list[Callable[[ModelConfig], bool]]) -> tuple[str, ...]:
+    """The storage kinds for which some small config, with the layers the kind can be held beside, passes
+    every check; page sizes and modes are left to the draw."""
+    def accepts(kind: str) -> bool:
+        # one and three full layers (MiniMax's layer letters cycle through three kinds); page sizes 1 and 64
+        # (DSA's index layout differs at its production page size)
+        for full, ps, (swa, mamba) in itertools.product((1, 3), (1, 64), ((0, 0), (1, 0), (0, 1), (1, 1))):
+            values = _PROBE | dict(full=full, storage=kind, ps=ps, full_pages=max(1, 16 // ps))
+            try:
+                config = _config_from(values | _layers_for(kind, swa, mamba), "")
+            except ConfigError:
+                continue
+            if all(ok(config) for ok in checks):
+                return True
+        return False
+
+    return tuple(kind for kind in STORAGES if accepts(kind))

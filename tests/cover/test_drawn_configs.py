@@ -1,12 +1,13 @@
 """Drawn configs: valid, buildable, shrink to the simplest, declined ones rejected, not failed."""
 
 import pytest
-from hypothesis import HealthCheck, find, given, settings
+from hypothesis import HealthCheck, find, given, seed, settings
 
 from poolfuzz.orchestration.runner import run_machine
 from poolfuzz.pools.config import CONFIGS, ModelConfig
 from poolfuzz.pools.config_file import config_fields, config_from_fields, load_config_file, to_toml
 from poolfuzz.pools.errors import ConfigError
+from poolfuzz.pools.faults import get_fault
 from poolfuzz.pools.family import build_family
 from poolfuzz.strategies import DRAWN_NAME, drawn_configs
 
@@ -52,10 +53,52 @@ def test_the_strategy_draws_every_storage_kind_and_it_builds(storage):
     build_family(find(drawn_configs(), storage, settings=settings(database=None, max_examples=3000)))
 
 
-@pytest.mark.parametrize("fault", ["fp4-mha-copy-drops-scales", "hybrid-mla-pd-item-of-head-width"])
+STORAGE_FAULTS = {"fp4-mha-copy-drops-scales": "full.k_scale", "fp4-copy-drops-scales": "mla.scale",
+                  "msa-copy-skips-k-only-index": "msa.index_k", "hybrid-mla-pd-item-of-head-width": "mla.latent"}
+
+
+@pytest.mark.parametrize("fault", sorted(STORAGE_FAULTS))
 def test_a_storage_kinds_fault_is_found_on_drawn_configs(fault):
-    result = run_machine(drawn_configs(faults=[fault]), faults=[fault], max_examples=200, seed=0, shrink_limit=0)
+    """Within a few dozen examples: the draw is steered to the kind (a filter alone saw none in 200)."""
+    result = run_machine(drawn_configs(faults=[fault]), faults=[fault], max_examples=60, seed=0, shrink_limit=0)
     assert not result.passed and result.failure.startswith("StateLost"), result.failure
+    assert f"component {STORAGE_FAULTS[fault]} " in result.failure
+
+
+@pytest.mark.parametrize("fault", [*sorted(STORAGE_FAULTS), "dsa-index-scales-transposed",
+                                   "quant-store-skips-last-token"])
+def test_a_fault_that_needs_a_storage_kind_draws_it_without_filtering_much(fault):
+    """Hypothesis's filter_too_much health check is on: the steered draw seldom misses the fault's kind."""
+    applies = get_fault(fault).applies_to
+
+    @settings(max_examples=100, database=None, derandomize=True)
+    @given(drawn_configs(faults=[fault]))
+    def check(config):
+        assert applies(config)
+
+    check()
+
+
+def test_a_fault_that_accepts_plain_rows_draws_what_the_unfaulted_strategy_draws():
+    """Steering is for storage faults only: every other fault filters the usual draw, so a seed keeps its examples."""
+    applies = get_fault("mamba-layer-map-contiguous").applies_to
+
+    def examples(strategy):
+        seen = []
+
+        @seed(7)
+        @settings(max_examples=30, database=None, suppress_health_check=list(HealthCheck))
+        @given(strategy)
+        def collect(config):
+            seen.append(config)
+
+        collect()
+        return seen
+
+    assert examples(drawn_configs(faults=["mamba-layer-map-contiguous"])) == examples(drawn_configs().filter(applies))
+    # and a storage fault steers: its simplest draw is its kind, where the usual simplest is plain rows
+    steered = find(drawn_configs(faults=["fp4-mha-copy-drops-scales"]), lambda c: True, settings=settings(database=None))
+    assert (steered.kv_quant, steered.swa_layers, steered.mamba_layers) == ("fp4_mx_block16", 0, 0)
 
 
 def test_faults_restrict_the_draw_to_configs_they_apply_to():

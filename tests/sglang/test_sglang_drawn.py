@@ -23,6 +23,26 @@ def test_drawn_configs_pass_on_a_fixed_release(api, expect):
         assert result.passed, result.failure
 
 
+def test_drawn_storage_kinds_pass_on_a_fixed_release(api, expect):
+    """Drawn MLA, DSA, MiniMax and FP4 shapes (and the interleavings of latent and recurrent layers) through
+    the release's own pool classes: what it builds passes, what it refuses is declined."""
+    from poolfuzz.adapters.sglang import build_family
+
+    if expect != "pass":
+        pytest.skip("a release before the #35957 fix fails SWA+SSM configs, drawn ones too")
+    # Left out, each a judged defect of the release with its own test: K-only MiniMax layers crash at retraction
+    # (sglang#32603; a drawn config found it again), and FP4 pools (MHA and MLA) lose their scale rows at
+    # retraction and PD transfer (test_sglang_mha_fp4.py, test_sglang_quant.py; this test's draw found the MHA
+    # transfer once it was steered to the storage kinds).
+    def storage_kind_without_a_known_defect(c):
+        return (c.attention != "mha" or bool(c.kv_quant)) and "K" not in c.msa_layers and c.kv_quant != "fp4_mx_block16"
+
+    result = run_machine(drawn_configs(where=storage_kind_without_a_known_defect),
+                         family_factory=build_family, max_examples=25, seed=0, shrink_limit=30)
+    assert result.passed, result.failure
+    assert result.examples > 0
+
+
 def test_a_config_the_constructors_refuse_is_declined_not_reported(api, expect, monkeypatch):
     from poolfuzz.adapters import sglang as plugin
     from poolfuzz.adapters.sglang import family as sg_family
