@@ -192,6 +192,13 @@ def test_the_zero_copy_configs_store_through_the_pools_meta(l3_api, name, monkey
     loaded = _spy_prefetches(monkeypatch)
     _stored_evicted_continued(e)
     assert metas and loaded[-1] >= 16  # pages went out and came back through the pool's own meta
+    # The audit's read of a stored page holds that page only (it held a host buffer a page, and a long prompt's
+    # audit ran out of memory), through one scratch buffer per store.
+    backend, host = controller.storage_backend, controller.storage_host_pool
+    pages = [backend.flat_page(key, host) for key in list(backend.objects)[:2]]
+    assert all(p.untyped_storage().nbytes() == p.numel() * p.element_size() for p in pages)
+    assert pages[0].untyped_storage().nbytes() < host.kv_buffer.untyped_storage().nbytes()
+    assert backend._scratch[0] is host
     e.close()
 
 

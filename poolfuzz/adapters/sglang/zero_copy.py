@@ -143,14 +143,24 @@ def _store_class():
             """The page stored under ``key`` as the host pool's ``get_data_page`` lays one out (what the
             checks read): its chunks written into a scratch copy of the host buffer where the pool's own
             meta puts its first page, and that page read back by the pool's ``get_data_page``."""
-            scratch = copy.copy(host)
-            scratch.kv_buffer = torch.zeros_like(host.kv_buffer)
+            scratch = self._scratch_for(host)
             base = host.kv_buffer.data_ptr()
             flat = scratch.kv_buffer.view(-1).view(torch.uint8)
             chunks = self._meta([key], torch.arange(host.page_size))[0]
             for (p, s), data in zip(chunks, self.objects[key]):
-                flat[p - base:p - base + s] = data
-            return scratch.get_data_page(0)
+                flat[p - base:p - base + s] = data  # the same chunks for every page: nothing stale is left
+            # a copy: a view would keep the whole scratch buffer alive with every page the checks hold
+            return scratch.get_data_page(0).clone()
+
+        def _scratch_for(self, host):
+            """One scratch copy of the host pool per store: a fresh one per page read cost a host buffer
+            each (a 20480-token prompt's audit asked for 300 GB)."""
+            scratch = getattr(self, "_scratch", None)
+            if scratch is None or scratch[0] is not host:
+                copied = copy.copy(host)
+                copied.kv_buffer = torch.zeros_like(host.kv_buffer)
+                scratch = self._scratch = (host, copied)
+            return scratch[1]
 
     ZeroCopyStore.__name__ = ZeroCopyStore.__qualname__ = CLASS_NAME
     return ZeroCopyStore
