@@ -8,20 +8,16 @@ seeded catalogue cells passed alone and failed after other tests). Loading all o
 the pool of constants a function of the poolfuzz version only.
 """
 
+import functools
 import importlib
 import pkgutil
 
 import poolfuzz
 
-_loaded = False
 
-
+@functools.cache
 def load_every_module() -> None:
     """Import each poolfuzz module (the CLI's ``__main__`` aside); later calls do nothing."""
-    global _loaded
-    if _loaded:
-        return
     for info in pkgutil.walk_packages(poolfuzz.__path__, "poolfuzz."):
         if not info.name.endswith(".__main__"):
             importlib.import_module(info.name)
-    _loaded = True

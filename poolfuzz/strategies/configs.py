@@ -101,7 +101,8 @@ def _drawn(draw, storages: tuple[str, ...] = STORAGES, storage_decides_layers: b
 
 
 def _layers_for(storage: str, swa: int, mamba: int) -> dict:
-    """The SWA and recurrent layer counts a storage kind can be held beside (see ``_storage_fields``)."""
+    """The SWA and recurrent layer counts a storage kind can be held beside: plain rows beside any, latent KV
+    beside recurrent layers (unquantised), every other kind on full layers only."""
     if storage == "plain":
         return dict(swa=swa, mamba=mamba)
     return dict(swa=0, mamba=mamba if storage in ("mla", "dsa") else 0)
@@ -142,8 +143,8 @@ def _storage_fields(storage: str, f: dict) -> dict:
     shifts the draws before it); {} where the drawn layers cannot hold that kind."""
     swa, mamba, full = f["swa_layers"], f["mamba_layers"], f["full_layers"]
     heads, head_dim = f["head_num"], f["head_dim"]
-    if storage == "plain" or swa or (mamba and storage not in ("mla", "dsa")):
-        return {}  # latent KV may sit beside recurrent layers (unquantised); every other kind: full layers only
+    if storage == "plain" or _layers_for(storage, swa, mamba) != dict(swa=swa, mamba=mamba):
+        return {}
     if storage in ("mla", "dsa"):
         latent = dict(attention=storage, kv_lora_rank=heads * head_dim, qk_rope_head_dim=max(12, head_dim))
         # DSA's index keys: 16-value scale blocks, three to six of them; at 64-token pages the shape SGLang's

@@ -69,6 +69,7 @@ def _store_class():
             # and go on (the page is just not stored); a GPU's illegal access kills the process, so the
             # adapter re-raises these after each poll (``l3.settle``).
             self.faults: list[IllegalAddress] = []
+            self._scratch = None  # (host pool, its scratch copy): see _scratch_for
 
         def _guarded(self, io, keys, host_indices):
             try:
@@ -155,7 +156,7 @@ def _store_class():
         def _scratch_for(self, host):
             """One scratch copy of the host pool per store: a fresh one per page read cost a host buffer
             each (a 20480-token prompt's audit asked for 300 GB)."""
-            scratch = getattr(self, "_scratch", None)
+            scratch = self._scratch
             if scratch is None or scratch[0] is not host:
                 copied = copy.copy(host)
                 copied.kv_buffer = torch.zeros_like(host.kv_buffer)
