@@ -334,8 +334,10 @@ def _storage_configs() -> list[ModelConfig]:
                       request_rows=5, max_context=48, kv_dtype="bfloat16")
     dsa = mla.replace(name="dsa", architecture="deepseek-v3.2", attention="dsa")
     dense = _base_configs()[0]
+    # MX block scaling as SGLang's MHATokenToKVPoolMXFP8 stores it: a UE8M0 scale per 32 values (the MX
+    # block), 128-value heads; three heads give the 12 scales a row that carry a tag
     scaled = ModelConfig(name="fp8-scaled", architecture="llama", full_layers=2, full_tokens=48, request_rows=5,
-                         max_context=48, kv_dtype="fp8_e4m3", head_num=2, head_dim=48, kv_scale_block=8)
+                         max_context=48, kv_dtype="fp8_e4m3", head_num=3, head_dim=128, kv_scale_block=32)
     # SGLang's CPU fp8 KV cache (``--kv-cache-dtype fp8_e4m3`` on its CPU engine): the quantising write door
     cpu_fp8 = dense.replace(name="dense-cpu-fp8", kv_dtype="fp8_e4m3", kv_quant="cpu_fp8_e4m3")
     # DeepSeek with ``--kv-cache-dtype fp4_e2m1``: SGLang's MLATokenToKVPoolFP4

@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from poolfuzz.pools.config import CONFIGS, ModelConfig
+from poolfuzz.pools.config import CONFIGS
 from poolfuzz.pools.errors import ConfigError
 
 # SGLang's DSA indexer asserts 128-value index keys on 64-token pages; MXFP8 scales blocks of 32.
 DSA_PS64 = CONFIGS["dsa-ps64"]
-MXFP8 = ModelConfig(name="mxfp8", architecture="llama", full_layers=2, full_tokens=48, request_rows=5,
-                    max_context=48, kv_dtype="fp8_e4m3", head_num=2, head_dim=192, kv_scale_block=32)
+MXFP8 = CONFIGS["fp8-scaled"]
 LATENT = {"mla": CONFIGS["mla"], "mla-ps4": CONFIGS["mla-ps4"], "dsa-ps64": DSA_PS64}
 
 
@@ -94,11 +93,54 @@ class TestScaledPools:
         fam = build_family(MXFP8)
         assert {"full.k_scale", "full.v_scale"} <= {c.name for c in fam.components()}
         assert fuzz(MXFP8, examples=10).failure is None
+        assert fuzz(CONFIGS["fp8-scaled-ps4"], examples=10).failure is None
+
+    def test_a_restore_that_drops_the_scales_is_caught(self, api, fuzz, monkeypatch):
+        """The MXFP8 restore writes the fp8 payload and not its scales: the resumed request would
+        dequantise against another request's exponents. The scale components name it."""
+        from poolfuzz.adapters.sglang import unsupported_reason
+
+        if api.MHATokenToKVPoolMXFP8 is None or unsupported_reason(MXFP8):
+            pytest.skip("MXFP8 is not driven with this release here")
+        monkeypatch.setattr(api.MHATokenToKVPoolMXFP8, "_write_scales", lambda self, idx, loc, k, v: None)
+        outcome = fuzz(MXFP8, examples=60)
+        assert outcome.failure is not None, "a restore without the scales was not caught"
+        assert outcome.failure.divergence.component in ("full.k_scale", "full.v_scale"), outcome.failure
+
+    def test_mxfp8_on_the_cpu_is_driven_through_the_scale_bytes(self, api):
+        """torch's CPU build cannot index-put UE8M0: the pool gets its scale buffers as their bytes, the
+        same memory, and backs a slot's scales up and restores them to another slot byte for byte."""
+        import torch
+
+        from poolfuzz.adapters.sglang.api import construct
+        from poolfuzz.adapters.sglang.shims import cpu_synchronize
+        from poolfuzz.adapters.sglang.storage import _index_put_lacks_ue8m0, scales_as_bytes
+
+        if api.MHATokenToKVPoolMXFP8 is None:
+            pytest.skip("no MXFP8 pool in this release")
+        if not _index_put_lacks_ue8m0(torch.device("cpu")):
+            pytest.skip("this torch index-puts UE8M0 on the CPU: no stand-in needed")
+        pool = construct(api.MHATokenToKVPoolMXFP8, size=8, page_size=1, dtype=torch.float8_e4m3fn, head_num=1,
+                         head_dim=64, layer_num=1, device="cpu", enable_memory_saver=False,
+                         enable_kvcache_transpose=False)
+        storage = pool.k_scale_buffer[0].untyped_storage().data_ptr()
+        assert scales_as_bytes(pool)
+        assert pool.k_scale_buffer[0].untyped_storage().data_ptr() == storage
+        pool.k_scale_buffer[0][3] = torch.tensor([[7, 9]], dtype=torch.uint8)
+        with cpu_synchronize(torch.device("cpu")):
+            try:
+                backup = pool.get_cpu_copy(torch.tensor([3]))
+            except NotImplementedError as exc:  # 0.5.18: "CPU offloading is unsupported for MXFP8 KV cache"
+                pytest.skip(f"sglang {api.version}'s MXFP8 pool backs up nothing: {exc}")
+            pool.load_cpu_copy(backup, torch.tensor([5]))
+        assert pool.k_scale_buffer[0][5].tolist() == [[7, 9]]
+        assert not scales_as_bytes(pool)  # once is enough
 
     def test_a_block_size_sglang_does_not_use_is_declined(self, api):
         from poolfuzz.adapters.sglang import unsupported_reason
 
         if api.MHATokenToKVPoolMXFP8 is None:
             pytest.skip("no MXFP8 pool in this release")
-        assert "kv_scale_block = 32" in unsupported_reason(CONFIGS["fp8-scaled"])
+        block16 = CONFIGS["fp8-scaled"].replace(name="fp8-block16", kv_scale_block=16)
+        assert "kv_scale_block = 32" in unsupported_reason(block16)
 

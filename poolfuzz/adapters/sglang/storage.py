@@ -112,6 +112,7 @@ def _mxfp8_problem(api: SGLangAPI) -> str | None:
         pool = construct(api.MHATokenToKVPoolMXFP8, size=4, page_size=1, dtype=torch.float8_e4m3fn, head_num=1,
                          head_dim=32, layer_num=1, device="cpu", enable_memory_saver=False,
                          enable_kvcache_transpose=False)
+        scales_as_bytes(pool)
         from poolfuzz.adapters.sglang.shims import cpu_synchronize
 
         with cpu_synchronize(torch.device("cpu")):
@@ -122,6 +123,35 @@ def _mxfp8_problem(api: SGLangAPI) -> str | None:
                    f"({type(exc).__name__}: {first})")
     _MXFP8_PROBE["result"] = problem
     return problem
+
+
+def _index_put_lacks_ue8m0(device: torch.device) -> bool:
+    """Whether this torch has no ``index_put`` for UE8M0 (``float8_e8m0fnu``) on ``device``: its CPU
+    build (2.13 among them) has none, while indexing, slicing and ``.to`` work."""
+    ue8m0 = getattr(torch, "float8_e8m0fnu", None)
+    if ue8m0 is None:
+        return False
+    probe = torch.zeros(2, dtype=ue8m0, device=device)
+    try:
+        probe[torch.tensor([0], device=device)] = probe[1:]
+    except (NotImplementedError, RuntimeError):
+        return True
+    return False
+
+
+def scales_as_bytes(pool) -> bool:
+    """A call-time stand-in, as :func:`~poolfuzz.adapters.sglang.shims.cpu_synchronize` is: where torch
+    cannot index-put UE8M0 on the pool's device, hand the MXFP8 pool its scale buffers as their bytes
+    (``view(torch.uint8)``, the same memory). A UE8M0 scale is one byte, and the per-slot layout's paths
+    only move scales (backup, restore, ``move_kv_cache``), so every move copies the same bytes it would
+    have. Returns whether it did; the page-interleaved layout (Triton kernels only) is left alone."""
+    bufs = list(pool.k_scale_buffer) + list(pool.v_scale_buffer)
+    if (not bufs or getattr(pool, "mxfp8_sf_interleaved", False) or bufs[0].dtype == torch.uint8
+            or not _index_put_lacks_ue8m0(bufs[0].device)):
+        return False
+    pool.k_scale_buffer = [b.view(torch.uint8) for b in pool.k_scale_buffer]
+    pool.v_scale_buffer = [b.view(torch.uint8) for b in pool.v_scale_buffer]
+    return True
 
 
 def build_storage_pool(api: SGLangAPI, config: ModelConfig, common: dict) -> tuple[object, list[Component]]:
@@ -147,6 +177,7 @@ def build_storage_pool(api: SGLangAPI, config: ModelConfig, common: dict) -> tup
             pool = construct(api.MLATokenToKVPool, **args)
         return pool, _latent_components(pool, c)
     pool = construct(api.MHATokenToKVPoolMXFP8, size=c.full_tokens, layer_num=c.full_layers, **common)
+    scales_as_bytes(pool)
     return pool, _scaled_components(pool, c)
 
 
