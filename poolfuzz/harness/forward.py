@@ -102,7 +102,12 @@ class Writer:
             req.expected[spec.key] = torch.cat([req.expected.get(spec.key, _EMPTY),
                                                 e.ledger.kv(spec, req.rid, start, end)])
         if door:
-            done = fam.kv_pool.write_rows(slots, {key: rows for key, (_, _, rows) in door.items()})
+            batch = {key: rows for key, (_, _, rows) in door.items()}
+            # A chain verify commits its accepted prefix through the verified-prefix door, where there is one
+            verified = (getattr(fam.kv_pool, "write_verified_rows", None)
+                        if verify and not tree and written_end > end else None)
+            done = (verified(slots, batch, committed=end - start) if verified is not None
+                    else fam.kv_pool.write_rows(slots, batch))
             for key, (comp, state_type, rows) in door.items():
                 if key not in done:
                     self._write_rows(fam, comp, state_type, slots, rows, targets)

@@ -39,7 +39,10 @@ Optional capabilities, read with a default where a family does not declare them:
   it reports is a failure (``engine-idle-check``).
 * ``kv_pool.writes_through_engine`` (default False): the forward hands its KV rows to
   ``kv_pool.write_rows(slots, {(component, layer): rows}) -> keys written`` (the engine's own write
-  door) instead of writing the buffers; the rest it writes itself.
+  door) instead of writing the buffers; the rest it writes itself. ``kv_pool.write_verified_rows(slots,
+  rows, committed=) -> keys written`` (optional): a chain verify's window through a door that commits only
+  the verified prefix, the first ``committed`` rows of each key (SGLang's ``set_kv_buffer_prefix_valid``,
+  as DFlash commits a verify); the rejected drafts' rows of those keys are never written.
 * ``req_pool.mamba_pool.spec_scratch`` (default None): speculative decoding's scratch, whose
   ``components()`` (``rows`` space, one per draft step) a verify forward writes before
   ``protocol.commit_speculative(req, family, accepted_step=, drafted_steps=, track_slot=)``;

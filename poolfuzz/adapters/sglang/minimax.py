@@ -96,9 +96,10 @@ def _components(pool, c: ModelConfig) -> list[Component]:
     return out
 
 
-def write_msa_rows(pool, *, config: ModelConfig, slots: torch.Tensor, rows: dict) -> set:
+def write_msa_rows(pool, *, config: ModelConfig, slots: torch.Tensor, rows: dict, committed: int | None = None) -> set:
     """Write ``rows[(component, layer)]`` for the slots through the pool's own doors, layer by layer, as the
-    MiniMax sparse backend and the dense backend do; return the keys written."""
+    MiniMax sparse backend and the dense backend do; return the keys written. A verify's window is written
+    whole (``committed`` is not read: the sparse pool has no prefix-valid door)."""
     if not rows:
         return set()
     device = next(iter(rows.values())).device

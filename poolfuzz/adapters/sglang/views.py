@@ -206,6 +206,13 @@ class KVPoolView:
         """Write ``rows[(component, layer)]`` for the full slots ``slots`` as an attention backend does."""
         return self._door(slots=slots, rows=rows) if self._door is not None else set()
 
+    def write_verified_rows(self, slots: torch.Tensor, rows: dict, *, committed: int) -> set:
+        """A chain verify's window: the first ``committed`` rows through the pool's prefix-valid door where it
+        has one (``set_kv_buffer_prefix_valid``), else every row through ``write_rows``."""
+        if self._door is None:
+            return set()
+        return self._door(slots=slots, rows=rows, committed=committed)
+
     def components(self) -> list[Component]:
         return list(self._components)
 

@@ -48,11 +48,29 @@ def _write_loc(pool, loc: torch.Tensor) -> tuple[object, dict]:
     return loc, ({"swa_loc": swa_loc} if takes_swa_loc and swa_loc is not None else {})
 
 
-def write_rows(pool, *, mha_layers, mla_layers, slots: torch.Tensor, rows: dict, model_dtype=None) -> set:
+def _prefix_valid(pool, layer_id: int, loc: torch.Tensor, committed: int, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """One request's verify window through ``set_kv_buffer_prefix_valid`` (DFlash's commit): ``loc_2d`` is the
+    window's slots as one row, ``commit_lens`` its verified length. False where the pool has no such door or
+    its layout declines it (``NotImplementedError``: page-major and MXFP8 pools)."""
+    door = getattr(pool, "set_kv_buffer_prefix_valid", None)
+    if door is None:
+        return False
+    try:
+        door(_Layer(layer_id), loc.reshape(1, -1), torch.tensor([committed], dtype=torch.int32, device=loc.device),
+             k, v)
+    except NotImplementedError:
+        return False
+    return True
+
+
+def write_rows(pool, *, mha_layers, mla_layers, slots: torch.Tensor, rows: dict, model_dtype=None,
+               committed: int | None = None) -> set:
     """Write ``rows[(component, layer)]`` for the full slots ``slots`` through the pool's door, layer by
     layer; return the keys written. ``mha_layers``: (space, layer id) of every K/V layer. ``model_dtype``:
     a pool built with a KV quant method quantises what it is handed, so its rows (the bytes it stores) go
-    in as the model computes K and V, in this dtype (exact for every stored byte)."""
+    in as the model computes K and V, in this dtype (exact for every stored byte). ``committed``: the
+    window is a chain verify's, whose first ``committed`` rows the pool's prefix-valid door commits where it
+    has one (only those are written there; a pool without the door gets every row)."""
     if not rows:
         return set()
     if model_dtype is not None:
@@ -64,8 +82,9 @@ def write_rows(pool, *, mha_layers, mla_layers, slots: torch.Tensor, rows: dict,
     for space, layer_id in mha_layers:
         k, v = (f"{space}.k", layer_id), (f"{space}.v", layer_id)
         if k in rows and v in rows:
-            pool.set_kv_buffer(_Layer(layer_id), loc_info, _as_pool_dtype(rows[k], pool),
-                               _as_pool_dtype(rows[v], pool), **loc_kwargs)
+            k_rows, v_rows = _as_pool_dtype(rows[k], pool), _as_pool_dtype(rows[v], pool)
+            if committed is None or not _prefix_valid(pool, layer_id, loc, committed, k_rows, v_rows):
+                pool.set_kv_buffer(_Layer(layer_id), loc_info, k_rows, v_rows, **loc_kwargs)
             done |= {k, v}
     for layer_id in mla_layers:
         nope, rope = ("mla.latent", layer_id), ("mla.rope", layer_id)
