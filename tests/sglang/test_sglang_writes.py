@@ -93,11 +93,12 @@ def test_a_chain_verify_commits_its_accepted_prefix_through_the_prefix_valid_doo
     release that casts fp8 rows twice there (dense-ps4 stores fp8), where they name the garbage."""
     e = _engine(api, name)
     cls = _prefix_door(api, e)
+    garbled = CONFIGS[name].kv_dtype.startswith("fp8") and casts_fp8_twice(api)  # probed before the spy goes in
     real = cls.set_kv_buffer_prefix_valid
     seen = []
     monkeypatch.setattr(cls, "set_kv_buffer_prefix_valid", lambda self, layer, loc_2d, lens, k, v, *a, **kw: (
         seen.append((layer.layer_id, tuple(loc_2d.shape), lens.tolist())), real(self, layer, loc_2d, lens, k, v, *a, **kw))[1])
-    if CONFIGS[name].kv_dtype.startswith("fp8") and casts_fp8_twice(api):
+    if garbled:
         with pytest.raises(PoolfuzzFailure, match="unrecognised bytes") as info:
             _verify(e, draft=3, accepted=1)
             e.check()

@@ -333,13 +333,14 @@ def _build(api: SGLangAPI, config: ModelConfig, dev, sdev: str, backup_mode: str
         views["mamba"] = mamba_free
 
     carries, declared = _carries_mamba(api, sg_kv)
+    door = _write_door(sg_kv, c)  # it also takes a verify window's committed= (writes.write_rows)
     view_cls = type(type(sg_kv).__name__, (KVPoolView,),
                     {"cpu_copy_carries_mamba": carries, "declared": declared, "__module__": __name__})
     family = SGLangFamily(
         api=api, config=c, device=dev, uses_ssm_state=uses_ssm_state(c), sg_req_pool=sg_req_pool,
         sg_kv_pool=sg_kv, sg_allocator=sg_alloc,
         req_pool=ReqPoolView(sg_req_pool, mamba=mamba_view, rows=views["rows"], mamba_free=mamba_free),
-        kv_pool=view_cls(sg_kv, comps, door=_write_door(sg_kv, c)), allocator=AllocatorView(sg_alloc, swa=c.has_swa),
+        kv_pool=view_cls(sg_kv, comps, door=door, verified_door=door), allocator=AllocatorView(sg_alloc, swa=c.has_swa),
         protocol=SGLangProtocol(), standin_cls=standin_class(api), admission=SchedulerAdmission(api))
     if backup_mode == "host_pool":
         host = SGLangHostBackup(api=api, config=c, req_pool=sg_req_pool, allocator=sg_alloc, kv_pool=sg_kv)
