@@ -71,6 +71,26 @@ def test_configs_the_unified_family_does_not_drive_are_refused_in_one_line(api, 
         build_unified_family(CONFIGS[name])
 
 
+def test_a_model_the_releases_factory_refuses_is_declined_before_a_run(api, monkeypatch):
+    """SGLang's SWA factory (0.5.22, 0.5.23) asserts that an SWA hybrid without full-attention layers is
+    degenerate; the family says so when asked which configs it drives (a run used to count swa-only in and
+    crash at every example). Here the refusal is planted, so the test holds on any release with the pool."""
+    from poolfuzz.adapters.sglang import build_unified_family, unified_unsupported_reason
+    from poolfuzz.adapters.sglang import unified
+
+    _factory_or_skip(api)
+    config = CONFIGS["swa-only"].replace(name="swa-only-refused")
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("SWA-hybrid with zero full-attention layers is degenerate")
+
+    monkeypatch.setattr(unified, "_build", refuse)
+    why = unified_unsupported_reason(config)
+    assert why and "refuses this model's layers" in why and "degenerate" in why and "\n" not in why
+    with pytest.raises(ConfigError, match="degenerate"):
+        build_unified_family(config)
+
+
 def test_the_family_is_sglangs_unified_stack_seen_through_virtual_ids(api):
     e = _engine(api)
     fam = e.families["prefill"]

@@ -65,7 +65,26 @@ def unified_problem(api: SGLangAPI, config: ModelConfig) -> str | None:
                 "poolfuzz yet; use hybrid-linear, hybrid-extra-buffer, swa or swa-ssm")
     if config.page_size > 1:
         return _paged_problem(api, config)
-    return None
+    return _factory_problem(api, config)
+
+
+_FACTORY_PROBE: dict[ModelConfig, str | None] = {}
+
+
+def _factory_problem(api: SGLangAPI, config: ModelConfig) -> str | None:
+    """Build the config's unified stack once: a factory that refuses the model's layers declines the config
+    here, with its reason, instead of at every example of a run that counted it in (the SWA factory of
+    0.5.22 and 0.5.23 asserts that an SWA hybrid without full-attention layers, swa-only, is degenerate)."""
+    if config not in _FACTORY_PROBE:
+        problem = None
+        try:
+            _build(api, config.replace(name="probe"), resolve_device("cpu"), "cpu", need_sort=False)
+        except (AssertionError, ValueError, RuntimeError) as exc:
+            first = str(exc).splitlines()[0] if str(exc) else ""
+            problem = (f"SGLang {api.version}'s unified pool factory refuses this model's layers "
+                       f"({type(exc).__name__}: {first}); use --family sglang")
+        _FACTORY_PROBE[config] = problem
+    return _FACTORY_PROBE[config]
 
 
 _PAGED_PROBE: dict[int, str | None] = {}
