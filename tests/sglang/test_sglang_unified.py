@@ -245,3 +245,15 @@ def test_the_tri_pool_retraction_defect_of_sglang_0_5_23_is_found(api, monkeypat
     monkeypatch.setattr(UnifiedMambaPool, "load_cpu_copy",
                         lambda self, cpu, idx: MambaPool.load_cpu_copy(self, cpu, self.host_transfer_translate(idx)))
     _retract_and_resume(_engine(api, "swa-ssm"))
+
+
+def test_a_resume_is_billed_in_whole_pages_as_the_reference_counts_it(api):
+    """A paged hybrid model's resume asks the joint budget for whole pages of KV, as SGLang's prefill adder
+    bills them (``ceil_paged_tokens``): with one free page and a mamba slot's worth of bytes short, the resume
+    waits, and pools and reference agree (it used to ask for its 3 raw tokens, take the page, and disagree)."""
+    e = _engine(api, "dsa-ssm-ps64")
+    rid = e.admit(3)
+    e.prefill(rid, 3)
+    e.retract(rid)
+    e.resume("prefill")
+    e.check()

@@ -107,9 +107,11 @@ class _UnifiedServing(SGLangProtocol):
         sg = self.standin(req, family)
         if family.has_recurrent_state() and sg.mamba_pool_idx is None:
             family.admission.admit(family, sg)  # the adder's earlier terms first: a row, the mamba capacity
-            # a request re-admitted with ``fill_len`` tokens (a resume) takes them in the same pass
+            # a request re-admitted with ``fill_len`` tokens (a resume) takes them in the same pass, billed in
+            # whole pages as the adder bills KV (``ceil_paged_tokens``) and as the reference counts them
             slots = 1 + family.config.mamba_track_slots
-            short = joint_short(family, mamba_slots=slots, tokens=fill_len or 0)
+            ps = family.config.page_size
+            short = joint_short(family, mamba_slots=slots, tokens=-(-(fill_len or 0) // ps) * ps)
             if short is not None:
                 raise short
         super()._alloc_row_and_mamba(req, family, fill_len=fill_len)
