@@ -32,7 +32,7 @@ from poolfuzz.adapters.sglang.reads import read_door, stored_bytes
 from poolfuzz.adapters.sglang.request_pool import build_request_pool
 from poolfuzz.adapters.sglang.standin import standin_class
 from poolfuzz.adapters.sglang.storage import build_storage_pool, quant_method_kwargs, storage_problem
-from poolfuzz.adapters.sglang.speculative import SGLangScratch, moves_rows, native_kv_move, speculative_problem
+from poolfuzz.adapters.sglang.speculative import SGLangScratch, move_problem, native_kv_move, speculative_problem
 from poolfuzz.adapters.sglang.writes import write_rows
 from poolfuzz.adapters.sglang.tracking import check_built, extra_buffer_problem
 from poolfuzz.adapters.sglang.views import (AllocatorView, FreeListView, KVPoolView, MambaPoolView, ReqPoolView,
@@ -350,10 +350,11 @@ def _build(api: SGLangAPI, config: ModelConfig, dev, sdev: str, backup_mode: str
     # The release's paged SWA resume: tail-only where its allocator can (0.5.12 on), else every position.
     family.resume_swa_tail_only = not c.has_swa or hasattr(sg_alloc, "alloc_extend_swa_tail")
     family.snapshot_free_lists()
-    family.supports_tree_drafts = moves_rows(sg_kv, dev)  # a pool that cannot move rows here: chain drafts only
-    if not family.supports_tree_drafts:
-        family.declined["tree_drafts"] = (f"{type(sg_kv).__name__}.move_kv_cache cannot move a row here (a tree "
-                                          "verify's accepted-token move); chain drafts only")
+    cannot_move = move_problem(sg_kv, dev)  # a pool that cannot move rows here: chain drafts only
+    family.supports_tree_drafts = cannot_move is None
+    if cannot_move:
+        family.declined["tree_drafts"] = (f"{cannot_move}, so a tree verify's accepted-token move cannot run "
+                                          "here; chain drafts only")
     family.pd_decode = pd_decode and gate_problem(api) is None
     if pd_problem(api) is None:
         family.transfer = SGLangPDTransfer()

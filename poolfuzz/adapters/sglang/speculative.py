@@ -120,15 +120,20 @@ def native_kv_move():
             os.environ[NATIVE_MOVE] = before
 
 
-def moves_rows(sg_kv, device) -> bool:
-    """Whether the built KV pool can move a row here: the padding slot onto itself (changes nothing)."""
+def move_problem(sg_kv, device) -> str | None:
+    """Why the built KV pool cannot move a row here (the padding slot onto itself, which changes nothing), or
+    None. The move is SGLang's native one (the Triton row copy needs a GPU), so what it raises is said: a
+    kernel this machine cannot launch, or a defect of the native path itself (0.5.21-0.5.23's MXFP8 pool has
+    no ``native_k_scale_buffer`` for the native move to read: an AttributeError under
+    ``SGLANG_NATIVE_MOVE_KV_CACHE=1`` on a GPU too)."""
     move = getattr(sg_kv, "move_kv_cache", None)
     if move is None:
-        return False
+        return f"{type(sg_kv).__name__} has no move_kv_cache"
     pad = torch.zeros(1, dtype=torch.int64, device=device)
     try:
         with native_kv_move():
             move(pad, pad)
-    except Exception:  # a kernel this machine cannot launch, or a pool built without its copy config
-        return False
-    return True
+    except Exception as exc:  # what a missing kernel or a broken native path raises varies by release
+        first = str(exc).splitlines()[0] if str(exc) else ""
+        return f"{type(sg_kv).__name__}.move_kv_cache (native) raises {type(exc).__name__}: {first}"
+    return None
