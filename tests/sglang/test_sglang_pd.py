@@ -55,6 +55,29 @@ def test_a_kv_item_length_of_half_a_page_is_caught(api, monkeypatch):
     assert info.value.divergence.space == "full", info.value
 
 
+def test_a_registration_of_a_temporary_tensor_is_raised_not_copied_into(api, monkeypatch):
+    """0.5.14-0.5.15's FP4 MHA pool registers the addresses of dequantised copies that are freed at once; a
+    transfer engine writes there anyway. Copying into this process's heap there corrupted it (glibc abort),
+    so the transfer checks every descriptor against the node's live pool buffers and raises instead."""
+    import torch
+
+    from poolfuzz.adapters.sglang.kernel_io import IllegalAddress
+
+    e = _engine(api, "dense")
+    pool_cls = type(e.families["decode"].sg_kv_pool)
+    real = pool_cls.get_contiguous_buf_infos
+    scratch = torch.zeros(1 << 16, dtype=torch.uint8)  # alive, but no pool's: a registration must not point here
+    monkeypatch.setattr(pool_cls, "get_contiguous_buf_infos",
+                        lambda self: (lambda p, lens, items: ([scratch.data_ptr()] + list(p[1:]), lens, items))(*real(self)))
+    for fam in e.families.values():
+        fam.__dict__.pop("_pd_args", None)
+    rid = e.admit(5)
+    e.prefill(rid, 5)
+    with pytest.raises(IllegalAddress, match="no live pool buffer"):
+        e.transfer(rid)
+    assert not scratch.any()  # nothing was written there
+
+
 def test_a_mamba_registration_without_the_temporal_state_is_caught(api, monkeypatch):
     """The decode node's slot keeps whatever it held if the temporal state is not registered for transfer."""
     e = _engine(api, "hybrid-linear")

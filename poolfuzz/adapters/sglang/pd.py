@@ -20,6 +20,7 @@ import types
 import torch
 
 from poolfuzz.adapters.sglang.api import _first
+from poolfuzz.adapters.sglang.kernel_io import REGISTRY, IllegalAddress, register_buffers
 from poolfuzz.pools.errors import PoolError
 from poolfuzz.pools.request import ReqKv
 from poolfuzz.pools.transfer import TransferMismatch, TransferRecord
@@ -52,7 +53,25 @@ def registration(family):
             token_to_kv_pool=family.sg_kv_pool, draft_token_to_kv_pool=None, num_draft_entries=0,
             num_hidden_layers=family.config.num_layers)
         got = family._pd_args = kv_args
+        # what the transfer may address: the node's live pool buffers (see _check_span)
+        register_buffers(family.sg_kv_pool, family.sg_req_pool)
     return got
+
+
+def _check_span(address: int, nbytes: int, what: str) -> None:
+    """The bytes a descriptor names lie in one live pool buffer of the node. A transfer engine writes
+    wherever the registration points (on a GPU, into freed memory a later tensor reuses, silently); here
+    the copy is ``memmove`` into this process's heap, so a stale pointer is raised instead, with where."""
+    try:
+        data, offset = REGISTRY.resolve(address, nbytes, what)
+    except IllegalAddress:
+        raise IllegalAddress(f"PD transfer of {what}: the registered bytes at {address:#x} ({nbytes}) lie in no "
+                             "live pool buffer of the node (a registration of a freed or temporary tensor: an "
+                             "illegal or stale-memory access on the GPU)") from None
+    if offset + nbytes > data.numel():
+        raise IllegalAddress(f"PD transfer of {what}: {nbytes} bytes at {address:#x} run {offset + nbytes - data.numel()} "
+                             "bytes past the end of the pool buffer they start in (an item length or item index the "
+                             "registration misstates)")
 
 
 def _pages(tokens: torch.Tensor, ps: int) -> list[int]:
@@ -100,6 +119,9 @@ def _move(src_ptrs, dst_ptrs, item_lens, dst_item_lens, src_items, dst_items, wh
     if len(src_items) != len(dst_items):
         raise TransferMismatch(f"{what}: {len(src_items)} items sent, {len(dst_items)} expected")
     for src, dst, item in zip(src_ptrs, dst_ptrs, item_lens):
+        if src_items and item:
+            _check_span(src + min(src_items) * item, (max(src_items) - min(src_items) + 1) * item, f"{what} (prefill)")
+            _check_span(dst + min(dst_items) * item, (max(dst_items) - min(dst_items) + 1) * item, f"{what} (decode)")
         for s, d in zip(src_items, dst_items):
             ctypes.memmove(dst + d * item, src + s * item, item)
 
