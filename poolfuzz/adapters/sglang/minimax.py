@@ -96,10 +96,9 @@ def _components(pool, c: ModelConfig) -> list[Component]:
     return out
 
 
-def write_msa_rows(pool, *, config: ModelConfig, slots: torch.Tensor, rows: dict, committed: int | None = None) -> set:
+def write_msa_rows(pool, *, config: ModelConfig, slots: torch.Tensor, rows: dict) -> set:
     """Write ``rows[(component, layer)]`` for the slots through the pool's own doors, layer by layer, as the
-    MiniMax sparse backend and the dense backend do; return the keys written. A verify's window is written
-    whole (``committed`` is not read: the sparse pool has no prefix-valid door)."""
+    MiniMax sparse backend and the dense backend do; return the keys written."""
     if not rows:
         return set()
     device = next(iter(rows.values())).device

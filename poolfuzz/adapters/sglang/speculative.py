@@ -20,6 +20,7 @@ import torch
 
 from poolfuzz.adapters.sglang.api import parameters
 from poolfuzz.adapters.sglang.request_pool import build_request_pool
+from poolfuzz.adapters.sglang.storage import _what_failed
 from poolfuzz.pools.speculative import scratch_components
 
 
@@ -134,6 +135,5 @@ def move_problem(sg_kv, device) -> str | None:
         with native_kv_move():
             move(pad, pad)
     except Exception as exc:  # what a missing kernel or a broken native path raises varies by release
-        first = str(exc).splitlines()[0] if str(exc) else ""
-        return f"{type(sg_kv).__name__}.move_kv_cache (native) raises {type(exc).__name__}: {first}"
+        return f"{type(sg_kv).__name__}.move_kv_cache (native) raises {type(exc).__name__}: {_what_failed(exc)}"
     return None

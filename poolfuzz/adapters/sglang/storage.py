@@ -9,6 +9,8 @@ tag (the built-in family checks them, with wider scales).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from poolfuzz.adapters.sglang.api import SGLangAPI, _first, construct
@@ -125,6 +127,7 @@ def _mxfp8_problem(api: SGLangAPI) -> str | None:
     return problem
 
 
+@functools.cache
 def _index_put_lacks_ue8m0(device: torch.device) -> bool:
     """Whether this torch has no ``index_put`` for UE8M0 (``float8_e8m0fnu``) on ``device``: its CPU
     build (2.13 among them) has none, while indexing, slicing and ``.to`` work."""

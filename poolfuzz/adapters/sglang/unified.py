@@ -27,7 +27,7 @@ from poolfuzz.adapters.sglang.api import SGLangAPI, _first, call_with, load
 from poolfuzz.adapters.sglang.family import KV_DTYPES
 from poolfuzz.adapters.sglang.request_pool import mamba_cache_params
 from poolfuzz.adapters.sglang.standin import standin_class
-from poolfuzz.adapters.sglang.storage import single_rank
+from poolfuzz.adapters.sglang.storage import _what_failed, single_rank
 from poolfuzz.adapters.sglang.tracking import check_built, pool_kwargs
 from poolfuzz.adapters.sglang.unified_family import UnifiedFamily, UnifiedProtocol, kv_pool_view, mirrored_kv, mirrored_state, prewarm_compaction
 from poolfuzz.adapters.sglang.unified_mirror import held_slots
@@ -80,9 +80,8 @@ def _factory_problem(api: SGLangAPI, config: ModelConfig) -> str | None:
         try:
             _build(api, config.replace(name="probe"), resolve_device("cpu"), "cpu", need_sort=False)
         except (AssertionError, ValueError, RuntimeError) as exc:
-            first = str(exc).splitlines()[0] if str(exc) else ""
             problem = (f"SGLang {api.version}'s unified pool factory refuses this model's layers "
-                       f"({type(exc).__name__}: {first}); use --family sglang")
+                       f"({type(exc).__name__}: {_what_failed(exc)}); use --family sglang")
         _FACTORY_PROBE[config] = problem
     return _FACTORY_PROBE[config]
 

@@ -48,19 +48,25 @@ def _write_loc(pool, loc: torch.Tensor) -> tuple[object, dict]:
     return loc, ({"swa_loc": swa_loc} if takes_swa_loc and swa_loc is not None else {})
 
 
-def _prefix_valid(pool, layer_id: int, loc: torch.Tensor, committed: int, k: torch.Tensor, v: torch.Tensor) -> bool:
-    """One request's verify window through ``set_kv_buffer_prefix_valid`` (DFlash's commit): ``loc_2d`` is the
-    window's slots as one row, ``commit_lens`` its verified length. False where the pool has no such door or
-    its layout declines it (``NotImplementedError``: page-major and MXFP8 pools)."""
-    door = getattr(pool, "set_kv_buffer_prefix_valid", None)
+def _prefix_valid_door(pool, loc: torch.Tensor, committed: int | None):
+    """``write(layer_id, k, v) -> bool``: one request's verify window through ``set_kv_buffer_prefix_valid``
+    (DFlash's commit), ``loc_2d`` the window's slots as one row and ``commit_lens`` its verified length; it
+    answers False where the pool's layout declines it (``NotImplementedError``: page-major and MXFP8 pools).
+    None: no verify window, or a pool without the door."""
+    door = getattr(pool, "set_kv_buffer_prefix_valid", None) if committed is not None else None
     if door is None:
-        return False
-    try:
-        door(_Layer(layer_id), loc.reshape(1, -1), torch.tensor([committed], dtype=torch.int32, device=loc.device),
-             k, v)
-    except NotImplementedError:
-        return False
-    return True
+        return None
+    loc_2d = loc.reshape(1, -1)
+    lens = torch.tensor([committed], dtype=torch.int32, device=loc.device)
+
+    def write(layer_id: int, k: torch.Tensor, v: torch.Tensor) -> bool:
+        try:
+            door(_Layer(layer_id), loc_2d, lens, k, v)
+        except NotImplementedError:
+            return False
+        return True
+
+    return write
 
 
 def write_rows(pool, *, mha_layers, mla_layers, slots: torch.Tensor, rows: dict, model_dtype=None,
@@ -78,12 +84,13 @@ def write_rows(pool, *, mha_layers, mla_layers, slots: torch.Tensor, rows: dict,
     device = next(iter(rows.values())).device
     loc = slots.to(device=device, dtype=torch.int64)
     loc_info, loc_kwargs = _write_loc(pool, loc)
+    prefix_valid = _prefix_valid_door(pool, loc, committed)
     done = set()
     for space, layer_id in mha_layers:
         k, v = (f"{space}.k", layer_id), (f"{space}.v", layer_id)
         if k in rows and v in rows:
             k_rows, v_rows = _as_pool_dtype(rows[k], pool), _as_pool_dtype(rows[v], pool)
-            if committed is None or not _prefix_valid(pool, layer_id, loc, committed, k_rows, v_rows):
+            if prefix_valid is None or not prefix_valid(layer_id, k_rows, v_rows):
                 pool.set_kv_buffer(_Layer(layer_id), loc_info, k_rows, v_rows, **loc_kwargs)
             done |= {k, v}
     for layer_id in mla_layers:
