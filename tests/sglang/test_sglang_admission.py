@@ -95,3 +95,64 @@ def test_a_kept_page_asks_the_releases_own_gate_with_what_it_takes(api, free, fi
     sg = SimpleNamespace(kv_allocated_len=12, kv_committed_len=10)
     assert SchedulerAdmission(api).decode_fits(SimpleNamespace(sg_allocator=gate), sg, new_tokens=4) is fits
     assert gate.asked == [4]
+
+
+def _prefill_budget_or_skip(api, name):
+    fam = _family(api, name)
+    if not hasattr(fam.sg_allocator, "create_prefill_budget"):
+        pytest.skip(f"sglang {api.version} has no prefill budget object (the adder computes it inline)")
+    return fam
+
+
+@pytest.mark.parametrize("name, budget", [("dense-ps4", "PrefillBudget"), ("swa-ps4", "SWAPrefillBudget"),
+                                          ("swa-only", "SWAPrefillBudget"),
+                                          ("hybrid-linear-ps4", "PrefillBudget")])
+def test_the_prefill_budget_judges_a_first_extend_as_the_adder_asks_it(api, name, budget):
+    """The adder's budget admits a first extend that fits with its page of rounding, and refuses one
+    that does not; what it admits, the allocator places."""
+    fam = _prefill_budget_or_skip(api, name)
+    full = min(v.available_size() for s, v in fam.free_lists().items() if s in ("full", "swa"))
+    ps = fam.config.page_size
+    assert fam.admission.prefill_admitted(fam, prefix_len=0, seq_len=full - 2 * ps) == budget
+    assert fam.admission.prefill_admitted(fam, prefix_len=0, seq_len=full) is None
+    req = ReqKv(rid=1, seqlen=full - 2 * ps)
+    fam.protocol.admit(req, fam)
+    slots = fam.protocol.extend(req, fam, full - 2 * ps)
+    assert slots.numel() == full - 2 * ps
+
+
+class _AdmitsAll:
+    """A prefill budget that admits every extend (the defect the check exists for)."""
+
+    def check_prefill(self, **_):
+        return True, None
+
+
+def test_an_extend_the_budget_admits_and_the_allocator_cannot_place_is_a_scheduler_crash(api, monkeypatch):
+    """Where SGLang's budget admits an extend its allocator then refuses, the scheduler raises 'Prefill out
+    of memory': the adapter reports that as OverAdmitted, not as the exhaustion the reference predicts."""
+    from poolfuzz.adapters.sglang.admission import OverAdmitted
+
+    fam = _prefill_budget_or_skip(api, "dense-ps4")
+    monkeypatch.setattr(type(fam.sg_allocator), "create_prefill_budget",
+                        lambda self, tree_cache, num_mixed_decode_tokens=0: _AdmitsAll())
+    req = ReqKv(rid=1, seqlen=fam.config.full_tokens + 8)
+    fam.protocol.admit(req, fam)
+    with pytest.raises(OverAdmitted, match=r"_AdmitsAll.check_prefill admitted a \d+-token extend") as info:
+        fam.protocol.extend(req, fam, fam.config.full_tokens + 8)
+    assert info.value.space == "full"
+    # a later extend of the same request is a chunk the adder does not judge with check_prefill
+    with pytest.raises(PoolExhausted) as later:
+        fam.protocol.extend(req, fam, fam.config.full_tokens + 8)
+    assert not isinstance(later.value, OverAdmitted)
+
+
+def test_an_over_admitting_budget_is_caught_by_the_fuzzer(api, fuzz, monkeypatch):
+    """Through the state machine: the shrunk failure is a pool error naming the budget."""
+    fam = _prefill_budget_or_skip(api, "dense-ps4")
+    monkeypatch.setattr(type(fam.sg_allocator), "create_prefill_budget",
+                        lambda self, tree_cache, num_mixed_decode_tokens=0: _AdmitsAll())
+    outcome = fuzz(fam.config, examples=40)
+    assert outcome.failure is not None, "a budget that admits what cannot be placed was not caught"
+    assert outcome.failure.divergence.check == "pool-error", outcome.failure
+    assert "check_prefill admitted" in str(outcome.failure), outcome.failure

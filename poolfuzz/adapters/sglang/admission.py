@@ -20,6 +20,12 @@ bug. What decides, per call site:
   tokens it estimates a request will still decode (``new_token_ratio`` times ``max_new_tokens``),
   which the harness's requests do not have; the extend is attempted and the allocator's ``None``
   (or its leak, or its assert) is what the harness sees.
+* ... but where the release has the adder's budget object (``allocator.create_prefill_budget``, 0.5.23
+  on), a request's first extend is also put to it, as ``PrefillAdder.add_one_req`` puts a request to
+  ``memory_budget.check_prefill``: SGLang then allocates what the budget admitted and treats a ``None``
+  as fatal ("Prefill out of memory"), so an admitted extend the allocator cannot place is a crash of
+  the scheduler, reported as ``OverAdmitted`` (``prefill_admitted``). A budget that says no decides
+  nothing here: the harness's requests decode no headroom the adder would reserve.
 
 Once SGLang's check has said no, the adapter only names the space that is short (for the harness's
 outcome comparison); where it finds none, the exhaustion is reported against ``full``, and the
@@ -31,7 +37,18 @@ from __future__ import annotations
 import inspect
 
 from poolfuzz.adapters.sglang.api import call_with
-from poolfuzz.pools.errors import PoolExhausted
+from poolfuzz.pools.errors import PoolError, PoolExhausted
+
+
+class OverAdmitted(PoolError):
+    """SGLang's prefill budget admitted an extend that its allocator then could not place."""
+
+    def __init__(self, *, budget: str, tokens: int, exhausted: PoolExhausted):
+        self.space = exhausted.space
+        self.requested = exhausted.requested
+        self.available = exhausted.available
+        super().__init__(f"SGLang's {budget}.check_prefill admitted a {tokens}-token extend, then the allocator "
+                         f"returned None ({exhausted}); the scheduler raises 'Prefill out of memory' there")
 
 
 class _NoSpeculation:
@@ -77,6 +94,7 @@ class SchedulerAdmission:
         self.ensure_mamba_capacity = api.ensure_mamba_capacity
         self.batch_cls = decode_batch_class(api.ScheduleBatch)
         self.tree_cache = None  # the tree the checks may evict from; None: a chunk cache
+        self._budget_cache = None  # what the prefill budget reads where no tree is driven (built once)
 
     def admit(self, family, sg) -> None:
         """Raise PoolExhausted where the scheduler would not admit ``sg`` now."""
@@ -113,6 +131,38 @@ class SchedulerAdmission:
             return bool(call_with(alloc.check_decode_capacity, num_tokens=new_tokens, tree_cache=self.tree_cache,
                                   requests=[sg], spec_algorithm=None))
         return alloc.available_size() >= new_tokens
+
+
+    def prefill_admitted(self, family, *, prefix_len: int, seq_len: int) -> str | None:
+        """The name of the adder's budget where it admits a request's first extend (``prefix_len`` cached,
+        up to ``seq_len``) whole, as ``add_one_req`` asks it; None where it says no or the release has none.
+
+        No decode headroom is asked for (the harness's requests have no ``max_new_tokens``), and no chunk
+        limit, so the budget admits the whole extend or nothing. ``total_tokens`` is the adder's: the
+        extend, one page of allocation rounding (``per_req_token_overhead`` without KV sharding) and the
+        allocator's own request-slot reserve, for a request the adder sees before it binds a row."""
+        alloc = family.sg_allocator
+        create = getattr(alloc, "create_prefill_budget", None)
+        if create is None:
+            return None
+        budget = create(self.tree_cache or self._chunk_cache(family), num_mixed_decode_tokens=0)
+        extend = seq_len - prefix_len
+        total = extend + alloc.page_size
+        reserve = getattr(alloc, "request_slot_reserve", None)
+        if reserve is not None:
+            total += reserve(has_req_pool_slot=False, prefill_tokens=seq_len)
+        admitted, _ = budget.check_prefill(extend_input_len=extend, total_tokens=total, max_new_tokens=0,
+                                           input_tokens=seq_len, swa_host_hit_length=0, chunk_limit=None)
+        return type(budget).__name__ if admitted else None
+
+    def _chunk_cache(self, family):
+        """The cache the scheduler runs without a prefix tree (the registry's, radix cache disabled): the
+        budget reads its evictable sizes (none) and the model's window from it."""
+        if self._budget_cache is None:
+            from poolfuzz.adapters.sglang.tree_build import build_disabled_cache
+
+            self._budget_cache = build_disabled_cache(family)
+        return self._budget_cache
 
 
 def _holds_mamba(sg) -> bool:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import torch
 
+from poolfuzz.adapters.sglang.admission import OverAdmitted
 from poolfuzz.adapters.sglang.api import accepted_kwargs, parameters
 from poolfuzz.adapters.sglang.calls import paged_alloc_decode, paged_alloc_extend
 from poolfuzz.adapters.sglang.frees import free_group, free_row_segment, release_row, scheduling_pass
@@ -42,6 +43,7 @@ class SGLangProtocol(ServingProtocol):
 
     def __init__(self):
         self.standins: dict[int, object] = {}
+        self.first_extend: set[int] = set()  # admitted requests whose first extend the prefill budget judges
 
     # --- stand-in requests ---------------------------------------------------------------------
     def standin(self, req: ReqKv, family):
@@ -93,6 +95,8 @@ class SGLangProtocol(ServingProtocol):
         req.req_pool_idx = int(kv.req_pool_idx)
         req.mamba_pool_idx = None if kv.mamba_pool_idx is None else int(kv.mamba_pool_idx)
         tracking.mirror(req, sg)  # extra-buffer mode: the track slots alloc gave it
+        if fill_len is None:  # a resume's tokens pass the decode pre-allocation gate instead
+            self.first_extend.add(req.rid)
 
     def _alloc_mamba_flat(self, sg, family) -> None:
         """Releases whose row allocation takes a count leave the mamba slot to the caller."""
@@ -115,8 +119,18 @@ class SGLangProtocol(ServingProtocol):
             if new_len <= start:  # already allocated (the rest of a page kept after a speculative step)
                 return torch.empty(0, dtype=torch.int64)
             last_loc = int(family.req_pool.req_to_token[req.req_pool_idx, start - 1]) if start else -1
-            slots = self._alloc_tokens(family, prefix_len=start, seq_len=new_len, last_loc=last_loc,
-                                       sg=self._synced(req, family))
+            budget = None
+            if req.rid in self.first_extend:  # judged before the tree evicts for it, as the adder judges
+                self.first_extend.discard(req.rid)
+                if new_len - start > 1 or start == 0:  # (one token past a hit takes the decode path here)
+                    budget = family.admission.prefill_admitted(family, prefix_len=start, seq_len=new_len)
+            try:
+                slots = self._alloc_tokens(family, prefix_len=start, seq_len=new_len, last_loc=last_loc,
+                                           sg=self._synced(req, family))
+            except PoolExhausted as exc:
+                if budget is None:
+                    raise
+                raise OverAdmitted(budget=budget, tokens=new_len - start, exhausted=exc) from exc
             self._write_row(req, family, start, slots)
             req.kv_allocated_len = new_len
             self.standin(req, family).kv_allocated_len = new_len

@@ -42,21 +42,10 @@ def build_tree(family, *, hierarchical: bool = False, storage_dir: str | None = 
     """The tree the release's scheduler builds for this model (its registry's default chain); with
     ``hierarchical``, as ``--enable-hierarchical-cache`` builds it (``hicache.py``), and with a
     ``storage_dir`` also ``--hicache-storage-backend file`` there (``l3.py``)."""
-    _publish_defaults()
+    ctx = _build_context(family, hierarchical=hierarchical, disabled=False)  # defaults published first
     from sglang.srt.mem_cache import registry
-    from sglang.srt.mem_cache.cache_init_params import CacheInitParams
-    from sglang.srt.runtime_context import get_server_args
 
     c = family.config
-    params = CacheInitParams(disable=False, req_to_token_pool=family.sg_req_pool,
-                             token_to_kv_pool_allocator=family.sg_allocator, page_size=c.page_size,
-                             sliding_window_size=c.sliding_window if c.has_swa else None,
-                             **_tree_core(family, CacheInitParams))
-    ctx = registry.TreeCacheBuildContext(
-        server_args=get_server_args() if hierarchical else None, params=params, is_hybrid_swa=c.has_swa,
-        is_hybrid_ssm=c.has_mamba, enable_hierarchical_cache=hierarchical, disable_radix_cache=False,
-        tp_worker=hicache.worker_standin() if hierarchical else None, model_config=None,
-        tp_size=1, tp_rank=0, tp_group=None, full_tokens_per_layer=c.full_tokens)
     if not hierarchical:
         return registry.default_radix_cache_factory(ctx)
     storage = l3.storage_arguments(c, storage_dir, hicache.host_layout(c)) if storage_dir else nullcontext()
@@ -67,6 +56,35 @@ def build_tree(family, *, hierarchical: bool = False, storage_dir: str | None = 
 
 
 PYTHON_TREE_CORE = "python"
+
+
+def build_disabled_cache(family):
+    """The cache the release's scheduler builds with ``--disable-radix-cache`` for this model (its
+    registry's choice: 0.5.23's is a disabled ``UnifiedRadixCache``, a pure-SWA model's a
+    ``PureSWARadixCache``). It holds nothing; the adapter reads its accounting, never drives it."""
+    ctx = _build_context(family, hierarchical=False, disabled=True)  # defaults published first
+    from sglang.srt.mem_cache import registry
+
+    return registry.default_radix_cache_factory(ctx)
+
+
+def _build_context(family, *, hierarchical: bool, disabled: bool):
+    """The registry's build context for this model, as the scheduler fills it."""
+    _publish_defaults()
+    from sglang.srt.mem_cache import registry
+    from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+    from sglang.srt.runtime_context import get_server_args
+
+    c = family.config
+    params = CacheInitParams(disable=disabled, req_to_token_pool=family.sg_req_pool,
+                             token_to_kv_pool_allocator=family.sg_allocator, page_size=c.page_size,
+                             sliding_window_size=c.sliding_window if c.has_swa else None,
+                             **({} if disabled else _tree_core(family, CacheInitParams)))
+    return registry.TreeCacheBuildContext(
+        server_args=get_server_args() if hierarchical else None, params=params, is_hybrid_swa=c.has_swa,
+        is_hybrid_ssm=c.has_mamba, enable_hierarchical_cache=hierarchical, disable_radix_cache=disabled,
+        tp_worker=hicache.worker_standin() if hierarchical else None, model_config=None,
+        tp_size=1, tp_rank=0, tp_group=None, full_tokens_per_layer=c.full_tokens)
 
 
 def _tree_core(family, params_cls) -> dict:
