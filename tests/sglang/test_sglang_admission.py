@@ -138,7 +138,8 @@ def test_an_extend_the_budget_admits_and_the_allocator_cannot_place_is_a_schedul
                         lambda self, tree_cache, num_mixed_decode_tokens=0: _AdmitsAll())
     req = ReqKv(rid=1, seqlen=fam.config.full_tokens + 8)
     fam.protocol.admit(req, fam)
-    with pytest.raises(OverAdmitted, match=r"_AdmitsAll.check_prefill admitted a \d+-token extend") as info:
+    first = r"_AdmitsAll.check_prefill admitted a \d+-token extend \(the request.s first\).*Prefill out of memory"
+    with pytest.raises(OverAdmitted, match=first) as info:
         fam.protocol.extend(req, fam, fam.config.full_tokens + 8)
     assert info.value.space == "full"
     # a later extend of the same request is a chunk the adder does not judge with check_prefill
@@ -156,3 +157,24 @@ def test_an_over_admitting_budget_is_caught_by_the_fuzzer(api, fuzz, monkeypatch
     assert outcome.failure is not None, "a budget that admits what cannot be placed was not caught"
     assert outcome.failure.divergence.check == "pool-error", outcome.failure
     assert "check_prefill admitted" in str(outcome.failure), outcome.failure
+
+
+def test_a_decode_sglangs_check_lets_through_and_the_allocator_refuses_is_a_scheduler_crash(api):
+    """The decode side of the same rule: the scheduler raises 'Decode out of memory' on the allocator's
+    None after its decode check said yes. Planted: a check that says yes to a full pool (page size 1: some
+    releases' paged decode kernel reads past an empty free list, which the check is there to prevent)."""
+    from poolfuzz.adapters.sglang.admission import OverAdmitted
+
+    fam = _family(api, "dense")
+    req = ReqKv(rid=1, seqlen=fam.config.full_tokens + 1)
+    fam.protocol.admit(req, fam)
+    fam.protocol.extend(req, fam, fam.config.full_tokens)
+    req.kv_committed_len = fam.config.full_tokens
+    sg = fam.protocol.standin(req, fam)
+    sg.kv_committed_len = sg.kv_allocated_len = fam.config.full_tokens  # as the decode step syncs them
+    gate = fam.admission.decode_gate(fam, sg)
+    if gate is None:
+        pytest.skip(f"sglang {api.version} has no decode check of its own; the adapter compares sizes")
+    fam.admission.decode_fits = lambda *_, **__: True
+    with pytest.raises(OverAdmitted, match=f"{gate} admitted a one-token decode.*Decode out of memory"):
+        fam.protocol.extend(req, fam, fam.config.full_tokens + 1)

@@ -27,6 +27,9 @@ bug. What decides, per call site:
   the scheduler, reported as ``OverAdmitted`` (``prefill_admitted``). A budget that says no decides
   nothing here: the harness's requests decode no headroom the adder would reserve.
 
+A decode SGLang's check lets through (``decode_gate`` names it) and the allocator then refuses is
+``OverAdmitted`` too: the scheduler raises "Decode out of memory" on that ``None``.
+
 Once SGLang's check has said no, the adapter only names the space that is short (for the harness's
 outcome comparison); where it finds none, the exhaustion is reported against ``full``, and the
 reference model's disagreement is the finding.
@@ -41,14 +44,15 @@ from poolfuzz.pools.errors import PoolError, PoolExhausted
 
 
 class OverAdmitted(PoolError):
-    """SGLang's prefill budget admitted an extend that its allocator then could not place."""
+    """SGLang's own check admitted an allocation that its allocator then could not place: the scheduler
+    allocates what its checks admitted and raises on a ``None`` (``mem_cache.allocation``)."""
 
-    def __init__(self, *, budget: str, tokens: int, exhausted: PoolExhausted):
+    def __init__(self, *, admitted_by: str, what: str, crash: str, exhausted: PoolExhausted):
         self.space = exhausted.space
         self.requested = exhausted.requested
         self.available = exhausted.available
-        super().__init__(f"SGLang's {budget}.check_prefill admitted a {tokens}-token extend, then the allocator "
-                         f"returned None ({exhausted}); the scheduler raises 'Prefill out of memory' there")
+        super().__init__(f"SGLang's {admitted_by} admitted {what}, then the allocator returned None ({exhausted}); "
+                         f"the scheduler raises '{crash}' there")
 
 
 class _NoSpeculation:
@@ -123,14 +127,24 @@ class SchedulerAdmission:
         ``available_size() >= tokens`` comparison of releases without it.
         """
         alloc = family.sg_allocator
-        if self.batch_cls is not None and sg.kv_allocated_len == sg.kv_committed_len:
+        gate = self.decode_gate(family, sg)
+        if gate == "ScheduleBatch.check_decode_mem":
             batch = self.batch_cls(reqs=[sg], allocator=alloc, tree_cache=self.tree_cache)
             return bool(batch.check_decode_mem())
-        if hasattr(alloc, "check_decode_capacity"):
+        if gate is not None:
             # 0.5.19's gate takes the count and the tree only; 0.5.20 on also the batch's requests
             return bool(call_with(alloc.check_decode_capacity, num_tokens=new_tokens, tree_cache=self.tree_cache,
                                   requests=[sg], spec_algorithm=None))
         return alloc.available_size() >= new_tokens
+
+    def decode_gate(self, family, sg) -> str | None:
+        """Which of SGLang's checks ``decode_fits`` asks for ``sg``'s next decode; None where the release has
+        neither and the adapter compares ``available_size()`` itself."""
+        if self.batch_cls is not None and sg.kv_allocated_len == sg.kv_committed_len:
+            return "ScheduleBatch.check_decode_mem"
+        if hasattr(family.sg_allocator, "check_decode_capacity"):
+            return f"{type(family.sg_allocator).__name__}.check_decode_capacity"
+        return None
 
 
     def prefill_admitted(self, family, *, prefix_len: int, seq_len: int) -> str | None:

@@ -130,7 +130,9 @@ class SGLangProtocol(ServingProtocol):
             except PoolExhausted as exc:
                 if budget is None:
                     raise
-                raise OverAdmitted(budget=budget, tokens=new_len - start, exhausted=exc) from exc
+                raise OverAdmitted(admitted_by=f"{budget}.check_prefill",
+                                   what=f"a {new_len - start}-token extend (the request's first)",
+                                   crash="Prefill out of memory", exhausted=exc) from exc
             self._write_row(req, family, start, slots)
             req.kv_allocated_len = new_len
             self.standin(req, family).kv_allocated_len = new_len
@@ -175,8 +177,8 @@ class SGLangProtocol(ServingProtocol):
             return torch.empty(0, dtype=torch.int64)
         pages = -(-seq_len // ps) - (-(-prefix_len // ps))
         alloc = family.sg_allocator
-        if sg is not None and n == 1 and prefix_len > 0 and not family.admission.decode_fits(
-                family, sg, new_tokens=pages * ps):
+        decode = sg is not None and n == 1 and prefix_len > 0
+        if decode and not family.admission.decode_fits(family, sg, new_tokens=pages * ps):
             # ``check_decode_mem`` said no: the scheduler retracts before it allocates (and treats a
             # None from ``alloc_decode`` as fatal). Name the short space for the harness.
             short = family.space_short_of(self._needs(family, full_pages=max(pages, 1), swa_pages=max(pages, 1)))
@@ -199,7 +201,12 @@ class SGLangProtocol(ServingProtocol):
         if out is None:
             short = family.space_short_of(self._needs(family, full_pages=pages, swa_pages=pages))
             space, requested, available = short or ("full", pages * ps, alloc.available_size())
-            raise PoolExhausted(space=space, requested=requested, available=available)
+            exhausted = PoolExhausted(space=space, requested=requested, available=available)
+            gate = family.admission.decode_gate(family, sg) if decode else None
+            if gate is not None:  # SGLang's own check said it fits
+                raise OverAdmitted(admitted_by=gate, what="a one-token decode", crash="Decode out of memory",
+                                   exhausted=exhausted)
+            raise exhausted
         return out.to(device="cpu", dtype=torch.int64)
 
     def _write_row(self, req: ReqKv, family, start: int, slots: torch.Tensor) -> None:
