@@ -111,10 +111,12 @@ def test_the_prefill_budget_judges_a_first_extend_as_the_adder_asks_it(api, name
     """The adder's budget admits a first extend that fits with its page of rounding, and refuses one
     that does not; what it admits, the allocator places."""
     fam = _prefill_budget_or_skip(api, name)
-    full = min(v.available_size() for s, v in fam.free_lists().items() if s in ("full", "swa"))
+    free = {s: v.available_size() for s, v in fam.free_lists().items()}
+    full = min(n for s, n in free.items() if s in ("full", "swa"))
     ps = fam.config.page_size
     assert fam.admission.prefill_admitted(fam, prefix_len=0, seq_len=full - 2 * ps) == budget
     assert fam.admission.prefill_admitted(fam, prefix_len=0, seq_len=full) is None
+    assert {s: v.available_size() for s, v in fam.free_lists().items()} == free  # asking takes nothing
     req = ReqKv(rid=1, seqlen=full - 2 * ps)
     fam.protocol.admit(req, fam)
     slots = fam.protocol.extend(req, fam, full - 2 * ps)
