@@ -12,7 +12,7 @@ from poolfuzz.pools.config import CONFIGS
 from poolfuzz.pools.errors import ConfigError
 from tests.engine_fuzz import fuzz_family
 
-DRIVEN = ["hybrid-linear", "hybrid-extra-buffer", "swa"]  # swa-ssm: see the tri-pool defect below
+DRIVEN = ["hybrid-linear", "hybrid-extra-buffer", "swa", "mla-ssm"]  # swa-ssm: see the tri-pool defect below
 
 
 def _factory_or_skip(api, name=None):
@@ -60,7 +60,7 @@ def test_a_release_without_the_unified_pool_is_refused_by_name(api):
         assert why is None
 
 
-@pytest.mark.parametrize("name", ["dense", "mla", "hybrid-spec"])
+@pytest.mark.parametrize("name", ["dense", "mla", "hybrid-spec", "dsa-ssm-ps64"])
 def test_configs_the_unified_family_does_not_drive_are_refused_in_one_line(api, name):
     from poolfuzz.adapters.sglang import build_unified_family, unified_unsupported_reason
 
@@ -100,6 +100,26 @@ def test_the_family_is_sglangs_unified_stack_seen_through_virtual_ids(api):
     raw = fam.unified_buffer._raw.untyped_storage().data_ptr()
     assert all(c.tensor.untyped_storage().data_ptr() != raw for c in fam.components())
     assert {m.physical.untyped_storage().data_ptr() for m in fam.mirrors} == {raw}
+
+
+def test_an_mla_hybrid_is_built_with_the_mla_sub_pool(api):
+    """As the configurator builds it for an MLA model (``use_mla_backend``): one latent row a layer, which
+    the harness checks as its compressed and rope parts; a compaction that moves no data is caught there."""
+    e = _engine(api, "mla-ssm")
+    fam = e.families["prefill"]
+    assert type(fam.sg_kv_pool.full_kv_pool).__name__ == "UnifiedMLATokenToKVPool"
+    names = {c.name for c in fam.components()}
+    assert {"mla.latent", "mla.rope"} <= names and not {"full.k", "full.v"} & names
+    cls = type(fam.sg_allocator.full_attn_allocator)
+    real = cls._move_pages
+    try:
+        cls._move_pages = lambda self, src, dst: None  # rebinds, but moves no data
+        with pytest.raises(PoolfuzzFailure) as err:
+            _two_then_one_finished(e)
+    finally:
+        cls._move_pages = real
+    assert err.value.divergence.kind == "state-lost"
+    assert err.value.divergence.component in ("mla.latent", "mla.rope"), err.value
 
 
 def test_compaction_moves_a_live_requests_rows_and_the_checksums_follow_them(api):
@@ -251,7 +271,14 @@ def test_a_resume_is_billed_in_whole_pages_as_the_reference_counts_it(api):
     """A paged hybrid model's resume asks the joint budget for whole pages of KV, as SGLang's prefill adder
     bills them (``ceil_paged_tokens``): with one free page and a mamba slot's worth of bytes short, the resume
     waits, and pools and reference agree (it used to ask for its 3 raw tokens, take the page, and disagree)."""
-    e = _engine(api, "dsa-ssm-ps64")
+    # dsa-ssm-ps64's sizes as an MLA model: the unified pool is built for MLA hybrids, not DSA ones
+    config = CONFIGS["dsa-ssm-ps64"].replace(name="mla-ssm-ps64", attention="mla")
+    from poolfuzz.adapters.sglang import build_unified_family, unified_unsupported_reason
+
+    why = unified_unsupported_reason(config)
+    if why:
+        pytest.skip(f"sglang {api.version}: {why}")
+    e = Engine(config=config, family_factory=build_unified_family)
     rid = e.admit(3)
     e.prefill(rid, 3)
     e.retract(rid)

@@ -63,6 +63,11 @@ def unified_problem(api: SGLangAPI, config: ModelConfig) -> str | None:
     if config.spec_draft_tokens:
         return ("speculative decoding's per-draft mamba caches on the unified pool are not driven by "
                 "poolfuzz yet; use hybrid-linear, hybrid-extra-buffer, swa or swa-ssm")
+    if config.attention == "dsa":
+        # the configurator would pass use_mla_backend=True and nothing of the indexer: the pool it builds
+        # has no index-key buffer for poolfuzz to check, so this model's unified pool is not driven
+        return (f"SGLang {api.version}'s unified Mamba factory (init_unified_mamba_pools) builds an MLA "
+                "sub-pool without DSA's index-key cache (it takes no index_head_dim); use --family sglang")
     if config.page_size > 1:
         return _paged_problem(api, config)
     return _factory_problem(api, config)
@@ -144,6 +149,14 @@ def _build(api: SGLangAPI, c: ModelConfig, dev, sdev: str, *, need_sort: bool) -
     return _build_mamba(api, c, dev, sdev, need_sort=need_sort)
 
 
+def _attention_args(c: ModelConfig) -> dict:
+    """The configurator's attention arguments: an MLA model's (``use_mla_backend``, its latent widths)
+    build the MLA sub-pool (``UnifiedMLATokenToKVPool``), any other model's the MHA one."""
+    if c.latent:
+        return dict(use_mla_backend=True, kv_lora_rank=c.kv_lora_rank, qk_rope_head_dim=c.qk_rope_head_dim)
+    return dict(use_mla_backend=False)
+
+
 def _build_mamba(api: SGLangAPI, c: ModelConfig, dev, sdev: str, *, need_sort: bool) -> UnifiedFamily:
     kv_dtype = KV_DTYPES[c.kv_dtype]
     modes = pool_kwargs(c)
@@ -152,7 +165,7 @@ def _build_mamba(api: SGLangAPI, c: ModelConfig, dev, sdev: str, *, need_sort: b
     args = dict(
         device=sdev, kv_cache_dtype=kv_dtype, head_num=c.head_num, head_dim=c.head_dim, v_head_dim=c.head_dim,
         page_size=c.page_size, start_layer=0, end_layer=c.num_layers, is_draft_worker=False,
-        use_mla_backend=False, mamba_layer_ids=list(c.mamba_layer_ids),
+        **_attention_args(c), mamba_layer_ids=list(c.mamba_layer_ids),
         full_attention_layer_ids=list(c.full_layer_ids), mamba2_cache_params=mamba_cache_params(api, c),
         extra_max_context_len=4, max_total_num_tokens=c.full_tokens,
         max_mamba_cache_size=c.mamba_slots, max_num_reqs=c.request_rows, enable_memory_saver=False,
@@ -173,7 +186,8 @@ def _build_mamba(api: SGLangAPI, c: ModelConfig, dev, sdev: str, *, need_sort: b
     full, mamba = alloc.full_attn_allocator, alloc.mamba_allocator
 
     kv_mirrors, comps = mirrored_kv(kv_pool.full_kv_pool, c.full_layer_ids, "full", full,
-                                    held=functools.partial(held_slots, full))
+                                    held=functools.partial(held_slots, full),
+                                    latent_rank=c.kv_lora_rank if c.latent else None)
     mamba_view, state_mirrors = mirrored_state(req_pool, c.mamba_layer_ids, mamba)
     write_loc = _first("sglang.srt.mem_cache.memory_pool:KVWriteLoc")
 
@@ -185,10 +199,15 @@ def _build_mamba(api: SGLangAPI, c: ModelConfig, dev, sdev: str, *, need_sort: b
         done = set()
         for layer_id in c.full_layer_ids:
             k, v = ("full.k", layer_id), ("full.v", layer_id)
+            nope, rope = ("mla.latent", layer_id), ("mla.rope", layer_id)
             if k in rows and v in rows:
                 kv_pool.set_kv_buffer(_Layer(layer_id), physical, _as_pool_dtype(rows[k], kv_pool),
                                       _as_pool_dtype(rows[v], kv_pool))
                 done |= {k, v}
+            elif nope in rows and rope in rows:  # the CPU backends' MLA door: one latent row, no V
+                latent = torch.cat([rows[nope], rows[rope]], dim=-1).unsqueeze(1)
+                kv_pool.set_kv_buffer(_Layer(layer_id), physical, _as_pool_dtype(latent, kv_pool), None)
+                done |= {nope, rope}
         for m in kv_mirrors:  # every held row: a write that landed on another id's row shows there now
             m.pull()
         return done

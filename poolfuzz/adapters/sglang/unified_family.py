@@ -120,10 +120,21 @@ class _UnifiedServing(SGLangProtocol):
 UnifiedProtocol = _pushing(_UnifiedServing)
 
 
-def mirrored_kv(pool, layer_ids, space: str, allocator, *, held) -> tuple[list[Mirror], list[Component]]:
-    """K and V of each layer of a unified MHA sub-pool: virtual-id mirrors of its physical views."""
+def mirrored_kv(pool, layer_ids, space: str, allocator, *, held,
+                latent_rank: int | None = None) -> tuple[list[Mirror], list[Component]]:
+    """K and V of each layer of a unified MHA sub-pool: virtual-id mirrors of its physical views. With
+    ``latent_rank``, the sub-pool is MLA's: one latent row a layer, whose first ``latent_rank`` values are
+    the compressed KV (``mla.latent``) and the rest the rope part (``mla.rope``)."""
     mirrors, comps = [], []
     slots = allocator.num_virtual_ids * allocator.pool_page_size
+    if latent_rank is not None:
+        for local, layer_id in enumerate(layer_ids):
+            m = Mirror(shadow=shadow_like(pool.kv_buffer[local], slots), physical=pool.kv_buffer[local],
+                       translate=token_translate(allocator), held=held)
+            mirrors.append(m)
+            comps.append(Component(name="mla.latent", layer=layer_id, space=space, tensor=m.shadow[:, 0, :latent_rank]))
+            comps.append(Component(name="mla.rope", layer=layer_id, space=space, tensor=m.shadow[:, 0, latent_rank:]))
+        return mirrors, comps
     for local, layer_id in enumerate(layer_ids):
         for part, buffers in (("k", pool.k_buffer), ("v", pool.v_buffer)):
             m = Mirror(shadow=shadow_like(buffers[local], slots), physical=buffers[local],
