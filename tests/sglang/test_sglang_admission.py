@@ -21,6 +21,12 @@ class _SaysYes:
     def decode_fits(self, family, sg, *, new_tokens):
         return True
 
+    def decode_gate(self, family, sg):
+        return None  # no check of SGLang's decided, so nothing is vouched for
+
+    def prefill_admitted(self, family, *, prefix_len, seq_len):
+        return None
+
 
 def test_the_mamba_gate_is_sglangs_and_takes_no_row(api):
     """With every mamba slot held, SGLang's check refuses before a row is taken (a chunk-cache config:
@@ -126,8 +132,19 @@ def test_the_prefill_budget_judges_a_first_extend_as_the_adder_asks_it(api, name
 class _AdmitsAll:
     """A prefill budget that admits every extend (the defect the check exists for)."""
 
-    def check_prefill(self, **_):
+    def check_prefill(self, *, extend_input_len, total_tokens, max_new_tokens, input_tokens,
+                      swa_host_hit_length, chunk_limit):
         return True, None
+
+
+class _AdmitsTheRetry(_AdmitsAll):
+    """Refuses the first time it is asked, admits after (the request waited, then was admitted)."""
+
+    asked = 0
+
+    def check_prefill(self, **kwargs):
+        type(self).asked += 1
+        return (type(self).asked > 1), None
 
 
 def test_an_extend_the_budget_admits_and_the_allocator_cannot_place_is_a_scheduler_crash(api, monkeypatch):
@@ -144,10 +161,29 @@ def test_an_extend_the_budget_admits_and_the_allocator_cannot_place_is_a_schedul
     with pytest.raises(OverAdmitted, match=first) as info:
         fam.protocol.extend(req, fam, fam.config.full_tokens + 8)
     assert info.value.space == "full"
-    # a later extend of the same request is a chunk the adder does not judge with check_prefill
+    # once judged, the request's later extends are chunks the adder does not judge with check_prefill
     with pytest.raises(PoolExhausted) as later:
         fam.protocol.extend(req, fam, fam.config.full_tokens + 8)
     assert not isinstance(later.value, OverAdmitted)
+
+
+def test_a_first_extend_that_waited_is_judged_again_when_retried(api, monkeypatch):
+    """A first extend the budget refused leaves the request waiting; the adder asks again when the request
+    is retried, and a yes that the allocator cannot honour is then OverAdmitted."""
+    from poolfuzz.adapters.sglang.admission import OverAdmitted
+
+    fam = _prefill_budget_or_skip(api, "dense-ps4")
+    monkeypatch.setattr(type(fam.sg_allocator), "create_prefill_budget",
+                        lambda self, tree_cache, num_mixed_decode_tokens=0: _AdmitsTheRetry())
+    monkeypatch.setattr(_AdmitsTheRetry, "asked", 0)
+    req = ReqKv(rid=1, seqlen=fam.config.full_tokens + 8)
+    fam.protocol.admit(req, fam)
+    with pytest.raises(PoolExhausted) as waited:
+        fam.protocol.extend(req, fam, fam.config.full_tokens + 8)
+    assert not isinstance(waited.value, OverAdmitted)
+    with pytest.raises(OverAdmitted, match="could not place it"):
+        fam.protocol.extend(req, fam, fam.config.full_tokens + 8)
+    assert _AdmitsTheRetry.asked == 2
 
 
 def test_an_over_admitting_budget_is_caught_by_the_fuzzer(api, fuzz, monkeypatch):

@@ -27,8 +27,9 @@ bug. What decides, per call site:
   the scheduler, reported as ``OverAdmitted`` (``prefill_admitted``). A budget that says no decides
   nothing here: the harness's requests decode no headroom the adder would reserve.
 
-A decode SGLang's check lets through (``decode_gate`` names it) and the allocator then refuses is
-``OverAdmitted`` too: the scheduler raises "Decode out of memory" on that ``None``.
+A plain decode that ``check_decode_mem`` lets through and the allocator then refuses is ``OverAdmitted``
+too: the scheduler raises "Decode out of memory" on that ``None``. (Not claimed after a kept speculative
+page, whose allocation SGLang's speculative path makes its own way, nor where the release has no check.)
 
 Once SGLang's check has said no, the adapter only names the space that is short (for the harness's
 outcome comparison); where it finds none, the exhaustion is reported against ``full``, and the
@@ -51,8 +52,11 @@ class OverAdmitted(PoolError):
         self.space = exhausted.space
         self.requested = exhausted.requested
         self.available = exhausted.available
-        super().__init__(f"SGLang's {admitted_by} admitted {what}, then the allocator returned None ({exhausted}); "
-                         f"the scheduler raises '{crash}' there")
+        super().__init__(f"SGLang's {admitted_by} admitted {what}, then the allocator could not place it "
+                         f"({exhausted}); the scheduler raises '{crash}' there")
+
+
+CHECK_DECODE_MEM = "ScheduleBatch.check_decode_mem"
 
 
 class _NoSpeculation:
@@ -128,7 +132,7 @@ class SchedulerAdmission:
         """
         alloc = family.sg_allocator
         gate = self.decode_gate(family, sg)
-        if gate == "ScheduleBatch.check_decode_mem":
+        if gate == CHECK_DECODE_MEM:
             batch = self.batch_cls(reqs=[sg], allocator=alloc, tree_cache=self.tree_cache)
             return bool(batch.check_decode_mem())
         if gate is not None:
@@ -141,11 +145,10 @@ class SchedulerAdmission:
         """Which of SGLang's checks ``decode_fits`` asks for ``sg``'s next decode; None where the release has
         neither and the adapter compares ``available_size()`` itself."""
         if self.batch_cls is not None and sg.kv_allocated_len == sg.kv_committed_len:
-            return "ScheduleBatch.check_decode_mem"
+            return CHECK_DECODE_MEM
         if hasattr(family.sg_allocator, "check_decode_capacity"):
             return f"{type(family.sg_allocator).__name__}.check_decode_capacity"
         return None
-
 
     def prefill_admitted(self, family, *, prefix_len: int, seq_len: int) -> str | None:
         """The name of the adder's budget where it admits a request's first extend (``prefix_len`` cached,
@@ -159,20 +162,22 @@ class SchedulerAdmission:
         create = getattr(alloc, "create_prefill_budget", None)
         if create is None:
             return None
-        budget = create(self.tree_cache or self._chunk_cache(family), num_mixed_decode_tokens=0)
+        cache = self.tree_cache if self.tree_cache is not None else self._chunk_cache(family)
+        budget = create(cache, num_mixed_decode_tokens=0)
         extend = seq_len - prefix_len
         total = extend + alloc.page_size
         reserve = getattr(alloc, "request_slot_reserve", None)
         if reserve is not None:
             total += reserve(has_req_pool_slot=False, prefill_tokens=seq_len)
-        admitted, _ = budget.check_prefill(extend_input_len=extend, total_tokens=total, max_new_tokens=0,
-                                           input_tokens=seq_len, swa_host_hit_length=0, chunk_limit=None)
+        admitted, _ = call_with(budget.check_prefill, extend_input_len=extend, total_tokens=total, max_new_tokens=0,
+                                input_tokens=seq_len, swa_host_hit_length=0, chunk_limit=None)
         return type(budget).__name__ if admitted else None
 
     def _chunk_cache(self, family):
         """The cache the scheduler runs without a prefix tree (the registry's, radix cache disabled): the
         budget reads its evictable sizes (none) and the model's window from it."""
         if self._budget_cache is None:
+            # imported here: tree_build imports SGLang's registry, which a release without a budget never needs
             from poolfuzz.adapters.sglang.tree_build import build_disabled_cache
 
             self._budget_cache = build_disabled_cache(family)

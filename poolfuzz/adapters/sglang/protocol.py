@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from poolfuzz.adapters.sglang.admission import OverAdmitted
+from poolfuzz.adapters.sglang.admission import CHECK_DECODE_MEM, OverAdmitted
 from poolfuzz.adapters.sglang.api import accepted_kwargs, parameters
 from poolfuzz.adapters.sglang.calls import paged_alloc_decode, paged_alloc_extend
 from poolfuzz.adapters.sglang.frees import free_group, free_row_segment, release_row, scheduling_pass
@@ -119,20 +119,22 @@ class SGLangProtocol(ServingProtocol):
             if new_len <= start:  # already allocated (the rest of a page kept after a speculative step)
                 return torch.empty(0, dtype=torch.int64)
             last_loc = int(family.req_pool.req_to_token[req.req_pool_idx, start - 1]) if start else -1
+            first = req.rid in self.first_extend
             budget = None
-            if req.rid in self.first_extend:  # judged before the tree evicts for it, as the adder judges
-                self.first_extend.discard(req.rid)
-                if new_len - start > 1 or start == 0:  # (one token past a hit takes the decode path here)
-                    budget = family.admission.prefill_admitted(family, prefix_len=start, seq_len=new_len)
+            if first and (new_len - start > 1 or start == 0):  # (one token past a hit takes the decode path)
+                # judged before the tree evicts for it, as the adder judges before ``alloc_for_extend``
+                budget = family.admission.prefill_admitted(family, prefix_len=start, seq_len=new_len)
             try:
                 slots = self._alloc_tokens(family, prefix_len=start, seq_len=new_len, last_loc=last_loc,
-                                           sg=self._synced(req, family))
+                                           sg=self._synced(req, family), first=first)
             except PoolExhausted as exc:
                 if budget is None:
-                    raise
+                    raise  # still waiting: the adder asks its budget again when the request is retried
+                self.first_extend.discard(req.rid)
                 raise OverAdmitted(admitted_by=f"{budget}.check_prefill",
                                    what=f"a {new_len - start}-token extend (the request's first)",
                                    crash="Prefill out of memory", exhausted=exc) from exc
+            self.first_extend.discard(req.rid)
             self._write_row(req, family, start, slots)
             req.kv_allocated_len = new_len
             self.standin(req, family).kv_allocated_len = new_len
@@ -170,7 +172,10 @@ class SGLangProtocol(ServingProtocol):
         sg.kv_allocated_len = req.kv_allocated_len
         return sg
 
-    def _alloc_tokens(self, family, *, prefix_len: int, seq_len: int, last_loc: int, sg=None) -> torch.Tensor:
+    def _alloc_tokens(self, family, *, prefix_len: int, seq_len: int, last_loc: int, sg=None,
+                      first: bool = False) -> torch.Tensor:
+        """``first``: the request's first extend since admission, which SGLang schedules as a prefill even
+        where it is one token past a prefix hit (and so takes the decode path here)."""
         ps = family.config.page_size
         n = seq_len - prefix_len
         if n <= 0:
@@ -178,6 +183,8 @@ class SGLangProtocol(ServingProtocol):
         pages = -(-seq_len // ps) - (-(-prefix_len // ps))
         alloc = family.sg_allocator
         decode = sg is not None and n == 1 and prefix_len > 0
+        # a plain decode that SGLang's own check lets through must then be placed (see OverAdmitted)
+        vouched = decode and not first and family.admission.decode_gate(family, sg) == CHECK_DECODE_MEM
         if decode and not family.admission.decode_fits(family, sg, new_tokens=pages * ps):
             # ``check_decode_mem`` said no: the scheduler retracts before it allocates (and treats a
             # None from ``alloc_decode`` as fatal). Name the short space for the harness.
@@ -202,10 +209,9 @@ class SGLangProtocol(ServingProtocol):
             short = family.space_short_of(self._needs(family, full_pages=pages, swa_pages=pages))
             space, requested, available = short or ("full", pages * ps, alloc.available_size())
             exhausted = PoolExhausted(space=space, requested=requested, available=available)
-            gate = family.admission.decode_gate(family, sg) if decode else None
-            if gate is not None:  # SGLang's own check said it fits
-                raise OverAdmitted(admitted_by=gate, what="a one-token decode", crash="Decode out of memory",
-                                   exhausted=exhausted)
+            if vouched:
+                raise OverAdmitted(admitted_by=CHECK_DECODE_MEM, what="a one-token decode",
+                                   crash="Decode out of memory", exhausted=exhausted)
             raise exhausted
         return out.to(device="cpu", dtype=torch.int64)
 

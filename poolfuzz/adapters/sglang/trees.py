@@ -222,14 +222,16 @@ class SGLangTreeProtocol(SGLangProtocol):
             tree_swa.evict_window(family, sg, pre_len)
         req.swa_evicted_seqlen = self._swa_evicted(sg, family)
 
-    def _alloc_tokens(self, family, *, prefix_len: int, seq_len: int, last_loc: int, sg=None) -> torch.Tensor:
+    def _alloc_tokens(self, family, *, prefix_len: int, seq_len: int, last_loc: int, sg=None,
+                      first: bool = False) -> torch.Tensor:
         n = seq_len - prefix_len
         ps = family.config.page_size
         decode = sg is not None and n == 1 and prefix_len > 0
         if n > 0 and not decode:  # a decode's check_decode_mem evicts for itself
             demand = n if ps == 1 else self._paged_demand(family, prefix_len, seq_len)
             self.common.evict_from_tree_cache(family.tree, demand)
-        return super()._alloc_tokens(family, prefix_len=prefix_len, seq_len=seq_len, last_loc=last_loc, sg=sg)
+        return super()._alloc_tokens(family, prefix_len=prefix_len, seq_len=seq_len, last_loc=last_loc, sg=sg,
+                                     first=first)
 
     @staticmethod
     def _paged_demand(family, prefix_len: int, seq_len: int) -> int:

@@ -122,7 +122,7 @@ UnifiedProtocol = _pushing(_UnifiedServing)
 
 def mirrored_kv(pool, layer_ids, space: str, allocator, *, held,
                 latent_rank: int | None = None) -> tuple[list[Mirror], list[Component]]:
-    """K and V of each layer of a unified MHA sub-pool: virtual-id mirrors of its physical views. With
+    """K and V of each layer of a unified MHA sub-pool, as virtual-id mirrors of its physical views. With
     ``latent_rank``, the sub-pool is MLA's: one latent row a layer, whose first ``latent_rank`` values are
     the compressed KV (``mla.latent``) and the rest the rope part (``mla.rope``)."""
     mirrors, comps = [], []
