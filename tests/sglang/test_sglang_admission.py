@@ -216,3 +216,27 @@ def test_a_decode_sglangs_check_lets_through_and_the_allocator_refuses_is_a_sche
     fam.admission.decode_fits = lambda *_, **__: True
     with pytest.raises(OverAdmitted, match=f"{gate} admitted a one-token decode.*Decode out of memory"):
         fam.protocol.extend(req, fam, fam.config.full_tokens + 1)
+
+
+def test_the_budget_s_chunk_cache_is_built_as_releases_with_a_chunked_prefill_field_build_it(api, monkeypatch):
+    """0.5.21's registry context has ``effective_chunked_prefill_size`` (required), and picks the chunk cache
+    only where it is set: the context the adapter builds fills it where the release's context has it (the
+    0.5.21 compat row crashed at every prefill without it)."""
+    import dataclasses
+
+    from sglang.srt.mem_cache import registry
+
+    from poolfuzz.adapters.sglang.tree_build import CHUNKED_PREFILL_SIZE, _build_context
+
+    fam = _prefill_budget_or_skip(api, "dense")  # the budget is what builds a chunk cache's context
+    base = registry.TreeCacheBuildContext
+    if "effective_chunked_prefill_size" not in {f.name for f in dataclasses.fields(base)}:
+        assert not hasattr(_build_context(fam, hierarchical=False, disabled=True), "effective_chunked_prefill_size")
+        fields = [(f.name, f.type, dataclasses.field(default=f.default, default_factory=f.default_factory))
+                  if f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING
+                  else (f.name, f.type) for f in dataclasses.fields(base)]
+        required = ("effective_chunked_prefill_size", object, dataclasses.field(kw_only=True))  # as in 0.5.21
+        monkeypatch.setattr(registry, "TreeCacheBuildContext",
+                            dataclasses.make_dataclass("TreeCacheBuildContext0521", fields + [required]))
+    ctx = _build_context(fam, hierarchical=False, disabled=True)
+    assert ctx.effective_chunked_prefill_size == CHUNKED_PREFILL_SIZE and ctx.disable_radix_cache

@@ -56,6 +56,7 @@ def build_tree(family, *, hierarchical: bool = False, storage_dir: str | None = 
 
 
 PYTHON_TREE_CORE = "python"
+CHUNKED_PREFILL_SIZE = 8192  # a server's chunked prefill size when its GPU's memory is not asked
 
 
 def build_disabled_cache(family):
@@ -80,11 +81,15 @@ def _build_context(family, *, hierarchical: bool, disabled: bool):
                              token_to_kv_pool_allocator=family.sg_allocator, page_size=c.page_size,
                              sliding_window_size=c.sliding_window if c.has_swa else None,
                              **({} if disabled else _tree_core(family, CacheInitParams)))
+    fields = getattr(registry.TreeCacheBuildContext, "__dataclass_fields__", {})
+    # 0.5.21's registry picks the chunk cache only where chunked prefill is on, as it is by default (the
+    # registry asks only whether a size is set)
+    chunked = {"effective_chunked_prefill_size": CHUNKED_PREFILL_SIZE} if "effective_chunked_prefill_size" in fields else {}
     return registry.TreeCacheBuildContext(
         server_args=get_server_args() if hierarchical else None, params=params, is_hybrid_swa=c.has_swa,
         is_hybrid_ssm=c.has_mamba, enable_hierarchical_cache=hierarchical, disable_radix_cache=disabled,
         tp_worker=hicache.worker_standin() if hierarchical else None, model_config=None,
-        tp_size=1, tp_rank=0, tp_group=None, full_tokens_per_layer=c.full_tokens)
+        tp_size=1, tp_rank=0, tp_group=None, full_tokens_per_layer=c.full_tokens, **chunked)
 
 
 def _tree_core(family, params_cls) -> dict:
