@@ -183,8 +183,6 @@ class SGLangProtocol(ServingProtocol):
         pages = -(-seq_len // ps) - (-(-prefix_len // ps))
         alloc = family.sg_allocator
         decode = sg is not None and n == 1 and prefix_len > 0
-        # a plain decode that SGLang's own check lets through must then be placed (see OverAdmitted)
-        vouched = decode and not first and family.admission.decode_gate(family, sg) == CHECK_DECODE_MEM
         if decode and not family.admission.decode_fits(family, sg, new_tokens=pages * ps):
             # ``check_decode_mem`` said no: the scheduler retracts before it allocates (and treats a
             # None from ``alloc_decode`` as fatal). Name the short space for the harness.
@@ -209,7 +207,8 @@ class SGLangProtocol(ServingProtocol):
             short = family.space_short_of(self._needs(family, full_pages=pages, swa_pages=pages))
             space, requested, available = short or ("full", pages * ps, alloc.available_size())
             exhausted = PoolExhausted(space=space, requested=requested, available=available)
-            if vouched:
+            # a plain decode that SGLang's own check let through must be placed (asked only on this rare path)
+            if decode and not first and family.admission.decode_gate(family, sg) == CHECK_DECODE_MEM:
                 raise OverAdmitted(admitted_by=CHECK_DECODE_MEM, what="a one-token decode",
                                    crash="Decode out of memory", exhausted=exhausted)
             raise exhausted

@@ -33,7 +33,7 @@ from poolfuzz.adapters.sglang.unified_family import UnifiedFamily, UnifiedProtoc
 from poolfuzz.adapters.sglang.unified_mirror import held_slots
 from poolfuzz.adapters.sglang.unified_swa import build_swa, swa_factory, tri_factory
 from poolfuzz.adapters.sglang.views import AllocatorView, FreeListView, ReqPoolView, _ints
-from poolfuzz.adapters.sglang.writes import _as_pool_dtype, _Layer
+from poolfuzz.adapters.sglang.writes import _as_pool_dtype, _Layer, latent_row
 from poolfuzz.pools.config import ModelConfig, uses_ssm_state
 from poolfuzz.pools.errors import ConfigError
 from poolfuzz.pools.family import resolve_device
@@ -205,8 +205,7 @@ def _build_mamba(api: SGLangAPI, c: ModelConfig, dev, sdev: str, *, need_sort: b
                                       _as_pool_dtype(rows[v], kv_pool))
                 done |= {k, v}
             elif nope in rows and rope in rows:  # the CPU backends' MLA door: one latent row, no V
-                latent = torch.cat([rows[nope], rows[rope]], dim=-1).unsqueeze(1)
-                kv_pool.set_kv_buffer(_Layer(layer_id), physical, _as_pool_dtype(latent, kv_pool), None)
+                kv_pool.set_kv_buffer(_Layer(layer_id), physical, latent_row(rows, layer_id, kv_pool), None)
                 done |= {nope, rope}
         for m in kv_mirrors:  # every held row: a write that landed on another id's row shows there now
             m.pull()

@@ -69,6 +69,13 @@ def _prefix_valid_door(pool, loc: torch.Tensor, committed: int | None):
     return write
 
 
+def latent_row(rows: dict, layer_id: int, pool) -> torch.Tensor:
+    """An MLA layer's rows as the CPU backends hand them to ``set_kv_buffer``: one latent row per token, the
+    compressed part then the rope part, in the pool's dtype."""
+    latent = torch.cat([rows[("mla.latent", layer_id)], rows[("mla.rope", layer_id)]], dim=-1).unsqueeze(1)
+    return _as_pool_dtype(latent, pool)
+
+
 def write_rows(pool, *, mha_layers, mla_layers, slots: torch.Tensor, rows: dict, model_dtype=None,
                committed: int | None = None) -> set:
     """Write ``rows[(component, layer)]`` for the full slots ``slots`` through the pool's door, layer by
@@ -98,7 +105,6 @@ def write_rows(pool, *, mha_layers, mla_layers, slots: torch.Tensor, rows: dict,
         if nope in rows and rope in rows:
             # The CPU backends' door: one latent row, the compressed part then the rope part (the split
             # ``set_mla_kv_buffer`` is a Triton kernel); ``cache_v`` is not read by an MLA pool.
-            latent = torch.cat([rows[nope], rows[rope]], dim=-1).unsqueeze(1)
-            pool.set_kv_buffer(_Layer(layer_id), loc_info, _as_pool_dtype(latent, pool), None, **loc_kwargs)
+            pool.set_kv_buffer(_Layer(layer_id), loc_info, latent_row(rows, layer_id, pool), None, **loc_kwargs)
             done |= {nope, rope}
     return done
