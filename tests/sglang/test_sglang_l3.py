@@ -162,6 +162,33 @@ def test_a_prefetch_into_the_wrong_host_slot_is_caught_on_the_device(l3_api, nam
     e.close()
 
 
+def test_a_backup_that_never_returns_is_a_hang_that_says_where_the_thread_is(l3_api, monkeypatch):
+    """A storage thread blocked in the backend: the hang names the thread and the frames it is blocked in, and
+    that the other three are idle (a dead or stopped thread is said as such)."""
+    from poolfuzz.adapters.sglang import l3
+
+    e = _engine("dense")
+    from sglang.srt.mem_cache.hicache_storage import HiCacheFile
+
+    released = threading.Event()
+    real = HiCacheFile.batch_set
+
+    def stuck_in_the_backend(self, *args, **kwargs):
+        released.wait(60)
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(HiCacheFile, "batch_set", stuck_in_the_backend)
+    monkeypatch.setattr(l3, "SETTLE_SECONDS", 0.5)
+    try:
+        with pytest.raises(l3.StorageHang, match=r"(?s)1 backup\(s\) .* still in flight.*stop event set: False.*"
+                                                 r"backup_thread: running at.*in stuck_in_the_backend.*"
+                                                 r"prefetch_thread: running at"):
+            served_pressed_continued(e)
+    finally:
+        released.set()
+    e.close()
+
+
 def test_fuzzing_dense_ps4_with_storage_passes(l3_api, fuzz):
     outcome = fuzz(CONFIGS["dense-ps4"], examples=15)
     assert outcome.failure is None, outcome.failure

@@ -28,8 +28,10 @@ from __future__ import annotations
 import atexit
 import json
 import shutil
+import sys
 import tempfile
 import time
+import traceback
 from contextlib import contextmanager
 
 from poolfuzz.adapters.sglang import zero_copy
@@ -140,6 +142,28 @@ def _in_flight(tree) -> bool:
     return bool(tree.ongoing_backup or tree.ongoing_prefetch or any(q.qsize() for q in queues))
 
 
+STORAGE_THREADS = ("backup_thread", "prefetch_thread", "prefetch_io_aux_thread", "prefetch_sync_thread")
+
+
+def threads_report(controller) -> str:
+    """Where each of the controller's storage threads is: dead, or the innermost frames it is running, so a
+    hang says whether a thread died, stopped, or is blocked (and on what)."""
+    frames = sys._current_frames()
+    lines = [f"stop event set: {controller.storage_stop_event.is_set()}; "
+             f"backup queue {controller.backup_queue.qsize()}, ack queue {controller.ack_backup_queue.qsize()}"]
+    for name in STORAGE_THREADS:
+        thread = getattr(controller, name, None)
+        if thread is None:
+            lines.append(f"{name}: never started")
+        elif not thread.is_alive():
+            lines.append(f"{name}: not running")
+        else:
+            frame = frames.get(thread.ident)
+            where = traceback.format_stack(frame, limit=4) if frame is not None else ["(no frame)"]
+            lines.append(f"{name}: running at\n" + "".join(where).rstrip())
+    return "\n".join(lines)
+
+
 def settle(tree) -> None:
     """Poll (``check_hicache_events``) until no storage operation is in flight."""
     deadline = time.monotonic() + SETTLE_SECONDS
@@ -147,7 +171,8 @@ def settle(tree) -> None:
     while enabled(tree) and _in_flight(tree):
         if time.monotonic() > deadline:
             raise StorageHang(f"HiCache storage: {len(tree.ongoing_backup)} backup(s) and "
-                              f"{len(tree.ongoing_prefetch)} prefetch(es) still in flight after {SETTLE_SECONDS:.0f} s")
+                              f"{len(tree.ongoing_prefetch)} prefetch(es) still in flight after {SETTLE_SECONDS:.0f} s\n"
+                              + threads_report(tree.cache_controller))
         time.sleep(0.001)
         tree.check_hicache_events()
     faults = getattr(tree.cache_controller.storage_backend, "faults", None) if enabled(tree) else None
@@ -175,7 +200,8 @@ def prefetch(tree, sg, common) -> int:
     deadline = time.monotonic() + SETTLE_SECONDS
     while not tree.check_prefetch_progress(handle):
         if time.monotonic() > deadline:
-            raise StorageHang(f"HiCache storage: the prefetch of req {sg.rid} never completed")
+            raise StorageHang(f"HiCache storage: the prefetch of req {sg.rid} never completed\n"
+                              + threads_report(tree.cache_controller))
         time.sleep(0.001)
         tree.check_hicache_events()
     loaded, _ = tree.pop_prefetch_loaded_span(handle)
