@@ -96,3 +96,52 @@ def test_ops_are_given_only_where_a_module_lacks_them():
         del sys.modules["fake"]
     assert module.transfer_kv_per_layer is real and "fake.transfer_kv_per_layer" not in done
     assert module.transfer_kv_all_layer is k.transfer_kv_all_layer
+
+
+def test_an_address_resolves_to_its_own_buffer_among_many():
+    registry = k._Registry()
+    buffers = [torch.full((64,), i % 256, dtype=torch.uint8) for i in range(300)]
+    for b in buffers:
+        registry.add(b)
+    for i in (0, 7, 150, 299):
+        data, offset = registry.resolve(buffers[i].data_ptr() + 5, 1, "probe")
+        assert offset == 5 and int(data[offset]) == i % 256 and data.numel() == 64
+    with pytest.raises(k.IllegalAddress):  # one byte past the end of the highest buffer
+        top = max(buffers, key=lambda b: b.data_ptr())
+        registry.resolve(top.data_ptr() + 64, 1, "probe")
+
+
+def test_a_freed_buffer_is_no_longer_addressable_and_leaves_the_registry():
+    registry = k._Registry()
+    kept, freed = torch.zeros(32, dtype=torch.uint8), torch.zeros(32, dtype=torch.uint8)
+    registry.add(kept)
+    registry.add(freed)
+    address = freed.data_ptr()
+    del freed
+    with pytest.raises(k.IllegalAddress):
+        registry.resolve(address, 1, "probe")
+    assert list(registry.spans) == [kept.data_ptr()] == registry._bases
+    assert registry.resolve(kept.data_ptr() + 31, 1, "probe")[1] == 31
+
+
+def test_resolving_looks_at_one_buffer_however_many_are_registered():
+    """A lookup dereferences the one buffer below the address (a storage copy makes one per page chunk: a
+    scan of every registered buffer made a long session's copies slower with every pool it had built)."""
+    registry = k._Registry()
+    buffers = [torch.zeros(16, dtype=torch.uint8) for _ in range(2000)]
+    for b in buffers:
+        registry.add(b)
+    looked = []
+
+    class Counted:
+        def __init__(self, base, ref):
+            self.base, self.ref = base, ref
+
+        def __call__(self):
+            looked.append(self.base)
+            return self.ref()
+
+    registry.spans = {base: (size, Counted(base, ref)) for base, (size, ref) in registry.spans.items()}
+    target = buffers[1234].data_ptr()
+    assert registry.resolve(target + 3, 1, "probe")[1] == 3
+    assert looked == [target]

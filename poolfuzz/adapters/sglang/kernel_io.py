@@ -18,6 +18,7 @@ where they exist.
 
 from __future__ import annotations
 
+import bisect
 import importlib
 import weakref
 
@@ -34,25 +35,42 @@ class IllegalAddress(RuntimeError):
 
 class _Registry:
     """The CPU buffers (whole storages) a kernel may address, held weakly: a pool that is gone is no
-    longer addressable, and its memory is not kept alive by the registry."""
+    longer addressable, and its memory is not kept alive by the registry. Kept sorted by base address, so
+    an address is found in as many steps as the log of the buffers registered: a storage copy resolves
+    every page's every chunk, and with one scan of all the buffers a long process's copies slowed as it
+    went, past the storage threads' deadline (``l3.settle``)."""
 
     def __init__(self):
         self.spans: dict[int, tuple[int, weakref.ref]] = {}  # storage base address -> (bytes, its tensor)
+        self._bases: list[int] = []  # the keys of ``spans``, ascending
 
     def add(self, tensor: torch.Tensor) -> None:
         storage = tensor.untyped_storage()
         if tensor.device.type == "cpu" and storage.nbytes():
-            self.spans[storage.data_ptr()] = (storage.nbytes(), weakref.ref(tensor))
+            base = storage.data_ptr()
+            if base not in self.spans:
+                bisect.insort(self._bases, base)
+            self.spans[base] = (storage.nbytes(), weakref.ref(tensor))
+
+    def _forget(self, base: int) -> None:
+        del self.spans[base]
+        del self._bases[bisect.bisect_left(self._bases, base)]
 
     def resolve(self, address: int, nbytes: int, what: str) -> tuple[torch.Tensor, int]:
         """(the bytes of the buffer holding ``address``, the offset of ``address`` in it)."""
-        for base, (size, ref) in list(self.spans.items()):
+        while True:
+            at = bisect.bisect_right(self._bases, address) - 1  # the buffer starting at or below the address
+            if at < 0:
+                break
+            base = self._bases[at]
+            size, ref = self.spans[base]
             tensor = ref()
             if tensor is None or tensor.untyped_storage().data_ptr() != base:
-                del self.spans[base]  # freed: its address may belong to a new buffer now
+                self._forget(base)  # freed: its address may belong to a new buffer now (look again without it)
                 continue
-            if base <= address < base + size:
+            if address < base + size:
                 return torch.empty(0, dtype=torch.uint8).set_(tensor.untyped_storage()), address - base
+            break
         raise IllegalAddress(f"kernel stand-in: {what} address {address:#x} ({nbytes} bytes) is in no registered "
                              "host or device pool buffer (an illegal memory access on the GPU)")
 
