@@ -8,6 +8,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis.stateful import run_state_machine_as_test
 
 from poolfuzz.harness.failures import PoolfuzzFailure
+from poolfuzz.harness.hypothesis_compat import forget_machine_class
 from poolfuzz.harness.machine import machine_for
 
 
@@ -35,4 +36,10 @@ def fuzz_family(family_factory, config, *, examples: int, steps: int = 30) -> Ou
             suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much]))
     except PoolfuzzFailure as exc:
         return Outcome(failure=exc, steps=list(last["engine"].log))
+    finally:
+        # Hypothesis keeps every machine class it ran for good, and this one holds its last engine (``last``):
+        # without this, each call leaks an engine's pools into the rest of the session (and the kernel
+        # stand-in's address registry, which a later L3 test's copies scan)
+        forget_machine_class(Tracked)
+        last.clear()
     return Outcome(failure=None, steps=[])

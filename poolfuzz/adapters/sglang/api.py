@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib
 import inspect
 import logging
+import threading
 import warnings
 from dataclasses import dataclass
 from functools import lru_cache
@@ -153,7 +154,29 @@ class SGLangAPI:
 
 @lru_cache(maxsize=1)
 def load() -> SGLangAPI:
-    """Import SGLang (behind the CPU shims) and probe what it offers. Cached per process."""
+    """Import SGLang (behind the CPU shims) and probe what it offers. Cached per process.
+
+    The import runs on a thread of its own: SGLang's modules keep exceptions they caught while importing
+    (``torch_memory_saver_adapter`` keeps its ``ModuleNotFoundError``), and a kept traceback holds every frame
+    under it. Imported from inside an example (the first family a fuzz builds), those frames were the state
+    machine's, and its engine and pools stayed in memory for the rest of the process."""
+    outcome: dict = {}
+
+    def importing() -> None:
+        try:
+            outcome["api"] = _load()
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller's thread as is
+            outcome["error"] = exc
+
+    thread = threading.Thread(target=importing, name="poolfuzz-import-sglang")
+    thread.start()
+    thread.join()
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["api"]
+
+
+def _load() -> SGLangAPI:
     try:
         from importlib.metadata import PackageNotFoundError, version
         try:
@@ -172,6 +195,7 @@ def load() -> SGLangAPI:
         warnings.simplefilter("ignore")
         try:
             _import_with_on_demand_shims(shims)
+            _import_lazy_modules()
             return _probe(sglang_version, shims.install())
         except SGLangUnavailable:
             raise
@@ -183,6 +207,20 @@ def load() -> SGLangAPI:
 
 # The modules whose import chains reach everything _probe reads.
 _ENTRY_MODULES = ("sglang.srt.mem_cache.memory_pool", "sglang.srt.managers.schedule_batch")
+
+
+# Modules the pools import inside their methods (``set_kv_buffer`` asks the model runner for the capture
+# mode), imported here, on ``load``'s own thread, for the same reason: their chain keeps the exceptions it caught
+# (DeepEP's dispatcher keeps its ``ModuleNotFoundError``), which would hold the frames of the first example's write.
+_LAZY_MODULES = ("sglang.srt.model_executor.runner",)
+
+
+def _import_lazy_modules() -> None:
+    for module in _LAZY_MODULES:
+        try:
+            importlib.import_module(module)
+        except Exception:  # noqa: BLE001 - a release without it, or whose chain fails here: the pools import it themselves
+            pass
 
 
 def _import_with_on_demand_shims(shims) -> None:
