@@ -89,9 +89,9 @@ def storage_backend(config: ModelConfig, directory: str, layout: str) -> tuple[s
     reads and writes flat pages (``get_data_page`` / ``set_from_flat_data_page``), or the zero-copy interface
     that real L3 engines use (``get_page_buffer_meta``; split by heads on a ``page_head`` host), through
     ``zero_copy``'s stand-in. Each host layout runs both across the configs: a KV-only config takes the
-    zero-copy one when it is paged, and its KV-quantised twin (same host layout) the other way round. A mamba
-    tree keeps the file backend: its state pages go through the v2 pool interface, which the stand-in does
-    not offer.
+    zero-copy one when it is paged, and its KV-quantised twin (same host layout) the other way round. A tree
+    whose host group has pools beside the KV (mamba state, MiniMax's index keys) keeps the file backend: those
+    go through the v2 pool interface, which the stand-in does not offer (:func:`_has_side_pools`).
 
     ==========================  ===============================  ==================================
     config                       page size 1                      paged
@@ -99,13 +99,22 @@ def storage_backend(config: ModelConfig, directory: str, layout: str) -> tuple[s
     MHA, MLA                     file                             zero-copy (page_head: head split)
     MHA with a KV quant method   zero-copy                        file
     mamba                        file                             (no tree at page size > 1)
+    MiniMax sparse (index keys)  file                             file
     ==========================  ===============================  ==================================
 
     (``layout``: the host's ``--hicache-mem-layout``.)
     """
-    if not config.has_mamba and (config.page_size > 1) != bool(config.kv_quant):
+    if not _has_side_pools(config) and (config.page_size > 1) != bool(config.kv_quant):
         return zero_copy.BACKEND, zero_copy.extra_config(layout=layout, head_num=config.head_num)
     return BACKEND, {"file_storage_path": directory}
+
+
+def _has_side_pools(config: ModelConfig) -> bool:
+    """Whether the host group holds pools beside the KV (mamba state, MiniMax's sparse index keys): SGLang's
+    hybrid controller then stores and queries through the v2 pool interface (``batch_set_v2`` /
+    ``batch_exists_v2``), which the zero-copy stand-in does not offer; SGLang logs the
+    ``NotImplementedError`` and stores nothing, so such a tree takes the file backend."""
+    return config.has_mamba or config.attention == "msa" or bool(config.msa_layers)
 
 
 @contextmanager
