@@ -38,8 +38,7 @@ def fuzz_family(family_factory, config, *, examples: int, steps: int = 30) -> Ou
         return Outcome(failure=exc, steps=list(last["engine"].log))
     finally:
         # Hypothesis keeps every machine class it ran for good, and this one holds its last engine (``last``):
-        # without this, each call leaks an engine's pools into the rest of the session (and the kernel
-        # stand-in's address registry, which a later L3 test's copies scan)
+        # without this, each call leaks an engine's pools into the rest of the session
         forget_machine_class(Tracked)
         last.clear()
     return Outcome(failure=None, steps=[])

@@ -114,7 +114,7 @@ def _has_side_pools(config: ModelConfig) -> bool:
     hybrid controller then stores and queries through the v2 pool interface (``batch_set_v2`` /
     ``batch_exists_v2``), which the zero-copy stand-in does not offer; SGLang logs the
     ``NotImplementedError`` and stores nothing, so such a tree takes the file backend."""
-    return config.has_mamba or config.attention == "msa" or bool(config.msa_layers)
+    return config.has_mamba or config.attention == "msa"  # msa_layers needs attention "msa" (config.py)
 
 
 @contextmanager
