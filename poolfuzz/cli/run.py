@@ -1,7 +1,8 @@
 """``poolfuzz run``: the main job — fuzz configs on a device within a budget, exit 1 on any failure.
 
 Exit status: 0 nothing failed, 1 a failure was found (its artifact is written), 2 bad usage
-(nothing written), 130 interrupted before anything failed.
+(nothing written) or an engine whose API changed ("API CHANGED", no artifact), 3 under ``--strict``
+when nothing failed but some config was tested less than asked, 130 interrupted before anything failed.
 """
 
 from __future__ import annotations
@@ -56,6 +57,9 @@ def register(sub) -> None:
     run.add_argument("--waive", action="extend", nargs="+", default=[], metavar="CHECK",
                      help="checks that count their violations instead of failing, for a known bug that fires in "
                           "every example (see poolfuzz checks)")
+    run.add_argument("--strict", action="store_true",
+                     help="exit 3 when nothing failed but some config was tested less than asked (no step ran, or "
+                          "the family declined most of its drawn configs)")
     run.add_argument("--coverage", metavar="DIR",
                      help="measure the reach of the run: which statements and branches of the family's engine code "
                           "every worker executed (coverage.py); prints a per-file table, writes JSON and HTML to DIR")
@@ -132,6 +136,7 @@ def plan_from_args(args):
             raise UsageError(f"--faults switch on catalogue faults of the builtin family; family {args.family!r} "
                              "runs its own code as shipped: drop --faults or --family")
         plugin = resolve_family(args.family)
+        plugin.check_engine()  # what `poolfuzz doctor` checks: an engine that changed is refused here, in its words
         fixed = [config_of(n) for n in names if n != DRAWN_NAME]
         chosen, skipped = select_configs(plugin, fixed, explicit=explicit)
         for name, why in skipped:
@@ -169,7 +174,7 @@ def plan_from_args(args):
                 seed=args.seed if args.seed is not None else random.SystemRandom().randrange(2**32),
                 examples=args.examples, seconds=None if minutes is None else minutes * 60, steps=args.steps,
                 db=db, out=args.out, workers=args.workers, shrink_seconds=args.shrink_seconds,
-                family=args.family, custom=tuple(custom.values()), coverage=args.coverage)
+                family=args.family, custom=tuple(custom.values()), coverage=args.coverage, strict=args.strict)
 
 
 def _file_configs(paths) -> dict:

@@ -60,6 +60,23 @@ class MachineObserver(Protocol):
     def example_ended(self, engine: Engine) -> None:
         """The example is over, failed or not (its engine's counters are final)."""
 
+    def example_declined(self, config: ModelConfig, reason: str) -> None:
+        """The example's drawn config is one the family declines: rejected, nothing ran."""
+
+
+class DeclineLog:
+    """The filter of drawn configs by a family's ``unsupported_reason``, keeping the last reason it gave."""
+
+    def __init__(self, decline):
+        self.decline = decline
+        self.last: str | None = None
+
+    def accepts(self, config: ModelConfig) -> bool:
+        reason = self.decline(config)
+        if reason:
+            self.last = reason
+        return not reason
+
 
 @dataclass(frozen=True, kw_only=True)
 class _Unbuilt:
@@ -101,12 +118,15 @@ class PoolMachine(RuleBasedStateMachine):
     # Set (by machine_for) when the config is drawn inside each example: the engine is then built
     # by warm_start, which draws the config and the warm-start prompts in one rule.
     config_strategy: ClassVar[st.SearchStrategy[ModelConfig] | None] = None
+    decline_log: ClassVar["DeclineLog | None"] = None  # drawn configs: why the family refused the last draw
 
     def __init__(self):
         super().__init__()
         cls = type(self)
         if cls.observer is not None:
             cls.observer.example_started()
+        if cls.decline_log is not None:
+            cls.decline_log.last = None
         self.peak_pressure = 0.0  # the fullest any device pool got in this example
         self.scale = 1
         self.engine = None if cls.config_strategy is not None else self._build(cls.config, drawn=False)
@@ -138,13 +158,14 @@ class PoolMachine(RuleBasedStateMachine):
         a ConfigError while building) rejects the example: it is not a failure. A failure while
         building (an audit, a crash) is a failure at step 0, told to the observer like any other."""
         decline = getattr(type(self).family_factory, "unsupported_reason", None) if drawn else None
-        if decline is not None and decline(config):
-            reject()
+        reason = decline(config) if decline is not None else None
+        if reason:
+            self._declined(config, reason)
         try:
             return self._new_engine(config)
-        except ConfigError:
+        except ConfigError as exc:
             if drawn:
-                reject()
+                self._declined(config, str(exc))
             raise
         except Exception as exc:
             cls = type(self)
@@ -152,6 +173,12 @@ class PoolMachine(RuleBasedStateMachine):
             if self._report(_Unbuilt(config=config, backup_mode=mode), exc, (), in_teardown=False):
                 reject()
             raise
+
+    def _declined(self, config: ModelConfig, reason: str):
+        """Reject the example of a drawn config the family declines, telling the observer (a run counts them)."""
+        if type(self).observer is not None:
+            type(self).observer.example_declined(config, reason)
+        reject()
 
     def _warm(self, prompts) -> None:
         event(f"config {self.engine.config.name}")
@@ -286,6 +313,9 @@ class PoolMachine(RuleBasedStateMachine):
         _target(self.peak_pressure, "peak pool pressure")
         engine = getattr(self, "engine", None)
         if engine is None:  # the engine could not be built: nothing ran, nothing to check
+            log = type(self).decline_log
+            if log is not None and log.last is not None and type(self).observer is not None:
+                type(self).observer.example_declined(None, log.last)  # every draw of it was one the family declines
             return
         start = len(engine.log)
         known = False
@@ -382,10 +412,16 @@ def machine_for(config: ModelConfig | str | st.SearchStrategy, *, device="cpu", 
     Its examples are filed in Hypothesis's database under a key of their own, the same for
     ``poolfuzz run`` and a plain test of it; ``observer`` is told what each example does.
     """
-    if isinstance(config, str):
-        config = drawn_configs(faults=faults) if config == DRAWN_NAME else get_config(config)
     attrs = dict(device=device, faults=tuple(faults), backup_mode=backup_mode, options=options,
                  observer=observer)
+    if isinstance(config, str) and config == DRAWN_NAME:
+        # Drawn from the space the family accepts: its storage kinds steered to, the rest filtered; an example
+        # whose draw the filter still refuses is counted as declined, with the family's reason.
+        decline = getattr(family_factory, "unsupported_reason", None)
+        log = attrs["decline_log"] = DeclineLog(decline) if decline is not None else None
+        config = drawn_configs(faults=faults, where=None if log is None else log.accepts)
+    elif isinstance(config, str):
+        config = get_config(config)
     if isinstance(config, ModelConfig):
         attrs["config"] = config
     else:  # a strategy: each example draws its config

@@ -25,7 +25,7 @@ class Finding:
 class LaneState:
     lane: object  # the session's Lane
     label: str = ""  # the config, or config#k when several lanes fuzz it
-    status: str = "waiting"  # waiting | running | shrinking | PASS | FAIL | stopped | ERROR
+    status: str = "waiting"  # waiting | running | shrinking | PASS | FAIL | stopped | ERROR | API CHANGED
     examples: int = 0
     steps: int = 0
     seconds: float = 0.0
@@ -34,6 +34,14 @@ class LaneState:
     known: dict = field(default_factory=dict)  # signature -> failing examples of known bugs
     waived: dict = field(default_factory=dict)  # check -> violations of waived checks
     device: str = ""
+    api_changed: str | None = None  # "API CHANGED: ...": the engine lacks what the family reads; untested
+    declined: int = 0  # examples (of ``examples``) whose drawn config the family declined: nothing ran
+    declined_reasons: dict = field(default_factory=dict)  # reason -> declined examples
+
+    @property
+    def tested(self) -> int:
+        """Examples that ran steps on a family (declined drawn configs left out)."""
+        return max(0, self.examples - self.declined)
 
     @property
     def artifact(self) -> str | None:
@@ -50,6 +58,33 @@ class SessionResult:
     @property
     def findings(self) -> list[Finding]:
         return [f for s in self.lanes for f in s.findings]
+
+    @property
+    def under_tested(self) -> list[str]:
+        """Why the run tested less than it was asked, one line per config where it did: no step at all, or
+        most of its examples declined by the family."""
+        by_config: dict[str, list[LaneState]] = {}
+        for st in self.lanes:
+            by_config.setdefault(st.lane.config, []).append(st)
+        out = []
+        for config, sts in by_config.items():
+            if any(s.status not in ("PASS",) for s in sts):
+                continue  # failed, stopped or untested for another reason: said elsewhere
+            examples, declined = sum(s.examples for s in sts), sum(s.declined for s in sts)
+            steps = sum(s.steps for s in sts)
+            if steps == 0 or declined * 2 > examples:
+                reasons: dict[str, int] = {}
+                for s in sts:
+                    for r, n in s.declined_reasons.items():
+                        reasons[r] = reasons.get(r, 0) + n
+                top = max(reasons.items(), key=lambda kv: kv[1])[0] if reasons else None
+                out.append(f"{config}: {examples - declined} of {examples} examples ran ({steps} steps); "
+                           f"{declined} declined by the family" + (f", most often: {top}" if top else ""))
+        return out
+
+    @property
+    def api_changes(self) -> list[str]:
+        return list(dict.fromkeys(s.api_changed for s in self.lanes if s.api_changed))
 
     @property
     def artifacts(self) -> list[str]:
@@ -109,16 +144,24 @@ class Display:
                           f"{self.plan.out}/ ({ev.get('artifact_error')}); it follows, save it as a .json "
                           "file to replay it")
                 self.raw(f"--- artifact ---\n{finding.unwritten}--- end of artifact ---\n")
+        elif kind == "api_changed":
+            st.api_changed = st.failure = ev["message"]
+            self.line(f"{st.label}: {ev['message']}")
         elif kind == "done":
             st.examples, st.steps, st.seconds = ev["examples"], ev["steps"], ev["seconds"]
             st.known, st.waived = ev["known"], ev["waived"]
-            if st.findings:
+            st.declined, st.declined_reasons = ev.get("declined", 0), ev.get("declined_reasons", {})
+            if st.api_changed and not st.findings:
+                st.status = "API CHANGED"
+                self.line(f"{st.label}: untested after {_n(st.examples)} examples: no artifact written")
+            elif st.findings:
                 st.status = "FAIL"
                 self.line(f"{st.label}: FAIL  {len(st.findings)} distinct failure(s) in {_n(st.examples)} examples")
             else:
                 st.status = "stopped" if ev["interrupted"] else "PASS"
                 known = f", {sum(st.known.values())} known failure(s) passed over" if st.known else ""
-                self.line(f"{st.label}: {st.status}  {_n(st.examples)} examples, {_n(st.steps)} steps, "
+                declined = f" ({_n(st.declined)} more declined by the family)" if st.declined else ""
+                self.line(f"{st.label}: {st.status}  {_n(st.tested)} examples{declined}, {_n(st.steps)} steps, "
                           f"{_rate(st)} steps/s{known}")
         self.refresh()
 
@@ -202,20 +245,24 @@ def summary(plan, result: SessionResult, stream: TextIO, *, before_closing=None)
     for st in result.lanes:
         by_config.setdefault(st.lane.config, []).append(st)
     w = max(20, *(len(c) for c in by_config))
-    stream.write("\n" + f"{'config':{w}}  {'status':8} {'examples':>9} {'steps':>9} {'steps/s':>8} {'time':>7}  "
-                 "new failures\n")
+    thin = {line.split(":", 1)[0]: line for line in result.under_tested}
+    stream.write("\n" + f"{'config':{w}}  {'status':12} {'examples':>9} {'declined':>9} {'steps':>9} {'steps/s':>8} "
+                 f"{'time':>7}  new failures\n")
     for config, sts in by_config.items():
         statuses = {s.status for s in sts}
         status = ("FAIL" if any(s.findings for s in sts) else
+                  "API CHANGED" if "API CHANGED" in statuses else
+                  "UNDER-TESTED" if config in thin else
                   "PASS" if statuses == {"PASS"} else
                   "ERROR" if result.errors and statuses & {"running", "shrinking", "waiting"} else
                   "stopped" if statuses & {"stopped", "running", "shrinking"} else "not run")
-        examples, steps = sum(s.examples for s in sts), sum(s.steps for s in sts)
+        tested, steps = sum(s.tested for s in sts), sum(s.steps for s in sts)
+        declined = sum(s.declined for s in sts)
         seconds = max(s.seconds for s in sts)
         rate = _n(int(steps / seconds)) if seconds > 0 else "-"
         found = sum(len(s.findings) for s in sts)
-        stream.write(f"{config:{w}}  {status:8} {_n(examples):>9} {_n(steps):>9} {rate:>8} {seconds:6.1f}s  "
-                     f"{found or '-'}\n")
+        stream.write(f"{config:{w}}  {status:12} {_n(tested):>9} {_n(declined) if declined else '-':>9} {_n(steps):>9} "
+                     f"{rate:>8} {seconds:6.1f}s  {found or '-'}\n")
     for config, sts in by_config.items():
         for f in sorted((f for s in sts for f in s.findings), key=lambda f: f.examples_to_find):
             stream.write(f"\n{config}: {f.signature}\n  {f.failure}\n"
@@ -242,13 +289,22 @@ def summary(plan, result: SessionResult, stream: TextIO, *, before_closing=None)
     if plan.waive:
         stream.write("\nwaived checks (--waive): " + ", ".join(
             f"{c} ({waived.get(c, 0)} violation{'s' if waived.get(c, 0) != 1 else ''})" for c in plan.waive) + "\n")
+    for change in result.api_changes:
+        stream.write(f"\n{change}\n")
+    if thin:
+        stream.write("\ntested less than asked" + (" (--strict: exit 3)" if plan.strict else "") + ":\n"
+                     + "".join(f"  {line}\n" for line in thin.values()))
     for e in result.errors:
         stream.write(f"\nerror: {e}\n")
-    passed = sum(1 for c, sts in by_config.items() if all(s.status == "PASS" for s in sts))
+    passed = sum(1 for c, sts in by_config.items() if all(s.status == "PASS" for s in sts) and c not in thin)
     failed = sum(1 for c, sts in by_config.items() if any(s.findings for s in sts))
     tail = ""
     if result.interrupted:
         tail = " (interrupted)"
+    elif result.api_changes:
+        tail = f" ({len(by_config) - passed - failed} untested: the engine's API changed)"
+    elif thin:
+        tail = f" ({len(thin)} under-tested)"
     elif passed + failed < len(by_config):
         tail = f" ({len(by_config) - passed - failed} not finished)"
     new = len(result.findings)

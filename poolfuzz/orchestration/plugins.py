@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from importlib import metadata
 from typing import Callable, Iterable
 
+from poolfuzz.errors import api_change_in
 from poolfuzz.pools.config import ModelConfig
 from poolfuzz.pools.errors import ConfigError
 
@@ -53,6 +54,18 @@ class FamilyPlugin:
     def unsupported_reason(self, config: ModelConfig) -> str | None:
         probe = getattr(self.factory, "unsupported_reason", None)
         return None if probe is None else probe(config)
+
+    def engine_report(self):
+        """The factory's ``engine_report()`` (an ``adapters.engine_api.EngineReport``: the engine release
+        and every entry point the family needs, probed), or None for a family over no external engine."""
+        probe = getattr(self.factory, "engine_report", None)
+        return None if probe is None else probe()
+
+    def check_engine(self) -> None:
+        """Raise the EngineApiChanged of the first entry point the installed engine lacks, if any."""
+        report = self.engine_report()
+        if report is not None and report.change is not None:
+            raise report.change
 
 
 def installed_families() -> dict[str, str]:
@@ -135,6 +148,8 @@ def probe_family(plugin: FamilyPlugin, config: ModelConfig, *, device="cpu", fau
     try:
         family = plugin.factory(config, device=device, faults=tuple(faults), backup_mode=backup_mode)
     except Exception as exc:
+        if api_change_in(exc) is not None:  # the engine's API, not the factory: its own verdict
+            raise api_change_in(exc) from None
         reason = str(exc).splitlines()[0] if str(exc) else ""
         raise ConfigError(f"family {plugin.name!r} ({plugin.target}) cannot build config {config.name!r} on "
                           f"{device}: {type(exc).__name__}{': ' + reason if reason else ''}; pass a factory "

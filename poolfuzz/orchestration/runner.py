@@ -17,6 +17,7 @@ from hypothesis import HealthCheck, Phase, settings
 from hypothesis import seed as hypothesis_seed
 from hypothesis.errors import Unsatisfiable, UnsatisfiedAssumption
 
+from poolfuzz.errors import EngineApiChanged, api_change_in
 from poolfuzz.harness.failures import (
     PoolfuzzFailure, bug_key,
     divergence_of,
@@ -71,6 +72,11 @@ class RunResult:
     waived: dict = field(default_factory=dict)  # check -> violations of waived checks, counted
     model_config: ModelConfig | None = None  # the config the reported failure ran on (drawn: its own)
     hypothesis_steps: int | None = None  # steps of Hypothesis's shrink, before steps were deleted here
+    # The engine no longer has what the family reads (errors.EngineApiChanged): the run stopped there,
+    # untested, and this is its verdict ("API CHANGED: ..."); never a failure, never an artifact.
+    api_changed: str | None = None
+    declined: int = 0  # examples (counted in ``examples``) whose drawn config the family declined: untested
+    declined_reasons: dict = field(default_factory=dict)  # reason -> declined examples
 
     @property
     def passed(self) -> bool:
@@ -103,6 +109,11 @@ class _BudgetSpent(KeyboardInterrupt):
     saves the example nor replays it."""
 
 
+class _ApiChanged(KeyboardInterrupt):
+    """Raised in place of an example's EngineApiChanged: the run stops untested, and Hypothesis
+    neither shrinks, saves nor replays the example (a KeyboardInterrupt, as ``_BudgetSpent``)."""
+
+
 @dataclass
 class _Tracker:
     """The machine's observer for one run: counts examples and steps, keeps the failures."""
@@ -123,6 +134,9 @@ class _Tracker:
     best: FailureCandidate | None = None
     last: FailureCandidate | None = None
     backup_mode: str | None = None  # the retraction path the families ran, from the first engine
+    api_changed: EngineApiChanged | None = None  # what stopped the run: the engine's API, not a bug
+    declined: int = 0  # examples whose drawn config the family declined: started, rejected, untested
+    declined_reasons: dict = field(default_factory=dict)  # reason -> declined examples
 
     # --- MachineObserver ----------------------------------------------------------------------
     def example_started(self) -> None:
@@ -145,6 +159,10 @@ class _Tracker:
             self.backup_mode = engine.backup_mode
 
     def example_failed(self, engine, exc, steps, in_teardown) -> bool:
+        change = api_change_in(exc)
+        if change is not None:
+            self.api_changed = change
+            raise _ApiChanged()
         signature = signature_of(exc, in_teardown=in_teardown, op=engine.action)
         taint = getattr(engine, "taint", None)  # an engine that could not be built has none
         downstream = bool(taint) and (engine.tainted(exc.divergence) if isinstance(exc, PoolfuzzFailure)
@@ -158,6 +176,12 @@ class _Tracker:
             backup_mode=engine.backup_mode, signature=signature, reproduce=current_reproduction(),
             model_config=engine.config))
         return False
+
+    def example_declined(self, config, reason) -> None:
+        if self.first_examples is not None:  # while shrinking: examples are counted up to the first failure
+            return
+        self.declined += 1
+        self.declined_reasons[reason] = self.declined_reasons.get(reason, 0) + 1
 
     def example_ended(self, engine) -> None:
         for check, n in engine.waived.items():
@@ -270,6 +294,8 @@ def run_machine(config, *, device="cpu", faults=(), backup_mode=None, max_exampl
                 break
     except _BudgetSpent:
         pass
+    except _ApiChanged:
+        error = None
     except KeyboardInterrupt:
         interrupted = True
     except Exception as exc:  # the shrunk failure (or a crash in the pools, or a flaky one)
@@ -277,6 +303,8 @@ def run_machine(config, *, device="cpu", faults=(), backup_mode=None, max_exampl
     finally:
         forget_machine_class(machine)  # Hypothesis would keep it (and the tracker) for good
 
+    if tracker.api_changed is not None:  # untested, not failed: nothing of the example is kept
+        return _api_changed_result(config, faults, backup_mode, tracker, started, device, seed)
     if isinstance(error, (UnsatisfiedAssumption, Unsatisfiable)):  # every example hit a known bug: nothing new
         error = None
     final = tracker.last if error is not None else tracker.best
@@ -331,7 +359,18 @@ def run_machine(config, *, device="cpu", faults=(), backup_mode=None, max_exampl
                      in_teardown=final is not None and final.in_teardown,
                      signature=signature, hypothesis_steps=hypothesis_steps,
                      skipped=dict(tracker.skipped), waived=dict(tracker.waived),
-                     model_config=final.model_config if final is not None else None)
+                     model_config=final.model_config if final is not None else None,
+                     declined=tracker.declined, declined_reasons=dict(tracker.declined_reasons))
+
+
+def _api_changed_result(config, faults, backup_mode, tracker: _Tracker, started: float, device, seed) -> RunResult:
+    drawn = not isinstance(config, ModelConfig)
+    return RunResult(config=DRAWN_NAME if drawn else config.name, faults=tuple(faults),
+                     backup_mode=tracker.backup_mode or backup_mode or "unknown", examples=tracker.examples,
+                     steps=tracker.steps, seconds=time.perf_counter() - started, failure=None, program=None,
+                     divergence=None, device=str(device), seed=seed, skipped=dict(tracker.skipped),
+                     waived=dict(tracker.waived), api_changed=tracker.api_changed.verdict,
+                     declined=tracker.declined, declined_reasons=dict(tracker.declined_reasons))
 
 
 def _signature(error: BaseException | None, final: FailureCandidate | None) -> str | None:

@@ -25,6 +25,7 @@ from poolfuzz.orchestration.display import Display, LaneState, SessionResult, su
 from poolfuzz.orchestration.stopping import Interrupts, stop_signals_blocked
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
+EXIT_UNDER_TESTED = 3  # --strict: nothing failed, but some config was tested less than asked (display.under_tested)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -47,6 +48,7 @@ class Plan:
     waive: tuple[str, ...] = ()  # checks that count their violations instead of failing (--waive)
     custom: tuple = ()  # ModelConfigs from --config-file, named in ``configs`` (they shadow built-ins)
     coverage: str | None = None  # --coverage DIR: every worker measures the engine's code (orchestration/reach.py)
+    strict: bool = False  # --strict: a run that tested less than it was asked exits EXIT_UNDER_TESTED
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -132,7 +134,7 @@ def _run_campaign(plan: Plan, lane: Lane, device: str, database, budget: float |
 
     started = time.perf_counter()
     found: set[str] = set()
-    totals = {"examples": 0, "steps": 0, "known": {}, "waived": {}}
+    totals = {"examples": 0, "steps": 0, "known": {}, "waived": {}, "declined": 0, "declined_reasons": {}}
     options = EngineOptions(waive=tuple(plan.waive))
     remaining = lane.examples
     last = [0.0]
@@ -170,6 +172,12 @@ def _run_campaign(plan: Plan, lane: Lane, device: str, database, budget: float |
                              family_factory=_family_factory(plan), options=round_options)
         totals["examples"] += result.examples
         totals["steps"] += result.steps
+        totals["declined"] += result.declined
+        for reason, n in result.declined_reasons.items():
+            totals["declined_reasons"][reason] = totals["declined_reasons"].get(reason, 0) + n
+        if result.api_changed is not None:  # untested from here on: no artifact, the lane stops
+            emit({"type": "api_changed", "lane": lane.index, "message": result.api_changed})
+            break
         for key in ("known", "waived"):
             source = result.skipped if key == "known" else result.waived
             for name, n in source.items():
@@ -195,7 +203,8 @@ def _run_campaign(plan: Plan, lane: Lane, device: str, database, budget: float |
             break
     emit({"type": "done", "lane": lane.index, "config": lane.config, "examples": totals["examples"],
           "steps": totals["steps"], "seconds": time.perf_counter() - started, "interrupted": interrupted,
-          "known": totals["known"], "waived": totals["waived"]})
+          "known": totals["known"], "waived": totals["waived"], "declined": totals["declined"],
+          "declined_reasons": totals["declined_reasons"]})
     return not interrupted
 
 
@@ -333,7 +342,11 @@ def run_session(plan: Plan, *, stream: TextIO | None = None, tty: bool | None = 
         summary(plan, result, stream, before_closing=before_closing)
     failed = bool(result.findings) or result.errors
     stopped = 128 + interrupts.signum if interrupts.signum else EXIT_INTERRUPTED  # 130 Ctrl-C, 143 SIGTERM
-    result.exit_code = EXIT_FAILED if failed else (stopped if result.interrupted else EXIT_OK)
+    # An engine whose API changed left configs untested: bad usage of this release, not a pass (a bug
+    # found elsewhere in the run still makes it a failure).
+    result.exit_code = (EXIT_FAILED if failed else stopped if result.interrupted
+                        else EXIT_USAGE if result.api_changes
+                        else EXIT_UNDER_TESTED if plan.strict and result.under_tested else EXIT_OK)
     return result
 
 
@@ -414,12 +427,13 @@ def _run_workers(plan: Plan, per_worker: list[list[Lane]], display: Display, dea
 def lane_config(plan: Plan, name: str):
     """What a lane fuzzes: a --config-file config, drawn configs (``random``) or a built-in one."""
     from poolfuzz.pools.config import get_config
-    from poolfuzz.strategies import DRAWN_NAME, drawn_configs
+    from poolfuzz.strategies import DRAWN_NAME
 
     custom = {c.name: c for c in plan.custom}
     if name in custom:
         return custom[name]
-    return drawn_configs(faults=plan.faults) if name == DRAWN_NAME else get_config(name)
+    # Drawn configs: machine_for draws them from the space the family accepts, counting what it declines.
+    return DRAWN_NAME if name == DRAWN_NAME else get_config(name)
 
 
 def _family_factory(plan: Plan):
