@@ -4,7 +4,7 @@
 # installs, imports, configs supported, harness verdict (every distinct failure signature) and the
 # #44409 anchor (tests/vllm/test_vllm_44409.py; expected to catch the bug before 0.24.0).
 #
-#   ci/vllm-compat.sh [VENV] [VERSION ...]     (default: 0.16.0 to 0.33.0)
+#   ci/vllm-compat.sh [VENV] [VERSION ...]     (default: 0.16.0 to 0.34.0)
 # Budget: POOLFUZZ_COMPAT_EXAMPLES examples per config (default 60). The table goes to stdout; each
 # release's install log to VENV/../compat-VERSION.log and its failure artifacts (the shrunk program
 # of every distinct signature) to POOLFUZZ_COMPAT_OUT/VERSION (default VENV/../compat-out/VERSION),
@@ -19,7 +19,7 @@ if [ "$#" -gt 0 ]; then
   versions=("$@")
 else
   versions=()
-  for minor in $(seq 16 33); do versions+=("0.$minor.0"); done
+  for minor in $(seq 16 34); do versions+=("0.$minor.0"); done
 fi
 examples=${POOLFUZZ_COMPAT_EXAMPLES:-60}
 artifacts=${POOLFUZZ_COMPAT_OUT:-$(dirname "$venv")/compat-out}
@@ -58,7 +58,9 @@ for f in sorted(glob.glob(f"{out}/*.json")):
     art = json.load(open(f))
     found.setdefault((art.get("config"), art.get("signature", "?")), len(art.get("program", ())))
 sigs = sorted({sig for _, sig in found})
-verdict = "pass" if run.returncode == 0 else ("; ".join(sigs) or f"exit {run.returncode}")
+changed = next((line for line in (run.stdout + run.stderr).splitlines() if "API CHANGED" in line), None)
+verdict = ("pass" if run.returncode == 0 else changed[changed.index("API CHANGED"):][:120] if changed
+           else ("; ".join(sigs) or f"exit {run.returncode}"))
 anchor = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
                          "tests/vllm/test_vllm_44409.py"], capture_output=True, text=True)
 tail = anchor.stdout.strip().splitlines()[-1] if anchor.stdout.strip() else f"exit {anchor.returncode}"

@@ -32,7 +32,16 @@ def describe() -> dict:
             "external_tokens": api.takes_external_tokens}
 
 
+def engine_report():
+    """The installed vLLM and every entry point the family needs of it, probed (``poolfuzz doctor``)."""
+    from poolfuzz.adapters.vllm.compat import engine_report as probed
+
+    return probed()
+
+
 build_family.unsupported_reason = unsupported_reason
+# What ``poolfuzz doctor`` prints and ``poolfuzz run`` checks before fuzzing (adapters/vllm/compat.py).
+build_family.engine_report = engine_report
 # Its families continue finished requests (``VllmFamily.supports_next_turn``): the machine gets the rule.
 build_family.supports_next_turn = True
 # The source that is "the engine" for coverage: vLLM's v1 KV cache management, relative to site-packages.

@@ -9,10 +9,9 @@ import warnings
 from dataclasses import dataclass
 from functools import lru_cache
 
+from poolfuzz.adapters.vllm import compat
+from poolfuzz.adapters.vllm.compat import INSTALL_HINT  # re-exported: where the family's errors name the fix
 from poolfuzz.pools.errors import ConfigError
-
-INSTALL_HINT = ("install one with `ci/vllm-install.sh VENV 0.33.0` (CPU torch, vLLM without its CUDA "
-                "dependencies) and run poolfuzz with that venv's python")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -75,6 +74,13 @@ def load() -> VllmAPI:
 
 
 def _load() -> VllmAPI:
+    from importlib.metadata import PackageNotFoundError
+
+    try:
+        compat.release()
+    except PackageNotFoundError:
+        raise ConfigError(f"vLLM is not installed here; {INSTALL_HINT}") from None
+    compat.check()  # a release without what the family needs: EngineApiChanged, naming it
     try:
         from importlib.metadata import version as dist_version
 

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from collections import Counter
 
+from poolfuzz.adapters.vllm.compat import cached_keys
+
 
 class EventMirror:
     """The cached (group, hash) pairs a consumer of the event stream believes in."""
@@ -26,11 +28,12 @@ class EventMirror:
 
     @staticmethod
     def supported(block_pool, utils, events_module) -> bool:
-        """This release names the group in its events and keeps its hash map where it can be read."""
+        """This release names the group in its events and its hash map answers ``contain`` (both
+        optional needs in ``compat.NEEDS``), and has the hash-key helpers the comparison uses."""
         stored = getattr(events_module, "BlockStored", None)
         fields = getattr(stored, "__struct_fields__", ())
         return ("group_idx" in fields and hasattr(block_pool, "kv_event_queue")
-                and hasattr(getattr(block_pool, "cached_block_hash_to_block", None), "_cache")
+                and hasattr(getattr(block_pool, "cached_block_hash_to_block", None), "contain")
                 and all(hasattr(utils, f) for f in ("get_block_hash", "get_group_id", "maybe_convert_block_hash")))
 
     def consume(self, events) -> None:
@@ -54,9 +57,13 @@ class EventMirror:
 
     def _disagreement(self) -> str | None:
         u = self._utils
-        actual = Counter({(u.get_group_id(k), u.maybe_convert_block_hash(u.get_block_hash(k))):
-                          len(v) if isinstance(v, dict) else 1
-                          for k, v in self.block_pool.cached_block_hash_to_block._cache.items()})
+        by_key = cached_keys(self.block_pool)
+        stray = by_key.pop(None, None)
+        if stray:
+            return (f"block {stray[0]} carries a block hash, but the prefix cache's hash map does not hold it "
+                    "under that hash")
+        actual = Counter({(u.get_group_id(k), u.maybe_convert_block_hash(u.get_block_hash(k))): len(ids)
+                          for k, ids in by_key.items()})
         if actual == self.cached:
             return None
         for key in sorted(set(actual) | set(self.cached), key=str):

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 import torch
 
 from poolfuzz.adapters.vllm.api import VllmAPI, load
+from poolfuzz.adapters.vllm.compat import block_ids
 from poolfuzz.adapters.vllm.events import EventMirror
 from poolfuzz.adapters.vllm.manager import Built, build_manager
 from poolfuzz.adapters.vllm.protocol import LiveRequest, VllmProtocol
@@ -118,8 +119,7 @@ class VllmFamily:
         group = self.group_of.get(space)
         if group is None:
             return []
-        manager = self.manager.coordinator.single_type_managers[group.index]
-        return [b.block_id for b in manager.req_to_blocks.get(live.request.request_id, ())]
+        return block_ids(self.manager, live.request.request_id, group.index, len(self.built.groups))
 
     def held_blocks(self) -> dict[int, str]:
         """Every non-null block a live request's table holds, with the space of a group holding it."""

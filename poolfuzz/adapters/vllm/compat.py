@@ -1,0 +1,138 @@
+"""Everything the vllm family needs of the installed vLLM, in one list, checked once per process.
+
+The family reads vLLM through public names only (no attribute whose name starts with ``_``): block
+tables through ``KVCacheManager.get_block_ids``, the prefix cache through each block's
+``block_hash`` and ``BlockHashToBlockMap.contain``. What it needs is listed here as
+:class:`~poolfuzz.adapters.engine_api.Need` records: a needed one that a release lacks or has reshaped
+is an ``EngineApiChanged`` (verdict "API CHANGED", exit 2, no artifact), never a finding; an optional
+one is a feature the family probes and does without. ``poolfuzz doctor --family vllm`` prints them.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+from poolfuzz.adapters.engine_api import EngineReport, Need, Probe, report, require
+from poolfuzz.errors import EngineApiChanged
+
+ENGINE = "vllm"
+INSTALL_HINT = ("install one with `ci/vllm-install.sh VENV 0.34.0` (CPU torch, vLLM without its CUDA "
+                "dependencies) and run poolfuzz with that venv's python")
+_CORE = "vllm.v1.core"
+
+# Parameters are checked only where the family passes them by keyword (the constructors).
+NEEDS: tuple[Need, ...] = (
+    Need(target=f"{_CORE}.kv_cache_manager:KVCacheManager", params=("kv_cache_config", "max_model_len", "enable_caching"),
+         used_for="the manager every config drives"),
+    Need(target=f"{_CORE}.kv_cache_manager:KVCacheManager.allocate_slots",
+         used_for="every prefill chunk, decode and resume"),
+    Need(target=f"{_CORE}.kv_cache_manager:KVCacheManager.get_computed_blocks",
+         used_for="prefix hits at resume and next turn"),
+    Need(target=f"{_CORE}.kv_cache_manager:KVCacheManager.get_block_ids",
+         used_for="each request's block table per KV cache group"),
+    Need(target=f"{_CORE}.kv_cache_manager:KVCacheManager.free", used_for="preemption"),
+    Need(target=f"{_CORE}.kv_cache_manager:KVCacheManager.reset_prefix_cache", used_for="the idle flush and the drain"),
+    Need(target=f"{_CORE}.kv_cache_manager:KVCacheManager.remove_skipped_blocks",
+         used_for="sliding-window eviction"),
+    Need(target=f"{_CORE}.kv_cache_manager:KVCacheManager.take_events", used_for="the KV events a router reads"),
+    Need(target=f"{_CORE}.block_pool:BlockPool.get_num_free_blocks", used_for="free counts"),
+    Need(target=f"{_CORE}.block_pool:BlockPool.free_blocks",
+         used_for="returning retained and popped blocks"),
+    Need(target=f"{_CORE}.kv_cache_utils:FreeKVCacheBlockQueue.get_all_free_blocks", used_for="the free-list audit"),
+    Need(target=f"{_CORE}.kv_cache_utils:KVCacheBlock", fields=("block_id", "ref_cnt", "is_null"),
+         used_for="block audits"),
+    Need(target=f"{_CORE}.kv_cache_utils:KVCacheBlock.block_hash", used_for="which blocks the prefix cache holds"),
+    Need(target=f"{_CORE}.kv_cache_utils:get_request_block_hasher",
+         used_for="request block hashes"),
+    Need(target=f"{_CORE}.kv_cache_utils:init_none_hash", used_for="request block hashes"),
+    Need(target="vllm.v1.kv_cache_interface:KVCacheConfig", fields=("num_blocks", "kv_cache_tensors", "kv_cache_groups"),
+         used_for="the KV cache layout"),
+    Need(target="vllm.v1.kv_cache_interface:KVCacheGroupSpec", used_for="the KV cache groups"),
+    Need(target="vllm.v1.kv_cache_interface:FullAttentionSpec", used_for="full-attention layers"),
+    Need(target="vllm.v1.kv_cache_interface:SlidingWindowSpec", fields=("sliding_window",),
+         used_for="sliding-window layers"),
+    Need(target="vllm.v1.kv_cache_interface:MambaSpec", fields=("shapes", "dtypes"), used_for="mamba layers"),
+    Need(target="vllm.v1.request:Request", params=("request_id", "prompt_token_ids", "sampling_params",
+                                                   "pooling_params", "block_hasher"), used_for="every request"),
+    Need(target="vllm.v1.request:RequestStatus", used_for="preemption and resume"),
+    Need(target="vllm.sampling_params:SamplingParams", used_for="every request"),
+    # Features the family probes and does without (a release without them runs fewer paths).
+    Need(target="vllm.v1.kv_cache_interface:MambaSpec", fields=("mamba_cache_mode",), required=False,
+         used_for='mamba "align" configs (absent: declined)'),
+    Need(target=f"{_CORE}.block_pool:BlockHashToBlockMap.contain", required=False,
+         used_for="checking the KV events against the prefix cache (absent: not checked)"),
+    Need(target="vllm.distributed.kv_events:BlockStored", fields=("group_idx", "block_hashes"), required=False,
+         used_for="KV events naming their group (absent: the events are not checked)"),
+    Need(target=f"{_CORE}.kv_cache_manager:KVCacheManager.get_computed_blocks_for_connector", required=False,
+         used_for="a KV connector's lookup with diverging hybrid hits"),
+    Need(target=f"{_CORE}.kv_cache_manager:KVCacheManager.take_kv_cache_block_copies", required=False,
+         used_for="copy-on-write of state and partial-hit blocks"),
+    Need(target=f"{_CORE}.kv_cache_manager:KVCacheManager.pop_blocks_for_free", required=False,
+         used_for="a finished request's deferred free (KV connector attached)"),
+    Need(target=f"{_CORE}.kv_cache_utils:partial_hash_hits_enabled", required=False,
+         used_for="prefix hits inside a block (--prefix-match-unit)"),
+    Need(target=f"{_CORE}.block_pool:BlockPool.cache_partial_block", required=False,
+         used_for="partial keys of a block (read from the pool's cached_block_hashes_by_block)"),
+    Need(target=f"{_CORE}.kv_cache_metrics:KVCacheMetricsCollector", required=False, used_for="KV cache metrics"),
+)
+
+
+def release() -> str:
+    from importlib.metadata import version
+
+    return version("vllm")
+
+
+@lru_cache(maxsize=1)
+def check() -> tuple[Probe, ...]:
+    """Every need probed against the installed release; EngineApiChanged for the first needed one missing."""
+    return tuple(require(NEEDS, engine=ENGINE, release=release()))
+
+
+def engine_report() -> EngineReport:
+    """Every need probed, none raising (``poolfuzz doctor``); a ConfigError when vLLM is not installed."""
+    from importlib.metadata import PackageNotFoundError
+
+    from poolfuzz.errors import ConfigError
+
+    try:
+        installed = release()
+    except PackageNotFoundError:
+        raise ConfigError(f"vLLM is not installed here; {INSTALL_HINT}") from None
+    return report(NEEDS, engine=ENGINE, release=installed)
+
+
+def block_ids(manager, request_id: str, group: int, groups: int) -> list[int]:
+    """The block ids of one KV cache group in a request's table (``KVCacheManager.get_block_ids``), checked
+    to be one list of ints per group: a reshaped answer is an EngineApiChanged, not a crash of the pools."""
+    tables = manager.get_block_ids(request_id)
+    if not isinstance(tables, (tuple, list)) or len(tables) != groups:
+        raise EngineApiChanged(engine=ENGINE, release=release(), attribute="KVCacheManager.get_block_ids",
+                               expected=f"one list of block ids per KV cache group ({groups})",
+                               found=f"a {type(tables).__name__} of {len(tables) if hasattr(tables, '__len__') else '?'}")
+    ids = tables[group]
+    if not all(isinstance(b, int) for b in ids):
+        raise EngineApiChanged(engine=ENGINE, release=release(), attribute="KVCacheManager.get_block_ids",
+                               expected="block ids (ints)", found=f"{type(next(iter(ids))).__name__} entries")
+    return list(ids)
+
+
+def cached_keys(block_pool) -> dict:
+    """Which blocks the prefix cache holds, keyed as the KV events name them: ``{hash key: [block ids]}``.
+    A block is cached under its ``block_hash`` and, where the release keeps hits inside a block, under
+    the partial keys ``cached_block_hashes_by_block`` lists for it; each is checked against the pool's
+    hash map (public ``contain``). Keys the map does not hold are returned under the key ``None``."""
+    cache = block_pool.cached_block_hash_to_block
+    secondary = getattr(block_pool, "cached_block_hashes_by_block", None) or {}
+    out: dict = {}
+    for block in block_pool.blocks:
+        primary = block.block_hash
+        if primary is None or block.is_null:
+            continue
+        for key in (primary, *secondary.get(block.block_id, ())):
+            held = cache.contain(key, block.block_id)
+            if not isinstance(held, bool):
+                raise EngineApiChanged(engine=ENGINE, release=release(), attribute="BlockHashToBlockMap.contain",
+                                       expected="True or False", found=repr(held)[:40])
+            out.setdefault(key if held else None, []).append(block.block_id)
+    return out

@@ -1,0 +1,50 @@
+"""The installed vLLM with a piece of its API taken away or reshaped: "API CHANGED", exit 2, no artifact.
+
+Each case runs in a fresh interpreter (the family probes the release once per process): the fake
+change is made to vLLM's own classes before poolfuzz loads them, as a new release would make it.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+CHANGES = {
+    # A method the family needs, gone: refused before fuzzing, by the same check doctor runs.
+    "removed": ("del KVCacheManager.get_block_ids",
+                "API CHANGED: vllm {v}: vllm.v1.core.kv_cache_manager:KVCacheManager.get_block_ids: expected present, "
+                "found no such attribute"),
+    # Its answer reshaped (a dict per group instead of a tuple of lists): found on the first block table read.
+    "reshaped": ("_ids = KVCacheManager.get_block_ids\n"
+                 "KVCacheManager.get_block_ids = lambda self, rid: dict(enumerate(_ids(self, rid)))",
+                 "API CHANGED: vllm {v}: KVCacheManager.get_block_ids: expected one list of block ids per KV cache "
+                 "group (1), found a dict of 1"),
+}
+
+
+@pytest.mark.parametrize("change", sorted(CHANGES))
+def test_an_engine_api_change_is_not_a_finding(api, change, tmp_path):
+    edit, words = CHANGES[change]
+    script = textwrap.dedent("""
+        import sys
+        from vllm.v1.core.kv_cache_manager import KVCacheManager
+        {edit}
+        from poolfuzz.cli import run_cli
+        sys.exit(run_cli(["run", "--family", "vllm", "--config", "dense", "--examples", "5", "--seed", "1",
+                          "--db", "none", "--out", {out!r}]))
+    """).format(edit=edit, out=str(tmp_path / "out"))
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)
+    assert run.returncode == 2, run.stdout + run.stderr
+    assert words.format(v=api.version) in run.stdout + run.stderr
+    assert not list(tmp_path.rglob("*.json")), "an API change wrote a failure artifact"
+
+
+def test_doctor_passes_on_this_release(api):
+    run = subprocess.run([sys.executable, "-m", "poolfuzz.cli", "doctor", "--family", "vllm"], capture_output=True,
+                         text=True, timeout=600)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert f"engine: vllm {api.version}" in run.stdout
+    assert "verdict: OK" in run.stdout and " absent   needed" not in run.stdout
