@@ -42,3 +42,25 @@ def fuzz_family(family_factory, config, *, examples: int, steps: int = 30) -> Ou
         forget_machine_class(Tracked)
         last.clear()
     return Outcome(failure=None, steps=[])
+
+
+def run_on_changed_engine(prelude: list[str], *, family: str, config: str, out, examples: int = 30):
+    """``poolfuzz run --family FAMILY --config CONFIG`` in a fresh interpreter, after ``prelude``: lines
+    that change the engine's own classes as a new release would (the family probes a release once per
+    process, so each change needs its own)."""
+    import subprocess
+    import sys
+
+    script = "\n".join([*prelude, "import sys", "from poolfuzz.cli import run_cli",
+                        f"sys.exit(run_cli(['run', '--family', {family!r}, '--config', {config!r}, '--examples', "
+                        f"'{examples}', '--seed', '1', '--db', 'none', '--out', {str(out)!r}]))"])
+    return subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)
+
+
+def assert_api_changed(run, words: str, out) -> None:
+    """The run said "API CHANGED" in ``words``, exited 2 and wrote no failure artifact under ``out``."""
+    text = run.stdout + run.stderr
+    assert run.returncode == 2, text[-3000:]
+    assert words in text, text[-3000:]
+    written = list(out.rglob("*.json")) if out.exists() else []
+    assert not written, f"an API change wrote a failure artifact: {written}"

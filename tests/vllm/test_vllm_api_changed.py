@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import textwrap
 
 import pytest
+
+from tests.engine_fuzz import assert_api_changed, run_on_changed_engine
 
 CHANGES = {
     # A method the family needs, gone: refused before fuzzing, by the same check doctor runs.
@@ -28,18 +29,9 @@ CHANGES = {
 @pytest.mark.parametrize("change", sorted(CHANGES))
 def test_an_engine_api_change_is_not_a_finding(api, change, tmp_path):
     edit, words = CHANGES[change]
-    script = textwrap.dedent("""
-        import sys
-        from vllm.v1.core.kv_cache_manager import KVCacheManager
-        {edit}
-        from poolfuzz.cli import run_cli
-        sys.exit(run_cli(["run", "--family", "vllm", "--config", "dense", "--examples", "5", "--seed", "1",
-                          "--db", "none", "--out", {out!r}]))
-    """).format(edit=edit, out=str(tmp_path / "out"))
-    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)
-    assert run.returncode == 2, run.stdout + run.stderr
-    assert words.format(v=api.version) in run.stdout + run.stderr
-    assert not list(tmp_path.rglob("*.json")), "an API change wrote a failure artifact"
+    run = run_on_changed_engine(["from vllm.v1.core.kv_cache_manager import KVCacheManager", edit], family="vllm",
+                                config="dense", out=tmp_path / "out", examples=5)
+    assert_api_changed(run, words.format(v=api.version), tmp_path)
 
 
 def test_doctor_passes_on_this_release(api):

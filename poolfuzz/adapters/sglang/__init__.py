@@ -42,7 +42,22 @@ def describe() -> dict:
             "paged_kernels": list(api.paged_kernels), "kernels_interpreted": api.kernels_interpreted}
 
 
+def engine_report():
+    """The installed SGLang and every class and function the families need of it, probed (``poolfuzz doctor``)."""
+    from poolfuzz.adapters.sglang.api import load
+    from poolfuzz.adapters.sglang.compat import engine_report as probed
+    from poolfuzz.errors import EngineApiChanged
+
+    try:
+        load()  # SGLang imported behind the CPU shims (a ConfigError naming the fix where it is not installed)
+    except EngineApiChanged:
+        pass  # the probes name it
+    return probed()
+
+
 build_family.unsupported_reason = unsupported_reason
+# What ``poolfuzz doctor`` prints and ``poolfuzz run`` checks before fuzzing (adapters/sglang/compat.py).
+build_family.engine_report = engine_report
 # The engine names the node each family serves (``node="prefill"`` / ``"decode"``): the decode node is built
 # as SGLang's PD decode server.
 build_family.builds_per_node = True
@@ -71,5 +86,6 @@ def unified_unsupported_reason(config) -> str | None:
 
 
 build_unified_family.unsupported_reason = unified_unsupported_reason
+build_unified_family.engine_report = engine_report
 build_unified_family.builds_per_node = True
 build_unified_family.engine_code = build_family.engine_code

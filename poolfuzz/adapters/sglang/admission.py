@@ -41,6 +41,7 @@ from __future__ import annotations
 import inspect
 
 from poolfuzz.adapters.sglang.api import call_with
+from poolfuzz.adapters.sglang.compat import speculative_decode_helpers
 from poolfuzz.pools.errors import PoolError, PoolExhausted
 
 
@@ -88,7 +89,7 @@ def decode_batch_class(schedule_batch_cls) -> type | None:
     if schedule_batch_cls is None or inspect.getattr_static(schedule_batch_cls, "check_decode_mem", None) is None:
         return None
     methods = {}
-    for name in _BATCH_METHODS + tuple(n for n in vars(schedule_batch_cls) if n.startswith("_new_tokens_required")):
+    for name in _BATCH_METHODS + speculative_decode_helpers(schedule_batch_cls):
         attr = inspect.getattr_static(schedule_batch_cls, name, None)
         if inspect.isfunction(attr):
             methods[name] = attr

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any, Callable
 
+from poolfuzz.errors import EngineApiChanged
 from poolfuzz.pools.errors import ConfigError
 
 INSTALL_HINT = ("install it beside poolfuzz (see the README section 'Driving real SGLang pools': "
@@ -197,7 +198,7 @@ def _load() -> SGLangAPI:
             _import_with_on_demand_shims(shims)
             _import_lazy_modules()
             return _probe(sglang_version, shims.install())
-        except SGLangUnavailable:
+        except (SGLangUnavailable, EngineApiChanged):
             raise
         except Exception as exc:
             raise SGLangUnavailable(
@@ -237,41 +238,11 @@ def _import_with_on_demand_shims(shims) -> None:
 
 
 def _probe(sglang_version: str, installed: dict) -> SGLangAPI:
-    mp = "sglang.srt.mem_cache.memory_pool"
-    alloc = "sglang.srt.mem_cache.allocator"
-    return SGLangAPI(
-        version=sglang_version,
-        shims=installed,
-        ReqToTokenPool=_first(f"{mp}:ReqToTokenPool"),
-        HybridReqToTokenPool=_first(f"{mp}:HybridReqToTokenPool"),
-        MambaPool=_first(f"{mp}:MambaPool"),
-        MHATokenToKVPool=_first(f"{mp}:MHATokenToKVPool"),
-        HybridLinearKVPool=_first(f"{mp}:HybridLinearKVPool"),
-        SWAKVPool=_first("sglang.srt.mem_cache.swa_memory_pool:SWAKVPool", f"{mp}:SWAKVPool"),
-        TokenToKVPoolAllocator=_first(f"{alloc}.token:TokenToKVPoolAllocator", f"{alloc}:TokenToKVPoolAllocator"),
-        PagedTokenToKVPoolAllocator=_first(f"{alloc}.paged:PagedTokenToKVPoolAllocator",
-                                           f"{alloc}:PagedTokenToKVPoolAllocator"),
-        SWATokenToKVPoolAllocator=_first(f"{alloc}.swa:SWATokenToKVPoolAllocator",
-                                         "sglang.srt.mem_cache.swa_memory_pool:SWATokenToKVPoolAllocator",
-                                         f"{alloc}:SWATokenToKVPoolAllocator"),
-        MambaSlotAllocator=_first(f"{alloc}.mamba:MambaSlotAllocator", required=False),
-        Mamba2CacheParams=_first("sglang.srt.configs.mamba_utils:Mamba2CacheParams"),
-        Mamba2StateShape=_first("sglang.srt.configs.mamba_utils:Mamba2StateShape"),
-        Mamba2StateDType=_first("sglang.srt.configs.mamba_utils:Mamba2StateDType", required=False),
-        Req=_first("sglang.srt.managers.schedule_batch:Req"),
-        ReqKvInfo=_first("sglang.srt.managers.schedule_batch:ReqKvInfo", required=False),
-        RetractionBackup=_first("sglang.srt.mem_cache.common:RetractionBackup", required=False),
-        free_swa_out_of_window_slots=_first("sglang.srt.mem_cache.common:free_swa_out_of_window_slots",
-                                            required=False),
-        free_kv_row_segments=_first("sglang.srt.mem_cache.common:free_kv_row_segments", required=False),
-        ComponentType=_first("sglang.srt.mem_cache.unified_cache.component_type:ComponentType",
-                             "sglang.srt.mem_cache.base_prefix_cache:ComponentType",
-                             "sglang.srt.mem_cache.common:ComponentType", required=False),
-        ScheduleBatch=_first("sglang.srt.managers.schedule_batch:ScheduleBatch", required=False),
-        ensure_mamba_capacity=_first("sglang.srt.mem_cache.allocation:ensure_mamba_capacity", required=False),
-        MLATokenToKVPool=_first(f"{mp}:MLATokenToKVPool", required=False),
-        DSATokenToKVPool=_first(f"{mp}:DSATokenToKVPool", f"{mp}:NSATokenToKVPool", required=False),
-        MHATokenToKVPoolMXFP8=_first(f"{mp}:MHATokenToKVPoolMXFP8", required=False),
-        PureSWATokenToKVPoolAllocator=_first(f"{alloc}.swa:PureSWATokenToKVPoolAllocator", required=False),
-        get_parallel=_first("sglang.srt.runtime_context:get_parallel", required=False),
-    )
+    """Every class and function of ``compat.NEEDS``, found where this release keeps it; a needed one
+    that is nowhere is an EngineApiChanged naming it and every place tried."""
+    from poolfuzz.adapters.engine_api import PRESENT, require
+    from poolfuzz.adapters.sglang.compat import ENGINE, NEEDS
+
+    probes = require(NEEDS.values(), engine=ENGINE, release=sglang_version)
+    found = {name: p.value if p.status == PRESENT else None for name, p in zip(NEEDS, probes)}
+    return SGLangAPI(version=sglang_version, shims=installed, **found)

@@ -24,6 +24,8 @@ from contextlib import contextmanager
 
 import torch
 
+from poolfuzz.adapters.sglang.compat import private, private_name
+
 from poolfuzz.adapters.sglang import l3
 from poolfuzz.adapters.sglang.host import HOST_LAYOUT, IO_BACKEND, install_cpu_transfer_ops
 from poolfuzz.adapters.sglang.kernel_io import install_cpu_kernel_ops, register_buffers
@@ -60,12 +62,13 @@ def install_cpu_host_register() -> bool:
         return False
     from sglang.srt.mem_cache.pool_host import common
 
-    attr = common._CUDA_HOST_REGISTERED_RANGES_ATTR
+    attr = private("cuda_host_ranges_attr")
+    private("cuda_host_register")  # the function replaced must be there to replace
 
     def register_nothing(buffer, registration_granularity_bytes=None):
         setattr(buffer, attr, [])  # nothing was registered, so destroy() unregisters nothing
 
-    common._cuda_host_register = register_nothing
+    setattr(common, private_name("cuda_host_register"), register_nothing)
     return True
 
 

@@ -35,6 +35,7 @@ from functools import lru_cache
 import torch
 
 from poolfuzz.adapters.sglang.kernel_io import install_cpu_kernel_ops, register_buffers
+from poolfuzz.adapters.sglang.compat import private, private_name
 from poolfuzz.adapters.sglang.reads import stored_bytes
 from poolfuzz.adapters.sglang.views import FreeListView, _ints
 from poolfuzz.pools.components import Component
@@ -54,9 +55,11 @@ def retraction_io_backend(config: ModelConfig) -> str:
     return IO_BACKEND if config.page_size > 1 else "kernel"
 HOST_POOL_MODULES = ("sglang.srt.mem_cache.pool_host.mha", "sglang.srt.mem_cache.pool_host.mla",
                      "sglang.srt.mem_cache.pool_host.mamba", "sglang.srt.mem_cache.memory_pool_host")
-# The tree methods a host_pool retraction runs, borrowed unchanged onto the stand-in tree.
-TREE_METHODS = ("backup_kv_cache", "restore_kv_cache", "discard_kv_cache_backup", "_retraction_device_transfers",
-                "_reclaim_retraction_host", "_build_sidecar_transfers")
+# The tree methods a host_pool retraction runs, borrowed unchanged onto the stand-in tree (three of them
+# UnifiedRadixCache keeps private: compat.PRIVATE names them).
+TREE_METHODS = ("backup_kv_cache", "restore_kv_cache", "discard_kv_cache_backup",
+                *(private_name(k) for k in ("retraction_device_transfers", "reclaim_retraction_host",
+                                            "build_sidecar_transfers")))
 
 
 def _transfer_kv_direct(src_layers, dst_layers, src_indices, dst_indices, page_size):
@@ -311,7 +314,7 @@ class SGLangHostBackup:
             cache_controller=self.controller, host_pool_group=self.group, disable=False)
         tree.supports_swa = lambda: c.has_swa
         tree.evict_host = lambda num_tokens: 0  # no HiCache prefix is cached on the host: nothing to reclaim
-        tree._pad_retraction_indices = self.hc.UnifiedRadixCache._pad_retraction_indices
+        setattr(tree, private_name("pad_retraction_indices"), private("pad_retraction_indices"))
         for name in TREE_METHODS:
             setattr(tree, name, types.MethodType(getattr(self.hc.UnifiedRadixCache, name), tree))
         return tree

@@ -14,6 +14,7 @@ not asked.
 from __future__ import annotations
 
 from poolfuzz.adapters.sglang.api import call_with
+from poolfuzz.adapters.sglang.compat import private
 
 
 class _NoSessions:
@@ -54,11 +55,11 @@ def problem(family) -> str | None:
     if built is None:
         return None
     checker, observer = built
-    has_leak, messages = checker._check_all_pools(observer.get_pool_stats())
+    has_leak, messages = private("check_all_pools")(checker, observer.get_pool_stats())
     found = [m for m in messages if m] if has_leak else []
     rows_before = checker.count_req_pool_leak_warnings
     try:  # raise_error_or_warn: raises in strict mode, else counts a warning
-        checker._check_req_pool()
+        private("check_req_pool")(checker)
     except ValueError as exc:
         found.append(str(exc).strip())
     else:

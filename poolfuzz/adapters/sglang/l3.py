@@ -35,6 +35,7 @@ import traceback
 from contextlib import contextmanager
 
 from poolfuzz.adapters.sglang import zero_copy
+from poolfuzz.adapters.sglang.compat import has_private, private, registered_storage_backends
 from poolfuzz.pools.config import ModelConfig
 
 BACKEND = "file"  # the storage backend SGLang ships that needs no network
@@ -53,14 +54,14 @@ class StorageHang(RuntimeError):
 def storage_problem(api, config: ModelConfig) -> str | None:
     """Why the adapter does not back this config's HiCache tier up into L3 storage, or None."""
     try:
-        from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
+        from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory  # noqa: F401 - a probe
         from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
     except ImportError:
         return f"SGLang {api.version} has no HiCache storage backends (mem_cache.storage.backend_factory)"
     if not all(hasattr(UnifiedRadixCache, m) for m in ("write_backup_storage", "prefetch_from_storage",
                                                        "check_prefetch_progress", "shutdown")):
         return f"SGLang {api.version}'s tree has no L3 entry points (write_backup_storage / prefetch_from_storage)"
-    if BACKEND not in getattr(StorageBackendFactory, "_registry", {BACKEND: None}):
+    if has_private("storage_registry") and BACKEND not in registered_storage_backends():
         return f"SGLang {api.version} registers no {BACKEND!r} storage backend"
     return None
 
@@ -201,7 +202,7 @@ def prefetch(tree, sg, common) -> int:
     if not (tree.is_backuped(anchor) or tree.is_root(anchor)):
         return 0  # an anchor not written through: its suffix cannot be in storage
     ids = sg.full_untruncated_fill_ids
-    end = sg._compute_max_prefix_len(len(ids))
+    end = private("compute_max_prefix_len")(sg, len(ids))  # what Scheduler._prefetch_kvcache asks
     prefix_keys = tree.get_prefix_hash_values(anchor) if tree.hicache_storage_pass_prefix_keys else None
     handle = sg.cache_request_handle
     tree.prefetch_from_storage(handle, anchor, ids[matched:end], tree.get_last_hash_value(anchor), prefix_keys,

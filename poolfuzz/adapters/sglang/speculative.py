@@ -19,6 +19,7 @@ import os
 import torch
 
 from poolfuzz.adapters.sglang.api import parameters
+from poolfuzz.adapters.sglang.compat import conv_window_buffers
 from poolfuzz.adapters.sglang.request_pool import build_request_pool
 from poolfuzz.adapters.sglang.storage import _what_failed
 from poolfuzz.pools.speculative import scratch_components
@@ -63,7 +64,7 @@ class SGLangScratch:
         self.draft_tokens = draft_tokens
         caches = req_pool.get_speculative_mamba2_params_all_layers()
         windows = list(caches.intermediate_conv_window)
-        phys = getattr(req_pool.mamba_pool, "_intermediate_conv_window_phys", windows)
+        phys = conv_window_buffers(req_pool.mamba_pool, windows)
         if any(w.data_ptr() != p.data_ptr() or w.shape != p.shape for w, p in zip(windows, phys)):
             # CUDA with a chain of drafts: consecutive steps' conv windows share columns by design, so a
             # step's row is not its own and cannot carry its own tag.

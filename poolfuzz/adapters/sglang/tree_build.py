@@ -5,6 +5,7 @@ from __future__ import annotations
 from contextlib import nullcontext
 
 from poolfuzz.adapters.sglang import hicache, l3
+from poolfuzz.adapters.sglang.compat import seed_mamba_chunk_size
 
 _PUBLISHED: dict[str, bool] = {}
 
@@ -29,12 +30,11 @@ def _publish_defaults() -> None:
         except (RuntimeError, ValueError):
             parallel.override_permanently(attn_dcp_rank=0)
     server_args = runtime_context.get_server_args()
-    if not hasattr(server_args, "_mamba_cache_chunk_size"):
-        # The mamba checkpoint grid is max(the model's mamba chunk, page size), read from the model's HF
-        # config, which a run without a model has none of: SGLang honours a pre-seeded value (as its
-        # own test fixtures seed it). A model config without mamba_chunk_size gets FLA's chunk, 64 (the
-        # value SGLang falls back to; importing the FLA kernels for it probes Triton's GPU driver).
-        server_args._mamba_cache_chunk_size = 64
+    # The mamba checkpoint grid is max(the model's mamba chunk, page size), read from the model's HF
+    # config, which a run without a model has none of: SGLang honours a pre-seeded value (as its
+    # own test fixtures seed it). A model config without mamba_chunk_size gets FLA's chunk, 64 (the
+    # value SGLang falls back to; importing the FLA kernels for it probes Triton's GPU driver).
+    seed_mamba_chunk_size(server_args, 64)
     _PUBLISHED["done"] = True
 
 

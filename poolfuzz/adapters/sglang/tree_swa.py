@@ -11,6 +11,8 @@ freed); it holds privately the SWA of ``[max(frontier, protected), allocated)``.
 
 from __future__ import annotations
 
+from poolfuzz.adapters.sglang.compat import private
+
 import os
 
 from poolfuzz.pools.reference import _pages
@@ -43,15 +45,13 @@ def eviction_interval(family) -> int:
 
 def evict_window(family, sg, pre_len: int) -> None:
     """``maybe_evict_swa``'s decode branch for one request, with the release's own trigger."""
-    from sglang.srt.managers.schedule_batch import ScheduleBatch
-
     tree = family.tree
     interval = eviction_interval(family)
     # what maybe_evict_swa passes: the tree's retained window where it has one (0.5.23), else the
     # sliding window itself (0.5.22 and before)
     window = getattr(tree, "swa_retain_window", None)
-    due = ScheduleBatch._swa_eviction_trigger(_TriggerBatch(), tree.sliding_window_size if window is None else window,
-                                              interval)
+    trigger = private("swa_eviction_trigger")  # ScheduleBatch's, run unbound on the stand-in batch
+    due = trigger(_TriggerBatch(), tree.sliding_window_size if window is None else window, interval)
     if sg.kv.holds_kv and due(sg):
         tree.evict_sliding_windows(sg, pre_len, eviction_interval=1)
 

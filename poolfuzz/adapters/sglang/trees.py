@@ -28,6 +28,7 @@ from dataclasses import fields
 
 import torch
 
+from poolfuzz.adapters.sglang.compat import has_private, private
 from poolfuzz.adapters.sglang.family import SGLangFamily
 from poolfuzz.adapters.sglang.frees import free_group
 from poolfuzz.adapters.sglang.protocol import SGLangProtocol
@@ -68,12 +69,9 @@ def tree_sized(api, config):
     if not config.has_mamba or tree_problem(api, config) is not None:
         return config
     _publish_defaults()
-    try:
-        from sglang.srt.mem_cache import kv_cache_configurator as kvc
-
-        ratio = kvc.KVCacheConfigurator._calculate_mamba_ratio(None)  # reads the server's globals only
-    except (ImportError, AttributeError):  # a release without the configurator's rule: sized as given
+    if not has_private("calculate_mamba_ratio"):  # a release without the configurator's rule: sized as given
         return config
+    ratio = private("calculate_mamba_ratio")(None)  # KVCacheConfigurator's, unbound: reads the server's globals only
     return config.replace(mamba_slots=max(config.mamba_slots, ratio * config.request_rows))
 
 
