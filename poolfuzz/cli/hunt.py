@@ -6,6 +6,7 @@ import json
 import time
 from dataclasses import asdict
 
+from poolfuzz.pools.capabilities import factory_capabilities
 from poolfuzz.pools.config import CONFIGS, get_config
 from poolfuzz.pools.faults import FAULTS, applicable_configs, get_fault
 
@@ -55,7 +56,7 @@ def main(args) -> int:
     configs = [n if n == DRAWN_NAME else get_config(n).name for n in args.config] if args.config else list(CONFIGS)
     cells = [(fid, c) for fid in faults for c in applicable_configs(fid) + [DRAWN_NAME] if c in configs]
     if factory is not None:
-        reason = getattr(factory, "unsupported_reason", None)
+        reason = factory_capabilities(factory).unsupported_reason
         configs = [c for c in configs if c == DRAWN_NAME or reason is None or reason(get_config(c)) is None]
     if not cells and factory is None:
         raise UsageError("no chosen fault applies to the chosen configs; see `poolfuzz faults`")

@@ -117,7 +117,7 @@ class Checker:
     def check_engine_idle(self, node: str) -> None:
         """A node with no request left: the engine's own idle memory check (the family's ``idle_problem``,
         where it has one) must find nothing either; what it reports is a finding whoever is wrong."""
-        ask = getattr(self.engine.families[node], "idle_problem", None)
+        ask = self.engine.caps[node].idle_problem
         problem = ask() if ask is not None else None
         if problem:
             self.invariant("engine-idle-check", f"the engine's own idle memory check reports: {problem}", node)
@@ -178,7 +178,7 @@ class Checker:
             if owned is None:
                 owned = self._owned[node] = [(s, e.state_types[s]) for s in lists if e.state_types[s].on_device]
             held: dict[str, list[int]] = {space: [] for space, _ in owned}
-            shared = getattr(fam, "shared_unit_spaces", ())
+            shared = e.caps[node].shared_unit_spaces
             # (unit, rid) of every held unit of each space whose units a prefix cache shares
             held_by: dict[str, list[tuple[int, int]]] = {space: [] for space, _ in owned if space in shared}
             misread: list = []  # (rid, space, (problem, slot)) of state the kernels would not find
@@ -196,7 +196,7 @@ class Checker:
                     problem = state_type.consumer_problem(e.lookup, fam, req.kv, tokens)
                     if problem is not None:
                         misread.append((req.rid, space, problem))
-            cached = e.cached_prefixes.held_units(fam)
+            cached = e.cached_prefixes.held_units(e.caps[node])
             for space, units in cached.items():
                 held[space] += units  # the prefix cache's own checkpoints
             if cached:

@@ -16,6 +16,7 @@ import torch
 from poolfuzz.errors import ConfigError
 from poolfuzz.harness.engine import Engine
 from poolfuzz.harness.state_types import state_types_for
+from poolfuzz.pools.capabilities import capabilities_of
 from poolfuzz.pools.config import ModelConfig
 from poolfuzz.pools.interface import (AllocatorLike, ComponentPool, FreeListLike, KVPoolLike, PoolFamilyInterface,
                                       ReqPoolLike, ServingProtocolLike, TransferLike)
@@ -47,13 +48,17 @@ def _protocol_members(protocol: type) -> set[str]:
 def check_interface(family) -> list[str]:
     """Every way ``family`` misses the interface: missing members of it or of its parts."""
     problems = [f"family lacks {n}" for n in _missing(family, PoolFamilyInterface)]
+    try:
+        capabilities_of(family)  # a misspelt or mistyped capability: named here, not a silent default
+    except ConfigError as exc:
+        problems.append(str(exc))
     if problems:
         return problems
     parts = [("req_pool", family.req_pool, ReqPoolLike), ("kv_pool", family.kv_pool, KVPoolLike),
              ("protocol", family.protocol, ServingProtocolLike)]
     if family.config.has_swa:
         parts.append(("allocator", family.allocator, AllocatorLike))
-    if getattr(family, "supports_transfer", True):
+    if capabilities_of(family).supports_transfer:
         parts.append(("transfer", family.transfer, TransferLike))
     if family.req_pool.mamba_pool is not None:
         parts.append(("req_pool.mamba_pool", family.req_pool.mamba_pool, ComponentPool))
@@ -115,7 +120,7 @@ def check_free_reports(family) -> list[str]:
     # A family whose freed units stay readable for its prefix cache (``caches_freed_units``) reports
     # them only when they leave the cache: its full space owes no report here.
     kv = [space for space, kind in state_types_for(family.free_lists()).items() if kind.row_addressed]
-    spaces = ("rows",) if getattr(family, "caches_freed_units", False) else ("rows", *kv)
+    spaces = ("rows",) if capabilities_of(family).caches_freed_units else ("rows", *kv)
     return [f"freeing a request's {space} was not reported to the free listener"
             for space in spaces if not freed.get(space)]
 

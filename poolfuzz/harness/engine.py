@@ -17,6 +17,7 @@ from poolfuzz.harness.ledger import ComponentSpec
 from poolfuzz.harness.records import NO_CULPRIT, NODES, EngineOptions, Phase, Request, StepRecord
 from poolfuzz.harness.state_types import CachedPrefixes, SlotLookup, state_types_for
 from poolfuzz.harness.taint import KnownBugTaint
+from poolfuzz.pools.capabilities import capabilities_of, factory_capabilities
 from poolfuzz.pools.config import ModelConfig
 from poolfuzz.pools.errors import PoolError, PoolExhausted
 from poolfuzz.pools.family import build_family
@@ -65,19 +66,20 @@ class Engine(KnownBugTaint):
         self.options = options
         # One family per node; the factory is called once for each, in NODES order. A factory that builds
         # each node as its own server role (``builds_per_node``: SGLang's PD decode server) is told the node.
-        per_node = getattr(family_factory, "builds_per_node", False)
+        per_node = factory_capabilities(family_factory).builds_per_node
         self.families = {n: family_factory(config, device=device, faults=faults, backup_mode=backup_mode,
                                            **({"node": n} if per_node else {}))
                          for n in NODES}
+        # What each family can do, read once and checked (a misspelt capability is a ConfigError here).
+        self.caps = {n: capabilities_of(f) for n, f in self.families.items()}
         first = self.families["prefill"]
         self.device = first.device
         self.backup_mode: str = first.backup_mode  # the retraction path the families run
         # A family whose engine counts capacity its own way (vLLM's shared block pool, SGLang's
         # prefix tree) names the reference model of it, each node its own: ``reference_factory(config,
         # backup_mode=..., **capabilities)`` (the family's capabilities the reference follows).
-        self.refs = {n: (getattr(f, "reference_factory", None) or ReferenceFamily)(
-                         config, backup_mode=f.backup_mode,
-                         resume_swa_tail_only=getattr(f, "resume_swa_tail_only", True))
+        self.refs = {n: (self.caps[n].reference_factory or ReferenceFamily)(
+                         config, backup_mode=f.backup_mode, resume_swa_tail_only=self.caps[n].resume_swa_tail_only)
                      for n, f in self.families.items()}
         self.ledger = row_cache.shared_ledger()  # expected checksums: pure caches shared across examples
         # What the checks need of each component (no tensors), and the rules of each index space.
@@ -209,7 +211,7 @@ class Engine(KnownBugTaint):
         fam, ref = self.families[req.node], self.refs[req.node]
         start = req.kv.kv_committed_len
         end = min(req.prompt_len, start + chunk)
-        clip = getattr(fam.protocol, "prefill_chunk_end", None)  # a scheduler that splits chunks its own way
+        clip = self.caps[req.node].prefill_chunk_end  # a scheduler that splits chunks its own way
         if clip is not None:
             end = clip(req.kv, fam, start, end, req.prompt_len)
             if end <= start:
@@ -223,7 +225,7 @@ class Engine(KnownBugTaint):
         fam.protocol.run_deferred_mamba_ops([req.kv], fam)
         self.writer.forward(req, start, end)
         ref.commit(rid, end)
-        after = getattr(fam.protocol, "after_prefill", None)  # a prefix tree takes what was computed
+        after = self.caps[req.node].after_prefill  # a prefix tree takes what was computed
         if after is not None:
             with self._blame(rid):
                 after(req.kv, fam)
@@ -344,7 +346,7 @@ class Engine(KnownBugTaint):
     def sglang_victim(self, node: str) -> int | None:
         """SGLang's retract order: fewest outputs first, then longest prompt; never the last one. None where the
         node's family declines retraction (``supports_retract = False``: no server of the engine backs its KV up)."""
-        if not getattr(self.families[node], "supports_retract", True):
+        if not self.caps[node].supports_retract:
             return None
         running = self.live(Phase.RUNNING, node)
         if len(running) < 2:
@@ -404,7 +406,7 @@ class Engine(KnownBugTaint):
         self.action = "resume"
         # A family with a prefix cache says first what its lookup found (the engine's choice, as a
         # slot is); the reference predicts what the resume then costs.
-        found = fam.protocol.lookup(req.kv, fam) if getattr(fam, "prefix_caching", False) else {}
+        found = fam.protocol.lookup(req.kv, fam) if self.caps[node].prefix_caching else {}
         err = self._both(node, rid, lambda: ref.resume(rid, **found), lambda: fam.protocol.resume(req.kv, fam))
         if err:
             return None, f"Req({rid}) waits: {err.space} exhausted"
@@ -438,7 +440,7 @@ class Engine(KnownBugTaint):
         req = self.requests.pop(rid)
         fam, ref = self.families[req.node], self.refs[req.node]
         turns.remember(self, req)
-        release = getattr(fam.protocol, "finish", fam.protocol.release_kv)  # a family may group its frees
+        release = self.caps[req.node].finish or fam.protocol.release_kv  # a family may group its frees
         with self._blame(rid):
             release(req.kv, fam)
         ref.finish(rid)
@@ -507,7 +509,7 @@ class Engine(KnownBugTaint):
     def flushable(self) -> list[str]:
         """Nodes whose family can flush (``flush_cache``), with no request live and ``FLUSH_AFTER`` served
         since their last flush (one: 3 shifted which seeds find the catalogue's bugs and found no more)."""
-        return [n for n in NODES if self.served[n] >= FLUSH_AFTER and getattr(self.families[n], "flush_cache", None)
+        return [n for n in NODES if self.served[n] >= FLUSH_AFTER and self.caps[n].flush_cache is not None
                 and not any(r.node == n for r in self.requests.values())]
 
     def flush(self, node: str) -> None:
@@ -516,7 +518,7 @@ class Engine(KnownBugTaint):
         self._begin("flush", {"node": node})
         self.checker.check_engine_idle(node)
         with self._blame(NO_CULPRIT):
-            self.families[node].flush_cache()
+            self.caps[node].flush_cache()
         self.refs[node].flush_cache()
         self.served[node] = 0
         self.checker.check_whole((node,), check="flush-leak", when="after the flush reset its pools")
@@ -545,7 +547,7 @@ class Engine(KnownBugTaint):
             self.check()
         for node, fam in self.families.items():  # an idle server may evict its whole prefix cache
             self.checker.check_engine_idle(node)
-            flush = getattr(fam, "flush_prefix_cache", None)
+            flush = self.caps[node].flush_prefix_cache
             if flush is not None:
                 with self._blame(NO_CULPRIT):
                     flush()
@@ -559,10 +561,9 @@ class Engine(KnownBugTaint):
         if self.closed:
             return
         self.closed = True
-        for fam in self.families.values():
-            close = getattr(fam, "close", None)
-            if close is not None:
-                close()
+        for caps in self.caps.values():
+            if caps.close is not None:
+                caps.close()
 
     def __enter__(self) -> "Engine":
         return self

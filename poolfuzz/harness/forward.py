@@ -27,8 +27,7 @@ def tree_depths(window: int, device) -> torch.Tensor:
 def tree_verifies(engine) -> bool:
     """Whether the engine issues tree verifies: a family whose pools move accepted rows
     (``supports_tree_drafts``), and no per-step speculative scratch (a tree would need it per node)."""
-    return (getattr(engine.families["prefill"], "supports_tree_drafts", False)
-            and not engine.config.spec_draft_tokens)
+    return engine.caps["prefill"].supports_tree_drafts and not engine.config.spec_draft_tokens
 
 
 def accepted_node(depth: int) -> int:
@@ -85,7 +84,8 @@ class Writer:
         targets: dict[str, torch.Tensor] = {}  # space -> this forward's slots in it, worked out once
         # A pool with a write door of its own (``writes_through_engine``) files the rows itself, as an
         # attention backend has it do; what the door does not take is written here.
-        door = {} if getattr(fam.kv_pool, "writes_through_engine", False) else None
+        caps = e.caps[req.node]
+        door = {} if caps.kv_writes_through_engine else None
         depths = tree_depths(written_end - start, e.device) if tree else None
         off_path = _off_path(written_end - start, e.device) if tree else None
         for comp, spec, state_type in kv_plan:
@@ -104,8 +104,7 @@ class Writer:
         if door:
             batch = {key: rows for key, (_, _, rows) in door.items()}
             # A chain verify commits its accepted prefix through the verified-prefix door, where there is one
-            verified = (getattr(fam.kv_pool, "write_verified_rows", None)
-                        if verify and not tree and written_end > end else None)
+            verified = caps.kv_write_verified_rows if verify and not tree and written_end > end else None
             done = (verified(slots, batch, committed=end - start) if verified is not None
                     else fam.kv_pool.write_rows(slots, batch))
             for key, (comp, state_type, rows) in door.items():
@@ -118,7 +117,7 @@ class Writer:
         req.kv.kv_committed_len = end
         if state_plan:
             # optional (interface.py): a family without speculative scratch declares none
-            scratch = getattr(fam.req_pool.mamba_pool, "spec_scratch", None) if verify else None
+            scratch = caps.spec_scratch if verify else None
             if scratch is None:
                 self._fold_state(req, state_plan, start, end)
             else:
@@ -230,7 +229,7 @@ class Writer:
         with an unwritten slot id instead (``pads_slot_zero = False``: vLLM's -1) is not written."""
         e = self.engine
         fam = e.families[node]
-        if not getattr(fam, "pads_slot_zero", True):
+        if not e.caps[node].pads_slot_zero:
             return
         zero = torch.zeros(1, dtype=torch.int64, device=e.device)
         for comp in fam.components():

@@ -19,6 +19,7 @@ from poolfuzz.harness.engine import Engine
 from poolfuzz.harness.forward import tree_verifies
 from poolfuzz.harness.hypothesis_compat import set_database_identity
 from poolfuzz.harness.records import NODES, EngineOptions, Phase, StepRecord
+from poolfuzz.pools.capabilities import factory_capabilities
 from poolfuzz.pools.config import CONFIGS, ModelConfig, get_config
 from poolfuzz.pools.family import build_family, expected_backup_mode, resolved_backup_mode
 from poolfuzz.strategies import (DRAWN_NAME, accepted_drafts, drawn_configs, chunk_sizes, decode_picks, draft_lengths, extra_tokens, picks,
@@ -95,7 +96,7 @@ def _has(phase: Phase, node: str | None = None):
 
 def _supports(op: str):
     """A family may decline a whole operation (``supports_fork = False``): plug-ins over real pools."""
-    return lambda self: getattr(self.engine.families["prefill"], f"supports_{op}", True)
+    return lambda self: getattr(self.engine.caps["prefill"], f"supports_{op}")  # a Capabilities field
 
 
 def _tree_drafts(self) -> bool:
@@ -157,7 +158,7 @@ class PoolMachine(RuleBasedStateMachine):
         """The engine of ``config``. A drawn config the family declines (its ``unsupported_reason``, or
         a ConfigError while building) rejects the example: it is not a failure. A failure while
         building (an audit, a crash) is a failure at step 0, told to the observer like any other."""
-        decline = getattr(type(self).family_factory, "unsupported_reason", None) if drawn else None
+        decline = factory_capabilities(type(self).family_factory).unsupported_reason if drawn else None
         reason = decline(config) if decline is not None else None
         if reason:
             self._declined(config, reason)
@@ -417,7 +418,7 @@ def machine_for(config: ModelConfig | str | st.SearchStrategy, *, device="cpu", 
     if isinstance(config, str) and config == DRAWN_NAME:
         # Drawn from the space the family accepts: its storage kinds steered to, the rest filtered; an example
         # whose draw the filter still refuses is counted as declined, with the family's reason.
-        decline = getattr(family_factory, "unsupported_reason", None)
+        decline = factory_capabilities(family_factory).unsupported_reason
         log = attrs["decline_log"] = DeclineLog(decline) if decline is not None else None
         config = drawn_configs(faults=faults, where=None if log is None else log.accepts)
     elif isinstance(config, str):
@@ -429,7 +430,7 @@ def machine_for(config: ModelConfig | str | st.SearchStrategy, *, device="cpu", 
     if family_factory is not None:
         attrs["family_factory"] = staticmethod(family_factory)
     # Only a factory that declares it gets the rule: another rule would change what every seed draws.
-    if getattr(family_factory, "supports_next_turn", False):
+    if factory_capabilities(family_factory).supports_next_turn:
         attrs["next_turn"] = _next_turn
     cls = type("PoolMachine", (PoolMachine,), attrs)
     set_database_identity(cls, machine_identity(config, faults, backup_mode, family_factory, options))

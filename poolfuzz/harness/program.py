@@ -107,7 +107,7 @@ def precondition(engine: Engine, step: StepRecord, *, strict: bool = False) -> N
         raise CannotRun(f"node {a.get('node')!r} does not exist")
     elif step.op == "flush":
         busy = [r.rid for r in engine.requests.values() if r.node == a["node"]]
-        if busy or not getattr(engine.families[a["node"]], "flush_cache", None):
+        if busy or engine.caps[a["node"]].flush_cache is None:
             raise CannotRun(f"node {a['node']} cannot flush: " + (f"req {busy[0]} is live there" if busy
                             else "its family has no flush_cache"))
 

@@ -30,7 +30,7 @@ def history_until(history: tuple, tokens: int) -> tuple:
 def settle_cached_states(engine, req, ref, state_plan) -> None:
     """Check the states the lookup hit and write the ones the connector loaded (see the module)."""
     fam = engine.families[req.node]
-    found = getattr(fam.protocol, "cached_states", None)
+    found = engine.caps[req.node].cached_states
     if found is None or not state_plan or not ref.state:
         return
     for unit, tokens, loaded in found(req.kv, fam):

@@ -273,9 +273,9 @@ class CachedPrefixes:
     cache has no ``cached_units`` and holds nothing here.
     """
 
-    def held_units(self, fam) -> dict[str, list[int]]:
-        read = getattr(fam, "cached_units", None)
-        return read() if read is not None else {}
+    def held_units(self, caps) -> dict[str, list[int]]:
+        """``caps``: the family's Capabilities (its ``cached_units``, where it has a prefix cache)."""
+        return caps.cached_units() if caps.cached_units is not None else {}
 
 
 KINDS: dict[str, type[StateType]] = {"rows": RequestRows, "full": FullKV, "swa": SlidingWindowKV,

@@ -17,8 +17,8 @@ from poolfuzz.harness.ledger import ComponentSpec
 
 def audit_storage(engine, fail) -> None:
     """Check every page each family stored since the last check (families without a storage tier: none)."""
-    for node, fam in engine.families.items():
-        take = getattr(fam, "take_stored_pages", None)
+    for node in engine.families:
+        take = engine.caps[node].take_stored_pages
         if take is None:
             continue
         for page in take():

@@ -15,8 +15,8 @@ class KnownBugTaint:
         self.taint.add((space, divergence.slot_after if space != "*" else None))
         if divergence.check == "shared-unit":  # one block of the pool every group draws from: the
             # same block in each group, and every group's free count, are suspect from here on
-            fam = self.families.get(divergence.node)
-            self.taint.update((s, divergence.slot_after) for s in getattr(fam, "shared_unit_spaces", ()))
+            caps = self.caps.get(divergence.node)
+            self.taint.update((s, divergence.slot_after) for s in (caps.shared_unit_spaces if caps else ()))
         if divergence.rid is not None:
             self.tainted_requests.add(divergence.rid)
 

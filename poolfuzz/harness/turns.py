@@ -33,7 +33,7 @@ class FinishedTurn:
 
 def can_continue(engine) -> bool:
     """The family keeps finished requests' tokens (``supports_next_turn``; False unless declared)."""
-    return bool(getattr(engine.families["prefill"], "supports_next_turn", False))
+    return engine.caps["prefill"].supports_next_turn
 
 
 def remember(engine, req: Request) -> None:

@@ -23,6 +23,7 @@ from importlib import metadata
 from typing import Callable, Iterable
 
 from poolfuzz.errors import api_change_in
+from poolfuzz.pools.capabilities import factory_capabilities
 from poolfuzz.pools.config import ModelConfig
 from poolfuzz.pools.errors import ConfigError
 
@@ -52,13 +53,13 @@ class FamilyPlugin:
         return f"FamilyPlugin({self.name} -> {self.target}, {self.origin})"
 
     def unsupported_reason(self, config: ModelConfig) -> str | None:
-        probe = getattr(self.factory, "unsupported_reason", None)
+        probe = factory_capabilities(self.factory).unsupported_reason
         return None if probe is None else probe(config)
 
     def engine_report(self):
         """The factory's ``engine_report()`` (an ``adapters.engine_api.EngineReport``: the engine release
         and every entry point the family needs, probed), or None for a family over no external engine."""
-        probe = getattr(self.factory, "engine_report", None)
+        probe = factory_capabilities(self.factory).engine_report
         return None if probe is None else probe()
 
     def check_engine(self) -> None:

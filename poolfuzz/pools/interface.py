@@ -7,7 +7,9 @@ here (``poolfuzz.harness.contract.check_family`` checks a family against it). Th
 request record (:class:`poolfuzz.pools.request.ReqKv`) it passes to the protocol; the family fills
 in its slot ids and lengths and, on retraction, its ``retraction_backup``.
 
-Optional capabilities, read with a default where a family does not declare them:
+Optional capabilities, which a family declares as attributes and the harness reads once per family
+into a typed record (:func:`poolfuzz.pools.capabilities.capabilities_of`: a misspelt or mistyped one
+is a ConfigError, never a silent default; a family that declares none gets the defaults below):
 
 * ``supports_fork`` / ``supports_transfer`` (class attributes, default True): False makes the
   state machine skip the ``fork`` / ``transfer`` rules for this family;

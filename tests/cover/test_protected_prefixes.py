@@ -5,6 +5,7 @@ import pytest
 
 from poolfuzz.harness.engine import Engine
 from poolfuzz.harness.failures import InvariantViolation, signature_of
+from poolfuzz.pools.capabilities import capabilities_of
 from poolfuzz.pools.config import CONFIGS
 
 
@@ -12,6 +13,7 @@ def _with_tree_holding(engine, units_of):
     """Let the prefill node's family answer ``cached_units`` as a prefix tree would: ``units_of(engine)``."""
     fam = engine.families["prefill"]
     fam.cached_units = lambda: {"full": units_of(engine)}
+    engine.caps["prefill"] = capabilities_of(fam)  # declared after the build: read again, as a build reads it
     return fam
 
 

@@ -92,7 +92,11 @@ class TestClose:
         assert closed == list(engine.families.values())
 
     def test_families_without_a_close_are_left_alone(self):
-        Engine(config=CONFIGS["dense"]).close()
+        engine = Engine(config=CONFIGS["dense"])
+        assert all(caps.close is None for caps in engine.caps.values())  # nothing of theirs to call
+        engine.close()
+        engine.close()  # once only, and a second call is harmless
+        assert engine.closed
 
     def test_every_example_of_the_machine_closes_its_engine(self):
         built, closed = [], []

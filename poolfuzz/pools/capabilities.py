@@ -1,0 +1,152 @@
+"""What a pool family and its factory can do, as typed records read once (``capabilities_of``).
+
+A family declares its capabilities as attributes (``supports_fork = False``, a ``flush_cache`` method,
+...), documented in :mod:`poolfuzz.pools.interface`; the harness never asks for one by name with a
+default. It reads them all here, once per family it builds, into a frozen :class:`Capabilities`: a
+misspelt one (``suports_fork``), one of the wrong type, or an unknown ``supports_*`` name is a
+ConfigError naming it when the family is built, not a silent default. A factory's own attributes
+(``unsupported_reason``, ``builds_per_node``, ...) are :class:`FactoryCapabilities`, read by
+``factory_capabilities`` the same way.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from poolfuzz.errors import ConfigError
+
+
+@dataclass(frozen=True, kw_only=True)
+class Capabilities:
+    """A family's capabilities (each field's default is what a family that does not declare it gets)."""
+
+    # Operations the state machine may run on it (False: the rule is skipped).
+    supports_fork: bool = True
+    supports_transfer: bool = True
+    supports_retract: bool = True
+    supports_speculative: bool = True
+    supports_next_turn: bool = False  # finished requests' tokens are kept for a chat's next turn
+    supports_tree_drafts: bool = False  # speculative verify over a draft tree (protocol.move_accepted)
+    # How it counts and pads.
+    prefix_caching: bool = False  # a resume asks protocol.lookup what the prefix cache found
+    resume_swa_tail_only: bool = True  # a paged SWA resume gives slots to the window's tail only
+    pads_slot_zero: bool = True  # False: a padded batch writes nowhere (vLLM pads with -1)
+    caches_freed_units: bool = False  # freed units keep their contents (reported free when they leave the cache)
+    shared_unit_spaces: tuple[str, ...] = ()  # spaces whose units come from one pool
+    reference_factory: Callable | None = None  # the reference model of its accounting (None: ReferenceFamily)
+    # Optional methods of the family (None: it has none), bound.
+    cached_units: Callable | None = None
+    flush_prefix_cache: Callable | None = None
+    flush_cache: Callable | None = None
+    idle_problem: Callable | None = None
+    close: Callable | None = None
+    take_stored_pages: Callable | None = None
+    # Optional doors of its parts (see pools/interface.py).
+    kv_writes_through_engine: bool = False  # kv_pool.writes_through_engine
+    kv_write_verified_rows: Callable | None = None  # kv_pool.write_verified_rows
+    spec_scratch: Any = None  # req_pool.mamba_pool.spec_scratch
+    get_track_slots: Callable | None = None  # req_pool.get_track_slots
+    prefill_chunk_end: Callable | None = None  # protocol.prefill_chunk_end
+    after_prefill: Callable | None = None  # protocol.after_prefill
+    finish: Callable | None = None  # protocol.finish
+    cached_states: Callable | None = None  # protocol.cached_states
+
+
+_FLAGS = {f.name: f for f in dataclasses.fields(Capabilities)}
+# Where each door lives: (part of the family, its attribute name there).
+_DOORS = {"kv_writes_through_engine": ("kv_pool", "writes_through_engine"),
+          "kv_write_verified_rows": ("kv_pool", "write_verified_rows"),
+          "spec_scratch": ("req_pool.mamba_pool", "spec_scratch"),
+          "get_track_slots": ("req_pool", "get_track_slots"),
+          "prefill_chunk_end": ("protocol", "prefill_chunk_end"),
+          "after_prefill": ("protocol", "after_prefill"),
+          "finish": ("protocol", "finish"),
+          "cached_states": ("protocol", "cached_states")}
+_NO_PART = object()
+
+
+def _part(family, path: str):
+    """The part of ``family`` a dotted path names (``req_pool.mamba_pool``), or the sentinel where there is none."""
+    obj = family
+    for name in path.split("."):
+        obj = _declared(obj, name)
+        if obj is _NO_PART or obj is None:
+            return _NO_PART
+    return obj
+
+
+def _declared(obj, name: str):
+    """``obj``'s attribute ``name`` where it declares one (class or instance), else the sentinel."""
+    try:
+        return getattr(obj, name)
+    except AttributeError:
+        return _NO_PART
+
+
+def _check(owner: str, name: str, value, kind):
+    if kind is bool and not isinstance(value, bool):
+        raise ConfigError(f"{owner}.{name} must be True or False, got {value!r}")
+    if name == "shared_unit_spaces" and not (isinstance(value, tuple) and all(isinstance(s, str) for s in value)):
+        raise ConfigError(f"{owner}.shared_unit_spaces must be a tuple of space names, got {value!r}")
+    return value
+
+
+def capabilities_of(family) -> Capabilities:
+    """Every capability ``family`` declares, checked: an unknown ``supports_*`` name (a misspelling) or a
+    flag of the wrong type is a ConfigError naming it."""
+    owner = type(family).__name__
+    unknown = sorted(n for n in dir(family) if n.startswith("supports_") and n not in _FLAGS
+                     and n != "supports_host_pool_backup")
+    if unknown:
+        known = ", ".join(n for n in _FLAGS if n.startswith("supports_"))
+        raise ConfigError(f"{owner} declares {', '.join(unknown)}, which is no capability (known: {known}); "
+                          "see poolfuzz/pools/capabilities.py")
+    found: dict = {}
+    for name, f in _FLAGS.items():
+        if name in _DOORS:
+            path, attr = _DOORS[name]
+            part = _part(family, path)
+            value = _NO_PART if part is _NO_PART else _declared(part, attr)
+        else:
+            value = _declared(family, name)
+        if value is _NO_PART or (value is None and f.default is None):
+            continue
+        kind = bool if isinstance(f.default, bool) else None
+        found[name] = _check(owner, name, value, kind)
+    return Capabilities(**found)
+
+
+@dataclass(frozen=True, kw_only=True)
+class FactoryCapabilities:
+    """What a family factory declares beside building families (attributes of the factory function)."""
+
+    unsupported_reason: Callable | None = None  # (config) -> str | None: the configs it declines, and why
+    builds_per_node: bool = False  # the engine tells it the node each family serves (node="prefill"/"decode")
+    supports_next_turn: bool = False  # its families may continue finished requests: the machine gets the rule
+    engine_code: tuple[str, ...] | None = None  # what --coverage measures, relative to the engine's parent dir
+    engine_report: Callable | None = None  # () -> engine_api.EngineReport: what doctor prints, run checks
+
+
+_FACTORY_FLAGS = {f.name: f for f in dataclasses.fields(FactoryCapabilities)}
+
+
+def factory_capabilities(factory) -> FactoryCapabilities:
+    """The factory's declared capabilities; an attribute on the factory function that is none of them
+    (a misspelling such as ``unsuported_reason``) is a ConfigError naming it."""
+    if factory is None:
+        return FactoryCapabilities()
+    owner = getattr(factory, "__qualname__", type(factory).__name__)
+    own = vars(factory) if hasattr(factory, "__dict__") else {}
+    unknown = sorted(n for n in own if not n.startswith("_") and n not in _FACTORY_FLAGS)
+    if unknown and callable(factory) and not isinstance(factory, type):
+        raise ConfigError(f"family factory {owner} declares {', '.join(unknown)}, which is no factory capability "
+                          f"(known: {', '.join(_FACTORY_FLAGS)}); see poolfuzz/pools/capabilities.py")
+    found = {}
+    for name, f in _FACTORY_FLAGS.items():
+        value = _declared(factory, name)
+        if value is _NO_PART or value is None:
+            continue
+        found[name] = _check(owner, name, value, bool if isinstance(f.default, bool) else None)
+    return FactoryCapabilities(**found)
