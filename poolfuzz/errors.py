@@ -37,3 +37,11 @@ def api_change_in(exc: BaseException | None) -> EngineApiChanged | None:
         seen.add(id(exc))
         exc = exc.__cause__ or exc.__context__
     return None
+
+
+def reraise_api_change(exc: BaseException) -> None:
+    """Raise the EngineApiChanged inside ``exc``, if any: code that treats any exception as a finding of
+    the pools (a replay, a search) calls this first, so that an engine change is never one."""
+    change = api_change_in(exc)
+    if change is not None:
+        raise change from None

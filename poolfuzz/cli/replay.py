@@ -1,6 +1,7 @@
 """``poolfuzz replay FILE``: re-run a failure artifact's program step by step and report.
 
-Exit status: 1 the failure reproduces, 0 it does not (the bug may be fixed), 2 bad input.
+Exit status: 1 the failure reproduces, 0 it does not (the bug may be fixed), 2 bad input or an engine
+whose API changed ("API CHANGED": the replay cannot say either way).
 An artifact recorded on CUDA replays on CPU and the other way round: the program is engine
 operations, and the checks compare checksums, not device pointers.
 """
@@ -26,8 +27,9 @@ def register(sub) -> None:
 
 
 def main(args, out=None) -> int:
-    from poolfuzz.orchestration import artifacts
+    from poolfuzz.errors import reraise_api_change
     from poolfuzz.harness.program import new_engine
+    from poolfuzz.orchestration import artifacts
     from poolfuzz.pools.family import resolve_device
 
     out = out or sys.stdout
@@ -36,7 +38,9 @@ def main(args, out=None) -> int:
     if art.family != "builtin":  # a factory that cannot build a family is bad usage, not a reproduction
         from poolfuzz.orchestration.plugins import probe_family, resolve_family
 
-        probe_family(resolve_family(art.family), config, device=device, faults=faults, backup_mode=art.backup_mode)
+        plugin = resolve_family(art.family)
+        plugin.check_engine()  # an engine whose API changed: "API CHANGED", exit 2, never a reproduction
+        probe_family(plugin, config, device=device, faults=faults, backup_mode=art.backup_mode)
     w = out.write
     family = "" if art.family == "builtin" else f"family {art.family}, "
     w(f"replaying {args.file}\n  {family}config {art.config}, faults {', '.join(faults) or 'none'}, backup mode "
@@ -46,6 +50,7 @@ def main(args, out=None) -> int:
         engine = new_engine(config=config, device=device, faults=faults, backup_mode=art.backup_mode,
                             options=options, family_factory=artifacts.family_factory(art.family))
     except Exception as exc:  # the engine's audits run at construction: a failure at step 0
+        reraise_api_change(exc)
         w("\nREPRODUCED at step 0 (building the families):\n")
         _report(w, exc, art)
         return 1
@@ -54,6 +59,7 @@ def main(args, out=None) -> int:
 
 
 def _replay_steps(w, engine, art, device, verbose: bool) -> int:
+    from poolfuzz.errors import reraise_api_change
     from poolfuzz.harness.program import replay
 
     w(f"     0  start\n          {engine.occupancy()}\n")
@@ -71,6 +77,7 @@ def _replay_steps(w, engine, art, device, verbose: bool) -> int:
             for line in _requests(engine):
                 w(f"          {line}\n")
         if ev.failure is not None:
+            reraise_api_change(ev.failure)  # the engine, not the bug: "API CHANGED", exit 2
             where = "the teardown checks" if ev.step is None else f"step {ev.index} ({ev.step.op})"
             w(f"\nREPRODUCED at {where}:\n")
             _report(w, ev.failure, art)

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from poolfuzz.errors import ConfigError
+from poolfuzz.errors import ConfigError, reraise_api_change
 from poolfuzz.harness.failures import message_of, signature_of
 from poolfuzz.harness.forward import tree_verifies
 from poolfuzz.harness.program import CannotRun, precondition
@@ -42,10 +42,10 @@ def prompt_lengths(config) -> tuple[int, ...]:
 
 def vocabulary(engine, prompts: tuple[int, ...]) -> list[StepRecord]:
     """Every next step the state machine could issue here, one argument choice per boundary."""
-    fam = engine.families["prefill"]
+    caps = engine.caps["prefill"]
 
     def can(op: str) -> bool:
-        return getattr(fam, f"supports_{op}", True)
+        return getattr(caps, f"supports_{op}")  # a Capabilities field
 
     def step(op, **args):
         return StepRecord(op=op, args=args, outcome="")
@@ -97,6 +97,7 @@ def shortest_failure(new_engine: Callable[[], object], *, max_steps: int, prompt
                 getattr(engine, s.op)(**s.args)
                 engine.check()
             except Exception as exc:  # noqa: BLE001 - a failure of the pools is what is searched for
+                reraise_api_change(exc)
                 return engine, exc
         return engine, None
 
@@ -105,6 +106,7 @@ def shortest_failure(new_engine: Callable[[], object], *, max_steps: int, prompt
             engine.sweep()
             engine.drain()
         except Exception as exc:  # noqa: BLE001
+            reraise_api_change(exc)
             return exc
         return None
 
@@ -144,6 +146,7 @@ def shortest_failure(new_engine: Callable[[], object], *, max_steps: int, prompt
     except ConfigError:
         raise  # an impossible config or fault selection is the user's to fix, not a failure found
     except Exception as exc:  # noqa: BLE001 - the families' own audits fail as they are built
+        reraise_api_change(exc)
         return Shortest(steps=(), failure=message_of(exc), explored=1, in_teardown=False,
                         signature=signature_of(exc, op="init")), 1
     for length in range(max_steps + 1):

@@ -123,3 +123,31 @@ def test_a_reshaped_callable_is_changed_not_absent(engine, monkeypatch):
     need = Need(target="fakeengine:Pool.resize", params=("self", "size", "device"))
     (probe,) = report((need,), engine="fakeengine", release="9.9").probes
     assert probe.status == "changed" and "without device" in probe.found
+
+
+@pytest.fixture
+def artifact(tmp_path):
+    """A real failure artifact (#35957 on the builtin pools), recorded as if on the fake engine's family."""
+    import json
+
+    out = tmp_path / "found"
+    assert run_cli(["run", "--config", "swa-ssm", "--faults", "swa-ignores-mamba-backup", "--device", "cpu",
+                    "--examples", "200", "--seed", "1", "--db", "none", "--out", str(out),
+                    "--shrink-seconds", "5"]) == 1
+    (path,) = out.glob("*.json")
+    art = json.loads(path.read_text())
+    art["family"] = "fakeengine:factory"
+    path.write_text(json.dumps(art))
+    return path
+
+
+def test_a_replay_on_a_changed_engine_is_neither_reproduced_nor_fixed(engine, artifact, capsys, monkeypatch):
+    argv = ["replay", str(artifact), "--family", "fakeengine:factory", "--device", "cpu"]
+    assert run_cli(argv) == 1  # the engine as recorded: the failure reproduces
+    capsys.readouterr()
+    monkeypatch.setattr(engine.factory, "engine_report", lambda: report(NEEDS[1:], engine="fakeengine", release="9.9"))
+    monkeypatch.delattr(_Pool, "free_count")
+    assert run_cli(argv) == 2  # found inside a replayed step: not a reproduction
+    captured = capsys.readouterr()
+    assert "API CHANGED: fakeengine 9.9: Pool.free_count" in captured.err
+    assert "REPRODUCED" not in captured.out and "did not reproduce" not in captured.out
