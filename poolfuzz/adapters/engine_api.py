@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -62,9 +63,12 @@ class Probe:
 
 
 def resolve(target: str) -> Any:
-    """The object ``module:attr.attr`` names; AttributeError/ImportError when it is not there."""
+    """The object ``module:attr.attr`` names; AttributeError/ImportError when it is not there. An engine's
+    import chain may warn about its own use of other libraries: not a probe's to fail on."""
     module_name, _, path = target.partition(":")
-    obj = importlib.import_module(module_name)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        obj = importlib.import_module(module_name)
     for part in filter(None, path.split(".")):
         obj = getattr(obj, part)
     return obj

@@ -2,7 +2,7 @@
 
 from poolfuzz.errors import ConfigError  # re-exported: the pools raise it for impossible configs
 
-__all__ = ["ConfigError", "DoubleAlloc", "DoubleFree", "InvalidSlot", "MisalignedAlloc", "PoolError",
+__all__ = ["ConfigError", "DoubleAlloc", "DoubleFree", "InvalidSlot", "LostKv", "MisalignedAlloc", "PoolError",
            "PoolExhausted", "UnsupportedBackup"]
 
 
@@ -53,3 +53,18 @@ class MisalignedAlloc(PoolError):
 
 class UnsupportedBackup(PoolError):
     """The chosen retraction backup mode cannot carry this model's state."""
+
+
+class LostKv(AssertionError):
+    """A worker stand-in found a position a forward attends to holding KV that is not the request's own:
+    an engine's scheduler-driven driver raises it, the harness reports it as StateLost (its fields say
+    which request, component, layer, position, block and slot, and whose data is there)."""
+
+    def __init__(self, *, rid: str, step: int, space: str, component: str, layer: int, position: int,
+                 block: int | None, slot: int | None, expected: str, found: str, whose: str):
+        self.rid, self.step, self.space, self.component, self.layer = rid, step, space, component, layer
+        self.position, self.block, self.slot = position, block, slot
+        self.expected, self.found, self.whose = expected, found, whose
+        super().__init__(f"req {rid} step {step}: {component} layer {layer} position {position}: "
+                         + (f"block {block} slot {slot} holds {whose}" if slot is not None else whose)
+                         + f" (expected the KV of its own tokens through position {position})")

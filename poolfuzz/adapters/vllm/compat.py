@@ -60,7 +60,9 @@ NEEDS: tuple[Need, ...] = (
     Need(target="vllm.v1.kv_cache_interface:MambaSpec", fields=("mamba_cache_mode",), required=False,
          used_for='mamba "align" configs (absent: declined)'),
     Need(target=f"{_CORE}.block_pool:BlockHashToBlockMap.contain", required=False,
-         used_for="checking the KV events against the prefix cache (absent: not checked)"),
+         used_for="which block a cached hash holds (absent: get_one_block, whether it holds one)"),
+    Need(target=f"{_CORE}.block_pool:BlockHashToBlockMap.get_one_block", required=False,
+         used_for="checking the KV events against the prefix cache (absent with contain: not checked)"),
     Need(target="vllm.distributed.kv_events:BlockStored", fields=("group_idx", "block_hashes"), required=False,
          used_for="KV events naming their group (absent: the events are not checked)"),
     Need(target=f"{_CORE}.kv_cache_manager:KVCacheManager.get_computed_blocks_for_connector", required=False,
@@ -74,6 +76,15 @@ NEEDS: tuple[Need, ...] = (
     Need(target=f"{_CORE}.block_pool:BlockPool.cache_partial_block", required=False,
          used_for="partial keys of a block (read from the pool's cached_block_hashes_by_block)"),
     Need(target=f"{_CORE}.kv_cache_metrics:KVCacheMetricsCollector", required=False, used_for="KV cache metrics"),
+    # The scheduler-driven path (adapters/vllm/scheduling.py, tests/vllm/test_vllm_scheduling.py; issue 30).
+    Need(target=f"{_CORE}.sched.scheduler:Scheduler", params=("vllm_config", "kv_cache_config",
+                                                               "structured_output_manager"), required=False,
+         used_for="the scheduler-driven path: vLLM's own Scheduler"),
+    Need(target="vllm.v1.outputs:ModelRunnerOutput", params=("req_ids", "sampled_token_ids"), required=False,
+         used_for="the scheduler-driven path: what the worker stand-in hands back"),
+    Need(target="vllm.config:VllmConfig", params=("model_config", "scheduler_config", "cache_config",
+                                                  "device_config"), required=False,
+         used_for="the scheduler-driven path: the server's config, built on the CPU"),
 )
 
 
@@ -85,8 +96,9 @@ def release() -> str:
 
 @lru_cache(maxsize=1)
 def check() -> tuple[Probe, ...]:
-    """Every need probed against the installed release; EngineApiChanged for the first needed one missing."""
-    return tuple(require(NEEDS, engine=ENGINE, release=release()))
+    """Every needed entry point probed against the installed release (the optional ones are the doctor's:
+    importing some, the scheduler's, costs seconds); EngineApiChanged for the first one missing."""
+    return tuple(require([n for n in NEEDS if n.required], engine=ENGINE, release=release()))
 
 
 def engine_report() -> EngineReport:
@@ -124,13 +136,18 @@ def cached_keys(block_pool) -> dict:
     hash map (public ``contain``). Keys the map does not hold are returned under the key ``None``."""
     cache = block_pool.cached_block_hash_to_block
     secondary = getattr(block_pool, "cached_block_hashes_by_block", None) or {}
+    if hasattr(cache, "contain"):
+        holds = cache.contain
+    else:  # before ~0.30 the map answers which block a key finds, not whether it holds a given one
+        def holds(key, block_id):
+            return cache.get_one_block(key) is not None
     out: dict = {}
     for block in block_pool.blocks:
         primary = block.block_hash
         if primary is None or block.is_null:
             continue
         for key in (primary, *secondary.get(block.block_id, ())):
-            held = cache.contain(key, block.block_id)
+            held = holds(key, block.block_id)
             if not isinstance(held, bool):
                 raise EngineApiChanged(engine=ENGINE, release=release(), attribute="BlockHashToBlockMap.contain",
                                        expected="True or False", found=repr(held)[:40])

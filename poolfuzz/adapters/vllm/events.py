@@ -28,12 +28,13 @@ class EventMirror:
 
     @staticmethod
     def supported(block_pool, utils, events_module) -> bool:
-        """This release names the group in its events and its hash map answers ``contain`` (both
-        optional needs in ``compat.NEEDS``), and has the hash-key helpers the comparison uses."""
+        """This release names the group in its events and its hash map answers ``contain`` or
+        ``get_one_block`` (optional needs in ``compat.NEEDS``), and has the hash-key helpers the comparison uses."""
         stored = getattr(events_module, "BlockStored", None)
         fields = getattr(stored, "__struct_fields__", ())
         return ("group_idx" in fields and hasattr(block_pool, "kv_event_queue")
-                and hasattr(getattr(block_pool, "cached_block_hash_to_block", None), "contain")
+                and any(hasattr(getattr(block_pool, "cached_block_hash_to_block", None), m)
+                        for m in ("contain", "get_one_block"))
                 and all(hasattr(utils, f) for f in ("get_block_hash", "get_group_id", "maybe_convert_block_hash")))
 
     def consume(self, events) -> None:

@@ -42,8 +42,22 @@ def num_blocks_for(config: ModelConfig) -> int:
     return config.full_tokens // ps + config.mamba_slots + 1
 
 
-def build_manager(api: VllmAPI, config: ModelConfig, mamba_mode: str) -> Built:
-    """The real KVCacheManager over FullAttentionSpec / SlidingWindowSpec / MambaSpec groups."""
+@dataclass(frozen=True, kw_only=True)
+class Layout:
+    """What a server's KV cache is for one config: its groups, their KVCacheConfig and the sizes the
+    manager (or the scheduler above it) is built with."""
+
+    groups: tuple[Group, ...]
+    kv_cache_config: object  # vllm KVCacheConfig
+    num_blocks: int  # block 0 is the null block
+    hash_block_size: int
+    scheduler_block_size: int
+    max_model_len: int
+    caching: bool
+
+
+def layout_for(api: VllmAPI, config: ModelConfig, mamba_mode: str) -> Layout:
+    """The KV cache groups over FullAttentionSpec / SlidingWindowSpec / MambaSpec, in one KVCacheConfig."""
     ps = config.page_size
     # Mamba "none" mode keeps one state block per request (block size = the longest request) and
     # vLLM runs such hybrids without prefix caching; "align" keeps a state per block of tokens.
@@ -51,7 +65,6 @@ def build_manager(api: VllmAPI, config: ModelConfig, mamba_mode: str) -> Built:
     # (max_model_len) must not cut it first.
     longest = _round_up(max(config.max_context, num_blocks_for(config) * ps) + 8, ps)
     mamba_block = ps if mamba_mode == "align" else longest
-    max_model_len = longest
     dtype = torch.bfloat16 if DTYPES[config.kv_dtype] is torch.uint8 else DTYPES[config.kv_dtype]
     attn = dict(block_size=ps, num_kv_heads=config.head_num, head_size=config.head_dim, dtype=dtype)
     specs, groups = [], []
@@ -93,10 +106,20 @@ def build_manager(api: VllmAPI, config: ModelConfig, mamba_mode: str) -> Built:
         num_blocks=num_blocks, kv_cache_tensors=[],
         kv_cache_groups=[api.KVCacheGroupSpec([f"{g.space}.{lid}" for lid in g.layer_ids] or [f"{g.space}"], spec)
                          for g, (spec, *_) in zip(groups, specs)], **extra)
+    return Layout(groups=tuple(groups), kv_cache_config=kv_cache_config, num_blocks=num_blocks,
+                  hash_block_size=hash_block, scheduler_block_size=scheduler_block, max_model_len=longest,
+                  caching=caching)
+
+
+def build_manager(api: VllmAPI, config: ModelConfig, mamba_mode: str) -> Built:
+    """The real KVCacheManager over the config's KV cache groups (``layout_for``)."""
+    ps = config.page_size
+    layout = layout_for(api, config, mamba_mode)
+    caching, hash_block = layout.caching, layout.hash_block_size
     # As a scheduler that logs stats and publishes KV events (to a KV-aware router) builds it: the
     # family drains both every step and checks the events against the prefix cache.
-    wanted = dict(kv_cache_config=kv_cache_config, max_model_len=max_model_len, enable_caching=caching,
-                  scheduler_block_size=scheduler_block, hash_block_size=hash_block, log_stats=True,
+    wanted = dict(kv_cache_config=layout.kv_cache_config, max_model_len=layout.max_model_len, enable_caching=caching,
+                  scheduler_block_size=layout.scheduler_block_size, hash_block_size=hash_block, log_stats=True,
                   enable_kv_cache_events=caching)
     if ps == 1 and not (config.has_swa or config.has_mamba):
         # A dense model on single-token pages speculates as EAGLE does (the manager drops the last
@@ -111,8 +134,8 @@ def build_manager(api: VllmAPI, config: ModelConfig, mamba_mode: str) -> Built:
     if hash_block < ps and not getattr(manager.coordinator, "enable_partial_hash_hits", False):
         raise ConfigError(f"vLLM {api.version} hashes finer than a block but takes no hit inside one for "
                           f"{config.name!r}: the vllm adapter's probe (VllmAPI.partial_hash_hits) needs updating")
-    return Built(manager=manager, groups=tuple(groups), num_blocks=num_blocks, max_model_len=max_model_len,
-                 caching=caching, hash_block_size=hash_block)
+    return Built(manager=manager, groups=layout.groups, num_blocks=layout.num_blocks,
+                 max_model_len=layout.max_model_len, caching=caching, hash_block_size=hash_block)
 
 
 def hash_block_for(api: VllmAPI, config: ModelConfig, mamba_mode: str) -> int:
