@@ -20,7 +20,9 @@ What is stood in for, and why:
 * ``vllm.triton_utils.HAS_TRITON``: vLLM's CPU platform refuses a ``VllmConfig`` on x86 without
   triton-cpu, which only its kernels need; the scheduler launches none.
 
-Not driven yet: mamba groups (align mode's state writes and copies), speculative decoding, KV connectors.
+Mamba groups run in cache mode "none" (one state block a request, no prefix caching; the worker checks that a
+forward continuing after ``n`` tokens reads the state of exactly those ``n``). Not driven yet: mode "align" (its
+state writes and copies), speculative decoding, KV connectors.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ import torch
 
 from poolfuzz.adapters.vllm.api import VllmAPI
 from poolfuzz.adapters.vllm.manager import layout_for
+from poolfuzz.adapters.vllm.reference import mamba_mode_for
 from poolfuzz.pools.config import ModelConfig
 from poolfuzz.pools.errors import ConfigError, LostKv
 
@@ -87,6 +90,9 @@ class Worker:
         # One int64 tensor per (group, layer, component), a value per token slot (block * size + offset).
         self.kv = {(g.index, layer, c): torch.zeros(num_blocks * block_size, dtype=torch.int64)
                    for g in groups if g.space != "mamba" for layer in g.layer_ids for c in range(len(COMPONENTS))}
+        # One recurrent state per block of a mamba group (mode "none": a request's one state block), a value each.
+        self.state = {(g.index, layer): torch.zeros(num_blocks, dtype=torch.int64)
+                      for g in groups if g.space == "mamba" for layer in g.layer_ids}
         self.tables: dict[str, list[list[int]]] = {}  # req id -> block ids per group, as the output gave them
         self.tokens: dict[str, Tokens] = {}  # req id -> its tokens (kept across preemption, as the request's are)
         self.writers: dict[int, tuple[str, int]] = {}  # a tag written -> (req id, position): whose data it is
@@ -117,6 +123,8 @@ class Worker:
         for block in getattr(out, "new_block_ids_to_zero", None) or ():
             for buf in self.kv.values():
                 buf[block * self.block_size:(block + 1) * self.block_size] = 0
+            for buf in self.state.values():
+                buf[block] = 0
         for copy in getattr(out, "kv_cache_block_copies", None) or ():
             bs = self.block_size
             for buf in self.kv.values():
@@ -126,7 +134,9 @@ class Worker:
         for rid, n in out.num_scheduled_tokens.items():
             start = computed[rid]
             self._check_context(rid, start)
+            self._check_state(rid, start)
             self._write(rid, start, start + n)
+            self._write_state(rid, start + n)
             tokens = self.tokens[rid]
             if start + n >= len(tokens.ids):  # the forward reached the last known token: it samples one
                 next_token = sampled_token(tokens.chain(len(tokens.ids) - 1), self.vocab)
@@ -181,6 +191,40 @@ class Worker:
                         if got != want:
                             raise self._lost(rid, g, layer, name, p, slot, want, got)
 
+    def _state_block(self, rid: str, group) -> int | None:
+        table = self.tables[rid][group.index]
+        return table[-1] if table else None
+
+    def _check_state(self, rid: str, start: int) -> None:
+        """A forward continuing from ``start`` tokens reads the recurrent state of exactly those tokens
+        (none at 0: a first forward starts from no state, vLLM's ``has_initial_state`` False)."""
+        if start == 0:
+            return
+        chain = self.tokens[rid].chain(start - 1)
+        for g in self.groups:
+            if g.space != "mamba":
+                continue
+            block = self._state_block(rid, g)
+            for layer in g.layer_ids:
+                want = tag(chain, layer, len(COMPONENTS))
+                got = None if block is None else int(self.state[(g.index, layer)][block])
+                if got != want:
+                    raise self._lost(rid, g, layer, "state", start - 1, block, want, got, block_size=1)
+
+    def _write_state(self, rid: str, end: int) -> None:
+        chain = self.tokens[rid].chain(end - 1)
+        for g in self.groups:
+            if g.space != "mamba":
+                continue
+            block = self._state_block(rid, g)
+            if block is None:
+                raise self._lost(rid, g, g.layer_ids[0], "state", end - 1, None, None, None,
+                                 why="no state block in the mamba table the output gave")
+            for layer in g.layer_ids:
+                value = tag(chain, layer, len(COMPONENTS))
+                self.state[(g.index, layer)][block] = value
+                self.writers.setdefault(value, (rid, end - 1))
+
     def _write(self, rid: str, start: int, end: int) -> None:
         tokens = self.tokens[rid]
         for g in self.groups:
@@ -198,7 +242,8 @@ class Worker:
                         self.kv[(g.index, layer, c)][slot] = value
                         self.writers.setdefault(value, (rid, p))
 
-    def _lost(self, rid, g, layer, name, position, slot, want, got, why: str | None = None) -> LostKv:
+    def _lost(self, rid, g, layer, name, position, slot, want, got, why: str | None = None,
+              block_size: int | None = None) -> LostKv:
         if why is None:
             if got == 0:
                 why = "zeros (never written, or cleared)"
@@ -208,7 +253,8 @@ class Worker:
             else:
                 why = f"a value nobody wrote ({got:#x})"
         return LostKv(rid=rid, step=self.step, space=g.space, component=f"{g.space}.{name}", layer=layer,
-                      position=position, block=None if slot is None else slot // self.block_size, slot=slot,
+                      position=position, block=None if slot is None else slot // (block_size or self.block_size),
+                      slot=slot,
                       expected="" if want is None else f"{want:#x}", found="" if got is None else f"{got:#x}",
                       whose=why)
 
@@ -268,8 +314,9 @@ def _model_dir(text: str) -> str:
 
 def scheduler_problem(api: VllmAPI, config: ModelConfig) -> str | None:
     """Why the scheduler-driven vllm family does not drive ``config`` (yet), or None."""
-    if config.has_mamba:
-        return "mamba groups are not driven through vLLM's scheduler yet (align mode's state writes and copies)"
+    if config.has_mamba and mamba_mode_for(config) != "none":
+        return ("mamba cache mode align (the extra-buffer configs) is not driven through vLLM's scheduler yet "
+                "(its state writes and copies)")
     if config.attention != "mha" or config.kv_quant or config.kv_scale_block:
         return "only MHA attention with plain K and V is driven through vLLM's scheduler"
     return None
@@ -304,13 +351,18 @@ def build_scheduler(api: VllmAPI, config: ModelConfig, *, budget: int, max_seqs:
     layout = layout_for(api, config, "none")
     vllm_config = _vllm_config(api, config, budget, max_seqs, layout.max_model_len, layout.caching)
     vllm_config.cache_config.num_gpu_blocks = layout.num_blocks
+    # The scheduling and hashing granularities as the engine core resolves them (vLLM's own function, where
+    # the release has it: the LCM of the groups' block sizes; a mamba "none" group's is the longest request).
+    resolve = getattr(api.kv_cache_utils, "resolve_kv_cache_block_sizes", None)
+    block_size, hash_block_size = (resolve(layout.kv_cache_config, vllm_config) if resolve is not None
+                                   else (layout.scheduler_block_size, layout.hash_block_size))
     kw = dict(vllm_config=vllm_config, kv_cache_config=layout.kv_cache_config,
-              structured_output_manager=StructuredOutputManager(vllm_config), block_size=config.page_size,
-              log_stats=True, hash_block_size=layout.hash_block_size)
+              structured_output_manager=StructuredOutputManager(vllm_config), block_size=block_size,
+              log_stats=True, hash_block_size=hash_block_size)
     params = inspect.signature(Scheduler).parameters
     scheduler = Scheduler(**{k: v for k, v in kw.items() if k in params})
     return Built(scheduler=scheduler, groups=layout.groups, num_blocks=layout.num_blocks, block_size=config.page_size,
-                 hash_block_size=layout.hash_block_size)
+                 hash_block_size=hash_block_size)
 
 
 
