@@ -61,6 +61,11 @@ class Probe:
     def ok(self) -> bool:
         return self.status == PRESENT or not self.need.required
 
+    def change(self, *, engine: str, release: str) -> EngineApiChanged:
+        """What a run stops with when this need is not there (or not as expected)."""
+        return EngineApiChanged(engine=engine, release=release, attribute=self.need.target,
+                                expected=self.need.expected, found=self.found)
+
 
 def resolve(target: str) -> Any:
     """The object ``module:attr.attr`` names; AttributeError/ImportError when it is not there. An engine's
@@ -82,14 +87,14 @@ def _field_names(cls) -> set[str]:
 
 
 def probe(need: Need) -> Probe:
-    tried = []
+    tried = []  # why each place failed; with alternatives, each names its place
     for target in (need.target, *need.also):
         try:
             obj = resolve(target)
             break
         except ImportError as exc:
-            tried.append(f"cannot import {target.partition(':')[0]} ({str(exc).splitlines()[0] if str(exc) else exc})"
-                         if need.also else f"cannot import ({str(exc).splitlines()[0] if str(exc) else exc})")
+            why = f"cannot import ({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})"
+            tried.append(f"{target.partition(':')[0]}: {why}" if need.also else why)
         except AttributeError:
             tried.append(f"no {target}" if need.also else "no such attribute")
     else:
@@ -112,12 +117,10 @@ def probe(need: Need) -> Probe:
 
 def require(needs, *, engine: str, release: str) -> list[Probe]:
     """Every probe of ``needs``; the first needed one not present raises EngineApiChanged."""
-    probes = [probe(n) for n in needs]
-    for p in probes:
-        if not p.ok:
-            raise EngineApiChanged(engine=engine, release=release, attribute=p.need.target,
-                                   expected=p.need.expected, found=p.found)
-    return probes
+    found = report(needs, engine=engine, release=release)
+    if found.change is not None:
+        raise found.change
+    return list(found.probes)
 
 
 def checked_attr(obj: Any, name: str, *, engine: str, release: str, expected: str, owner: str | None = None) -> Any:
@@ -140,11 +143,8 @@ class EngineReport:
     @property
     def change(self) -> EngineApiChanged | None:
         """The first needed probe that is not present, as the error a run stops with; None if all are."""
-        for p in self.probes:
-            if not p.ok:
-                return EngineApiChanged(engine=self.engine, release=self.release, attribute=p.need.target,
-                                        expected=p.need.expected, found=p.found)
-        return None
+        missing = next((p for p in self.probes if not p.ok), None)
+        return None if missing is None else missing.change(engine=self.engine, release=self.release)
 
 
 def report(needs, *, engine: str, release: str) -> EngineReport:

@@ -158,8 +158,10 @@ class PoolMachine(RuleBasedStateMachine):
         """The engine of ``config``. A drawn config the family declines (its ``unsupported_reason``, or
         a ConfigError while building) rejects the example: it is not a failure. A failure while
         building (an audit, a crash) is a failure at step 0, told to the observer like any other."""
-        decline = factory_capabilities(type(self).family_factory).unsupported_reason if drawn else None
-        reason = decline(config) if decline is not None else None
+        cls = type(self)
+        # A draw through the decline log was filtered by the same predicate already: ask only of other draws.
+        decline = factory_capabilities(cls.family_factory).unsupported_reason
+        reason = decline(config) if drawn and decline is not None and cls.decline_log is None else None
         if reason:
             self._declined(config, reason)
         try:
@@ -169,7 +171,6 @@ class PoolMachine(RuleBasedStateMachine):
                 self._declined(config, str(exc))
             raise
         except Exception as exc:
-            cls = type(self)
             mode = expected_backup_mode(config, cls.faults, cls.backup_mode, cls.family_factory)
             if self._report(_Unbuilt(config=config, backup_mode=mode), exc, (), in_teardown=False):
                 reject()

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import TextIO
 
 from poolfuzz.errors import UsageError
+from poolfuzz.pools.capabilities import factory_capabilities
 
 ENGINE_CODE_ATTRIBUTE = "engine_code"
 TRACER = "pytrace"
@@ -99,7 +100,7 @@ def require_coverage() -> None:
 
 def engine_code_of(plugin) -> EngineCode:
     """The engine code a resolved family plug-in declares, located without importing the engine."""
-    declared = getattr(plugin.factory, ENGINE_CODE_ATTRIBUTE, None)
+    declared = factory_capabilities(plugin.factory).engine_code
     if not declared or isinstance(declared, str) or not all(isinstance(e, str) and e for e in declared):
         raise UsageError(f"--coverage: family {plugin.name!r} ({plugin.target}) declares no engine code to measure; "
                          f"give its factory an {ENGINE_CODE_ATTRIBUTE!r} attribute, a tuple of paths relative to the "

@@ -173,15 +173,13 @@ def _run_campaign(plan: Plan, lane: Lane, device: str, database, budget: float |
         totals["examples"] += result.examples
         totals["steps"] += result.steps
         totals["declined"] += result.declined
-        for reason, n in result.declined_reasons.items():
-            totals["declined_reasons"][reason] = totals["declined_reasons"].get(reason, 0) + n
+        for key, source in (("known", result.skipped), ("waived", result.waived),
+                            ("declined_reasons", result.declined_reasons)):
+            for name, n in source.items():
+                totals[key][name] = totals[key].get(name, 0) + n
         if result.api_changed is not None:  # untested from here on: no artifact, the lane stops
             emit({"type": "api_changed", "lane": lane.index, "message": result.api_changed})
             break
-        for key in ("known", "waived"):
-            source = result.skipped if key == "known" else result.waived
-            for name, n in source.items():
-                totals[key][name] = totals[key].get(name, 0) + n
         if remaining is not None:
             remaining -= result.examples
         if not result.passed:

@@ -97,8 +97,7 @@ def capabilities_of(family) -> Capabilities:
     """Every capability ``family`` declares, checked: an unknown ``supports_*`` name (a misspelling) or a
     flag of the wrong type is a ConfigError naming it."""
     owner = type(family).__name__
-    unknown = sorted(n for n in dir(family) if n.startswith("supports_") and n not in _FLAGS
-                     and n != "supports_host_pool_backup")
+    unknown = sorted(n for n in dir(family) if n.startswith("supports_") and n not in _FLAGS)
     if unknown:
         known = ", ".join(n for n in _FLAGS if n.startswith("supports_"))
         raise ConfigError(f"{owner} declares {', '.join(unknown)}, which is no capability (known: {known}); "

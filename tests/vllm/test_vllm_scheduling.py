@@ -103,7 +103,7 @@ def test_a_recurrent_state_lost_between_two_chunks_is_caught(scheduling):
     block = driver.worker.tables[rid][mamba.index][-1]
     for (group, _layer), state in driver.worker.state.items():
         if group == mamba.index:
-            state[block] = 0
+            state.tensor[block] = 0
     with pytest.raises(LostKv, match=rf"req {rid} step 2: mamba\.state layer \d+ position {request.num_computed_tokens - 1}: "
                                      rf"block {block} slot {block} holds zeros"):
         driver.step()

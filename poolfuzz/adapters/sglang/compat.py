@@ -8,7 +8,10 @@ no artifact), never a finding. ``poolfuzz doctor --family sglang`` prints the sa
 
 from __future__ import annotations
 
-from poolfuzz.adapters.engine_api import EngineReport, Need, report
+from functools import lru_cache
+
+from poolfuzz.adapters.engine_api import PRESENT, EngineReport, Need, Probe, probe, report
+from poolfuzz.errors import EngineApiChanged
 
 ENGINE = "sglang"
 _MP = "sglang.srt.mem_cache.memory_pool"
@@ -117,24 +120,24 @@ CONV_WINDOW_PHYS = "_intermediate_conv_window_phys"  # MambaPool: the deduplicat
 MAMBA_CHUNK_MEMO = "_mamba_cache_chunk_size"  # ServerArgs: the mamba checkpoint grid, memoised
 
 
+@lru_cache(maxsize=None)
+def _probed(key: str) -> Probe:
+    """A PRIVATE need probed once per process (the release does not change under a run; a decode asks)."""
+    return probe(PRIVATE[key])
+
+
 def private(key: str):
     """The object a PRIVATE need names, where this release has it; an EngineApiChanged where not."""
-    from poolfuzz.adapters.engine_api import ABSENT, probe
-    from poolfuzz.errors import EngineApiChanged
-
-    found = probe(PRIVATE[key])
-    if found.status != "present":
-        raise EngineApiChanged(engine=ENGINE, release=release(), attribute=PRIVATE[key].target,
-                               expected="present (a private name the adapter depends on)",
-                               found=found.found if found.status != ABSENT else "no such attribute")
+    found = _probed(key)
+    if found.status != PRESENT:
+        raise EngineApiChanged(engine=ENGINE, release=release(), attribute=found.need.target,
+                               expected="present (a private name the adapter depends on)", found=found.found)
     return found.value
 
 
 def has_private(*keys: str) -> bool:
     """Whether this release has every PRIVATE need named (a feature probe: a path declines without them)."""
-    from poolfuzz.adapters.engine_api import probe
-
-    return all(probe(PRIVATE[k]).status == "present" for k in keys)
+    return all(_probed(k).status == PRESENT for k in keys)
 
 
 def private_name(key: str) -> str:
@@ -160,8 +163,6 @@ def seed_mamba_chunk_size(server_args, value: int) -> None:
 
 def registered_storage_backends() -> dict:
     """The L3 storage backends SGLang's factory has registered (its private class registry, a dict)."""
-    from poolfuzz.errors import EngineApiChanged
-
     registry = private("storage_registry")
     if not isinstance(registry, dict):
         raise EngineApiChanged(engine=ENGINE, release=release(), attribute=PRIVATE["storage_registry"].target,

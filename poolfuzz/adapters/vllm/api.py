@@ -74,12 +74,7 @@ def load() -> VllmAPI:
 
 
 def _load() -> VllmAPI:
-    from importlib.metadata import PackageNotFoundError
-
-    try:
-        compat.release()
-    except PackageNotFoundError:
-        raise ConfigError(f"vLLM is not installed here; {INSTALL_HINT}") from None
+    compat.installed_release()  # a ConfigError naming the install recipe where there is none
     compat.check()  # a release without what the family needs: EngineApiChanged, naming it
     try:
         from importlib.metadata import version as dist_version

@@ -94,6 +94,18 @@ def release() -> str:
     return version("vllm")
 
 
+def installed_release() -> str:
+    """The installed vLLM's version; a ConfigError naming the install recipe where there is none."""
+    from importlib.metadata import PackageNotFoundError
+
+    from poolfuzz.errors import ConfigError
+
+    try:
+        return release()
+    except PackageNotFoundError:
+        raise ConfigError(f"vLLM is not installed here; {INSTALL_HINT}") from None
+
+
 @lru_cache(maxsize=1)
 def check() -> tuple[Probe, ...]:
     """Every needed entry point probed against the installed release (the optional ones are the doctor's:
@@ -103,53 +115,57 @@ def check() -> tuple[Probe, ...]:
 
 def engine_report() -> EngineReport:
     """Every need probed, none raising (``poolfuzz doctor``); a ConfigError when vLLM is not installed."""
-    from importlib.metadata import PackageNotFoundError
+    return report(NEEDS, engine=ENGINE, release=installed_release())
 
-    from poolfuzz.errors import ConfigError
 
-    try:
-        installed = release()
-    except PackageNotFoundError:
-        raise ConfigError(f"vLLM is not installed here; {INSTALL_HINT}") from None
-    return report(NEEDS, engine=ENGINE, release=installed)
+_SHAPE_SEEN: set[str] = set()  # answers whose shape was checked once in this process (a release is fixed under it)
 
 
 def block_ids(manager, request_id: str, group: int, groups: int) -> list[int]:
     """The block ids of one KV cache group in a request's table (``KVCacheManager.get_block_ids``), checked
-    to be one list of ints per group: a reshaped answer is an EngineApiChanged, not a crash of the pools."""
+    to be one list of ints per group: a reshaped answer is an EngineApiChanged, not a crash of the pools.
+    The container is checked on every call, the entries on the first that has any (a hot path)."""
     tables = manager.get_block_ids(request_id)
     if not isinstance(tables, (tuple, list)) or len(tables) != groups:
         raise EngineApiChanged(engine=ENGINE, release=release(), attribute="KVCacheManager.get_block_ids",
                                expected=f"one list of block ids per KV cache group ({groups})",
                                found=f"a {type(tables).__name__} of {len(tables) if hasattr(tables, '__len__') else '?'}")
     ids = tables[group]
-    if not all(isinstance(b, int) for b in ids):
-        raise EngineApiChanged(engine=ENGINE, release=release(), attribute="KVCacheManager.get_block_ids",
-                               expected="block ids (ints)", found=f"{type(next(iter(ids))).__name__} entries")
+    if ids and "get_block_ids" not in _SHAPE_SEEN:
+        if not all(isinstance(b, int) for b in ids):
+            raise EngineApiChanged(engine=ENGINE, release=release(), attribute="KVCacheManager.get_block_ids",
+                                   expected="block ids (ints)", found=f"{type(next(iter(ids))).__name__} entries")
+        _SHAPE_SEEN.add("get_block_ids")
     return list(ids)
 
 
-def cached_keys(block_pool) -> dict:
-    """Which blocks the prefix cache holds, keyed as the KV events name them: ``{hash key: [block ids]}``.
-    A block is cached under its ``block_hash`` and, where the release keeps hits inside a block, under
-    the partial keys ``cached_block_hashes_by_block`` lists for it; each is checked against the pool's
-    hash map (public ``contain``). Keys the map does not hold are returned under the key ``None``."""
-    cache = block_pool.cached_block_hash_to_block
-    secondary = getattr(block_pool, "cached_block_hashes_by_block", None) or {}
-    if hasattr(cache, "contain"):
-        holds = cache.contain
-    else:  # before ~0.30 the map answers which block a key finds, not whether it holds a given one
-        def holds(key, block_id):
-            return cache.get_one_block(key) is not None
-    out: dict = {}
-    for block in block_pool.blocks:
-        primary = block.block_hash
-        if primary is None or block.is_null:
-            continue
-        for key in (primary, *secondary.get(block.block_id, ())):
-            held = holds(key, block.block_id)
-            if not isinstance(held, bool):
-                raise EngineApiChanged(engine=ENGINE, release=release(), attribute="BlockHashToBlockMap.contain",
-                                       expected="True or False", found=repr(held)[:40])
-            out.setdefault(key if held else None, []).append(block.block_id)
-    return out
+class PrefixCacheView:
+    """Which blocks a block pool's prefix cache holds, read through public names. How to ask is decided once,
+    when the view is made; the map itself is read at each ask (a reset replaces it, before 0.34)."""
+
+    def __init__(self, block_pool):
+        self.block_pool = block_pool
+        # Where the map answers whether it holds a given block (``contain``); before ~0.30 only which block a
+        # key finds (``get_one_block``).
+        self.by_block = hasattr(block_pool.cached_block_hash_to_block, "contain")
+        # Partial keys of a block, where the release takes hits inside one (0.32 on).
+        self.partial_keys = hasattr(block_pool, "cached_block_hashes_by_block")
+
+    def keys(self) -> dict:
+        """``{hash key: [block ids]}``: every block under its ``block_hash`` and its partial keys, each checked
+        against the hash map; keys the map does not hold are returned under the key ``None``."""
+        pool = self.block_pool
+        cache = pool.cached_block_hash_to_block
+        secondary = pool.cached_block_hashes_by_block if self.partial_keys else {}
+        out: dict = {}
+        for block in pool.blocks:
+            primary = block.block_hash
+            if primary is None or block.is_null:
+                continue
+            for key in (primary, *secondary.get(block.block_id, ())):
+                held = cache.contain(key, block.block_id) if self.by_block else cache.get_one_block(key) is not None
+                if not isinstance(held, bool):
+                    raise EngineApiChanged(engine=ENGINE, release=release(), attribute="BlockHashToBlockMap.contain",
+                                           expected="True or False", found=repr(held)[:40])
+                out.setdefault(key if held else None, []).append(block.block_id)
+        return out

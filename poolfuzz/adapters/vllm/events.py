@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-from poolfuzz.adapters.vllm.compat import cached_keys
+from poolfuzz.adapters.vllm.compat import PrefixCacheView
 
 
 class EventMirror:
@@ -21,6 +21,7 @@ class EventMirror:
 
     def __init__(self, block_pool, utils, events_module):
         self.block_pool = block_pool
+        self._view = PrefixCacheView(block_pool)  # what the prefix cache holds, for the comparison
         self._utils = utils  # vllm.v1.core.kv_cache_utils: the hash-key helpers of this release
         self._events = events_module  # vllm.distributed.kv_events
         self.cached: Counter = Counter()  # (group, hash) -> blocks cached under it
@@ -58,7 +59,7 @@ class EventMirror:
 
     def _disagreement(self) -> str | None:
         u = self._utils
-        by_key = cached_keys(self.block_pool)
+        by_key = self._view.keys()
         stray = by_key.pop(None, None)
         if stray:
             return (f"block {stray[0]} carries a block hash, but the prefix cache's hash map does not hold it "

@@ -40,6 +40,8 @@ import torch
 from poolfuzz.adapters.vllm.api import VllmAPI
 from poolfuzz.adapters.vllm.manager import layout_for
 from poolfuzz.adapters.vllm.reference import mamba_mode_for
+from poolfuzz.adapters.vllm.storage import copy_block, zero_blocks
+from poolfuzz.pools.components import Component
 from poolfuzz.pools.config import ModelConfig
 from poolfuzz.pools.errors import ConfigError, LostKv
 
@@ -83,15 +85,18 @@ class Worker:
     def __init__(self, *, groups, num_blocks: int, block_size: int, sliding_window: int | None,
                  vocab: int):
         self.output_cls = scheduler_modules().ModelRunnerOutput
+        self.output_fields = {f.name for f in dataclasses.fields(self.output_cls)}
         self.groups = groups  # manager.Group per KV cache group
         self.block_size = block_size
         self.sliding_window = sliding_window
         self.vocab = vocab
-        # One int64 tensor per (group, layer, component), a value per token slot (block * size + offset).
-        self.kv = {(g.index, layer, c): torch.zeros(num_blocks * block_size, dtype=torch.int64)
-                   for g in groups if g.space != "mamba" for layer in g.layer_ids for c in range(len(COMPONENTS))}
-        # One recurrent state per block of a mamba group (mode "none": a request's one state block), a value each.
-        self.state = {(g.index, layer): torch.zeros(num_blocks, dtype=torch.int64)
+        # One int64 component per (group, layer, K/V), a value per token slot (block * size + offset), and one
+        # recurrent state per block of a mamba group (mode "none": a request's one state block).
+        self.kv = {(g.index, layer, c): Component(name=f"{g.space}.{name}", layer=layer, space=g.space,
+                                                  tensor=torch.zeros(num_blocks * block_size, dtype=torch.int64))
+                   for g in groups if g.space != "mamba" for layer in g.layer_ids for c, name in enumerate(COMPONENTS)}
+        self.state = {(g.index, layer): Component(name="mamba.state", layer=layer, space="mamba",
+                                                  tensor=torch.zeros(num_blocks, dtype=torch.int64))
                       for g in groups if g.space == "mamba" for layer in g.layer_ids}
         self.tables: dict[str, list[list[int]]] = {}  # req id -> block ids per group, as the output gave them
         self.tokens: dict[str, Tokens] = {}  # req id -> its tokens (kept across preemption, as the request's are)
@@ -120,16 +125,13 @@ class Worker:
                 for table, ids in zip(self.tables[rid], blocks):
                     table.extend(ids)
             computed[rid] = cached.num_computed_tokens[i]
-        for block in getattr(out, "new_block_ids_to_zero", None) or ():
-            for buf in self.kv.values():
-                buf[block * self.block_size:(block + 1) * self.block_size] = 0
-            for buf in self.state.values():
-                buf[block] = 0
+        zero = getattr(out, "new_block_ids_to_zero", None) or ()
+        zero_blocks(list(self.kv.values()), zero, self.block_size)
+        zero_blocks(list(self.state.values()), zero, 1)
         for copy in getattr(out, "kv_cache_block_copies", None) or ():
-            bs = self.block_size
-            for buf in self.kv.values():
-                buf[copy.dst_block_id * bs:(copy.dst_block_id + 1) * bs] = buf[copy.src_block_id * bs:
-                                                                                (copy.src_block_id + 1) * bs]
+            for g in self.groups:
+                if g.space != "mamba":
+                    copy_block(list(self.kv.values()), g.space, copy.src_block_id, copy.dst_block_id, self.block_size)
         req_ids, sampled = [], []
         for rid, n in out.num_scheduled_tokens.items():
             start = computed[rid]
@@ -155,11 +157,10 @@ class Worker:
         return set(getattr(cached, "resumed_req_ids", None) or ())
 
     def _output(self, req_ids: list[str], sampled: list[list[int]]):
-        fields = {f.name for f in dataclasses.fields(self.output_cls)}
         kw = dict(req_ids=req_ids, sampled_token_ids=sampled)
         optional = dict(req_id_to_index={r: i for i, r in enumerate(req_ids)}, logprobs=None,
                         prompt_logprobs_dict={}, pooler_output=[])
-        kw.update({k: v for k, v in optional.items() if k in fields})
+        kw.update({k: v for k, v in optional.items() if k in self.output_fields})
         return self.output_cls(**kw)
 
     # --- the KV a forward reads and writes --------------------------------------------------------
@@ -187,7 +188,7 @@ class Worker:
                 for layer in g.layer_ids:
                     for c, name in enumerate(COMPONENTS):
                         want = tag(chain, layer, c)
-                        got = None if slot is None else int(self.kv[(g.index, layer, c)][slot])
+                        got = None if slot is None else int(self.kv[(g.index, layer, c)].tensor[slot])
                         if got != want:
                             raise self._lost(rid, g, layer, name, p, slot, want, got)
 
@@ -207,7 +208,7 @@ class Worker:
             block = self._state_block(rid, g)
             for layer in g.layer_ids:
                 want = tag(chain, layer, len(COMPONENTS))
-                got = None if block is None else int(self.state[(g.index, layer)][block])
+                got = None if block is None else int(self.state[(g.index, layer)].tensor[block])
                 if got != want:
                     raise self._lost(rid, g, layer, "state", start - 1, block, want, got, block_size=1)
 
@@ -222,7 +223,7 @@ class Worker:
                                  why="no state block in the mamba table the output gave")
             for layer in g.layer_ids:
                 value = tag(chain, layer, len(COMPONENTS))
-                self.state[(g.index, layer)][block] = value
+                self.state[(g.index, layer)].tensor[block] = value
                 self.writers.setdefault(value, (rid, end - 1))
 
     def _write(self, rid: str, start: int, end: int) -> None:
@@ -239,7 +240,7 @@ class Worker:
                 for layer in g.layer_ids:
                     for c in range(len(COMPONENTS)):
                         value = tag(chain, layer, c)
-                        self.kv[(g.index, layer, c)][slot] = value
+                        self.kv[(g.index, layer, c)].tensor[slot] = value
                         self.writers.setdefault(value, (rid, p))
 
     def _lost(self, rid, g, layer, name, position, slot, want, got, why: str | None = None,
