@@ -71,6 +71,7 @@ def _wait_gone(pids, bound: float = 120.0) -> set[int]:
     return {p for p in pids if _alive(p)}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("workers", [1, 2])
 def test_sigterm_behaves_like_ctrl_c(tmp_path, workers):
     proc = _start(tmp_path, workers)
@@ -89,6 +90,7 @@ def test_sigterm_behaves_like_ctrl_c(tmp_path, workers):
     assert not _wait_gone(kids), "a worker outlived the run"
 
 
+@pytest.mark.slow
 def test_no_worker_outlives_a_killed_parent(tmp_path):
     proc = _start(tmp_path, 2)
     kids = set()
@@ -157,3 +159,24 @@ def test_a_signal_inside_a_gc_callback_is_resent_not_printed_and_lost():
         handler(signal.SIGINT, sys._getframe())
     assert handler.signum == signal.SIGINT
     handler(signal.SIGTERM, sys._getframe())  # once: a worker saving its shrink is not interrupted again
+
+
+def test_a_caught_interrupt_in_exec_code_does_not_change_the_exit_status(tmp_path):
+    """A KeyboardInterrupt caught after escaping string-executed code (a stop signal landing in a
+    dataclass's generated method) must not turn ``python -m poolfuzz.cli``'s status into death by SIGINT."""
+    (tmp_path / "sitecustomize.py").write_text(
+        "import poolfuzz.cli as cli\n"
+        "real = cli.main\n"
+        "def main(argv=None):\n"
+        "    code = real(argv)\n"
+        "    try:\n"
+        "        exec('raise KeyboardInterrupt')\n"
+        "    except KeyboardInterrupt:\n"
+        "        pass\n"
+        "    return code\n"
+        "cli.main = main\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")]))}
+    proc = subprocess.run([sys.executable, "-m", "poolfuzz.cli", "faults"], env=env, capture_output=True,
+                          text=True, cwd=tmp_path, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.strip()
