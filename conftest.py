@@ -63,6 +63,12 @@ def device(request):
 
 
 def pytest_collection_modifyitems(config, items):
+    # tests/quality ("hard bugs are really found": every catalogue fault on every config it applies to)
+    # is the slow tier as a whole; `-m "not slow"` is the contributors' fast tier (README).
+    quality = os.path.join(os.path.dirname(__file__), "tests", "quality") + os.sep
+    for item in items:
+        if str(item.path).startswith(quality):
+            item.add_marker(pytest.mark.slow)
     # Probe CUDA once, after collection, never at import: CPU CI and xdist workers import cleanly.
     if not any("requires_cuda" in item.keywords for item in items):
         return

@@ -22,6 +22,7 @@ SIGNATURES = {"InvariantViolation:reserved:mamba", "StateLost:contents:mamba@res
     ("paged-free-partial-page", "dense-ps4", "InvariantViolation:ownership:full"),
     ("mamba-leak-on-abort", "hybrid-linear", "ReferenceMismatch:free-count:mamba"),
 ])
+@pytest.mark.slow
 def test_one_bug_one_signature_across_seeds(fault, config, signature):
     """The shrunk failure of each seed carries the same signature: no rids, slots or seeds in it."""
     got = {run_machine(CONFIGS[config], faults=[fault], max_examples=300, seed=seed, shrink_limit=10).signature
@@ -51,6 +52,7 @@ SAME_BUG = {"allocator-double-free-undetected": "free-swa-keeps-mapping", "stale
 OFF_GRID = {"reload-chunk-at-chunk-number", "mamba-layer-map-contiguous", "host-load-tiles-of-four"}
 
 
+@pytest.mark.slow
 def test_different_planted_bugs_get_different_signatures():
     """Every catalogue fault, on the first config it applies to: the signatures are distinct."""
     from poolfuzz.pools.faults import FAULTS, applicable_configs
@@ -89,6 +91,7 @@ def campaign(tmp_path_factory):
     return code, out
 
 
+@pytest.mark.slow
 def test_every_planted_bug_gets_one_artifact_and_the_run_exits_1(campaign, capsys):
     code, out = campaign
     assert code == 1

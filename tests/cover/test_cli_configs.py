@@ -50,12 +50,14 @@ def test_bad_config_files_are_exit_2(argv, problem, tmp_path, monkeypatch, capsy
     assert "\n" not in err and problem in err, err
 
 
+@pytest.mark.slow
 def test_random_passes_on_the_correct_family(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     assert run_cli(["run", "--config", "random", "dense", "--examples", "30", "--seed", "1", "--db", "none"]) == 0
     assert "2 passed, 0 failed" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_a_fault_found_on_a_drawn_config_replays_and_emits_a_test(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     code = run_cli(["run", "--config", "random", "--faults", PAGED, "--examples", "200", "--seed", "1",

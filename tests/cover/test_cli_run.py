@@ -216,6 +216,7 @@ def test_worker_i_uses_gpu_i_on_a_multi_gpu_machine(monkeypatch):
     assert worker_device("cpu", 1, 4) == "cpu"
 
 
+@pytest.mark.slow
 def test_two_workers_share_the_database(tmp_path, capsys):
     """Two spawned processes split the configs; the faulty config's failure lands in the shared database."""
     db, out = tmp_path / "db", tmp_path / "failures"
@@ -255,6 +256,7 @@ def test_a_step_that_raises_is_kept_in_the_program_with_named_arguments():
     assert any(outcome.startswith(f"Req({last.args['rid']}) ") for outcome in admitted)
 
 
+@pytest.mark.slow
 def test_an_artifact_that_cannot_be_written_is_printed_and_the_run_exits_1(tmp_path, monkeypatch, capsys):
     """The disk fills up after the checks: the failure and its artifact go to the terminal instead,
     whole, so it can still be saved and replayed."""

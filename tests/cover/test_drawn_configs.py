@@ -31,6 +31,7 @@ def test_drawn_configs_shrink_to_the_simplest():
     assert (paged_mamba.page_size, paged_mamba.mamba_layers, paged_mamba.swa_layers) == (8, 1, 0)
 
 
+@pytest.mark.slow
 def test_the_strategy_reaches_off_grid_shapes():
     s = settings(database=None, max_examples=2000)
     find(drawn_configs(), lambda c: c.max_context > 8192, settings=s)
@@ -49,6 +50,7 @@ def test_the_strategy_reaches_off_grid_shapes():
     lambda c: c.kv_quant == "fp4_mx_block16" and c.attention == "mha",
     lambda c: c.kv_quant == "fp4_mx_block16" and c.attention == "mla",
 ], ids=["mla-between-mamba", "dsa-paged", "msa-k-only", "fp8-scaled", "cpu-fp8", "fp4-mha", "fp4-mla"])
+@pytest.mark.slow
 def test_the_strategy_draws_every_storage_kind_and_it_builds(storage):
     build_family(find(drawn_configs(), storage, settings=settings(database=None, max_examples=3000)))
 

@@ -96,6 +96,7 @@ def test_a_shape_that_needs_a_longer_program_has_one_of_that_length(fault, confi
     assert _fails(config, [], program) is None
 
 
+@pytest.mark.slow
 def test_on_pages_the_resume_gets_its_own_pages_back_so_four_steps_do_not_show_the_reload_bug():
     result, explored = _search("dense-ps4", ["reload-into-old-indices"], 4)
     assert result is None and explored > 1000

@@ -14,6 +14,12 @@ BASE = ["dense", "swa", "hybrid-linear", "swa-ssm"]
 PAGED = [f"{name}-ps4" for name in BASE]
 
 
+def anchoring(names: list[str]) -> list:
+    """The configs as parameters, those that carry #35957 (swa-ssm*) marked ``anchored``: CI runs only
+    these on 0.5.18, the last release before the fix."""
+    return [pytest.param(n, marks=pytest.mark.anchored) if n.startswith("swa-ssm") else n for n in names]
+
+
 class TestContract:
     @pytest.mark.parametrize("name", BASE + PAGED)
     def test_components_are_sglangs_own_buffers(self, api, name):
@@ -33,7 +39,7 @@ class TestContract:
             if space not in fam.host_pools:  # host slot 0 is an ordinary slot
                 assert 0 not in view.free_pages(), f"{view}: the padding slot is in the free list"
 
-    @pytest.mark.parametrize("name", BASE + PAGED)
+    @pytest.mark.parametrize("name", anchoring(BASE + PAGED))
     def test_keeps_the_family_contract(self, api, expect, name):
         """The contract every family keeps (tests/cover/test_family_contract.py); before #35957 the
         contract program's retract and resume lose the SWA+SSM recurrent state."""
@@ -145,7 +151,7 @@ class TestHarness:
         outcome = fuzz(CONFIGS[name], examples=15)
         assert outcome.failure is None, outcome.failure
 
-    @pytest.mark.parametrize("name", PAGED)
+    @pytest.mark.parametrize("name", anchoring(PAGED))
     def test_paged_configs(self, api, expect, fuzz, name):
         _family(api, name)
         outcome = fuzz(CONFIGS[name], examples=10)
@@ -158,6 +164,7 @@ class TestHarness:
         else:
             assert outcome.failure is None, outcome.failure
 
+    @pytest.mark.anchored
     def test_swa_ssm(self, api, expect, fuzz):
         """#35957: fixed releases keep the recurrent state through a retraction; 0.5.18 loses it."""
         outcome = fuzz(CONFIGS["swa-ssm"], examples=40 if expect == "pass" else 200)
