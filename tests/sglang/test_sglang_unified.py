@@ -282,5 +282,6 @@ def test_a_resume_is_billed_in_whole_pages_as_the_reference_counts_it(api):
     rid = e.admit(3)
     e.prefill(rid, 3)
     e.retract(rid)
-    e.resume("prefill")
+    assert e.resume("prefill") is None, "the resume was admitted on its raw tokens"
+    assert e.retracted["prefill"] == [rid]  # it waits, still first in line
     e.check()
