@@ -5,9 +5,10 @@ machine leaves every decision to the engine's scheduler (which request runs, how
 blocks it gets, who is preempted and when it resumes) and only makes the traffic: requests of drawn lengths,
 sharing drawn prefixes with earlier ones, with drawn ``max_tokens``; scheduler steps; aborts. An engine's
 *driver* (``adapters/vllm/scheduling.SchedulerDriver``) builds the scheduler and its worker stand-in, whose
-forward checks that every position it attends to holds the request's own KV (``LostKv``, reported here as
-StateLost); after every rule the worker's block tables must be the scheduler's, and at teardown the idle
-server must finish every request, hold no block and reset its prefix cache.
+forward checks that every position it attends to holds the request's own KV, and that a recurrent state it
+continues from is the state of exactly the tokens the scheduler says are computed (``LostKv``, reported here as
+StateLost); after every rule the worker's block tables must be the scheduler's, and at teardown the idle server
+must finish every request, hold no block and reset its prefix cache.
 
 Not yet wired into ``poolfuzz run`` (artifacts, replay, emit-test): issue 30's next step.
 """

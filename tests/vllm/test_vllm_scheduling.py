@@ -46,7 +46,7 @@ def test_the_real_scheduler_keeps_every_request_on_its_own_kv(scheduling, name):
     stats = {"drivers": []}
     _fuzz(scheduling, name, stats)
     assert len(stats["drivers"]) >= 20
-    if not CONFIGS[name].has_mamba:  # mamba mode "none" runs without prefix caching, as vLLM runs it
+    if not CONFIGS[name].has_mamba:  # mamba mode "none" runs without prefix caching, as vLLM runs it (align: below)
         assert sum(d.hits for d in stats["drivers"]) > 0  # prefix hits happened, and their blocks were checked
 
 
@@ -57,8 +57,8 @@ def test_memory_pressure_makes_the_scheduler_preempt_and_resume(scheduling):
 
 
 def test_a_config_the_scheduler_path_does_not_drive_is_declined_with_its_reason(scheduling, api):
-    with pytest.raises(Exception, match='mamba cache mode align .* is not driven through vLLM.s scheduler yet'):
-        scheduling.SchedulerDriver(CONFIGS["hybrid-extra-buffer"])
+    with pytest.raises(Exception, match="only MHA attention with plain K and V is driven through vLLM.s scheduler"):
+        scheduling.SchedulerDriver(CONFIGS["mla"])
 
 
 def test_a_block_handed_out_twice_is_caught_and_named(scheduling, monkeypatch):
@@ -107,3 +107,81 @@ def test_a_recurrent_state_lost_between_two_chunks_is_caught(scheduling):
     with pytest.raises(LostKv, match=rf"req {rid} step 2: mamba\.state layer \d+ position {request.num_computed_tokens - 1}: "
                                      rf"block {block} slot {block} holds zeros"):
         driver.step()
+
+
+# --- mamba cache mode "align" (prefix caching for hybrid models), anchored on vllm-project/vllm#33706 -----------
+# Before 0.17.0 the scheduler split a prefill block-aligned only while a request had no output tokens
+# (``Scheduler._mamba_block_aligned_split``: ``if request.num_output_tokens == 0``), so a request resumed after
+# preemption re-prefilled in chunks that end inside a block; the worker writes the state at a chunk's end, and the
+# block is cached holding the state of fewer tokens than its hash covers. 0.16.0 also lets a request take a prefix
+# hit on a state block another request computes in the same step (0.17.0's ``MambaManager.cached_blocks_this_step``
+# defers it). Both are decided by version: 0.17.0 has both fixes.
+ALIGN = "hybrid-extra-buffer-ps4"  # the issue's #33706 config: pages of 4, mamba cache mode align
+STATE_LOST = (r"req (?P<rid>\d+) step \d+: mamba\.state layer \d+ position (?P<pos>\d+): block (?P<block>\d+) "
+              r"slot \d+ holds (?P<whose>.+) \(expected")
+
+
+@pytest.fixture(scope="module")
+def align_fixed(scheduling, api) -> bool:
+    """Whether this release carries the #33706 fix (0.17.0 on)."""
+    if "align" not in api.mamba_cache_modes:
+        pytest.skip(f"vLLM {api.version} has no mamba cache mode align")
+    major, minor = (int(x) for x in api.version.split(".")[:2])
+    return (major, minor) >= (0, 17)
+
+
+@pytest.mark.anchored
+@pytest.mark.parametrize("name", ["hybrid-extra-buffer", ALIGN])
+def test_mamba_align_resumes_every_request_from_its_own_state(scheduling, align_fixed, name):
+    """The scheduler splits prefills block-aligned and caches state blocks; the worker moves and writes the states
+    where the GPU model runner does. Every forward, a prefix hit's first included, must continue from the state of
+    exactly the tokens vLLM says are computed."""
+    stats = {"drivers": []}
+    if not align_fixed:  # 0.16.0: a stale or misaligned state is found, and the report says whose it is
+        with pytest.raises(StateLost, match=STATE_LOST):
+            _fuzz(scheduling, name, stats, phases=[Phase.generate])
+        return
+    _fuzz(scheduling, name, stats)
+    assert len(stats["drivers"]) >= 20
+    assert sum(d.hits for d in stats["drivers"]) > 0  # hits resumed from cached state blocks, checked
+    if name == ALIGN:
+        assert sum(d.preempted for d in stats["drivers"]) > 0  # resumed requests re-prefilled, checked
+
+
+def _run_until_finished(driver, rid: str, steps: int = 80) -> None:
+    for _ in range(steps):
+        if rid not in driver.scheduler.requests:
+            return
+        driver.step()
+    raise AssertionError(f"req {rid} did not finish in {steps} steps")
+
+
+@pytest.mark.anchored
+def test_33706_a_resumed_prefill_caches_a_state_off_its_block_boundary(scheduling, align_fixed):
+    """vllm-project/vllm#33706 by hand. A long request B crowds out A (12 prompt tokens) until A is preempted with
+    an output token and its cached blocks are evicted; A resumes and re-prefills its 13 tokens. 0.16.0 does not
+    split a resumed request block-aligned: a chunk of 9 (the token budget), then the rest, so A's block of tokens
+    8..11 is cached holding the state after 9 tokens. C shares A's first 12 tokens; its prefix hit of 12 resumes
+    from that block. 0.17.0 on splits 8, 4, 1, and C continues from the state of exactly its hit."""
+    from poolfuzz.pools.errors import LostKv
+
+    driver = scheduling.SchedulerDriver(CONFIGS[ALIGN])
+    b = driver.add_request(length=60, share=0, max_tokens=16)
+    a = driver.add_request(length=12, share=0, max_tokens=4)
+    _run_until_finished(driver, b)
+    assert driver.preempted > 0
+    _run_until_finished(driver, a)
+    c = driver.add_request(length=2, share=3, max_tokens=2)  # A's first 12 tokens, then 2 of its own
+    assert driver.worker.tokens[c].ids[:12] == driver.worker.tokens[a].ids[:12]
+    if not align_fixed:
+        with pytest.raises(LostKv) as info:
+            driver.step()
+        found = re.match(STATE_LOST, str(info.value))
+        assert found, info.value
+        assert found["rid"] == c and found["pos"] == "11"
+        assert found["whose"] == f"the state after 9 tokens, not 12: its own first 9, written by req {a}", info.value
+        return
+    hits = driver.hits
+    _run_until_finished(driver, c)
+    assert driver.hits == hits + 1  # C resumed from a cached state block (12 tokens; 8 where 0.34 keeps every other)
+    assert driver.drain() is None

@@ -20,9 +20,26 @@ What is stood in for, and why:
 * ``vllm.triton_utils.HAS_TRITON``: vLLM's CPU platform refuses a ``VllmConfig`` on x86 without
   triton-cpu, which only its kernels need; the scheduler launches none.
 
-Mamba groups run in cache mode "none" (one state block a request, no prefix caching; the worker checks that a
-forward continuing after ``n`` tokens reads the state of exactly those ``n``). Not driven yet: mode "align" (its
-state writes and copies), speculative decoding, KV connectors.
+Mamba groups run in cache mode "none" (one state block a request, no prefix caching) and "align" (prefix
+caching: a state per block of tokens). In both the worker checks that a forward continuing after ``n`` tokens
+reads the recurrent state of exactly those ``n`` tokens (a chained hash of them, as for the KV).
+
+Mode "align", as the GPU model runner runs it (``vllm/v1/worker/mamba_utils.py``: ``preprocess_mamba`` before
+the forward, ``postprocess_mamba`` after it, 0.16.0 to 0.23.0; 0.34.0's fused ``preprocess_mamba_align`` /
+``precopy_mamba_align`` kernels, and its CPU runner's ``MambaHybridModelState.preprocess_state`` in
+``vllm/v1/worker/cpu/model_states/mamba_hybrid.py``, decide the same columns). A request's running state lives
+in column ``cdiv(computed + scheduled, block_size) - 1`` of its mamba block table (0.16.0 takes the table's last
+column: the same one without draft tokens). Before the forward the state it
+continues from is copied there from the previous step's column, or, for a request the worker has no column for
+(new, resumed after preemption, a prefix hit), from column ``(computed - 1) // block_size``: the hit's last
+cached block. The forward writes the state after its last scheduled token into the running column; when that
+token ends a block, the state is copied to that block's column (a no-op without draft tokens). A block the
+scheduler caches thus holds the state after whatever token its last forward ended on: the scheduler's
+block-aligned split (``Scheduler._mamba_block_aligned_split``) is what makes that its block boundary. The worker
+follows those functions' column choice and does their copies on the CPU tensors here: the real ones build
+CUDA pointer tables and launch Triton copies (``batch_memcpy`` / the fused kernels), which cannot run on a CPU,
+and 0.34.0's CPU runner needs a loaded model's state copy functions and input batch.
+Not driven yet: speculative decoding, KV connectors.
 """
 
 from __future__ import annotations
@@ -83,15 +100,17 @@ class Worker:
     """The GPU model runner's handling of a ``SchedulerOutput``, on real tensors (see the module)."""
 
     def __init__(self, *, groups, num_blocks: int, block_size: int, sliding_window: int | None,
-                 vocab: int):
+                 vocab: int, mamba_mode: str = "none"):
         self.output_cls = scheduler_modules().ModelRunnerOutput
         self.output_fields = {f.name for f in dataclasses.fields(self.output_cls)}
         self.groups = groups  # manager.Group per KV cache group
         self.block_size = block_size
         self.sliding_window = sliding_window
         self.vocab = vocab
+        self.mamba_mode = mamba_mode
         # One int64 component per (group, layer, K/V), a value per token slot (block * size + offset), and one
-        # recurrent state per block of a mamba group (mode "none": a request's one state block).
+        # recurrent state per block of a mamba group (mode "none": a request's one state block; "align": a state
+        # per block of tokens, the running one and those the prefix cache keeps).
         self.kv = {(g.index, layer, c): Component(name=f"{g.space}.{name}", layer=layer, space=g.space,
                                                   tensor=torch.zeros(num_blocks * block_size, dtype=torch.int64))
                    for g in groups if g.space != "mamba" for layer in g.layer_ids for c, name in enumerate(COMPONENTS)}
@@ -101,6 +120,8 @@ class Worker:
         self.tables: dict[str, list[list[int]]] = {}  # req id -> block ids per group, as the output gave them
         self.tokens: dict[str, Tokens] = {}  # req id -> its tokens (kept across preemption, as the request's are)
         self.writers: dict[int, tuple[str, int]] = {}  # a tag written -> (req id, position): whose data it is
+        self.state_idx: dict[str, int] = {}  # align: req id -> the table column of its running state (vLLM's
+        # mamba_state_idx: forgotten when it finishes, is preempted or resumes)
         self.step = 0
 
     # --- what the scheduler hands over ----------------------------------------------------------
@@ -109,8 +130,10 @@ class Worker:
         self.step += 1
         for rid in out.finished_req_ids:
             self.tables.pop(rid, None)
+            self.state_idx.pop(rid, None)
         for rid in getattr(out, "preempted_req_ids", None) or ():
             self.tables.pop(rid, None)  # re-sent in full when it resumes
+            self.state_idx.pop(rid, None)
         computed: dict[str, int] = {}
         for new in out.scheduled_new_reqs:
             self.tables[new.req_id] = [list(ids) for ids in new.block_ids]
@@ -121,6 +144,7 @@ class Worker:
             blocks = cached.new_block_ids[i]
             if rid in resumed or rid not in self.tables:
                 self.tables[rid] = [list(ids) for ids in (blocks or ())]
+                self.state_idx.pop(rid, None)
             elif blocks is not None:
                 for table, ids in zip(self.tables[rid], blocks):
                     table.extend(ids)
@@ -132,11 +156,15 @@ class Worker:
             for g in self.groups:
                 if g.space != "mamba":
                     copy_block(list(self.kv.values()), g.space, copy.src_block_id, copy.dst_block_id, self.block_size)
+        if self.mamba_mode == "align":  # preprocess_mamba: every request's state moves before any forward
+            for rid, n in out.num_scheduled_tokens.items():
+                self._carry_state(rid, computed[rid], computed[rid] + n)
         req_ids, sampled = [], []
         for rid, n in out.num_scheduled_tokens.items():
             start = computed[rid]
             self._check_context(rid, start)
-            self._check_state(rid, start)
+            if self.mamba_mode != "align":
+                self._check_state(rid, start)
             self._write(rid, start, start + n)
             self._write_state(rid, start + n)
             tokens = self.tokens[rid]
@@ -194,7 +222,54 @@ class Worker:
 
     def _state_block(self, rid: str, group) -> int | None:
         table = self.tables[rid][group.index]
+        if self.mamba_mode == "align":
+            column = self.state_idx.get(rid)
+            return table[column] if column is not None and 0 <= column < len(table) else None
         return table[-1] if table else None
+
+    def _column_block(self, rid: str, group, column: int) -> int | None:
+        table = self.tables[rid][group.index]
+        return table[column] if 0 <= column < len(table) else None
+
+    def _carry_state(self, rid: str, start: int, end: int) -> None:
+        """Mode align, ``preprocess_mamba``: the state a forward over ``[start, end)`` continues from is in the
+        previous step's running column, or for a request without one (new, resumed, a prefix hit) in column
+        ``(start - 1) // block_size``. It must be the state of exactly ``start`` tokens; it is copied into the
+        running column ``cdiv(end, block_size) - 1`` the forward reads and writes."""
+        mamba = [g for g in self.groups if g.space == "mamba"]
+        if not mamba:
+            return
+        size = mamba[0].block_size
+        prev = self.state_idx.get(rid)
+        if prev is None:
+            prev = (start - 1) // size  # -1 at 0: a first forward starts from no state
+        curr = -(-end // size) - 1
+        self.state_idx[rid] = curr
+        if start == 0:
+            return
+        chain = self.tokens[rid].chain(start - 1)
+        for g in mamba:
+            src = self._column_block(rid, g, prev)
+            for layer in g.layer_ids:
+                want = tag(chain, layer, len(COMPONENTS))
+                got = None if not src else int(self.state[(g.index, layer)].tensor[src])
+                if got != want:
+                    why = None if src else (f"column {prev} of its mamba table is "
+                                            + ("the null block" if src == 0 else "missing"))
+                    raise self._lost(rid, g, layer, "state", start - 1, src or None, want, got, block_size=1, why=why)
+            dst = self._column_block(rid, g, curr)
+            if prev != curr and dst is not None:
+                copy_block(list(self.state.values()), "mamba", src, dst, 1)
+
+    def _checkpoint_state(self, rid: str, end: int) -> None:
+        """Mode align, ``postprocess_mamba``: a forward whose last token ends a block leaves that block's
+        column the state after it (the running column already, without draft tokens)."""
+        for g in self.groups:
+            if g.space != "mamba" or end % g.block_size:
+                continue
+            src, dst = self._state_block(rid, g), self._column_block(rid, g, end // g.block_size - 1)
+            if src is not None and dst is not None and src != dst:
+                copy_block(list(self.state.values()), "mamba", src, dst, 1)
 
     def _check_state(self, rid: str, start: int) -> None:
         """A forward continuing from ``start`` tokens reads the recurrent state of exactly those tokens
@@ -218,13 +293,16 @@ class Worker:
             if g.space != "mamba":
                 continue
             block = self._state_block(rid, g)
-            if block is None:
+            if not block:
                 raise self._lost(rid, g, g.layer_ids[0], "state", end - 1, None, None, None,
-                                 why="no state block in the mamba table the output gave")
+                                 why="no state block in the mamba table the output gave" if block is None
+                                 else "its running state's column is the null block")
             for layer in g.layer_ids:
                 value = tag(chain, layer, len(COMPONENTS))
                 self.state[(g.index, layer)].tensor[block] = value
                 self.writers.setdefault(value, (rid, end - 1))
+        if self.mamba_mode == "align":
+            self._checkpoint_state(rid, end)
 
     def _write(self, rid: str, start: int, end: int) -> None:
         tokens = self.tokens[rid]
@@ -248,6 +326,13 @@ class Worker:
         if why is None:
             if got == 0:
                 why = "zeros (never written, or cleared)"
+            elif got in self.writers and name == "state":
+                owner, pos = self.writers[got]
+                tokens = self.tokens[rid]
+                own = pos < len(tokens.ids) and tag(tokens.chain(pos), layer, len(COMPONENTS)) == got
+                why = (f"the state after {pos + 1} tokens, not {position + 1}: "
+                       + (f"its own first {pos + 1}" if own else "another prefix's")
+                       + f", written by req {owner}")
             elif got in self.writers:
                 owner, pos = self.writers[got]
                 why = f"req {owner}'s position {pos}" + (" (another prefix)" if owner != rid else "")
@@ -270,6 +355,7 @@ class Built:
     num_blocks: int
     block_size: int
     hash_block_size: int
+    mamba_mode: str = "none"  # the mamba groups' cache mode ("none" or "align")
 
 
 def hf_config(config: ModelConfig) -> dict:
@@ -315,16 +401,16 @@ def _model_dir(text: str) -> str:
 
 def scheduler_problem(api: VllmAPI, config: ModelConfig) -> str | None:
     """Why the scheduler-driven vllm family does not drive ``config`` (yet), or None."""
-    if config.has_mamba and mamba_mode_for(config) != "none":
-        return ("mamba cache mode align (the extra-buffer configs) is not driven through vLLM's scheduler yet "
-                "(its state writes and copies)")
+    if config.has_mamba and mamba_mode_for(config) not in api.mamba_cache_modes:
+        return f"vLLM {api.version} has no mamba cache mode {mamba_mode_for(config)!r} (MambaSpec.mamba_cache_mode)"
     if config.attention != "mha" or config.kv_quant or config.kv_scale_block:
         return "only MHA attention with plain K and V is driven through vLLM's scheduler"
     return None
 
 
 @lru_cache(maxsize=8)
-def _vllm_config(api: VllmAPI, config: ModelConfig, budget: int, max_seqs: int, max_model_len: int, caching: bool):
+def _vllm_config(api: VllmAPI, config: ModelConfig, budget: int, max_seqs: int, max_model_len: int, caching: bool,
+                 mamba_mode: str = "none"):
     """One VllmConfig per machine (its construction reads the model config and the platform: seconds)."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     m = scheduler_modules()
@@ -336,7 +422,10 @@ def _vllm_config(api: VllmAPI, config: ModelConfig, budget: int, max_seqs: int, 
     sched_kw = dict(max_num_seqs=max_seqs, max_num_batched_tokens=budget, max_model_len=max_model_len,
                     enable_chunked_prefill=True, is_encoder_decoder=False)
     scheduler = SchedulerConfig(**{k: v for k, v in sched_kw.items() if k in sched_fields})
-    cache = CacheConfig(block_size=config.page_size, enable_prefix_caching=caching)
+    cache_kw = dict(block_size=config.page_size, enable_prefix_caching=caching)
+    if mamba_mode != "none":  # the scheduler splits prefills block-aligned in mode align (need_mamba_block_aligned_split)
+        cache_kw["mamba_cache_mode"] = mamba_mode
+    cache = CacheConfig(**cache_kw)
     # The device is named, not inferred: releases before ~0.30 find no platform on a CPU-only machine
     # with vLLM's CUDA wheel ("Failed to infer device type").
     device = DeviceConfig(device="cpu")
@@ -349,8 +438,9 @@ def build_scheduler(api: VllmAPI, config: ModelConfig, *, budget: int, max_seqs:
         raise ConfigError(f"the scheduler-driven vllm family cannot build {config.name!r}: {reason}")
     m = scheduler_modules()
     Scheduler, StructuredOutputManager = m.Scheduler, m.StructuredOutputManager
-    layout = layout_for(api, config, "none")
-    vllm_config = _vllm_config(api, config, budget, max_seqs, layout.max_model_len, layout.caching)
+    mode = mamba_mode_for(config) if config.has_mamba else "none"
+    layout = layout_for(api, config, mode)
+    vllm_config = _vllm_config(api, config, budget, max_seqs, layout.max_model_len, layout.caching, mode)
     vllm_config.cache_config.num_gpu_blocks = layout.num_blocks
     # The scheduling and hashing granularities as the engine core resolves them (vLLM's own function, where
     # the release has it: the LCM of the groups' block sizes; a mamba "none" group's is the longest request).
@@ -363,7 +453,7 @@ def build_scheduler(api: VllmAPI, config: ModelConfig, *, budget: int, max_seqs:
     params = inspect.signature(Scheduler).parameters
     scheduler = Scheduler(**{k: v for k, v in kw.items() if k in params})
     return Built(scheduler=scheduler, groups=layout.groups, num_blocks=layout.num_blocks, block_size=config.page_size,
-                 hash_block_size=hash_block_size)
+                 hash_block_size=hash_block_size, mamba_mode=mode)
 
 
 
@@ -388,7 +478,8 @@ class SchedulerDriver:
                                      max_seqs=seqs)
         self.scheduler = self.built.scheduler
         self.worker = Worker(groups=self.built.groups, num_blocks=self.built.num_blocks, block_size=config.page_size,
-                             sliding_window=config.sliding_window + 1 if config.has_swa else None, vocab=VOCAB)
+                             sliding_window=config.sliding_window + 1 if config.has_swa else None, vocab=VOCAB,
+                             mamba_mode=self.built.mamba_mode)
         self.next_rid = 1
         self.fresh = VOCAB  # prompt token ids past the vocab: two prompts share only the prefixes drawn
         self.preempted = 0  # requests the scheduler preempted (each resumes and is checked again)
