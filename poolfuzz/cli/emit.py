@@ -36,6 +36,10 @@ def main(args, out=None) -> int:
     out = out or sys.stdout
     # what cannot replay here (or names a family the user did not trust): one line, exit 2, nothing written
     art = artifacts.load_checked(args.file, trusted_family=args.family)[0]
+    if artifacts.is_scheduler_program(art):
+        raise UsageError(f"artifact {args.file} is a program of scheduler steps (family {art.family}); emit-test "
+                         "cannot write a test of one yet: replay it with `poolfuzz replay "
+                         f"{args.file}`, or take its Hypothesis program (the artifact's 'hypothesis_program')")
     path = Path(args.output)
     if path.is_dir():
         raise UsageError(f"-o {args.output!r} is a directory; name the file, e.g. "

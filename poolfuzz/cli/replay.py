@@ -35,17 +35,27 @@ def main(args, out=None) -> int:
     out = out or sys.stdout
     art, config, faults, options = artifacts.load_checked(args.file, trusted_family=args.family)
     device = resolve_device(args.device)
+    scheduled = False
     if art.family != "builtin":  # a factory that cannot build a family is bad usage, not a reproduction
         from poolfuzz.orchestration.plugins import probe_family, resolve_family
 
         plugin = resolve_family(art.family)
         plugin.check_engine()  # an engine whose API changed: "API CHANGED", exit 2, never a reproduction
+        scheduled = plugin.drives_scheduler
         probe_family(plugin, config, device=device, faults=faults, backup_mode=art.backup_mode)
+    if art.program and scheduled != artifacts.is_scheduler_program(art):
+        from poolfuzz.errors import UsageError
+
+        raise UsageError(f"artifact {args.file}: its program is {'engine' if scheduled else 'scheduler'} operations, "
+                         f"but family {art.family!r} {'drives the engine scheduler' if scheduled else 'takes engine operations'}; "
+                         "re-record it with poolfuzz run")
     w = out.write
     family = "" if art.family == "builtin" else f"family {art.family}, "
     w(f"replaying {args.file}\n  {family}config {art.config}, faults {', '.join(faults) or 'none'}, backup mode "
       f"{art.backup_mode}; recorded on {art.device} ({art.status}), replaying on {device}\n"
       f"  recorded: {art.failure}\n")
+    if scheduled:
+        return _replay_scheduled(w, art, config, device, artifacts.family_factory(art.family))
     try:
         engine = new_engine(config=config, device=device, faults=faults, backup_mode=art.backup_mode,
                             options=options, family_factory=artifacts.family_factory(art.family))
@@ -79,6 +89,34 @@ def _replay_steps(w, engine, art, device, verbose: bool) -> int:
         if ev.failure is not None:
             reraise_api_change(ev.failure)  # the engine, not the bug: "API CHANGED", exit 2
             where = "the teardown checks" if ev.step is None else f"step {ev.index} ({ev.step.op})"
+            w(f"\nREPRODUCED at {where}:\n")
+            _report(w, ev.failure, art)
+            return 1
+    w(f"\ndid not reproduce: the bug may be fixed (all {len(art.program)} steps and the teardown checks passed "
+      f"on {device})\n")
+    return 0
+
+
+def _replay_scheduled(w, art, config, device, factory) -> int:
+    """A scheduler program (``--family vllm:scheduler``) on a fresh server: the engine's scheduler decides again."""
+    from poolfuzz.errors import reraise_api_change
+    from poolfuzz.harness.scheduled import replay, scheduled_machine
+
+    machine = scheduled_machine(config, driver_factory=lambda model: factory(model, device=device, faults=(),
+                                                                             backup_mode=None))
+    w("     0  start (the engine's scheduler, fed by the worker stand-in)\n")
+    for ev in replay(machine, art.program):
+        label = "build the server" if ev.index == 0 else ("teardown: drain" if ev.step is None else _call(ev.step))
+        if ev.cannot_run:
+            w(f"{ev.index:6}  {label}\n\ndid not reproduce: step {ev.index} cannot run here: {ev.cannot_run}; "
+              "the scheduler behaved differently before the recorded failure: the bug may be fixed\n")
+            return 0
+        if ev.index:
+            w(f"{ev.index:6}  {label}\n")
+        if ev.failure is not None:
+            reraise_api_change(ev.failure)  # the engine, not the bug: "API CHANGED", exit 2
+            where = ("building the server" if ev.index == 0 else "the teardown checks" if ev.step is None
+                     else f"step {ev.index} ({ev.step.op})")
             w(f"\nREPRODUCED at {where}:\n")
             _report(w, ev.failure, art)
             return 1

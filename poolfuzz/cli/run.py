@@ -137,6 +137,9 @@ def plan_from_args(args):
                              "runs its own code as shipped: drop --faults or --family")
         plugin = resolve_family(args.family)
         plugin.check_engine()  # what `poolfuzz doctor` checks: an engine that changed is refused here, in its words
+        if DRAWN_NAME in names and plugin.drives_scheduler:
+            raise UsageError(f"family {plugin.name!r} drives the engine's own scheduler over named configs only; "
+                             f"drop --config {DRAWN_NAME} (or use --family {plugin.name.split(':')[0]})")
         fixed = [config_of(n) for n in names if n != DRAWN_NAME]
         chosen, skipped = select_configs(plugin, fixed, explicit=explicit)
         for name, why in skipped:

@@ -10,20 +10,35 @@ continues from is the state of exactly the tokens the scheduler says are compute
 StateLost); after every rule the worker's block tables must be the scheduler's, and at teardown the idle server
 must finish every request, hold no block and reset its prefix cache.
 
-Not yet wired into ``poolfuzz run`` (artifacts, replay, emit-test): issue 30's next step.
+``poolfuzz run`` drives it for a family whose factory declares ``drives_scheduler`` (``--family vllm:scheduler``):
+the factory builds the driver. The machine tells the run's observer what the Engine machine tells it (an example
+starts, a scheduler step ran, an example failed, with its program so far as :class:`StepRecord` ops
+``scheduler.add_request`` / ``scheduler.schedule`` / ``scheduler.abort``, an example ended), and stands in for the
+engine the observer reads (``config``, ``backup_mode``, ``step``, ``op``, ``action``). :func:`replay` re-runs such a
+program on a fresh driver.
 """
 
 from __future__ import annotations
 
 import sys
-from typing import Callable, ClassVar
+from dataclasses import dataclass
+from typing import Callable, ClassVar, Iterator
 
+from hypothesis import reject
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from poolfuzz.harness.failures import Divergence, StateLost, invariant as invariant_failure
+from poolfuzz.harness.hypothesis_compat import set_database_identity
+from poolfuzz.harness.records import StepRecord
 from poolfuzz.pools.config import ModelConfig
 from poolfuzz.pools.errors import LostKv
+
+PREFIX = "scheduler."  # the ops of a scheduler program, apart from the Engine's (harness.program.operations)
+# Each op of a scheduler program and the arguments it takes: what an artifact's program may hold.
+OPERATIONS: dict[str, tuple[str, ...]] = {f"{PREFIX}add_request": ("length", "share", "max_tokens"),
+                                          f"{PREFIX}schedule": ("steps",), f"{PREFIX}abort": ("pick",)}
+BACKUP_MODE = "cpu_tensor"  # what an artifact records as its retraction path: the scheduler recomputes, on tensors
 
 
 def _lost(exc: LostKv) -> StateLost:
@@ -38,53 +53,144 @@ class ScheduledMachine(RuleBasedStateMachine):
 
     config: ClassVar[ModelConfig]
     driver_factory: ClassVar[Callable]  # (config) -> a driver (add_request, step, abort, live, tables_problem, drain)
+    observer: ClassVar[object | None] = None  # a harness.machine.MachineObserver (a run's counts and failures)
+    backup_mode = BACKUP_MODE
 
     def __init__(self):
         super().__init__()
-        self.driver = type(self).driver_factory(type(self).config)
+        cls = type(self)
+        if cls.observer is not None:
+            cls.observer.example_started()
         self.steps = 0
+        self.program: list[StepRecord] = []
+        self.op = self.action = "init"
+        self.waived: dict = {}  # what an observer reads of an engine at the example's end (nothing is waived here)
+        self.passed_over: dict = {}
+        self.driver = None
+        self.driver = self._guarded("init", lambda: cls.driver_factory(cls.config))
 
-    def _run(self, action) -> None:
+    @property
+    def step(self) -> int:  # the engine's step an observer reads (divergence_of)
+        return self.steps
+
+    def _guarded(self, op: str, action, *, in_teardown: bool = False):
+        """Run ``action``; a failure is told to the observer first (a known bug rejects the example)."""
+        self.op = self.action = op
         try:
-            action()
+            return action()
         except LostKv as exc:
-            raise _lost(exc) from None
+            self._failed(_lost(exc), in_teardown)
+        except Exception as exc:  # an assert or crash inside the engine, or a check of ours
+            self._failed(exc, in_teardown)
+
+    def _failed(self, exc: BaseException, in_teardown: bool):
+        observer = type(self).observer
+        if observer is not None and observer.example_failed(self, exc, tuple(self.program), in_teardown):
+            reject()  # a known bug: neither reported nor shrunk
+        raise exc
+
+    def _record(self, op: str, **args) -> None:
+        self.program.append(StepRecord(op=PREFIX + op, args=args, outcome=""))
 
     @rule(length=st.integers(1, 24), share=st.integers(0, 4), max_tokens=st.integers(1, 8))
     def add_request(self, length, share, max_tokens):
         """A request arrives; ``share`` > 0 starts it with a prefix of an earlier request's tokens."""
-        self.driver.add_request(length=length, share=share, max_tokens=max_tokens)
+        self._record("add_request", length=length, share=share, max_tokens=max_tokens)
+        rid = self._guarded("add_request", lambda: self.driver.add_request(length=length, share=share,
+                                                                          max_tokens=max_tokens))
+        self.program[-1] = StepRecord(op=self.program[-1].op, args=self.program[-1].args, outcome=f"req {rid}")
 
     @rule(steps=st.integers(1, 4))
-    def step(self, steps):
+    def schedule(self, steps):
+        """``steps`` scheduler steps: ``schedule()``, the worker's forward, ``update_from_output``."""
+        self._record("schedule", steps=steps)
         for _ in range(steps):
             self.steps += 1
-            self._run(self.driver.step)
+            self._guarded("schedule", self.driver.step)
+            if type(self).observer is not None:
+                type(self).observer.step_ran(self)
 
     @precondition(lambda self: bool(self.driver.live()))
     @rule(pick=st.integers(0, 7))
     def abort(self, pick):
+        self._record("abort", pick=pick)
         live = self.driver.live()
-        self.driver.abort(live[pick % len(live)])
+        self._guarded("abort", lambda: self.driver.abort(live[pick % len(live)]))
 
     @invariant()
     def tables_agree(self):
         problem = self.driver.tables_problem()
         if problem:
-            raise invariant_failure(step=self.steps, op="schedule", detail=problem, check="consumer-map")
+            self._failed(invariant_failure(step=self.steps, op="schedule", detail=problem, check="consumer-map"),
+                         False)
 
     def teardown(self):
-        if sys.exc_info()[1] is not None:  # a step failed: its report stands, nothing more to check
-            return
-        problem = None
         try:
-            problem = self.driver.drain()
-        except LostKv as exc:
-            raise _lost(exc) from None
-        if problem:
-            raise invariant_failure(step=self.steps, op="drain", detail=problem, check="leak")
+            if sys.exc_info()[1] is not None or self.driver is None:  # a step failed: its report stands
+                return
+            problem = self._guarded("drain", self.driver.drain, in_teardown=True)
+            if problem:
+                self._failed(invariant_failure(step=self.steps, op="drain", detail=problem, check="leak"), True)
+        finally:
+            if type(self).observer is not None:
+                type(self).observer.example_ended(self)
 
 
-def scheduled_machine(config: ModelConfig, *, driver_factory: Callable) -> type[ScheduledMachine]:
-    """A ScheduledMachine bound to one config and an engine's driver factory."""
-    return type("ScheduledMachine", (ScheduledMachine,), dict(config=config, driver_factory=staticmethod(driver_factory)))
+def scheduled_machine(config: ModelConfig, *, driver_factory: Callable, observer=None,
+                      identity: str = "") -> type[ScheduledMachine]:
+    """A ScheduledMachine bound to one config and an engine's driver factory; ``observer`` is told what each
+    example does. Its examples are filed in Hypothesis's database under a key naming the config and ``identity``
+    (the family), apart from the Engine machine's."""
+    cls = type("ScheduledMachine", (ScheduledMachine,), dict(config=config, driver_factory=staticmethod(driver_factory),
+                                                            observer=observer))
+    set_database_identity(cls, f"poolfuzz-scheduled/1 config={config.name} family={identity}".encode())
+    return cls
+
+
+@dataclass(frozen=True, kw_only=True)
+class Replayed:
+    """One step of a replayed scheduler program (``step`` None: building the server, or the teardown)."""
+
+    index: int
+    step: StepRecord | None
+    failure: BaseException | None = None
+    cannot_run: str | None = None  # why the step does not apply here (no live request to abort)
+
+
+def check_program(steps) -> str | None:
+    """Why ``steps`` is not a scheduler program a replay can run (ops, argument names, ints); None if it is."""
+    for i, step in enumerate(steps, 1):
+        names = OPERATIONS.get(step.op)
+        if names is None:
+            return f"step {i} names operation {step.op!r}, not one of {', '.join(OPERATIONS)}"
+        if set(step.args) != set(names) or not all(type(v) is int and v >= 0 for v in step.args.values()):
+            return f"step {i} ({step.op}): arguments {step.args} must be {', '.join(names)}, each an int >= 0"
+    return None
+
+
+def replay(machine_cls: type[ScheduledMachine], program) -> Iterator[Replayed]:
+    """Run ``program`` (scheduler ops, as a run recorded them) on a fresh server, checking what a run checks;
+    one :class:`Replayed` per step, then the teardown's. Stops at the first failure."""
+    try:
+        machine = machine_cls()
+    except Exception as exc:
+        yield Replayed(index=0, step=None, failure=exc)
+        return
+    for i, step in enumerate(program, 1):
+        name = step.op.removeprefix(PREFIX)
+        if name == "abort" and not machine.driver.live():
+            yield Replayed(index=i, step=step, cannot_run="no live request to abort")
+            return
+        try:
+            getattr(machine, name)(**step.args)
+            machine.tables_agree()
+        except Exception as exc:
+            yield Replayed(index=i, step=step, failure=exc)
+            return
+        yield Replayed(index=i, step=step)
+    try:
+        machine.teardown()
+    except Exception as exc:
+        yield Replayed(index=len(program) + 1, step=None, failure=exc)
+        return
+    yield Replayed(index=len(program) + 1, step=None)

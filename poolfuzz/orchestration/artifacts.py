@@ -267,12 +267,16 @@ def load(path: str | os.PathLike) -> Artifact:
         problem = schema.divergence_problem(raw["divergence"])
     if problem is not None:
         raise ArtifactError(f"artifact {name}: {problem}; {rerecord}")
-    try:
-        program = check_steps(raw["program"])
-    except ValueError as exc:
-        raise ArtifactError(f"artifact {name}: {exc}; {rerecord}") from None
-    # Each argument's type and range too: a step the engine would choke on is a bad file, not a bug found.
-    problem = next(filter(None, (schema.step_problem(i, s) for i, s in enumerate(raw["program"], 1))), None)
+    if _scheduler_program(raw["program"]):  # a family that drives the engine's scheduler (harness/scheduled.py)
+        program, problem = _scheduler_steps(raw["program"])
+        problem = None if problem is None else f"scheduler {problem}"
+    else:
+        try:
+            program = check_steps(raw["program"])
+        except ValueError as exc:
+            raise ArtifactError(f"artifact {name}: {exc}; {rerecord}") from None
+        # Each argument's type and range too: a step the engine would choke on is a bad file, not a bug found.
+        problem = next(filter(None, (schema.step_problem(i, s) for i, s in enumerate(raw["program"], 1))), None)
     if problem is not None:
         raise ArtifactError(f"artifact {name}: program {problem}; {rerecord}")
     known = {f for f in Artifact.__dataclass_fields__}
@@ -286,6 +290,32 @@ def load(path: str | os.PathLike) -> Artifact:
         fields["signature"] = signature_from(fields["error_type"], raw["divergence"],
                                              in_teardown=bool(raw.get("in_teardown")))
     return Artifact(program=program, **fields)
+
+
+def _scheduler_program(raw_program) -> bool:
+    """Whether a program's steps are scheduler ops (its first step says: a run records one kind)."""
+    from poolfuzz.harness.scheduled import PREFIX
+
+    first = raw_program[0] if isinstance(raw_program, list) and raw_program else None
+    return isinstance(first, dict) and isinstance(first.get("op"), str) and first["op"].startswith(PREFIX)
+
+
+def _scheduler_steps(raw_program) -> tuple[list[StepRecord], str | None]:
+    from poolfuzz.harness.scheduled import check_program
+
+    if not all(isinstance(s, dict) and isinstance(s.get("args", {}), dict) for s in raw_program):
+        return [], "program: every step must be an object with 'op' and 'args'"
+    steps = [StepRecord(op=str(s.get("op")), args=dict(s.get("args", {})), outcome=str(s.get("outcome", "")))
+             for s in raw_program]
+    problem = check_program(steps)
+    return steps, None if problem is None else f"program {problem}"
+
+
+def is_scheduler_program(artifact: Artifact) -> bool:
+    """Whether the artifact's program is scheduler ops (``poolfuzz replay`` runs it on the ScheduledMachine)."""
+    from poolfuzz.harness.scheduled import OPERATIONS
+
+    return bool(artifact.program) and artifact.program[0].op in OPERATIONS
 
 
 def resolve(artifact: Artifact, name: str, *, trusted_family: str | None = None):

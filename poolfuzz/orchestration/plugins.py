@@ -37,6 +37,7 @@ SHIPPED = {
     "sglang": "poolfuzz.adapters.sglang:build_family",
     "sglang:unified": "poolfuzz.adapters.sglang:build_unified_family",
     "vllm": "poolfuzz.adapters.vllm:build_family",
+    "vllm:scheduler": "poolfuzz.adapters.vllm:build_scheduler_driver",
 }
 
 
@@ -55,6 +56,11 @@ class FamilyPlugin:
     def unsupported_reason(self, config: ModelConfig) -> str | None:
         probe = factory_capabilities(self.factory).unsupported_reason
         return None if probe is None else probe(config)
+
+    @property
+    def drives_scheduler(self) -> bool:
+        """The factory builds a driver of the engine's own scheduler (harness/scheduled.py), not a pool family."""
+        return factory_capabilities(self.factory).drives_scheduler
 
     def engine_report(self):
         """The factory's ``engine_report()`` (an ``adapters.engine_api.EngineReport``: the engine release
@@ -131,7 +137,7 @@ def resolve_recorded(spec: str, *, trusted: str | None = None) -> FamilyPlugin:
     if trusted is not None and spec != trusted:
         raise ConfigError(f"recorded on pool family {spec!r}, but --family names {trusted!r}; pass "
                           f"--family {spec} to trust the family it was recorded on")
-    if spec != trusted and (":" in spec or spec not in installed_families()):
+    if spec != trusted and spec not in SHIPPED and (":" in spec or spec not in installed_families()):
         raise ConfigError(f"recorded on pool family {spec!r}, which does not load here: it is not installed as a "
                           f"plug-in (installed: {', '.join(installed_families())}); a file never chooses code to "
                           f"run, so if you trust {spec!r}, pass --family {spec}")
@@ -140,6 +146,8 @@ def resolve_recorded(spec: str, *, trusted: str | None = None) -> FamilyPlugin:
 
 # What the harness calls on every family; a factory whose result lacks these is not a family factory.
 FAMILY_SURFACE = ("backup_mode", "components", "free_lists", "protocol", "req_pool")
+# What the ScheduledMachine calls on the driver a factory that ``drives_scheduler`` builds.
+DRIVER_SURFACE = ("add_request", "step", "abort", "live", "tables_problem", "drain")
 
 
 def probe_family(plugin: FamilyPlugin, config: ModelConfig, *, device="cpu", faults=(),
@@ -155,7 +163,12 @@ def probe_family(plugin: FamilyPlugin, config: ModelConfig, *, device="cpu", fau
         raise ConfigError(f"family {plugin.name!r} ({plugin.target}) cannot build config {config.name!r} on "
                           f"{device}: {type(exc).__name__}{': ' + reason if reason else ''}; pass a factory "
                           f"factory(config, *, device, faults, backup_mode) that returns a pool family") from None
-    missing = [a for a in FAMILY_SURFACE if not hasattr(family, a)]
+    drives_scheduler = plugin.drives_scheduler
+    missing = [a for a in (DRIVER_SURFACE if drives_scheduler else FAMILY_SURFACE) if not hasattr(family, a)]
+    if missing and drives_scheduler:
+        raise ConfigError(f"family {plugin.name!r} ({plugin.target}) declares drives_scheduler but returned a "
+                          f"{type(family).__name__}, not a scheduler driver (it lacks {', '.join(missing)}); see "
+                          "poolfuzz/harness/scheduled.py")
     if missing:
         raise ConfigError(f"family {plugin.name!r} ({plugin.target}) returned a {type(family).__name__}, not a pool "
                           f"family (it lacks {', '.join(missing)}); pass a factory that returns one (see the README "

@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, Phase, settings
 from hypothesis import seed as hypothesis_seed
 from hypothesis.errors import Unsatisfiable, UnsatisfiedAssumption
 
-from poolfuzz.errors import EngineApiChanged, api_change_in
+from poolfuzz.errors import ConfigError, EngineApiChanged, api_change_in
 from poolfuzz.harness.failures import (
     PoolfuzzFailure, bug_key,
     divergence_of,
@@ -38,7 +38,9 @@ from poolfuzz.harness.machine import machine_for
 from poolfuzz.harness.minimise import minimise
 from poolfuzz.harness.program import new_engine
 from poolfuzz.harness.records import EngineOptions
+from poolfuzz.harness.scheduled import ScheduledMachine, scheduled_machine
 from poolfuzz.orchestration.constants import load_every_module
+from poolfuzz.pools.capabilities import factory_capabilities
 from poolfuzz.pools.config import ModelConfig
 from poolfuzz.pools.family import expected_backup_mode
 from poolfuzz.strategies import DRAWN_NAME
@@ -265,8 +267,9 @@ def run_machine(config, *, device="cpu", faults=(), backup_mode=None, max_exampl
                        shrink_limit=shrink_limit, on_progress=on_progress, on_failure=on_failure,
                        max_examples=None if time_budget is not None else max_examples,
                        known=frozenset(bug_key(s) for s in options.known))
-    machine = machine_for(config, device=device, faults=faults, backup_mode=backup_mode, options=options,
-                          family_factory=family_factory, observer=tracker)
+    machine = _machine(config, device=device, faults=faults, backup_mode=backup_mode, options=options,
+                       family_factory=family_factory, observer=tracker)
+    scheduled = issubclass(machine, ScheduledMachine)  # its program is scheduler ops: no Engine to minimise on
     key = database_key(machine)
     chosen = settings(
         max_examples=max_examples, stateful_step_count=steps_per_example, deadline=None, database=database,
@@ -326,7 +329,7 @@ def run_machine(config, *, device="cpu", faults=(), backup_mode=None, max_exampl
     hypothesis_steps = None
     signature = _signature(error, final)
     shorter = None
-    if final is not None and signature is not None and minimise_seconds and len(engine_steps) > 1:
+    if final is not None and signature is not None and minimise_seconds and len(engine_steps) > 1 and not scheduled:
         try:  # a Ctrl-C here keeps Hypothesis's shrink: the artifact must still be written as final
             shorter = minimise(list(engine_steps), bug=bug_key(signature), max_seconds=minimise_seconds,
                                new_engine=lambda: new_engine(config=final.model_config or config, device=device,
@@ -361,6 +364,22 @@ def run_machine(config, *, device="cpu", faults=(), backup_mode=None, max_exampl
                      skipped=dict(tracker.skipped), waived=dict(tracker.waived),
                      model_config=final.model_config if final is not None else None,
                      declined=tracker.declined, declined_reasons=dict(tracker.declined_reasons))
+
+
+def _machine(config, *, device, faults, backup_mode, options, family_factory, observer):
+    """The state machine a run drives: the engine's own scheduler (a factory that ``drives_scheduler`` builds its
+    driver) or the Engine machine over pool families."""
+    if not factory_capabilities(family_factory).drives_scheduler:
+        return machine_for(config, device=device, faults=faults, backup_mode=backup_mode, options=options,
+                           family_factory=family_factory, observer=observer)
+    if not isinstance(config, ModelConfig):
+        raise ConfigError("a family that drives the engine's scheduler fuzzes named configs only, not drawn ones")
+
+    def driver(model: ModelConfig):
+        return family_factory(model, device=device, faults=tuple(faults), backup_mode=backup_mode)
+
+    identity = f"{getattr(family_factory, '__module__', '')}.{getattr(family_factory, '__qualname__', '')}"
+    return scheduled_machine(config, driver_factory=driver, observer=observer, identity=identity)
 
 
 def _api_changed_result(config, faults, backup_mode, tracker: _Tracker, started: float, device, seed) -> RunResult:

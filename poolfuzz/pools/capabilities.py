@@ -126,6 +126,9 @@ class FactoryCapabilities:
     supports_next_turn: bool = False  # its families may continue finished requests: the machine gets the rule
     engine_code: tuple[str, ...] | None = None  # what --coverage measures, relative to the engine's parent dir
     engine_report: Callable | None = None  # () -> engine_api.EngineReport: what doctor prints, run checks
+    # True: the factory builds a *scheduler driver* (harness/scheduled.py), not a pool family: a run drives the
+    # engine's own scheduler with the ScheduledMachine instead of playing the scheduler with the Engine machine.
+    drives_scheduler: bool = False
 
 
 _FACTORY_FLAGS = {f.name: f for f in dataclasses.fields(FactoryCapabilities)}

@@ -1,5 +1,10 @@
 """Drive vLLM's real v1 KV cache manager (installed from PyPI) with the poolfuzz harness.
 
+Two families: ``vllm:scheduler`` runs vLLM's own ``Scheduler`` (``scheduling.py``: it decides chunks, hits,
+preemption and blocks; a worker stand-in checks every attended position), ``vllm`` plays the scheduler itself
+over the manager (it reaches what the scheduler path does not drive yet: speculative decoding, next turns, KV
+connectors, the events).
+
 ``poolfuzz run --family vllm`` builds vLLM's own ``KVCacheManager`` for a config (full attention,
 sliding window and mamba groups over one block pool, prefix caching on) with real ``Request``
 objects, and models the worker's side: the KV tensors, the writes into the blocks the manager hands
@@ -46,3 +51,32 @@ build_family.engine_report = engine_report
 build_family.supports_next_turn = True
 # The source that is "the engine" for coverage: vLLM's v1 KV cache management, relative to site-packages.
 build_family.engine_code = ("vllm/v1/core",)
+
+
+def build_scheduler_driver(config, *, device="cpu", faults=(), backup_mode=None):
+    """The factory registered as ``vllm:scheduler``: one example's server (vLLM's Scheduler and the worker
+    stand-in, ``scheduling.SchedulerDriver``), driven by ``harness/scheduled.py``'s machine."""
+    from poolfuzz.adapters.vllm.scheduling import build_driver
+
+    return build_driver(config, device=device, faults=faults, backup_mode=backup_mode)
+
+
+def scheduler_unsupported_reason(config) -> str | None:
+    """Why the scheduler path does not drive ``config`` with the installed vLLM, or None."""
+    from poolfuzz.adapters.vllm.scheduling import unsupported_reason as probe
+
+    return probe(config)
+
+
+def scheduler_engine_report():
+    """The installed vLLM and every entry point the scheduler path needs of it (the scheduler's ones required)."""
+    from poolfuzz.adapters.vllm.compat import scheduler_engine_report as probed
+
+    return probed()
+
+
+build_scheduler_driver.drives_scheduler = True
+build_scheduler_driver.unsupported_reason = scheduler_unsupported_reason
+build_scheduler_driver.engine_report = scheduler_engine_report
+# What --coverage measures: the scheduler and the KV cache management below it.
+build_scheduler_driver.engine_code = ("vllm/v1/core",)

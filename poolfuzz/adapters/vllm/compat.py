@@ -10,6 +10,7 @@ one is a feature the family probes and does without. ``poolfuzz doctor --family 
 
 from __future__ import annotations
 
+import dataclasses
 from functools import lru_cache
 
 from poolfuzz.adapters.engine_api import EngineReport, Need, Probe, report, require
@@ -85,7 +86,14 @@ NEEDS: tuple[Need, ...] = (
     Need(target="vllm.config:VllmConfig", params=("model_config", "scheduler_config", "cache_config",
                                                   "device_config"), required=False,
          used_for="the scheduler-driven path: the server's config, built on the CPU"),
+    Need(target="vllm.v1.core.sched.output:SchedulerOutput",
+         fields=("scheduled_new_reqs", "scheduled_cached_reqs", "num_scheduled_tokens", "finished_req_ids"),
+         required=False, used_for="the scheduler-driven path: what the worker stand-in reads of each step"),
+    Need(target="vllm.v1.core.sched.output:CachedRequestData",
+         fields=("req_ids", "new_block_ids", "num_computed_tokens"), required=False,
+         used_for="the scheduler-driven path: running and resumed requests' blocks"),
 )
+SCHEDULER_NEEDS = ("the scheduler-driven path",)  # the optional needs ``vllm:scheduler`` requires
 
 
 def release() -> str:
@@ -116,6 +124,13 @@ def check() -> tuple[Probe, ...]:
 def engine_report() -> EngineReport:
     """Every need probed, none raising (``poolfuzz doctor``); a ConfigError when vLLM is not installed."""
     return report(NEEDS, engine=ENGINE, release=installed_release())
+
+
+def scheduler_engine_report() -> EngineReport:
+    """``engine_report`` for ``--family vllm:scheduler``: the scheduler path's needs are required there."""
+    needs = tuple(dataclasses.replace(n, required=True) if n.used_for.startswith(SCHEDULER_NEEDS) else n
+                  for n in NEEDS)
+    return report(needs, engine=ENGINE, release=installed_release())
 
 
 _SHAPE_SEEN: set[str] = set()  # answers whose shape was checked once in this process (a release is fixed under it)

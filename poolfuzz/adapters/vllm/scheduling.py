@@ -374,8 +374,11 @@ VOCAB = 1 << 15
 def scheduler_modules():
     """vLLM's scheduler, its configs and its worker output, imported once (their import chains warn about
     vLLM's own use of torch APIs, not ours to fail on)."""
+    import logging
     import types
     import warnings
+
+    logging.getLogger("vllm").setLevel(logging.WARNING)  # its INFO lines (a prefix cache reset per example) are noise
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -544,6 +547,24 @@ class SchedulerDriver:
         if not self.scheduler.reset_prefix_cache():
             return "reset_prefix_cache refused with every request finished"
         return None
+
+
+def unsupported_reason(config: ModelConfig) -> str | None:
+    """Why ``--family vllm:scheduler`` does not drive ``config`` with the installed vLLM, or None."""
+    from poolfuzz.adapters.vllm.api import load
+    from poolfuzz.adapters.vllm.family import unsupported_reason as manager_reason
+
+    return manager_reason(config) or scheduler_problem(load(), config)
+
+
+def build_driver(config: ModelConfig, *, device="cpu", faults=(), backup_mode=None) -> SchedulerDriver:
+    """The ``vllm:scheduler`` factory's driver (the worker's tensors live on the CPU, as the scheduler does)."""
+    if tuple(faults):
+        raise ConfigError("the vllm:scheduler family runs vLLM's code as shipped: it has no catalogue faults")
+    if backup_mode not in (None, "cpu_tensor"):
+        raise ConfigError(f"the vllm:scheduler family has no backup_mode {backup_mode!r}: vLLM's scheduler "
+                          "recomputes a preempted request")
+    return SchedulerDriver(config)
 
 
 def release_problem(api: VllmAPI) -> str | None:

@@ -1,0 +1,126 @@
+"""``poolfuzz run --family vllm:scheduler``: vLLM's own Scheduler under the run machinery (issue 30, item 1/5).
+
+Budgets, the summary, exit codes, shrinking, the artifact and its replay, as for any family; the program is
+scheduler steps (``scheduler.add_request`` / ``scheduler.schedule`` / ``scheduler.abort``).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+from poolfuzz.cli import run_cli
+from tests.engine_fuzz import assert_api_changed, run_on_changed_engine
+
+FAMILY = "vllm:scheduler"
+
+
+@pytest.fixture(scope="module")
+def scheduling(api):
+    from poolfuzz.adapters.vllm import scheduling
+
+    reason = scheduling.release_problem(api)
+    if reason:
+        pytest.skip(reason)
+    return scheduling
+
+
+def _run(tmp_path, config: str, examples: int, *extra: str) -> int:
+    return run_cli(["run", "--family", FAMILY, "--config", config, "--examples", str(examples), "--seed", "1",
+                    "--db", "none", "--device", "cpu", "--out", str(tmp_path / "out"), "--shrink-seconds", "30",
+                    *extra])
+
+
+def _artifacts(tmp_path) -> list:
+    return sorted((tmp_path / "out").glob("*.json"))
+
+
+def test_a_clean_config_passes_through_the_scheduler(scheduling, tmp_path, capsys):
+    assert _run(tmp_path, "dense-ps4", 15) == 0
+    text = capsys.readouterr().out
+    assert re.search(r"dense-ps4\s+PASS\s+15\s", text), text
+    assert _artifacts(tmp_path) == []
+
+
+def test_a_planted_double_allocation_is_shrunk_reported_and_replayed(scheduling, tmp_path, capsys, monkeypatch):
+    """A block pool that hands out a block a running request still fills: the run fails (exit 1) with the
+    shrunk scheduler program in an artifact, which ``poolfuzz replay`` reproduces (exit 1)."""
+    from vllm.v1.core.block_pool import BlockPool
+
+    real = BlockPool.get_new_blocks
+
+    def double_allocating(self, num_blocks, *args, **kwargs):
+        blocks = real(self, num_blocks, *args, **kwargs)
+        held = [b for b in self.blocks if b.ref_cnt == 1 and not b.is_null and b.block_hash is None and b not in blocks]
+        if held and blocks:
+            blocks[0].ref_cnt -= 1
+            self.free_block_queue.append(blocks[0])
+            held[0].ref_cnt += 1
+            blocks[0] = held[0]
+        return blocks
+
+    monkeypatch.setattr(BlockPool, "get_new_blocks", double_allocating)
+    assert _run(tmp_path, "dense-ps4", 30) == 1
+    text = capsys.readouterr().out
+    assert re.search(r"dense-ps4\s+FAIL", text), text
+    paths = _artifacts(tmp_path)  # the run goes on past a failure: one artifact per distinct signature
+    assert paths
+    for path in paths:
+        art = json.loads(path.read_text())
+        assert art["family"] == FAMILY and art["status"] == "shrunk"
+        ops = [s["op"] for s in art["program"]]
+        assert ops and set(ops) <= {"scheduler.add_request", "scheduler.schedule", "scheduler.abort"}, ops
+        assert len(ops) <= 8, art["program"]  # shrunk: a request or two and their steps
+        assert "state = ScheduledMachine()" in art["hypothesis_program"]
+    path = paths[0]
+    art = json.loads(path.read_text())
+    if art["error_type"] == "StateLost":  # the worker saw it (0.23.0: vLLM's own cache_full_blocks assert first)
+        assert re.search(r"req \d+ step \d+: full\.k layer \d+ position \d+: block \d+ slot \d+ holds req \d+'s",
+                         art["failure"]), art["failure"]
+    assert run_cli(["replay", str(path), "--device", "cpu"]) == 1
+    replayed = capsys.readouterr().out
+    assert "REPRODUCED at step" in replayed, replayed
+    if art["error_type"] == "StateLost":  # (replay's report calls a crash, vLLM's own assert, "different")
+        assert "the same failure as recorded" in replayed, replayed
+    # emit-test cannot write a scheduler program yet: one line, exit 2, nothing written
+    assert run_cli(["emit-test", str(path), "-o", str(tmp_path / "test_x.py")]) == 2
+    assert "cannot write a test of one yet" in capsys.readouterr().err
+    assert not (tmp_path / "test_x.py").exists()
+
+
+ALIGN = "hybrid-extra-buffer-ps4"  # vllm-project/vllm#33706's config (tests/vllm/test_vllm_scheduling.py)
+
+
+@pytest.mark.anchored
+def test_the_33706_config_fails_before_0_17_and_passes_after(scheduling, api, tmp_path, capsys):
+    if "align" not in api.mamba_cache_modes:
+        pytest.skip(f"vLLM {api.version} has no mamba cache mode align")
+    fixed = tuple(int(x) for x in api.version.split(".")[:2]) >= (0, 17)
+    code = _run(tmp_path, ALIGN, 100)
+    text = capsys.readouterr().out
+    if fixed:
+        assert code == 0, text
+        assert _artifacts(tmp_path) == []
+        return
+    assert code == 1, text
+    assert re.search(r"StateLost: req \d+ step \d+: mamba\.state layer \d+ position \d+: block \d+ slot \d+ holds ",
+                     text), text
+    [path] = _artifacts(tmp_path)
+    assert json.loads(path.read_text())["signature"] == "StateLost:contents:mamba@schedule"
+    assert run_cli(["replay", str(path), "--device", "cpu"]) == 1
+
+
+def test_a_config_the_scheduler_path_does_not_drive_is_declined(scheduling, tmp_path, capsys):
+    assert _run(tmp_path, "mla", 5) == 2
+    assert re.search(r"family 'vllm:scheduler' does not support config 'mla': .*MHA", capsys.readouterr().err)
+
+
+def test_a_release_without_the_scheduler_is_api_changed(scheduling, api, tmp_path):
+    """A Scheduler that no longer takes the KV cache config: refused before fuzzing, exit 2, no artifact."""
+    run = run_on_changed_engine(["from vllm.v1.core.sched.scheduler import Scheduler",
+                                 "Scheduler.__init__ = lambda self, vllm_config, structured_output_manager: None"],
+                                family=FAMILY, config="dense", out=tmp_path / "out", examples=5)
+    assert_api_changed(run, f"API CHANGED: vllm {api.version}: vllm.v1.core.sched.scheduler:Scheduler: expected a "
+                            "callable taking vllm_config, kv_cache_config, structured_output_manager", tmp_path)
