@@ -62,7 +62,7 @@ def main(args, out=None) -> int:
     except Exception as exc:  # the engine's audits run at construction: a failure at step 0
         reraise_api_change(exc)
         w("\nREPRODUCED at step 0 (building the families):\n")
-        _report(w, exc, art)
+        _report(w, exc, art, op="init")
         return 1
     with engine:  # a family's storage threads and files go when the replay ends
         return _replay_steps(w, engine, art, device, args.verbose)
@@ -90,7 +90,7 @@ def _replay_steps(w, engine, art, device, verbose: bool) -> int:
             reraise_api_change(ev.failure)  # the engine, not the bug: "API CHANGED", exit 2
             where = "the teardown checks" if ev.step is None else f"step {ev.index} ({ev.step.op})"
             w(f"\nREPRODUCED at {where}:\n")
-            _report(w, ev.failure, art)
+            _report(w, ev.failure, art, op=None if ev.step is None else ev.step.op)
             return 1
     w(f"\ndid not reproduce: the bug may be fixed (all {len(art.program)} steps and the teardown checks passed "
       f"on {device})\n")
@@ -118,7 +118,7 @@ def _replay_scheduled(w, art, config, device, factory) -> int:
             where = ("building the server" if ev.index == 0 else "the teardown checks" if ev.step is None
                      else f"step {ev.index} ({ev.step.op})")
             w(f"\nREPRODUCED at {where}:\n")
-            _report(w, ev.failure, art)
+            _report(w, ev.failure, art, op=None if ev.step is None else ev.step.op.removeprefix("scheduler."))
             return 1
     w(f"\ndid not reproduce: the bug may be fixed (all {len(art.program)} steps and the teardown checks passed "
       f"on {device})\n")
@@ -139,8 +139,10 @@ def _requests(engine) -> list[str]:
     return rows or ["no live requests"]
 
 
-def _report(w, exc: BaseException, art) -> None:
-    from poolfuzz.harness.failures import PoolfuzzFailure, message_of
+def _report(w, exc: BaseException, art, *, op: str | None) -> None:
+    """The failure replayed, field by field, and whether it is the one recorded. ``op``: the operation of the
+    step it came from (None: the teardown), which a crash, carrying no divergence of its own, is judged by."""
+    from poolfuzz.harness.failures import PoolfuzzFailure, message_of, signature_of
 
     w(f"{message_of(exc)}\n")
     d = exc.divergence.to_json() if isinstance(exc, PoolfuzzFailure) else {}
@@ -155,8 +157,11 @@ def _report(w, exc: BaseException, art) -> None:
         for k, v in rows:
             w(f"  {k:10} {v}\n")
     recorded = art.divergence or {}
-    same = (type(exc).__name__ == art.error_type
-            and all(d.get(k) == recorded.get(k) for k in ("kind", "op", "rid", "component", "layer")))
+    if d:
+        same = (type(exc).__name__ == art.error_type
+                and all(d.get(k) == recorded.get(k) for k in ("kind", "op", "rid", "component", "layer")))
+    else:  # a crash: the same exception class at the same operation, as its signature names it
+        same = signature_of(exc, in_teardown=op is None, op=op) == art.signature
     w("the same failure as recorded\n" if same else f"a different failure than recorded ({art.failure})\n")
 
 

@@ -205,3 +205,20 @@ def test_replay_into_a_closed_pipe_keeps_its_verdict_and_prints_no_traceback(art
         os.close(write_end)
     assert proc.returncode == 1, proc.stderr  # it reproduces: the verdict is not lost with the output
     assert "Traceback" not in proc.stderr and "BrokenPipe" not in proc.stderr, proc.stderr
+
+
+@pytest.mark.parametrize(("op", "same"), [("retract", True), ("decode", False), (None, False)])
+def test_a_crash_is_judged_the_same_by_its_class_and_operation(op, same):
+    """A crash carries no divergence of its own: it is the recorded failure when its signature is (the class and
+    the operation it came from), even with an empty message (a bare NotImplementedError used to read as different)."""
+    import types
+
+    from poolfuzz.cli.replay import _report
+
+    recorded = types.SimpleNamespace(error_type="NotImplementedError", signature="Crash:NotImplementedError@retract",
+                                     failure="NotImplementedError: ", divergence={"kind": "exception", "op": "retract"})
+    out = []
+    _report(out.append, NotImplementedError(), recorded, op=op)
+    verdict = out[-1]
+    assert verdict == ("the same failure as recorded\n" if same else
+                       "a different failure than recorded (NotImplementedError: )\n"), out
