@@ -67,4 +67,5 @@ class LostKv(AssertionError):
         self.expected, self.found, self.whose = expected, found, whose
         super().__init__(f"req {rid} step {step}: {component} layer {layer} position {position}: "
                          + (f"block {block} slot {slot} holds {whose}" if slot is not None else whose)
-                         + f" (expected the KV of its own tokens through position {position})")
+                         + f" (expected the {'recurrent state' if space == 'mamba' else 'KV'} of its own tokens "
+                           f"through position {position})")
