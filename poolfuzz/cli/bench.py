@@ -48,7 +48,7 @@ def main(args) -> int:
     prepare_process()  # what poolfuzz run's workers do before fuzzing
     results.update(figures.steps(device, examples=args.examples, small_tokens=figures.SMALL_TOKENS,
                                  large_tokens=figures.LARGE_TOKENS, reps=args.step_reps))
-    results.update(figures.vllm_steps(device, examples=args.examples, reps=args.step_reps))
+    results.update(figures.engine_steps(device, examples=args.examples, reps=args.step_reps))
     results.update(figures.first_failure(device, seeds=args.seeds))
     results["targets"] = figures.verdicts(results, device.type)
 
@@ -76,6 +76,10 @@ def print_table(results: dict) -> None:
         ("steps_per_second_drawn", "steps/s", "--config random: a config drawn per example"),
         ("steps_per_second_vllm", "steps/s",
          f"{figures.VLLM_CONFIG} on vLLM {results.get('vllm_version', '?')}'s KVCacheManager (--family vllm)"),
+        ("steps_per_second_vllm_scheduler", "steps/s",
+         f"{figures.VLLM_CONFIG} through vLLM {results.get('vllm_version', '?')}'s own Scheduler (--family vllm:scheduler)"),
+        ("steps_per_second_sglang", "steps/s",
+         f"{figures.SGLANG_CONFIG} on SGLang {results.get('sglang_version', '?')}'s pools (--family sglang)"),
         ("hypothesis_trivial_steps_per_second", "steps/s", "plain Hypothesis, trivial rules (machine load)"),
         ("seconds_to_first_failure", "s", f"median, #35957 ({figures.FAULT_35957})"),
     ]

@@ -129,33 +129,44 @@ def steps(device, *, examples: int, small_tokens: int, large_tokens: int, reps: 
 
 
 VLLM_CONFIG = "swa"  # full attention + sliding window: two KV cache groups over one block pool
+SGLANG_CONFIG = "swa-ssm"  # sliding window and recurrent state: #35957's model, SGLang's hybrid pools
+# (family, config, figure, engine package): the engine families' rates, each where its engine is installed.
+ENGINE_RATES = (("vllm", VLLM_CONFIG, "steps_per_second_vllm", "vllm"),
+                ("vllm:scheduler", VLLM_CONFIG, "steps_per_second_vllm_scheduler", "vllm"),
+                ("sglang", SGLANG_CONFIG, "steps_per_second_sglang", "sglang"))
 
 
-def vllm_steps(device, *, examples: int, reps: int = 3) -> dict:
-    """Steps/s of the vllm family (vLLM's real KVCacheManager), where vLLM is installed; else {}."""
+def engine_steps(device, *, examples: int, reps: int = 3) -> dict:
+    """Steps/s of the engine families, measured in one run, each where its engine is installed: ``--family
+    vllm`` (the harness plays the scheduler over vLLM's real KVCacheManager), ``--family vllm:scheduler``
+    (vLLM's own Scheduler, fed by the worker stand-in: a step is one ``schedule()`` of the whole batch with its
+    forward and checks) and ``--family sglang`` (SGLang's pools, allocators and retraction code)."""
+    from importlib.metadata import PackageNotFoundError, version
+
     from poolfuzz.orchestration.plugins import resolve_family
     from poolfuzz.orchestration.runner import run_machine
     from poolfuzz.pools.config import CONFIGS
     from poolfuzz.pools.errors import ConfigError
 
-    plugin = resolve_family("vllm")
-    config = CONFIGS[VLLM_CONFIG]
-    if plugin.unsupported_reason(config) is not None:
-        return {}
-    try:
-        run_machine(config, device=device, max_examples=2, seed=1, family_factory=plugin.factory)
-    except ConfigError:
-        return {}
-    rates = []
-    for _ in range(reps):
-        r = run_machine(config, device=device, max_examples=examples, seed=0, family_factory=plugin.factory)
-        if not r.passed:
-            raise RuntimeError(f"bench: the vllm family failed on {config.name}: {r.failure}")
-        rates.append(r.steps / r.seconds)
-    from importlib.metadata import version  # the family is loaded by name only, never imported here
-
-    return {"steps_per_second_vllm": max(rates), "steps_per_second_vllm_runs": rates,
-            "vllm_version": version("vllm")}
+    out: dict = {}
+    for name, config_name, key, package in ENGINE_RATES:
+        config = CONFIGS[config_name]
+        plugin = resolve_family(name)
+        try:
+            version(package)
+            if plugin.unsupported_reason(config) is not None:
+                continue
+            run_machine(config, device=device, max_examples=2, seed=1, family_factory=plugin.factory)
+        except (PackageNotFoundError, ConfigError):  # the engine is not installed here, or cannot build it
+            continue
+        rates = []
+        for _ in range(reps):
+            r = run_machine(config, device=device, max_examples=examples, seed=0, family_factory=plugin.factory)
+            if not r.passed:
+                raise RuntimeError(f"bench: the {name} family failed on {config.name}: {r.failure}")
+            rates.append(r.steps / r.seconds)
+        out.update({key: max(rates), f"{key}_runs": rates, f"{package}_version": version(package)})
+    return out
 
 
 def trivial_steps_per_second(examples: int) -> float:

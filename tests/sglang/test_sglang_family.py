@@ -191,3 +191,12 @@ def _sglang_buffers(fam) -> list[torch.Tensor]:
         conv, temporal = mamba_state_tensors(fam.sg_req_pool.mamba_pool)
         out += list(conv) + [temporal]
     return out
+
+
+def test_bench_measures_the_sglang_family(api):
+    """``poolfuzz bench`` prints the SGLang family's step rate where SGLang is installed (issue 34)."""
+    from poolfuzz.orchestration import bench
+
+    figures = bench.engine_steps("cpu", examples=3, reps=1)
+    assert figures["steps_per_second_sglang"] > 0, figures
+    assert figures["sglang_version"] == api.version

@@ -124,3 +124,13 @@ def test_a_release_without_the_scheduler_is_api_changed(scheduling, api, tmp_pat
                                 family=FAMILY, config="dense", out=tmp_path / "out", examples=5)
     assert_api_changed(run, f"API CHANGED: vllm {api.version}: vllm.v1.core.sched.scheduler:Scheduler: expected a "
                             "callable taking vllm_config, kv_cache_config, structured_output_manager", tmp_path)
+
+
+def test_bench_measures_both_vllm_paths_in_one_run(scheduling, api):
+    """``poolfuzz bench`` prints the scheduler-driven step rate beside the direct-manager one (issue 30)."""
+    from poolfuzz.orchestration import bench
+
+    figures = bench.engine_steps("cpu", examples=5, reps=1)
+    for key in ("steps_per_second_vllm", "steps_per_second_vllm_scheduler"):
+        assert figures[key] > 0 and figures[f"{key}_runs"] == [figures[key]], figures
+    assert figures["vllm_version"] == api.version
