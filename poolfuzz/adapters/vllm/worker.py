@@ -1,0 +1,329 @@
+"""The worker stand-in of the scheduler-driven vLLM family: what vLLM's GPU model runner does with the KV cache.
+
+:class:`Worker` does with each ``SchedulerOutput`` what the GPU model runner does with the KV cache. It keeps
+each request's block table per KV cache group as the output gives it (new requests, appended blocks, a request
+re-sent after preemption), zeroes the blocks the scheduler names and runs its block copies, checks that every
+position the forward attends to holds the KV of exactly the request's tokens up to it, writes the K and V of
+exactly the scheduled positions, and samples a token determined by the tokens so far. Contents derive from
+tokens alone (a chained hash of the token ids up to a position, salted by layer and component), never from
+vLLM's bookkeeping, so a prefix hit's blocks must hold the prefix's own KV.
+
+Mamba groups run in cache mode "none" (one state block a request, no prefix caching) and "align" (prefix
+caching: a state per block of tokens). In both the worker checks that a forward continuing after ``n`` tokens
+reads the recurrent state of exactly those ``n`` tokens (a chained hash of them, as for the KV).
+
+Mode "align", as the GPU model runner runs it (``vllm/v1/worker/mamba_utils.py``: ``preprocess_mamba`` before
+the forward, ``postprocess_mamba`` after it, 0.16.0 to 0.23.0; 0.34.0's fused ``preprocess_mamba_align`` /
+``precopy_mamba_align`` kernels, and its CPU runner's ``MambaHybridModelState.preprocess_state`` in
+``vllm/v1/worker/cpu/model_states/mamba_hybrid.py``, decide the same columns). A request's running state lives
+in column ``cdiv(computed + scheduled, block_size) - 1`` of its mamba block table (0.16.0 takes the table's last
+column: the same one without draft tokens). Before the forward the state it
+continues from is copied there from the previous step's column, or, for a request the worker has no column for
+(new, resumed after preemption, a prefix hit), from column ``(computed - 1) // block_size``: the hit's last
+cached block. The forward writes the state after its last scheduled token into the running column; when that
+token ends a block, the state is copied to that block's column (a no-op without draft tokens). A block the
+scheduler caches thus holds the state after whatever token its last forward ended on: the scheduler's
+block-aligned split (``Scheduler._mamba_block_aligned_split``) is what makes that its block boundary. The worker
+follows those functions' column choice and does their copies on the CPU tensors here: the real ones build
+CUDA pointer tables and launch Triton copies (``batch_memcpy`` / the fused kernels), which cannot run on a CPU,
+and 0.34.0's CPU runner needs a loaded model's state copy functions and input batch.
+Not driven yet: speculative decoding, KV connectors.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+import torch
+
+from poolfuzz.adapters.vllm.storage import copy_block, zero_blocks
+from poolfuzz.pools.components import Component
+from poolfuzz.pools.errors import LostKv
+
+MASK = (1 << 63) - 1
+_PRIME = 0x100000001B3
+COMPONENTS = ("k", "v")
+
+
+def chain_after(chain: int, token: int, position: int) -> int:
+    """The chained hash of a request's tokens through ``position``: what its KV there derives from."""
+    return ((chain ^ (token + (position << 32))) * _PRIME) & MASK
+
+
+def tag(chain: int, layer: int, component: int) -> int:
+    """The value a K or V slot holds for a position (its chain), salted by layer and component."""
+    return ((chain * 31 + layer * 7 + component + 1) * _PRIME) & MASK
+
+
+def sampled_token(chain: int, vocab: int) -> int:
+    """The token the stand-in model samples after a sequence: determined by the sequence alone."""
+    return chain % vocab
+
+
+@dataclass(kw_only=True)
+class Tokens:
+    """What the harness knows of a request: every token id (prompt, then samples) and their chains."""
+
+    ids: list[int]
+    chains: list[int] = field(default_factory=list)
+
+    def chain(self, position: int) -> int:
+        while len(self.chains) <= position:
+            p = len(self.chains)
+            self.chains.append(chain_after(self.chains[-1] if self.chains else 0, self.ids[p], p))
+        return self.chains[position]
+
+
+class Worker:
+    """The GPU model runner's handling of a ``SchedulerOutput``, on real tensors (see the module)."""
+
+    def __init__(self, *, groups, num_blocks: int, block_size: int, sliding_window: int | None,
+                 vocab: int, output_cls, mamba_mode: str = "none"):
+        self.output_cls = output_cls  # the release's ModelRunnerOutput, what the forward hands back
+        self.output_fields = {f.name for f in dataclasses.fields(self.output_cls)}
+        self.groups = groups  # manager.Group per KV cache group
+        self.block_size = block_size
+        self.sliding_window = sliding_window
+        self.vocab = vocab
+        self.mamba_mode = mamba_mode
+        # One int64 component per (group, layer, K/V), a value per token slot (block * size + offset), and one
+        # recurrent state per block of a mamba group (mode "none": a request's one state block; "align": a state
+        # per block of tokens, the running one and those the prefix cache keeps).
+        self.kv = {(g.index, layer, c): Component(name=f"{g.space}.{name}", layer=layer, space=g.space,
+                                                  tensor=torch.zeros(num_blocks * block_size, dtype=torch.int64))
+                   for g in groups if g.space != "mamba" for layer in g.layer_ids for c, name in enumerate(COMPONENTS)}
+        self.state = {(g.index, layer): Component(name="mamba.state", layer=layer, space="mamba",
+                                                  tensor=torch.zeros(num_blocks, dtype=torch.int64))
+                      for g in groups if g.space == "mamba" for layer in g.layer_ids}
+        self.tables: dict[str, list[list[int]]] = {}  # req id -> block ids per group, as the output gave them
+        self.tokens: dict[str, Tokens] = {}  # req id -> its tokens (kept across preemption, as the request's are)
+        self.writers: dict[int, tuple[str, int]] = {}  # a tag written -> (req id, position): whose data it is
+        self.state_idx: dict[str, int] = {}  # align: req id -> the table column of its running state (vLLM's
+        # mamba_state_idx: forgotten when it finishes, is preempted or resumes)
+        self.step = 0
+
+    # --- what the scheduler hands over ----------------------------------------------------------
+    def execute(self, out) -> object:
+        """One forward over ``out``; the ``ModelRunnerOutput`` vLLM's ``update_from_output`` takes."""
+        self.step += 1
+        for rid in out.finished_req_ids:
+            self.tables.pop(rid, None)
+            self.state_idx.pop(rid, None)
+        for rid in getattr(out, "preempted_req_ids", None) or ():
+            self.tables.pop(rid, None)  # re-sent in full when it resumes
+            self.state_idx.pop(rid, None)
+        computed: dict[str, int] = {}
+        for new in out.scheduled_new_reqs:
+            self.tables[new.req_id] = [list(ids) for ids in new.block_ids]
+            computed[new.req_id] = new.num_computed_tokens
+        cached = out.scheduled_cached_reqs
+        resumed = self._resumed(cached)
+        for i, rid in enumerate(cached.req_ids):
+            blocks = cached.new_block_ids[i]
+            if rid in resumed or rid not in self.tables:
+                self.tables[rid] = [list(ids) for ids in (blocks or ())]
+                self.state_idx.pop(rid, None)
+            elif blocks is not None:
+                for table, ids in zip(self.tables[rid], blocks):
+                    table.extend(ids)
+            computed[rid] = cached.num_computed_tokens[i]
+        zero = getattr(out, "new_block_ids_to_zero", None) or ()
+        zero_blocks(list(self.kv.values()), zero, self.block_size)
+        zero_blocks(list(self.state.values()), zero, 1)
+        for copy in getattr(out, "kv_cache_block_copies", None) or ():
+            for g in self.groups:
+                if g.space != "mamba":
+                    copy_block(list(self.kv.values()), g.space, copy.src_block_id, copy.dst_block_id, self.block_size)
+        if self.mamba_mode == "align":  # preprocess_mamba: every request's state moves before any forward
+            for rid, n in out.num_scheduled_tokens.items():
+                self._carry_state(rid, computed[rid], computed[rid] + n)
+        req_ids, sampled = [], []
+        for rid, n in out.num_scheduled_tokens.items():
+            start = computed[rid]
+            self._check_context(rid, start)
+            if self.mamba_mode != "align":
+                self._check_state(rid, start)
+            self._write(rid, start, start + n)
+            self._write_state(rid, start + n)
+            tokens = self.tokens[rid]
+            if start + n >= len(tokens.ids):  # the forward reached the last known token: it samples one
+                next_token = sampled_token(tokens.chain(len(tokens.ids) - 1), self.vocab)
+                tokens.ids.append(next_token)
+                sampled.append([next_token])
+            else:
+                sampled.append([])
+            req_ids.append(rid)
+        return self._output(req_ids, sampled)
+
+    def _resumed(self, cached) -> set[str]:
+        """Requests the output re-sends whole (older releases flag them among the cached ones)."""
+        flags = getattr(cached, "resumed_from_preemption", None)
+        if flags is not None:
+            return {rid for rid, f in zip(cached.req_ids, flags) if f}
+        return set(getattr(cached, "resumed_req_ids", None) or ())
+
+    def _output(self, req_ids: list[str], sampled: list[list[int]]):
+        kw = dict(req_ids=req_ids, sampled_token_ids=sampled)
+        optional = dict(req_id_to_index={r: i for i, r in enumerate(req_ids)}, logprobs=None,
+                        prompt_logprobs_dict={}, pooler_output=[])
+        kw.update({k: v for k, v in optional.items() if k in self.output_fields})
+        return self.output_cls(**kw)
+
+    # --- the KV a forward reads and writes --------------------------------------------------------
+    def _slot(self, rid: str, group: int, position: int) -> int | None:
+        table = self.tables[rid][group]
+        index = position // self.block_size
+        if index >= len(table):
+            return None
+        return table[index] * self.block_size + position % self.block_size
+
+    def _attended(self, group, start: int) -> range:
+        """The positions before ``start`` the forward's first token attends to in ``group``."""
+        if group.space == "swa" and self.sliding_window is not None:
+            return range(max(0, start - (self.sliding_window - 1)), start)
+        return range(start)
+
+    def _check_context(self, rid: str, start: int) -> None:
+        tokens = self.tokens[rid]
+        for g in self.groups:
+            if g.space == "mamba":
+                continue
+            for p in self._attended(g, start):
+                slot = self._slot(rid, g.index, p)
+                chain = tokens.chain(p)
+                for layer in g.layer_ids:
+                    for c, name in enumerate(COMPONENTS):
+                        want = tag(chain, layer, c)
+                        got = None if slot is None else int(self.kv[(g.index, layer, c)].tensor[slot])
+                        if got != want:
+                            raise self._lost(rid, g, layer, name, p, slot, want, got)
+
+    def _state_block(self, rid: str, group) -> int | None:
+        table = self.tables[rid][group.index]
+        if self.mamba_mode == "align":
+            column = self.state_idx.get(rid)
+            return table[column] if column is not None and 0 <= column < len(table) else None
+        return table[-1] if table else None
+
+    def _column_block(self, rid: str, group, column: int) -> int | None:
+        table = self.tables[rid][group.index]
+        return table[column] if 0 <= column < len(table) else None
+
+    def _carry_state(self, rid: str, start: int, end: int) -> None:
+        """Mode align, ``preprocess_mamba``: the state a forward over ``[start, end)`` continues from is in the
+        previous step's running column, or for a request without one (new, resumed, a prefix hit) in column
+        ``(start - 1) // block_size``. It must be the state of exactly ``start`` tokens; it is copied into the
+        running column ``cdiv(end, block_size) - 1`` the forward reads and writes."""
+        mamba = [g for g in self.groups if g.space == "mamba"]
+        if not mamba:
+            return
+        size = mamba[0].block_size
+        prev = self.state_idx.get(rid)
+        if prev is None:
+            prev = (start - 1) // size  # -1 at 0: a first forward starts from no state
+        curr = -(-end // size) - 1
+        self.state_idx[rid] = curr
+        if start == 0:
+            return
+        chain = self.tokens[rid].chain(start - 1)
+        for g in mamba:
+            src = self._column_block(rid, g, prev)
+            for layer in g.layer_ids:
+                want = tag(chain, layer, len(COMPONENTS))
+                got = None if not src else int(self.state[(g.index, layer)].tensor[src])
+                if got != want:
+                    why = None if src else (f"column {prev} of its mamba table is "
+                                            + ("the null block" if src == 0 else "missing"))
+                    raise self._lost(rid, g, layer, "state", start - 1, src or None, want, got, block_size=1, why=why)
+            dst = self._column_block(rid, g, curr)
+            if prev != curr and dst is not None:
+                copy_block(list(self.state.values()), "mamba", src, dst, 1)
+
+    def _checkpoint_state(self, rid: str, end: int) -> None:
+        """Mode align, ``postprocess_mamba``: a forward whose last token ends a block leaves that block's
+        column the state after it (the running column already, without draft tokens)."""
+        for g in self.groups:
+            if g.space != "mamba" or end % g.block_size:
+                continue
+            src, dst = self._state_block(rid, g), self._column_block(rid, g, end // g.block_size - 1)
+            if src is not None and dst is not None and src != dst:
+                copy_block(list(self.state.values()), "mamba", src, dst, 1)
+
+    def _check_state(self, rid: str, start: int) -> None:
+        """A forward continuing from ``start`` tokens reads the recurrent state of exactly those tokens
+        (none at 0: a first forward starts from no state, vLLM's ``has_initial_state`` False)."""
+        if start == 0:
+            return
+        chain = self.tokens[rid].chain(start - 1)
+        for g in self.groups:
+            if g.space != "mamba":
+                continue
+            block = self._state_block(rid, g)
+            for layer in g.layer_ids:
+                want = tag(chain, layer, len(COMPONENTS))
+                got = None if block is None else int(self.state[(g.index, layer)].tensor[block])
+                if got != want:
+                    raise self._lost(rid, g, layer, "state", start - 1, block, want, got, block_size=1)
+
+    def _write_state(self, rid: str, end: int) -> None:
+        chain = self.tokens[rid].chain(end - 1)
+        for g in self.groups:
+            if g.space != "mamba":
+                continue
+            block = self._state_block(rid, g)
+            if not block:
+                raise self._lost(rid, g, g.layer_ids[0], "state", end - 1, None, None, None,
+                                 why="no state block in the mamba table the output gave" if block is None
+                                 else "its running state's column is the null block")
+            for layer in g.layer_ids:
+                value = tag(chain, layer, len(COMPONENTS))
+                self.state[(g.index, layer)].tensor[block] = value
+                self.writers.setdefault(value, (rid, end - 1))
+        if self.mamba_mode == "align":
+            self._checkpoint_state(rid, end)
+
+    def _write(self, rid: str, start: int, end: int) -> None:
+        tokens = self.tokens[rid]
+        for g in self.groups:
+            if g.space == "mamba":
+                continue
+            for p in range(start, end):
+                slot = self._slot(rid, g.index, p)
+                if slot is None:
+                    raise self._lost(rid, g, g.layer_ids[0], "k", p, None, None, None,
+                                     why=f"position {p} has no block in the {g.space} table the output gave")
+                chain = tokens.chain(p)
+                for layer in g.layer_ids:
+                    for c in range(len(COMPONENTS)):
+                        value = tag(chain, layer, c)
+                        self.kv[(g.index, layer, c)].tensor[slot] = value
+                        self.writers.setdefault(value, (rid, p))
+
+    def _lost(self, rid, g, layer, name, position, slot, want, got, why: str | None = None,
+              block_size: int | None = None) -> LostKv:
+        if why is None:
+            if got == 0:
+                why = "zeros (never written, or cleared)"
+            elif got in self.writers and name == "state":
+                owner, pos = self.writers[got]
+                tokens = self.tokens[rid]
+                own = pos < len(tokens.ids) and tag(tokens.chain(pos), layer, len(COMPONENTS)) == got
+                why = (f"the state after {pos + 1} tokens, not {position + 1}: "
+                       + (f"its own first {pos + 1}" if own else "another prefix's")
+                       + f", written by req {owner}")
+            elif got in self.writers:
+                owner, pos = self.writers[got]
+                why = f"req {owner}'s position {pos}" + (" (another prefix)" if owner != rid else "")
+            else:
+                why = f"a value nobody wrote ({got:#x})"
+        return LostKv(rid=rid, step=self.step, space=g.space, component=f"{g.space}.{name}", layer=layer,
+                      position=position, block=None if slot is None else slot // (block_size or self.block_size),
+                      slot=slot,
+                      expected="" if want is None else f"{want:#x}", found="" if got is None else f"{got:#x}",
+                      whose=why)
+
+
+# ======================================================================================
+# The scheduler, built as a server builds it, with the tiny model config it reads
+# ======================================================================================
