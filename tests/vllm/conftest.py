@@ -50,3 +50,24 @@ def _fuzz(config, *, examples: int, steps: int = 30) -> Outcome:
 def fuzz():
     """``fuzz(config, examples=N)``: the state machine over the vllm family, shrunk failure if any."""
     return _fuzz
+
+
+@pytest.fixture
+def double_allocation(monkeypatch):
+    """Plant a double allocation in vLLM's BlockPool: ``get_new_blocks`` hands out a block a running request still
+    fills (no hash yet: vLLM's own caching assert would catch a cached one) in place of a fresh one."""
+    from vllm.v1.core.block_pool import BlockPool
+
+    real = BlockPool.get_new_blocks
+
+    def double_allocating(self, num_blocks, *args, **kwargs):
+        blocks = real(self, num_blocks, *args, **kwargs)
+        held = [b for b in self.blocks if b.ref_cnt == 1 and not b.is_null and b.block_hash is None and b not in blocks]
+        if held and blocks:
+            blocks[0].ref_cnt -= 1
+            self.free_block_queue.append(blocks[0])
+            held[0].ref_cnt += 1
+            blocks[0] = held[0]
+        return blocks
+
+    monkeypatch.setattr(BlockPool, "get_new_blocks", double_allocating)

@@ -44,24 +44,9 @@ def test_a_clean_config_passes_through_the_scheduler(scheduling, tmp_path, capsy
     assert _artifacts(tmp_path) == []
 
 
-def test_a_planted_double_allocation_is_shrunk_reported_and_replayed(scheduling, tmp_path, capsys, monkeypatch):
+def test_a_planted_double_allocation_is_shrunk_reported_and_replayed(scheduling, tmp_path, capsys, double_allocation):
     """A block pool that hands out a block a running request still fills: the run fails (exit 1) with the
     shrunk scheduler program in an artifact, which ``poolfuzz replay`` reproduces (exit 1)."""
-    from vllm.v1.core.block_pool import BlockPool
-
-    real = BlockPool.get_new_blocks
-
-    def double_allocating(self, num_blocks, *args, **kwargs):
-        blocks = real(self, num_blocks, *args, **kwargs)
-        held = [b for b in self.blocks if b.ref_cnt == 1 and not b.is_null and b.block_hash is None and b not in blocks]
-        if held and blocks:
-            blocks[0].ref_cnt -= 1
-            self.free_block_queue.append(blocks[0])
-            held[0].ref_cnt += 1
-            blocks[0] = held[0]
-        return blocks
-
-    monkeypatch.setattr(BlockPool, "get_new_blocks", double_allocating)
     assert _run(tmp_path, "dense-ps4", 30) == 1
     text = capsys.readouterr().out
     assert re.search(r"dense-ps4\s+FAIL", text), text

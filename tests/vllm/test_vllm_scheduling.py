@@ -61,25 +61,9 @@ def test_a_config_the_scheduler_path_does_not_drive_is_declined_with_its_reason(
         scheduling.SchedulerDriver(CONFIGS["mla"])
 
 
-def test_a_block_handed_out_twice_is_caught_and_named(scheduling, monkeypatch):
+def test_a_block_handed_out_twice_is_caught_and_named(scheduling, double_allocation):
     """A block pool that hands out a block a running request still holds (a double allocation): the victim's
     next forward reads the newcomer's KV, and the report names the request, the block and whose data it holds."""
-    from vllm.v1.core.block_pool import BlockPool
-
-    real = BlockPool.get_new_blocks
-
-    def double_allocating(self, num_blocks, *args, **kwargs):
-        blocks = real(self, num_blocks, *args, **kwargs)
-        # a block a request is still filling (no hash yet: vLLM's own caching assert would catch a cached one)
-        held = [b for b in self.blocks if b.ref_cnt == 1 and not b.is_null and b.block_hash is None and b not in blocks]
-        if held and blocks:
-            blocks[0].ref_cnt -= 1
-            self.free_block_queue.append(blocks[0])
-            held[0].ref_cnt += 1
-            blocks[0] = held[0]
-        return blocks
-
-    monkeypatch.setattr(BlockPool, "get_new_blocks", double_allocating)
     with pytest.raises(AssertionError) as info:  # StateLost is one
         _fuzz(scheduling, "dense-ps4", phases=[Phase.generate])  # found, not shrunk: each example builds a server
     if isinstance(info.value, StateLost):
