@@ -71,3 +71,14 @@ def double_allocation(monkeypatch):
         return blocks
 
     monkeypatch.setattr(BlockPool, "get_new_blocks", double_allocating)
+
+
+@pytest.fixture(scope="session")
+def scheduling(api):
+    """``adapters.vllm.scheduling``, where this release's Scheduler can be driven (else the test skips, saying why)."""
+    from poolfuzz.adapters.vllm import scheduling
+
+    reason = scheduling.release_problem(api)
+    if reason:
+        pytest.skip(reason)
+    return scheduling

@@ -17,16 +17,6 @@ from tests.engine_fuzz import assert_api_changed, run_on_changed_engine
 FAMILY = "vllm:scheduler"
 
 
-@pytest.fixture(scope="module")
-def scheduling(api):
-    from poolfuzz.adapters.vllm import scheduling
-
-    reason = scheduling.release_problem(api)
-    if reason:
-        pytest.skip(reason)
-    return scheduling
-
-
 def _run(tmp_path, config: str, examples: int, *extra: str) -> int:
     return run_cli(["run", "--family", FAMILY, "--config", config, "--examples", str(examples), "--seed", "1",
                     "--db", "none", "--device", "cpu", "--out", str(tmp_path / "out"), "--shrink-seconds", "30",

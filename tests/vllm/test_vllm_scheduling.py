@@ -20,16 +20,6 @@ SETTINGS = settings(max_examples=25, stateful_step_count=30, deadline=None, dera
                     suppress_health_check=list(HealthCheck), database=None)
 
 
-@pytest.fixture(scope="module")
-def scheduling(api):
-    from poolfuzz.adapters.vllm import scheduling
-
-    reason = scheduling.release_problem(api)
-    if reason:
-        pytest.skip(reason)
-    return scheduling
-
-
 def _fuzz(scheduling, name, stats=None, **kw):
     """Run the machine on ``name``; ``stats`` gathers the drivers' preemptions and prefix hits."""
     def driver(config):
