@@ -173,6 +173,7 @@ def test_the_server_is_one_vllm_would_start_and_refuses_what_its_front_end_refus
     assert driver.scheduler.max_model_len == limit  # the server was built with it
     refused = driver.add_request(length=limit, share=0, max_tokens=1)
     assert refused.startswith("refused") and driver.refused == 1 and not driver.live()
+    assert f"(length {limit})" in refused, refused  # vLLM's own words (0.17.0 on), or the rule as 0.16.0 has it
     rid = driver.add_request(length=limit - 1, share=0, max_tokens=4)
     assert driver.live() == [rid]
     assert driver.drain() is None  # admitted, run to its end (capped at max_model_len), nothing held

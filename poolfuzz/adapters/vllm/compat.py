@@ -184,3 +184,41 @@ class PrefixCacheView:
                                            expected="True or False", found=repr(held)[:40])
                 out.setdefault(key if held else None, []).append(block.block_id)
         return out
+
+
+@lru_cache(maxsize=1)
+def _prompt_len_check():
+    """``InputProcessor._validate_prompt_len`` where the release has it (0.17.0 on), else None; and what it raises
+    (``vllm.exceptions.VLLMValidationError`` where there is one, else ValueError)."""
+    from poolfuzz.adapters.engine_api import resolve
+
+    try:
+        check = resolve("vllm.v1.engine.input_processor:InputProcessor._validate_prompt_len")
+    except (ImportError, AttributeError):
+        return None, ValueError
+    try:
+        return check, resolve("vllm.exceptions:VLLMValidationError")
+    except (ImportError, AttributeError):
+        return check, ValueError
+
+
+def prompt_refusal(model_config, prompt_len: int) -> str | None:
+    """What vLLM's front end says of a decoder prompt of ``prompt_len`` tokens (it never reaches the scheduler
+    then), or None where it takes it. Where the release has ``InputProcessor._validate_prompt_len`` (private,
+    0.17.0 on) it is run unbound on a stand-in processor that holds only what it reads for a text-only decoder
+    prompt (the model config; no multimodal inputs, the length check on): the processor itself needs a tokenizer
+    and a renderer. 0.16.0 checks inside ``_validate_model_input``, which needs those: its rule stands here, as
+    written there (input_processor.py 0.16.0:727-775: a prompt of max_model_len tokens or more)."""
+    import types
+
+    check, refused = _prompt_len_check()
+    if check is None:
+        limit = model_config.max_model_len
+        return None if prompt_len < limit else f"the decoder prompt (length {prompt_len}) leaves no room under {limit}"
+    processor = types.SimpleNamespace(model_config=model_config, skip_prompt_length_check=False,
+                                      supports_mm_inputs=False, mm_encoder_cache_size=0)
+    try:
+        check(processor, prompt_len, "decoder")
+    except (ValueError, refused) as exc:
+        return str(exc).split(". Make sure")[0]
+    return None

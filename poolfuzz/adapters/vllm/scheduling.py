@@ -27,6 +27,7 @@ import tempfile
 from dataclasses import dataclass
 from functools import lru_cache
 
+from poolfuzz.adapters.vllm import compat
 from poolfuzz.adapters.vllm.api import VllmAPI
 from poolfuzz.adapters.vllm.manager import layout_for
 from poolfuzz.adapters.vllm.reference import mamba_mode_for
@@ -44,6 +45,7 @@ class Built:
     hash_block_size: int
     mamba_mode: str = "none"  # the mamba groups' cache mode ("none" or "align")
     max_model_len: int = 0  # the server's: the longest request its KV cache holds (fitted_max_model_len)
+    model_config: object = None  # the server's vllm.config.ModelConfig (what its front end checks a prompt against)
 
 
 def hf_config(config: ModelConfig) -> dict:
@@ -151,6 +153,14 @@ def fitted_max_model_len(vllm_config, layout) -> int:
     return low
 
 
+@lru_cache(maxsize=8)
+def _server_max_model_len(api: VllmAPI, config: ModelConfig, budget: int, max_seqs: int, mode: str) -> int:
+    """:func:`fitted_max_model_len` once per server config (every example builds a server)."""
+    layout = layout_for(api, config, mode)
+    return fitted_max_model_len(_vllm_config(api, config, budget, max_seqs, layout.max_model_len, layout.caching, mode),
+                                layout)
+
+
 def build_scheduler(api: VllmAPI, config: ModelConfig, *, budget: int, max_seqs: int) -> Built:
     reason = scheduler_problem(api, config)
     if reason:
@@ -159,8 +169,7 @@ def build_scheduler(api: VllmAPI, config: ModelConfig, *, budget: int, max_seqs:
     Scheduler, StructuredOutputManager = m.Scheduler, m.StructuredOutputManager
     mode = mamba_mode_for(config) if config.has_mamba else "none"
     layout = layout_for(api, config, mode)
-    probe = _vllm_config(api, config, budget, max_seqs, layout.max_model_len, layout.caching, mode)
-    max_model_len = fitted_max_model_len(probe, layout)
+    max_model_len = _server_max_model_len(api, config, budget, max_seqs, mode)
     vllm_config = _vllm_config(api, config, budget, max_seqs, max_model_len, layout.caching, mode)
     vllm_config.cache_config.num_gpu_blocks = layout.num_blocks
     # The scheduling and hashing granularities as the engine core resolves them (vLLM's own function, where
@@ -174,7 +183,8 @@ def build_scheduler(api: VllmAPI, config: ModelConfig, *, budget: int, max_seqs:
     params = inspect.signature(Scheduler).parameters
     scheduler = Scheduler(**{k: v for k, v in kw.items() if k in params})
     return Built(scheduler=scheduler, groups=layout.groups, num_blocks=layout.num_blocks, block_size=config.page_size,
-                 hash_block_size=hash_block_size, mamba_mode=mode, max_model_len=max_model_len)
+                 hash_block_size=hash_block_size, mamba_mode=mode, max_model_len=max_model_len,
+                 model_config=vllm_config.model_config)
 
 
 
@@ -220,12 +230,10 @@ class SchedulerDriver:
             ids = list(src[:min(len(src), share * self.config.page_size)])
         ids += list(range(self.fresh, self.fresh + length))
         self.fresh += length
-        if len(ids) >= self.built.max_model_len:
-            # vLLM's front end refuses it before the scheduler sees it (its InputProcessor, which needs a tokenizer
-            # and a renderer, so its rule stands here: vllm/v1/engine/input_processor.py, _validate_model_input on
-            # 0.16.0, _validate_prompt_len on 0.23.0 and later: a prompt of max_model_len tokens or more).
+        refusal = compat.prompt_refusal(self.built.model_config, len(ids))
+        if refusal:  # vLLM's front end refuses it before the scheduler sees it
             self.refused += 1
-            return f"refused: a prompt of {len(ids)} tokens, max_model_len {self.built.max_model_len}"
+            return f"refused: {refusal}"
         rid = str(self.next_rid)
         self.next_rid += 1
         self.worker.tokens[rid] = Tokens(ids=list(ids))
