@@ -36,10 +36,6 @@ def main(args, out=None) -> int:
     out = out or sys.stdout
     # what cannot replay here (or names a family the user did not trust): one line, exit 2, nothing written
     art = artifacts.load_checked(args.file, trusted_family=args.family)[0]
-    if artifacts.is_scheduler_program(art):
-        raise UsageError(f"artifact {args.file} is a program of scheduler steps (family {art.family}); emit-test "
-                         "cannot write a test of one yet: replay it with `poolfuzz replay "
-                         f"{args.file}`, or take its Hypothesis program (the artifact's 'hypothesis_program')")
     path = Path(args.output)
     if path.is_dir():
         raise UsageError(f"-o {args.output!r} is a directory; name the file, e.g. "
@@ -51,7 +47,8 @@ def main(args, out=None) -> int:
         raise UsageError(f"-o {args.output!r}: the directory {str(path.parent)!r} does not exist; create it first")
     if path.exists() and not args.force:
         raise UsageError(f"-o {args.output!r} exists; pass --force to overwrite it, or name another file")
-    source = render(art, source_name=os.path.basename(str(args.file)))
+    write = render_scheduled if artifacts.is_scheduler_program(art) else render
+    source = write(art, source_name=os.path.basename(str(args.file)))
     compile(source, str(path), "exec")  # never write a module that does not parse
     try:
         artifacts.write_text_atomic(path, source)
@@ -80,34 +77,22 @@ def render(art, *, source_name: str = "") -> str:
     plugin = art.family != "builtin"
     op = (art.divergence or {}).get("op") or "teardown"
     name = f"test_{slug(art.config)}_{slug(kind)}_at_{slug(op)}"
-    doc = [
-        "Regression test from a shrunk poolfuzz failure.",
-        "",
-        f"Recorded on {art.device} ({art.status}) with poolfuzz {art.poolfuzz_version or '?'}, "
-        f"Hypothesis {art.hypothesis_version or '?'}" + (f", from {source_name}" if source_name else "") + ":",
-        "",
-        *_wrap(art.failure, "    "),
-        "",
-        "Each step is one engine operation on a real pool family (a prefill and a decode node) and its",
-        "reference model; engine.check() after it compares every component of every request the step",
-        "touched, slot by slot, and raises StateLost / InvariantViolation / ReferenceMismatch naming",
-        "whose data is where. The test fails while the bug is present and passes once it is fixed.",
-        "",
-    ]
+    imports, config, expr = _config_lines(art)
     lines = [
-        _docstring("\n".join(doc)),
-        "",
+        *_header(art, source_name, [
+            "Each step is one engine operation on a real pool family (a prefill and a decode node) and its",
+            "reference model; engine.check() after it compares every component of every request the step",
+            "touched, slot by slot, and raises StateLost / InvariantViolation / ReferenceMismatch naming",
+            "whose data is where. The test fails while the bug is present and passes once it is fixed.",
+        ]),
         "import os",
         "",
         "from poolfuzz.harness.engine import Engine, EngineOptions",
         *(["from poolfuzz.orchestration.plugins import resolve_family"] if plugin else []),
-        *(["from poolfuzz.pools.config import get_config"] if art.model_config is None else
-          ["from poolfuzz.pools.config_file import config_from_fields"]),
+        *imports,
         "",
         *([f"FAMILY = {art.family!r}  # the pool family (--family) it was found on"] if plugin else []),
-        *([f"CONFIG = {art.config!r}"] if art.model_config is None else
-          ["# The config it failed on (drawn, or from a config file), every field:",
-           f"CONFIG = config_from_fields({_fields(art.model_config)}, 'the recorded config')"]),
+        *config,
         "# Catalogue faults the failure was found with; the family without them is the fixed one.",
         f"FAULTS = {list(art.faults)!r}",
         f"BACKUP_MODE = {art.backup_mode!r}",
@@ -115,7 +100,7 @@ def render(art, *, source_name: str = "") -> str:
         "",
         "",
         f"def {name}():",
-        f"    engine = Engine(config={'get_config(CONFIG)' if art.model_config is None else 'CONFIG'}, device=DEVICE, faults=FAULTS, backup_mode=BACKUP_MODE,",
+        f"    engine = Engine(config={expr}, device=DEVICE, faults=FAULTS, backup_mode=BACKUP_MODE,",
         f"                    options=EngineOptions({_kwargs(options)})"
         + (", family_factory=resolve_family(FAMILY).factory)" if plugin else ")"),
     ]
@@ -133,6 +118,68 @@ def render(art, *, source_name: str = "") -> str:
     lines.append("    # teardown: every live slot checked once more, then every request ends and no pool may leak")
     lines.append("    engine.sweep()" + (_comment(f"failed here: {_short(art.failure)}") if art.in_teardown else ""))
     lines.append("    engine.drain()")
+    return "\n".join(lines) + "\n"
+
+
+def _header(art, source_name: str, how: list[str]) -> list[str]:
+    doc = [
+        "Regression test from a shrunk poolfuzz failure.",
+        "",
+        f"Recorded on {art.device} ({art.status}) with poolfuzz {art.poolfuzz_version or '?'}, "
+        f"Hypothesis {art.hypothesis_version or '?'}" + (f", from {source_name}" if source_name else "") + ":",
+        "",
+        *_wrap(art.failure, "    "),
+        "",
+        *how,
+        "",
+    ]
+    return [_docstring("\n".join(doc)), ""]
+
+
+def _config_lines(art) -> tuple[list[str], list[str], str]:
+    """The import, the CONFIG assignment and the expression of the config the failure was found on."""
+    if art.model_config is None:
+        return ["from poolfuzz.pools.config import get_config"], [f"CONFIG = {art.config!r}"], "get_config(CONFIG)"
+    return (["from poolfuzz.pools.config_file import config_from_fields"],
+            ["# The config it failed on (drawn, or from a config file), every field:",
+             f"CONFIG = config_from_fields({_fields(art.model_config)}, 'the recorded config')"], "CONFIG")
+
+
+def render_scheduled(art, *, source_name: str = "") -> str:
+    """A scheduler program's test module: the engine's own scheduler on a fresh server, fed the same traffic.
+
+    Untrusted values reach the module as in :func:`render`."""
+    kind = (art.divergence or {}).get("kind") or art.error_type
+    op = (art.divergence or {}).get("op") or "teardown"
+    imports, config, expr = _config_lines(art)
+    lines = [
+        *_header(art, source_name, [
+            "Each step is traffic for the engine's own scheduler: a request arrives, the scheduler runs steps",
+            "(its worker stand-in checks, before every forward, that each position attended holds the request's",
+            "own KV and its recurrent state is that of exactly its computed tokens), a request is aborted.",
+            "server_state_agrees() after each compares the worker's block tables and the published KV events with",
+            "the scheduler's; the teardown drains the server. It fails while the bug is present and passes once",
+            "it is fixed.",
+        ]),
+        "from poolfuzz.harness.scheduled import scheduled_machine",
+        "from poolfuzz.orchestration.plugins import resolve_family",
+        *imports,
+        "",
+        f"FAMILY = {art.family!r}  # the family (--family) it was found on: the engine's scheduler, driven",
+        *config,
+        "",
+        "",
+        f"def test_{slug(art.config)}_{slug(kind)}_at_{slug(op)}():",
+        f"    machine = scheduled_machine({expr}, driver_factory=resolve_family(FAMILY).factory)()",
+    ]
+    failing_step = None if art.in_teardown else len(art.program)
+    for i, step in enumerate(art.program, 1):
+        comment = _comment(f"failed here: {_short(art.failure)}") if i == failing_step else (
+            _comment(step.outcome) if step.outcome else "")
+        lines.append(f"    machine.{step.op.removeprefix('scheduler.')}({_kwargs(step.args)}){comment}")
+        lines.append("    machine.server_state_agrees()")
+    lines.append("    machine.teardown()" + (_comment(f"failed here: {_short(art.failure)}") if art.in_teardown
+                                               else "  # every request finishes, no block is leaked"))
     return "\n".join(lines) + "\n"
 
 

@@ -36,8 +36,10 @@ from poolfuzz.pools.errors import LostKv
 
 PREFIX = "scheduler."  # the ops of a scheduler program, apart from the Engine's (harness.program.operations)
 # Each op of a scheduler program and the arguments it takes: what an artifact's program may hold.
-OPERATIONS: dict[str, tuple[str, ...]] = {f"{PREFIX}add_request": ("length", "share", "max_tokens"),
-                                          f"{PREFIX}schedule": ("steps",), f"{PREFIX}abort": ("pick",)}
+OPERATIONS: dict[str, tuple[str, ...]] = {f"{PREFIX}add_request": ("length", "share", "max_tokens", "priority"),
+                                          f"{PREFIX}schedule": ("steps", "drafts"), f"{PREFIX}abort": ("pick",)}
+# Arguments an older program may lack (each then 0).
+OPTIONAL = {f"{PREFIX}schedule": {"drafts"}, f"{PREFIX}add_request": {"priority"}}
 BACKUP_MODE = "cpu_tensor"  # what an artifact records as its retraction path: the scheduler recomputes, on tensors
 
 
@@ -52,7 +54,8 @@ class ScheduledMachine(RuleBasedStateMachine):
     """Traffic for an engine's scheduler (configure it with :func:`scheduled_machine`)."""
 
     config: ClassVar[ModelConfig]
-    driver_factory: ClassVar[Callable]  # (config) -> a driver (add_request, step, abort, live, tables_problem, drain)
+    driver_factory: ClassVar[Callable]  # (config) -> a driver (add_request, step, abort, live, propose_drafts,
+    # state_problem, drain)
     observer: ClassVar[object | None] = None  # a harness.machine.MachineObserver (a run's counts and failures)
     backup_mode = BACKUP_MODE
 
@@ -92,18 +95,21 @@ class ScheduledMachine(RuleBasedStateMachine):
     def _record(self, op: str, **args) -> None:
         self.program.append(StepRecord(op=PREFIX + op, args=args, outcome=""))
 
-    @rule(length=st.integers(1, 24), share=st.integers(0, 4), max_tokens=st.integers(1, 8))
-    def add_request(self, length, share, max_tokens):
-        """A request arrives; ``share`` > 0 starts it with a prefix of an earlier request's tokens."""
-        self._record("add_request", length=length, share=share, max_tokens=max_tokens)
+    @rule(length=st.integers(1, 24), share=st.integers(0, 4), max_tokens=st.integers(1, 8), priority=st.integers(0, 2))
+    def add_request(self, length, share, max_tokens, priority=0):
+        """A request arrives; ``share`` > 0 starts it with a prefix of an earlier request's tokens; ``priority``
+        orders it where the server schedules by priority."""
+        self._record("add_request", length=length, share=share, max_tokens=max_tokens, priority=priority)
         rid = self._guarded("add_request", lambda: self.driver.add_request(length=length, share=share,
-                                                                          max_tokens=max_tokens))
+                                                                          max_tokens=max_tokens, priority=priority))
         self.program[-1] = StepRecord(op=self.program[-1].op, args=self.program[-1].args, outcome=f"req {rid}")
 
-    @rule(steps=st.integers(1, 4))
-    def schedule(self, steps):
-        """``steps`` scheduler steps: ``schedule()``, the worker's forward, ``update_from_output``."""
-        self._record("schedule", steps=steps)
+    @rule(steps=st.integers(1, 4), drafts=st.integers(0, 2))
+    def schedule(self, steps, drafts=0):
+        """``steps`` scheduler steps: ``schedule()``, the worker's forward, ``update_from_output``; on a server
+        with speculative decoding the worker's drafter proposes ``drafts`` tokens after each (else ignored)."""
+        self._record("schedule", steps=steps, drafts=drafts)
+        self._guarded("schedule", lambda: self.driver.propose_drafts(drafts))
         for _ in range(steps):
             self.steps += 1
             self._guarded("schedule", self.driver.step)
@@ -118,8 +124,8 @@ class ScheduledMachine(RuleBasedStateMachine):
         self._guarded("abort", lambda: self.driver.abort(live[pick % len(live)]))
 
     @invariant()
-    def tables_agree(self):
-        problem = self.driver.tables_problem()
+    def server_state_agrees(self):
+        problem = self.driver.state_problem()
         if problem:
             self._failed(invariant_failure(step=self.steps, op="schedule", detail=problem, check="consumer-map"),
                          False)
@@ -163,7 +169,9 @@ def check_program(steps) -> str | None:
         names = OPERATIONS.get(step.op)
         if names is None:
             return f"step {i} names operation {step.op!r}, not one of {', '.join(OPERATIONS)}"
-        if set(step.args) != set(names) or not all(type(v) is int and v >= 0 for v in step.args.values()):
+        given, optional = set(step.args), OPTIONAL.get(step.op, set())
+        if not set(names) - optional <= given <= set(names) or not all(type(v) is int and v >= 0
+                                                                        for v in step.args.values()):
             return f"step {i} ({step.op}): arguments {step.args} must be {', '.join(names)}, each an int >= 0"
     return None
 
@@ -183,7 +191,7 @@ def replay(machine_cls: type[ScheduledMachine], program) -> Iterator[Replayed]:
             return
         try:
             getattr(machine, name)(**step.args)
-            machine.tables_agree()
+            machine.server_state_agrees()
         except Exception as exc:
             yield Replayed(index=i, step=step, failure=exc)
             return

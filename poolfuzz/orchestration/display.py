@@ -274,8 +274,7 @@ def summary(plan, result: SessionResult, stream: TextIO, *, before_closing=None)
                              "  replay:    poolfuzz replay FILE.json\n")
                 continue
             stream.write(f"  replay:    poolfuzz replay {f.artifact}\n")
-            if not _drives_scheduler(plan):  # emit-test writes no test of a scheduler program yet
-                stream.write(f"  as a test: poolfuzz emit-test {f.artifact} -o test_regression_{slug(config)}.py\n")
+            stream.write(f"  as a test: poolfuzz emit-test {f.artifact} -o test_regression_{slug(config)}.py\n")
     known: dict[str, int] = {}
     waived: dict[str, int] = {}
     for st in result.lanes:
@@ -318,10 +317,3 @@ def summary(plan, result: SessionResult, stream: TextIO, *, before_closing=None)
     stream.write(f"\npoolfuzz: {passed} passed, {failed} failed{tail}\n")
     stream.flush()
 
-
-def _drives_scheduler(plan) -> bool:
-    if not plan.family:
-        return False
-    from poolfuzz.orchestration.plugins import resolve_family
-
-    return resolve_family(plan.family).drives_scheduler

@@ -52,17 +52,24 @@ def test_a_planted_double_allocation_is_shrunk_reported_and_replayed(scheduling,
     path = paths[0]
     art = json.loads(path.read_text())
     if art["error_type"] == "StateLost":  # the worker saw it (0.23.0: vLLM's own cache_full_blocks assert first)
-        assert re.search(r"req \d+ step \d+: full\.k layer \d+ position \d+: block \d+ slot \d+ holds req \d+'s",
-                         art["failure"]), art["failure"]
+        assert re.search(r"req \d+ step \d+: full\.k layer \d+ position \d+: block \d+ slot \d+ holds (req \d+'s|"
+                         r"the KV of a draft token req \d+)", art["failure"]), art["failure"]
     assert run_cli(["replay", str(path), "--device", "cpu"]) == 1
     replayed = capsys.readouterr().out
     assert "REPRODUCED at step" in replayed, replayed
     if art["error_type"] == "StateLost":  # (replay's report calls a crash, vLLM's own assert, "different")
         assert "the same failure as recorded" in replayed, replayed
-    # emit-test cannot write a scheduler program yet: one line, exit 2, nothing written
-    assert run_cli(["emit-test", str(path), "-o", str(tmp_path / "test_x.py")]) == 2
-    assert "cannot write a test of one yet" in capsys.readouterr().err
-    assert not (tmp_path / "test_x.py").exists()
+    # emit-test writes the program as a pytest module that fails while the bug is planted
+    module = tmp_path / "test_regression_x.py"
+    assert run_cli(["emit-test", str(path), "-o", str(module)]) == 0
+    source = module.read_text()
+    assert "machine = scheduled_machine(get_config(CONFIG), driver_factory=resolve_family(FAMILY).factory)()" in source
+    assert "machine.schedule(" in source and "machine.teardown()" in source
+    namespace = {"__name__": "emitted"}
+    exec(compile(source, str(module), "exec"), namespace)
+    [test] = [f for name, f in namespace.items() if name.startswith("test_")]
+    with pytest.raises(AssertionError):  # StateLost, or vLLM's own assert on the doubled block
+        test()
 
 
 ALIGN = "hybrid-extra-buffer-ps4"  # vllm-project/vllm#33706's config (tests/vllm/test_vllm_scheduling.py)
@@ -82,9 +89,12 @@ def test_the_33706_config_fails_before_0_17_and_passes_after(scheduling, api, tm
     assert code == 1, text
     assert re.search(r"StateLost: req \d+ step \d+: mamba\.state layer \d+ position \d+: block \d+ slot \d+ holds ",
                      text), text
-    [path] = _artifacts(tmp_path)
-    assert json.loads(path.read_text())["signature"] == "StateLost:contents:mamba@schedule"
-    assert run_cli(["replay", str(path), "--device", "cpu"]) == 1
+    paths = _artifacts(tmp_path)  # one per signature: the defect seen in a step, and while the server drains
+    assert paths
+    for path in paths:
+        assert json.loads(path.read_text())["signature"] in ("StateLost:contents:mamba@schedule",
+                                                              "StateLost:contents:mamba@teardown")
+    assert run_cli(["replay", str(paths[0]), "--device", "cpu"]) == 1
 
 
 def test_a_config_the_scheduler_path_does_not_drive_is_declined(scheduling, tmp_path, capsys):

@@ -57,8 +57,8 @@ def test_a_block_handed_out_twice_is_caught_and_named(scheduling, double_allocat
     with pytest.raises(AssertionError) as info:  # StateLost is one
         _fuzz(scheduling, "dense-ps4", phases=[Phase.generate])  # found, not shrunk: each example builds a server
     if isinstance(info.value, StateLost):
-        assert re.search(r"req \d+ step \d+: full\.k layer \d+ position \d+: block \d+ slot \d+ holds req \d+'s "
-                         r"position \d+", str(info.value)), info.value
+        assert re.search(r"req \d+ step \d+: full\.k layer \d+ position \d+: block \d+ slot \d+ holds (req \d+'s "
+                         r"position \d+|the KV of a draft token req \d+ proposed at position \d+)", str(info.value)), info.value
     else:  # vLLM's own guard saw the doubled block first (0.23's cache_full_blocks asserts a block is cached once)
         assert info.traceback[-1].path.name == "block_pool.py", info.value
 
@@ -177,3 +177,82 @@ def test_the_server_is_one_vllm_would_start_and_refuses_what_its_front_end_refus
     rid = driver.add_request(length=limit - 1, share=0, max_tokens=4)
     assert driver.live() == [rid]
     assert driver.drain() is None  # admitted, run to its end (capped at max_model_len), nothing held
+
+
+# --- speculative decoding: the scheduler verifies the worker's drafts and rolls back the rejected ones --------
+def test_drafts_are_verified_and_the_rejected_ones_recomputed_on_the_requests_own_kv(scheduling):
+    stats = {"drivers": []}
+    _fuzz(scheduling, "dense-ps4", stats)
+    drivers = stats["drivers"]
+    assert all(d.built.spec_tokens == scheduling.SPEC_TOKENS for d in drivers)
+    verified = sum(d.worker.drafts_verified for d in drivers)
+    accepted = sum(d.worker.drafts_accepted for d in drivers)
+    assert 0 < accepted < verified  # some drafts accepted, some rejected: both paths ran and were checked
+
+
+def test_a_mamba_server_runs_without_drafts(scheduling):
+    assert scheduling.SchedulerDriver(CONFIGS["hybrid-linear"]).built.spec_tokens == 0
+
+
+@pytest.fixture
+def no_rollback(scheduling, monkeypatch):
+    """Plant a missing rollback in vLLM's Scheduler: after ``update_from_output`` a request keeps the
+    ``num_computed_tokens`` of every draft it was scheduled with, rejected ones included."""
+    Scheduler = scheduling.scheduler_modules().Scheduler
+    real = Scheduler.update_from_output
+
+    def forgetting(self, out, model_output):
+        kept = {rid: self.requests[rid].num_computed_tokens for rid in out.scheduled_spec_decode_tokens
+                if rid in self.requests}
+        result = real(self, out, model_output)
+        for rid, computed in kept.items():
+            request = self.requests.get(rid)
+            if request is not None and computed <= request.num_tokens:
+                request.num_computed_tokens = computed
+        return result
+
+    monkeypatch.setattr(Scheduler, "update_from_output", forgetting)
+
+
+def test_a_rejected_draft_left_counted_as_computed_is_caught_and_named(scheduling, no_rollback):
+    """The request's next forward attends a position that holds its rejected draft's KV: the report names it."""
+    with pytest.raises(StateLost, match=r"req \d+ step \d+: full\.k layer \d+ position \d+: block \d+ slot \d+ holds "
+                                        r"the KV of a draft token req \d+ proposed at position \d+ \(rejected\)"):
+        _fuzz(scheduling, "dense-ps4", phases=[Phase.generate])
+
+
+# --- KV events: what the server publishes, replayed as a router replays it, against its prefix cache -----------
+def _events_driver(scheduling, api):
+    driver = scheduling.SchedulerDriver(CONFIGS["dense-ps4"])
+    if driver.events is None:
+        pytest.skip(f"vLLM {api.version} publishes no group in its KV events")
+    return driver
+
+
+def test_the_published_events_match_the_prefix_cache(scheduling, api):
+    driver = _events_driver(scheduling, api)
+    driver.add_request(length=13, share=0, max_tokens=2)
+    for _ in range(6):
+        driver.step()
+    assert sum(driver.events.cached.values()) >= 3  # the request's full blocks were stored, and published
+    assert driver.state_problem() is None
+
+
+def test_a_block_cached_without_its_event_is_caught_by_the_machine(scheduling, api, monkeypatch):
+    """A BlockStored lost on its way out (the pool caches the block but its event is dropped): the router's view
+    and the prefix cache disagree, and the machine's check after the step says under which hash."""
+    _events_driver(scheduling, api)
+    from vllm.v1.core.block_pool import BlockPool
+
+    real = BlockPool.cache_full_blocks
+
+    def dropping(self, *args, **kwargs):
+        before = len(self.kv_event_queue)
+        result = real(self, *args, **kwargs)
+        del self.kv_event_queue[before:]
+        return result
+
+    monkeypatch.setattr(BlockPool, "cache_full_blocks", dropping)
+    with pytest.raises(AssertionError, match=r"the prefix cache holds \d+ block\(s\) under hash \w+ of group 0, but "
+                                             r"the KV events say 0"):
+        _fuzz(scheduling, "dense-ps4", phases=[Phase.generate])

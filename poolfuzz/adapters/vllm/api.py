@@ -45,10 +45,13 @@ class VllmAPI:
     # blocks (``--prefix-match-unit``): the hit's tail block is copied on write (from ~0.32)
     partial_hash_hits: bool = False
 
-    def new_request(self, request_id: str, prompt: list[int], block_size: int, *, max_tokens: int = 1 << 16):
+    def new_request(self, request_id: str, prompt: list[int], block_size: int, *, max_tokens: int = 1 << 16,
+                    priority: int = 0):
         """A real ``vllm.v1.request.Request`` with a block hasher, as this release constructs one."""
         kw = dict(request_id=request_id, prompt_token_ids=prompt, sampling_params=self.SamplingParams(max_tokens=max_tokens),
                   pooling_params=None, block_hasher=self.block_hasher(block_size, self.hash_fn))
+        if priority:
+            kw["priority"] = priority
         if "eos_token_id" in self.request_params:
             kw["eos_token_id"] = None
         return self.Request(**kw)

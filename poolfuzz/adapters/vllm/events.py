@@ -54,8 +54,13 @@ class EventMirror:
                         del self.cached[key]
             elif isinstance(event, ev.AllBlocksCleared):
                 self.cached.clear()
+        self.check()
+
+    def check(self) -> str | None:
+        """The first disagreement between the stream consumed so far and the prefix cache (kept once seen)."""
         if self.problem is None:
             self.problem = self._disagreement()
+        return self.problem
 
     def _disagreement(self) -> str | None:
         u = self._utils

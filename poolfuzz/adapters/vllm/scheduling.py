@@ -14,7 +14,14 @@ What is stood in for, and why:
 * ``vllm.triton_utils.HAS_TRITON``: vLLM's CPU platform refuses a ``VllmConfig`` on x86 without
   triton-cpu, which only its kernels need; the scheduler launches none;
 * vLLM's startup KV memory check and its front end's prompt-length check: see :func:`fitted_max_model_len`
-  and :meth:`SchedulerDriver.add_request`.
+  and :meth:`SchedulerDriver.add_request`;
+* the KV event publisher's transport: the server publishes KV events (``--kv-events-config``) to a "null"
+  publisher, and :class:`RouterFeed` takes the batches the scheduler publishes and replays them against the
+  prefix cache as a KV-aware router would (``events.EventMirror``), every step;
+* the drafter: the worker proposes draft tokens (ngram speculative decoding, see ``worker.py``).
+
+The server runs with priority scheduling, KV cache metrics sampling every block, KV events where prefix
+caching is on, and ngram speculative decoding on models without a mamba group.
 """
 
 from __future__ import annotations
@@ -29,6 +36,7 @@ from functools import lru_cache
 
 from poolfuzz.adapters.vllm import compat
 from poolfuzz.adapters.vllm.api import VllmAPI
+from poolfuzz.adapters.vllm.events import EventMirror
 from poolfuzz.adapters.vllm.manager import layout_for
 from poolfuzz.adapters.vllm.reference import mamba_mode_for
 from poolfuzz.adapters.vllm.worker import Tokens, Worker
@@ -46,6 +54,7 @@ class Built:
     mamba_mode: str = "none"  # the mamba groups' cache mode ("none" or "align")
     max_model_len: int = 0  # the server's: the longest request its KV cache holds (fitted_max_model_len)
     model_config: object = None  # the server's vllm.config.ModelConfig (what its front end checks a prompt against)
+    spec_tokens: int = 0  # its speculative decoding's draft tokens a step (0: none)
 
 
 def hf_config(config: ModelConfig) -> dict:
@@ -73,14 +82,18 @@ def scheduler_modules():
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         from vllm import triton_utils
-        from vllm.config import CacheConfig, DeviceConfig, SchedulerConfig, VllmConfig
-        from vllm.config import ModelConfig as VllmModelConfig
+        from vllm import config as configs
+        from vllm.v1 import outputs
         from vllm.v1.core.sched.scheduler import Scheduler
-        from vllm.v1.outputs import ModelRunnerOutput
         from vllm.v1.structured_output import StructuredOutputManager
-    return types.SimpleNamespace(triton_utils=triton_utils, CacheConfig=CacheConfig, DeviceConfig=DeviceConfig,
-                                 SchedulerConfig=SchedulerConfig, VllmConfig=VllmConfig, ModelConfig=VllmModelConfig,
-                                 Scheduler=Scheduler, ModelRunnerOutput=ModelRunnerOutput,
+    return types.SimpleNamespace(triton_utils=triton_utils, CacheConfig=configs.CacheConfig,
+                                 DeviceConfig=configs.DeviceConfig, SchedulerConfig=configs.SchedulerConfig,
+                                 VllmConfig=configs.VllmConfig, ModelConfig=configs.ModelConfig,
+                                 SpeculativeConfig=getattr(configs, "SpeculativeConfig", None),
+                                 KVEventsConfig=getattr(configs, "KVEventsConfig", None),
+                                 ObservabilityConfig=getattr(configs, "ObservabilityConfig", None),
+                                 Scheduler=Scheduler, ModelRunnerOutput=outputs.ModelRunnerOutput,
+                                 DraftTokenIds=getattr(outputs, "DraftTokenIds", None),
                                  StructuredOutputManager=StructuredOutputManager)
 
 
@@ -103,7 +116,7 @@ def scheduler_problem(api: VllmAPI, config: ModelConfig) -> str | None:
 
 @lru_cache(maxsize=8)
 def _vllm_config(api: VllmAPI, config: ModelConfig, budget: int, max_seqs: int, max_model_len: int, caching: bool,
-                 mamba_mode: str = "none"):
+                 mamba_mode: str = "none", spec_tokens: int = 0):
     """One VllmConfig per machine (its construction reads the model config and the platform: seconds)."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     m = scheduler_modules()
@@ -112,8 +125,9 @@ def _vllm_config(api: VllmAPI, config: ModelConfig, budget: int, max_seqs: int, 
     model = m.ModelConfig(model=_model_dir(json.dumps(hf_config(config), sort_keys=True)), skip_tokenizer_init=True,
                             dtype="bfloat16", max_model_len=max_model_len)
     sched_fields = set(inspect.signature(SchedulerConfig).parameters)  # InitVars too (max_model_len)
+    # Priority scheduling (--scheduling-policy priority): requests of one priority run first come first served.
     sched_kw = dict(max_num_seqs=max_seqs, max_num_batched_tokens=budget, max_model_len=max_model_len,
-                    enable_chunked_prefill=True, is_encoder_decoder=False)
+                    enable_chunked_prefill=True, is_encoder_decoder=False, policy="priority")
     scheduler = SchedulerConfig(**{k: v for k, v in sched_kw.items() if k in sched_fields})
     cache_kw = dict(block_size=config.page_size, enable_prefix_caching=caching)
     if mamba_mode != "none":  # the scheduler splits prefills block-aligned in mode align (need_mamba_block_aligned_split)
@@ -122,7 +136,16 @@ def _vllm_config(api: VllmAPI, config: ModelConfig, budget: int, max_seqs: int, 
     # The device is named, not inferred: releases before ~0.30 find no platform on a CPU-only machine
     # with vLLM's CUDA wheel ("Failed to infer device type").
     device = DeviceConfig(device="cpu")
-    return VllmConfig(model_config=model, scheduler_config=scheduler, cache_config=cache, device_config=device)
+    extra = {}
+    if caching and m.KVEventsConfig is not None:  # as a server publishing to a KV-aware router (--kv-events-config)
+        extra["kv_events_config"] = m.KVEventsConfig(enable_kv_cache_events=True, publisher="null")
+    if m.ObservabilityConfig is not None and "kv_cache_metrics" in inspect.signature(m.ObservabilityConfig).parameters:
+        # --kv-cache-metrics, every block sampled: deterministic
+        extra["observability_config"] = m.ObservabilityConfig(kv_cache_metrics=True, kv_cache_metrics_sample=1.0)
+    if spec_tokens:  # ngram: a drafter without a model (the worker stands in for it)
+        extra["speculative_config"] = m.SpeculativeConfig(method="ngram", num_speculative_tokens=spec_tokens,
+                                                          prompt_lookup_max=spec_tokens, prompt_lookup_min=1)
+    return VllmConfig(model_config=model, scheduler_config=scheduler, cache_config=cache, device_config=device, **extra)
 
 
 def fitted_max_model_len(vllm_config, layout) -> int:
@@ -154,11 +177,24 @@ def fitted_max_model_len(vllm_config, layout) -> int:
 
 
 @lru_cache(maxsize=8)
-def _server_max_model_len(api: VllmAPI, config: ModelConfig, budget: int, max_seqs: int, mode: str) -> int:
+def _server_max_model_len(api: VllmAPI, config: ModelConfig, budget: int, max_seqs: int, mode: str,
+                          spec_tokens: int) -> int:
     """:func:`fitted_max_model_len` once per server config (every example builds a server)."""
     layout = layout_for(api, config, mode)
-    return fitted_max_model_len(_vllm_config(api, config, budget, max_seqs, layout.max_model_len, layout.caching, mode),
-                                layout)
+    return fitted_max_model_len(_vllm_config(api, config, budget, max_seqs, layout.max_model_len, layout.caching, mode,
+                                             spec_tokens), layout)
+
+
+def spec_tokens_for(api: VllmAPI, config: ModelConfig) -> int:
+    """Draft tokens a step the server verifies: :data:`SPEC_TOKENS`, except with a mamba group (the worker does
+    not model vLLM's speculative state blocks) or a release without ngram drafts handed to the scheduler."""
+    m = scheduler_modules()
+    if config.has_mamba or m.SpeculativeConfig is None or m.DraftTokenIds is None:
+        return 0
+    return SPEC_TOKENS
+
+
+SPEC_TOKENS = 2
 
 
 def build_scheduler(api: VllmAPI, config: ModelConfig, *, budget: int, max_seqs: int) -> Built:
@@ -169,8 +205,9 @@ def build_scheduler(api: VllmAPI, config: ModelConfig, *, budget: int, max_seqs:
     Scheduler, StructuredOutputManager = m.Scheduler, m.StructuredOutputManager
     mode = mamba_mode_for(config) if config.has_mamba else "none"
     layout = layout_for(api, config, mode)
-    max_model_len = _server_max_model_len(api, config, budget, max_seqs, mode)
-    vllm_config = _vllm_config(api, config, budget, max_seqs, max_model_len, layout.caching, mode)
+    spec = spec_tokens_for(api, config)
+    max_model_len = _server_max_model_len(api, config, budget, max_seqs, mode, spec)
+    vllm_config = _vllm_config(api, config, budget, max_seqs, max_model_len, layout.caching, mode, spec)
     vllm_config.cache_config.num_gpu_blocks = layout.num_blocks
     # The scheduling and hashing granularities as the engine core resolves them (vLLM's own function, where
     # the release has it: the LCM of the groups' block sizes; a mamba "none" group's is the longest request).
@@ -184,7 +221,7 @@ def build_scheduler(api: VllmAPI, config: ModelConfig, *, budget: int, max_seqs:
     scheduler = Scheduler(**{k: v for k, v in kw.items() if k in params})
     return Built(scheduler=scheduler, groups=layout.groups, num_blocks=layout.num_blocks, block_size=config.page_size,
                  hash_block_size=hash_block_size, mamba_mode=mode, max_model_len=max_model_len,
-                 model_config=vllm_config.model_config)
+                 model_config=vllm_config.model_config, spec_tokens=spec)
 
 
 
@@ -193,6 +230,19 @@ def build_scheduler(api: VllmAPI, config: ModelConfig, *, budget: int, max_seqs:
 # The driver: what the harness's ScheduledMachine calls (harness/scheduled.py)
 # ======================================================================================
 DRAIN_STEPS = 400  # steps an idle scheduler may take to finish every request before it counts as stuck
+
+
+class RouterFeed:
+    """The scheduler's KV event publisher, replaced: each batch it publishes goes to a router's mirror."""
+
+    def __init__(self, mirror: EventMirror):
+        self.mirror = mirror
+
+    def publish(self, batch) -> None:
+        self.mirror.consume(batch.events)
+
+    def shutdown(self) -> None:
+        pass
 
 
 class SchedulerDriver:
@@ -208,6 +258,12 @@ class SchedulerDriver:
         self.built = build_scheduler(self.api, config, budget=budget or max(2 * config.page_size + 1, seqs),
                                      max_seqs=seqs)
         self.scheduler = self.built.scheduler
+        self.events = None  # what a KV-aware router learns from the server's events (where they are published)
+        pool = self.scheduler.kv_cache_manager.block_pool
+        if getattr(self.scheduler, "enable_kv_cache_events", False) and EventMirror.supported(
+                pool, self.api.kv_cache_utils, self.api.kv_events):
+            self.events = EventMirror(pool, self.api.kv_cache_utils, self.api.kv_events)
+            self.scheduler.kv_event_publisher = RouterFeed(self.events)
         self.worker = Worker(groups=self.built.groups, num_blocks=self.built.num_blocks, block_size=config.page_size,
                              sliding_window=config.sliding_window + 1 if config.has_swa else None, vocab=VOCAB,
                              output_cls=scheduler_modules().ModelRunnerOutput,
@@ -221,8 +277,9 @@ class SchedulerDriver:
     def live(self) -> list[str]:
         return sorted(self.scheduler.requests, key=int)
 
-    def add_request(self, *, length: int, share: int, max_tokens: int) -> str:
-        """A request of ``length`` new tokens after, where ``share`` > 0, a prefix of an earlier request's."""
+    def add_request(self, *, length: int, share: int, max_tokens: int, priority: int = 0) -> str:
+        """A request of ``length`` new tokens after, where ``share`` > 0, a prefix of an earlier request's;
+        ``priority`` orders it under priority scheduling (lower runs first, and is preempted last)."""
         ids: list[int] = []
         known = sorted(self.worker.tokens, key=int)
         if share and known:
@@ -237,21 +294,38 @@ class SchedulerDriver:
         rid = str(self.next_rid)
         self.next_rid += 1
         self.worker.tokens[rid] = Tokens(ids=list(ids))
-        self.scheduler.add_request(self.api.new_request(rid, ids, self.built.hash_block_size, max_tokens=max_tokens))
+        self.scheduler.add_request(self.api.new_request(rid, ids, self.built.hash_block_size, max_tokens=max_tokens,
+                                                        priority=priority))
         return rid
 
+    @property
+    def speculative(self) -> bool:
+        return self.built.spec_tokens > 0
+
+    def propose_drafts(self, tokens: int) -> None:
+        """From now on the worker's drafter proposes ``tokens`` draft tokens (at most the server's) a step."""
+        self.worker.drafts = min(tokens, self.built.spec_tokens)
+
     def step(self) -> None:
+        """One engine core step: ``schedule()``, the forward, ``update_from_output``, then the drafts."""
         out = self.scheduler.schedule()
         self.preempted += len(getattr(out, "preempted_req_ids", None) or ())
         self.hits += sum(1 for n in out.scheduled_new_reqs if n.num_computed_tokens)
         self.scheduler.update_from_output(out, self.worker.execute(out))
+        if self.speculative:
+            rids, drafts = self.worker.take_drafts()
+            self.scheduler.update_draft_token_ids(scheduler_modules().DraftTokenIds(rids, drafts))
 
     def abort(self, rid: str) -> None:
         self.scheduler.finish_requests(rid, self.api.RequestStatus.FINISHED_ABORTED)
 
-    def tables_problem(self) -> str | None:
+    def state_problem(self) -> str | None:
         """Where the worker's full-attention block table of a running request is not the scheduler's (a
-        SchedulerOutput that reported blocks wrong), over the blocks its computed tokens fill."""
+        SchedulerOutput that reported blocks wrong), over the blocks its computed tokens fill; or where the KV
+        events published so far disagree with the prefix cache (checked after every rule: a step whose events
+        were all lost publishes no batch)."""
+        if self.events is not None and self.events.check():
+            return self.events.problem
         full = next(g for g in self.built.groups if g.space == "full")
         manager = self.scheduler.kv_cache_manager
         for request in self.scheduler.running:

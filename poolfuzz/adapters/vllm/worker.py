@@ -27,7 +27,15 @@ block-aligned split (``Scheduler._mamba_block_aligned_split``) is what makes tha
 follows those functions' column choice and does their copies on the CPU tensors here: the real ones build
 CUDA pointer tables and launch Triton copies (``batch_memcpy`` / the fused kernels), which cannot run on a CPU,
 and 0.34.0's CPU runner needs a loaded model's state copy functions and input batch.
-Not driven yet: speculative decoding, KV connectors.
+Speculative decoding (ngram-style: the worker is its own drafter). A request the output schedules with draft
+tokens (``scheduled_spec_decode_tokens``; 0.34's ``-1`` padding slots are filled by the worker's drafter, as
+the GPU runner fills them from its own drafts) gets KV written for the drafts at their positions (derived from
+the draft tokens, so a rejected draft's KV is not the request's), and the verify accepts drafts while each is
+the token the stand-in model samples there, then samples one more: ``sampled_token_ids`` holds the accepted
+drafts and that token, and vLLM rolls ``num_computed_tokens`` back over the rejected ones. After the forward
+the drafter proposes ``drafts`` tokens for every request that sampled (``take_drafts``): the first few, as
+many as the sequence's chain says, are the tokens the model will sample, the rest wrong. Not driven yet: KV
+connectors; speculative decoding with a mamba group (vLLM's speculative state blocks).
 """
 
 from __future__ import annotations
@@ -99,6 +107,9 @@ class Worker:
         self.tables: dict[str, list[list[int]]] = {}  # req id -> block ids per group, as the output gave them
         self.tokens: dict[str, Tokens] = {}  # req id -> its tokens (kept across preemption, as the request's are)
         self.writers: dict[int, tuple[str, int]] = {}  # a tag written -> (req id, position): whose data it is
+        self.drafts = 0  # draft tokens the drafter proposes per request that sampled (set by the harness)
+        self.proposed: dict[str, list[int]] = {}  # req id -> the drafts proposed after the last forward
+        self.drafts_verified = self.drafts_accepted = 0  # draft tokens the forwards verified / accepted
         self.state_idx: dict[str, int] = {}  # align: req id -> the table column of its running state (vLLM's
         # mamba_state_idx: forgotten when it finishes, is preempted or resumes)
         self.step = 0
@@ -139,22 +150,92 @@ class Worker:
             for rid, n in out.num_scheduled_tokens.items():
                 self._carry_state(rid, computed[rid], computed[rid] + n)
         req_ids, sampled = [], []
+        specs = getattr(out, "scheduled_spec_decode_tokens", None) or {}
+        self.proposed = {}
         for rid, n in out.num_scheduled_tokens.items():
             start = computed[rid]
+            tokens = self.tokens[rid]
+            drafts = self._drafts(rid, specs.get(rid) or ())
+            if drafts and self.state:
+                raise AssertionError(f"req {rid}: draft tokens scheduled on a mamba model, which the worker "
+                                     "does not model (vLLM's speculative state blocks)")
+            if drafts and len(tokens.ids) + len(drafts) != start + n:
+                raise AssertionError(f"req {rid}: {n} tokens scheduled from {start} with {len(drafts)} drafts, but "
+                                     f"it has {len(tokens.ids)} tokens: the drafts do not end the scheduled span")
             self._check_context(rid, start)
             if self.mamba_mode != "align":
                 self._check_state(rid, start)
-            self._write(rid, start, start + n)
-            self._write_state(rid, start + n)
-            tokens = self.tokens[rid]
-            if start + n >= len(tokens.ids):  # the forward reached the last known token: it samples one
-                next_token = sampled_token(tokens.chain(len(tokens.ids) - 1), self.vocab)
-                tokens.ids.append(next_token)
-                sampled.append([next_token])
+            self._write(rid, start, start + n - len(drafts))
+            self._write_drafts(rid, drafts)
+            self._write_state(rid, start + n - len(drafts))
+            if start + n >= len(tokens.ids):  # the forward reached the last known token: it samples
+                new = self._verify(tokens, drafts)
+                tokens.ids.extend(new)
+                sampled.append(new)
+                if self.drafts:
+                    self.proposed[rid] = self._propose(tokens)
             else:
                 sampled.append([])
             req_ids.append(rid)
         return self._output(req_ids, sampled)
+
+    # --- speculative decoding -------------------------------------------------------------------
+    def _next_token(self, chain: int) -> int:
+        return sampled_token(chain, self.vocab)
+
+    def _propose(self, tokens: Tokens, after: int | None = None) -> list[int]:
+        """The drafter's ``drafts`` tokens after the request's last token: as many right as its chain says."""
+        position = len(tokens.ids) - 1 if after is None else after
+        chain = tokens.chain(position)
+        right = chain % (self.drafts + 1)
+        proposal = []
+        for i in range(self.drafts):
+            token = self._next_token(chain)
+            if i >= right:
+                token = (token + 1) % self.vocab
+            proposal.append(token)
+            chain = chain_after(chain, token, position + 1 + i)
+        return proposal
+
+    def _drafts(self, rid: str, scheduled) -> list[int]:
+        """The draft tokens scheduled for ``rid``, a ``-1`` padding slot filled by the drafter."""
+        drafts = list(scheduled)
+        if any(t < 0 for t in drafts):
+            saved, self.drafts = self.drafts, len(drafts)
+            own = self._propose(self.tokens[rid])
+            self.drafts = saved
+            drafts = [own[i] if t < 0 else t for i, t in enumerate(drafts)]
+        return drafts
+
+    def _verify(self, tokens: Tokens, drafts: list[int]) -> list[int]:
+        """What the rejection sampler returns: the drafts accepted in order, then the model's own token."""
+        chain, position, out = tokens.chain(len(tokens.ids) - 1), len(tokens.ids), []
+        for draft in drafts:
+            token = self._next_token(chain)
+            if draft != token:
+                break
+            out.append(token)
+            chain = chain_after(chain, token, position)
+            position += 1
+        self.drafts_verified += len(drafts)
+        self.drafts_accepted += len(out)
+        out.append(self._next_token(chain))
+        return out
+
+    def _write_drafts(self, rid: str, drafts: list[int]) -> None:
+        """The KV of the draft tokens at the positions after the request's last token (from the drafts)."""
+        tokens = self.tokens[rid]
+        position = len(tokens.ids)
+        chain = tokens.chain(position - 1)
+        for draft in drafts:
+            chain = chain_after(chain, draft, position)
+            self._write_at(rid, position, chain, ("draft", rid, position))
+            position += 1
+
+    def take_drafts(self) -> tuple[list[str], list[list[int]]]:
+        """The drafts proposed after the last forward (the engine core hands them to ``update_draft_token_ids``)."""
+        rids = list(self.proposed)
+        return rids, [self.proposed[r] for r in rids]
 
     def _resumed(self, cached) -> set[str]:
         """Requests the output re-sends whole (older releases flag them among the cached ones)."""
@@ -285,20 +366,23 @@ class Worker:
 
     def _write(self, rid: str, start: int, end: int) -> None:
         tokens = self.tokens[rid]
+        for p in range(start, end):
+            self._write_at(rid, p, tokens.chain(p), (rid, p))
+
+    def _write_at(self, rid: str, p: int, chain: int, writer: tuple) -> None:
+        """The K and V of position ``p`` (derived from ``chain``) into its slot of every attention group."""
         for g in self.groups:
             if g.space == "mamba":
                 continue
-            for p in range(start, end):
-                slot = self._slot(rid, g.index, p)
-                if slot is None:
-                    raise self._lost(rid, g, g.layer_ids[0], "k", p, None, None, None,
-                                     why=f"position {p} has no block in the {g.space} table the output gave")
-                chain = tokens.chain(p)
-                for layer in g.layer_ids:
-                    for c in range(len(COMPONENTS)):
-                        value = tag(chain, layer, c)
-                        self.kv[(g.index, layer, c)].tensor[slot] = value
-                        self.writers.setdefault(value, (rid, p))
+            slot = self._slot(rid, g.index, p)
+            if slot is None:
+                raise self._lost(rid, g, g.layer_ids[0], "k", p, None, None, None,
+                                 why=f"position {p} has no block in the {g.space} table the output gave")
+            for layer in g.layer_ids:
+                for c in range(len(COMPONENTS)):
+                    value = tag(chain, layer, c)
+                    self.kv[(g.index, layer, c)].tensor[slot] = value
+                    self.writers.setdefault(value, writer)
 
     def _lost(self, rid, g, layer, name, position, slot, want, got, why: str | None = None,
               block_size: int | None = None) -> LostKv:
@@ -312,6 +396,9 @@ class Worker:
                 why = (f"the state after {pos + 1} tokens, not {position + 1}: "
                        + (f"its own first {pos + 1}" if own else "another prefix's")
                        + f", written by req {owner}")
+            elif got in self.writers and self.writers[got][0] == "draft":
+                _, owner, pos = self.writers[got]
+                why = f"the KV of a draft token req {owner} proposed at position {pos} (rejected)"
             elif got in self.writers:
                 owner, pos = self.writers[got]
                 why = f"req {owner}'s position {pos}" + (" (another prefix)" if owner != rid else "")
@@ -323,7 +410,3 @@ class Worker:
                       expected="" if want is None else f"{want:#x}", found="" if got is None else f"{got:#x}",
                       whose=why)
 
-
-# ======================================================================================
-# The scheduler, built as a server builds it, with the tiny model config it reads
-# ======================================================================================
