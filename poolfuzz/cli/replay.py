@@ -8,6 +8,8 @@ operations, and the checks compare checksums, not device pointers.
 
 from __future__ import annotations
 
+import dataclasses
+
 
 import sys
 
@@ -37,8 +39,13 @@ def main(args, out=None) -> int:
     device = resolve_device(args.device)
     scheduled = False
     if art.family != "builtin":  # a factory that cannot build a family is bad usage, not a reproduction
-        from poolfuzz.orchestration.plugins import probe_family, resolve_family
+        from poolfuzz.orchestration.plugins import ENGINE_PROGRAMS_OF, probe_family, resolve_family
 
+        if art.program and not artifacts.is_scheduler_program(art) and art.family in ENGINE_PROGRAMS_OF:
+            renamed = ENGINE_PROGRAMS_OF[art.family]
+            out.write(f"note: recorded on family {art.family!r} when it took engine operations; that path is "
+                      f"{renamed!r} now, and the replay runs there\n")
+            art = dataclasses.replace(art, family=renamed)
         plugin = resolve_family(art.family)
         plugin.check_engine()  # an engine whose API changed: "API CHANGED", exit 2, never a reproduction
         scheduled = plugin.drives_scheduler
@@ -98,7 +105,7 @@ def _replay_steps(w, engine, art, device, verbose: bool) -> int:
 
 
 def _replay_scheduled(w, art, config, device, factory) -> int:
-    """A scheduler program (``--family vllm:scheduler``) on a fresh server: the engine's scheduler decides again."""
+    """A scheduler program (``--family vllm``) on a fresh server: the engine's scheduler decides again."""
     from poolfuzz.errors import reraise_api_change
     from poolfuzz.harness.scheduled import replay, scheduled_machine
 

@@ -10,7 +10,7 @@ continues from is the state of exactly the tokens the scheduler says are compute
 StateLost); after every rule the worker's block tables must be the scheduler's, and at teardown the idle server
 must finish every request, hold no block and reset its prefix cache.
 
-``poolfuzz run`` drives it for a family whose factory declares ``drives_scheduler`` (``--family vllm:scheduler``):
+``poolfuzz run`` drives it for a family whose factory declares ``drives_scheduler`` (``--family vllm``):
 the factory builds the driver. The machine tells the run's observer what the Engine machine tells it (an example
 starts, a scheduler step ran, an example failed, with its program so far as :class:`StepRecord` ops
 ``scheduler.add_request`` / ``scheduler.schedule`` / ``scheduler.abort``, an example ended), and stands in for the

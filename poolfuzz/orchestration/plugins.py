@@ -36,9 +36,13 @@ SHIPPED = {
     "builtin": "poolfuzz.pools.family:build_family",
     "sglang": "poolfuzz.adapters.sglang:build_family",
     "sglang:unified": "poolfuzz.adapters.sglang:build_unified_family",
-    "vllm": "poolfuzz.adapters.vllm:build_family",
-    "vllm:scheduler": "poolfuzz.adapters.vllm:build_scheduler_driver",
+    "vllm": "poolfuzz.adapters.vllm:build_scheduler_driver",
+    "vllm:scheduler": "poolfuzz.adapters.vllm:build_scheduler_driver",  # its name for one release: artifacts say it
+    "vllm:manager": "poolfuzz.adapters.vllm:build_manager_family",
 }
+# Families whose engine-operation programs now replay under another name: ``vllm`` drove vLLM's manager directly
+# (the harness playing the scheduler) until it ran vLLM's own Scheduler; that path is ``vllm:manager``.
+ENGINE_PROGRAMS_OF = {"vllm": "vllm:manager"}
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -41,7 +41,7 @@ def expect(api) -> str:
 
 def _fuzz(config, *, examples: int, steps: int = 30) -> Outcome:
     """Run the state machine over the vllm family; the shrunk failure, if any."""
-    from poolfuzz.adapters.vllm import build_family
+    from poolfuzz.adapters.vllm import build_manager_family as build_family
 
     return fuzz_family(build_family, config, examples=examples, steps=steps)
 

@@ -51,7 +51,7 @@ def _problems(fam) -> list[str]:
 
 
 def test_next_turn_with_connector_tokens(api, expect):
-    from poolfuzz.adapters.vllm import build_family
+    from poolfuzz.adapters.vllm import build_manager_family as build_family
     from poolfuzz.adapters.vllm.protocol import LiveRequest, token_id
 
     if not api.takes_external_tokens:
@@ -90,7 +90,7 @@ FUZZ_BUDGET = 150
 @pytest.mark.skipif(os.environ.get("POOLFUZZ_VLLM_EXPECT") != "44409",
                     reason="set POOLFUZZ_VLLM_EXPECT=44409 in a venv with vLLM before 0.24.0 (CI does)")
 def test_the_fuzzer_finds_it_and_shrinks_it(api):
-    from poolfuzz.adapters.vllm import build_family
+    from poolfuzz.adapters.vllm import build_manager_family as build_family
     from poolfuzz.orchestration.runner import run_machine
     from poolfuzz.pools.config import CONFIGS
 

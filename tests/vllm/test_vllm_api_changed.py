@@ -29,13 +29,13 @@ CHANGES = {
 @pytest.mark.parametrize("change", sorted(CHANGES))
 def test_an_engine_api_change_is_not_a_finding(api, change, tmp_path):
     edit, words = CHANGES[change]
-    run = run_on_changed_engine(["from vllm.v1.core.kv_cache_manager import KVCacheManager", edit], family="vllm",
+    run = run_on_changed_engine(["from vllm.v1.core.kv_cache_manager import KVCacheManager", edit], family="vllm:manager",
                                 config="dense", out=tmp_path / "out", examples=5)
     assert_api_changed(run, words.format(v=api.version), tmp_path)
 
 
 def test_doctor_passes_on_this_release(api):
-    run = subprocess.run([sys.executable, "-m", "poolfuzz.cli", "doctor", "--family", "vllm"], capture_output=True,
+    run = subprocess.run([sys.executable, "-m", "poolfuzz.cli", "doctor", "--family", "vllm:manager"], capture_output=True,
                          text=True, timeout=600)
     assert run.returncode == 0, run.stdout + run.stderr
     assert f"engine: vllm {api.version}" in run.stdout

@@ -14,7 +14,7 @@ NAMES = list(CONFIGS)
 
 
 def _build(name):
-    from poolfuzz.adapters.vllm import build_family
+    from poolfuzz.adapters.vllm import build_manager_family as build_family
 
     return build_family(CONFIGS[name])
 
@@ -22,7 +22,7 @@ def _build(name):
 class TestContract:
     @pytest.mark.parametrize("name", NAMES)
     def test_family_contract(self, api, name):
-        from poolfuzz.adapters.vllm import build_family, unsupported_reason
+        from poolfuzz.adapters.vllm import build_manager_family as build_family, unsupported_reason
 
         reason = unsupported_reason(CONFIGS[name])
         if reason is not None:  # a dimension the adapter does not drive: declined with its reason, never run
@@ -46,12 +46,12 @@ class TestContract:
             assert fam.free_lists()[s].available_size() == before[s] - scale, s
 
     def test_the_family_declares_its_engine_code(self, api):
-        from poolfuzz.adapters.vllm import build_family
+        from poolfuzz.adapters.vllm import build_manager_family as build_family
 
         assert build_family.engine_code == ("vllm/v1/core",)
 
     def test_faults_are_refused(self, api):
-        from poolfuzz.adapters.vllm import build_family
+        from poolfuzz.adapters.vllm import build_manager_family as build_family
 
         with pytest.raises(ConfigError, match="no catalogue faults"):
             build_family(CONFIGS["dense"], faults=("x",))
@@ -98,7 +98,7 @@ class TestChecks:
 
 
 def _factory():
-    from poolfuzz.adapters.vllm import build_family
+    from poolfuzz.adapters.vllm import build_manager_family as build_family
 
     return build_family
 

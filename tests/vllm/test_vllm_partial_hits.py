@@ -29,7 +29,7 @@ def fine(api):
 
 
 def _factory():
-    from poolfuzz.adapters.vllm import build_family
+    from poolfuzz.adapters.vllm import build_manager_family as build_family
 
     return build_family
 

@@ -10,7 +10,7 @@ from poolfuzz.pools.config import CONFIGS
 
 
 def _factory():
-    from poolfuzz.adapters.vllm import build_family
+    from poolfuzz.adapters.vllm import build_manager_family as build_family
 
     return build_family
 

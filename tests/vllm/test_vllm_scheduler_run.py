@@ -1,4 +1,4 @@
-"""``poolfuzz run --family vllm:scheduler``: vLLM's own Scheduler under the run machinery (issue 30, item 1/5).
+"""``poolfuzz run --family vllm``: vLLM's own Scheduler under the run machinery (issue 30, item 1/5).
 
 Budgets, the summary, exit codes, shrinking, the artifact and its replay, as for any family; the program is
 scheduler steps (``scheduler.add_request`` / ``scheduler.schedule`` / ``scheduler.abort``).
@@ -14,7 +14,7 @@ import pytest
 from poolfuzz.cli import run_cli
 from tests.engine_fuzz import assert_api_changed, run_on_changed_engine
 
-FAMILY = "vllm:scheduler"
+FAMILY = "vllm"
 
 
 def _run(tmp_path, config: str, examples: int, *extra: str) -> int:
@@ -99,7 +99,7 @@ def test_the_33706_config_fails_before_0_17_and_passes_after(scheduling, api, tm
 
 def test_a_config_the_scheduler_path_does_not_drive_is_declined(scheduling, tmp_path, capsys):
     assert _run(tmp_path, "mla", 5) == 2
-    assert re.search(r"family 'vllm:scheduler' does not support config 'mla': .*MHA", capsys.readouterr().err)
+    assert re.search(r"family 'vllm' does not support config 'mla': .*MHA", capsys.readouterr().err)
 
 
 def test_a_release_without_the_scheduler_is_api_changed(scheduling, api, tmp_path):
@@ -116,6 +116,6 @@ def test_bench_measures_both_vllm_paths_in_one_run(scheduling, api):
     from poolfuzz.orchestration import bench
 
     figures = bench.engine_steps("cpu", examples=5, reps=1)
-    for key in ("steps_per_second_vllm", "steps_per_second_vllm_scheduler"):
+    for key in ("steps_per_second_vllm_manager", "steps_per_second_vllm_scheduler"):
         assert figures[key] > 0 and figures[f"{key}_runs"] == [figures[key]], figures
     assert figures["vllm_version"] == api.version

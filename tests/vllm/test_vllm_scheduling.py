@@ -256,3 +256,37 @@ def test_a_block_cached_without_its_event_is_caught_by_the_machine(scheduling, a
     with pytest.raises(AssertionError, match=r"the prefix cache holds \d+ block\(s\) under hash \w+ of group 0, but "
                                              r"the KV events say 0"):
         _fuzz(scheduling, "dense-ps4", phases=[Phase.generate])
+
+
+# --- a KV connector to an external store (connector.py): vLLM's scheduler decides what loads and saves --------
+def test_the_store_saves_finished_requests_and_loads_them_into_new_blocks(scheduling, api):
+    stats = {"drivers": []}
+    _fuzz(scheduling, "dense-ps4", stats)
+    drivers = stats["drivers"]
+    if all(d.connector is None for d in drivers):
+        pytest.skip(f"vLLM {api.version} has no KV connector config to name the store's connector by")
+    assert sum(d.connector.saved for d in drivers) > 0
+    assert sum(d.connector.loaded for d in drivers) > 0  # loads happened, and their blocks were checked
+
+
+def test_a_store_that_returns_another_requests_kv_is_caught_at_the_loading_forward(scheduling, api):
+    """A transfer that delivers wrong data (a corrupt store entry): the request that loads it attends the block,
+    and the report names the position and whose KV it holds."""
+    from poolfuzz.pools.errors import LostKv
+
+    driver = scheduling.SchedulerDriver(CONFIGS["dense-ps4"])
+    if driver.connector is None:
+        pytest.skip(f"vLLM {api.version} has no KV connector config to name the store's connector by")
+    first = driver.add_request(length=9, share=0, max_tokens=1)
+    for _ in range(6):
+        driver.step()
+    assert driver.connector.saved >= 2 and first not in driver.scheduler.requests
+    store = driver.worker.store
+    one, two = sorted(store.values, key=len)[:2]
+    store.values[two] = store.values[one]  # the second block's entry holds the first block's values
+    assert driver.scheduler.reset_prefix_cache()  # no local hit: the next request's prefix comes from the store
+    second = driver.add_request(length=2, share=2, max_tokens=1)
+    with pytest.raises(LostKv, match=rf"req {second} step \d+: full\.[kv] layer \d+ position 4: block \d+ slot \d+ "
+                                     rf"holds req {first}'s position 0"):
+        for _ in range(4):
+            driver.step()

@@ -1,21 +1,22 @@
-"""Drive vLLM's real v1 KV cache manager (installed from PyPI) with the poolfuzz harness.
+"""Drive vLLM (installed from PyPI) with the poolfuzz harness: its own Scheduler, or its KV cache manager directly.
 
-Two families: ``vllm:scheduler`` runs vLLM's own ``Scheduler`` (``scheduling.py``: it decides chunks, hits,
-preemption and blocks; a worker stand-in checks every attended position), ``vllm`` plays the scheduler itself
-over the manager (it reaches what the scheduler path does not drive yet: speculative decoding, next turns, KV
-connectors, the events).
+``--family vllm`` runs vLLM's own ``Scheduler`` (``scheduling.py``): it decides chunks, prefix hits, preemption,
+speculative drafts' acceptance, KV connector loads and saves, and blocks; a worker stand-in (``worker.py``)
+checks every attended position and recurrent state. ``vllm:scheduler`` is the same family under the name it
+had for one release.
 
-``poolfuzz run --family vllm`` builds vLLM's own ``KVCacheManager`` for a config (full attention,
-sliding window and mamba groups over one block pool, prefix caching on) with real ``Request``
-objects, and models the worker's side: the KV tensors, the writes into the blocks the manager hands
-out, recompute after preemption. Importing this module does not import vLLM; building a family does.
+``--family vllm:manager`` drives vLLM's ``KVCacheManager`` directly, the harness choosing what a scheduler
+would (``family.py``, ``protocol.py``), only for what the scheduler path cannot reach: multi-turn requests
+continued on a finished request's blocks, EAGLE's hit truncation, a connector's offload of a preempted
+request's blocks, hits inside a block driven call by call, and the fault catalogue's two-node programs.
+Importing this module does not import vLLM; building a family does.
 """
 
 from __future__ import annotations
 
 
-def build_family(config, *, device="cpu", faults=(), backup_mode=None):
-    """The family factory registered as ``vllm`` in the ``poolfuzz.families`` entry points."""
+def build_manager_family(config, *, device="cpu", faults=(), backup_mode=None):
+    """The family factory registered as ``vllm:manager``: vLLM's KVCacheManager, driven call by call."""
     from poolfuzz.adapters.vllm.family import build_vllm_family
 
     return build_vllm_family(config, device=device, faults=faults, backup_mode=backup_mode)
@@ -44,17 +45,17 @@ def engine_report():
     return probed()
 
 
-build_family.unsupported_reason = unsupported_reason
+build_manager_family.unsupported_reason = unsupported_reason
 # What ``poolfuzz doctor`` prints and ``poolfuzz run`` checks before fuzzing (adapters/vllm/compat.py).
-build_family.engine_report = engine_report
+build_manager_family.engine_report = engine_report
 # Its families continue finished requests (``VllmFamily.supports_next_turn``): the machine gets the rule.
-build_family.supports_next_turn = True
+build_manager_family.supports_next_turn = True
 # The source that is "the engine" for coverage: vLLM's v1 KV cache management, relative to site-packages.
-build_family.engine_code = ("vllm/v1/core",)
+build_manager_family.engine_code = ("vllm/v1/core",)
 
 
 def build_scheduler_driver(config, *, device="cpu", faults=(), backup_mode=None):
-    """The factory registered as ``vllm:scheduler``: one example's server (vLLM's Scheduler and the worker
+    """The factory registered as ``vllm`` (and ``vllm:scheduler``): one example's server (vLLM's Scheduler and the worker
     stand-in, ``scheduling.SchedulerDriver``), driven by ``harness/scheduled.py``'s machine."""
     from poolfuzz.adapters.vllm.scheduling import build_driver
 

@@ -93,7 +93,7 @@ NEEDS: tuple[Need, ...] = (
          fields=("req_ids", "new_block_ids", "num_computed_tokens"), required=False,
          used_for="the scheduler-driven path: running and resumed requests' blocks"),
 )
-SCHEDULER_NEEDS = ("the scheduler-driven path",)  # the optional needs ``vllm:scheduler`` requires
+SCHEDULER_NEEDS = ("the scheduler-driven path",)  # the optional needs ``vllm`` requires
 
 
 def release() -> str:
@@ -127,7 +127,7 @@ def engine_report() -> EngineReport:
 
 
 def scheduler_engine_report() -> EngineReport:
-    """``engine_report`` for ``--family vllm:scheduler``: the scheduler path's needs are required there."""
+    """``engine_report`` for ``--family vllm``: the scheduler path's needs are required there."""
     needs = tuple(dataclasses.replace(n, required=True) if n.used_for.startswith(SCHEDULER_NEEDS) else n
                   for n in NEEDS)
     return report(needs, engine=ENGINE, release=installed_release())

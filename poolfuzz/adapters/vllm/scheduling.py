@@ -18,10 +18,13 @@ What is stood in for, and why:
 * the KV event publisher's transport: the server publishes KV events (``--kv-events-config``) to a "null"
   publisher, and :class:`RouterFeed` takes the batches the scheduler publishes and replays them against the
   prefix cache as a KV-aware router would (``events.EventMirror``), every step;
-* the drafter: the worker proposes draft tokens (ngram speculative decoding, see ``worker.py``).
+* the drafter: the worker proposes draft tokens (ngram speculative decoding, see ``worker.py``);
+* an external KV store (LMCache, a disaggregated peer): ``connector.py``'s connector plug-in, which vLLM loads
+  by module path as it loads any ``--kv-transfer-config`` connector, with the worker doing its transfers.
 
 The server runs with priority scheduling, KV cache metrics sampling every block, KV events where prefix
-caching is on, and ngram speculative decoding on models without a mamba group.
+caching is on, ngram speculative decoding on models without a mamba group, and the external store's KV
+connector on models of full attention only.
 """
 
 from __future__ import annotations
@@ -78,6 +81,8 @@ def scheduler_modules():
     import warnings
 
     logging.getLogger("vllm").setLevel(logging.WARNING)  # its INFO lines (a prefix cache reset per example) are noise
+    # ... and so is the connector base's "this API is experimental" warning, once per server built
+    logging.getLogger("vllm.distributed.kv_transfer.kv_connector.v1.base").setLevel(logging.ERROR)
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -86,11 +91,19 @@ def scheduler_modules():
         from vllm.v1 import outputs
         from vllm.v1.core.sched.scheduler import Scheduler
         from vllm.v1.structured_output import StructuredOutputManager
-    return types.SimpleNamespace(triton_utils=triton_utils, CacheConfig=configs.CacheConfig,
+        from poolfuzz.adapters.vllm import connector
+
+        try:  # the store's connector class, which vLLM's factory takes by module path, on vLLM's connector base
+            getattr(connector, connector.CONNECTOR)
+        except ImportError:
+            connector = None
+    return types.SimpleNamespace(connector=connector, triton_utils=triton_utils, CacheConfig=configs.CacheConfig,
                                  DeviceConfig=configs.DeviceConfig, SchedulerConfig=configs.SchedulerConfig,
                                  VllmConfig=configs.VllmConfig, ModelConfig=configs.ModelConfig,
                                  SpeculativeConfig=getattr(configs, "SpeculativeConfig", None),
                                  KVEventsConfig=getattr(configs, "KVEventsConfig", None),
+                                 KVTransferConfig=getattr(configs, "KVTransferConfig", None),
+                                 KVConnectorOutput=getattr(outputs, "KVConnectorOutput", None),
                                  ObservabilityConfig=getattr(configs, "ObservabilityConfig", None),
                                  Scheduler=Scheduler, ModelRunnerOutput=outputs.ModelRunnerOutput,
                                  DraftTokenIds=getattr(outputs, "DraftTokenIds", None),
@@ -116,7 +129,7 @@ def scheduler_problem(api: VllmAPI, config: ModelConfig) -> str | None:
 
 @lru_cache(maxsize=8)
 def _vllm_config(api: VllmAPI, config: ModelConfig, budget: int, max_seqs: int, max_model_len: int, caching: bool,
-                 mamba_mode: str = "none", spec_tokens: int = 0):
+                 mamba_mode: str = "none", spec_tokens: int = 0, connector: bool = False):
     """One VllmConfig per machine (its construction reads the model config and the platform: seconds)."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     m = scheduler_modules()
@@ -142,6 +155,10 @@ def _vllm_config(api: VllmAPI, config: ModelConfig, budget: int, max_seqs: int, 
     if m.ObservabilityConfig is not None and "kv_cache_metrics" in inspect.signature(m.ObservabilityConfig).parameters:
         # --kv-cache-metrics, every block sampled: deterministic
         extra["observability_config"] = m.ObservabilityConfig(kv_cache_metrics=True, kv_cache_metrics_sample=1.0)
+    if connector:  # --kv-transfer-config naming the external store's connector (connector.py) by module path
+        store = m.connector
+        extra["kv_transfer_config"] = m.KVTransferConfig(kv_connector=store.CONNECTOR, kv_role="kv_both",
+                                                         kv_connector_module_path=store.__name__)
     if spec_tokens:  # ngram: a drafter without a model (the worker stands in for it)
         extra["speculative_config"] = m.SpeculativeConfig(method="ngram", num_speculative_tokens=spec_tokens,
                                                           prompt_lookup_max=spec_tokens, prompt_lookup_min=1)
@@ -178,11 +195,19 @@ def fitted_max_model_len(vllm_config, layout) -> int:
 
 @lru_cache(maxsize=8)
 def _server_max_model_len(api: VllmAPI, config: ModelConfig, budget: int, max_seqs: int, mode: str,
-                          spec_tokens: int) -> int:
+                          spec_tokens: int, connector: bool) -> int:
     """:func:`fitted_max_model_len` once per server config (every example builds a server)."""
     layout = layout_for(api, config, mode)
     return fitted_max_model_len(_vllm_config(api, config, budget, max_seqs, layout.max_model_len, layout.caching, mode,
-                                             spec_tokens), layout)
+                                             spec_tokens, connector), layout)
+
+
+def has_connector(config: ModelConfig) -> bool:
+    """Whether the server runs the external store's KV connector: on models of full attention only (vLLM hands
+    a connector of a hybrid model every group's blocks, which the store does not model)."""
+    m = scheduler_modules()
+    return not (config.has_swa or config.has_mamba) and None not in (m.KVTransferConfig, m.KVConnectorOutput,
+                                                                      m.connector)
 
 
 def spec_tokens_for(api: VllmAPI, config: ModelConfig) -> int:
@@ -205,9 +230,9 @@ def build_scheduler(api: VllmAPI, config: ModelConfig, *, budget: int, max_seqs:
     Scheduler, StructuredOutputManager = m.Scheduler, m.StructuredOutputManager
     mode = mamba_mode_for(config) if config.has_mamba else "none"
     layout = layout_for(api, config, mode)
-    spec = spec_tokens_for(api, config)
-    max_model_len = _server_max_model_len(api, config, budget, max_seqs, mode, spec)
-    vllm_config = _vllm_config(api, config, budget, max_seqs, max_model_len, layout.caching, mode, spec)
+    spec, connector = spec_tokens_for(api, config), has_connector(config) and layout.caching
+    max_model_len = _server_max_model_len(api, config, budget, max_seqs, mode, spec, connector)
+    vllm_config = _vllm_config(api, config, budget, max_seqs, max_model_len, layout.caching, mode, spec, connector)
     vllm_config.cache_config.num_gpu_blocks = layout.num_blocks
     # The scheduling and hashing granularities as the engine core resolves them (vLLM's own function, where
     # the release has it: the LCM of the groups' block sizes; a mamba "none" group's is the longest request).
@@ -268,6 +293,11 @@ class SchedulerDriver:
                              sliding_window=config.sliding_window + 1 if config.has_swa else None, vocab=VOCAB,
                              output_cls=scheduler_modules().ModelRunnerOutput,
                              mamba_mode=self.built.mamba_mode)
+        self.connector = getattr(self.scheduler, "connector", None)  # the external store's, where it runs
+        if self.connector is not None:
+            self.worker.store = scheduler_modules().connector.ExternalStore(config.page_size)
+            self.worker.connector_output_cls = scheduler_modules().KVConnectorOutput
+            self.connector.attach(self.worker.store)
         self.next_rid = 1
         self.fresh = VOCAB  # prompt token ids past the vocab: two prompts share only the prefixes drawn
         self.preempted = 0  # requests the scheduler preempted (each resumes and is checked again)
@@ -347,7 +377,10 @@ class SchedulerDriver:
                 break
             self.step()
         if self.scheduler.requests:
-            return f"{len(self.scheduler.requests)} request(s) still unfinished after {DRAIN_STEPS} idle steps"
+            stuck = ", ".join(f"req {rid} {getattr(r.status, 'name', r.status)} at {r.num_computed_tokens}/{r.num_tokens}"
+                              for rid, r in sorted(self.scheduler.requests.items(), key=lambda kv: int(kv[0]))[:4])
+            return (f"{len(self.scheduler.requests)} request(s) still unfinished after {DRAIN_STEPS} idle steps "
+                    f"({stuck})")
         pool = self.scheduler.kv_cache_manager.block_pool
         held = [b.block_id for b in pool.blocks if b.ref_cnt and not b.is_null]
         if held:
@@ -358,7 +391,7 @@ class SchedulerDriver:
 
 
 def unsupported_reason(config: ModelConfig) -> str | None:
-    """Why ``--family vllm:scheduler`` does not drive ``config`` with the installed vLLM, or None."""
+    """Why ``--family vllm`` does not drive ``config`` with the installed vLLM, or None."""
     from poolfuzz.adapters.vllm.api import load
     from poolfuzz.adapters.vllm.family import unsupported_reason as manager_reason
 
@@ -366,11 +399,11 @@ def unsupported_reason(config: ModelConfig) -> str | None:
 
 
 def build_driver(config: ModelConfig, *, device="cpu", faults=(), backup_mode=None) -> SchedulerDriver:
-    """The ``vllm:scheduler`` factory's driver (the worker's tensors live on the CPU, as the scheduler does)."""
+    """The ``vllm`` factory's driver (the worker's tensors live on the CPU, as the scheduler does)."""
     if tuple(faults):
-        raise ConfigError("the vllm:scheduler family runs vLLM's code as shipped: it has no catalogue faults")
+        raise ConfigError("the vllm family runs vLLM's code as shipped: it has no catalogue faults")
     if backup_mode not in (None, "cpu_tensor"):
-        raise ConfigError(f"the vllm:scheduler family has no backup_mode {backup_mode!r}: vLLM's scheduler "
+        raise ConfigError(f"the vllm family has no backup_mode {backup_mode!r}: vLLM's scheduler "
                           "recomputes a preempted request")
     return SchedulerDriver(config)
 

@@ -6,7 +6,8 @@ re-sent after preemption), zeroes the blocks the scheduler names and runs its bl
 position the forward attends to holds the KV of exactly the request's tokens up to it, writes the K and V of
 exactly the scheduled positions, and samples a token determined by the tokens so far. Contents derive from
 tokens alone (a chained hash of the token ids up to a position, salted by layer and component), never from
-vLLM's bookkeeping, so a prefix hit's blocks must hold the prefix's own KV.
+vLLM's bookkeeping, so a prefix hit's blocks (and blocks loaded from a KV connector's store) must hold the
+prefix's own KV.
 
 Mamba groups run in cache mode "none" (one state block a request, no prefix caching) and "align" (prefix
 caching: a state per block of tokens). In both the worker checks that a forward continuing after ``n`` tokens
@@ -27,6 +28,7 @@ block-aligned split (``Scheduler._mamba_block_aligned_split``) is what makes tha
 follows those functions' column choice and does their copies on the CPU tensors here: the real ones build
 CUDA pointer tables and launch Triton copies (``batch_memcpy`` / the fused kernels), which cannot run on a CPU,
 and 0.34.0's CPU runner needs a loaded model's state copy functions and input batch.
+
 Speculative decoding (ngram-style: the worker is its own drafter). A request the output schedules with draft
 tokens (``scheduled_spec_decode_tokens``; 0.34's ``-1`` padding slots are filled by the worker's drafter, as
 the GPU runner fills them from its own drafts) gets KV written for the drafts at their positions (derived from
@@ -34,8 +36,13 @@ the draft tokens, so a rejected draft's KV is not the request's), and the verify
 the token the stand-in model samples there, then samples one more: ``sampled_token_ids`` holds the accepted
 drafts and that token, and vLLM rolls ``num_computed_tokens`` back over the rejected ones. After the forward
 the drafter proposes ``drafts`` tokens for every request that sampled (``take_drafts``): the first few, as
-many as the sequence's chain says, are the tokens the model will sample, the rest wrong. Not driven yet: KV
-connectors; speculative decoding with a mamba group (vLLM's speculative state blocks).
+many as the sequence's chain says, are the tokens the model will sample, the rest wrong. Not driven yet:
+speculative decoding with a mamba group (vLLM's speculative state blocks).
+
+A KV connector (``connector.py``, on models of full attention only): before the forward the worker does the
+step's transfers the connector's metadata names, saves of a finished request's blocks into the external store
+and loads from it into the blocks the scheduler allocated, and reports the asynchronous ones finished in the
+output's ``kv_connector_output``.
 """
 
 from __future__ import annotations
@@ -107,6 +114,8 @@ class Worker:
         self.tables: dict[str, list[list[int]]] = {}  # req id -> block ids per group, as the output gave them
         self.tokens: dict[str, Tokens] = {}  # req id -> its tokens (kept across preemption, as the request's are)
         self.writers: dict[int, tuple[str, int]] = {}  # a tag written -> (req id, position): whose data it is
+        self.store = None  # connector.ExternalStore where the server has the KV connector
+        self.connector_output_cls = None  # the release's KVConnectorOutput, with the store
         self.drafts = 0  # draft tokens the drafter proposes per request that sampled (set by the harness)
         self.proposed: dict[str, list[int]] = {}  # req id -> the drafts proposed after the last forward
         self.drafts_verified = self.drafts_accepted = 0  # draft tokens the forwards verified / accepted
@@ -146,6 +155,7 @@ class Worker:
             for g in self.groups:
                 if g.space != "mamba":
                     copy_block(list(self.kv.values()), g.space, copy.src_block_id, copy.dst_block_id, self.block_size)
+        finished = self._transfer(getattr(out, "kv_connector_metadata", None))
         if self.mamba_mode == "align":  # preprocess_mamba: every request's state moves before any forward
             for rid, n in out.num_scheduled_tokens.items():
                 self._carry_state(rid, computed[rid], computed[rid] + n)
@@ -177,7 +187,31 @@ class Worker:
             else:
                 sampled.append([])
             req_ids.append(rid)
-        return self._output(req_ids, sampled)
+        return self._output(req_ids, sampled, finished)
+
+    # --- a KV connector's transfers (connector.py) ------------------------------------------------
+    def _transfer(self, meta) -> tuple[set[str], set[str]] | None:
+        """The step's saves (the blocks' values into the store, under the token prefix each block ends)
+        and loads (the store's values into the blocks the scheduler allocated), before the forward; the
+        requests whose transfer is reported finished (sending, receiving)."""
+        if meta is None or self.store is None:
+            return None
+        sending, receiving = set(), set()
+        bs = self.block_size
+        for save in meta.saves:
+            for index in range(save.count // bs):
+                block = save.blocks[index]
+                self.store.values[save.tokens[:(index + 1) * bs]] = {
+                    key: component.tensor[block * bs:(block + 1) * bs].clone() for key, component in self.kv.items()}
+            sending.add(save.rid)
+        for load in meta.loads:
+            for index in range(load.start // bs, (load.start + load.count) // bs):
+                block = load.blocks[index]
+                for key, values in self.store.values[load.tokens[:(index + 1) * bs]].items():
+                    self.kv[key].tensor[block * bs:(block + 1) * bs] = values
+            if load.report:
+                receiving.add(load.rid)
+        return sending, receiving
 
     # --- speculative decoding -------------------------------------------------------------------
     def _next_token(self, chain: int) -> int:
@@ -244,8 +278,11 @@ class Worker:
             return {rid for rid, f in zip(cached.req_ids, flags) if f}
         return set(getattr(cached, "resumed_req_ids", None) or ())
 
-    def _output(self, req_ids: list[str], sampled: list[list[int]]):
+    def _output(self, req_ids: list[str], sampled: list[list[int]], finished=None):
         kw = dict(req_ids=req_ids, sampled_token_ids=sampled)
+        if finished is not None:
+            kw["kv_connector_output"] = self.connector_output_cls(finished_sending=finished[0] or None,
+                                                                  finished_recving=finished[1] or None)
         optional = dict(req_id_to_index={r: i for i, r in enumerate(req_ids)}, logprobs=None,
                         prompt_logprobs_dict={}, pooler_output=[])
         kw.update({k: v for k, v in optional.items() if k in self.output_fields})
