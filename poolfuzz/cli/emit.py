@@ -36,6 +36,7 @@ def main(args, out=None) -> int:
     out = out or sys.stdout
     # what cannot replay here (or names a family the user did not trust): one line, exit 2, nothing written
     art = artifacts.load_checked(args.file, trusted_family=args.family)[0]
+    out.write(artifacts.renamed_note(art))
     path = Path(args.output)
     if path.is_dir():
         raise UsageError(f"-o {args.output!r} is a directory; name the file, e.g. "

@@ -8,8 +8,6 @@ operations, and the checks compare checksums, not device pointers.
 
 from __future__ import annotations
 
-import dataclasses
-
 
 import sys
 
@@ -36,16 +34,12 @@ def main(args, out=None) -> int:
 
     out = out or sys.stdout
     art, config, faults, options = artifacts.load_checked(args.file, trusted_family=args.family)
+    out.write(artifacts.renamed_note(art))
     device = resolve_device(args.device)
     scheduled = False
     if art.family != "builtin":  # a factory that cannot build a family is bad usage, not a reproduction
-        from poolfuzz.orchestration.plugins import ENGINE_PROGRAMS_OF, probe_family, resolve_family
+        from poolfuzz.orchestration.plugins import probe_family, resolve_family
 
-        if art.program and not artifacts.is_scheduler_program(art) and art.family in ENGINE_PROGRAMS_OF:
-            renamed = ENGINE_PROGRAMS_OF[art.family]
-            out.write(f"note: recorded on family {art.family!r} when it took engine operations; that path is "
-                      f"{renamed!r} now, and the replay runs there\n")
-            art = dataclasses.replace(art, family=renamed)
         plugin = resolve_family(art.family)
         plugin.check_engine()  # an engine whose API changed: "API CHANGED", exit 2, never a reproduction
         scheduled = plugin.drives_scheduler

@@ -130,7 +130,7 @@ def plan_from_args(args):
     check_writable_dir(args.out, "--out")  # a failure found after an hour must have somewhere to go
     db = check_database(args.db)
     if args.family:
-        from poolfuzz.orchestration.plugins import probe_family, resolve_family, select_configs
+        from poolfuzz.orchestration.plugins import ENGINE_PROGRAMS_OF, probe_family, resolve_family, select_configs
 
         if faults:
             raise UsageError(f"--faults switch on catalogue faults of the builtin family; family {args.family!r} "
@@ -139,7 +139,8 @@ def plan_from_args(args):
         plugin.check_engine()  # what `poolfuzz doctor` checks: an engine that changed is refused here, in its words
         if DRAWN_NAME in names and plugin.drives_scheduler:
             raise UsageError(f"family {plugin.name!r} drives the engine's own scheduler over named configs only; "
-                             f"drop --config {DRAWN_NAME} (or use --family {plugin.name.split(':')[0]})")
+                             f"drop --config {DRAWN_NAME}" + (f" (or use --family {ENGINE_PROGRAMS_OF[plugin.name]}, "
+                             "which takes drawn configs)" if plugin.name in ENGINE_PROGRAMS_OF else ""))
         fixed = [config_of(n) for n in names if n != DRAWN_NAME]
         chosen, skipped = select_configs(plugin, fixed, explicit=explicit)
         for name, why in skipped:

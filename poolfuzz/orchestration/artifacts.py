@@ -13,7 +13,7 @@ import os
 import re
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from poolfuzz.errors import UsageError
@@ -66,9 +66,12 @@ class Artifact:
     poolfuzz_version: str = ""
     version: int = VERSION
     schema: str = SCHEMA
+    # The family the file names where its program now runs on another (see load_checked); never written.
+    renamed_from: str = ""
 
     def to_json(self) -> dict:
         out = asdict(self)
+        del out["renamed_from"]
         out["program"] = [step_to_json(s) for s in self.program]
         # the identifying fields first, for a reader of the raw file
         head = ("schema", "version", "status", "signature", "config", "model_config", "family", "device", "faults",
@@ -364,11 +367,25 @@ def resolve(artifact: Artifact, name: str, *, trusted_family: str | None = None)
 
 def load_checked(path, *, trusted_family: str | None = None) -> tuple[Artifact, object, list[str], dict]:
     """An artifact that replays here: (artifact, config, faults, engine options), or ArtifactError
-    naming what does not (a bad file, an unknown config, fault, untrusted family or engine option)."""
+    naming what does not (a bad file, an unknown config, fault, untrusted family or engine option). An engine
+    program recorded on a family whose engine-operation path was renamed (``plugins.ENGINE_PROGRAMS_OF``) comes
+    back under the new name, with ``renamed_from`` saying which it named."""
+    from poolfuzz.orchestration.plugins import ENGINE_PROGRAMS_OF
+
     art = load(path)
+    if art.program and not is_scheduler_program(art) and art.family in ENGINE_PROGRAMS_OF:
+        art = replace(art, family=ENGINE_PROGRAMS_OF[art.family], renamed_from=art.family)
     options = engine_options(art, str(path))
     config, faults = resolve(art, str(path), trusted_family=trusted_family)
     return art, config, faults, options
+
+
+def renamed_note(art: Artifact) -> str:
+    """The line that tells a user their artifact runs on a renamed family (empty where it does not)."""
+    if not art.renamed_from:
+        return ""
+    return (f"note: recorded on family {art.renamed_from!r} when it took engine operations; that path is "
+            f"{art.family!r} now, and runs there\n")
 
 
 def family_factory(family: str | None):

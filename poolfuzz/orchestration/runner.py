@@ -38,7 +38,7 @@ from poolfuzz.harness.machine import machine_for
 from poolfuzz.harness.minimise import minimise
 from poolfuzz.harness.program import new_engine
 from poolfuzz.harness.records import EngineOptions
-from poolfuzz.harness.scheduled import ScheduledMachine, scheduled_machine
+from poolfuzz.harness.scheduled import scheduled_machine
 from poolfuzz.orchestration.constants import load_every_module
 from poolfuzz.pools.capabilities import factory_capabilities
 from poolfuzz.pools.config import ModelConfig
@@ -269,7 +269,8 @@ def run_machine(config, *, device="cpu", faults=(), backup_mode=None, max_exampl
                        known=frozenset(bug_key(s) for s in options.known))
     machine = _machine(config, device=device, faults=faults, backup_mode=backup_mode, options=options,
                        family_factory=family_factory, observer=tracker)
-    scheduled = issubclass(machine, ScheduledMachine)  # its program is scheduler ops: no Engine to minimise on
+    # its program is scheduler ops: no Engine to minimise on
+    scheduled = factory_capabilities(family_factory).drives_scheduler
     key = database_key(machine)
     chosen = settings(
         max_examples=max_examples, stateful_step_count=steps_per_example, deadline=None, database=database,

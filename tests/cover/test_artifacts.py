@@ -144,3 +144,15 @@ def test_from_program_refuses_a_program_that_passes():
     """Recording a clean program is a mistake, not an artifact."""
     with pytest.raises(ValueError, match="ran clean"):
         from_program("swa-ssm", PROGRAM)
+
+
+def test_an_engine_program_recorded_on_vllm_comes_back_on_its_renamed_path(artifact_path):
+    """``vllm`` drove vLLM's manager with engine operations before it ran vLLM's Scheduler: such a file now
+    loads (for replay and emit-test alike) on ``vllm:manager``, says so, and is never written back renamed."""
+    _corrupt(artifact_path, lambda r: r.update(family="vllm", faults=[]))
+    art = artifacts.load_checked(artifact_path)[0]
+    assert (art.family, art.renamed_from) == ("vllm:manager", "vllm")
+    assert "recorded on family 'vllm' when it took engine operations; that path is 'vllm:manager' now" in \
+        artifacts.renamed_note(art)
+    assert "renamed_from" not in art.to_json()
+    assert artifacts.renamed_note(load(artifact_path)) == ""  # load alone reads the file as it is

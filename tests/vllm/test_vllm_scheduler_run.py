@@ -119,3 +119,10 @@ def test_bench_measures_both_vllm_paths_in_one_run(scheduling, api):
     for key in ("steps_per_second_vllm_manager", "steps_per_second_vllm_scheduler"):
         assert figures[key] > 0 and figures[f"{key}_runs"] == [figures[key]], figures
     assert figures["vllm_version"] == api.version
+
+
+def test_drawn_configs_are_refused_with_the_family_that_takes_them(scheduling, tmp_path, capsys):
+    assert _run(tmp_path, "random", 5) == 2
+    err = capsys.readouterr().err
+    assert "family 'vllm' drives the engine's own scheduler over named configs only; drop --config random" in err
+    assert "use --family vllm:manager, which takes drawn configs" in err

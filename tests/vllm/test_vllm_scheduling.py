@@ -112,9 +112,10 @@ def test_mamba_align_resumes_every_request_from_its_own_state(scheduling, align_
     exactly the tokens vLLM says are computed."""
     stats = {"drivers": []}
     if not align_fixed:  # 0.16.0: a stale or misaligned state is found, and the report says whose it is
-        # 0.16.0: found within 200 derandomized examples (52 on pages of 4, 156 on pages of 1, alone).
+        # 0.16.0: found after 8 derandomized examples on pages of 4 and 297 on pages of 1 (alone, at 8a53793's
+        # successor); the draws shift with the literals of every loaded module, so the budget keeps a wide margin.
         with pytest.raises(StateLost, match=STATE_LOST):
-            _fuzz(scheduling, name, stats, phases=[Phase.generate], max_examples=200)
+            _fuzz(scheduling, name, stats, phases=[Phase.generate], max_examples=800)
         return
     _fuzz(scheduling, name, stats)
     assert len(stats["drivers"]) >= 20

@@ -77,8 +77,8 @@ def _connector_class():
         def __init__(self, vllm_config, role, kv_cache_config=None):
             super().__init__(vllm_config, role, kv_cache_config)
             self.store: ExternalStore | None = None  # attached by the driver: one store per server
-            self.local: dict[str, int] = {}  # req id -> the local hit it was asked about (the load starts there)
-            self.async_loads: set[str] = set()
+            # req id -> (the local hit it was asked about, where its load starts; whether it loads asynchronously)
+            self.asked: dict[str, tuple[int, bool]] = {}
             self.meta = StoreMeta()
             self.loaded = self.saved = 0  # tokens the scheduler asked to load / blocks saved (for the tests)
 
@@ -97,16 +97,15 @@ def _connector_class():
             hit = self.store.longest(tokens[:len(tokens) - 1])  # a request computes at least its last token
             if hit <= num_computed_tokens:
                 return 0, False
-            self.local[request.request_id] = num_computed_tokens
             load_async = int(request.request_id) % 2 == 0  # half the loads between steps: the request waits
+            self.asked[request.request_id] = (num_computed_tokens, load_async)
             return hit - num_computed_tokens, load_async
 
         def update_state_after_alloc(self, request, blocks, num_external_tokens: int):
             if not num_external_tokens:
                 return
             rid = request.request_id
-            start = self.local.pop(rid, 0)
-            load_async = int(rid) % 2 == 0
+            start, load_async = self.asked.pop(rid)
             ids = blocks.get_block_ids()[0]
             self.meta.loads.append(Transfer(rid=rid, tokens=tuple(request.all_token_ids), blocks=tuple(ids),
                                             start=start, count=num_external_tokens, report=load_async))

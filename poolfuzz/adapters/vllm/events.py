@@ -54,10 +54,10 @@ class EventMirror:
                         del self.cached[key]
             elif isinstance(event, ev.AllBlocksCleared):
                 self.cached.clear()
-        self.check()
 
     def check(self) -> str | None:
-        """The first disagreement between the stream consumed so far and the prefix cache (kept once seen)."""
+        """The first disagreement between the stream consumed so far and the prefix cache (kept once seen: a later
+        step may hide it). Its owner calls it once a step, after the step's events are consumed."""
         if self.problem is None:
             self.problem = self._disagreement()
         return self.problem

@@ -175,6 +175,7 @@ class VllmFamily:
             m.take_boundary_state_offloads()  # a connector would offload them; none is modelled
         if self.events is not None:
             self.events.consume(m.take_events())
+            self.events.check()
         self.usage = m.usage  # what the scheduler's stats read every step
         if hasattr(m, "make_prefix_cache_stats"):
             m.make_prefix_cache_stats()
@@ -234,12 +235,17 @@ def unsupported_reason(config: ModelConfig) -> str | None:
     return None
 
 
-def build_vllm_family(config: ModelConfig, *, device="cpu", faults=(), backup_mode=None) -> VllmFamily:
+def refuse_run_options(family: str, faults, backup_mode) -> None:
+    """What both vLLM families refuse of a run: catalogue faults and a backup mode other than recompute."""
     if tuple(faults):
-        raise ConfigError("the vllm family runs vLLM's code as shipped: it has no catalogue faults")
+        raise ConfigError(f"the {family} family runs vLLM's code as shipped: it has no catalogue faults")
     if backup_mode not in (None, "cpu_tensor"):
-        raise ConfigError(f"the vllm family has no backup_mode {backup_mode!r}: a preempted request is "
-                          "recomputed (cpu_tensor is the only path the harness names for it)")
+        raise ConfigError(f"the {family} family has no backup_mode {backup_mode!r}: vLLM recomputes a preempted "
+                          "request (cpu_tensor is the only path the harness names for it)")
+
+
+def build_vllm_family(config: ModelConfig, *, device="cpu", faults=(), backup_mode=None) -> VllmFamily:
+    refuse_run_options("vllm:manager", faults, backup_mode)
     api = load()
     reason = unsupported_reason(config)
     if reason:

@@ -342,6 +342,8 @@ class SchedulerDriver:
         self.preempted += len(getattr(out, "preempted_req_ids", None) or ())
         self.hits += sum(1 for n in out.scheduled_new_reqs if n.num_computed_tokens)
         self.scheduler.update_from_output(out, self.worker.execute(out))
+        if self.events is not None:  # what it published (nothing, where every event was lost) against the cache
+            self.events.check()
         if self.speculative:
             rids, drafts = self.worker.take_drafts()
             self.scheduler.update_draft_token_ids(scheduler_modules().DraftTokenIds(rids, drafts))
@@ -352,9 +354,8 @@ class SchedulerDriver:
     def state_problem(self) -> str | None:
         """Where the worker's full-attention block table of a running request is not the scheduler's (a
         SchedulerOutput that reported blocks wrong), over the blocks its computed tokens fill; or where the KV
-        events published so far disagree with the prefix cache (checked after every rule: a step whose events
-        were all lost publishes no batch)."""
-        if self.events is not None and self.events.check():
+        events published so far disagree with the prefix cache (checked after every step)."""
+        if self.events is not None and self.events.problem:
             return self.events.problem
         full = next(g for g in self.built.groups if g.space == "full")
         manager = self.scheduler.kv_cache_manager
@@ -400,11 +401,9 @@ def unsupported_reason(config: ModelConfig) -> str | None:
 
 def build_driver(config: ModelConfig, *, device="cpu", faults=(), backup_mode=None) -> SchedulerDriver:
     """The ``vllm`` factory's driver (the worker's tensors live on the CPU, as the scheduler does)."""
-    if tuple(faults):
-        raise ConfigError("the vllm family runs vLLM's code as shipped: it has no catalogue faults")
-    if backup_mode not in (None, "cpu_tensor"):
-        raise ConfigError(f"the vllm family has no backup_mode {backup_mode!r}: vLLM's scheduler "
-                          "recomputes a preempted request")
+    from poolfuzz.adapters.vllm.family import refuse_run_options
+
+    refuse_run_options("vllm", faults, backup_mode)
     return SchedulerDriver(config)
 
 

@@ -111,6 +111,7 @@ class Worker:
         self.state = {(g.index, layer): Component(name="mamba.state", layer=layer, space="mamba",
                                                   tensor=torch.zeros(num_blocks, dtype=torch.int64))
                       for g in groups if g.space == "mamba" for layer in g.layer_ids}
+        self.kv_components, self.state_components = list(self.kv.values()), list(self.state.values())
         self.tables: dict[str, list[list[int]]] = {}  # req id -> block ids per group, as the output gave them
         self.tokens: dict[str, Tokens] = {}  # req id -> its tokens (kept across preemption, as the request's are)
         self.writers: dict[int, tuple[str, int]] = {}  # a tag written -> (req id, position): whose data it is
@@ -149,12 +150,12 @@ class Worker:
                     table.extend(ids)
             computed[rid] = cached.num_computed_tokens[i]
         zero = getattr(out, "new_block_ids_to_zero", None) or ()
-        zero_blocks(list(self.kv.values()), zero, self.block_size)
-        zero_blocks(list(self.state.values()), zero, 1)
+        zero_blocks(self.kv_components, zero, self.block_size)
+        zero_blocks(self.state_components, zero, 1)
         for copy in getattr(out, "kv_cache_block_copies", None) or ():
             for g in self.groups:
                 if g.space != "mamba":
-                    copy_block(list(self.kv.values()), g.space, copy.src_block_id, copy.dst_block_id, self.block_size)
+                    copy_block(self.kv_components, g.space, copy.src_block_id, copy.dst_block_id, self.block_size)
         finished = self._transfer(getattr(out, "kv_connector_metadata", None))
         if self.mamba_mode == "align":  # preprocess_mamba: every request's state moves before any forward
             for rid, n in out.num_scheduled_tokens.items():
@@ -183,7 +184,7 @@ class Worker:
                 tokens.ids.extend(new)
                 sampled.append(new)
                 if self.drafts:
-                    self.proposed[rid] = self._propose(tokens)
+                    self.proposed[rid] = self._propose(tokens, self.drafts)
             else:
                 sampled.append([])
             req_ids.append(rid)
@@ -214,17 +215,14 @@ class Worker:
         return sending, receiving
 
     # --- speculative decoding -------------------------------------------------------------------
-    def _next_token(self, chain: int) -> int:
-        return sampled_token(chain, self.vocab)
-
-    def _propose(self, tokens: Tokens, after: int | None = None) -> list[int]:
-        """The drafter's ``drafts`` tokens after the request's last token: as many right as its chain says."""
-        position = len(tokens.ids) - 1 if after is None else after
+    def _propose(self, tokens: Tokens, count: int) -> list[int]:
+        """The drafter's ``count`` tokens after the request's last token: as many right as its chain says."""
+        position = len(tokens.ids) - 1
         chain = tokens.chain(position)
-        right = chain % (self.drafts + 1)
+        right = chain % (count + 1)
         proposal = []
-        for i in range(self.drafts):
-            token = self._next_token(chain)
+        for i in range(count):
+            token = sampled_token(chain, self.vocab)
             if i >= right:
                 token = (token + 1) % self.vocab
             proposal.append(token)
@@ -235,9 +233,7 @@ class Worker:
         """The draft tokens scheduled for ``rid``, a ``-1`` padding slot filled by the drafter."""
         drafts = list(scheduled)
         if any(t < 0 for t in drafts):
-            saved, self.drafts = self.drafts, len(drafts)
-            own = self._propose(self.tokens[rid])
-            self.drafts = saved
+            own = self._propose(self.tokens[rid], len(drafts))
             drafts = [own[i] if t < 0 else t for i, t in enumerate(drafts)]
         return drafts
 
@@ -245,7 +241,7 @@ class Worker:
         """What the rejection sampler returns: the drafts accepted in order, then the model's own token."""
         chain, position, out = tokens.chain(len(tokens.ids) - 1), len(tokens.ids), []
         for draft in drafts:
-            token = self._next_token(chain)
+            token = sampled_token(chain, self.vocab)
             if draft != token:
                 break
             out.append(token)
@@ -253,7 +249,7 @@ class Worker:
             position += 1
         self.drafts_verified += len(drafts)
         self.drafts_accepted += len(out)
-        out.append(self._next_token(chain))
+        out.append(sampled_token(chain, self.vocab))
         return out
 
     def _write_drafts(self, rid: str, drafts: list[int]) -> None:
@@ -356,7 +352,7 @@ class Worker:
                     raise self._lost(rid, g, layer, "state", start - 1, src or None, want, got, block_size=1, why=why)
             dst = self._column_block(rid, g, curr)
             if prev != curr and dst is not None:
-                copy_block(list(self.state.values()), "mamba", src, dst, 1)
+                copy_block(self.state_components, "mamba", src, dst, 1)
 
     def _checkpoint_state(self, rid: str, end: int) -> None:
         """Mode align, ``postprocess_mamba``: a forward whose last token ends a block leaves that block's
@@ -366,7 +362,7 @@ class Worker:
                 continue
             src, dst = self._state_block(rid, g), self._column_block(rid, g, end // g.block_size - 1)
             if src is not None and dst is not None and src != dst:
-                copy_block(list(self.state.values()), "mamba", src, dst, 1)
+                copy_block(self.state_components, "mamba", src, dst, 1)
 
     def _check_state(self, rid: str, start: int) -> None:
         """A forward continuing from ``start`` tokens reads the recurrent state of exactly those tokens
