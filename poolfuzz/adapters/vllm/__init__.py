@@ -5,10 +5,16 @@ speculative drafts' acceptance, KV connector loads and saves, and blocks; a work
 checks every attended position and recurrent state. ``vllm:scheduler`` is the same family under the name it
 had for one release.
 
-``--family vllm:manager`` drives vLLM's ``KVCacheManager`` directly, the harness choosing what a scheduler
-would (``family.py``, ``protocol.py``), only for what the scheduler path cannot reach: multi-turn requests
-continued on a finished request's blocks, EAGLE's hit truncation, a connector's offload of a preempted
-request's blocks, hits inside a block driven call by call, and the fault catalogue's two-node programs.
+``--family vllm:manager`` drives vLLM's ``KVCacheManager`` directly (``family.py``, ``protocol.py``), only for
+what the scheduler path cannot reach: multi-turn requests continued on a finished request's blocks, EAGLE's
+hit truncation, a connector on a hybrid model (the store's connector is not ``SupportsHMA``) and its offload
+of a preempted request's blocks, the #44409 anchor, and the fault catalogue's two-node programs. The harness
+chooses the calls (chunk sizes within a budget, which request is preempted, when a next turn arrives), as any
+caller of the manager may; what vLLM's scheduler decides it asks vLLM: where an "align" prefill chunk ends is
+``Scheduler._mamba_block_aligned_split`` on a server of the config (``scheduling.align_splitter``). One rule is
+restated, because it sits inline in ``Scheduler.schedule()`` with no function below it to call: a connector's
+hit strictly past a local hit's tail inside a block truncates that tail (``protocol._lookup``); it only
+arises with a connector on an align hybrid, which the scheduler path does not drive.
 Importing this module does not import vLLM; building a family does.
 """
 
@@ -18,8 +24,10 @@ from __future__ import annotations
 def build_manager_family(config, *, device="cpu", faults=(), backup_mode=None):
     """The family factory registered as ``vllm:manager``: vLLM's KVCacheManager, driven call by call."""
     from poolfuzz.adapters.vllm.family import build_vllm_family
+    from poolfuzz.adapters.vllm.scheduling import align_splitter
 
-    return build_vllm_family(config, device=device, faults=faults, backup_mode=backup_mode)
+    return build_vllm_family(config, device=device, faults=faults, backup_mode=backup_mode,
+                             align_splitter=align_splitter)
 
 
 def unsupported_reason(config) -> str | None:

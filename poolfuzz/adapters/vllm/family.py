@@ -60,6 +60,7 @@ class VllmFamily:
     live: dict[int, LiveRequest] = field(default_factory=dict)  # by rid, preempted ones included
     by_row: dict[int, LiveRequest] = field(default_factory=dict)
     finished_tokens: dict[int, list[int]] = field(default_factory=dict)  # by rid: what a next turn continues
+    splitter: object = None  # align: a Scheduler of this config, whose own split ends prefill chunks (protocol)
 
     def __post_init__(self):
         c, nb = self.config, self.built.num_blocks
@@ -244,7 +245,10 @@ def refuse_run_options(family: str, faults, backup_mode) -> None:
                           "request (cpu_tensor is the only path the harness names for it)")
 
 
-def build_vllm_family(config: ModelConfig, *, device="cpu", faults=(), backup_mode=None) -> VllmFamily:
+def build_vllm_family(config: ModelConfig, *, device="cpu", faults=(), backup_mode=None,
+                      align_splitter=None) -> VllmFamily:
+    """``align_splitter(api, config)``: the Scheduler whose ``_mamba_block_aligned_split`` ends an "align" config's
+    prefill chunks (``scheduling.align_splitter``, wired by the factory)."""
     refuse_run_options("vllm:manager", faults, backup_mode)
     api = load()
     reason = unsupported_reason(config)
@@ -252,5 +256,11 @@ def build_vllm_family(config: ModelConfig, *, device="cpu", faults=(), backup_mo
         raise ConfigError(f"vllm family cannot build {config.name!r}: {reason}")
     mode = mamba_mode_for(config)
     built = build_manager(api, config, mode)
+    splitter = None
+    if mode == "align":
+        if align_splitter is None:
+            raise ConfigError(f"vllm family cannot build {config.name!r}: a mamba \"align\" config needs the "
+                              "scheduler whose split ends its prefill chunks (align_splitter)")
+        splitter = align_splitter(api, config)
     return VllmFamily(api=api, config=config, device=torch.device(device), built=built, mamba_mode=mode,
-                      uses_ssm_state=uses_ssm_state(config))
+                      uses_ssm_state=uses_ssm_state(config), splitter=splitter)

@@ -102,24 +102,16 @@ class VllmProtocol:
         return None
 
     def prefill_chunk_end(self, req: ReqKv, fam, start: int, end: int, prompt_len: int) -> int:
-        """Where the scheduler ends a prefill chunk of ``[start, end)``. With a mamba group in "align"
-        mode it splits as ``Scheduler._mamba_block_aligned_split`` does (no eagle, whole-block hashes):
-        the worker writes the state only at a chunk's end, and a block is cached with the state it
-        holds, so a chunk that is not the prompt's last ends on a block boundary (none inside it:
-        the chunk waits, ``end <= start``), and none runs past the next boundary of a chunk starting
-        mid-block or past the last boundary before the prompt's last token. With hashes finer than a
-        block (sub-block hits) a chunk also stops at the prompt's last hash boundary before its last
-        token, where the state a later hit inside that block starts from is checkpointed."""
+        """Where vLLM's scheduler ends a prefill chunk of ``[start, end)``: with a mamba group in "align" mode,
+        ``Scheduler._mamba_block_aligned_split`` itself decides, called on a server of this config
+        (``scheduling.align_splitter``) with the request as the manager holds it. The worker writes the
+        state only at a chunk's end and a block is cached with the state it holds, so where the chunk ends
+        is the scheduler's decision, not the harness's. ``end <= start``: no chunk fits, it waits."""
         if fam.mamba_mode != "align" or start >= prompt_len:
             return end
-        bs, unit = fam.config.page_size, fam.built.hash_block_size
-        if end < prompt_len:
-            end = end // bs * bs
-        last_block = (prompt_len - 1) // bs * bs
-        tail = (prompt_len - 1) // unit * unit if unit < bs else 0
-        stops = ((start // bs + 1) * bs if start % bs else 0, last_block,
-                 tail if last_block < tail < prompt_len else 0)
-        return min((s for s in stops if start < s < end), default=end)
+        live = self._live(req, fam)
+        self._sync(req, live)
+        return start + fam.splitter._mamba_block_aligned_split(live.request, end - start)
 
     def run_deferred_mamba_ops(self, reqs: list[ReqKv], fam) -> None:
         """A new request's first forward starts from no state (vLLM: ``has_initial_state`` False)."""

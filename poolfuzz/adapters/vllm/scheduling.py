@@ -23,8 +23,10 @@ What is stood in for, and why:
   by module path as it loads any ``--kv-transfer-config`` connector, with the worker doing its transfers.
 
 The server runs with priority scheduling, KV cache metrics sampling every block, KV events where prefix
-caching is on, ngram speculative decoding on models without a mamba group, and the external store's KV
-connector on models of full attention only.
+caching is on, ngram speculative decoding on models without a mamba group, the external store's KV
+connector on models of full attention only, and, for a mamba "align" hybrid on multi-token pages where the
+release takes prefix hits inside a block, ``--prefix-match-unit 1`` (every token hashed: the scheduler stops a
+prefill at the prompt's last token boundary, and a later hit there copies its tail block on write).
 """
 
 from __future__ import annotations
@@ -42,9 +44,10 @@ from poolfuzz.adapters.vllm.api import VllmAPI
 from poolfuzz.adapters.vllm.events import EventMirror
 from poolfuzz.adapters.vllm.manager import layout_for
 from poolfuzz.adapters.vllm.reference import mamba_mode_for
-from poolfuzz.adapters.vllm.worker import Tokens, Worker
+from poolfuzz.adapters.vllm.worker import Worker
 from poolfuzz.pools.config import ModelConfig
 from poolfuzz.pools.errors import ConfigError
+from poolfuzz.pools.token_chain import Tokens
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -129,7 +132,7 @@ def scheduler_problem(api: VllmAPI, config: ModelConfig) -> str | None:
 
 @lru_cache(maxsize=8)
 def _vllm_config(api: VllmAPI, config: ModelConfig, budget: int, max_seqs: int, max_model_len: int, caching: bool,
-                 mamba_mode: str = "none", spec_tokens: int = 0, connector: bool = False):
+                 mamba_mode: str = "none", spec_tokens: int = 0, connector: bool = False, prefix_match_unit: int = 0):
     """One VllmConfig per machine (its construction reads the model config and the platform: seconds)."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     m = scheduler_modules()
@@ -145,6 +148,8 @@ def _vllm_config(api: VllmAPI, config: ModelConfig, budget: int, max_seqs: int, 
     cache_kw = dict(block_size=config.page_size, enable_prefix_caching=caching)
     if mamba_mode != "none":  # the scheduler splits prefills block-aligned in mode align (need_mamba_block_aligned_split)
         cache_kw["mamba_cache_mode"] = mamba_mode
+    if prefix_match_unit:  # --prefix-match-unit: block hashes (and prefix hits) finer than a block
+        cache_kw["prefix_match_unit"] = prefix_match_unit
     cache = CacheConfig(**cache_kw)
     # The device is named, not inferred: releases before ~0.30 find no platform on a CPU-only machine
     # with vLLM's CUDA wheel ("Failed to infer device type").
@@ -199,7 +204,13 @@ def _server_max_model_len(api: VllmAPI, config: ModelConfig, budget: int, max_se
     """:func:`fitted_max_model_len` once per server config (every example builds a server)."""
     layout = layout_for(api, config, mode)
     return fitted_max_model_len(_vllm_config(api, config, budget, max_seqs, layout.max_model_len, layout.caching, mode,
-                                             spec_tokens, connector), layout)
+                                             spec_tokens, connector, match_unit(layout, config)), layout)
+
+
+def match_unit(layout, config: ModelConfig) -> int:
+    """The server's ``--prefix-match-unit``: the layout's hash granularity where it is finer than a page (an
+    align hybrid on a release that takes hits inside a block, ``manager.hash_block_for``), else unset (0)."""
+    return layout.hash_block_size if layout.hash_block_size < config.page_size else 0
 
 
 def has_connector(config: ModelConfig) -> bool:
@@ -232,7 +243,8 @@ def build_scheduler(api: VllmAPI, config: ModelConfig, *, budget: int, max_seqs:
     layout = layout_for(api, config, mode)
     spec, connector = spec_tokens_for(api, config), has_connector(config) and layout.caching
     max_model_len = _server_max_model_len(api, config, budget, max_seqs, mode, spec, connector)
-    vllm_config = _vllm_config(api, config, budget, max_seqs, max_model_len, layout.caching, mode, spec, connector)
+    vllm_config = _vllm_config(api, config, budget, max_seqs, max_model_len, layout.caching, mode, spec, connector,
+                               match_unit(layout, config))
     vllm_config.cache_config.num_gpu_blocks = layout.num_blocks
     # The scheduling and hashing granularities as the engine core resolves them (vLLM's own function, where
     # the release has it: the LCM of the groups' block sizes; a mamba "none" group's is the longest request).
@@ -249,6 +261,18 @@ def build_scheduler(api: VllmAPI, config: ModelConfig, *, budget: int, max_seqs:
                  model_config=vllm_config.model_config, spec_tokens=spec)
 
 
+def default_budget(config: ModelConfig, max_seqs: int) -> int:
+    """The server's token budget: two pages, so prefills are chunked (vLLM refuses one below max_num_seqs)."""
+    return max(2 * config.page_size + 1, max_seqs)
+
+
+@lru_cache(maxsize=8)
+def align_splitter(api: VllmAPI, config: ModelConfig):
+    """A server's Scheduler for ``config``, once per config, whose ``_mamba_block_aligned_split`` the direct
+    manager path (``vllm:manager``) asks where a prefill chunk ends (it reads the request and the server's
+    config, and changes nothing)."""
+    seqs = config.request_rows
+    return build_scheduler(api, config, budget=default_budget(config, seqs), max_seqs=seqs).scheduler
 
 
 # ======================================================================================
@@ -279,9 +303,7 @@ class SchedulerDriver:
         self.config = config
         self.api = load()
         seqs = max_seqs or config.request_rows
-        # A budget of two pages, so prefills are chunked; vLLM's SchedulerConfig refuses one below max_num_seqs.
-        self.built = build_scheduler(self.api, config, budget=budget or max(2 * config.page_size + 1, seqs),
-                                     max_seqs=seqs)
+        self.built = build_scheduler(self.api, config, budget=budget or default_budget(config, seqs), max_seqs=seqs)
         self.scheduler = self.built.scheduler
         self.events = None  # what a KV-aware router learns from the server's events (where they are published)
         pool = self.scheduler.kv_cache_manager.block_pool
@@ -302,6 +324,7 @@ class SchedulerDriver:
         self.fresh = VOCAB  # prompt token ids past the vocab: two prompts share only the prefixes drawn
         self.preempted = 0  # requests the scheduler preempted (each resumes and is checked again)
         self.hits = 0  # requests scheduled first with computed tokens (prefix hits, checked at their forward)
+        self.hits_inside_a_block = 0  # ... of a hit that ends inside a block (--prefix-match-unit finer than a page)
         self.refused = 0  # requests the server's front end refused (a prompt too long for its max_model_len)
 
     def live(self) -> list[str]:
@@ -341,6 +364,7 @@ class SchedulerDriver:
         out = self.scheduler.schedule()
         self.preempted += len(getattr(out, "preempted_req_ids", None) or ())
         self.hits += sum(1 for n in out.scheduled_new_reqs if n.num_computed_tokens)
+        self.hits_inside_a_block += sum(1 for n in out.scheduled_new_reqs if n.num_computed_tokens % self.config.page_size)
         self.scheduler.update_from_output(out, self.worker.execute(out))
         if self.events is not None:  # what it published (nothing, where every event was lost) against the cache
             self.events.check()

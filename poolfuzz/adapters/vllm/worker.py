@@ -48,46 +48,12 @@ output's ``kv_connector_output``.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
-
 import torch
 
 from poolfuzz.adapters.vllm.storage import copy_block, zero_blocks
 from poolfuzz.pools.components import Component
 from poolfuzz.pools.errors import LostKv
-
-MASK = (1 << 63) - 1
-_PRIME = 0x100000001B3
-COMPONENTS = ("k", "v")
-
-
-def chain_after(chain: int, token: int, position: int) -> int:
-    """The chained hash of a request's tokens through ``position``: what its KV there derives from."""
-    return ((chain ^ (token + (position << 32))) * _PRIME) & MASK
-
-
-def tag(chain: int, layer: int, component: int) -> int:
-    """The value a K or V slot holds for a position (its chain), salted by layer and component."""
-    return ((chain * 31 + layer * 7 + component + 1) * _PRIME) & MASK
-
-
-def sampled_token(chain: int, vocab: int) -> int:
-    """The token the stand-in model samples after a sequence: determined by the sequence alone."""
-    return chain % vocab
-
-
-@dataclass(kw_only=True)
-class Tokens:
-    """What the harness knows of a request: every token id (prompt, then samples) and their chains."""
-
-    ids: list[int]
-    chains: list[int] = field(default_factory=list)
-
-    def chain(self, position: int) -> int:
-        while len(self.chains) <= position:
-            p = len(self.chains)
-            self.chains.append(chain_after(self.chains[-1] if self.chains else 0, self.ids[p], p))
-        return self.chains[position]
+from poolfuzz.pools.token_chain import COMPONENTS, Tokens, chain_after, sampled_token, tag
 
 
 class Worker:
@@ -152,10 +118,13 @@ class Worker:
         zero = getattr(out, "new_block_ids_to_zero", None) or ()
         zero_blocks(self.kv_components, zero, self.block_size)
         zero_blocks(self.state_components, zero, 1)
+        # Copy-on-write of a hit's tail block (hits inside a block): the GPU runner copies the block in every KV
+        # cache tensor (copy_kv_cache_blocks_inplace), the mamba states' included.
         for copy in getattr(out, "kv_cache_block_copies", None) or ():
             for g in self.groups:
-                if g.space != "mamba":
-                    copy_block(self.kv_components, g.space, copy.src_block_id, copy.dst_block_id, self.block_size)
+                components, rows = (self.state_components, 1) if g.space == "mamba" else (self.kv_components,
+                                                                                         self.block_size)
+                copy_block(components, g.space, copy.src_block_id, copy.dst_block_id, rows)
         finished = self._transfer(getattr(out, "kv_connector_metadata", None))
         if self.mamba_mode == "align":  # preprocess_mamba: every request's state moves before any forward
             for rid, n in out.num_scheduled_tokens.items():

@@ -1,0 +1,44 @@
+"""Contents derived from tokens alone: a chained hash of a request's token ids, and the K/V/state tags of it.
+
+An engine's own scheduler decides which blocks or slots a request's positions land in, and a prefix hit
+shares another request's; so what a slot must hold is a function of the tokens up to its position, never of
+who computed it. Both engines' worker stand-ins (``adapters/vllm/worker.py``, ``adapters/sglang/runner.py``)
+write and check these values.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+MASK = (1 << 63) - 1
+_PRIME = 0x100000001B3
+COMPONENTS = ("k", "v")  # tag component indices 0 and 1; a recurrent state is len(COMPONENTS)
+
+
+def chain_after(chain: int, token: int, position: int) -> int:
+    """The chained hash of a request's tokens through ``position``: what its KV there derives from."""
+    return ((chain ^ (token + (position << 32))) * _PRIME) & MASK
+
+
+def tag(chain: int, layer: int, component: int) -> int:
+    """The value a K or V slot holds for a position (its chain), salted by layer and component."""
+    return ((chain * 31 + layer * 7 + component + 1) * _PRIME) & MASK
+
+
+def sampled_token(chain: int, vocab: int) -> int:
+    """The token the stand-in model samples after a sequence: determined by the sequence alone."""
+    return chain % vocab
+
+
+@dataclass(kw_only=True)
+class Tokens:
+    """What the harness knows of a request: every token id (prompt, then samples) and their chains."""
+
+    ids: list[int]
+    chains: list[int] = field(default_factory=list)
+
+    def chain(self, position: int) -> int:
+        while len(self.chains) <= position:
+            p = len(self.chains)
+            self.chains.append(chain_after(self.chains[-1] if self.chains else 0, self.ids[p], p))
+        return self.chains[position]
