@@ -26,6 +26,8 @@ pip=("$venv/bin/python" -m pip install "${quiet[@]}" -c "$constraint")
 "${pip[@]}" torch==2.13.0
 "${pip[@]}" numpy orjson psutil pybase64 requests packaging pillow starlette msgspec pydantic pyzmq tqdm \
   ipython aiohttp dill sentencepiece loguru gguf sniffio partial_json_parser httpx distro einops
+# What managers/scheduler.py imports at module level (the sglang:scheduler family runs its methods).
+"${pip[@]}" setproctitle uvicorn fastapi
 if [ "$triton" = "--triton" ]; then
   "${pip[@]}" triton
 fi

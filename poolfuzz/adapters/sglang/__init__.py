@@ -89,3 +89,28 @@ build_unified_family.unsupported_reason = unified_unsupported_reason
 build_unified_family.engine_report = engine_report
 build_unified_family.builds_per_node = True
 build_unified_family.engine_code = build_family.engine_code
+
+
+def build_scheduler_driver(config, *, device="cpu", faults=(), backup_mode=None):
+    """The factory registered as ``sglang:scheduler``: one example's server, SGLang's own Scheduler methods and
+    result processor over the family's pools and radix tree, fed by a model-runner stand-in
+    (``scheduling.SglangSchedulerDriver``), driven by ``harness/scheduled.py``'s machine."""
+    from poolfuzz.adapters.sglang.scheduling import build_driver
+
+    return build_driver(config, device=device, faults=faults, backup_mode=backup_mode)
+
+
+def scheduler_unsupported_reason(config) -> str | None:
+    """Why the scheduler path does not drive ``config`` with the installed SGLang, or None."""
+    from poolfuzz.adapters.sglang.scheduling import unsupported_reason as probe
+
+    return probe(config)
+
+
+build_scheduler_driver.drives_scheduler = True
+build_scheduler_driver.unsupported_reason = scheduler_unsupported_reason
+build_scheduler_driver.engine_report = engine_report
+# What --coverage measures: the scheduler's batch and policy code, and the pools and caches below it.
+build_scheduler_driver.engine_code = ("sglang/srt/mem_cache", "sglang/srt/managers/schedule_batch.py",
+                                      "sglang/srt/managers/schedule_policy.py", "sglang/srt/managers/scheduler.py",
+                                      "sglang/srt/managers/scheduler_components")

@@ -172,3 +172,97 @@ def registered_storage_backends() -> dict:
 
 def engine_report_needs():
     return (*NEEDS.values(), *PRIVATE.values())
+
+
+# --- the scheduler path (adapters/sglang/scheduling.py): a server's Scheduler without its model -----------------
+SCHEDULER_MODULE = "sglang.srt.managers.scheduler"
+RESULT_PROCESSOR = "sglang.srt.managers.scheduler_components.batch_result_processor:SchedulerBatchResultProcessor"
+TOKEN_RATIO = "sglang.srt.managers.scheduler_components.new_token_ratio_tracker:NewTokenRatioTracker"
+
+
+def scheduler_state(*, tree, req_to_token_pool, allocator, model_config, spec_algorithm, disaggregation_mode,
+                    chunked_prefill_size: int, max_prefill_tokens: int, max_running_requests: int,
+                    max_total_num_tokens: int, max_req_len: int, max_req_input_len: int, policy, token_ratio,
+                    processor) -> dict:
+    """What ``Scheduler.__init__`` leaves on a server with default flags, a radix cache and no model, for the event-
+    loop methods the scheduler path calls (its ``__init__`` builds a TpModelWorker, which loads a model on a GPU).
+    Every feature flag is the server's default (off); collaborators the methods only notify are no-ops."""
+    from collections import deque
+    from types import SimpleNamespace as NS
+
+    noop = lambda *args, **kwargs: None  # noqa: E731
+    same = lambda batch, **kwargs: batch  # noqa: E731
+    return dict(
+        # queues and running state (init_running_status, init_chunked_prefill)
+        waiting_queue=[], last_batch=None, chunked_req=None, _pending_chunked_abort_req=None, result_queue=deque(),
+        forward_ct=0, processed_tokens_counter=0, enable_skip_finishing_decode=False, _sched_idled=False,
+        enable_continuous_input_polling=False,
+        # pools, model and policy
+        tree_cache=tree, req_to_token_pool=req_to_token_pool, token_to_kv_pool_allocator=allocator,
+        page_size=1, device="cpu", model_config=model_config, spec_algorithm=spec_algorithm, enable_overlap=False,
+        dllm_config=None, policy=policy, new_token_ratio_tracker=token_ratio, is_generation=True,
+        chunked_prefill_size=chunked_prefill_size, max_prefill_tokens=max_prefill_tokens,
+        max_running_requests=max_running_requests, max_req_input_len=max_req_input_len, max_prefill_bs=0,
+        max_total_num_tokens=max_total_num_tokens, max_req_len=max_req_len, kv_shard_widening=1,
+        max_new_tokens_limit=None, sliding_window_size=None,
+        is_mixed_chunk=False, truncation_align_size=None, dynamic_chunk_sizer=None, prefill_delayer=None,
+        min_free_slots_delayer=None, priority_scheduling_preemption_threshold=0, enable_priority_preemption=False,
+        enable_priority_scheduling=False, schedule_low_priority_values_first=False,
+        abort_on_priority_when_disabled=False, max_queued_requests=None, is_hybrid_swa=False, enable_lora=False,
+        enable_hierarchical_cache=False, enable_hicache_storage=False, enable_lmcache=False,
+        enable_unified_cache_external_linker=False, enable_hisparse=False, hisparse_coordinator=None,
+        require_mlp_sync=False, prefill_decode_interval=0, _prefill_decode_interval_remaining=0,
+        prefill_decode_interval_min_bs=0, disaggregation_mode=disaggregation_mode, decode_offload_manager=None,
+        scheduler_stage_metrics=None, mm_receiver=None,
+        # collaborators, reduced to what those methods call
+        grammar_manager=NS(has_waiting_grammars=lambda: False, abort_requests=noop),
+        dp_attn_adapter=NS(maybe_prepare_mlp_sync_batch=same, maybe_convert_decode_to_extend=same),
+        ngram_embedding_manager=NS(prepare_for_forward=same),
+        tp_worker=NS(model_runner=NS(attn_backend=NS(), prefill_aware_swa=False)),
+        beam_coordinator=NS(pending_member_rows=lambda batch: 0, retire_group=noop),
+        load_inquirer=NS(_get_num_pending_tokens=lambda **kwargs: 0),
+        metrics_reporter=NS(enable_metrics=False, num_retracted_reqs=0, record_scheduler_active=noop),
+        send_abort_output=noop, result_processor=processor)
+
+
+def publish_scheduler_defaults(max_running_requests: int, schedule_conservativeness: float) -> None:
+    """What a launcher and ``Scheduler.__init__`` publish into the runtime context: the single tensor-parallel rank
+    of a CPU run, the server's ``--schedule-conservativeness``, and with no micro-batch size set one pipeline
+    stage's worth of running requests (``scheduler.pp_max_micro_batch_size_default``)."""
+    from sglang.srt.runtime_context import get_context, get_parallel
+
+    parallel = get_parallel()
+    try:
+        parallel.tp_rank
+    except (RuntimeError, ValueError):
+        parallel.override_permanently(tp_rank=0)
+    get_context().override("poolfuzz.server_flags", schedule_conservativeness=schedule_conservativeness)
+    if not get_parallel().pp_max_micro_batch_size:
+        get_context().override("scheduler.pp_max_micro_batch_size_default",
+                               pp_max_micro_batch_size=max(max_running_requests // get_parallel().pp_size, 1))
+
+
+def result_processor(cls, *, tree, req_to_token_pool, allocator, model_config, disaggregation_mode):
+    """SGLang's own ``SchedulerBatchResultProcessor`` over the server's pools and tree (what turns a forward's tokens
+    into outputs, finishes requests and caches them); its streamer and metrics are no-ops."""
+    from types import SimpleNamespace as NS
+
+    noop = lambda *args, **kwargs: None  # noqa: E731
+    wanted = dict(is_generation=True, disaggregation_mode=disaggregation_mode, enable_overlap=False,
+                  enable_overlap_mlx=False, model_config=model_config, token_to_kv_pool_allocator=allocator,
+                  tree_cache=tree, hisparse_coordinator=None, req_to_token_pool=req_to_token_pool,
+                  decode_offload_manager=None, metrics_collector=None,
+                  metrics_reporter=NS(report_prefill_stats=noop, report_decode_stats=noop, num_generated_tokens=0,
+                                      forward_ct_decode=0),
+                  draft_worker=None, model_worker=NS(), logprob_result_processor=None,
+                  output_streamer=NS(stream_output=noop), beam_coordinator=NS(commit_decode=lambda batch: set()),
+                  abort_request=noop)
+    fields = getattr(cls, "__dataclass_fields__", {})
+    from dataclasses import MISSING
+
+    missing = [name for name, f in fields.items()
+               if name not in wanted and f.default is MISSING and f.default_factory is MISSING]
+    if missing:
+        raise EngineApiChanged(engine=ENGINE, release=release(), attribute=RESULT_PROCESSOR,
+                               expected="the fields the scheduler path fills", found=f"also needs {missing}")
+    return cls(**{k: v for k, v in wanted.items() if k in fields})

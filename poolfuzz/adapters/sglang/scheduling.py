@@ -1,0 +1,353 @@
+"""SGLang's own batch scheduling on the CPU, over the family's pools and radix tree, fed by a model-runner stand-in.
+
+What runs is SGLang's as shipped (issue 31): ``Scheduler.get_next_batch_to_run`` (the chunked request stashed into
+the tree, the last prefill batch filtered and merged into the running batch), ``get_new_batch_prefill``
+(``SchedulePolicy.calc_priority``, the tree match of ``Req.init_next_round_input``, ``PrefillAdder``'s token and
+memory budgets and its chunking, ``ScheduleBatch.init_new`` and ``prepare_for_extend``), ``update_running_batch``
+(``check_decode_mem``, ``retract_decode`` under memory pressure and the retracted requests re-queued,
+``prepare_for_decode``), ``abort_request``, and ``SchedulerBatchResultProcessor`` (outputs appended, finish checks,
+``release_kv_cache`` / ``checkpoint_kv_cache`` into the tree). Nothing here decides what the scheduler decides:
+which requests are batched, how far a chunk goes, which slots they get and who is retracted come from SGLang.
+
+What is stood in for, and why:
+
+* ``Scheduler.__init__``: it builds a TpModelWorker, which loads a model on a GPU. The server is a ``Scheduler``
+  made without it (``object.__new__``) and given the state its ``__init__`` leaves on a server with default flags
+  and a radix cache (``compat.scheduler_state``); its own methods then run unchanged. Its sizes are the
+  TpModelWorker's (``get_worker_info``): ``max_req_input_len`` is ``min(context, pool) - 1 - 5``.
+* ``Scheduler.run_batch``: its model forward is :class:`~poolfuzz.adapters.sglang.runner.ModelRunner`; its
+  counters (``forward_ct``, ``processed_tokens_counter``) are kept as it keeps them.
+* ``Scheduler.handle_generate_request`` (it takes a tokenized request off a ZMQ socket): its admission of a
+  request, ``init_req_max_new_tokens`` (max_new_tokens clipped to what the server holds) and
+  ``validate_input_length`` (a refused prompt is queued finished with an abort), then ``_add_request_to_queue``.
+
+Driven: dense MHA configs on one-token pages, on releases whose Scheduler and result processor this module
+builds (``release_problem``).
+"""
+
+from __future__ import annotations
+
+import logging
+from array import array
+from functools import lru_cache
+
+import torch
+
+from poolfuzz.adapters.sglang import compat
+from poolfuzz.adapters.sglang.runner import ModelRunner
+from poolfuzz.pools.config import ModelConfig
+from poolfuzz.pools.errors import ConfigError
+from poolfuzz.pools.token_chain import Tokens
+
+VOCAB = 1 << 15  # sampled tokens are below it; prompt tokens above it, so prompts share only the prefixes drawn
+DRAIN_STEPS = 400
+CHUNKED_PREFILL = 16  # the server's --chunked-prefill-size: small, so prompts are chunked
+MAX_RUNNING = 4  # --max-running-requests
+# --schedule-conservativeness: below the default 1.0, the server admits on a smaller estimate of the tokens running
+# requests will still take, so under load decode runs out of slots and retract_decode takes requests back
+SCHEDULE_CONSERVATIVENESS = 0.1
+
+
+@lru_cache(maxsize=1)
+def scheduler_modules():
+    """SGLang's scheduler and what it hands its methods, imported once (after the pools' import shims)."""
+    import importlib
+    import types
+    import warnings
+
+    from poolfuzz.adapters.sglang.api import _first, load
+
+    load()  # the CPU shims go in before any sglang import
+    logging.getLogger("sglang").setLevel(logging.ERROR)
+    with warnings.catch_warnings():  # its import chain warns that Triton falls back to the CPU: not ours to fail on
+        warnings.simplefilter("ignore")
+        module = importlib.import_module(compat.SCHEDULER_MODULE)
+    from sglang.srt.disaggregation.utils import DisaggregationMode
+    from sglang.srt.managers.io_struct import AbortReq
+    from sglang.srt.managers.schedule_batch import Req
+    from sglang.srt.managers.schedule_policy import SchedulePolicy
+    from sglang.srt.managers.utils import GenerationBatchResult, validate_input_length
+    from sglang.srt.sampling.sampling_params import SamplingParams
+    from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+
+    return types.SimpleNamespace(Scheduler=module.Scheduler, Req=Req, SchedulePolicy=SchedulePolicy,
+                                 SamplingParams=SamplingParams, GenerationBatchResult=GenerationBatchResult,
+                                 AbortReq=AbortReq, validate_input_length=validate_input_length,
+                                 DisaggregationMode=DisaggregationMode, SpeculativeAlgorithm=SpeculativeAlgorithm,
+                                 ResultProcessor=_first(compat.RESULT_PROCESSOR),
+                                 TokenRatio=_first(compat.TOKEN_RATIO))
+
+
+def release_problem() -> str | None:
+    """Why this release's Scheduler cannot be driven here, or None."""
+    from poolfuzz.adapters.sglang.api import _first, load
+
+    api = load()
+    missing = [target for target in (compat.RESULT_PROCESSOR, compat.TOKEN_RATIO) if _first(target, required=False) is None]
+    if missing:
+        return (f"SGLang {api.version} has no {' or '.join(missing)}: the scheduler path drives the event loop of "
+                "releases whose Scheduler hands results to those components (0.5.23)")
+    try:
+        scheduler_modules()
+    except ImportError as exc:
+        return f"SGLang's scheduler cannot be imported here ({exc}); ci/sglang-install.sh installs what it needs"
+    return _server_arguments_problem(api.version)
+
+
+@lru_cache(maxsize=1)
+def _server_arguments_problem(version: str) -> str | None:
+    """Whether this release publishes a server's default arguments without a model (its radix tree reads them)."""
+    import os
+
+    from poolfuzz.adapters.sglang.tree_build import _publish_defaults
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # a release that wants a model's config fails at once, offline
+    try:
+        _publish_defaults()
+    except OSError as exc:
+        return (f"SGLang {version}'s server arguments load a model's config ({str(exc).splitlines()[0][:80]}); the "
+                "scheduler path drives releases that publish them without a model (0.5.23)")
+    return None
+
+
+def scheduler_problem(config: ModelConfig) -> str | None:
+    """Why the scheduler path does not drive ``config`` (yet), or None."""
+    if config.attention != "mha" or config.has_swa or config.has_mamba or config.kv_quant or config.kv_scale_block:
+        return "only dense MHA models with plain K and V are driven through SGLang's scheduler"
+    if config.page_size != 1:
+        return "only one-token pages are driven through SGLang's scheduler"
+    return None
+
+
+class SglangSchedulerDriver:
+    """One example's server: SGLang's Scheduler methods and result processor, and the model-runner stand-in."""
+
+    def __init__(self, config: ModelConfig):
+        from poolfuzz.adapters.sglang.family import build_sglang_family
+        from poolfuzz.adapters.sglang.tree_build import build_tree
+
+        reason = scheduler_problem(config) or release_problem()
+        if reason:
+            raise ConfigError(f"the scheduler-driven sglang family cannot build {config.name!r}: {reason}")
+        m = scheduler_modules()
+        self.m, self.config = m, config
+        self.family = build_sglang_family(config)
+        self.tree = build_tree(self.family, hierarchical=False)
+        req_pool, allocator = self.family.sg_req_pool, self.family.sg_allocator
+        self.total = allocator.available_size()
+        model = _model_config(config)
+        pd = m.DisaggregationMode.NULL
+        processor = compat.result_processor(m.ResultProcessor, tree=self.tree, req_to_token_pool=req_pool,
+                                            allocator=allocator, model_config=model, disaggregation_mode=pd)
+        self.processor = processor
+        max_running = min(MAX_RUNNING, req_pool.size)
+        compat.publish_scheduler_defaults(max_running, SCHEDULE_CONSERVATIVENESS)
+        self.server = object.__new__(m.Scheduler)
+        self.server.__dict__.update(compat.scheduler_state(
+            tree=self.tree, req_to_token_pool=req_pool, allocator=allocator, model_config=model,
+            spec_algorithm=m.SpeculativeAlgorithm.NONE, disaggregation_mode=pd,
+            chunked_prefill_size=CHUNKED_PREFILL, max_prefill_tokens=2 * CHUNKED_PREFILL,
+            max_running_requests=max_running, max_total_num_tokens=self.total,
+            max_req_len=max_req_len(config, self.total), max_req_input_len=max_req_len(config, self.total) - 5,
+            policy=m.SchedulePolicy("lpm", self.tree, False, False, False), token_ratio=m.TokenRatio.from_config(),
+            processor=processor))
+        self.server.running_batch = _empty_batch()
+        self.server.send_abort_output = self._abort_sent  # what the tokenizer manager would be told
+        self.aborted: set[str] = set()  # requests the server answered with an abort (no longer its to run)
+        self.runner = ModelRunner(kv_pool=self.family.sg_kv_pool, req_to_token_pool=req_pool,
+                                  layers=tuple(config.full_layer_ids), vocab=VOCAB)
+        self.requests: dict[str, object] = {}  # rid -> SGLang's Req, until it finishes
+        self.next_rid = 1
+        self.fresh = VOCAB
+        self.retracted = 0  # requests retract_decode took back (each is recomputed and checked again)
+        self.hits = 0  # requests that joined a batch with a prefix matched in the tree
+        self.first_prefix: dict[str, int] = {}  # rid -> the prefix the tree matched for its first batch
+        self.chunked = 0  # prefill forwards of a chunk that was not a prompt's last
+        self.refused = 0
+
+    # --- traffic ---------------------------------------------------------------------------------
+    def live(self) -> list[str]:
+        return sorted((rid for rid, req in self.requests.items() if not req.finished()), key=int)
+
+    def add_request(self, *, length: int, share: int, max_tokens: int, priority: int = 0) -> str:
+        """A request of ``length`` new tokens after, where ``share`` > 0, up to ``share`` * 4 tokens of an earlier
+        request's (its prompt and outputs); ``priority`` is ignored (the server schedules without priorities)."""
+        ids: list[int] = []
+        known = sorted(self.runner.tokens, key=int)
+        if share and known:
+            src = self.runner.tokens[known[share % len(known)]].ids
+            ids = list(src[:min(len(src), share * 4)])
+        ids += list(range(self.fresh, self.fresh + length))
+        self.fresh += length
+        rid = f"{self.next_rid:06d}"  # SGLang aborts every request whose id starts with the one named
+        params = self.m.SamplingParams(max_new_tokens=max_tokens)
+        params.normalize(None)
+        req = self.m.Req(rid=rid, origin_input_text="", origin_input_ids=array("q", ids), sampling_params=params,
+                         eos_token_ids=set())
+        self.next_rid += 1
+        self.runner.tokens[rid] = Tokens(ids=list(ids))
+        self.requests[rid] = req
+        # handle_generate_request's admission: max_new_tokens clipped to what the server holds, the prompt checked
+        # against max_req_input_len (a refused request is queued finished with an abort, as the server queues it)
+        self.server.init_req_max_new_tokens(req)
+        refusal = self.m.validate_input_length(req, self.server.max_req_input_len, False)
+        if refusal:
+            self.refused += 1
+            req.set_finish_with_abort(refusal)  # its prompt becomes one token, prefilled once to answer the abort
+            self.runner.tokens[rid] = Tokens(ids=list(req.origin_input_ids))
+        self.server._add_request_to_queue(req)
+        return rid
+
+    def propose_drafts(self, tokens: int) -> None:
+        """No speculative decoding on this server."""
+
+    @property
+    def speculative(self) -> bool:
+        return False
+
+    def step(self) -> None:
+        """One iteration of ``Scheduler.event_loop_normal``: the next batch, its forward, its result."""
+        s = self.server
+        s.metrics_reporter.num_retracted_reqs = 0  # update_running_batch sets it to the step's retractions
+        plan = s.get_next_batch_to_run(s.running_batch, s.last_batch)
+        s.running_batch, batch = plan.running_batch, plan.batch_to_run
+        self.retracted += s.metrics_reporter.num_retracted_reqs
+        if batch is None:  # idle: on_idle resets the new-token ratio
+            s.last_batch = None
+            s.new_token_ratio_tracker.reset()
+            self._forget_done()  # a chunked request's deferred abort is answered at the top of a step
+            return
+        s.forward_ct += 1  # run_batch's counters
+        batch.forward_iter = s.forward_ct
+        if batch.extend_num_tokens:
+            s.processed_tokens_counter += batch.extend_num_tokens
+        extend = batch.forward_mode.is_extend()
+        if extend:
+            for r, p in zip(batch.reqs, batch.prefix_lens):
+                if r.rid not in self.first_prefix:  # its first batch: what the tree matched
+                    self.first_prefix[r.rid] = p
+                    self.hits += bool(p)
+            self.chunked += sum(1 for r in batch.reqs if r is s.chunked_req)
+        tokens = self.runner.forward(batch)
+        result = self.m.GenerationBatchResult(next_token_ids=torch.tensor(tokens, dtype=torch.int64))
+        if extend:
+            self.processor.process_batch_result_prefill(batch, result)
+        else:
+            self.processor.process_batch_result_decode(batch, result)
+        flush = getattr(self.tree, "flush_pending_backups", None)
+        if flush is not None:
+            flush()
+        s.last_batch = batch
+        self._forget_done()
+
+    def abort(self, rid: str) -> None:
+        self.server.abort_request(self.m.AbortReq(rid=rid))
+        self._forget_done()
+
+    def _abort_sent(self, output, req) -> None:
+        self.aborted.add(req.rid)
+
+    def _forget_done(self) -> None:
+        for rid in [rid for rid, req in self.requests.items() if req.finished() or rid in self.aborted]:
+            del self.requests[rid]
+
+    # --- checks --------------------------------------------------------------------------------
+    def state_problem(self) -> str | None:
+        """After every rule: each free list is sound (no unit twice, not the reserved 0; ``views.FreeListView``),
+        no slot a request in flight holds is also free (a double allocation waiting to happen), and free plus
+        cached slots are not more than the pool."""
+        views = self.family.free_lists()
+        for view in views.values():
+            problem = view.free_list_problem()
+            if problem:
+                return f"{view.space}: {problem}"
+        full = views.get("full")
+        req_to_token = self.family.sg_req_pool.req_to_token
+        for req in self._in_flight():
+            kv = getattr(req, "kv", req)
+            row, allocated = kv.req_pool_idx, kv.kv_allocated_len
+            if row is None or full is None:
+                continue
+            for position, slot in enumerate(req_to_token[row, :allocated].tolist()):
+                if full.is_free_page(slot):
+                    return (f"req {req.rid} holds slot {slot} at position {position}, but the allocator lists it "
+                            "free: the next allocation can hand it to another request")
+        allocator = self.family.sg_allocator
+        free, cached = allocator.available_size(), self.tree.evictable_size() + self.tree.protected_size()
+        if free + cached > self.total:
+            return (f"{free} free slots and {cached} cached in the tree are more than the pool's {self.total}: "
+                    "a slot is counted twice")
+        return None
+
+    def _in_flight(self) -> list:
+        """The requests holding a request row: the running batch, the last batch, the chunked request."""
+        s = self.server
+        reqs = list(s.running_batch.reqs) + (list(s.last_batch.reqs) if s.last_batch is not None else [])
+        if s.chunked_req is not None:
+            reqs.append(s.chunked_req)
+        return [r for r in {id(r): r for r in reqs}.values() if not r.finished()]
+
+    def drain(self) -> str | None:
+        """Run the idle server until every request finished; what is wrong then (stuck, leaked)."""
+        for _ in range(DRAIN_STEPS):
+            if not self.requests and self.server.last_batch is None:
+                break
+            self.step()
+        if self.requests:
+            stuck = ", ".join(f"req {rid} {self._where(r)} with {len(r.output_ids)} of {r.sampling_params.max_new_tokens} "
+                              "tokens out" for rid, r in list(self.requests.items())[:4])
+            return f"{len(self.requests)} request(s) still unfinished after {DRAIN_STEPS} idle steps ({stuck})"
+        req_pool = self.family.sg_req_pool
+        if req_pool.available_size() != req_pool.size:
+            return f"{req_pool.size - req_pool.available_size()} request row(s) still held with every request finished"
+        allocator = self.family.sg_allocator
+        free, cached = allocator.available_size(), self.tree.evictable_size()
+        if free + cached != self.total or self.tree.protected_size():
+            return (f"with every request finished, {free} free slots and {cached} evictable in the tree "
+                    f"({self.tree.protected_size()} protected) are not the pool's {self.total}: slots leaked")
+        self.tree.sanity_check()
+        return None
+
+    def _where(self, req) -> str:
+        s = self.server
+        if req in s.waiting_queue:
+            return "waiting"
+        if req is s.chunked_req:
+            return "mid-prefill (chunked)"
+        return "running" if req in s.running_batch.reqs else "in no queue"
+
+
+def max_req_len(config: ModelConfig, pool_tokens: int) -> int:
+    """The TpModelWorker's ``max_req_len``: ``min(context length, KV pool) - 1`` (its ``max_req_input_len`` is 5
+    less)."""
+    return min(config.max_context, pool_tokens) - 1
+
+
+def _model_config(config: ModelConfig):
+    """The model config fields the scheduling methods read (the real one is built from a model's HF config)."""
+    from types import SimpleNamespace
+
+    return SimpleNamespace(vocab_size=VOCAB, is_encoder_decoder=False, context_len=config.max_context,
+                           self_opened_think_start_ids=None, think_end_ids=None)
+
+
+def _empty_batch():
+    from sglang.srt.managers.schedule_batch import ScheduleBatch
+
+    return ScheduleBatch(reqs=[], batch_is_full=False)
+
+
+def unsupported_reason(config: ModelConfig) -> str | None:
+    from poolfuzz.adapters.sglang.family import unsupported_reason as pools_reason
+
+    return pools_reason(config) or scheduler_problem(config) or release_problem()
+
+
+def build_driver(config: ModelConfig, *, device="cpu", faults=(), backup_mode=None) -> SglangSchedulerDriver:
+    if tuple(faults):
+        raise ConfigError(f"the sglang scheduler path runs SGLang's own code; catalogue faults {list(faults)} only "
+                          "apply to the builtin family (drop --faults)")
+    if backup_mode not in (None, "cpu_tensor"):
+        raise ConfigError(f"the sglang scheduler path recomputes retracted requests; backup mode {backup_mode!r} "
+                          "is not driven (leave it unset)")
+    return SglangSchedulerDriver(config)
