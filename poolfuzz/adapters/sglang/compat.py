@@ -181,12 +181,12 @@ TOKEN_RATIO = "sglang.srt.managers.scheduler_components.new_token_ratio_tracker:
 
 
 def scheduler_state(*, tree, req_to_token_pool, allocator, model_config, spec_algorithm, disaggregation_mode,
-                    chunked_prefill_size: int, max_prefill_tokens: int, max_running_requests: int,
-                    max_total_num_tokens: int, max_req_len: int, max_req_input_len: int, policy, token_ratio,
-                    processor) -> dict:
-    """What ``Scheduler.__init__`` leaves on a server with default flags, a radix cache and no model, for the event-
-    loop methods the scheduler path calls (its ``__init__`` builds a TpModelWorker, which loads a model on a GPU).
-    Every feature flag is the server's default (off); collaborators the methods only notify are no-ops."""
+                    flags: dict, max_running_requests: int, max_total_num_tokens: int, max_req_len: int,
+                    max_req_input_len: int, policy, token_ratio, processor) -> dict:
+    """What ``Scheduler.__init__`` leaves on a server with the published ``flags`` (``publish_server_flags``), a
+    radix cache and no model, for the event-loop methods the scheduler path calls (its ``__init__`` builds a
+    TpModelWorker, which loads a model on a GPU). Every feature flag is the server's default (off); collaborators
+    the methods only notify are no-ops."""
     from collections import deque
     from types import SimpleNamespace as NS
 
@@ -201,21 +201,24 @@ def scheduler_state(*, tree, req_to_token_pool, allocator, model_config, spec_al
         tree_cache=tree, req_to_token_pool=req_to_token_pool, token_to_kv_pool_allocator=allocator,
         page_size=1, device="cpu", model_config=model_config, spec_algorithm=spec_algorithm, enable_overlap=False,
         dllm_config=None, policy=policy, new_token_ratio_tracker=token_ratio, is_generation=True,
-        chunked_prefill_size=chunked_prefill_size, max_prefill_tokens=max_prefill_tokens,
+        chunked_prefill_size=flags["chunked_prefill_size"], max_prefill_tokens=flags["max_prefill_tokens"],
         max_running_requests=max_running_requests, max_req_input_len=max_req_input_len, max_prefill_bs=0,
         max_total_num_tokens=max_total_num_tokens, max_req_len=max_req_len, kv_shard_widening=1,
         max_new_tokens_limit=None, sliding_window_size=None,
         is_mixed_chunk=False, truncation_align_size=None, dynamic_chunk_sizer=None, prefill_delayer=None,
-        min_free_slots_delayer=None, priority_scheduling_preemption_threshold=0, enable_priority_preemption=False,
+        min_free_slots_delayer=None, priority_scheduling_preemption_threshold=flags["priority_scheduling_preemption_threshold"],
+        enable_priority_preemption=False,
         enable_priority_scheduling=False, schedule_low_priority_values_first=False,
         abort_on_priority_when_disabled=False, max_queued_requests=None, is_hybrid_swa=False, enable_lora=False,
         enable_hierarchical_cache=False, enable_hicache_storage=False, enable_lmcache=False,
         enable_unified_cache_external_linker=False, enable_hisparse=False, hisparse_coordinator=None,
         require_mlp_sync=False, prefill_decode_interval=0, _prefill_decode_interval_remaining=0,
         prefill_decode_interval_min_bs=0, disaggregation_mode=disaggregation_mode, decode_offload_manager=None,
-        scheduler_stage_metrics=None, mm_receiver=None,
+        scheduler_stage_metrics=None, mm_receiver=None, is_hybrid_ssm=False, full_tokens_per_layer=None,
+        swa_tokens_per_layer=None, _engine_paused=False, _pp_microbatches_drained=lambda: True,
         # collaborators, reduced to what those methods call
-        grammar_manager=NS(has_waiting_grammars=lambda: False, abort_requests=noop),
+        session_controller=NS(sessions={}), dllm_manager=NS(any_staging_reqs=lambda: False),
+        grammar_manager=NS(has_waiting_grammars=lambda: False, abort_requests=noop, grammar_queue=[]),
         dp_attn_adapter=NS(maybe_prepare_mlp_sync_batch=same, maybe_convert_decode_to_extend=same),
         ngram_embedding_manager=NS(prepare_for_forward=same),
         tp_worker=NS(model_runner=NS(attn_backend=NS(), prefill_aware_swa=False)),
@@ -225,21 +228,31 @@ def scheduler_state(*, tree, req_to_token_pool, allocator, model_config, spec_al
         send_abort_output=noop, result_processor=processor)
 
 
-def publish_scheduler_defaults(max_running_requests: int, schedule_conservativeness: float) -> None:
+def publish_server_flags(*, max_running_requests: int, **flags) -> dict:
     """What a launcher and ``Scheduler.__init__`` publish into the runtime context: the single tensor-parallel rank
-    of a CPU run, the server's ``--schedule-conservativeness``, and with no micro-batch size set one pipeline
-    stage's worth of running requests (``scheduler.pp_max_micro_batch_size_default``)."""
-    from sglang.srt.runtime_context import get_context, get_parallel
+    of a CPU run, the server's flags given here (``chunked_prefill_size``, ``schedule_conservativeness``, ...), and
+    with no micro-batch size set one pipeline stage's worth of running requests
+    (``scheduler.pp_max_micro_batch_size_default``). Returns the scheduling flags the Scheduler keeps, as published
+    (the others at the server's defaults)."""
+    from sglang.srt.runtime_context import get_context, get_parallel, get_schedule
 
     parallel = get_parallel()
     try:
         parallel.tp_rank
     except (RuntimeError, ValueError):
         parallel.override_permanently(tp_rank=0)
-    get_context().override("poolfuzz.server_flags", schedule_conservativeness=schedule_conservativeness)
+    get_context().override("poolfuzz.server_flags", **flags)
+    schedule = get_schedule()
+    published = {name: getattr(schedule, name) for name in SCHEDULE_FLAGS}
     if not get_parallel().pp_max_micro_batch_size:
         get_context().override("scheduler.pp_max_micro_batch_size_default",
                                pp_max_micro_batch_size=max(max_running_requests // get_parallel().pp_size, 1))
+    return published
+
+
+# The published scheduling flags the Scheduler copies onto itself (its __init__ reads get_schedule()).
+SCHEDULE_FLAGS = ("schedule_policy", "chunked_prefill_size", "max_prefill_tokens", "schedule_conservativeness",
+                  "priority_scheduling_preemption_threshold")
 
 
 def result_processor(cls, *, tree, req_to_token_pool, allocator, model_config, disaggregation_mode):
@@ -257,7 +270,10 @@ def result_processor(cls, *, tree, req_to_token_pool, allocator, model_config, d
                   draft_worker=None, model_worker=NS(), logprob_result_processor=None,
                   output_streamer=NS(stream_output=noop), beam_coordinator=NS(commit_decode=lambda batch: set()),
                   abort_request=noop)
-    fields = getattr(cls, "__dataclass_fields__", {})
+    fields = getattr(cls, "__dataclass_fields__", None)
+    if fields is None:
+        raise EngineApiChanged(engine=ENGINE, release=release(), attribute=RESULT_PROCESSOR,
+                               expected="a dataclass of the scheduler's collaborators", found=type(cls).__name__)
     from dataclasses import MISSING
 
     missing = [name for name, f in fields.items()
@@ -266,3 +282,28 @@ def result_processor(cls, *, tree, req_to_token_pool, allocator, model_config, d
         raise EngineApiChanged(engine=ENGINE, release=release(), attribute=RESULT_PROCESSOR,
                                expected="the fields the scheduler path fills", found=f"also needs {missing}")
     return cls(**{k: v for k, v in wanted.items() if k in fields})
+
+
+def engine_invariant_problem(server, *, idle: bool) -> str | None:
+    """SGLang's own ``SchedulerInvariantChecker`` on the server (built by the Scheduler's ``init_pool_stats_observer``
+    / ``init_invariant_checker``), as a server run with ``SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_BUSY``,
+    ``SGLANG_CHECK_KV_PAGE_INVARIANTS`` and ``SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE`` runs it: after a batch,
+    exact slot conservation and no page both owned and free (or free twice); when fully idle, ``on_idle``'s pool and
+    request-row leak checks and the tree's ``sanity_check``. Its message where one fails, else None."""
+    from sglang.srt.environ import envs
+
+    checker = server.invariant_checker
+    try:
+        with envs.SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE.override(True):
+            if idle:
+                has_leak, messages = checker._check_all_pools(server.pool_stats_observer.get_pool_stats())
+                if has_leak:
+                    checker._report_leak("pool", "\n".join(messages))
+                checker._check_req_pool()
+                server.tree_cache.sanity_check()
+            else:
+                checker.self_check_during_busy()
+                checker._check_kv_page_invariants()
+    except (AssertionError, ValueError) as exc:
+        return str(exc).strip()
+    return None

@@ -34,6 +34,7 @@ class ModelRunner:
         self.vocab = vocab
         self.tokens: dict[str, Tokens] = {}  # req id -> its tokens (prompt, then the samples it was given)
         self.writers: dict[int, tuple[str, int]] = {}  # a tag written -> (req id, position): whose data it is
+        self.given: dict[str, int] = {}  # req id -> tokens the model sampled for it (each kept once by SGLang)
         self.step = 0
         raw = kv_pool.k_buffer[0]
         self.row_bytes = raw[0].numel() * raw.element_size()
@@ -62,35 +63,49 @@ class ModelRunner:
     def forward(self, batch) -> list[int]:
         """Check what the batch's requests attend to, write their new positions, return one token per request."""
         self.step += 1
-        rows = batch.req_pool_indices_cpu.tolist() if hasattr(batch, "req_pool_indices_cpu") else \
-            batch.req_pool_indices.tolist()
+        rows = batch.req_pool_indices_cpu.tolist()
         seq_lens = batch.seq_lens_cpu.tolist()
         extend = batch.forward_mode.is_extend()
         starts = list(batch.prefix_lens) if extend else [s - 1 for s in seq_lens]
         writes: list[tuple[str, int, int]] = []  # (req id, position, slot)
         loc = batch.out_cache_loc.tolist()
+        fed = []  # the token ids the forward computes, request by request
         for req, row, start, end in zip(batch.reqs, rows, starts, seq_lens):
             tokens = self.tokens[req.rid]
             self._sync(req, tokens)
+            if end > len(tokens.ids):
+                raise AssertionError(f"req {req.rid} step {self.step}: the batch computes positions up to {end - 1}, "
+                                     f"but the request has {len(tokens.ids)} tokens")
             self._check_context(req.rid, row, start)
             writes += [(req.rid, p, int(self.req_to_token[row, p])) for p in range(start, end)]
+            fed += tokens.ids[start:end]
         if [slot for _, _, slot in writes] != loc:
             raise AssertionError(f"step {self.step}: out_cache_loc {loc} is not the requests' rows' slots "
                                  f"{[slot for _, _, slot in writes]} for the positions the batch computes")
+        # An extend feeds the ids prepare_for_extend staged; a decode's input is run_batch's token relay (its future
+        # map), stood in for: the request's last token, which _sync has just checked is the last sample.
+        inputs = batch.prefill_input_ids_cpu if extend else None
+        if inputs is not None and [int(t) for t in inputs] != fed:
+            raise AssertionError(f"step {self.step}: the batch feeds tokens {[int(t) for t in inputs]}, not the "
+                                 f"requests' tokens {fed} at the positions it computes")
         self._write(writes)
         sampled = []
         for req, end in zip(batch.reqs, seq_lens):
-            sampled.append(sampled_token(self.tokens[req.rid].chain(end - 1), self.vocab))
+            tokens = self.tokens[req.rid]
+            token = sampled_token(tokens.chain(end - 1), self.vocab)
+            if end == len(tokens.ids):  # the forward reached its last token: SGLang must keep this sample, once
+                self.given[req.rid] = self.given.get(req.rid, 0) + 1
+                tokens.ids.append(token)
+            sampled.append(token)  # a middle chunk's is discarded by SGLang, and not recorded here
         return sampled
 
     def _sync(self, req, tokens: Tokens) -> None:
-        """The request's tokens as SGLang holds them (prompt, then the outputs it kept)."""
+        """SGLang's tokens for the request (prompt, then its outputs) must be exactly the prompt it was given and
+        every token the model sampled for it: none dropped, duplicated or changed."""
         ids = list(req.origin_input_ids) + list(req.output_ids)
-        if ids[:len(tokens.ids)] != tokens.ids[:len(ids)]:
-            raise AssertionError(f"req {req.rid}: SGLang's tokens {ids} are not the ones it was given and sampled "
-                                 f"{tokens.ids}")
-        if len(ids) > len(tokens.ids):
-            tokens.ids.extend(ids[len(tokens.ids):])
+        if ids != tokens.ids:
+            raise AssertionError(f"req {req.rid} step {self.step}: SGLang holds tokens {ids}, but it was given "
+                                 f"{tokens.ids} (prompt, then the {self.given.get(req.rid, 0)} the model sampled)")
 
     def _check_context(self, rid: str, row: int, start: int) -> None:
         tokens = self.tokens[rid]

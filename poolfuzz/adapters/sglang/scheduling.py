@@ -21,8 +21,14 @@ What is stood in for, and why:
   request, ``init_req_max_new_tokens`` (max_new_tokens clipped to what the server holds) and
   ``validate_input_length`` (a refused prompt is queued finished with an abort), then ``_add_request_to_queue``.
 
-Driven: dense MHA configs on one-token pages, on releases whose Scheduler and result processor this module
-builds (``release_problem``).
+Checked: before every forward, the runner's contents and token checks (``runner.py``); after every rule, SGLang's
+own ``SchedulerInvariantChecker`` as a server run with its strict memory checks runs it after a batch (exact slot
+conservation, no page owned and free, none free twice), and at the end, idle, ``on_idle``'s leak checks and the
+tree's ``sanity_check`` (``compat.engine_invariant_problem``).
+
+The loop is ``event_loop_normal``, the one a CPU server runs; a GPU server runs ``event_loop_overlap`` by default
+(results a step late), not driven here. Driven: dense MHA configs on one-token pages, on releases whose Scheduler
+and result processor this module builds (``release_problem``).
 """
 
 from __future__ import annotations
@@ -41,11 +47,12 @@ from poolfuzz.pools.token_chain import Tokens
 
 VOCAB = 1 << 15  # sampled tokens are below it; prompt tokens above it, so prompts share only the prefixes drawn
 DRAIN_STEPS = 400
-CHUNKED_PREFILL = 16  # the server's --chunked-prefill-size: small, so prompts are chunked
 MAX_RUNNING = 4  # --max-running-requests
-# --schedule-conservativeness: below the default 1.0, the server admits on a smaller estimate of the tokens running
-# requests will still take, so under load decode runs out of slots and retract_decode takes requests back
-SCHEDULE_CONSERVATIVENESS = 0.1
+# The server's flags, the rest at their defaults (fcfs policy, --max-prefill-tokens 16384, ...):
+# --chunked-prefill-size small, so prompts are chunked; --schedule-conservativeness below the default 1.0, so the
+# server admits on a smaller estimate of the tokens running requests will still take, and under load decode runs
+# out of slots and retract_decode takes requests back.
+SERVER_FLAGS = {"chunked_prefill_size": 16, "schedule_conservativeness": 0.1}
 
 
 @lru_cache(maxsize=1)
@@ -88,10 +95,18 @@ def release_problem() -> str | None:
         return (f"SGLang {api.version} has no {' or '.join(missing)}: the scheduler path drives the event loop of "
                 "releases whose Scheduler hands results to those components (0.5.23)")
     try:
-        scheduler_modules()
+        m = scheduler_modules()
     except ImportError as exc:
         return f"SGLang's scheduler cannot be imported here ({exc}); ci/sglang-install.sh installs what it needs"
+    lacking = [name for name in SCHEDULER_METHODS if not callable(getattr(m.Scheduler, name, None))]
+    if lacking:
+        return f"SGLang {api.version}'s Scheduler has no {', '.join(lacking)}: the scheduler path calls them"
     return _server_arguments_problem(api.version)
+
+
+# The Scheduler's own methods the driver calls (and what they call on it is the release's business).
+SCHEDULER_METHODS = ("get_next_batch_to_run", "update_running_batch", "abort_request", "init_req_max_new_tokens",
+                     "_add_request_to_queue", "init_pool_stats_observer", "init_invariant_checker", "is_fully_idle")
 
 
 @lru_cache(maxsize=1)
@@ -141,17 +156,19 @@ class SglangSchedulerDriver:
                                             allocator=allocator, model_config=model, disaggregation_mode=pd)
         self.processor = processor
         max_running = min(MAX_RUNNING, req_pool.size)
-        compat.publish_scheduler_defaults(max_running, SCHEDULE_CONSERVATIVENESS)
+        flags = compat.publish_server_flags(max_running_requests=max_running, **SERVER_FLAGS)
         self.server = object.__new__(m.Scheduler)
         self.server.__dict__.update(compat.scheduler_state(
             tree=self.tree, req_to_token_pool=req_pool, allocator=allocator, model_config=model,
-            spec_algorithm=m.SpeculativeAlgorithm.NONE, disaggregation_mode=pd,
-            chunked_prefill_size=CHUNKED_PREFILL, max_prefill_tokens=2 * CHUNKED_PREFILL,
+            spec_algorithm=m.SpeculativeAlgorithm.NONE, disaggregation_mode=pd, flags=flags,
             max_running_requests=max_running, max_total_num_tokens=self.total,
             max_req_len=max_req_len(config, self.total), max_req_input_len=max_req_len(config, self.total) - 5,
-            policy=m.SchedulePolicy("lpm", self.tree, False, False, False), token_ratio=m.TokenRatio.from_config(),
+            policy=m.SchedulePolicy(flags["schedule_policy"], self.tree, False, False, False),
+            token_ratio=m.TokenRatio.from_config(),
             processor=processor))
         self.server.running_batch = _empty_batch()
+        self.server.init_pool_stats_observer()  # the Scheduler's own, for SGLang's invariant checker below
+        self.server.init_invariant_checker()
         self.server.send_abort_output = self._abort_sent  # what the tokenizer manager would be told
         self.aborted: set[str] = set()  # requests the server answered with an abort (no longer its to run)
         self.runner = ModelRunner(kv_pool=self.family.sg_kv_pool, req_to_token_pool=req_pool,
@@ -212,9 +229,10 @@ class SglangSchedulerDriver:
         plan = s.get_next_batch_to_run(s.running_batch, s.last_batch)
         s.running_batch, batch = plan.running_batch, plan.batch_to_run
         self.retracted += s.metrics_reporter.num_retracted_reqs
-        if batch is None:  # idle: on_idle resets the new-token ratio
+        if batch is None:  # on_idle: a fully idle server resets the new-token ratio
             s.last_batch = None
-            s.new_token_ratio_tracker.reset()
+            if s.is_fully_idle():
+                s.new_token_ratio_tracker.reset()
             self._forget_done()  # a chunked request's deferred abort is answered at the top of a step
             return
         s.forward_ct += 1  # run_batch's counters
@@ -234,9 +252,7 @@ class SglangSchedulerDriver:
             self.processor.process_batch_result_prefill(batch, result)
         else:
             self.processor.process_batch_result_decode(batch, result)
-        flush = getattr(self.tree, "flush_pending_backups", None)
-        if flush is not None:
-            flush()
+        self.tree.flush_pending_backups()  # as process_batch_result ends
         s.last_batch = batch
         self._forget_done()
 
@@ -253,31 +269,27 @@ class SglangSchedulerDriver:
 
     # --- checks --------------------------------------------------------------------------------
     def state_problem(self) -> str | None:
-        """After every rule: each free list is sound (no unit twice, not the reserved 0; ``views.FreeListView``),
-        no slot a request in flight holds is also free (a double allocation waiting to happen), and free plus
-        cached slots are not more than the pool."""
-        views = self.family.free_lists()
-        for view in views.values():
-            problem = view.free_list_problem()
-            if problem:
-                return f"{view.space}: {problem}"
-        full = views.get("full")
+        """After every rule, SGLang's own invariant checker as a strict server runs it after a batch
+        (``compat.engine_invariant_problem``); where it finds a page both owned and free, which request holds it at
+        which position."""
+        problem = compat.engine_invariant_problem(self.server, idle=False)
+        if problem is None:
+            return None
+        return problem + "".join(f"; {detail}" for detail in self._held_free()[:1])
+
+    def _held_free(self) -> list[str]:
+        """Each slot a request in flight holds that the allocator also lists free, named."""
+        full = self.family.free_lists().get("full")
         req_to_token = self.family.sg_req_pool.req_to_token
+        out = []
         for req in self._in_flight():
-            kv = getattr(req, "kv", req)
-            row, allocated = kv.req_pool_idx, kv.kv_allocated_len
-            if row is None or full is None:
+            kv = req.kv
+            if kv.req_pool_idx is None or full is None:
                 continue
-            for position, slot in enumerate(req_to_token[row, :allocated].tolist()):
+            for position, slot in enumerate(req_to_token[kv.req_pool_idx, :kv.kv_allocated_len].tolist()):
                 if full.is_free_page(slot):
-                    return (f"req {req.rid} holds slot {slot} at position {position}, but the allocator lists it "
-                            "free: the next allocation can hand it to another request")
-        allocator = self.family.sg_allocator
-        free, cached = allocator.available_size(), self.tree.evictable_size() + self.tree.protected_size()
-        if free + cached > self.total:
-            return (f"{free} free slots and {cached} cached in the tree are more than the pool's {self.total}: "
-                    "a slot is counted twice")
-        return None
+                    out.append(f"req {req.rid} holds slot {slot} at position {position}, which the allocator lists free")
+        return out
 
     def _in_flight(self) -> list:
         """The requests holding a request row: the running batch, the last batch, the chunked request."""
@@ -297,16 +309,9 @@ class SglangSchedulerDriver:
             stuck = ", ".join(f"req {rid} {self._where(r)} with {len(r.output_ids)} of {r.sampling_params.max_new_tokens} "
                               "tokens out" for rid, r in list(self.requests.items())[:4])
             return f"{len(self.requests)} request(s) still unfinished after {DRAIN_STEPS} idle steps ({stuck})"
-        req_pool = self.family.sg_req_pool
-        if req_pool.available_size() != req_pool.size:
-            return f"{req_pool.size - req_pool.available_size()} request row(s) still held with every request finished"
-        allocator = self.family.sg_allocator
-        free, cached = allocator.available_size(), self.tree.evictable_size()
-        if free + cached != self.total or self.tree.protected_size():
-            return (f"with every request finished, {free} free slots and {cached} evictable in the tree "
-                    f"({self.tree.protected_size()} protected) are not the pool's {self.total}: slots leaked")
-        self.tree.sanity_check()
-        return None
+        if not self.server.is_fully_idle():
+            return "every request finished, but the server is not idle"
+        return compat.engine_invariant_problem(self.server, idle=True)  # on_idle's leak checks, strict
 
     def _where(self, req) -> str:
         s = self.server
@@ -344,6 +349,8 @@ def unsupported_reason(config: ModelConfig) -> str | None:
 
 
 def build_driver(config: ModelConfig, *, device="cpu", faults=(), backup_mode=None) -> SglangSchedulerDriver:
+    """The ``sglang:scheduler`` factory's driver; its pools live on the CPU, where the scheduler runs, whatever
+    ``device`` the run names (as the vLLM scheduler path's do)."""
     if tuple(faults):
         raise ConfigError(f"the sglang scheduler path runs SGLang's own code; catalogue faults {list(faults)} only "
                           "apply to the builtin family (drop --faults)")

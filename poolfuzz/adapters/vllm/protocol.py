@@ -189,10 +189,15 @@ class VllmProtocol:
         by_connector = getattr(m, "get_computed_blocks_for_connector", None)
         diverged = False
         if by_connector is not None and fam.api.takes_external_tokens:
-            blocks, hit, _, diverged = by_connector(request)
+            found = by_connector(request)
+            blocks, hit, diverged = found[0], found[1], found[3]
         else:
             found = m.get_computed_blocks(request)
             blocks, hit = found[0], found[1]
+        if len(found) > 2 and hasattr(request, "shared_prefix_boundary"):
+            # where the hit's shared prefix ends, kept on the request as the scheduler keeps it: its split
+            # (prefill_chunk_end) stops a later chunk there
+            request.shared_prefix_boundary = found[2]
         ps = fam.config.page_size
         external = 0
         if fam.api.takes_external_tokens:
