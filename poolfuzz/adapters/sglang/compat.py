@@ -178,11 +178,14 @@ def engine_report_needs():
 SCHEDULER_MODULE = "sglang.srt.managers.scheduler"
 RESULT_PROCESSOR = "sglang.srt.managers.scheduler_components.batch_result_processor:SchedulerBatchResultProcessor"
 TOKEN_RATIO = "sglang.srt.managers.scheduler_components.new_token_ratio_tracker:NewTokenRatioTracker"
+# The Scheduler's own methods the driver calls (what they call on it is the release's business).
+SCHEDULER_METHODS = ("get_next_batch_to_run", "update_running_batch", "abort_request", "init_req_max_new_tokens",
+                     "_add_request_to_queue", "init_pool_stats_observer", "init_invariant_checker", "is_fully_idle")
 
 
 def scheduler_state(*, tree, req_to_token_pool, allocator, model_config, spec_algorithm, disaggregation_mode,
-                    flags: dict, max_running_requests: int, max_total_num_tokens: int, max_req_len: int,
-                    max_req_input_len: int, policy, token_ratio, processor) -> dict:
+                    flags: dict, page_size: int, max_running_requests: int, max_total_num_tokens: int,
+                    max_req_len: int, max_req_input_len: int, policy, token_ratio, processor) -> dict:
     """What ``Scheduler.__init__`` leaves on a server with the published ``flags`` (``publish_server_flags``), a
     radix cache and no model, for the event-loop methods the scheduler path calls (its ``__init__`` builds a
     TpModelWorker, which loads a model on a GPU). Every feature flag is the server's default (off); collaborators
@@ -199,7 +202,7 @@ def scheduler_state(*, tree, req_to_token_pool, allocator, model_config, spec_al
         enable_continuous_input_polling=False,
         # pools, model and policy
         tree_cache=tree, req_to_token_pool=req_to_token_pool, token_to_kv_pool_allocator=allocator,
-        page_size=1, device="cpu", model_config=model_config, spec_algorithm=spec_algorithm, enable_overlap=False,
+        page_size=page_size, device="cpu", model_config=model_config, spec_algorithm=spec_algorithm, enable_overlap=False,
         dllm_config=None, policy=policy, new_token_ratio_tracker=token_ratio, is_generation=True,
         chunked_prefill_size=flags["chunked_prefill_size"], max_prefill_tokens=flags["max_prefill_tokens"],
         max_running_requests=max_running_requests, max_req_input_len=max_req_input_len, max_prefill_bs=0,
@@ -307,3 +310,14 @@ def engine_invariant_problem(server, *, idle: bool) -> str | None:
     except (AssertionError, ValueError) as exc:
         return str(exc).strip()
     return None
+
+
+def queue_request(server, req) -> None:
+    """``Scheduler._add_request_to_queue``: where ``handle_generate_request`` ends, the request joins the queue."""
+    server._add_request_to_queue(req)
+
+
+def requests_owning_rows(server) -> list:
+    """The requests SGLang's invariant checker counts as holding a request row (``_requests_owning_rows``: the last
+    and running batches and the chunked request, those whose KV is held)."""
+    return server.invariant_checker._requests_owning_rows()

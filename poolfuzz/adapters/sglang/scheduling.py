@@ -98,15 +98,11 @@ def release_problem() -> str | None:
         m = scheduler_modules()
     except ImportError as exc:
         return f"SGLang's scheduler cannot be imported here ({exc}); ci/sglang-install.sh installs what it needs"
-    lacking = [name for name in SCHEDULER_METHODS if not callable(getattr(m.Scheduler, name, None))]
+    lacking = [name for name in compat.SCHEDULER_METHODS if not callable(getattr(m.Scheduler, name, None))]
     if lacking:
         return f"SGLang {api.version}'s Scheduler has no {', '.join(lacking)}: the scheduler path calls them"
     return _server_arguments_problem(api.version)
 
-
-# The Scheduler's own methods the driver calls (and what they call on it is the release's business).
-SCHEDULER_METHODS = ("get_next_batch_to_run", "update_running_batch", "abort_request", "init_req_max_new_tokens",
-                     "_add_request_to_queue", "init_pool_stats_observer", "init_invariant_checker", "is_fully_idle")
 
 
 @lru_cache(maxsize=1)
@@ -157,12 +153,13 @@ class SglangSchedulerDriver:
         self.processor = processor
         max_running = min(MAX_RUNNING, req_pool.size)
         flags = compat.publish_server_flags(max_running_requests=max_running, **SERVER_FLAGS)
+        longest = max_req_len(config, self.total)
         self.server = object.__new__(m.Scheduler)
         self.server.__dict__.update(compat.scheduler_state(
             tree=self.tree, req_to_token_pool=req_pool, allocator=allocator, model_config=model,
             spec_algorithm=m.SpeculativeAlgorithm.NONE, disaggregation_mode=pd, flags=flags,
-            max_running_requests=max_running, max_total_num_tokens=self.total,
-            max_req_len=max_req_len(config, self.total), max_req_input_len=max_req_len(config, self.total) - 5,
+            page_size=config.page_size, max_running_requests=max_running, max_total_num_tokens=self.total,
+            max_req_len=longest, max_req_input_len=longest - 5,
             policy=m.SchedulePolicy(flags["schedule_policy"], self.tree, False, False, False),
             token_ratio=m.TokenRatio.from_config(),
             processor=processor))
@@ -177,10 +174,14 @@ class SglangSchedulerDriver:
         self.next_rid = 1
         self.fresh = VOCAB
         self.retracted = 0  # requests retract_decode took back (each is recomputed and checked again)
-        self.hits = 0  # requests that joined a batch with a prefix matched in the tree
         self.first_prefix: dict[str, int] = {}  # rid -> the prefix the tree matched for its first batch
         self.chunked = 0  # prefill forwards of a chunk that was not a prompt's last
         self.refused = 0
+
+    @property
+    def hits(self) -> int:
+        """Requests that joined their first batch with a prefix matched in the tree."""
+        return sum(1 for prefix in self.first_prefix.values() if prefix)
 
     # --- traffic ---------------------------------------------------------------------------------
     def live(self) -> list[str]:
@@ -212,7 +213,7 @@ class SglangSchedulerDriver:
             self.refused += 1
             req.set_finish_with_abort(refusal)  # its prompt becomes one token, prefilled once to answer the abort
             self.runner.tokens[rid] = Tokens(ids=list(req.origin_input_ids))
-        self.server._add_request_to_queue(req)
+        compat.queue_request(self.server, req)
         return rid
 
     def propose_drafts(self, tokens: int) -> None:
@@ -242,9 +243,7 @@ class SglangSchedulerDriver:
         extend = batch.forward_mode.is_extend()
         if extend:
             for r, p in zip(batch.reqs, batch.prefix_lens):
-                if r.rid not in self.first_prefix:  # its first batch: what the tree matched
-                    self.first_prefix[r.rid] = p
-                    self.hits += bool(p)
+                self.first_prefix.setdefault(r.rid, p)  # its first batch: what the tree matched
             self.chunked += sum(1 for r in batch.reqs if r is s.chunked_req)
         tokens = self.runner.forward(batch)
         result = self.m.GenerationBatchResult(next_token_ids=torch.tensor(tokens, dtype=torch.int64))
@@ -282,22 +281,14 @@ class SglangSchedulerDriver:
         full = self.family.free_lists().get("full")
         req_to_token = self.family.sg_req_pool.req_to_token
         out = []
-        for req in self._in_flight():
+        for req in compat.requests_owning_rows(self.server):
             kv = req.kv
-            if kv.req_pool_idx is None or full is None:
+            if full is None:
                 continue
             for position, slot in enumerate(req_to_token[kv.req_pool_idx, :kv.kv_allocated_len].tolist()):
                 if full.is_free_page(slot):
                     out.append(f"req {req.rid} holds slot {slot} at position {position}, which the allocator lists free")
         return out
-
-    def _in_flight(self) -> list:
-        """The requests holding a request row: the running batch, the last batch, the chunked request."""
-        s = self.server
-        reqs = list(s.running_batch.reqs) + (list(s.last_batch.reqs) if s.last_batch is not None else [])
-        if s.chunked_req is not None:
-            reqs.append(s.chunked_req)
-        return [r for r in {id(r): r for r in reqs}.values() if not r.finished()]
 
     def drain(self) -> str | None:
         """Run the idle server until every request finished; what is wrong then (stuck, leaked)."""

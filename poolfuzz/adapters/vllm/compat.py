@@ -227,3 +227,9 @@ def prompt_refusal(model_config, prompt_len: int) -> str | None:
     except (ValueError, refused) as exc:
         return str(exc).split(". Make sure")[0]
     return None
+
+
+def mamba_block_aligned_split(scheduler, request, num_new_tokens: int) -> int:
+    """``Scheduler._mamba_block_aligned_split``: how many of ``num_new_tokens`` prefill tokens the scheduler runs
+    before the chunk must end where a mamba "align" state is cached (0: none fits, the request waits)."""
+    return scheduler._mamba_block_aligned_split(request, num_new_tokens)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from poolfuzz.adapters.vllm.compat import mamba_block_aligned_split
 from poolfuzz.adapters.vllm.storage import copy_rows, zero_rows
 from poolfuzz.pools.errors import PoolError, PoolExhausted
 from poolfuzz.pools.request import ReqKv, RetractionBackup
@@ -111,7 +112,7 @@ class VllmProtocol:
             return end
         live = self._live(req, fam)
         self._sync(req, live)
-        return start + fam.splitter._mamba_block_aligned_split(live.request, end - start)
+        return start + mamba_block_aligned_split(fam.splitter, live.request, end - start)
 
     def run_deferred_mamba_ops(self, reqs: list[ReqKv], fam) -> None:
         """A new request's first forward starts from no state (vLLM: ``has_initial_state`` False)."""
