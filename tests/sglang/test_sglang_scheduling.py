@@ -168,3 +168,76 @@ def test_an_aborted_chunked_prefill_is_answered_and_released(scheduling):
     driver.step()
     assert a in driver.aborted and a not in driver.requests
     assert driver.drain() is None
+
+
+# --- paged pools and recurrent state (mamba no_buffer and extra_buffer) ---------------------------------------------
+@pytest.mark.parametrize("name", ["dense-ps4", "hybrid-linear", "hybrid-extra-buffer", "hybrid-extra-buffer-ps4"])
+def test_paged_and_recurrent_servers_keep_every_request_on_its_own_state(scheduling, name):
+    """Fuzzed through SGLang's own scheduler: prefix hits happen (on a mamba model, on a tracked or cached state) and
+    every forward found its KV and the state it continues from intact."""
+    drivers = []
+    _fuzz(scheduling, name, drivers, max_examples=15)
+    assert sum(d.hits for d in drivers) > 0
+    assert sum(d.chunked for d in drivers) > 0
+
+
+def _hit_after_a_prefill(scheduling, name):
+    """Two 10-token prompts prefilled and decoded; then a request sharing the first one's first 12 tokens."""
+    driver = scheduling.SglangSchedulerDriver(CONFIGS[name])
+    first = driver.add_request(length=10, share=0, max_tokens=7)
+    driver.add_request(length=10, share=0, max_tokens=7)
+    for _ in range(12):
+        driver.step()
+    late = driver.add_request(length=3, share=3, max_tokens=4)
+    return driver, first, late
+
+
+@pytest.mark.parametrize("name", ["hybrid-linear", "hybrid-extra-buffer"])
+def test_a_mamba_prefix_hit_continues_from_the_prefix_state(scheduling, name):
+    """The tree holds a state of the shared prompt (no_buffer: the one its prefill ended on; extra_buffer: one the
+    kernels snapshot at a track boundary); the late request matches at least 8 of its tokens, and its forward checks
+    its working slot holds exactly the state of the tokens matched, copied from the tree (SGLang's deferred
+    copy-on-write)."""
+    driver, _, late = _hit_after_a_prefill(scheduling, name)
+    assert driver.drain() is None
+    assert driver.first_prefix[late] >= 8
+
+
+def test_a_skipped_copy_on_write_is_caught_and_named(scheduling):
+    """A model runner that does not run the deferred copy-on-write before the forward: the hitting request starts
+    from a slot nobody wrote, and the report names the request, the mamba component, the slot, the last position the
+    state should cover and what the slot holds."""
+    from poolfuzz.pools.errors import LostKv
+
+    driver, _, late = _hit_after_a_prefill(scheduling, "hybrid-extra-buffer")
+    driver.runner.cow_and_clear = lambda batch: None
+    with pytest.raises(LostKv) as info:
+        driver.drain()
+    hit = driver.first_prefix[late]
+    assert re.match(rf"req {late} step \d+: mamba\.\w+ layer \d+ position {hit - 1}: block \d+ slot \d+ holds zeros",
+                    str(info.value)), info.value
+
+
+def test_a_snapshot_of_the_whole_extend_is_caught_as_another_length(scheduling):
+    """A kernel stand-in that snapshots the state at the end of the extend, not at the track boundary SGLang's
+    ``mamba_track_aligned_lens`` names: the tree files a 10-token state as the state of 8 tokens, and the hit reads
+    it (found as a mistake of this runner before it called SGLang's own length)."""
+    from poolfuzz.pools.errors import LostKv
+
+    driver = scheduling.SglangSchedulerDriver(CONFIGS["hybrid-extra-buffer"])
+    driver.runner.aligned_lens = lambda mask, seqlens, prefix: seqlens - prefix
+    first = driver.add_request(length=10, share=0, max_tokens=7)
+    for _ in range(10):
+        driver.step()
+    late = driver.add_request(length=3, share=3, max_tokens=4)
+    with pytest.raises(LostKv) as info:
+        driver.drain()
+    assert re.match(rf"req {late} step \d+: mamba\.\w+ layer \d+ position 7: block \d+ slot \d+ holds the state "
+                    rf"after req {first}'s position 9 \(another prefix\)", str(info.value)), info.value
+
+
+def test_a_paged_mamba_server_without_the_extra_buffer_is_refused_with_sglangs_reason(scheduling):
+    from poolfuzz.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="MambaComponent requires page_size=1 when mamba_extra_buffer is disabled"):
+        scheduling.SglangSchedulerDriver(CONFIGS["hybrid-linear-ps4"])

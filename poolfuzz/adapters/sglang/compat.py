@@ -184,9 +184,9 @@ SCHEDULER_METHODS = ("get_next_batch_to_run", "update_running_batch", "abort_req
 
 
 def scheduler_state(*, tree, req_to_token_pool, allocator, model_config, spec_algorithm, disaggregation_mode,
-                    flags: dict, page_size: int, max_running_requests: int, max_total_num_tokens: int,
+                    flags: dict, page_size: int, is_hybrid_ssm: bool, max_running_requests: int, max_total_num_tokens: int,
                     max_req_len: int, max_req_input_len: int, policy, token_ratio, processor) -> dict:
-    """What ``Scheduler.__init__`` leaves on a server with the published ``flags`` (``publish_server_flags``), a
+    """What ``Scheduler.__init__`` leaves on a server with the published ``flags`` (``publish_scheduler_context``), a
     radix cache and no model, for the event-loop methods the scheduler path calls (its ``__init__`` builds a
     TpModelWorker, which loads a model on a GPU). Every feature flag is the server's default (off); collaborators
     the methods only notify are no-ops."""
@@ -217,7 +217,7 @@ def scheduler_state(*, tree, req_to_token_pool, allocator, model_config, spec_al
         enable_unified_cache_external_linker=False, enable_hisparse=False, hisparse_coordinator=None,
         require_mlp_sync=False, prefill_decode_interval=0, _prefill_decode_interval_remaining=0,
         prefill_decode_interval_min_bs=0, disaggregation_mode=disaggregation_mode, decode_offload_manager=None,
-        scheduler_stage_metrics=None, mm_receiver=None, is_hybrid_ssm=False, full_tokens_per_layer=None,
+        scheduler_stage_metrics=None, mm_receiver=None, is_hybrid_ssm=is_hybrid_ssm, full_tokens_per_layer=None,
         swa_tokens_per_layer=None, _engine_paused=False, _pp_microbatches_drained=lambda: True,
         # collaborators, reduced to what those methods call
         session_controller=NS(sessions={}), dllm_manager=NS(any_staging_reqs=lambda: False),
@@ -231,12 +231,11 @@ def scheduler_state(*, tree, req_to_token_pool, allocator, model_config, spec_al
         send_abort_output=noop, result_processor=processor)
 
 
-def publish_server_flags(*, max_running_requests: int, **flags) -> dict:
-    """What a launcher and ``Scheduler.__init__`` publish into the runtime context: the single tensor-parallel rank
-    of a CPU run, the server's flags given here (``chunked_prefill_size``, ``schedule_conservativeness``, ...), and
-    with no micro-batch size set one pipeline stage's worth of running requests
-    (``scheduler.pp_max_micro_batch_size_default``). Returns the scheduling flags the Scheduler keeps, as published
-    (the others at the server's defaults)."""
+def publish_scheduler_context(*, max_running_requests: int) -> dict:
+    """What a launcher and ``Scheduler.__init__`` publish into the runtime context besides the server's arguments
+    (published with the tree, ``tree_build.publish_server_args``): the single tensor-parallel rank of a CPU run and,
+    with no micro-batch size set, one pipeline stage's worth of running requests
+    (``scheduler.pp_max_micro_batch_size_default``). Returns the scheduling flags the Scheduler keeps, as published."""
     from sglang.srt.runtime_context import get_context, get_parallel, get_schedule
 
     parallel = get_parallel()
@@ -244,7 +243,6 @@ def publish_server_flags(*, max_running_requests: int, **flags) -> dict:
         parallel.tp_rank
     except (RuntimeError, ValueError):
         parallel.override_permanently(tp_rank=0)
-    get_context().override("poolfuzz.server_flags", **flags)
     schedule = get_schedule()
     published = {name: getattr(schedule, name) for name in SCHEDULE_FLAGS}
     if not get_parallel().pp_max_micro_batch_size:
@@ -310,6 +308,36 @@ def engine_invariant_problem(server, *, idle: bool) -> str | None:
     except (AssertionError, ValueError) as exc:
         return str(exc).strip()
     return None
+
+
+def deferred_mamba_cow_and_clear():
+    """The GPU model runner's deferred mamba copy-on-write and clear, run before an extend's forward (unbound), or
+    None where the release has none (its radix tree copies a hit's state when it matches)."""
+    import importlib
+
+    try:
+        runner = importlib.import_module("sglang.srt.model_executor.model_runner").ModelRunner
+    except (ImportError, AttributeError):
+        return None
+    return vars(runner).get("_maybe_execute_deferred_mamba_cow_and_clear")
+
+
+def mamba_track_aligned_lens():
+    """``ForwardBatch.mamba_track_aligned_lens`` as a function of (track mask, track seqlens, prefix lens): how many of
+    an extend's tokens the state the kernels snapshot for the radix tree covers (SGLang's "sole home of this math");
+    None where the release has none."""
+    import importlib
+    from types import SimpleNamespace
+
+    try:
+        forward_batch = importlib.import_module("sglang.srt.model_executor.forward_batch_info").ForwardBatch
+    except (ImportError, AttributeError):
+        return None
+    method = vars(forward_batch).get("mamba_track_aligned_lens")
+    if method is None:
+        return None
+    return lambda mask, seqlens, prefix_lens: method(SimpleNamespace(
+        mamba_track_mask=mask, mamba_track_seqlens=seqlens, extend_prefix_lens=prefix_lens))
 
 
 def queue_request(server, req) -> None:

@@ -1,67 +1,78 @@
-"""The model-runner stand-in of the SGLang scheduler path: what a forward does with the KV pool for a ScheduleBatch.
+"""The model-runner stand-in of the SGLang scheduler path: what a forward does with the pools for a ScheduleBatch.
 
-:class:`ModelRunner` does with each batch what SGLang's model runner and attention backend do with the KV cache.
-Before the forward it checks that every position each request attends to (``req_to_token[row, :prefix]`` for an
-extend, ``[row, :seq_len - 1]`` for a decode) holds, in every layer, the K and V of exactly the request's tokens up
-to it; it then writes the K and V of the scheduled positions at the batch's ``out_cache_loc`` through the pool's
-own write door (``set_kv_buffer``, ``writes.write_rows``), and samples one token per request, determined by the
+:class:`ModelRunner` does with each batch what SGLang's model runner and attention backends do with the KV cache
+and the recurrent state. Before the forward it checks that every position each request attends to
+(``req_to_token[row, :prefix]`` for an extend, ``[row, :seq_len - 1]`` for a decode) holds, in every full-attention
+layer, the K and V of exactly the request's tokens up to it, and that the recurrent state a request continues from
+(its working mamba slot, ``get_mamba_indices``) is, in every mamba layer, the state of exactly the tokens before
+the ones the batch computes. It then writes the K and V of the scheduled positions at the batch's
+``out_cache_loc`` through the pool's own write door (``set_kv_buffer``, ``writes.write_rows``), the state after the
+last computed token into each working slot, and, where the batch asks to track a state for the radix tree
+(``mamba_track_mask``), the state the kernel snapshots into ``mamba_track_indices``: after ``mamba_track_seqlens``
+tokens for an extend, after the decoded token for a decode. It samples one token per request, determined by the
 tokens so far. Contents derive from tokens alone (``pools.token_chain``), never from SGLang's bookkeeping, so a
-radix-tree hit's slots must hold the prefix's own KV, whoever computed it.
+radix-tree hit's slots and the mamba state it copies must hold the prefix's own data, whoever computed it.
 
-A slot's K (or V) row holds its 64-bit tag in its first eight bytes, the rest zero; the check reads the row back
-through the pool's read door (``get_key_buffer`` / ``get_value_buffer``, ``reads.read_door``), in place.
+Before an extend the deferred copy-on-write and clearing of the requests' mamba slots (a tree hit's state copied
+into the request's slot, a fresh slot zeroed) run as the GPU model runner runs them: SGLang's own
+``ModelRunner._maybe_execute_deferred_mamba_cow_and_clear``, unbound, on a stand-in holding the request pool.
+
+A slot's K (or V, or state) row holds its 64-bit tag in its first eight bytes; the checks read the pools' buffers
+in place, as the kernels get them (``family.components()``: the KV through the pool's read door, each mamba layer's
+state through ``mamba2_layer_cache``).
 """
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import torch
 
-from poolfuzz.adapters.sglang.reads import read_door
-from poolfuzz.adapters.sglang.writes import write_rows
 from poolfuzz.pools.errors import LostKv
 from poolfuzz.pools.token_chain import COMPONENTS, Tokens, sampled_token, tag
 
 TAG_BYTES = 8
 
 
-class ModelRunner:
-    """The forward of a dense MHA model over SGLang's pools (see the module)."""
+def _tag_of(tensor: torch.Tensor, slot: int) -> int:
+    return int(tensor[slot].reshape(-1).view(torch.uint8)[:TAG_BYTES].view(torch.int64)[0])
 
-    def __init__(self, *, kv_pool, req_to_token_pool, layers: tuple[int, ...], vocab: int):
-        self.kv_pool = kv_pool
-        self.req_to_token = req_to_token_pool.req_to_token
-        self.layers = layers
+
+def _set_tag(tensor: torch.Tensor, slot: int, value: int) -> None:
+    row = tensor[slot].reshape(-1).view(torch.uint8)
+    row.zero_()
+    row[:TAG_BYTES] = torch.tensor([value], dtype=torch.int64).view(torch.uint8)
+
+
+class ModelRunner:
+    """The forward of a model of full-attention and (optionally) mamba layers over SGLang's pools (see the module)."""
+
+    def __init__(self, *, family, vocab: int, cow_and_clear=None, aligned_lens=None):
+        comps = family.components()
+        self.kv = [c for c in comps if c.space == "full"]
+        self.states = [c for c in comps if c.space == "mamba"]
+        names = dict.fromkeys(c.name for c in self.states)  # mamba.conv0.., mamba.temporal: tag components 2..
+        self.state_index = {name: len(COMPONENTS) + i for i, name in enumerate(names)}
+        self.kv_pool = family.kv_pool  # the write door
+        self.req_pool = family.sg_req_pool
+        self.req_to_token = self.req_pool.req_to_token
         self.vocab = vocab
+        # SGLang's model runner's deferred mamba copy-on-write / clear, unbound (None: no mamba state)
+        self.cow_and_clear = cow_and_clear if self.states else None
+        self.aligned_lens = aligned_lens  # SGLang's ForwardBatch.mamba_track_aligned_lens, unbound
         self.tokens: dict[str, Tokens] = {}  # req id -> its tokens (prompt, then the samples it was given)
         self.writers: dict[int, tuple[str, int]] = {}  # a tag written -> (req id, position): whose data it is
         self.given: dict[str, int] = {}  # req id -> tokens the model sampled for it (each kept once by SGLang)
         self.step = 0
-        raw = kv_pool.k_buffer[0]
-        self.row_bytes = raw[0].numel() * raw.element_size()
-        if self.row_bytes < TAG_BYTES:
-            raise ValueError(f"a K row of {self.row_bytes} bytes cannot hold a {TAG_BYTES}-byte tag")
-
-    # --- rows ----------------------------------------------------------------------------------
-    def _rows(self, tags: list[int]) -> torch.Tensor:
-        """``[len(tags), heads, head_dim]`` rows of the pool's stored dtype, each tag in its first bytes."""
-        raw = self.kv_pool.k_buffer[0]
-        out = torch.zeros(len(tags), self.row_bytes, dtype=torch.uint8)
-        if tags:
-            out[:, :TAG_BYTES] = torch.tensor(tags, dtype=torch.int64).view(torch.uint8).view(len(tags), TAG_BYTES)
-        return out.view(raw.dtype).view(len(tags), *raw.shape[1:])
-
-    def _buffers(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        pool = self.kv_pool
-        return (read_door(pool, "get_key_buffer", layer, pool.k_buffer[layer]),
-                read_door(pool, "get_value_buffer", layer, pool.v_buffer[layer]))
-
-    @staticmethod
-    def _tag_of(buffer: torch.Tensor, slot: int) -> int:
-        return int(buffer[slot].reshape(-1).view(torch.uint8)[:TAG_BYTES].view(torch.int64)[0])
+        for c in self.kv + self.states:
+            row_bytes = c.tensor[0].numel() * c.tensor.element_size()
+            if row_bytes < TAG_BYTES:
+                raise ValueError(f"a {c.name} row of {row_bytes} bytes cannot hold a {TAG_BYTES}-byte tag")
 
     # --- the forward ---------------------------------------------------------------------------
     def forward(self, batch) -> list[int]:
-        """Check what the batch's requests attend to, write their new positions, return one token per request."""
+        """Check what the batch's requests attend to and continue from, write their new positions and states,
+        return one token per request."""
         self.step += 1
         rows = batch.req_pool_indices_cpu.tolist()
         seq_lens = batch.seq_lens_cpu.tolist()
@@ -70,13 +81,18 @@ class ModelRunner:
         writes: list[tuple[str, int, int]] = []  # (req id, position, slot)
         loc = batch.out_cache_loc.tolist()
         fed = []  # the token ids the forward computes, request by request
-        for req, row, start, end in zip(batch.reqs, rows, starts, seq_lens):
+        if extend and self.cow_and_clear is not None:
+            self.cow_and_clear(batch)
+        state_slots = self._state_slots(rows)
+        for i, (req, row, start, end) in enumerate(zip(batch.reqs, rows, starts, seq_lens)):
             tokens = self.tokens[req.rid]
             self._sync(req, tokens)
             if end > len(tokens.ids):
                 raise AssertionError(f"req {req.rid} step {self.step}: the batch computes positions up to {end - 1}, "
                                      f"but the request has {len(tokens.ids)} tokens")
             self._check_context(req.rid, row, start)
+            if state_slots and start:
+                self._check_state(req.rid, state_slots[i], start)
             writes += [(req.rid, p, int(self.req_to_token[row, p])) for p in range(start, end)]
             fed += tokens.ids[start:end]
         if [slot for _, _, slot in writes] != loc:
@@ -89,6 +105,10 @@ class ModelRunner:
             raise AssertionError(f"step {self.step}: the batch feeds tokens {[int(t) for t in inputs]}, not the "
                                  f"requests' tokens {fed} at the positions it computes")
         self._write(writes)
+        if state_slots:
+            for req, slot, end in zip(batch.reqs, state_slots, seq_lens):
+                self._write_state(req.rid, slot, end)
+            self._track(batch, seq_lens, extend)
         sampled = []
         for req, end in zip(batch.reqs, seq_lens):
             tokens = self.tokens[req.rid]
@@ -107,18 +127,19 @@ class ModelRunner:
             raise AssertionError(f"req {req.rid} step {self.step}: SGLang holds tokens {ids}, but it was given "
                                  f"{tokens.ids} (prompt, then the {self.given.get(req.rid, 0)} the model sampled)")
 
+    # --- KV --------------------------------------------------------------------------------------
     def _check_context(self, rid: str, row: int, start: int) -> None:
         tokens = self.tokens[rid]
         if start == 0:
             return
         slots = self.req_to_token[row, :start].tolist()
-        for layer in self.layers:
-            for c, buffer in enumerate(self._buffers(layer)):
-                for p, slot in enumerate(slots):
-                    want = tag(tokens.chain(p), layer, c)
-                    got = self._tag_of(buffer, slot)
-                    if got != want:
-                        raise self._lost(rid, layer, COMPONENTS[c], p, slot, want, got)
+        for c in self.kv:
+            index = COMPONENTS.index(c.name.split(".")[-1])
+            for p, slot in enumerate(slots):
+                want = tag(tokens.chain(p), c.layer, index)
+                got = _tag_of(c.tensor, slot)
+                if got != want:
+                    raise self._lost(rid, c, p, slot, want, got)
 
     def _write(self, writes: list[tuple[str, int, int]]) -> None:
         if not writes:
@@ -126,22 +147,89 @@ class ModelRunner:
         chains = [self.tokens[rid].chain(p) for rid, p, _ in writes]
         slots = torch.tensor([slot for _, _, slot in writes], dtype=torch.int64)
         rows = {}
-        for layer in self.layers:
-            for c, name in enumerate(COMPONENTS):
-                tags = [tag(chain, layer, c) for chain in chains]
-                for t, (rid, p, _) in zip(tags, writes):
-                    self.writers.setdefault(t, (rid, p))
-                rows[(f"full.{name}", layer)] = self._rows(tags)
-        write_rows(self.kv_pool, mha_layers=[("full", layer) for layer in self.layers], mla_layers=(),
-                   slots=slots, rows=rows)
+        for c in self.kv:
+            tags = [tag(chain, c.layer, COMPONENTS.index(c.name.split(".")[-1])) for chain in chains]
+            for t, (rid, p, _) in zip(tags, writes):
+                self.writers.setdefault(t, (rid, p))
+            out = torch.zeros(len(tags), c.tensor[0].numel() * c.tensor.element_size(), dtype=torch.uint8)
+            out[:, :TAG_BYTES] = torch.tensor(tags, dtype=torch.int64).view(torch.uint8).view(len(tags), TAG_BYTES)
+            rows[(c.name, c.layer)] = out.view(c.tensor.dtype).view(len(tags), *c.tensor.shape[1:])
+        self.kv_pool.write_rows(slots, rows)
 
-    def _lost(self, rid: str, layer: int, name: str, position: int, slot: int, want: int, got: int) -> LostKv:
+    # --- recurrent state -------------------------------------------------------------------------
+    def _state_slots(self, rows: list[int]) -> list[int]:
+        """Each request's working mamba slot, as the linear-attention backends index the state: the request pool's
+        ``get_mamba_indices`` of its row, translated to the physical slot (``translate_mamba_indices``)."""
+        if not self.states:
+            return []
+        pool = self.req_pool
+        index = pool.get_mamba_indices(torch.tensor(rows, dtype=torch.int64))
+        return [int(s) for s in pool.translate_mamba_indices(index).tolist()]
+
+    def _state_tag(self, rid: str, c, tokens: int) -> int:
+        """The state of component ``c`` after the request's first ``tokens`` tokens."""
+        return tag(self.tokens[rid].chain(tokens - 1), c.layer, self.state_index[c.name])
+
+    def _check_state(self, rid: str, slot: int, tokens: int) -> None:
+        for c in self.states:
+            want, got = self._state_tag(rid, c, tokens), _tag_of(c.tensor, slot)
+            if got != want:
+                raise self._lost(rid, c, tokens - 1, slot, want, got, state=True)
+
+    def _write_state(self, rid: str, slot: int, tokens: int) -> None:
+        for c in self.states:
+            t = self._state_tag(rid, c, tokens)
+            self.writers.setdefault(t, (rid, tokens - 1))
+            _set_tag(c.tensor, slot, t)
+
+    def _track(self, batch, seq_lens: list[int], extend: bool) -> None:
+        """The kernels' snapshot for the radix tree: for each request the batch tracks, into its
+        ``mamba_track_indices`` slot (translated to the physical slot), the state after its decoded token (a decode)
+        or, for an extend, after its prefix and the part of the extend SGLang's ``mamba_track_aligned_lens`` says the
+        snapshot covers (the last chunk boundary it crossed, whether the kernel takes it from its final state or
+        from an intermediate chunk state ``h``)."""
+        mask = batch.mamba_track_mask
+        if mask is None or not bool(mask.any()):
+            return
+        pool = self.req_pool
+        dests = pool.translate_mamba_indices(batch.mamba_track_indices).tolist()
+        if extend:
+            prefix = torch.tensor(list(batch.prefix_lens), dtype=torch.int64)
+            covered = self.aligned_lens(mask, batch.mamba_track_seqlens, prefix)
+            lens = (prefix + covered).tolist()
+        else:
+            lens = seq_lens
+        for i, tracked in enumerate(mask.tolist()):
+            if tracked and lens[i] > 0:
+                self._write_state(batch.reqs[i].rid, int(dests[i]), int(lens[i]))
+
+    def _lost(self, rid: str, c, position: int, slot: int, want: int, got: int, *, state: bool = False) -> LostKv:
         if got == 0:
             why = "zeros (never written, or cleared)"
         elif got in self.writers:
             owner, pos = self.writers[got]
-            why = f"req {owner}'s position {pos}" + (" (another prefix)" if owner != rid else "")
+            what = f"the state after req {owner}'s position {pos}" if state else f"req {owner}'s position {pos}"
+            why = what + (" (another prefix)" if owner != rid else "")
         else:
             why = f"a value nobody wrote ({got & ((1 << 64) - 1):#x})"
-        return LostKv(rid=rid, step=self.step, space="full", component=f"full.{name}", layer=layer, position=position,
+        return LostKv(rid=rid, step=self.step, space=c.space, component=c.name, layer=c.layer, position=position,
                       block=slot, slot=slot, expected=f"{want:#x}", found=f"{got & ((1 << 64) - 1):#x}", whose=why)
+
+
+def deferred_cow_and_clear(req_pool):
+    """SGLang's ``ModelRunner._maybe_execute_deferred_mamba_cow_and_clear`` as a function of a batch, or None where
+    the release has none (its tree copies the state itself). The model runner is stood in for by what the method
+    reads of it (the request pool; a target worker)."""
+    from poolfuzz.adapters.sglang import compat
+
+    method = compat.deferred_mamba_cow_and_clear()
+    if method is None:
+        return None
+    runner = SimpleNamespace(req_to_token_pool=req_pool, is_draft_worker=False)
+
+    def run(batch) -> None:
+        method(runner, SimpleNamespace(forward_mode=batch.forward_mode, mamba_clear_indices=batch.mamba_clear_indices,
+                                       mamba_cow_src_indices=batch.mamba_cow_src_indices,
+                                       mamba_cow_dst_indices=batch.mamba_cow_dst_indices))
+
+    return run

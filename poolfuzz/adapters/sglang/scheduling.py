@@ -26,9 +26,18 @@ own ``SchedulerInvariantChecker`` as a server run with its strict memory checks 
 conservation, no page owned and free, none free twice), and at the end, idle, ``on_idle``'s leak checks and the
 tree's ``sanity_check`` (``compat.engine_invariant_problem``).
 
-The loop is ``event_loop_normal``, the one a CPU server runs; a GPU server runs ``event_loop_overlap`` by default
-(results a step late), not driven here. Driven: dense MHA configs on one-token pages, on releases whose Scheduler
-and result processor this module builds (``release_problem``).
+The server's arguments are published as a launcher publishes them (``tree_build.publish_server_args``:
+``ServerArgs`` of the flags of :func:`server_arguments`, with what SGLang derives from them), so the Scheduler, the
+tree and ``ScheduleBatch`` read one server's configuration. A model with recurrent state runs the mamba radix cache
+with the strategy its pools were built for (``no_buffer``, or ``extra_buffer`` with its track slots), a model
+``mamba_chunk_size`` of 4 and ``--mamba-track-interval 8``, so short prompts cross the boundaries where states are
+checkpointed; its mamba slots are sized by SGLang's configurator (``mamba_sized``). A combination the server refuses
+(SGLang's tree asserts it at construction) is declined with SGLang's message.
+
+The loop is ``event_loop_normal``, the one a CPU server runs, i.e. a server with ``--disable-overlap-schedule``; a
+GPU server runs ``event_loop_overlap`` by default (results a step late, a ping-pong pair of track slots), not driven
+here. Driven: MHA models of full-attention and mamba layers, on one-token and paged pools (``scheduler_problem``),
+on releases whose Scheduler and result processor this module builds (``release_problem``).
 """
 
 from __future__ import annotations
@@ -40,7 +49,8 @@ from functools import lru_cache
 import torch
 
 from poolfuzz.adapters.sglang import compat
-from poolfuzz.adapters.sglang.runner import ModelRunner
+from poolfuzz.adapters.sglang.shims import cpu_pin_memory
+from poolfuzz.adapters.sglang.runner import ModelRunner, deferred_cow_and_clear
 from poolfuzz.pools.config import ModelConfig
 from poolfuzz.pools.errors import ConfigError
 from poolfuzz.pools.token_chain import Tokens
@@ -53,6 +63,12 @@ MAX_RUNNING = 4  # --max-running-requests
 # server admits on a smaller estimate of the tokens running requests will still take, and under load decode runs
 # out of slots and retract_decode takes requests back.
 SERVER_FLAGS = {"chunked_prefill_size": 16, "schedule_conservativeness": 0.1}
+# A model with recurrent state: its HF config's mamba_chunk_size (the kernels' chunk; the checkpoint grid is this or
+# the page size, the larger), and --mamba-track-interval a multiple of it, so that prompts of a few dozen tokens
+# cross track boundaries where the extra buffer snapshots a state for the radix tree (the defaults, 64 and 256, need
+# thousands).
+MAMBA_CHUNK = 4
+MAMBA_TRACK_INTERVAL = 8
 
 
 @lru_cache(maxsize=1)
@@ -123,10 +139,10 @@ def _server_arguments_problem(version: str) -> str | None:
 
 def scheduler_problem(config: ModelConfig) -> str | None:
     """Why the scheduler path does not drive ``config`` (yet), or None."""
-    if config.attention != "mha" or config.has_swa or config.has_mamba or config.kv_quant or config.kv_scale_block:
-        return "only dense MHA models with plain K and V are driven through SGLang's scheduler"
-    if config.page_size != 1:
-        return "only one-token pages are driven through SGLang's scheduler"
+    if config.attention != "mha" or config.has_swa or config.kv_quant or config.kv_scale_block:
+        return "only MHA models with plain K and V, without sliding-window layers, are driven through SGLang's scheduler"
+    if config.spec_draft_tokens:
+        return "speculative decoding is not driven through SGLang's scheduler"
     return None
 
 
@@ -135,15 +151,24 @@ class SglangSchedulerDriver:
 
     def __init__(self, config: ModelConfig):
         from poolfuzz.adapters.sglang.family import build_sglang_family
-        from poolfuzz.adapters.sglang.tree_build import build_tree
+        from poolfuzz.adapters.sglang.tree_build import build_tree, publish_server_args
 
         reason = scheduler_problem(config) or release_problem()
         if reason:
             raise ConfigError(f"the scheduler-driven sglang family cannot build {config.name!r}: {reason}")
         m = scheduler_modules()
+        config = served(config)
+        max_running = min(MAX_RUNNING, config.request_rows)
+        self.server_args = server_arguments(config, max_running_requests=max_running)
+        publish_server_args(**self.server_args)  # before the configurator's sizing reads them
+        config = mamba_sized(config)
         self.m, self.config = m, config
         self.family = build_sglang_family(config)
-        self.tree = build_tree(self.family, hierarchical=False)
+        try:
+            self.tree = build_tree(self.family, hierarchical=False, server=self.server_args)
+        except AssertionError as exc:  # the tree's constructor refuses the server's flags: no server runs them
+            raise ConfigError(f"the scheduler-driven sglang family cannot build {config.name!r}: SGLang's radix "
+                              f"cache refuses a server with {self.server_args} ({exc})") from None
         req_pool, allocator = self.family.sg_req_pool, self.family.sg_allocator
         self.total = allocator.available_size()
         model = _model_config(config)
@@ -151,14 +176,13 @@ class SglangSchedulerDriver:
         processor = compat.result_processor(m.ResultProcessor, tree=self.tree, req_to_token_pool=req_pool,
                                             allocator=allocator, model_config=model, disaggregation_mode=pd)
         self.processor = processor
-        max_running = min(MAX_RUNNING, req_pool.size)
-        flags = compat.publish_server_flags(max_running_requests=max_running, **SERVER_FLAGS)
+        flags = compat.publish_scheduler_context(max_running_requests=max_running)
         longest = max_req_len(config, self.total)
         self.server = object.__new__(m.Scheduler)
         self.server.__dict__.update(compat.scheduler_state(
             tree=self.tree, req_to_token_pool=req_pool, allocator=allocator, model_config=model,
             spec_algorithm=m.SpeculativeAlgorithm.NONE, disaggregation_mode=pd, flags=flags,
-            page_size=config.page_size, max_running_requests=max_running, max_total_num_tokens=self.total,
+            page_size=config.page_size, is_hybrid_ssm=config.has_mamba, max_running_requests=max_running, max_total_num_tokens=self.total,
             max_req_len=longest, max_req_input_len=longest - 5,
             policy=m.SchedulePolicy(flags["schedule_policy"], self.tree, False, False, False),
             token_ratio=m.TokenRatio.from_config(),
@@ -168,8 +192,8 @@ class SglangSchedulerDriver:
         self.server.init_invariant_checker()
         self.server.send_abort_output = self._abort_sent  # what the tokenizer manager would be told
         self.aborted: set[str] = set()  # requests the server answered with an abort (no longer its to run)
-        self.runner = ModelRunner(kv_pool=self.family.sg_kv_pool, req_to_token_pool=req_pool,
-                                  layers=tuple(config.full_layer_ids), vocab=VOCAB)
+        self.runner = ModelRunner(family=self.family, vocab=VOCAB, cow_and_clear=deferred_cow_and_clear(req_pool),
+                                  aligned_lens=compat.mamba_track_aligned_lens())
         self.requests: dict[str, object] = {}  # rid -> SGLang's Req, until it finishes
         self.next_rid = 1
         self.fresh = VOCAB
@@ -225,6 +249,10 @@ class SglangSchedulerDriver:
 
     def step(self) -> None:
         """One iteration of ``Scheduler.event_loop_normal``: the next batch, its forward, its result."""
+        with cpu_pin_memory():
+            self._step()
+
+    def _step(self) -> None:
         s = self.server
         s.metrics_reporter.num_retracted_reqs = 0  # update_running_batch sets it to the step's retractions
         plan = s.get_next_batch_to_run(s.running_batch, s.last_batch)
@@ -256,7 +284,8 @@ class SglangSchedulerDriver:
         self._forget_done()
 
     def abort(self, rid: str) -> None:
-        self.server.abort_request(self.m.AbortReq(rid=rid))
+        with cpu_pin_memory():
+            self.server.abort_request(self.m.AbortReq(rid=rid))
         self._forget_done()
 
     def _abort_sent(self, output, req) -> None:
@@ -313,6 +342,38 @@ class SglangSchedulerDriver:
         return "running" if req in s.running_batch.reqs else "in no queue"
 
 
+def served(config: ModelConfig) -> ModelConfig:
+    """The config as the server this path runs builds it: ``event_loop_normal`` is a server without the overlap
+    schedule (``--disable-overlap-schedule``), whose extra buffer gives a request one track slot, not a ping-pong
+    pair (SGLang's ``get_mamba_tracking_slots``)."""
+    if config.mamba_track_slots > 1:
+        return config.replace(mamba_track_slots=1)
+    return config
+
+
+def mamba_sized(config: ModelConfig) -> ModelConfig:
+    """Mamba slots as SGLang's configurator sizes them for a radix cache on the published server: its
+    ``_calculate_mamba_ratio`` (a state, a checkpoint and a copy a request, plus the extra buffer's track slots) times
+    the request rows, where the config has fewer (a smaller pool makes the tree's own ``Can not alloc mamba cache``
+    assertion fire on a load the configurator never admits)."""
+    if not config.has_mamba or not compat.has_private("calculate_mamba_ratio"):
+        return config
+    ratio = compat.private("calculate_mamba_ratio")(None)  # KVCacheConfigurator's, unbound: reads the published flags
+    return config.replace(mamba_slots=max(config.mamba_slots, ratio * config.request_rows))
+
+
+def server_arguments(config: ModelConfig, *, max_running_requests: int) -> dict:
+    """The flags of the server this path runs (``ServerArgs`` fields; the rest at their defaults): the scheduling
+    flags above, and for a model with recurrent state the mamba radix cache's strategy its pools were built for
+    (``extra_buffer``: a track slot pair per request; ``no_buffer``: none)."""
+    flags = dict(SERVER_FLAGS, max_running_requests=max_running_requests, page_size=config.page_size,
+                 disable_overlap_schedule=True)
+    if config.has_mamba:
+        flags.update(mamba_radix_cache_strategy="extra_buffer" if config.mamba_track_slots else "no_buffer",
+                     mamba_track_interval=MAMBA_TRACK_INTERVAL, mamba_chunk_size=MAMBA_CHUNK)
+    return flags
+
+
 def max_req_len(config: ModelConfig, pool_tokens: int) -> int:
     """The TpModelWorker's ``max_req_len``: ``min(context length, KV pool) - 1`` (its ``max_req_input_len`` is 5
     less)."""
@@ -323,8 +384,10 @@ def _model_config(config: ModelConfig):
     """The model config fields the scheduling methods read (the real one is built from a model's HF config)."""
     from types import SimpleNamespace
 
+    # hf_text_config: the model's HF config, as far as the scheduler reads it
     return SimpleNamespace(vocab_size=VOCAB, is_encoder_decoder=False, context_len=config.max_context,
-                           self_opened_think_start_ids=None, think_end_ids=None)
+                           self_opened_think_start_ids=None, think_end_ids=None,
+                           hf_text_config=SimpleNamespace(mamba_chunk_size=MAMBA_CHUNK))
 
 
 def _empty_batch():
@@ -336,7 +399,18 @@ def _empty_batch():
 def unsupported_reason(config: ModelConfig) -> str | None:
     from poolfuzz.adapters.sglang.family import unsupported_reason as pools_reason
 
-    return pools_reason(config) or scheduler_problem(config) or release_problem()
+    return pools_reason(config) or scheduler_problem(config) or release_problem() or server_refusal(config)
+
+
+@lru_cache(maxsize=None)
+def server_refusal(config: ModelConfig) -> str | None:
+    """SGLang's own answer to whether a server with this path's flags builds the config: a driver is built once and
+    what its constructors refuse is the reason (never a failure found in the engine)."""
+    try:
+        SglangSchedulerDriver(config)
+    except ConfigError as exc:
+        return str(exc).split(": ", 1)[-1]
+    return None
 
 
 def build_driver(config: ModelConfig, *, device="cpu", faults=(), backup_mode=None) -> SglangSchedulerDriver:

@@ -271,3 +271,26 @@ def cpu_synchronize(device):
         yield
     finally:
         torch.cuda.synchronize = real
+
+
+def _unpinned(tensor, *args, **kwargs):
+    """``Tensor.pin_memory`` where no accelerator exists: the CPU tensor itself (nothing to pin it for)."""
+    return tensor
+
+
+@contextlib.contextmanager
+def cpu_pin_memory():
+    """Within the block, ``Tensor.pin_memory()`` returns the tensor where this machine has no accelerator (torch
+    refuses to pin then): SGLang 0.5.23's ``ScheduleBatch.prepare_for_decode`` pins the extra-buffer track mask
+    without asking whether the server has a GPU."""
+    import torch
+
+    if torch.accelerator.is_available():
+        yield
+        return
+    real = torch.Tensor.pin_memory
+    torch.Tensor.pin_memory = _unpinned
+    try:
+        yield
+    finally:
+        torch.Tensor.pin_memory = real

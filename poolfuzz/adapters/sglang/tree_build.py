@@ -7,21 +7,26 @@ from contextlib import nullcontext
 from poolfuzz.adapters.sglang import hicache, l3
 from poolfuzz.adapters.sglang.compat import seed_mamba_chunk_size
 
-_PUBLISHED: dict[str, bool] = {}
+_PUBLISHED: dict[str, tuple] = {}  # "flags": the server flags this process last published
 
 
-def _publish_defaults() -> None:
-    """The tree reads the server's configuration from SGLang's runtime context: where nothing is
-    published yet, install default server arguments once per process (no model, so no resolution
-    pipeline, which would fetch one: every field keeps its default)."""
-    if _PUBLISHED:
-        return
+def publish_server_args(*, mamba_chunk_size: int = 64, **flags) -> None:
+    """Publish a server's arguments into SGLang's runtime context, as a launcher does before the scheduler and its
+    tree read them: ``ServerArgs`` with ``flags`` (the rest at their defaults), projected into the config bags with
+    what SGLang derives from them at publish (``exec.mamba.enable_mamba_extra_buffer`` from
+    ``mamba_radix_cache_strategy``, ...). No model, so no resolution pipeline, which would fetch one. Published again
+    only where the flags differ from the last ones this process published; with no flags, where nothing is published
+    yet, or where a server with other flags was (so the families that read the defaults do not run on another
+    server's flags). ``mamba_chunk_size``: the model's (its HF config's; FLA's chunk, 64, where it names none)."""
     from sglang.srt import runtime_context
     from sglang.srt.server_args import ServerArgs
 
+    key = tuple(sorted(flags.items())) + ((("mamba_chunk_size", mamba_chunk_size),) if mamba_chunk_size != 64 else ())
+    if _PUBLISHED.get("flags") == key:
+        return
     context = runtime_context.get_context()
-    if not context.is_config_namespace_published("memory"):
-        context.set_server_args(ServerArgs(model_path="poolfuzz-no-model", device="cpu"))
+    if key or "flags" in _PUBLISHED or not context.is_config_namespace_published("memory"):
+        context.set_server_args(ServerArgs(model_path="poolfuzz-no-model", device="cpu", **flags))
         # The server's widths now come from the arguments; the rank a launcher would write is the
         # single rank of a CPU run (MLA's pools and their retraction read it).
         parallel = runtime_context.get_parallel()
@@ -29,20 +34,25 @@ def _publish_defaults() -> None:
             parallel.attn_dcp_rank
         except (RuntimeError, ValueError):
             parallel.override_permanently(attn_dcp_rank=0)
-    server_args = runtime_context.get_server_args()
     # The mamba checkpoint grid is max(the model's mamba chunk, page size), read from the model's HF
     # config, which a run without a model has none of: SGLang honours a pre-seeded value (as its
     # own test fixtures seed it). A model config without mamba_chunk_size gets FLA's chunk, 64 (the
     # value SGLang falls back to; importing the FLA kernels for it probes Triton's GPU driver).
-    seed_mamba_chunk_size(server_args, 64)
-    _PUBLISHED["done"] = True
+    seed_mamba_chunk_size(runtime_context.get_server_args(), max(mamba_chunk_size, flags.get("page_size", 1)))
+    _PUBLISHED["flags"] = key
 
 
-def build_tree(family, *, hierarchical: bool = False, storage_dir: str | None = None):
-    """The tree the release's scheduler builds for this model (its registry's default chain); with
+def _publish_defaults() -> None:
+    """The tree reads the server's configuration from SGLang's runtime context: a server with default arguments."""
+    publish_server_args()
+
+
+def build_tree(family, *, hierarchical: bool = False, storage_dir: str | None = None, server: dict | None = None):
+    """The tree the release's scheduler builds for this model (its registry's default chain) on a server with the
+    flags ``server`` (published first; default arguments where None); with
     ``hierarchical``, as ``--enable-hierarchical-cache`` builds it (``hicache.py``), and with a
     ``storage_dir`` also ``--hicache-storage-backend file`` there (``l3.py``)."""
-    ctx = _build_context(family, hierarchical=hierarchical, disabled=False)  # defaults published first
+    ctx = _build_context(family, hierarchical=hierarchical, disabled=False, server=server)
     from sglang.srt.mem_cache import registry
 
     c = family.config
@@ -69,15 +79,23 @@ def build_disabled_cache(family):
     return registry.default_radix_cache_factory(ctx)
 
 
-def _build_context(family, *, hierarchical: bool, disabled: bool):
-    """The registry's build context for this model, as the scheduler fills it."""
-    _publish_defaults()
+def _build_context(family, *, hierarchical: bool, disabled: bool, server: dict | None = None):
+    """The registry's build context for this model, as the scheduler of a server with the flags ``server`` (default
+    arguments where None) fills it."""
+    server = server or {}
+    publish_server_args(**server)  # its mamba_chunk_size, where given, is the model's
     from sglang.srt.mem_cache import registry
     from sglang.srt.mem_cache.cache_init_params import CacheInitParams
     from sglang.srt.runtime_context import get_server_args
 
     c = family.config
-    params = CacheInitParams(disable=disabled, req_to_token_pool=family.sg_req_pool,
+    extra = {}
+    if server and "enable_mamba_extra_buffer" in getattr(CacheInitParams, "__dataclass_fields__", {}):
+        from sglang.srt.runtime_context import get_exec
+
+        # the scheduler's reading of the published arguments: whether the mamba radix cache keeps extra buffers
+        extra["enable_mamba_extra_buffer"] = get_exec().mamba.enable_mamba_extra_buffer
+    params = CacheInitParams(disable=disabled, req_to_token_pool=family.sg_req_pool, **extra,
                              token_to_kv_pool_allocator=family.sg_allocator, page_size=c.page_size,
                              sliding_window_size=c.sliding_window if c.has_swa else None,
                              **({} if disabled else _tree_core(family, CacheInitParams)))
