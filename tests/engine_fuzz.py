@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, Phase, settings
 from hypothesis.stateful import run_state_machine_as_test
 
 from poolfuzz.harness.failures import PoolfuzzFailure
@@ -18,8 +18,10 @@ class Outcome:
     steps: list  # the failing (shrunk) example's engine steps
 
 
-def fuzz_family(family_factory, config, *, examples: int, steps: int = 30) -> Outcome:
-    """Run the state machine over ``family_factory``'s families; the shrunk failure, if any."""
+def fuzz_family(family_factory, config, *, examples: int, steps: int = 30, shrink: bool = True) -> Outcome:
+    """Run the state machine over ``family_factory``'s families; the shrunk failure, if any. ``shrink=False``: the
+    first failing example as found (for tests that assert what is caught, not how short it gets; shrinking an
+    engine family's failure is most of such a test's minutes)."""
     base = machine_for(config, family_factory=family_factory)
     last = {}
 
@@ -33,7 +35,8 @@ def fuzz_family(family_factory, config, *, examples: int, steps: int = 30) -> Ou
         run_state_machine_as_test(Tracked, settings=settings(
             max_examples=examples, stateful_step_count=steps, deadline=None, derandomize=True, database=None,
             report_multiple_bugs=False,  # one shrunk failure, as `poolfuzz run` reports: never an ExceptionGroup
-            suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much]))
+            suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+            **({} if shrink else {"phases": [p for p in Phase if p != Phase.shrink]})))
     except PoolfuzzFailure as exc:
         return Outcome(failure=exc, steps=list(last["engine"].log))
     finally:

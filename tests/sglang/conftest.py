@@ -38,11 +38,12 @@ def expect(api) -> str:
     return "pass" if api.kv_pools_declare_mamba else "35957"
 
 
-def _fuzz(config, *, examples: int, steps: int = 30) -> Outcome:
-    """Run the state machine over the sglang family; the shrunk failure, if any."""
+def _fuzz(config, *, examples: int, steps: int = 30, shrink: bool = True) -> Outcome:
+    """Run the state machine over the sglang family; the shrunk failure (or with ``shrink=False`` the first), if
+    any."""
     from poolfuzz.adapters.sglang import build_family
 
-    return fuzz_family(build_family, config, examples=examples, steps=steps)
+    return fuzz_family(build_family, config, examples=examples, steps=steps, shrink=shrink)
 
 
 @pytest.fixture

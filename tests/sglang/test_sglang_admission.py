@@ -191,7 +191,7 @@ def test_an_over_admitting_budget_is_caught_by_the_fuzzer(api, fuzz, monkeypatch
     fam = _prefill_budget_or_skip(api, "dense-ps4")
     monkeypatch.setattr(type(fam.sg_allocator), "create_prefill_budget",
                         lambda self, tree_cache, num_mixed_decode_tokens=0: _AdmitsAll())
-    outcome = fuzz(fam.config, examples=40)
+    outcome = fuzz(fam.config, examples=40, shrink=False)
     assert outcome.failure is not None, "a budget that admits what cannot be placed was not caught"
     assert outcome.failure.divergence.check == "pool-error", outcome.failure
     assert "check_prefill admitted" in str(outcome.failure), outcome.failure

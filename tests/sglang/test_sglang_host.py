@@ -160,7 +160,7 @@ class TestBackup:
             _transfer_kv_direct(src_layers[:-1], dst_layers[:-1], src_indices, dst_indices, page_size)
 
         monkeypatch.setattr(host_mha, "transfer_kv_direct", drops_last_layer)
-        outcome = fuzz(CONFIGS["dense-ps4"], examples=30)
+        outcome = fuzz(CONFIGS["dense-ps4"], examples=30, shrink=False)
         exc = outcome.failure
         assert exc is not None and type(exc).__name__ == "StateLost", exc
         assert exc.divergence.component.startswith("host.full."), exc
@@ -180,7 +180,7 @@ class TestBackup:
             transfer_kv_all_layer(num_layers=num_layers - 1, **kw)
 
         monkeypatch.setattr(host_mha, "transfer_kv_all_layer", drops_last_layer)
-        outcome = fuzz(CONFIGS["dense"], examples=30)
+        outcome = fuzz(CONFIGS["dense"], examples=30, shrink=False)
         exc = outcome.failure
         assert exc is not None and type(exc).__name__ == "StateLost", exc
         assert exc.divergence.component.startswith("host.full."), exc

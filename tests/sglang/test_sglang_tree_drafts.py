@@ -81,7 +81,7 @@ def test_a_move_of_one_layer_only_is_caught(api, fuzz, monkeypatch):
 
     monkeypatch.setattr(mha, "move_kv_cache", first_layer_only)
     _served(api, "dense")
-    outcome = fuzz(CONFIGS["dense"], examples=100)
+    outcome = fuzz(CONFIGS["dense"], examples=100, shrink=False)
     assert outcome.failure is not None, "a move that drops a layer was not caught"
     assert outcome.failure.divergence.layer == CONFIGS["dense"].full_layer_ids[1], outcome.failure
 
