@@ -171,7 +171,8 @@ def test_an_aborted_chunked_prefill_is_answered_and_released(scheduling):
 
 
 # --- paged pools and recurrent state (mamba no_buffer and extra_buffer) ---------------------------------------------
-@pytest.mark.parametrize("name", ["dense-ps4", "hybrid-linear", "hybrid-extra-buffer", "hybrid-extra-buffer-ps4"])
+@pytest.mark.parametrize("name", ["dense-ps4", "hybrid-linear", "hybrid-extra-buffer", "hybrid-extra-buffer-ps4", "swa",
+                                  "swa-ps4", "swa-ssm", "swa-only"])
 def test_paged_and_recurrent_servers_keep_every_request_on_its_own_state(scheduling, name):
     """Fuzzed through SGLang's own scheduler: prefix hits happen (on a mamba model, on a tracked or cached state) and
     every forward found its KV and the state it continues from intact."""
@@ -241,3 +242,25 @@ def test_a_paged_mamba_server_without_the_extra_buffer_is_refused_with_sglangs_r
 
     with pytest.raises(ConfigError, match="MambaComponent requires page_size=1 when mamba_extra_buffer is disabled"):
         scheduling.SglangSchedulerDriver(CONFIGS["hybrid-linear-ps4"])
+
+
+def test_a_sliding_window_row_lost_inside_the_window_is_caught_and_named(scheduling):
+    """SWA layers are checked over the positions the next token's window reads, at the SWA slot the pool's own
+    translation gives: a sliding-window K row cleared under a running request is reported with its layer and slot."""
+    import torch
+
+    driver = scheduling.SglangSchedulerDriver(CONFIGS["swa"])
+    a = driver.add_request(length=6, share=0, max_tokens=6)
+    driver.step()
+    req = driver.requests[a]
+    row = req.kv.req_pool_idx
+    full_slot = driver.family.sg_req_pool.req_to_token[row, 5:6].to(dtype=torch.int64)
+    swa_slot = int(driver.family.sg_kv_pool.translate_loc_from_full_to_swa(full_slot)[0])
+    swa_k = next(c for c in driver.runner.kv if c.name == "swa.k")
+    swa_k.tensor[swa_slot].zero_()
+    from poolfuzz.pools.errors import LostKv
+
+    with pytest.raises(LostKv) as info:
+        driver.step()
+    assert str(info.value).startswith(f"req {a} step 2: swa.k layer {swa_k.layer} position 5: block {swa_slot} slot "
+                                      f"{swa_slot} holds zeros"), info.value

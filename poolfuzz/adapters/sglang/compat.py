@@ -184,7 +184,8 @@ SCHEDULER_METHODS = ("get_next_batch_to_run", "update_running_batch", "abort_req
 
 
 def scheduler_state(*, tree, req_to_token_pool, allocator, model_config, spec_algorithm, disaggregation_mode,
-                    flags: dict, page_size: int, is_hybrid_ssm: bool, max_running_requests: int, max_total_num_tokens: int,
+                    flags: dict, page_size: int, is_hybrid_ssm: bool, sliding_window_size: int | None,
+                    swa_tokens: tuple[int, int] | None, max_running_requests: int, max_total_num_tokens: int,
                     max_req_len: int, max_req_input_len: int, policy, token_ratio, processor) -> dict:
     """What ``Scheduler.__init__`` leaves on a server with the published ``flags`` (``publish_scheduler_context``), a
     radix cache and no model, for the event-loop methods the scheduler path calls (its ``__init__`` builds a
@@ -207,18 +208,20 @@ def scheduler_state(*, tree, req_to_token_pool, allocator, model_config, spec_al
         chunked_prefill_size=flags["chunked_prefill_size"], max_prefill_tokens=flags["max_prefill_tokens"],
         max_running_requests=max_running_requests, max_req_input_len=max_req_input_len, max_prefill_bs=0,
         max_total_num_tokens=max_total_num_tokens, max_req_len=max_req_len, kv_shard_widening=1,
-        max_new_tokens_limit=None, sliding_window_size=None,
+        max_new_tokens_limit=None, sliding_window_size=sliding_window_size,
         is_mixed_chunk=False, truncation_align_size=None, dynamic_chunk_sizer=None, prefill_delayer=None,
         min_free_slots_delayer=None, priority_scheduling_preemption_threshold=flags["priority_scheduling_preemption_threshold"],
         enable_priority_preemption=False,
         enable_priority_scheduling=False, schedule_low_priority_values_first=False,
-        abort_on_priority_when_disabled=False, max_queued_requests=None, is_hybrid_swa=False, enable_lora=False,
+        abort_on_priority_when_disabled=False, max_queued_requests=None, is_hybrid_swa=sliding_window_size is not None, enable_lora=False,
         enable_hierarchical_cache=False, enable_hicache_storage=False, enable_lmcache=False,
         enable_unified_cache_external_linker=False, enable_hisparse=False, hisparse_coordinator=None,
         require_mlp_sync=False, prefill_decode_interval=0, _prefill_decode_interval_remaining=0,
         prefill_decode_interval_min_bs=0, disaggregation_mode=disaggregation_mode, decode_offload_manager=None,
-        scheduler_stage_metrics=None, mm_receiver=None, is_hybrid_ssm=is_hybrid_ssm, full_tokens_per_layer=None,
-        swa_tokens_per_layer=None, _engine_paused=False, _pp_microbatches_drained=lambda: True,
+        scheduler_stage_metrics=None, mm_receiver=None, is_hybrid_ssm=is_hybrid_ssm,
+        full_tokens_per_layer=swa_tokens[0] if swa_tokens else None,
+        swa_tokens_per_layer=swa_tokens[1] if swa_tokens else None, _engine_paused=False,
+        _pp_microbatches_drained=lambda: True,
         # collaborators, reduced to what those methods call
         session_controller=NS(sessions={}), dllm_manager=NS(any_staging_reqs=lambda: False),
         grammar_manager=NS(has_waiting_grammars=lambda: False, abort_requests=noop, grammar_queue=[]),

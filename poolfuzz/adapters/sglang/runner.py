@@ -3,7 +3,8 @@
 :class:`ModelRunner` does with each batch what SGLang's model runner and attention backends do with the KV cache
 and the recurrent state. Before the forward it checks that every position each request attends to
 (``req_to_token[row, :prefix]`` for an extend, ``[row, :seq_len - 1]`` for a decode) holds, in every full-attention
-layer, the K and V of exactly the request's tokens up to it, and that the recurrent state a request continues from
+layer, the K and V of exactly the request's tokens up to it (in a sliding-window layer, the positions the first
+computed token's window reads, at the SWA slots the pool's ``translate_loc_from_full_to_swa`` gives), and that the recurrent state a request continues from
 (its working mamba slot, ``get_mamba_indices``) is, in every mamba layer, the state of exactly the tokens before
 the ones the batch computes. It then writes the K and V of the scheduled positions at the batch's
 ``out_cache_loc`` through the pool's own write door (``set_kv_buffer``, ``writes.write_rows``), the state after the
@@ -35,7 +36,8 @@ TAG_BYTES = 8
 
 
 def _tag_of(tensor: torch.Tensor, slot: int) -> int:
-    return int(tensor[slot].reshape(-1).view(torch.uint8)[:TAG_BYTES].view(torch.int64)[0])
+    # a copy of the bytes: a row need not start 8-byte aligned (a conv state row of 27 floats)
+    return int(tensor[slot].reshape(-1).view(torch.uint8)[:TAG_BYTES].clone().view(torch.int64)[0])
 
 
 def _set_tag(tensor: torch.Tensor, slot: int, value: int) -> None:
@@ -49,11 +51,16 @@ class ModelRunner:
 
     def __init__(self, *, family, vocab: int, cow_and_clear=None, aligned_lens=None):
         comps = family.components()
-        self.kv = [c for c in comps if c.space == "full"]
+        self.kv = [c for c in comps if c.space in ("full", "swa")]
         self.states = [c for c in comps if c.space == "mamba"]
         names = dict.fromkeys(c.name for c in self.states)  # mamba.conv0.., mamba.temporal: tag components 2..
         self.state_index = {name: len(COMPONENTS) + i for i, name in enumerate(names)}
         self.kv_pool = family.kv_pool  # the write door
+        # a sliding-window layer's rows live at SWA slots: the backends translate a full slot with the pool's own
+        # translate_loc_from_full_to_swa (a pool without one, all-SWA, hands out SWA slots itself)
+        translate = getattr(family.sg_kv_pool, "translate_loc_from_full_to_swa", None)
+        self.to_swa = translate if callable(translate) and any(c.space == "full" for c in comps) else None
+        self.window = family.config.sliding_window
         self.req_pool = family.sg_req_pool
         self.req_to_token = self.req_pool.req_to_token
         self.vocab = vocab
@@ -129,13 +136,21 @@ class ModelRunner:
 
     # --- KV --------------------------------------------------------------------------------------
     def _check_context(self, rid: str, row: int, start: int) -> None:
+        """Every position before ``start`` holds the request's own K and V in every full-attention layer; in a
+        sliding-window layer, the positions the first computed token's window reads (``start - window + 1`` on: the
+        rest may have been evicted)."""
         tokens = self.tokens[rid]
         if start == 0:
             return
-        slots = self.req_to_token[row, :start].tolist()
+        slots = torch.as_tensor(self.req_to_token[row, :start], dtype=torch.int64)
+        swa_from = max(0, start - self.window + 1)
+        swa_slots = slots[swa_from:]
+        if self.to_swa is not None and len(swa_slots):
+            swa_slots = self.to_swa(swa_slots)
         for c in self.kv:
             index = COMPONENTS.index(c.name.split(".")[-1])
-            for p, slot in enumerate(slots):
+            first, where = (swa_from, swa_slots) if c.space == "swa" else (0, slots)
+            for p, slot in enumerate(where.tolist(), start=first):
                 want = tag(tokens.chain(p), c.layer, index)
                 got = _tag_of(c.tensor, slot)
                 if got != want:

@@ -36,7 +36,8 @@ checkpointed; its mamba slots are sized by SGLang's configurator (``mamba_sized`
 
 The loop is ``event_loop_normal``, the one a CPU server runs, i.e. a server with ``--disable-overlap-schedule``; a
 GPU server runs ``event_loop_overlap`` by default (results a step late, a ping-pong pair of track slots), not driven
-here. Driven: MHA models of full-attention and mamba layers, on one-token and paged pools (``scheduler_problem``),
+here. Driven: MHA models of full-attention, sliding-window and mamba layers, on one-token and paged pools (the
+Scheduler's ``sliding_window_size`` and per-side token counts are the pools'; ``scheduler_problem``),
 on releases whose Scheduler and result processor this module builds (``release_problem``).
 """
 
@@ -139,8 +140,8 @@ def _server_arguments_problem(version: str) -> str | None:
 
 def scheduler_problem(config: ModelConfig) -> str | None:
     """Why the scheduler path does not drive ``config`` (yet), or None."""
-    if config.attention != "mha" or config.has_swa or config.kv_quant or config.kv_scale_block:
-        return "only MHA models with plain K and V, without sliding-window layers, are driven through SGLang's scheduler"
+    if config.attention != "mha" or config.kv_quant or config.kv_scale_block:
+        return "only MHA models with plain K and V are driven through SGLang's scheduler"
     if config.spec_draft_tokens:
         return "speculative decoding is not driven through SGLang's scheduler"
     return None
@@ -182,7 +183,10 @@ class SglangSchedulerDriver:
         self.server.__dict__.update(compat.scheduler_state(
             tree=self.tree, req_to_token_pool=req_pool, allocator=allocator, model_config=model,
             spec_algorithm=m.SpeculativeAlgorithm.NONE, disaggregation_mode=pd, flags=flags,
-            page_size=config.page_size, is_hybrid_ssm=config.has_mamba, max_running_requests=max_running, max_total_num_tokens=self.total,
+            page_size=config.page_size, is_hybrid_ssm=config.has_mamba,
+            sliding_window_size=config.sliding_window if config.has_swa else None,
+            swa_tokens=(config.full_tokens, config.swa_tokens) if config.has_swa else None,  # the worker's sizes
+            max_running_requests=max_running, max_total_num_tokens=self.total,
             max_req_len=longest, max_req_input_len=longest - 5,
             policy=m.SchedulePolicy(flags["schedule_policy"], self.tree, False, False, False),
             token_ratio=m.TokenRatio.from_config(),
