@@ -264,3 +264,15 @@ def test_a_sliding_window_row_lost_inside_the_window_is_caught_and_named(schedul
         driver.step()
     assert str(info.value).startswith(f"req {a} step 2: swa.k layer {swa_k.layer} position 5: block {swa_slot} slot "
                                       f"{swa_slot} holds zeros"), info.value
+
+
+def test_a_release_without_the_runner_s_mamba_functions_declines_mamba_models(scheduling, monkeypatch):
+    """The stand-in calls SGLang's deferred copy-on-write and its snapshot length; where a release lacks one, a
+    mamba model is declined naming it (never fuzzed with a guess), and a dense one still runs."""
+    from poolfuzz.adapters.sglang import compat
+    from poolfuzz.errors import ConfigError
+
+    monkeypatch.setattr(compat, "mamba_track_aligned_lens", lambda: None)
+    with pytest.raises(ConfigError, match="has no ForwardBatch.mamba_track_aligned_lens, which the model-runner"):
+        scheduling.SglangSchedulerDriver(CONFIGS["hybrid-extra-buffer"])
+    assert scheduling.SglangSchedulerDriver(CONFIGS["dense"]).runner.aligned_lens is None

@@ -315,7 +315,7 @@ def engine_invariant_problem(server, *, idle: bool) -> str | None:
 
 def deferred_mamba_cow_and_clear():
     """The GPU model runner's deferred mamba copy-on-write and clear, run before an extend's forward (unbound), or
-    None where the release has none (its radix tree copies a hit's state when it matches)."""
+    None where the release has none (the scheduler path then declines mamba models)."""
     import importlib
 
     try:

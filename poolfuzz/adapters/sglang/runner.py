@@ -233,8 +233,8 @@ class ModelRunner:
 
 def deferred_cow_and_clear(req_pool):
     """SGLang's ``ModelRunner._maybe_execute_deferred_mamba_cow_and_clear`` as a function of a batch, or None where
-    the release has none (its tree copies the state itself). The model runner is stood in for by what the method
-    reads of it (the request pool; a target worker)."""
+    the release has none (the scheduler path then declines mamba models). The model runner is stood in for by what
+    the method reads of it (the request pool; a target worker)."""
     from poolfuzz.adapters.sglang import compat
 
     method = compat.deferred_mamba_cow_and_clear()

@@ -151,6 +151,7 @@ class SglangSchedulerDriver:
     """One example's server: SGLang's Scheduler methods and result processor, and the model-runner stand-in."""
 
     def __init__(self, config: ModelConfig):
+        from poolfuzz.adapters.sglang.api import load
         from poolfuzz.adapters.sglang.family import build_sglang_family
         from poolfuzz.adapters.sglang.tree_build import build_tree, publish_server_args
 
@@ -196,8 +197,15 @@ class SglangSchedulerDriver:
         self.server.init_invariant_checker()
         self.server.send_abort_output = self._abort_sent  # what the tokenizer manager would be told
         self.aborted: set[str] = set()  # requests the server answered with an abort (no longer its to run)
-        self.runner = ModelRunner(family=self.family, vocab=VOCAB, cow_and_clear=deferred_cow_and_clear(req_pool),
-                                  aligned_lens=compat.mamba_track_aligned_lens())
+        cow_and_clear, aligned_lens = deferred_cow_and_clear(req_pool), compat.mamba_track_aligned_lens()
+        if config.has_mamba and (cow_and_clear is None or aligned_lens is None):
+            missing = [name for name, got in (("ModelRunner._maybe_execute_deferred_mamba_cow_and_clear", cow_and_clear),
+                                              ("ForwardBatch.mamba_track_aligned_lens", aligned_lens)) if got is None]
+            raise ConfigError(f"the scheduler-driven sglang family cannot build {config.name!r}: SGLang "
+                              f"{load().version} has no {' or '.join(missing)}, which the model-runner stand-in "
+                              "calls for a model with recurrent state")
+        self.runner = ModelRunner(family=self.family, vocab=VOCAB, cow_and_clear=cow_and_clear,
+                                  aligned_lens=aligned_lens)
         self.requests: dict[str, object] = {}  # rid -> SGLang's Req, until it finishes
         self.next_rid = 1
         self.fresh = VOCAB
