@@ -256,7 +256,7 @@ def test_a_sliding_window_row_lost_inside_the_window_is_caught_and_named(schedul
     row = req.kv.req_pool_idx
     full_slot = driver.family.sg_req_pool.req_to_token[row, 5:6].to(dtype=torch.int64)
     swa_slot = int(driver.family.sg_kv_pool.translate_loc_from_full_to_swa(full_slot)[0])
-    swa_k = next(c for c in driver.runner.kv if c.name == "swa.k")
+    swa_k = next(c for c, _ in driver.runner.kv if c.name == "swa.k")
     swa_k.tensor[swa_slot].zero_()
     from poolfuzz.pools.errors import LostKv
 

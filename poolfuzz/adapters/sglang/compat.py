@@ -112,6 +112,10 @@ PRIVATE: dict[str, Need] = {
     "calculate_mamba_ratio": Need(target="sglang.srt.mem_cache.kv_cache_configurator:"
                                          "KVCacheConfigurator._calculate_mamba_ratio", required=False,
                                   used_for="private: mamba slots per request where a tree caches state"),
+    "deferred_mamba_cow_and_clear": Need(target="sglang.srt.model_executor.model_runner:"
+                                                "ModelRunner._maybe_execute_deferred_mamba_cow_and_clear",
+                                         required=False,
+                                         used_for="private: the model runner's mamba copy-on-write, run unbound"),
 }
 # Where the speculative decode-memory helpers are kept (ScheduleBatch, found by this prefix).
 SPEC_DECODE_HELPERS = "_new_tokens_required"
@@ -316,13 +320,7 @@ def engine_invariant_problem(server, *, idle: bool) -> str | None:
 def deferred_mamba_cow_and_clear():
     """The GPU model runner's deferred mamba copy-on-write and clear, run before an extend's forward (unbound), or
     None where the release has none (the scheduler path then declines mamba models)."""
-    import importlib
-
-    try:
-        runner = importlib.import_module("sglang.srt.model_executor.model_runner").ModelRunner
-    except (ImportError, AttributeError):
-        return None
-    return vars(runner).get("_maybe_execute_deferred_mamba_cow_and_clear")
+    return private("deferred_mamba_cow_and_clear") if has_private("deferred_mamba_cow_and_clear") else None
 
 
 def mamba_track_aligned_lens():

@@ -51,15 +51,16 @@ class ModelRunner:
 
     def __init__(self, *, family, vocab: int, cow_and_clear=None, aligned_lens=None):
         comps = family.components()
-        self.kv = [c for c in comps if c.space in ("full", "swa")]
+        # each K/V component with its tag component index (0: K, 1: V)
+        self.kv = [(c, COMPONENTS.index(c.name.split(".")[-1])) for c in comps if c.space in ("full", "swa")]
         self.states = [c for c in comps if c.space == "mamba"]
         names = dict.fromkeys(c.name for c in self.states)  # mamba.conv0.., mamba.temporal: tag components 2..
         self.state_index = {name: len(COMPONENTS) + i for i, name in enumerate(names)}
         self.kv_pool = family.kv_pool  # the write door
-        # a sliding-window layer's rows live at SWA slots: the backends translate a full slot with the pool's own
-        # translate_loc_from_full_to_swa (a pool without one, all-SWA, hands out SWA slots itself)
-        translate = getattr(family.sg_kv_pool, "translate_loc_from_full_to_swa", None)
-        self.to_swa = translate if callable(translate) and any(c.space == "full" for c in comps) else None
+        # a sliding-window layer's rows live at SWA slots: a full slot translates through the allocator's mapping, the
+        # one the pool's translate_loc_from_full_to_swa reads (an all-SWA pool hands out SWA slots itself)
+        config = family.config
+        self.to_swa = family.allocator.translate if config.has_swa and config.has_full else None
         self.window = family.config.sliding_window
         self.req_pool = family.sg_req_pool
         self.req_to_token = self.req_pool.req_to_token
@@ -71,7 +72,7 @@ class ModelRunner:
         self.writers: dict[int, tuple[str, int]] = {}  # a tag written -> (req id, position): whose data it is
         self.given: dict[str, int] = {}  # req id -> tokens the model sampled for it (each kept once by SGLang)
         self.step = 0
-        for c in self.kv + self.states:
+        for c in [c for c, _ in self.kv] + self.states:
             row_bytes = c.tensor[0].numel() * c.tensor.element_size()
             if row_bytes < TAG_BYTES:
                 raise ValueError(f"a {c.name} row of {row_bytes} bytes cannot hold a {TAG_BYTES}-byte tag")
@@ -147,8 +148,7 @@ class ModelRunner:
         swa_slots = slots[swa_from:]
         if self.to_swa is not None and len(swa_slots):
             swa_slots = self.to_swa(swa_slots)
-        for c in self.kv:
-            index = COMPONENTS.index(c.name.split(".")[-1])
+        for c, index in self.kv:
             first, where = (swa_from, swa_slots) if c.space == "swa" else (0, slots)
             for p, slot in enumerate(where.tolist(), start=first):
                 want = tag(tokens.chain(p), c.layer, index)
@@ -162,8 +162,8 @@ class ModelRunner:
         chains = [self.tokens[rid].chain(p) for rid, p, _ in writes]
         slots = torch.tensor([slot for _, _, slot in writes], dtype=torch.int64)
         rows = {}
-        for c in self.kv:
-            tags = [tag(chain, c.layer, COMPONENTS.index(c.name.split(".")[-1])) for chain in chains]
+        for c, index in self.kv:
+            tags = [tag(chain, c.layer, index) for chain in chains]
             for t, (rid, p, _) in zip(tags, writes):
                 self.writers.setdefault(t, (rid, p))
             out = torch.zeros(len(tags), c.tensor[0].numel() * c.tensor.element_size(), dtype=torch.uint8)

@@ -153,7 +153,7 @@ class SglangSchedulerDriver:
     def __init__(self, config: ModelConfig):
         from poolfuzz.adapters.sglang.api import load
         from poolfuzz.adapters.sglang.family import build_sglang_family
-        from poolfuzz.adapters.sglang.tree_build import build_tree, publish_server_args
+        from poolfuzz.adapters.sglang.tree_build import build_tree, mamba_sized, publish_server_args
 
         reason = scheduler_problem(config) or release_problem()
         if reason:
@@ -361,17 +361,6 @@ def served(config: ModelConfig) -> ModelConfig:
     if config.mamba_track_slots > 1:
         return config.replace(mamba_track_slots=1)
     return config
-
-
-def mamba_sized(config: ModelConfig) -> ModelConfig:
-    """Mamba slots as SGLang's configurator sizes them for a radix cache on the published server: its
-    ``_calculate_mamba_ratio`` (a state, a checkpoint and a copy a request, plus the extra buffer's track slots) times
-    the request rows, where the config has fewer (a smaller pool makes the tree's own ``Can not alloc mamba cache``
-    assertion fire on a load the configurator never admits)."""
-    if not config.has_mamba or not compat.has_private("calculate_mamba_ratio"):
-        return config
-    ratio = compat.private("calculate_mamba_ratio")(None)  # KVCacheConfigurator's, unbound: reads the published flags
-    return config.replace(mamba_slots=max(config.mamba_slots, ratio * config.request_rows))
 
 
 def server_arguments(config: ModelConfig, *, max_running_requests: int) -> dict:

@@ -257,20 +257,24 @@ def _no_sync(device=None) -> None:
 
 
 @contextlib.contextmanager
+def _swapped(owner, name: str, value):
+    """Within the block, ``owner.name`` is ``value``; the real one is put back however the block ends."""
+    real = getattr(owner, name)
+    setattr(owner, name, value)
+    try:
+        yield
+    finally:
+        setattr(owner, name, real)
+
+
 def cpu_synchronize(device):
     """Within the block, ``torch.cuda.synchronize()`` is a no-op if the pools live on the CPU and
     this torch has no usable CUDA (where SGLang calls it unconditionally; see the module docstring)."""
     import torch
 
     if torch.device(device).type != "cpu" or torch.cuda.is_available():
-        yield
-        return
-    real = torch.cuda.synchronize
-    torch.cuda.synchronize = _no_sync
-    try:
-        yield
-    finally:
-        torch.cuda.synchronize = real
+        return contextlib.nullcontext()
+    return _swapped(torch.cuda, "synchronize", _no_sync)
 
 
 def _unpinned(tensor, *args, **kwargs):
@@ -278,7 +282,6 @@ def _unpinned(tensor, *args, **kwargs):
     return tensor
 
 
-@contextlib.contextmanager
 def cpu_pin_memory():
     """Within the block, ``Tensor.pin_memory()`` returns the tensor where this machine has no accelerator (torch
     refuses to pin then): SGLang 0.5.23's ``ScheduleBatch.prepare_for_decode`` pins the extra-buffer track mask
@@ -286,11 +289,5 @@ def cpu_pin_memory():
     import torch
 
     if torch.accelerator.is_available():
-        yield
-        return
-    real = torch.Tensor.pin_memory
-    torch.Tensor.pin_memory = _unpinned
-    try:
-        yield
-    finally:
-        torch.Tensor.pin_memory = real
+        return contextlib.nullcontext()
+    return _swapped(torch.Tensor, "pin_memory", _unpinned)

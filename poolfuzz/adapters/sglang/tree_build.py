@@ -5,7 +5,7 @@ from __future__ import annotations
 from contextlib import nullcontext
 
 from poolfuzz.adapters.sglang import hicache, l3
-from poolfuzz.adapters.sglang.compat import seed_mamba_chunk_size
+from poolfuzz.adapters.sglang.compat import has_private, private, seed_mamba_chunk_size
 
 _PUBLISHED: dict[str, tuple] = {}  # "flags": the server flags this process last published
 
@@ -40,6 +40,18 @@ def publish_server_args(*, mamba_chunk_size: int = 64, **flags) -> None:
     # value SGLang falls back to; importing the FLA kernels for it probes Triton's GPU driver).
     seed_mamba_chunk_size(runtime_context.get_server_args(), max(mamba_chunk_size, flags.get("page_size", 1)))
     _PUBLISHED["flags"] = key
+
+
+def mamba_sized(config):
+    """Mamba slots as SGLang's configurator sizes them for a radix cache on the published server: its
+    ``_calculate_mamba_ratio`` (a state, a checkpoint and a copy-on-write a request, plus the extra buffer's track
+    slots) times the request rows, where the config has fewer (a pool smaller than that makes the tree's own
+    ``Can not alloc mamba cache`` assertion fire on a load the configurator never admits). A release without the
+    configurator's rule: sized as given."""
+    if not config.has_mamba or not has_private("calculate_mamba_ratio"):
+        return config
+    ratio = private("calculate_mamba_ratio")(None)  # KVCacheConfigurator's, unbound: reads the published flags
+    return config.replace(mamba_slots=max(config.mamba_slots, ratio * config.request_rows))
 
 
 def _publish_defaults() -> None:

@@ -28,13 +28,12 @@ from dataclasses import fields
 
 import torch
 
-from poolfuzz.adapters.sglang.compat import has_private, private
 from poolfuzz.adapters.sglang.family import SGLangFamily
 from poolfuzz.adapters.sglang.frees import free_group
 from poolfuzz.adapters.sglang.protocol import SGLangProtocol
 from poolfuzz.adapters.sglang.standin import _FLAT_FIELDS
 from poolfuzz.adapters.sglang import hicache, idle_check, l3, tree_swa
-from poolfuzz.adapters.sglang.tree_build import _publish_defaults, build_tree
+from poolfuzz.adapters.sglang.tree_build import _publish_defaults, build_tree, mamba_sized
 from poolfuzz.pools.errors import PoolError, PoolExhausted
 from poolfuzz.pools.protocol import window_start
 
@@ -69,10 +68,7 @@ def tree_sized(api, config):
     if not config.has_mamba or tree_problem(api, config) is not None:
         return config
     _publish_defaults()
-    if not has_private("calculate_mamba_ratio"):  # a release without the configurator's rule: sized as given
-        return config
-    ratio = private("calculate_mamba_ratio")(None)  # KVCacheConfigurator's, unbound: reads the server's globals only
-    return config.replace(mamba_slots=max(config.mamba_slots, ratio * config.request_rows))
+    return mamba_sized(config)
 
 
 def _common():
