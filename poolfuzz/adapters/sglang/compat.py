@@ -86,6 +86,7 @@ def engine_report() -> EngineReport:
 # doctor lists the class-level ones (optional: the paths that use them check for them first).
 _UNIFIED = "sglang.srt.mem_cache.unified_radix_cache:UnifiedRadixCache"
 _CHECKER = "sglang.srt.managers.scheduler_components.invariant_checker:SchedulerInvariantChecker"
+_MAMBA_BACKEND = "sglang.srt.layers.attention.hybrid_linear_attn_backend:MambaAttnBackendBase"
 PRIVATE: dict[str, Need] = {
     "swa_eviction_trigger": Need(target=f"{_SB}:ScheduleBatch._swa_eviction_trigger", required=False,
                                  used_for="private: the decode-time SWA eviction trigger, run unbound"),
@@ -116,6 +117,16 @@ PRIVATE: dict[str, Need] = {
                                                 "ModelRunner._maybe_execute_deferred_mamba_cow_and_clear",
                                          required=False,
                                          used_for="private: the model runner's mamba copy-on-write, run unbound"),
+    "runner_mamba_ratio": Need(target="sglang.srt.model_executor.model_runner_kv_cache_mixin:"
+                                      "ModelRunnerKVCacheMixin._calculate_mamba_ratio", required=False,
+                               used_for="private: mamba slots per request, before the configurator (0.5.12, "
+                                        "0.5.13), run unbound"),
+    "backend_mamba_cow_and_clear": Need(target=f"{_MAMBA_BACKEND}._execute_deferred_mamba_cow_and_clear",
+                                        required=False, used_for="private: the attention backend's mamba "
+                                                                 "copy-on-write (0.5.13), run unbound"),
+    "track_ssm_indices": Need(target=f"{_MAMBA_BACKEND}._init_track_ssm_indices", required=False,
+                              used_for="private: where the kernels snapshot a tracked state (before 0.5.23's "
+                                       "ForwardBatch.mamba_track_aligned_lens), run unbound"),
 }
 # Where the speculative decode-memory helpers are kept (ScheduleBatch, found by this prefix).
 SPEC_DECODE_HELPERS = "_new_tokens_required"
@@ -300,33 +311,40 @@ def engine_invariant_problem(server, *, idle: bool) -> str | None:
     request-row leak checks and the tree's ``sanity_check``. Its message where one fails, else None."""
     from sglang.srt.environ import envs
 
-    checker = server.invariant_checker
+    checker = invariant_checker(server)
     try:
         with envs.SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE.override(True):
             if idle:
-                has_leak, messages = checker._check_all_pools(server.pool_stats_observer.get_pool_stats())
+                has_leak, messages = checker._check_all_pools(pool_stats(server))
                 if has_leak:
                     checker._report_leak("pool", "\n".join(messages))
                 checker._check_req_pool()
-                server.tree_cache.sanity_check()
+                if callable(getattr(type(server.tree_cache), "sanity_check", None)):  # 0.5.13's RadixCache has none
+                    server.tree_cache.sanity_check()
             else:
                 checker.self_check_during_busy()
-                checker._check_kv_page_invariants()
+                if callable(getattr(type(checker), "_check_kv_page_invariants", None)):  # 0.5.23's page check
+                    checker._check_kv_page_invariants()
     except (AssertionError, ValueError) as exc:
         return str(exc).strip()
     return None
 
 
 def deferred_mamba_cow_and_clear():
-    """The GPU model runner's deferred mamba copy-on-write and clear, run before an extend's forward (unbound), or
-    None where the release has none (the scheduler path then declines mamba models)."""
-    return private("deferred_mamba_cow_and_clear") if has_private("deferred_mamba_cow_and_clear") else None
+    """The GPU model runner's deferred mamba copy-on-write and clear, run before an extend's forward (unbound; the
+    attention backend's on 0.5.13), or None where the release has none."""
+    for key in ("deferred_mamba_cow_and_clear", "backend_mamba_cow_and_clear"):
+        if has_private(key):
+            return private(key)
+    return None
 
 
 def mamba_track_aligned_lens():
-    """``ForwardBatch.mamba_track_aligned_lens`` as a function of (track mask, track seqlens, prefix lens): how many of
-    an extend's tokens the state the kernels snapshot for the radix tree covers (SGLang's "sole home of this math");
-    None where the release has none."""
+    """How many of an extend's tokens the state the kernels snapshot for the radix tree covers, as a function of
+    (track mask, track seqlens, prefix lens, extend lens): ``ForwardBatch.mamba_track_aligned_lens`` (SGLang's "sole
+    home of this math", 0.5.23), else what the attention backend's ``_init_track_ssm_indices`` picks (0.5.12, 0.5.13:
+    the final state, or the kernel's intermediate state ``h`` at a chunk boundary); None where the release has
+    neither."""
     import importlib
     from types import SimpleNamespace
 
@@ -335,10 +353,68 @@ def mamba_track_aligned_lens():
     except (ImportError, AttributeError):
         return None
     method = vars(forward_batch).get("mamba_track_aligned_lens")
-    if method is None:
+    if method is not None:
+        return lambda mask, seqlens, prefix_lens, extend_lens: method(SimpleNamespace(
+            mamba_track_mask=mask, mamba_track_seqlens=seqlens, extend_prefix_lens=prefix_lens))
+    if not has_private("track_ssm_indices"):
         return None
-    return lambda mask, seqlens, prefix_lens: method(SimpleNamespace(
-        mamba_track_mask=mask, mamba_track_seqlens=seqlens, extend_prefix_lens=prefix_lens))
+    return _covered_by_track_ssm_indices(private("track_ssm_indices"))
+
+
+def _covered_by_track_ssm_indices(method):
+    """``_init_track_ssm_indices`` run unbound on a GDN backend stand-in, read back as tokens covered: each tracked
+    request's destination is its own batch index, so the final-state list names the requests whose snapshot is the
+    state after the whole extend, and the ``h`` list gives, per request, the index into the kernel's packed chunk
+    states (``(extend - 1) // chunk + 1`` a request, in batch order), i.e. the chunk boundary it covers. The chunk is
+    the one the method reads: FLA's (0.5.12) or the server's mamba checkpoint grid (0.5.13)."""
+    from types import SimpleNamespace
+
+    import torch
+
+    def covered(mask, seqlens, prefix_lens, extend_lens):
+        if "FLA_CHUNK_SIZE" in method.__code__.co_names:
+            chunk = method.__globals__["FLA_CHUNK_SIZE"]
+        else:
+            from sglang.srt.server_args import get_global_server_args
+
+            chunk = get_global_server_args().mamba_cache_chunk_size
+        n = len(mask)
+        ids = torch.arange(n, dtype=torch.int64)
+        batch = SimpleNamespace(mamba_track_mask=mask, extend_seq_lens=extend_lens, mamba_track_indices=ids,
+                                mamba_track_seqlens=seqlens, extend_prefix_lens=prefix_lens)
+        h_src, h_dst, _, final_dst = method(SimpleNamespace(device="cpu"), ids, batch)
+        states = (extend_lens - 1) // chunk + 1
+        offsets = torch.cumsum(states, 0) - states
+        out = torch.zeros(n, dtype=torch.int64)
+        out[final_dst] = extend_lens[final_dst]
+        out[h_dst] = (h_src - offsets[h_dst]) * chunk
+        return out
+
+    return covered
+
+
+def batches_defer_mamba_cow(schedule_batch_cls) -> bool:
+    """Whether the release's batches carry a mamba copy-on-write for the model runner to run before the forward
+    (0.5.13+); before, the tree's match copies the state itself."""
+    return "mamba_cow_src_indices" in getattr(schedule_batch_cls, "__dataclass_fields__", {})
+
+
+def batch_rows(batch):
+    """The batch's request rows on the CPU (``req_pool_indices_cpu`` from 0.5.13; the device tensor before)."""
+    rows = getattr(batch, "req_pool_indices_cpu", None)
+    return batch.req_pool_indices.cpu() if rows is None else rows
+
+
+def batch_prefill_inputs(batch):
+    """The token ids an extend feeds (``prefill_input_ids_cpu`` from 0.5.13; the batch's ``input_ids`` before)."""
+    ids = getattr(batch, "prefill_input_ids_cpu", None)
+    return batch.input_ids.cpu() if ids is None else ids
+
+
+def physical_mamba_slots(req_pool, index):
+    """Mamba indices as the kernels address the state (``translate_mamba_indices``; physical before 0.5.23)."""
+    translate = getattr(type(req_pool), "translate_mamba_indices", None)
+    return index if translate is None else req_pool.translate_mamba_indices(index)
 
 
 def queue_request(server, req) -> None:
@@ -348,5 +424,109 @@ def queue_request(server, req) -> None:
 
 def requests_owning_rows(server) -> list:
     """The requests SGLang's invariant checker counts as holding a request row (``_requests_owning_rows``: the last
-    and running batches and the chunked request, those whose KV is held)."""
-    return server.invariant_checker._requests_owning_rows()
+    and running batches and the chunked request, those whose KV is held); empty where the release's checker has no
+    such list (before 0.5.23: the message then names no holder)."""
+    checker = invariant_checker(server)
+    if not callable(getattr(type(checker), "_requests_owning_rows", None)):
+        return []
+    return checker._requests_owning_rows()
+
+
+# --- the scheduler path on releases whose server arguments are one global (scheduling_global.py) ---------------
+# The Scheduler's mixin methods that only report (metrics, timers, health checks, idle sleep): no-ops on 0.5.12.
+SCHEDULER_REPORTERS = ("stream_output", "report_prefill_stats", "report_decode_stats", "log_batch_result_stats",
+                       "update_device_timer", "maybe_send_health_check_signal", "_maybe_clear_mm_inputs",
+                       "reset_device_timer_window", "maybe_sleep_on_idle", "_publish_kv_events",
+                       "_maybe_log_idle_metrics")
+# The Scheduler's own methods the driver calls on a release with one global ServerArgs.
+GLOBAL_SCHEDULER_METHODS = ("get_next_batch_to_run", "update_running_batch", "process_batch_result", "on_idle",
+                            "abort_request", "init_req_max_new_tokens", "_add_request_to_queue", "is_fully_idle",
+                            "init_schedule_policy")
+# The Scheduler's init methods that build what its event loop reads over a built tree, in __init__'s order; a
+# release runs those it has (the components arrived in 0.5.13).
+SCHEDULER_INITS = ("init_schedule_policy", "init_pool_stats_observer", "init_invariant_checker",
+                   "init_batch_result_processor")
+# The mamba radix cache's strategy flag, by the ServerArgs field each release names it with.
+MAMBA_STRATEGY_FLAGS = ("mamba_radix_cache_strategy", "mamba_scheduler_strategy")
+
+
+def publishes_runtime_context() -> bool:
+    """Whether the release keeps a server's arguments in its runtime context (0.5.23) rather than one
+    ``ServerArgs`` global set with ``set_global_server_args_for_scheduler`` (0.5.12, 0.5.13)."""
+    import importlib.util
+
+    return importlib.util.find_spec("sglang.srt.runtime_context") is not None
+
+
+def server_flags(server_args_cls, flags: dict) -> dict:
+    """``flags`` under the names the release's ``ServerArgs`` has (the mamba strategy flag was renamed)."""
+    fields = getattr(server_args_cls, "__dataclass_fields__", {})
+    out = dict(flags)
+    for name in MAMBA_STRATEGY_FLAGS:
+        if name in out and name not in fields:
+            value = out.pop(name)
+            out[next(n for n in MAMBA_STRATEGY_FLAGS if n in fields)] = value
+    return out
+
+
+def single_tensor_parallel_rank() -> None:
+    """The tensor-parallel group of a one-rank CPU run, where none is initialised: ``Req.set_finish_with_abort``
+    asks ``get_tensor_model_parallel_rank()`` (it asserts a group exists)."""
+    from types import SimpleNamespace
+
+    from sglang.srt.distributed import parallel_state
+
+    if getattr(parallel_state, "_TP", None) is None:
+        parallel_state._TP = SimpleNamespace(rank_in_group=0, world_size=1)
+
+
+def has_tree_registry() -> bool:
+    """Whether the release picks its prefix tree through ``mem_cache.registry.create_tree_cache`` (0.5.13)."""
+    import importlib
+
+    try:
+        return callable(getattr(importlib.import_module("sglang.srt.mem_cache.registry"), "create_tree_cache", None))
+    except ImportError:
+        return False
+
+
+def scheduler_inits(scheduler_cls) -> tuple[str, ...]:
+    """The :data:`SCHEDULER_INITS` this release's Scheduler has."""
+    return tuple(name for name in SCHEDULER_INITS if callable(vars(scheduler_cls).get(name)))
+
+
+def retractions_reset(server) -> None:
+    """Zero the step's retraction count where ``update_running_batch`` keeps it on the metrics reporter (0.5.13+)."""
+    server.metrics_reporter.num_retracted_reqs = 0
+
+
+def retractions_counted(server) -> int:
+    """The requests ``update_running_batch`` retracted this step: 0.5.12 counts on the Scheduler, later releases on
+    its metrics reporter (the other one stays zero)."""
+    return server.num_retracted_reqs + server.metrics_reporter.num_retracted_reqs
+
+
+def invariant_checker(server):
+    """What runs the Scheduler's memory checks: its ``SchedulerInvariantChecker`` (0.5.13+), or the Scheduler itself
+    (0.5.12's runtime-checker mixin)."""
+    return server.invariant_checker if "invariant_checker" in vars(server) else server
+
+
+def pool_stats(server):
+    """The pool counters the checks compare: the pool stats observer's (0.5.13+), or the Scheduler's mixin's."""
+    observer = server.pool_stats_observer if "pool_stats_observer" in vars(server) else server
+    return observer.get_pool_stats()
+
+
+def new_request(req_cls, *, rid: str, ids: list[int], sampling_params, vocab_size: int):
+    """A ``Req`` as ``handle_generate_request`` builds one for a tokenized prompt: its ids an ``array('q')`` where the
+    release types them so (0.5.13+; a list before, which 0.5.12 concatenates with its outputs), and the model's
+    vocabulary size where the release takes it (its boundary check of sampled ids)."""
+    import inspect
+    from array import array
+
+    params = inspect.signature(req_cls.__init__).parameters
+    typed_array = "array" in str(params["origin_input_ids"].annotation)
+    extra = {"vocab_size": vocab_size} if "vocab_size" in params else {}
+    return req_cls(rid=rid, origin_input_text="", origin_input_ids=array("q", ids) if typed_array else list(ids),
+                   sampling_params=sampling_params, eos_token_ids=set(), **extra)

@@ -34,7 +34,7 @@ from poolfuzz.adapters.sglang.standin import standin_class
 from poolfuzz.adapters.sglang.storage import build_storage_pool, quant_method_kwargs, storage_problem
 from poolfuzz.adapters.sglang.speculative import SGLangScratch, move_problem, native_kv_move, speculative_problem
 from poolfuzz.adapters.sglang.writes import write_rows
-from poolfuzz.adapters.sglang.tracking import check_built, extra_buffer_problem
+from poolfuzz.adapters.sglang.tracking import check_built, extra_buffer_admission_problem, extra_buffer_problem
 from poolfuzz.adapters.sglang.views import (AllocatorView, FreeListView, KVPoolView, MambaPoolView, ReqPoolView,
                                             _ints, token_free_pages,
                                             token_free_sources)
@@ -174,9 +174,13 @@ class SGLangFamily:
         return None
 
 
-def unsupported_reason(config: ModelConfig) -> str | None:
-    """Why the installed SGLang cannot run ``config`` here, or None. Probes, never versions."""
+def unsupported_reason(config: ModelConfig, *, scheduled: bool = False) -> str | None:
+    """Why the installed SGLang cannot run ``config`` here, or None. Probes, never versions. ``scheduled``: for the
+    scheduler path, which admits requests through SGLang's own scheduler (the adapter's admission limits do not
+    apply)."""
     api = load()
+    if not scheduled and extra_buffer_admission_problem(api, config):
+        return extra_buffer_admission_problem(api, config)
     if config.has_swa and not config.has_full and api.PureSWATokenToKVPoolAllocator is None:
         return (f"SGLang {api.version} has no PureSWATokenToKVPoolAllocator: it builds no pools for an all-SWA "
                 "model (every layer sliding-window; full_layers = 0)")
@@ -215,7 +219,7 @@ def _paged_allocation_problem(api: SGLangAPI) -> str | None:
 
 
 def build_sglang_family(config: ModelConfig, *, device="cpu", faults=(), backup_mode=None,
-                        node: str | None = None) -> SGLangFamily:
+                        node: str | None = None, scheduled: bool = False) -> SGLangFamily:
     faults = tuple(faults)
     if faults:
         raise ConfigError(f"the sglang family runs SGLang's own code; catalogue faults {list(faults)} "
@@ -223,7 +227,7 @@ def build_sglang_family(config: ModelConfig, *, device="cpu", faults=(), backup_
     if backup_mode not in (None, "cpu_tensor", "host_pool"):
         raise ConfigError(f"unknown backup mode {backup_mode!r}; choose cpu_tensor or host_pool")
     api = load()
-    reason = unsupported_reason(config)
+    reason = unsupported_reason(config, scheduled=scheduled)
     if reason:
         raise ConfigError(f"config {config.name!r} on sglang {api.version}: {reason}")
     if backup_mode == "host_pool" and host_pool_problem(api, config):

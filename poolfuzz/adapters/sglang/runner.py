@@ -29,6 +29,7 @@ from types import SimpleNamespace
 
 import torch
 
+from poolfuzz.adapters.sglang import compat
 from poolfuzz.pools.errors import LostKv
 from poolfuzz.pools.token_chain import COMPONENTS, Tokens, sampled_token, tag
 
@@ -82,7 +83,7 @@ class ModelRunner:
         """Check what the batch's requests attend to and continue from, write their new positions and states,
         return one token per request."""
         self.step += 1
-        rows = batch.req_pool_indices_cpu.tolist()
+        rows = compat.batch_rows(batch).tolist()
         seq_lens = batch.seq_lens_cpu.tolist()
         extend = batch.forward_mode.is_extend()
         starts = list(batch.prefix_lens) if extend else [s - 1 for s in seq_lens]
@@ -108,7 +109,7 @@ class ModelRunner:
                                  f"{[slot for _, _, slot in writes]} for the positions the batch computes")
         # An extend feeds the ids prepare_for_extend staged; a decode's input is run_batch's token relay (its future
         # map), stood in for: the request's last token, which _sync has just checked is the last sample.
-        inputs = batch.prefill_input_ids_cpu if extend else None
+        inputs = compat.batch_prefill_inputs(batch) if extend else None
         if inputs is not None and [int(t) for t in inputs] != fed:
             raise AssertionError(f"step {self.step}: the batch feeds tokens {[int(t) for t in inputs]}, not the "
                                  f"requests' tokens {fed} at the positions it computes")
@@ -179,7 +180,7 @@ class ModelRunner:
             return []
         pool = self.req_pool
         index = pool.get_mamba_indices(torch.tensor(rows, dtype=torch.int64))
-        return [int(s) for s in pool.translate_mamba_indices(index).tolist()]
+        return [int(s) for s in compat.physical_mamba_slots(pool, index).tolist()]
 
     def _state_tag(self, rid: str, c, tokens: int) -> int:
         """The state of component ``c`` after the request's first ``tokens`` tokens."""
@@ -207,10 +208,11 @@ class ModelRunner:
         if mask is None or not bool(mask.any()):
             return
         pool = self.req_pool
-        dests = pool.translate_mamba_indices(batch.mamba_track_indices).tolist()
+        dests = compat.physical_mamba_slots(pool, batch.mamba_track_indices).tolist()
         if extend:
             prefix = torch.tensor(list(batch.prefix_lens), dtype=torch.int64)
-            covered = self.aligned_lens(mask, batch.mamba_track_seqlens, prefix)
+            extend_lens = torch.tensor(list(batch.extend_lens), dtype=torch.int64)
+            covered = self.aligned_lens(mask.cpu(), batch.mamba_track_seqlens.cpu(), prefix, extend_lens)
             lens = (prefix + covered).tolist()
         else:
             lens = seq_lens
@@ -232,11 +234,10 @@ class ModelRunner:
 
 
 def deferred_cow_and_clear(req_pool):
-    """SGLang's ``ModelRunner._maybe_execute_deferred_mamba_cow_and_clear`` as a function of a batch, or None where
-    the release has none (the scheduler path then declines mamba models). The model runner is stood in for by what
-    the method reads of it (the request pool; a target worker)."""
-    from poolfuzz.adapters.sglang import compat
-
+    """SGLang's ``ModelRunner._maybe_execute_deferred_mamba_cow_and_clear`` (0.5.23; 0.5.13: the mamba attention
+    backend's ``_execute_deferred_mamba_cow_and_clear``) as a function of a batch, or None where the release has
+    none. The model runner (backend) is stood in for by what the method reads of it (the request pool; a target
+    worker)."""
     method = compat.deferred_mamba_cow_and_clear()
     if method is None:
         return None

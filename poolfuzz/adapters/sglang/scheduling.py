@@ -44,7 +44,6 @@ on releases whose Scheduler and result processor this module builds (``release_p
 from __future__ import annotations
 
 import logging
-from array import array
 from functools import lru_cache
 
 import torch
@@ -81,11 +80,20 @@ def scheduler_modules():
 
     from poolfuzz.adapters.sglang.api import _first, load
 
+    from poolfuzz.adapters.sglang.shims import install_on_demand
+
     load()  # the CPU shims go in before any sglang import
-    logging.getLogger("sglang").setLevel(logging.ERROR)
+    # ERROR too: a refused prompt is logged as an error by the server (Req.set_finish_with_abort), and is traffic
+    logging.getLogger("sglang").setLevel(logging.CRITICAL)
     with warnings.catch_warnings():  # its import chain warns that Triton falls back to the CPU: not ours to fail on
         warnings.simplefilter("ignore")
-        module = importlib.import_module(compat.SCHEDULER_MODULE)
+        while True:  # 0.5.12's chain reaches sgl_kernel (the host pools): its stand-in goes in on demand
+            try:
+                module = importlib.import_module(compat.SCHEDULER_MODULE)
+                break
+            except ModuleNotFoundError as exc:
+                if not install_on_demand(exc.name):
+                    raise
     from sglang.srt.disaggregation.utils import DisaggregationMode
     from sglang.srt.managers.io_struct import AbortReq
     from sglang.srt.managers.schedule_batch import Req
@@ -98,8 +106,8 @@ def scheduler_modules():
                                  SamplingParams=SamplingParams, GenerationBatchResult=GenerationBatchResult,
                                  AbortReq=AbortReq, validate_input_length=validate_input_length,
                                  DisaggregationMode=DisaggregationMode, SpeculativeAlgorithm=SpeculativeAlgorithm,
-                                 ResultProcessor=_first(compat.RESULT_PROCESSOR),
-                                 TokenRatio=_first(compat.TOKEN_RATIO))
+                                 ResultProcessor=_first(compat.RESULT_PROCESSOR, required=False),
+                                 TokenRatio=_first(compat.TOKEN_RATIO, required=False))
 
 
 def release_problem() -> str | None:
@@ -107,19 +115,23 @@ def release_problem() -> str | None:
     from poolfuzz.adapters.sglang.api import _first, load
 
     api = load()
-    missing = [target for target in (compat.RESULT_PROCESSOR, compat.TOKEN_RATIO) if _first(target, required=False) is None]
-    if missing:
-        return (f"SGLang {api.version} has no {' or '.join(missing)}: the scheduler path drives the event loop of "
-                "releases whose Scheduler hands results to those components (0.5.23)")
     try:
         m = scheduler_modules()
     except ImportError as exc:
         return f"SGLang's scheduler cannot be imported here ({exc}); ci/sglang-install.sh installs what it needs"
-    lacking = [name for name in compat.SCHEDULER_METHODS if not callable(getattr(m.Scheduler, name, None))]
+    if compat.publishes_runtime_context():
+        missing = [t for t in (compat.RESULT_PROCESSOR, compat.TOKEN_RATIO) if _first(t, required=False) is None]
+        if missing:
+            return (f"SGLang {api.version} has no {' or '.join(missing)}: the scheduler path drives the event loop "
+                    "of releases whose Scheduler hands results to those components (0.5.23)")
+        methods = compat.SCHEDULER_METHODS
+    else:
+        methods = compat.GLOBAL_SCHEDULER_METHODS + (() if compat.has_tree_registry()
+                                                     else ("init_cache_with_memory_pool",))
+    lacking = [name for name in methods if not callable(getattr(m.Scheduler, name, None))]
     if lacking:
         return f"SGLang {api.version}'s Scheduler has no {', '.join(lacking)}: the scheduler path calls them"
-    return _server_arguments_problem(api.version)
-
+    return _server_arguments_problem(api.version) if compat.publishes_runtime_context() else None
 
 
 @lru_cache(maxsize=1)
@@ -132,9 +144,9 @@ def _server_arguments_problem(version: str) -> str | None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # a release that wants a model's config fails at once, offline
     try:
         _publish_defaults()
-    except OSError as exc:
-        return (f"SGLang {version}'s server arguments load a model's config ({str(exc).splitlines()[0][:80]}); the "
-                "scheduler path drives releases that publish them without a model (0.5.23)")
+    except (OSError, ImportError) as exc:
+        return (f"SGLang {version}'s server arguments cannot be published without a model "
+                f"({str(exc).splitlines()[0][:80]}); the scheduler path drives releases that publish them so")
     return None
 
 
@@ -152,20 +164,57 @@ class SglangSchedulerDriver:
 
     def __init__(self, config: ModelConfig):
         from poolfuzz.adapters.sglang.api import load
-        from poolfuzz.adapters.sglang.family import build_sglang_family
-        from poolfuzz.adapters.sglang.tree_build import build_tree, mamba_sized, publish_server_args
 
         reason = scheduler_problem(config) or release_problem()
         if reason:
             raise ConfigError(f"the scheduler-driven sglang family cannot build {config.name!r}: {reason}")
         m = scheduler_modules()
+        self.m = m
         config = served(config)
         max_running = min(MAX_RUNNING, config.request_rows)
         self.server_args = server_arguments(config, max_running_requests=max_running)
+        self.aborted: set[str] = set()  # requests the server answered with an abort (no longer its to run)
+        if compat.publishes_runtime_context():
+            self._build_context_server(config, max_running)
+        else:
+            self._build_global_server(config, max_running)
+        config = self.config
+        if config.has_mamba and not self.tree.supports_mamba():
+            raise ConfigError(f"the scheduler-driven sglang family cannot build {config.name!r}: the prefix tree "
+                              f"SGLang {load().version}'s Scheduler builds for this model ({type(self.tree).__name__}) "
+                              "keeps no recurrent state: a prefix hit would give a request no state to resume, so this "
+                              "release's radix cache is not one for models with both sliding-window and mamba layers")
+        req_pool = self.family.sg_req_pool
+        cow_and_clear, aligned_lens = deferred_cow_and_clear(req_pool), compat.mamba_track_aligned_lens()
+        lacking = [name for name, missing in (
+            ("a deferred mamba copy-on-write (ModelRunner._maybe_execute_deferred_mamba_cow_and_clear)",
+             cow_and_clear is None and compat.batches_defer_mamba_cow(_schedule_batch_class())),
+            ("ForwardBatch.mamba_track_aligned_lens or MambaAttnBackendBase._init_track_ssm_indices",
+             aligned_lens is None)) if missing]
+        if config.has_mamba and lacking:
+            raise ConfigError(f"the scheduler-driven sglang family cannot build {config.name!r}: SGLang "
+                              f"{load().version} has no {' or '.join(lacking)}, which the model-runner stand-in "
+                              "calls for a model with recurrent state")
+        self.runner = ModelRunner(family=self.family, vocab=VOCAB, cow_and_clear=cow_and_clear,
+                                  aligned_lens=aligned_lens)
+        self.requests: dict[str, object] = {}  # rid -> SGLang's Req, until it finishes
+        self.next_rid = 1
+        self.fresh = VOCAB
+        self.retracted = 0  # requests retract_decode took back (each is recomputed and checked again)
+        self.first_prefix: dict[str, int] = {}  # rid -> the prefix the tree matched for its first batch
+        self.chunked = 0  # prefill forwards of a chunk that was not a prompt's last
+        self.refused = 0
+
+    def _build_context_server(self, config: ModelConfig, max_running: int) -> None:
+        """0.5.23's server: its arguments in the runtime context, the tree its registry picks, its components."""
+        from poolfuzz.adapters.sglang.family import build_sglang_family
+        from poolfuzz.adapters.sglang.tree_build import build_tree, mamba_sized, publish_server_args
+
+        m = self.m
         publish_server_args(**self.server_args)  # before the configurator's sizing reads them
         config = mamba_sized(config)
-        self.m, self.config = m, config
-        self.family = build_sglang_family(config)
+        self.config = config
+        self.family = build_sglang_family(config, scheduled=True)
         try:
             self.tree = build_tree(self.family, hierarchical=False, server=self.server_args)
         except AssertionError as exc:  # the tree's constructor refuses the server's flags: no server runs them
@@ -177,7 +226,6 @@ class SglangSchedulerDriver:
         pd = m.DisaggregationMode.NULL
         processor = compat.result_processor(m.ResultProcessor, tree=self.tree, req_to_token_pool=req_pool,
                                             allocator=allocator, model_config=model, disaggregation_mode=pd)
-        self.processor = processor
         flags = compat.publish_scheduler_context(max_running_requests=max_running)
         longest = max_req_len(config, self.total)
         self.server = object.__new__(m.Scheduler)
@@ -196,23 +244,48 @@ class SglangSchedulerDriver:
         self.server.init_pool_stats_observer()  # the Scheduler's own, for SGLang's invariant checker below
         self.server.init_invariant_checker()
         self.server.send_abort_output = self._abort_sent  # what the tokenizer manager would be told
-        self.aborted: set[str] = set()  # requests the server answered with an abort (no longer its to run)
-        cow_and_clear, aligned_lens = deferred_cow_and_clear(req_pool), compat.mamba_track_aligned_lens()
-        if config.has_mamba and (cow_and_clear is None or aligned_lens is None):
-            missing = [name for name, got in (("ModelRunner._maybe_execute_deferred_mamba_cow_and_clear", cow_and_clear),
-                                              ("ForwardBatch.mamba_track_aligned_lens", aligned_lens)) if got is None]
-            raise ConfigError(f"the scheduler-driven sglang family cannot build {config.name!r}: SGLang "
-                              f"{load().version} has no {' or '.join(missing)}, which the model-runner stand-in "
-                              "calls for a model with recurrent state")
-        self.runner = ModelRunner(family=self.family, vocab=VOCAB, cow_and_clear=cow_and_clear,
-                                  aligned_lens=aligned_lens)
-        self.requests: dict[str, object] = {}  # rid -> SGLang's Req, until it finishes
-        self.next_rid = 1
-        self.fresh = VOCAB
-        self.retracted = 0  # requests retract_decode took back (each is recomputed and checked again)
-        self.first_prefix: dict[str, int] = {}  # rid -> the prefix the tree matched for its first batch
-        self.chunked = 0  # prefill forwards of a chunk that was not a prompt's last
-        self.refused = 0
+        self.loop = ContextLoop(self.server, processor)
+
+    def _build_global_server(self, config: ModelConfig, max_running: int) -> None:
+        """A 0.5.12 / 0.5.13 server (``scheduling_global``): one global ServerArgs, the tree its Scheduler builds."""
+        from poolfuzz.adapters.sglang import scheduling_global as legacy
+        from poolfuzz.adapters.sglang.family import build_sglang_family
+
+        m = self.m
+        try:
+            server_args = legacy.publish(self.server_args, max_running_requests=max_running)
+        except (AssertionError, ValueError) as exc:  # ServerArgs' own validation: no server starts with these
+            raise ConfigError(f"the scheduler-driven sglang family cannot build {config.name!r}: SGLang refuses a "
+                              f"server with {self.server_args} ({exc})") from None
+        config = legacy.mamba_sized(config, server_args)
+        self.config = config
+        self.family = build_sglang_family(config, scheduled=True)
+        self.total = self.family.sg_allocator.available_size()
+        self.server = object.__new__(m.Scheduler)
+        self.server.__dict__.update(legacy.server_state(
+            server_args=server_args, model_config=_model_config(config), spec_algorithm=m.SpeculativeAlgorithm.NONE,
+            disaggregation_mode=m.DisaggregationMode.NULL, config=config, total=self.total, max_running=max_running,
+            max_req_len=max_req_len(config, self.total), sent=self._sent))
+        try:
+            self.tree = legacy.build_tree(self.server, self.family, server_args)
+        except AssertionError as exc:
+            raise ConfigError(f"the scheduler-driven sglang family cannot build {config.name!r}: SGLang's radix "
+                              f"cache refuses a server with {self.server_args} ({exc})") from None
+        self.server.__dict__.update(tree_cache=self.tree, req_to_token_pool=self.family.sg_req_pool,
+                                    token_to_kv_pool_allocator=self.family.sg_allocator, is_hybrid_swa=config.has_swa,
+                                    is_hybrid_ssm=config.has_mamba,
+                                    sliding_window_size=config.sliding_window if config.has_swa else None,
+                                    full_tokens_per_layer=config.full_tokens if config.has_swa else None,
+                                    swa_tokens_per_layer=config.swa_tokens if config.has_swa else None,
+                                    disable_radix_cache=False, running_batch=_empty_batch())
+        legacy.finish_building(self.server)
+        self.loop = legacy.GlobalLoop(self.server)
+
+    def _sent(self, output, req=None) -> None:
+        """What the server sends the tokenizer manager: an abort answers a request (it is no longer the server's)."""
+        for rid in getattr(output, "rids", None) or [getattr(output, "rid", None)]:
+            if rid is not None and type(output).__name__.startswith("Abort"):
+                self.aborted.add(rid)
 
     @property
     def hits(self) -> int:
@@ -236,8 +309,7 @@ class SglangSchedulerDriver:
         rid = f"{self.next_rid:06d}"  # SGLang aborts every request whose id starts with the one named
         params = self.m.SamplingParams(max_new_tokens=max_tokens)
         params.normalize(None)
-        req = self.m.Req(rid=rid, origin_input_text="", origin_input_ids=array("q", ids), sampling_params=params,
-                         eos_token_ids=set())
+        req = compat.new_request(self.m.Req, rid=rid, ids=ids, sampling_params=params, vocab_size=VOCAB)
         self.next_rid += 1
         self.runner.tokens[rid] = Tokens(ids=list(ids))
         self.requests[rid] = req
@@ -266,33 +338,21 @@ class SglangSchedulerDriver:
 
     def _step(self) -> None:
         s = self.server
-        s.metrics_reporter.num_retracted_reqs = 0  # update_running_batch sets it to the step's retractions
-        plan = s.get_next_batch_to_run(s.running_batch, s.last_batch)
-        s.running_batch, batch = plan.running_batch, plan.batch_to_run
-        self.retracted += s.metrics_reporter.num_retracted_reqs
-        if batch is None:  # on_idle: a fully idle server resets the new-token ratio
-            s.last_batch = None
-            if s.is_fully_idle():
-                s.new_token_ratio_tracker.reset()
+        batch = self.loop.next_batch()
+        self.retracted += self.loop.retractions()
+        if batch is None:
+            self.loop.idle()
             self._forget_done()  # a chunked request's deferred abort is answered at the top of a step
             return
-        s.forward_ct += 1  # run_batch's counters
+        s.forward_ct += 1  # run_batch's counter
         batch.forward_iter = s.forward_ct
-        if batch.extend_num_tokens:
-            s.processed_tokens_counter += batch.extend_num_tokens
         extend = batch.forward_mode.is_extend()
         if extend:
             for r, p in zip(batch.reqs, batch.prefix_lens):
                 self.first_prefix.setdefault(r.rid, p)  # its first batch: what the tree matched
             self.chunked += sum(1 for r in batch.reqs if r is s.chunked_req)
         tokens = self.runner.forward(batch)
-        result = self.m.GenerationBatchResult(next_token_ids=torch.tensor(tokens, dtype=torch.int64))
-        if extend:
-            self.processor.process_batch_result_prefill(batch, result)
-        else:
-            self.processor.process_batch_result_decode(batch, result)
-        self.tree.flush_pending_backups()  # as process_batch_result ends
-        s.last_batch = batch
+        self.loop.finish(batch, self.m.GenerationBatchResult(next_token_ids=torch.tensor(tokens, dtype=torch.int64)))
         self._forget_done()
 
     def abort(self, rid: str) -> None:
@@ -354,6 +414,40 @@ class SglangSchedulerDriver:
         return "running" if req in s.running_batch.reqs else "in no queue"
 
 
+class ContextLoop:
+    """One step of 0.5.23's ``event_loop_normal``: the batch plan, the result processor, ``on_idle``'s ratio reset."""
+
+    def __init__(self, server, processor):
+        self.server, self.processor = server, processor
+
+    def next_batch(self):
+        s = self.server
+        s.metrics_reporter.num_retracted_reqs = 0  # update_running_batch sets it to the step's retractions
+        plan = s.get_next_batch_to_run(s.running_batch, s.last_batch)
+        s.running_batch = plan.running_batch
+        return plan.batch_to_run
+
+    def retractions(self) -> int:
+        return self.server.metrics_reporter.num_retracted_reqs
+
+    def finish(self, batch, result) -> None:
+        s = self.server
+        if batch.extend_num_tokens:  # run_batch's counter
+            s.processed_tokens_counter += batch.extend_num_tokens
+        if batch.forward_mode.is_extend():
+            self.processor.process_batch_result_prefill(batch, result)
+        else:
+            self.processor.process_batch_result_decode(batch, result)
+        s.tree_cache.flush_pending_backups()  # as process_batch_result ends
+        s.last_batch = batch
+
+    def idle(self) -> None:
+        s = self.server
+        s.last_batch = None
+        if s.is_fully_idle():  # on_idle: a fully idle server resets the new-token ratio
+            s.new_token_ratio_tracker.reset()
+
+
 def served(config: ModelConfig) -> ModelConfig:
     """The config as the server this path runs builds it: ``event_loop_normal`` is a server without the overlap
     schedule (``--disable-overlap-schedule``), whose extra buffer gives a request one track slot, not a ping-pong
@@ -387,20 +481,26 @@ def _model_config(config: ModelConfig):
 
     # hf_text_config: the model's HF config, as far as the scheduler reads it
     return SimpleNamespace(vocab_size=VOCAB, is_encoder_decoder=False, context_len=config.max_context,
-                           self_opened_think_start_ids=None, think_end_ids=None,
+                           self_opened_think_start_ids=None, think_end_ids=None, think_end_id=None,
+                           is_multimodal=False, hf_eos_token_id=set(), is_hybrid_swa=config.has_swa,
+                           is_matryoshka=False, is_generation=True, use_ngram_embedding=False,
                            hf_text_config=SimpleNamespace(mamba_chunk_size=MAMBA_CHUNK))
 
 
-def _empty_batch():
+def _schedule_batch_class():
     from sglang.srt.managers.schedule_batch import ScheduleBatch
 
-    return ScheduleBatch(reqs=[], batch_is_full=False)
+    return ScheduleBatch
+
+
+def _empty_batch():
+    return _schedule_batch_class()(reqs=[], batch_is_full=False)
 
 
 def unsupported_reason(config: ModelConfig) -> str | None:
     from poolfuzz.adapters.sglang.family import unsupported_reason as pools_reason
 
-    return pools_reason(config) or scheduler_problem(config) or release_problem() or server_refusal(config)
+    return pools_reason(config, scheduled=True) or scheduler_problem(config) or release_problem() or server_refusal(config)
 
 
 @lru_cache(maxsize=None)

@@ -283,11 +283,25 @@ def _unpinned(tensor, *args, **kwargs):
 
 
 def cpu_pin_memory():
-    """Within the block, ``Tensor.pin_memory()`` returns the tensor where this machine has no accelerator (torch
-    refuses to pin then): SGLang 0.5.23's ``ScheduleBatch.prepare_for_decode`` pins the extra-buffer track mask
-    without asking whether the server has a GPU."""
+    """Within the block, pinned memory is plain CPU memory where this machine has no accelerator (torch refuses to
+    pin then): ``Tensor.pin_memory()`` returns the tensor, and ``torch.tensor(..., pin_memory=True)`` builds an
+    unpinned one. SGLang pins the extra-buffer track mask in ``ScheduleBatch.prepare_for_decode`` without asking
+    whether the server has a GPU (0.5.23 through ``pin_memory()``, 0.5.12 and 0.5.13 through the keyword)."""
     import torch
 
     if torch.accelerator.is_available():
         return contextlib.nullcontext()
-    return _swapped(torch.Tensor, "pin_memory", _unpinned)
+    stack = contextlib.ExitStack()
+    stack.enter_context(_swapped(torch.Tensor, "pin_memory", _unpinned))
+    stack.enter_context(_swapped(torch, "tensor", _tensor_unpinned(torch.tensor)))
+    return stack
+
+
+def _tensor_unpinned(real):
+    """``torch.tensor`` that builds in ordinary memory what it was asked to pin (no accelerator to pin it for)."""
+
+    def tensor(*args, **kwargs):
+        kwargs.pop("pin_memory", None)
+        return real(*args, **kwargs)
+
+    return tensor

@@ -27,7 +27,13 @@ def extra_buffer_problem(api, config) -> str | None:
     if missing or not hasattr(api.HybridReqToTokenPool, "get_mamba_ping_pong_other_idx"):
         return (f"SGLang {api.version}'s HybridReqToTokenPool has no ping-pong extra-buffer mode "
                 f"({', '.join(missing) or 'get_mamba_ping_pong_other_idx'} missing)")
-    if api.ensure_mamba_capacity is None:
+    return None
+
+
+def extra_buffer_admission_problem(api, config) -> str | None:
+    """Why the adapter's own admission cannot drive the config's extra-buffer mode on this release, or None (the
+    scheduler path drives the release's admission itself and never asks)."""
+    if config.mamba_track_slots and api.ensure_mamba_capacity is None:
         # These releases' admission (alloc_req_slots) counts one mamba slot a request unless a mamba
         # radix cache is on, and the mode only runs with that cache there: without it, admission
         # undercounts by design and alloc asserts. The adapter drives the chunk cache only.
