@@ -270,6 +270,20 @@ def test_the_store_saves_finished_requests_and_loads_them_into_new_blocks(schedu
     assert sum(d.connector.loaded for d in drivers) > 0  # loads happened, and their blocks were checked
 
 
+@pytest.mark.parametrize("name", ["swa-ps4", "hybrid-extra-buffer-ps4"])
+def test_the_store_serves_hybrid_models_through_the_schedulers_own_hybrid_hit_handling(scheduling, api, name):
+    """On a hybrid model the connector takes every group's blocks (``SupportsHMA``): loads happen, and each loaded
+    request's sliding-window KV and recurrent state are checked at its forward."""
+    if "align" not in api.mamba_cache_modes and CONFIGS[name].has_mamba:
+        pytest.skip(f"vLLM {api.version} has no mamba cache mode align")
+    stats = {"drivers": []}
+    _fuzz(scheduling, name, stats)
+    drivers = stats["drivers"]
+    if all(d.connector is None for d in drivers):
+        pytest.skip(f"vLLM {api.version}'s scheduler does not handle a connector's hybrid hits (connector.hybrid_capable)")
+    assert sum(d.connector.loaded for d in drivers) > 0
+
+
 def test_a_store_that_returns_another_requests_kv_is_caught_at_the_loading_forward(scheduling, api):
     """A transfer that delivers wrong data (a corrupt store entry): the request that loads it attends the block,
     and the report names the position and whose KV it holds."""

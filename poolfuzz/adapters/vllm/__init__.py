@@ -7,14 +7,15 @@ had for one release.
 
 ``--family vllm:manager`` drives vLLM's ``KVCacheManager`` directly (``family.py``, ``protocol.py``), only for
 what the scheduler path cannot reach: multi-turn requests continued on a finished request's blocks, EAGLE's
-hit truncation, a connector on a hybrid model (the store's connector is not ``SupportsHMA``) and its offload
-of a preempted request's blocks, the #44409 anchor, and the fault catalogue's two-node programs. The harness
+hit truncation, a connector on a hybrid model before 0.34 (on 0.34 the scheduler path runs the store's
+connector on hybrids, ``connector.hybrid_capable``) and its offload of a preempted request's blocks, the #44409
+anchor, and the fault catalogue's two-node programs. The harness
 chooses the calls (chunk sizes within a budget, which request is preempted, when a next turn arrives), as any
 caller of the manager may; what vLLM's scheduler decides it asks vLLM: where an "align" prefill chunk ends is
 ``Scheduler._mamba_block_aligned_split`` on a server of the config (``scheduling.align_splitter``). One rule is
 restated, because it sits inline in ``Scheduler.schedule()`` with no function below it to call: a connector's
-hit strictly past a local hit's tail inside a block truncates that tail (``protocol._lookup``); it only
-arises with a connector on an align hybrid, which the scheduler path does not drive.
+hit strictly past a local hit's tail inside a block truncates that tail (``protocol._lookup``); on 0.34 the
+scheduler path runs that rule itself (the store's connector on an align hybrid), so the restatement is due to go.
 Importing this module does not import vLLM; building a family does.
 """
 

@@ -24,7 +24,8 @@ What is stood in for, and why:
 
 The server runs with priority scheduling, KV cache metrics sampling every block, KV events where prefix
 caching is on, ngram speculative decoding on models without a mamba group, the external store's KV
-connector on models of full attention only, and, for a mamba "align" hybrid on multi-token pages where the
+connector wherever prefix caching is on (on hybrid models where the release's scheduler handles a connector's
+hybrid hits, ``connector.hybrid_capable``), and, for a mamba "align" hybrid on multi-token pages where the
 release takes prefix hits inside a block, ``--prefix-match-unit 1`` (every token hashed: the scheduler stops a
 prefill at the prompt's last token boundary, and a later hit there copies its tail block on write).
 """
@@ -214,11 +215,12 @@ def match_unit(layout, config: ModelConfig) -> int:
 
 
 def has_connector(config: ModelConfig) -> bool:
-    """Whether the server runs the external store's KV connector: on models of full attention only (vLLM hands
-    a connector of a hybrid model every group's blocks, which the store does not model)."""
+    """Whether the server runs the external store's KV connector: where the release's connector API takes it, on
+    hybrid models only where ``connector.hybrid_capable`` (vLLM hands it every group's blocks)."""
     m = scheduler_modules()
-    return not (config.has_swa or config.has_mamba) and None not in (m.KVTransferConfig, m.KVConnectorOutput,
-                                                                      m.connector)
+    if None in (m.KVTransferConfig, m.KVConnectorOutput, m.connector):
+        return False
+    return not (config.has_swa or config.has_mamba) or m.connector.hybrid_capable()
 
 
 def spec_tokens_for(api: VllmAPI, config: ModelConfig) -> int:
@@ -297,6 +299,8 @@ class RouterFeed:
 class SchedulerDriver:
     """One example's server: vLLM's Scheduler and the worker, driven as an engine core loop drives them."""
 
+    streaming_sessions = False  # vLLM keeps no sessions between requests: the machine's session rules never fire
+
     def __init__(self, config: ModelConfig, *, budget: int | None = None, max_seqs: int | None = None):
         from poolfuzz.adapters.vllm.api import load
 
@@ -317,7 +321,9 @@ class SchedulerDriver:
                              mamba_mode=self.built.mamba_mode)
         self.connector = getattr(self.scheduler, "connector", None)  # the external store's, where it runs
         if self.connector is not None:
-            self.worker.store = scheduler_modules().connector.ExternalStore(config.page_size)
+            window = self.worker.sliding_window if config.has_swa else None
+            self.worker.store = scheduler_modules().connector.ExternalStore(config.page_size, groups=self.built.groups,
+                                                                            window=window)
             self.worker.connector_output_cls = scheduler_modules().KVConnectorOutput
             self.connector.attach(self.worker.store)
         self.next_rid = 1

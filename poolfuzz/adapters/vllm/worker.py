@@ -39,10 +39,11 @@ the drafter proposes ``drafts`` tokens for every request that sampled (``take_dr
 many as the sequence's chain says, are the tokens the model will sample, the rest wrong. Not driven yet:
 speculative decoding with a mamba group (vLLM's speculative state blocks).
 
-A KV connector (``connector.py``, on models of full attention only): before the forward the worker does the
-step's transfers the connector's metadata names, saves of a finished request's blocks into the external store
-and loads from it into the blocks the scheduler allocated, and reports the asynchronous ones finished in the
-output's ``kv_connector_output``.
+A KV connector (``connector.py``): before the forward the worker does the step's transfers the connector's
+metadata names, saves of a finished request's blocks (every KV cache group's) into the external store and loads
+from it into the blocks the scheduler allocated (a mamba group's: the state after the load's last token, into
+the column that ends there, where ``preprocess_mamba`` looks for a request's starting state), and reports the
+asynchronous ones finished in the output's ``kv_connector_output``.
 """
 
 from __future__ import annotations
@@ -82,6 +83,7 @@ class Worker:
         self.tokens: dict[str, Tokens] = {}  # req id -> its tokens (kept across preemption, as the request's are)
         self.writers: dict[int, tuple[str, int]] = {}  # a tag written -> (req id, position): whose data it is
         self.store = None  # connector.ExternalStore where the server has the KV connector
+        self.stored: dict[str, int] = {}  # req id -> its whole blocks stored so far (from its current table)
         self.connector_output_cls = None  # the release's KVConnectorOutput, with the store
         self.drafts = 0  # draft tokens the drafter proposes per request that sampled (set by the harness)
         self.proposed: dict[str, list[int]] = {}  # req id -> the drafts proposed after the last forward
@@ -97,12 +99,15 @@ class Worker:
         for rid in out.finished_req_ids:
             self.tables.pop(rid, None)
             self.state_idx.pop(rid, None)
+            self.stored.pop(rid, None)
         for rid in getattr(out, "preempted_req_ids", None) or ():
             self.tables.pop(rid, None)  # re-sent in full when it resumes
             self.state_idx.pop(rid, None)
+            self.stored.pop(rid, None)
         computed: dict[str, int] = {}
         for new in out.scheduled_new_reqs:
             self.tables[new.req_id] = [list(ids) for ids in new.block_ids]
+            self.stored.pop(new.req_id, None)
             computed[new.req_id] = new.num_computed_tokens
         cached = out.scheduled_cached_reqs
         resumed = self._resumed(cached)
@@ -111,6 +116,7 @@ class Worker:
             if rid in resumed or rid not in self.tables:
                 self.tables[rid] = [list(ids) for ids in (blocks or ())]
                 self.state_idx.pop(rid, None)
+                self.stored.pop(rid, None)
             elif blocks is not None:
                 for table, ids in zip(self.tables[rid], blocks):
                     table.extend(ids)
@@ -157,31 +163,96 @@ class Worker:
             else:
                 sampled.append([])
             req_ids.append(rid)
+        self._store_progress(getattr(out, "kv_connector_metadata", None))
         return self._output(req_ids, sampled, finished)
 
     # --- a KV connector's transfers (connector.py) ------------------------------------------------
     def _transfer(self, meta) -> tuple[set[str], set[str]] | None:
-        """The step's saves (the blocks' values into the store, under the token prefix each block ends)
-        and loads (the store's values into the blocks the scheduler allocated), before the forward; the
-        requests whose transfer is reported finished (sending, receiving)."""
+        """The step's saves (every group's blocks' values into the store, under the token prefix each block
+        ends) and loads (the store's values into the blocks the scheduler allocated, and the recurrent state after
+        the load's last token into the mamba column that ends there), before the forward; the requests whose
+        transfer is reported finished (sending, receiving)."""
         if meta is None or self.store is None:
             return None
         sending, receiving = set(), set()
         bs = self.block_size
-        for save in meta.saves:
-            for index in range(save.count // bs):
-                block = save.blocks[index]
-                self.store.values[save.tokens[:(index + 1) * bs]] = {
-                    key: component.tensor[block * bs:(block + 1) * bs].clone() for key, component in self.kv.items()}
-            sending.add(save.rid)
         for load in meta.loads:
-            for index in range(load.start // bs, (load.start + load.count) // bs):
-                block = load.blocks[index]
-                for key, values in self.store.values[load.tokens[:(index + 1) * bs]].items():
-                    self.kv[key].tensor[block * bs:(block + 1) * bs] = values
+            end = load.start + load.count
+            for index in range(load.start // bs, end // bs):
+                values = self.store.values.get(load.tokens[:(index + 1) * bs], {})
+                for g in self.groups:
+                    block = self._table_block(load.blocks, g, index)
+                    if g.space == "mamba" and index != end // bs - 1:
+                        continue  # a load restores the state after its last token only
+                    if block:
+                        self._fill(g, block, values)
             if load.report:
                 receiving.add(load.rid)
+        for save in meta.saves:
+            self._store(save.tokens, save.blocks, 0, save.count // bs)
+            sending.add(save.rid)
         return sending, receiving
+
+    def _store_progress(self, meta) -> None:
+        """After the forward: the whole blocks of the tokens each scheduled request had computed before the step,
+        into the store. Not before it: a prefix hit counts tokens computed that another request's forward of
+        this very step writes (vLLM caches a block when it is scheduled)."""
+        if meta is None or self.store is None:
+            return
+        bs = self.block_size
+        for rid, computed in getattr(meta, "stores", {}).items():
+            done = self.stored.get(rid, 0)
+            if rid in self.tables and computed // bs > done:
+                self._store(self.tokens[rid].ids, self.tables[rid], done, computed // bs, live=computed)
+                self.stored[rid] = computed // bs
+
+    def _store(self, tokens, blocks, first: int, last: int, *, live: int | None = None) -> None:
+        """Blocks ``[first, last)`` of every group into the store under the token prefix each ends; what the
+        store holds already is kept (a prefix's contents are its tokens', whoever computed them). ``live``: the
+        blocks are a running request's table as the outputs gave it, ``live`` tokens computed, which lists
+        blocks vLLM has since released without telling the worker (window blocks a forward from ``live`` does
+        not read, mamba states before the one it continues from): only the rest are read."""
+        bs = self.block_size
+        for index in range(first, last):
+            entry = self.store.values.setdefault(tuple(tokens[:(index + 1) * bs]), {})
+            for g in self.groups:
+                block = self._table_block(blocks, g, index)
+                if live is not None and not self._held(g, index, live):
+                    continue
+                if block:  # a null block (out of the window, a state not kept) holds nothing to save
+                    for key, value in self._block_values(g, block).items():
+                        entry.setdefault(key, value)
+
+    def _held(self, group, index: int, computed: int) -> bool:
+        """Whether block ``index`` of a running request's ``group`` is surely still its own at ``computed`` tokens."""
+        end = (index + 1) * self.block_size
+        if group.space == "mamba":
+            return end == computed  # the state it continues from
+        if group.space == "swa" and self.sliding_window is not None:
+            return end > computed - (self.sliding_window - 1)  # attended by its next token
+        return True
+
+    @staticmethod
+    def _table_block(blocks, group, index: int) -> int | None:
+        table = blocks[group.index] if group.index < len(blocks) else ()
+        return table[index] if index < len(table) else None
+
+    def _block_values(self, group, block: int) -> dict:
+        """The values one block of ``group`` holds: a token slot range per attention layer, a state per mamba one."""
+        if group.space == "mamba":
+            return {key: c.tensor[block].clone() for key, c in self.state.items() if key[0] == group.index}
+        span = slice(block * self.block_size, (block + 1) * self.block_size)
+        return {key: c.tensor[span].clone() for key, c in self.kv.items() if key[0] == group.index}
+
+    def _fill(self, group, block: int, values: dict) -> None:
+        span = slice(block * self.block_size, (block + 1) * self.block_size)
+        for key, value in values.items():
+            if key[0] != group.index:
+                continue
+            if group.space == "mamba":
+                self.state[key].tensor[block] = value
+            else:
+                self.kv[key].tensor[span] = value
 
     # --- speculative decoding -------------------------------------------------------------------
     def _propose(self, tokens: Tokens, count: int) -> list[int]:
