@@ -37,7 +37,10 @@ from poolfuzz.pools.errors import LostKv
 PREFIX = "scheduler."  # the ops of a scheduler program, apart from the Engine's (harness.program.operations)
 # Each op of a scheduler program and the arguments it takes: what an artifact's program may hold.
 OPERATIONS: dict[str, tuple[str, ...]] = {f"{PREFIX}add_request": ("length", "share", "max_tokens", "priority"),
-                                          f"{PREFIX}schedule": ("steps", "drafts"), f"{PREFIX}abort": ("pick",)}
+                                          f"{PREFIX}schedule": ("steps", "drafts"), f"{PREFIX}abort": ("pick",),
+                                          f"{PREFIX}session_turn": ("session", "length", "max_tokens"),
+                                          f"{PREFIX}close_session": ("session",)}
+SESSION_OPERATIONS = ("session_turn", "close_session")  # only for a driver whose streaming_sessions is True
 # Arguments an older program may lack (each then 0).
 OPTIONAL = {f"{PREFIX}schedule": {"drafts"}, f"{PREFIX}add_request": {"priority"}}
 BACKUP_MODE = "cpu_tensor"  # what an artifact records as its retraction path: the scheduler recomputes, on tensors
@@ -55,7 +58,7 @@ class ScheduledMachine(RuleBasedStateMachine):
 
     config: ClassVar[ModelConfig]
     driver_factory: ClassVar[Callable]  # (config) -> a driver (add_request, step, abort, live, propose_drafts,
-    # state_problem, drain)
+    # state_problem, drain; where its ``streaming_sessions`` is True, also session_turn and close_session)
     observer: ClassVar[object | None] = None  # a harness.machine.MachineObserver (a run's counts and failures)
     backup_mode = BACKUP_MODE
 
@@ -115,6 +118,26 @@ class ScheduledMachine(RuleBasedStateMachine):
             self._guarded("schedule", self.driver.step)
             if type(self).observer is not None:
                 type(self).observer.step_ran(self)
+
+    @precondition(lambda self: self.driver.streaming_sessions)
+    @rule(session=st.integers(0, 1), length=st.integers(1, 24), max_tokens=st.integers(1, 8))
+    def session_turn(self, session, length, max_tokens):
+        """The next turn of streaming session ``session`` (opened by its first turn): ``length`` new tokens after
+        the session's context, which the server keeps between turns (a server with streaming sessions). Sent only
+        once the session's last turn is answered, as a client sends them (else the driver returns None)."""
+        self._record("session_turn", session=session, length=length, max_tokens=max_tokens)
+        rid = self._guarded("session_turn", lambda: self.driver.session_turn(session=session, length=length,
+                                                                            max_tokens=max_tokens))
+        outcome = f"req {rid}" if rid else "the client waits: the session's last turn is in flight"
+        self.program[-1] = StepRecord(op=self.program[-1].op, args=self.program[-1].args, outcome=outcome)
+
+    @precondition(lambda self: self.driver.streaming_sessions)
+    @rule(session=st.integers(0, 1))
+    def close_session(self, session):
+        """The client closes streaming session ``session`` (nothing happens where it is not open): the server frees
+        what the session held."""
+        self._record("close_session", session=session)
+        self._guarded("close_session", lambda: self.driver.close_session(session))
 
     @precondition(lambda self: bool(self.driver.live()))
     @rule(pick=st.integers(0, 7))
@@ -191,6 +214,9 @@ def replay(machine_cls: type[ScheduledMachine], program) -> Iterator[Replayed]:
         name = step.op.removeprefix(PREFIX)
         if name == "abort" and not machine.driver.live():
             yield Replayed(index=i, step=step, cannot_run="no live request to abort")
+            return
+        if name in SESSION_OPERATIONS and not machine.driver.streaming_sessions:
+            yield Replayed(index=i, step=step, cannot_run="this server keeps no streaming sessions")
             return
         try:
             getattr(machine, name)(**step.args)

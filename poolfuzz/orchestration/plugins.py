@@ -152,7 +152,8 @@ def resolve_recorded(spec: str, *, trusted: str | None = None) -> FamilyPlugin:
 # What the harness calls on every family; a factory whose result lacks these is not a family factory.
 FAMILY_SURFACE = ("backup_mode", "components", "free_lists", "protocol", "req_pool")
 # What the ScheduledMachine calls on the driver a factory that ``drives_scheduler`` builds.
-DRIVER_SURFACE = ("add_request", "step", "abort", "live", "propose_drafts", "state_problem", "drain")
+DRIVER_SURFACE = ("add_request", "step", "abort", "live", "propose_drafts", "state_problem", "drain",
+                  "streaming_sessions")
 
 
 def probe_family(plugin: FamilyPlugin, config: ModelConfig, *, device="cpu", faults=(),

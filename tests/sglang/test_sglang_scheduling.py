@@ -226,7 +226,7 @@ def test_a_snapshot_of_the_whole_extend_is_caught_as_another_length(scheduling):
     from poolfuzz.pools.errors import LostKv
 
     driver = scheduling.SglangSchedulerDriver(CONFIGS["hybrid-extra-buffer"])
-    driver.runner.aligned_lens = lambda mask, seqlens, prefix: seqlens - prefix
+    driver.runner.aligned_lens = lambda mask, seqlens, prefix, extend_lens: seqlens - prefix
     first = driver.add_request(length=10, share=0, max_tokens=7)
     for _ in range(10):
         driver.step()
@@ -273,6 +273,7 @@ def test_a_release_without_the_runner_s_mamba_functions_declines_mamba_models(sc
     from poolfuzz.errors import ConfigError
 
     monkeypatch.setattr(compat, "mamba_track_aligned_lens", lambda: None)
-    with pytest.raises(ConfigError, match="has no ForwardBatch.mamba_track_aligned_lens, which the model-runner"):
+    with pytest.raises(ConfigError, match="has no ForwardBatch.mamba_track_aligned_lens or MambaAttnBackendBase."
+                       "_init_track_ssm_indices, which the model-runner"):
         scheduling.SglangSchedulerDriver(CONFIGS["hybrid-extra-buffer"])
     assert scheduling.SglangSchedulerDriver(CONFIGS["dense"]).runner.aligned_lens is None

@@ -309,6 +309,8 @@ def engine_invariant_problem(server, *, idle: bool) -> str | None:
     ``SGLANG_CHECK_KV_PAGE_INVARIANTS`` and ``SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE`` runs it: after a batch,
     exact slot conservation and no page both owned and free (or free twice); when fully idle, ``on_idle``'s pool and
     request-row leak checks and the tree's ``sanity_check``. Its message where one fails, else None."""
+    from contextlib import nullcontext
+
     from sglang.srt.environ import envs
 
     checker = invariant_checker(server)
@@ -319,8 +321,9 @@ def engine_invariant_problem(server, *, idle: bool) -> str | None:
                 if has_leak:
                     checker._report_leak("pool", "\n".join(messages))
                 checker._check_req_pool()
-                if callable(getattr(type(server.tree_cache), "sanity_check", None)):  # 0.5.13's RadixCache has none
-                    server.tree_cache.sanity_check()
+                sanity = getattr(envs, "SGLANG_ENABLE_TREE_CACHE_SANITY_CHECK", None)  # 0.5.23 gates it
+                with sanity.override(True) if sanity is not None else nullcontext():
+                    checker._check_tree_cache()  # the tree's sanity check, where the server runs one for the model
             else:
                 checker.self_check_during_busy()
                 if callable(getattr(type(checker), "_check_kv_page_invariants", None)):  # 0.5.23's page check
@@ -530,3 +533,46 @@ def new_request(req_cls, *, rid: str, ids: list[int], sampling_params, vocab_siz
     extra = {"vocab_size": vocab_size} if "vocab_size" in params else {}
     return req_cls(rid=rid, origin_input_text="", origin_input_ids=array("q", ids) if typed_array else list(ids),
                    sampling_params=sampling_params, eos_token_ids=set(), **extra)
+
+
+def _message(cls, values: dict):
+    """One of the release's io_struct messages (a dataclass, or from 0.5.23 a msgspec struct) with ``values`` for the
+    fields it has, and None for a required one not given (a field the scheduler path has nothing for)."""
+    import dataclasses
+
+    if dataclasses.is_dataclass(cls):
+        fields = {f.name: f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+                  for f in dataclasses.fields(cls) if f.init}
+    else:  # msgspec: the last len(__struct_defaults__) fields have defaults
+        names = cls.__struct_fields__
+        optional = len(cls.__struct_defaults__)
+        fields = {name: i < len(names) - optional for i, name in enumerate(names)}
+    kwargs = {name: values.get(name) for name, required in fields.items() if name in values or required}
+    return cls(**kwargs)
+
+
+def session_turn_request(*, rid: str, ids: list[int], sampling_params, session_id: str):
+    """What the tokenizer manager sends the Scheduler for a turn of a streaming session: a tokenized generate
+    request whose ``session_params`` name the session (``handle_generate_request`` builds the Req from it)."""
+    from array import array
+
+    from sglang.srt.managers.io_struct import SessionParams, TokenizedGenerateReqInput
+
+    typed_array = "array" in str(getattr(TokenizedGenerateReqInput, "__annotations__", {}).get("input_ids", ""))
+    return _message(TokenizedGenerateReqInput, dict(
+        input_text="", input_ids=array("q", ids) if typed_array else list(ids), mm_inputs=None,
+        sampling_params=sampling_params, return_logprob=False, logprob_start_len=-1, top_logprobs_num=0,
+        token_ids_logprob=None, stream=False, rid=rid, session_params=SessionParams(id=session_id)))
+
+
+def open_session_request(session_id: str):
+    """``OpenSessionReqInput`` of a streaming session (the server keeps its context between turns)."""
+    from sglang.srt.managers.io_struct import OpenSessionReqInput
+
+    return _message(OpenSessionReqInput, dict(capacity_of_str_len=1 << 20, session_id=session_id, streaming=True))
+
+
+def close_session_request(session_id: str):
+    from sglang.srt.managers.io_struct import CloseSessionReqInput
+
+    return _message(CloseSessionReqInput, dict(session_id=session_id))

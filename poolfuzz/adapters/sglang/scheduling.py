@@ -51,12 +51,14 @@ import torch
 from poolfuzz.adapters.sglang import compat
 from poolfuzz.adapters.sglang.shims import cpu_pin_memory
 from poolfuzz.adapters.sglang.runner import ModelRunner, deferred_cow_and_clear
+from poolfuzz.adapters.sglang.sessions import SessionClients
 from poolfuzz.pools.config import ModelConfig
 from poolfuzz.pools.errors import ConfigError
 from poolfuzz.pools.token_chain import Tokens
 
 VOCAB = 1 << 15  # sampled tokens are below it; prompt tokens above it, so prompts share only the prefixes drawn
 DRAIN_STEPS = 400
+STALLED_STEPS = 3  # idle steps with requests waiting after which a session's client gives up its turn
 MAX_RUNNING = 4  # --max-running-requests
 # The server's flags, the rest at their defaults (fcfs policy, --max-prefill-tokens 16384, ...):
 # --chunked-prefill-size small, so prompts are chunked; --schedule-conservativeness below the default 1.0, so the
@@ -174,6 +176,10 @@ class SglangSchedulerDriver:
         max_running = min(MAX_RUNNING, config.request_rows)
         self.server_args = server_arguments(config, max_running_requests=max_running)
         self.aborted: set[str] = set()  # requests the server answered with an abort (no longer its to run)
+        # streaming sessions: driven where the server is built with --enable-streaming-session (0.5.12, 0.5.13)
+        self.streaming_sessions = False
+        self.session_clients = SessionClients(self)
+        self.outcome: dict[str, str] = {}  # request id -> "finished" / "aborted", once the server is done with it
         if compat.publishes_runtime_context():
             self._build_context_server(config, max_running)
         else:
@@ -252,6 +258,8 @@ class SglangSchedulerDriver:
         from poolfuzz.adapters.sglang.family import build_sglang_family
 
         m = self.m
+        self.server_args = dict(self.server_args, enable_streaming_session=True)
+        self.streaming_sessions = True
         try:
             server_args = legacy.publish(self.server_args, max_running_requests=max_running)
         except (AssertionError, ValueError) as exc:  # ServerArgs' own validation: no server starts with these
@@ -324,6 +332,14 @@ class SglangSchedulerDriver:
         compat.queue_request(self.server, req)
         return rid
 
+    def session_turn(self, *, session: int, length: int, max_tokens: int) -> str | None:
+        """The next turn of streaming session ``session`` (``sessions.SessionClients.turn``)."""
+        return self.session_clients.turn(f"session-{session}", length=length, max_tokens=max_tokens)
+
+    def close_session(self, session: int) -> None:
+        """The client closes streaming session ``session``, where it is open and its last turn answered."""
+        self.session_clients.close(f"session-{session}", give_up=False)
+
     def propose_drafts(self, tokens: int) -> None:
         """No speculative decoding on this server."""
 
@@ -341,7 +357,10 @@ class SglangSchedulerDriver:
         batch = self.loop.next_batch()
         self.retracted += self.loop.retractions()
         if batch is None:
-            self.loop.idle()
+            try:
+                self.loop.idle()
+            except ValueError as exc:  # on_idle's strict leak check: the server stops here
+                raise AssertionError(str(exc).strip() + self.session_clients.told()) from None
             self._forget_done()  # a chunked request's deferred abort is answered at the top of a step
             return
         s.forward_ct += 1  # run_batch's counter
@@ -365,6 +384,7 @@ class SglangSchedulerDriver:
 
     def _forget_done(self) -> None:
         for rid in [rid for rid, req in self.requests.items() if req.finished() or rid in self.aborted]:
+            self.outcome[rid] = "aborted" if rid in self.aborted or _aborted(self.requests[rid]) else "finished"
             del self.requests[rid]
 
     # --- checks --------------------------------------------------------------------------------
@@ -392,22 +412,34 @@ class SglangSchedulerDriver:
         return out
 
     def drain(self) -> str | None:
-        """Run the idle server until every request finished; what is wrong then (stuck, leaked)."""
+        """Run the idle server until every request finished, closing each open streaming session once its last turn
+        is answered (a client that is done closes them); what is wrong then (stuck, leaked: with the sessions and
+        their turns, where any)."""
+        idle = 0  # drain steps in a row that ran no batch
         for _ in range(DRAIN_STEPS):
+            # an open session holds its row and KV: its client closes it once its last turn is answered, or gives up
+            # on the turn and closes it where the server has run nothing for a few steps while the turn waits (a pool
+            # too small for a turn beside what the sessions hold)
+            self.session_clients.close_all(give_up=idle >= STALLED_STEPS)
             if not self.requests and self.server.last_batch is None:
                 break
             self.step()
+            idle = idle + 1 if self.server.last_batch is None else 0
         if self.requests:
             stuck = ", ".join(f"req {rid} {self._where(r)} with {len(r.output_ids)} of {r.sampling_params.max_new_tokens} "
                               "tokens out" for rid, r in list(self.requests.items())[:4])
             return f"{len(self.requests)} request(s) still unfinished after {DRAIN_STEPS} idle steps ({stuck})"
         if not self.server.is_fully_idle():
             return "every request finished, but the server is not idle"
-        return compat.engine_invariant_problem(self.server, idle=True)  # on_idle's leak checks, strict
+        problem = compat.engine_invariant_problem(self.server, idle=True)  # on_idle's leak checks, strict
+        return problem and problem + self.session_clients.told()
 
     def _where(self, req) -> str:
         s = self.server
         if req in s.waiting_queue:
+            if s.running_batch.is_empty() and s.running_batch.batch_is_full:
+                # nothing is left to leave the batch, and only a leaving request clears the flag
+                return "waiting (the running batch is empty but marked full, so the scheduler admits nothing)"
             return "waiting"
         if req is s.chunked_req:
             return "mid-prefill (chunked)"
@@ -485,6 +517,11 @@ def _model_config(config: ModelConfig):
                            is_multimodal=False, hf_eos_token_id=set(), is_hybrid_swa=config.has_swa,
                            is_matryoshka=False, is_generation=True, use_ngram_embedding=False,
                            hf_text_config=SimpleNamespace(mamba_chunk_size=MAMBA_CHUNK))
+
+
+def _aborted(req) -> bool:
+    """Whether the server finished ``req`` with an abort (``FINISH_ABORT``), not a stop or length."""
+    return type(req.finished_reason).__name__ == "FINISH_ABORT"
 
 
 def _schedule_batch_class():

@@ -1,0 +1,102 @@
+"""The scheduler machine's streaming-session rules (harness/scheduled.py), over a recording driver: they fire only
+on a driver that keeps sessions, programs holding them validate and replay, and a server without sessions says it
+cannot run them."""
+
+from __future__ import annotations
+
+from hypothesis import HealthCheck, settings
+from hypothesis.stateful import run_state_machine_as_test
+
+from poolfuzz.harness.records import StepRecord
+from poolfuzz.harness.scheduled import check_program, replay, scheduled_machine
+from poolfuzz.pools.config import CONFIGS
+
+SETTINGS = settings(max_examples=20, stateful_step_count=15, deadline=None, derandomize=True, database=None,
+                    suppress_health_check=list(HealthCheck))
+
+
+class RecordingDriver:
+    """A server that runs every request to completion at the next step and remembers what it was told."""
+
+    def __init__(self, *, sessions: bool):
+        self.streaming_sessions = sessions
+        self.calls: list[tuple] = []
+        self.running: list[str] = []
+        self.next = 1
+
+    def _rid(self) -> str:
+        rid, self.next = f"{self.next:06d}", self.next + 1
+        return rid
+
+    def add_request(self, **kw):
+        rid = self._rid()
+        self.calls.append(("add_request", rid))
+        self.running.append(rid)
+        return rid
+
+    def session_turn(self, *, session, length, max_tokens):
+        assert self.streaming_sessions, "a session rule fired on a server without sessions"
+        rid = self._rid()
+        self.calls.append(("session_turn", session, rid))
+        self.running.append(rid)
+        return rid
+
+    def close_session(self, session):
+        assert self.streaming_sessions, "a session rule fired on a server without sessions"
+        self.calls.append(("close_session", session))
+
+    def step(self):
+        self.running.clear()
+
+    def abort(self, rid):
+        self.running.remove(rid)
+
+    def live(self):
+        return list(self.running)
+
+    def propose_drafts(self, tokens):
+        pass
+
+    def state_problem(self):
+        return None
+
+    def drain(self):
+        return None
+
+
+def _run(sessions: bool) -> list[RecordingDriver]:
+    drivers: list[RecordingDriver] = []
+
+    def factory(config):
+        drivers.append(RecordingDriver(sessions=sessions))
+        return drivers[-1]
+
+    run_state_machine_as_test(scheduled_machine(CONFIGS["dense"], driver_factory=factory), settings=SETTINGS)
+    return drivers
+
+
+def test_session_rules_fire_only_on_a_server_with_streaming_sessions():
+    with_sessions = [c[0] for d in _run(True) for c in d.calls]
+    assert {"session_turn", "close_session", "add_request"} <= set(with_sessions)
+    without = [c[0] for d in _run(False) for c in d.calls]  # the driver asserts none fires
+    assert "add_request" in without and "session_turn" not in without
+
+
+def test_a_program_with_session_turns_validates_and_replays():
+    program = [StepRecord(op="scheduler.session_turn", args={"session": 1, "length": 3, "max_tokens": 2}, outcome=""),
+               StepRecord(op="scheduler.schedule", args={"steps": 1, "drafts": 0}, outcome=""),
+               StepRecord(op="scheduler.close_session", args={"session": 1}, outcome="")]
+    assert check_program(program) is None
+    assert check_program([StepRecord(op="scheduler.close_session", args={"session": -1}, outcome="")]) is not None
+    drivers: list[RecordingDriver] = []
+
+    def factory(config):
+        drivers.append(RecordingDriver(sessions=True))
+        return drivers[-1]
+
+    steps = list(replay(scheduled_machine(CONFIGS["dense"], driver_factory=factory), program))
+    assert [s.failure for s in steps] == [None] * 4 and not any(s.cannot_run for s in steps)
+    assert drivers[0].calls == [("session_turn", 1, "000001"), ("close_session", 1)]
+    no_sessions = scheduled_machine(CONFIGS["dense"], driver_factory=lambda c: RecordingDriver(sessions=False))
+    first = next(iter(replay(no_sessions, program)))
+    assert first.cannot_run == "this server keeps no streaming sessions"
