@@ -14,14 +14,19 @@ KV_QUANTS = ("cpu_fp8_e4m3",)
 MODEL_DTYPE = torch.float16
 
 
+# Both conversions run on the CPU, where SGLang's CPU fp8 method runs: torch's CUDA casts to and from fp8 turn
+# every NaN into the canonical 0x7F (the sign of 0xFF is lost), so on a CUDA device a row holding a 0xFF byte came
+# back torn (found by ci/gpu-check.sh on an H200, the first CUDA run).
+
+
 def quantise(rows: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
     """``(x / scale).to(fp8)`` as bytes, as SGLang's ``CPUFP8KVCacheMethod.quantize_and_store`` stores them."""
-    return (rows / scale).to(torch.float8_e4m3fn).view(torch.uint8)
+    return (rows.cpu() / scale).to(torch.float8_e4m3fn).view(torch.uint8).to(rows.device)
 
 
 def as_model_rows(rows: torch.Tensor) -> torch.Tensor:
     """The harness's rows (fp8 bytes) as the model dtype an attention layer computes K and V in."""
-    return rows.view(torch.float8_e4m3fn).to(MODEL_DTYPE)
+    return rows.cpu().view(torch.float8_e4m3fn).to(MODEL_DTYPE).to(rows.device)
 
 
 class MHATokenToKVPoolQuantised(MHATokenToKVPool):
