@@ -14,7 +14,8 @@ cd "$(dirname "$0")/.."
 
 PY=${PYTHON:-python}
 DEVICE=${GPU_CHECK_DEVICE:-cuda}
-# The suite took 206 s on an H200 machine with 12 workers (16 cores): CUDA launches, not the GPU, bound it.
+# The suite took 194 s on an H200 machine with 12 workers (16 cores; 2026-12-04, torch 2.11+cu130): CUDA launches,
+# not the GPU, bound it.
 XDIST=${GPU_CHECK_XDIST:-$(( $(nproc) > 12 ? 12 : $(nproc) ))}
 TESTS=${GPU_CHECK_TESTS:-tests}
 FAULT=swa-ignores-mamba-backup
