@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from poolfuzz.harness import contract
 from poolfuzz.harness.contract import check_family
 from poolfuzz.harness.engine import Engine
 from poolfuzz.harness.failures import InvariantViolation
@@ -21,7 +22,7 @@ def _build(name):
 
 class TestContract:
     @pytest.mark.parametrize("name", NAMES)
-    def test_family_contract(self, api, name):
+    def test_family_contract(self, api, name, monkeypatch):
         from poolfuzz.adapters.vllm import build_manager_family as build_family, unsupported_reason
 
         reason = unsupported_reason(CONFIGS[name])
@@ -32,6 +33,9 @@ class TestContract:
             with pytest.raises(ConfigError, match="cannot build"):
                 build_family(CONFIGS[name])
             return
+        # The contract's program without its retraction and resume: the family declares none (supports_retract).
+        assert build_family(CONFIGS[name]).supports_retract is False
+        monkeypatch.setattr(contract, "PROGRAM", [s for s in contract.PROGRAM if s[0] not in ("retract", "resume")])
         check_family(build_family, CONFIGS[name])
 
     @pytest.mark.parametrize("name", ["dense", "swa-ssm-ps4"])
@@ -80,21 +84,6 @@ class TestChecks:
         with pytest.raises(InvariantViolation, match=rf"block {full_block} .*two KV cache groups: full \(req {rid}\) "
                                                      rf"and swa \(req {rid}\)"):
             engine.check()
-
-    def test_recompute_after_preemption_keeps_every_position(self, api):
-        """Preempt, let other requests evict part of the prefix cache, resume: all KV is there again."""
-        engine = Engine(config=CONFIGS["dense-ps4"], family_factory=_factory())
-        a = engine.admit(13)
-        engine.prefill(a, 13)
-        engine.retract(a)
-        engine.check()
-        b = engine.admit(20)
-        engine.prefill(b, 20)
-        engine.check()
-        assert engine.resume("prefill") == a
-        engine.check()
-        engine.sweep()
-        engine.drain()
 
 
 def _factory():

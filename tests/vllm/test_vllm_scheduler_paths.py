@@ -1,4 +1,5 @@
-"""The scheduler's side of vLLM's manager the vllm family drives: KV events, prefix-cache reset, align mode."""
+"""The scheduler's side of vLLM's manager that vllm:manager drives (KV events, prefix-cache reset) and what it
+leaves to vLLM's own Scheduler (``--family vllm``): mamba "align", preemption, a KV connector's tokens."""
 
 from __future__ import annotations
 
@@ -82,79 +83,46 @@ class TestPrefixCacheReset:
             fam.free_lists()["full"].free_list_problem()
 
 
-class TestAlignMode:
-    @pytest.fixture
-    def align(self, api):
+class TestWhatOnlyTheSchedulerDecides:
+    """vllm:manager restates no scheduler decision: what only vLLM's Scheduler decides is declined or not driven."""
+
+    @pytest.mark.parametrize("name", ["hybrid-extra-buffer", "hybrid-extra-buffer-ps4"])
+    def test_an_align_config_is_declined_pointing_to_the_scheduler_family(self, api, name):
+        """Where an "align" prefill chunk ends and which cached state a request continues from are the scheduler's."""
+        from poolfuzz.adapters.vllm import build_manager_family, scheduler_unsupported_reason, unsupported_reason
+        from poolfuzz.pools.errors import ConfigError
+
+        reason = unsupported_reason(CONFIGS[name])
         if "align" not in api.mamba_cache_modes:
-            pytest.skip(f"vLLM {api.version} has no mamba cache mode align")
+            assert "has no mamba cache mode 'align'" in reason, reason
+            return
+        assert 'mamba cache mode "align" is driven only through vLLM\'s own Scheduler' in reason, reason
+        assert reason.endswith("run it with --family vllm"), reason
+        with pytest.raises(ConfigError, match=f"vllm:manager cannot build '{name}': .*--family vllm"):
+            build_manager_family(CONFIGS[name])
+        assert scheduler_unsupported_reason(CONFIGS[name]) is None  # the scheduler path drives it
 
-    def test_extra_buffer_configs_run_align_without_speculative_decode(self, align):
-        fam = _factory()(CONFIGS["hybrid-extra-buffer-ps4"])
-        assert fam.mamba_mode == "align" and fam.prefix_caching
-        assert fam.supports_speculative is False
-        assert _factory()(CONFIGS["hybrid-linear"]).supports_speculative is True
+    def test_a_mamba_config_in_mode_none_still_builds(self, api):
+        fam = _factory()(CONFIGS["hybrid-linear"])
+        assert fam.mamba_mode == "none" and not fam.prefix_caching
 
-    def test_a_prefill_chunk_ends_on_a_block_boundary(self, align):
-        """The scheduler's split: a chunk that is not the prompt's last ends on a block boundary
-        (none inside it: it waits); the last chunk stops at the last boundary before the last token."""
-        engine = Engine(config=CONFIGS["hybrid-extra-buffer-ps4"], family_factory=_factory())
-        rid = engine.admit(10)
-        assert engine.prefill(rid, 6)
-        assert engine.log[-1].outcome == "positions 0..4"
-        assert not engine.prefill(rid, 3)
-        assert engine.log[-1].outcome == "no chunk fits this budget: waits"
-        assert engine.prefill(rid, 16)
-        assert engine.log[-1].outcome == "positions 4..8"
-        if engine.families["prefill"].built.hash_block_size == 1:
-            # hits inside a block (test_vllm_partial_hits.py): the chunk also stops at the prompt's
-            # last token boundary, where the state is checkpointed
-            assert engine.prefill(rid, 16)
-            assert engine.log[-1].outcome == "positions 8..9"
-        assert engine.prefill(rid, 16)
-        assert engine.log[-1].outcome == ("positions 9..10" if engine.families["prefill"].built.hash_block_size == 1
-                                          else "positions 8..10")
+    def test_no_request_is_preempted(self, api):
+        """``Scheduler._preempt_request`` picks and frees the victim: the family declares no retraction, and a
+        decode that finds no block retracts nothing."""
+        fam = _factory()(CONFIGS["dense-ps4"])
+        assert fam.supports_retract is False
+        engine = Engine(config=CONFIGS["dense-ps4"], family_factory=_factory())
+        assert engine.sglang_victim("prefill") is None
+
+    def test_a_next_turn_gets_no_connector_tokens(self, api):
+        """The lookup is ``get_computed_blocks`` alone, also where ``allocate_slots`` takes a connector's tokens (which
+        held this turn's whole blocks up to 20 before): the scheduler's connector rules run only on ``--family vllm``."""
+        engine, a = _served_and_finished("swa-ps4", 13)
+        rid = engine.next_turn(a, 8)
+        assert engine.log[-1].outcome == f"Req({rid}) prefix 13 hit 12 external 0", engine.log[-1]
         engine.check()
-
-    def test_a_next_turn_revives_the_cached_state_block(self, align):
-        engine, a = _served_and_finished("hybrid-extra-buffer-ps4", 13)
-        fam = engine.families["prefill"]
-        rid = engine.next_turn(a, 3)
-        assert engine.log[-1].outcome.startswith(f"Req({rid}) prefix 13 hit 12"), engine.log[-1]
-        mamba = fam.block_ids(fam.live[rid], "mamba")
-        assert mamba[:2] == [0, 0] and mamba[2] != 0  # nulls, then the state after 12 tokens, cached
-        engine.check()
-        engine.prefill(rid, 16)
+        engine.prefill(rid, 21)
         engine.decode([rid])
         engine.check()
         engine.sweep()
         engine.drain()
-
-    def test_a_cached_state_changed_while_free_is_caught_at_the_hit(self, align):
-        """The state cached at a block boundary is what a later hit starts from: checked before the
-        recompute overwrites the running state."""
-        from poolfuzz.harness.failures import StateLost
-
-        engine = Engine(config=CONFIGS["hybrid-extra-buffer-ps4"], family_factory=_factory())
-        a = engine.admit(13)
-        while engine.requests[a].phase is Phase.PREFILLING:
-            engine.prefill(a, 13)
-        fam = engine.families["prefill"]
-        state_at_12 = fam.block_ids(fam.live[a], "mamba")[2]
-        engine.finish(a)
-        engine.check()
-        for comp in fam.components():
-            if comp.space == "mamba":
-                comp.tensor[state_at_12] += 1
-        with pytest.raises(StateLost, match=rf"hit a cached state after 12 tokens.*slot {state_at_12}"):
-            engine.next_turn(a, 3)
-
-    @pytest.mark.parametrize("name", ["hybrid-extra-buffer", "hybrid-extra-buffer-ps4"])
-    def test_fuzz_finds_nothing_in_align_mode(self, align, expect, fuzz, name):
-        outcome = fuzz(CONFIGS[name], examples=30)
-        if outcome.failure is not None:
-            # vllm#46892 (open at 0.33.0, on every release here): connector tokens past a request's
-            # hit need two state blocks where the admission check counts one, so near capacity the
-            # allocation runs the pool dry (test_vllm_admission.py). Only that real defect may fail.
-            assert "Cannot get 1 free blocks from the pool" in str(outcome.failure), outcome.failure
-            return
-        assert outcome.failure is None, outcome.failure

@@ -5,17 +5,22 @@ speculative drafts' acceptance, KV connector loads and saves, and blocks; a work
 checks every attended position and recurrent state. ``vllm:scheduler`` is the same family under the name it
 had for one release.
 
-``--family vllm:manager`` drives vLLM's ``KVCacheManager`` directly (``family.py``, ``protocol.py``), only for
-what the scheduler path cannot reach: multi-turn requests continued on a finished request's blocks, EAGLE's
-hit truncation, a connector on a hybrid model before 0.34 (on 0.34 the scheduler path runs the store's
-connector on hybrids, ``connector.hybrid_capable``) and its offload of a preempted request's blocks, the #44409
-anchor, and the fault catalogue's two-node programs. The harness
-chooses the calls (chunk sizes within a budget, which request is preempted, when a next turn arrives), as any
-caller of the manager may; what vLLM's scheduler decides it asks vLLM: where an "align" prefill chunk ends is
-``Scheduler._mamba_block_aligned_split`` on a server of the config (``scheduling.align_splitter``). One rule is
-restated, because it sits inline in ``Scheduler.schedule()`` with no function below it to call: a connector's
-hit strictly past a local hit's tail inside a block truncates that tail (``protocol._lookup``); on 0.34 the
-scheduler path runs that rule itself (the store's connector on an align hybrid), so the restatement is due to go.
+``--family vllm:manager`` drives vLLM's ``KVCacheManager`` directly (``family.py``, ``protocol.py``). The harness
+chooses the calls (chunk sizes within a budget, when a request finishes, when a next turn arrives), as any caller
+of the manager may; it restates no scheduler decision, so what only the scheduler decides is not driven here:
+preemption (``supports_retract`` False), a KV connector's tokens (a lookup is ``get_computed_blocks`` alone), and
+mamba cache mode "align" (declined, pointing to ``--family vllm``: where its prefill chunks end and which cached
+state a request continues from are the scheduler's). What it still reaches that ``--family vllm`` cannot:
+
+* a chat's next turn that continues a finished request's whole token list (its prompt and every sampled
+  token), so its prefix hit covers the blocks filled while decoding; the scheduler path's requests share at
+  most four pages of an earlier request's tokens;
+* EAGLE's hit drop on ``dense`` (``use_eagle``; the scheduler path drafts as ngram does);
+* call orders of the manager no scheduler step makes: a sliding-window eviction (``remove_skipped_blocks``) on
+  its own, an idle node's ``reset_prefix_cache`` mid-run and then serving on (the scheduler path resets only
+  when it drains);
+* releases whose ``Scheduler`` the scheduler path cannot drive (``scheduling.release_problem``).
+
 Importing this module does not import vLLM; building a family does.
 """
 
@@ -25,15 +30,13 @@ from __future__ import annotations
 def build_manager_family(config, *, device="cpu", faults=(), backup_mode=None):
     """The family factory registered as ``vllm:manager``: vLLM's KVCacheManager, driven call by call."""
     from poolfuzz.adapters.vllm.family import build_vllm_family
-    from poolfuzz.adapters.vllm.scheduling import align_splitter
 
-    return build_vllm_family(config, device=device, faults=faults, backup_mode=backup_mode,
-                             align_splitter=align_splitter)
+    return build_vllm_family(config, device=device, faults=faults, backup_mode=backup_mode)
 
 
 def unsupported_reason(config) -> str | None:
-    """Why the installed vLLM cannot run ``config`` here, or None."""
-    from poolfuzz.adapters.vllm.family import unsupported_reason as probe
+    """Why ``vllm:manager`` does not run ``config`` with the installed vLLM (align configs: run ``--family vllm``), or None."""
+    from poolfuzz.adapters.vllm.family import manager_unsupported_reason as probe
 
     return probe(config)
 

@@ -31,7 +31,7 @@ NEEDS: tuple[Need, ...] = (
          used_for="prefix hits at resume and next turn"),
     Need(target=f"{_CORE}.kv_cache_manager:KVCacheManager.get_block_ids",
          used_for="each request's block table per KV cache group"),
-    Need(target=f"{_CORE}.kv_cache_manager:KVCacheManager.free", used_for="preemption"),
+    Need(target=f"{_CORE}.kv_cache_manager:KVCacheManager.free", used_for="finished requests"),
     Need(target=f"{_CORE}.kv_cache_manager:KVCacheManager.reset_prefix_cache", used_for="the idle flush and the drain"),
     Need(target=f"{_CORE}.kv_cache_manager:KVCacheManager.remove_skipped_blocks",
          used_for="sliding-window eviction"),
@@ -55,7 +55,7 @@ NEEDS: tuple[Need, ...] = (
     Need(target="vllm.v1.kv_cache_interface:MambaSpec", fields=("shapes", "dtypes"), used_for="mamba layers"),
     Need(target="vllm.v1.request:Request", params=("request_id", "prompt_token_ids", "sampling_params",
                                                    "pooling_params", "block_hasher"), used_for="every request"),
-    Need(target="vllm.v1.request:RequestStatus", used_for="preemption and resume"),
+    Need(target="vllm.v1.request:RequestStatus", used_for="a next turn's status while it is scheduled"),
     Need(target="vllm.sampling_params:SamplingParams", used_for="every request"),
     # Features the family probes and does without (a release without them runs fewer paths).
     Need(target="vllm.v1.kv_cache_interface:MambaSpec", fields=("mamba_cache_mode",), required=False,
@@ -66,12 +66,8 @@ NEEDS: tuple[Need, ...] = (
          used_for="checking the KV events against the prefix cache (absent with contain: not checked)"),
     Need(target="vllm.distributed.kv_events:BlockStored", fields=("group_idx", "block_hashes"), required=False,
          used_for="KV events naming their group (absent: the events are not checked)"),
-    Need(target=f"{_CORE}.kv_cache_manager:KVCacheManager.get_computed_blocks_for_connector", required=False,
-         used_for="a KV connector's lookup with diverging hybrid hits"),
     Need(target=f"{_CORE}.kv_cache_manager:KVCacheManager.take_kv_cache_block_copies", required=False,
          used_for="copy-on-write of state and partial-hit blocks"),
-    Need(target=f"{_CORE}.kv_cache_manager:KVCacheManager.pop_blocks_for_free", required=False,
-         used_for="a finished request's deferred free (KV connector attached)"),
     Need(target=f"{_CORE}.kv_cache_utils:partial_hash_hits_enabled", required=False,
          used_for="prefix hits inside a block (--prefix-match-unit)"),
     Need(target=f"{_CORE}.block_pool:BlockPool.cache_partial_block", required=False,
@@ -89,9 +85,6 @@ NEEDS: tuple[Need, ...] = (
     Need(target="vllm.v1.core.sched.output:SchedulerOutput",
          fields=("scheduled_new_reqs", "scheduled_cached_reqs", "num_scheduled_tokens", "finished_req_ids"),
          required=False, used_for="the scheduler-driven path: what the worker stand-in reads of each step"),
-    Need(target=f"{_CORE}.sched.scheduler:Scheduler._mamba_block_aligned_split",
-         params=("request", "num_new_tokens"), required=False,
-         used_for='where a prefill chunk ends with a mamba "align" group (vllm:manager asks the scheduler)'),
     Need(target=f"{_CORE}.sched.output:SchedulerOutput", fields=("kv_cache_block_copies",), required=False,
          used_for="copy-on-write of a hit's tail block on the scheduler-driven path (hits inside a block)"),
     Need(target="vllm.v1.core.sched.output:CachedRequestData",
@@ -227,9 +220,3 @@ def prompt_refusal(model_config, prompt_len: int) -> str | None:
     except (ValueError, refused) as exc:
         return str(exc).split(". Make sure")[0]
     return None
-
-
-def mamba_block_aligned_split(scheduler, request, num_new_tokens: int) -> int:
-    """``Scheduler._mamba_block_aligned_split``: how many of ``num_new_tokens`` prefill tokens the scheduler runs
-    before the chunk must end where a mamba "align" state is cached (0: none fits, the request waits)."""
-    return scheduler._mamba_block_aligned_split(request, num_new_tokens)

@@ -26,6 +26,8 @@ class VllmFamily:
     Capabilities (class attributes the harness reads):
       ``supports_fork`` / ``supports_transfer``: False; a fork is a prefix hit on another request's
       tokens and a transfer needs a KV connector's worker side, neither driven here.
+      ``supports_retract``: False; which request is preempted, and how its blocks go back, is the scheduler's
+      decision (``Scheduler._preempt_request``), which ``--family vllm`` runs; this family does not restate it.
       ``pads_slot_zero``: False; vLLM pads a batch with slot id -1, which no kernel writes.
       ``shared_unit_spaces``: the spaces of the KV cache groups; every group's blocks come from one
       BlockPool, so a block held in two of them is a violation, however each space looks alone.
@@ -33,14 +35,13 @@ class VllmFamily:
       blocks that leave the cache uncached are reported to the free listener (and poisoned).
       ``reference_factory``: the reference model of vLLM's block accounting.
       ``supports_next_turn``: True; a finished request's tokens are kept (``finished_tokens``), and a
-      next turn's prompt continues them: a prefix hit on blocks in the free queue, plus the tokens
-      a KV connector reports after it.
-      ``supports_speculative``: True, except for a mamba group in "align" mode (set per instance):
-      vLLM runs speculative decoding there only with speculative state blocks, not modelled here.
+      next turn's prompt continues them: a local prefix hit on blocks in the free queue.
+      ``supports_speculative``: True; the drafts' blocks are allocated and kept, as vLLM keeps them.
     """
 
     supports_fork = False
     supports_transfer = False
+    supports_retract = False
     pads_slot_zero = False
     shared_unit_spaces = ("full", "swa", "mamba")
     caches_freed_units = True
@@ -60,7 +61,6 @@ class VllmFamily:
     live: dict[int, LiveRequest] = field(default_factory=dict)  # by rid, preempted ones included
     by_row: dict[int, LiveRequest] = field(default_factory=dict)
     finished_tokens: dict[int, list[int]] = field(default_factory=dict)  # by rid: what a next turn continues
-    splitter: object = None  # align: a Scheduler of this config, whose own split ends prefill chunks (protocol)
 
     def __post_init__(self):
         c, nb = self.config, self.built.num_blocks
@@ -89,8 +89,6 @@ class VllmFamily:
             self.req_pool.mamba_pool = ComponentsView(self._mamba)
         self.allocator = SwaTranslator(self)
         self.protocol = VllmProtocol()
-        if self.mamba_mode == "align":
-            self.supports_speculative = False
         self._listener = None
 
     def __repr__(self) -> str:
@@ -245,22 +243,25 @@ def refuse_run_options(family: str, faults, backup_mode) -> None:
                           "request (cpu_tensor is the only path the harness names for it)")
 
 
-def build_vllm_family(config: ModelConfig, *, device="cpu", faults=(), backup_mode=None,
-                      align_splitter=None) -> VllmFamily:
-    """``align_splitter(api, config)``: the Scheduler whose ``_mamba_block_aligned_split`` ends an "align" config's
-    prefill chunks (``scheduling.align_splitter``, wired by the factory)."""
+def manager_unsupported_reason(config: ModelConfig) -> str | None:
+    """Why ``vllm:manager`` does not drive ``config``: what the installed vLLM cannot run (``unsupported_reason``,
+    which ``--family vllm`` shares), and a mamba "align" config, whose prefill chunk ends, resumed prefill
+    lengths and cached states only vLLM's scheduler decides (``--family vllm`` runs it)."""
+    reason = unsupported_reason(config)
+    if reason is None and config.has_mamba and mamba_mode_for(config) == "align":
+        reason = ('mamba cache mode "align" is driven only through vLLM\'s own Scheduler, which decides where its '
+                  "prefill chunks end and which cached state a request continues from: run it with --family vllm")
+    return reason
+
+
+def build_vllm_family(config: ModelConfig, *, device="cpu", faults=(), backup_mode=None) -> VllmFamily:
+    """The ``vllm:manager`` family over ``config`` (a ConfigError naming the reason where it declines it)."""
     refuse_run_options("vllm:manager", faults, backup_mode)
     api = load()
-    reason = unsupported_reason(config)
+    reason = manager_unsupported_reason(config)
     if reason:
-        raise ConfigError(f"vllm family cannot build {config.name!r}: {reason}")
+        raise ConfigError(f"vllm:manager cannot build {config.name!r}: {reason}")
     mode = mamba_mode_for(config)
     built = build_manager(api, config, mode)
-    splitter = None
-    if mode == "align":
-        if align_splitter is None:
-            raise ConfigError(f"vllm family cannot build {config.name!r}: a mamba \"align\" config needs the "
-                              "scheduler whose split ends its prefill chunks (align_splitter)")
-        splitter = align_splitter(api, config)
     return VllmFamily(api=api, config=config, device=torch.device(device), built=built, mamba_mode=mode,
-                      uses_ssm_state=uses_ssm_state(config), splitter=splitter)
+                      uses_ssm_state=uses_ssm_state(config))

@@ -268,15 +268,6 @@ def default_budget(config: ModelConfig, max_seqs: int) -> int:
     return max(2 * config.page_size + 1, max_seqs)
 
 
-@lru_cache(maxsize=8)
-def align_splitter(api: VllmAPI, config: ModelConfig):
-    """A server's Scheduler for ``config``, once per config, whose ``_mamba_block_aligned_split`` the direct
-    manager path (``vllm:manager``) asks where a prefill chunk ends (it reads the request and the server's
-    config, and changes nothing)."""
-    seqs = config.request_rows
-    return build_scheduler(api, config, budget=default_budget(config, seqs), max_seqs=seqs).scheduler
-
-
 # ======================================================================================
 # The driver: what the harness's ScheduledMachine calls (harness/scheduled.py)
 # ======================================================================================
