@@ -116,12 +116,9 @@ class TestFlush:
 
 class TestFuzz:
     @pytest.mark.parametrize("name", ["dense", "swa-ps4", "hybrid-linear"])
-    def test_fuzz_finds_nothing_on_non_anchor_configs(self, api, expect, fuzz, name):
+    def test_fuzz_finds_nothing_on_non_anchor_configs(self, api, fuzz, name):
+        """On every release, #44409's too: its next turns bring no connector tokens, which that bug needs."""
         outcome = fuzz(CONFIGS[name], examples=30)
-        if expect == "44409" and CONFIGS[name].has_swa and outcome.failure is not None:
-            # Before #44409 a hybrid's next turn may put a block in two groups: only that may fail.
-            assert "sits in two KV cache groups" in str(outcome.failure), outcome.failure
-            return
         assert outcome.failure is None, outcome.failure
 
 

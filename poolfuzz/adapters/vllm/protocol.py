@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from poolfuzz.adapters.vllm.storage import copy_rows, zero_rows
+from poolfuzz.adapters.vllm.storage import zero_rows
 from poolfuzz.pools.errors import PoolError, PoolExhausted
 from poolfuzz.pools.request import ReqKv, RetractionBackup
 
@@ -54,12 +54,7 @@ class VllmProtocol:
             lead += 1
         req.swa_evicted_seqlen = lead * ps
         mamba = [b for b in fam.block_ids(live, "mamba") if b]
-        state = mamba[-1] if mamba else None
-        if state is not None and req.mamba_pool_idx is not None and state != req.mamba_pool_idx \
-                and not req.mamba_needs_clear:
-            # The worker carries the running state into the request's newest state block.
-            copy_rows(fam.req_pool.mamba_pool.components(), "mamba", req.mamba_pool_idx, state)
-        req.mamba_pool_idx = state
+        req.mamba_pool_idx = mamba[-1] if mamba else None  # mamba cache mode "none": one state block per request
 
     def _step(self, fam) -> None:
         starts = getattr(fam.manager, "new_step_starts", None)

@@ -51,12 +51,6 @@ def zero_rows(components: list[Component], space: str, unit: int) -> None:
             comp.tensor[unit] = 0
 
 
-def copy_rows(components: list[Component], space: str, src: int, dst: int) -> None:
-    for comp in components:
-        if comp.space == space:
-            comp.tensor[dst] = comp.tensor[src]
-
-
 def zero_blocks(components: list[Component], blocks, rows: int) -> None:
     """The worker's zeroing of new blocks: every row of each block, in every component given."""
     for b in blocks:
@@ -71,4 +65,4 @@ def copy_block(components: list[Component], space: str, src: int, dst: int, rows
             comp.tensor[dst * rows:(dst + 1) * rows] = comp.tensor[src * rows:(src + 1) * rows]
 
 
-__all__ = ["attention_components", "mamba_components", "null_block_written", "zero_rows", "copy_rows", "copy_block", "zero_blocks", "torch"]
+__all__ = ["attention_components", "mamba_components", "null_block_written", "zero_rows", "copy_block", "zero_blocks", "torch"]
