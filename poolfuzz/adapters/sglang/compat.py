@@ -209,6 +209,8 @@ def scheduler_state(*, tree, req_to_token_pool, allocator, model_config, spec_al
     from collections import deque
     from types import SimpleNamespace as NS
 
+    from sglang.srt.runtime_context import get_server_args
+
     noop = lambda *args, **kwargs: None  # noqa: E731
     same = lambda batch, **kwargs: batch  # noqa: E731
     return dict(
@@ -246,7 +248,22 @@ def scheduler_state(*, tree, req_to_token_pool, allocator, model_config, spec_al
         beam_coordinator=NS(pending_member_rows=lambda batch: 0, retire_group=noop),
         load_inquirer=NS(_get_num_pending_tokens=lambda **kwargs: 0),
         metrics_reporter=NS(enable_metrics=False, num_retracted_reqs=0, record_scheduler_active=noop),
-        send_abort_output=noop, result_processor=processor)
+        send_abort_output=noop, result_processor=processor,
+        # read by 0.5.18's event-loop methods (later releases moved them into components)
+        server_args=get_server_args(), enable_fpm=False, enable_dynamic_chunking=False, ipc_channels=NS(send_to_tokenizer=NS(send_output=noop)),
+        ps=NS(tp_rank=0, pp_rank=0, attn_cp_rank=0, dp_rank=None, tp_size=1, pp_size=1, dp_size=1, attn_tp_size=1,
+              attn_tp_rank=0, attn_dp_rank=0))
+
+
+def published_extra_buffer() -> bool:
+    """Whether the published server keeps mamba extra buffers: the derived ``exec.mamba`` leaf (0.5.23), else the
+    published ``ServerArgs``' own ``enable_mamba_extra_buffer()`` (0.5.18's context has no such leaf)."""
+    from sglang.srt import runtime_context
+
+    try:
+        return runtime_context.get_exec().mamba.enable_mamba_extra_buffer
+    except AttributeError:
+        return runtime_context.get_server_args().enable_mamba_extra_buffer()
 
 
 def publish_scheduler_context(*, max_running_requests: int) -> dict:
@@ -259,8 +276,11 @@ def publish_scheduler_context(*, max_running_requests: int) -> dict:
     parallel = get_parallel()
     try:
         parallel.tp_rank
-    except (RuntimeError, ValueError):
-        parallel.override_permanently(tp_rank=0)
+    except (RuntimeError, ValueError, AssertionError):  # 0.5.18 asserts a tensor-parallel group exists
+        if hasattr(type(parallel), "override_permanently"):
+            parallel.override_permanently(tp_rank=0)
+        else:  # 0.5.18's context reads the rank from parallel_state's group
+            single_tensor_parallel_rank()
     schedule = get_schedule()
     published = {name: getattr(schedule, name) for name in SCHEDULE_FLAGS}
     if not get_parallel().pp_max_micro_batch_size:
@@ -289,6 +309,11 @@ def result_processor(cls, *, tree, req_to_token_pool, allocator, model_config, d
                   draft_worker=None, model_worker=NS(), logprob_result_processor=None,
                   output_streamer=NS(stream_output=noop), beam_coordinator=NS(commit_decode=lambda batch: set()),
                   abort_request=noop)
+    fields = getattr(cls, "__dataclass_fields__", {})
+    if "server_args" in fields:  # 0.5.18 reads the server's arguments off the processor, not the context
+        from sglang.srt.runtime_context import get_server_args
+
+        wanted["server_args"] = get_server_args()
     fields = getattr(cls, "__dataclass_fields__", None)
     if fields is None:
         raise EngineApiChanged(engine=ENGINE, release=release(), attribute=RESULT_PROCESSOR,
@@ -473,14 +498,16 @@ def server_flags(server_args_cls, flags: dict) -> dict:
 
 
 def single_tensor_parallel_rank() -> None:
-    """The tensor-parallel group of a one-rank CPU run, where none is initialised: ``Req.set_finish_with_abort``
-    asks ``get_tensor_model_parallel_rank()`` (it asserts a group exists)."""
+    """The tensor- and pipeline-parallel groups of a one-rank CPU run, where none is initialised:
+    ``Req.set_finish_with_abort`` asks ``get_tensor_model_parallel_rank()``, 0.5.18's runtime context the pipeline
+    world size (each asserts its group exists)."""
     from types import SimpleNamespace
 
     from sglang.srt.distributed import parallel_state
 
-    if getattr(parallel_state, "_TP", None) is None:
-        parallel_state._TP = SimpleNamespace(rank_in_group=0, world_size=1)
+    for group in ("_TP", "_PP"):
+        if getattr(parallel_state, group, None) is None:
+            setattr(parallel_state, group, SimpleNamespace(rank_in_group=0, world_size=1))
 
 
 def has_tree_registry() -> bool:
@@ -535,44 +562,7 @@ def new_request(req_cls, *, rid: str, ids: list[int], sampling_params, vocab_siz
                    sampling_params=sampling_params, eos_token_ids=set(), **extra)
 
 
-def _message(cls, values: dict):
-    """One of the release's io_struct messages (a dataclass, or from 0.5.23 a msgspec struct) with ``values`` for the
-    fields it has, and None for a required one not given (a field the scheduler path has nothing for)."""
-    import dataclasses
-
-    if dataclasses.is_dataclass(cls):
-        fields = {f.name: f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
-                  for f in dataclasses.fields(cls) if f.init}
-    else:  # msgspec: the last len(__struct_defaults__) fields have defaults
-        names = cls.__struct_fields__
-        optional = len(cls.__struct_defaults__)
-        fields = {name: i < len(names) - optional for i, name in enumerate(names)}
-    kwargs = {name: values.get(name) for name, required in fields.items() if name in values or required}
-    return cls(**kwargs)
-
-
-def session_turn_request(*, rid: str, ids: list[int], sampling_params, session_id: str):
-    """What the tokenizer manager sends the Scheduler for a turn of a streaming session: a tokenized generate
-    request whose ``session_params`` name the session (``handle_generate_request`` builds the Req from it)."""
-    from array import array
-
-    from sglang.srt.managers.io_struct import SessionParams, TokenizedGenerateReqInput
-
-    typed_array = "array" in str(getattr(TokenizedGenerateReqInput, "__annotations__", {}).get("input_ids", ""))
-    return _message(TokenizedGenerateReqInput, dict(
-        input_text="", input_ids=array("q", ids) if typed_array else list(ids), mm_inputs=None,
-        sampling_params=sampling_params, return_logprob=False, logprob_start_len=-1, top_logprobs_num=0,
-        token_ids_logprob=None, stream=False, rid=rid, session_params=SessionParams(id=session_id)))
-
-
-def open_session_request(session_id: str):
-    """``OpenSessionReqInput`` of a streaming session (the server keeps its context between turns)."""
-    from sglang.srt.managers.io_struct import OpenSessionReqInput
-
-    return _message(OpenSessionReqInput, dict(capacity_of_str_len=1 << 20, session_id=session_id, streaming=True))
-
-
-def close_session_request(session_id: str):
-    from sglang.srt.managers.io_struct import CloseSessionReqInput
-
-    return _message(CloseSessionReqInput, dict(session_id=session_id))
+def flush_pending_backups(tree) -> None:
+    """What ``process_batch_result`` ends with where the tree defers host backups (0.5.23); nothing before."""
+    if callable(getattr(type(tree), "flush_pending_backups", None)):
+        tree.flush_pending_backups()

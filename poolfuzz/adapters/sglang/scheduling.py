@@ -249,7 +249,9 @@ class SglangSchedulerDriver:
         self.server.running_batch = _empty_batch()
         self.server.init_pool_stats_observer()  # the Scheduler's own, for SGLang's invariant checker below
         self.server.init_invariant_checker()
-        self.server.send_abort_output = self._abort_sent  # what the tokenizer manager would be told
+        # what the tokenizer manager would be told (0.5.23: send_abort_output; 0.5.18: its IPC channel)
+        self.server.send_abort_output = self._abort_sent
+        self.server.ipc_channels.send_to_tokenizer.send_output = self._sent
         self.loop = ContextLoop(self.server, processor)
 
     def _build_global_server(self, config: ModelConfig, max_running: int) -> None:
@@ -470,7 +472,7 @@ class ContextLoop:
             self.processor.process_batch_result_prefill(batch, result)
         else:
             self.processor.process_batch_result_decode(batch, result)
-        s.tree_cache.flush_pending_backups()  # as process_batch_result ends
+        compat.flush_pending_backups(s.tree_cache)  # as process_batch_result ends
         s.last_batch = batch
 
     def idle(self) -> None:

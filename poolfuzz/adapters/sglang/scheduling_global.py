@@ -27,8 +27,8 @@ from __future__ import annotations
 from types import SimpleNamespace as NS
 
 from poolfuzz.adapters.sglang import compat
+from poolfuzz.adapters.sglang.tree_build import NO_MODEL
 
-MODEL_PATH = "dummy"  # SGLang's name for a server without weights (ServerArgs skips its model checks)
 
 
 def publish(flags: dict, *, max_running_requests: int):
@@ -40,7 +40,7 @@ def publish(flags: dict, *, max_running_requests: int):
 
     flags = dict(flags)
     mamba_chunk_size = flags.pop("mamba_chunk_size", 64)
-    server_args = ServerArgs(model_path=MODEL_PATH, device="cpu", **compat.server_flags(ServerArgs, flags))
+    server_args = ServerArgs(model_path=NO_MODEL, device="cpu", **compat.server_flags(ServerArgs, flags))
     server_args.pp_max_micro_batch_size = max(max_running_requests // server_args.pp_size, 1)
     compat.seed_mamba_chunk_size(server_args, max(mamba_chunk_size, flags.get("page_size", 1)))
     set_global_server_args_for_scheduler(server_args)

@@ -4,12 +4,12 @@ A streaming session keeps its context (KV, request row, recurrent state) on the 
 sends a turn once the last one is answered, and closes the session when it is done; a client that gives up on a turn
 (a timeout) aborts it, then closes. What the server does with each message is SGLang's own code: the Scheduler's
 ``open_session``, ``handle_generate_request`` (its session controller builds the turn's request from the session's
-context) and ``close_session``.
+context) and ``close_session``; the messages are the release's own ``io_struct`` classes (dataclasses before
+0.5.23, msgspec structs from it), built with the fields each release has.
 """
 
 from __future__ import annotations
 
-from poolfuzz.adapters.sglang import compat
 from poolfuzz.adapters.sglang.shims import cpu_pin_memory
 from poolfuzz.pools.token_chain import Tokens
 
@@ -33,7 +33,7 @@ class SessionClients:
         if self.in_flight(sid):
             return None
         if sid not in self.open:
-            d.server.open_session(compat.open_session_request(sid))
+            d.server.open_session(open_session_request(sid))
             self.open[sid] = []
         ids = list(range(d.fresh, d.fresh + length))
         d.fresh += length
@@ -42,7 +42,7 @@ class SessionClients:
         params = d.m.SamplingParams(max_new_tokens=max_tokens)
         params.normalize(None)
         with cpu_pin_memory():
-            d.server.handle_generate_request(compat.session_turn_request(rid=rid, ids=ids, sampling_params=params,
+            d.server.handle_generate_request(session_turn_request(rid=rid, ids=ids, sampling_params=params,
                                                                          session_id=sid))
         self.open[sid].append(rid)
         req = next((r for r in d.server.waiting_queue if r.rid == rid), None)
@@ -65,7 +65,7 @@ class SessionClients:
             if self.in_flight(sid):  # the abort is answered at the next step
                 return
         with cpu_pin_memory():
-            self.driver.server.close_session(compat.close_session_request(sid))
+            self.driver.server.close_session(close_session_request(sid))
         self.closed[sid] = self.open.pop(sid)
 
     def close_all(self, *, give_up: bool) -> None:
@@ -79,3 +79,51 @@ class SessionClients:
             turns = ", ".join(f"req {rid} {self.driver.outcome.get(rid, 'in flight')}" for rid in rids)
             parts.append(f"{sid} ({'closed' if sid in self.closed else 'open'}; turns: {turns or 'none'})")
         return "; streaming sessions: " + "; ".join(parts) if parts else ""
+
+
+
+def _message(cls, values: dict):
+    """One of the release's io_struct messages (a dataclass, or from 0.5.23 a msgspec struct) with ``values`` for the
+    fields it has, and None for a required one not given (a field the scheduler path has nothing for)."""
+    import dataclasses
+
+    if dataclasses.is_dataclass(cls):
+        fields = {f.name: f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+                  for f in dataclasses.fields(cls) if f.init}
+    else:  # msgspec: the last len(__struct_defaults__) fields have defaults
+        names = cls.__struct_fields__
+        optional = len(cls.__struct_defaults__)
+        fields = {name: i < len(names) - optional for i, name in enumerate(names)}
+    kwargs = {name: values.get(name) for name, required in fields.items() if name in values or required}
+    return cls(**kwargs)
+
+
+
+def session_turn_request(*, rid: str, ids: list[int], sampling_params, session_id: str):
+    """What the tokenizer manager sends the Scheduler for a turn of a streaming session: a tokenized generate
+    request whose ``session_params`` name the session (``handle_generate_request`` builds the Req from it)."""
+    from array import array
+
+    from sglang.srt.managers.io_struct import SessionParams, TokenizedGenerateReqInput
+
+    typed_array = "array" in str(getattr(TokenizedGenerateReqInput, "__annotations__", {}).get("input_ids", ""))
+    return _message(TokenizedGenerateReqInput, dict(
+        input_text="", input_ids=array("q", ids) if typed_array else list(ids), mm_inputs=None,
+        sampling_params=sampling_params, return_logprob=False, logprob_start_len=-1, top_logprobs_num=0,
+        token_ids_logprob=None, stream=False, rid=rid, session_params=SessionParams(id=session_id)))
+
+
+
+def open_session_request(session_id: str):
+    """``OpenSessionReqInput`` of a streaming session (the server keeps its context between turns)."""
+    from sglang.srt.managers.io_struct import OpenSessionReqInput
+
+    return _message(OpenSessionReqInput, dict(capacity_of_str_len=1 << 20, session_id=session_id, streaming=True))
+
+
+
+def close_session_request(session_id: str):
+    from sglang.srt.managers.io_struct import CloseSessionReqInput
+
+    return _message(CloseSessionReqInput, dict(session_id=session_id))
+

@@ -5,9 +5,12 @@ from __future__ import annotations
 from contextlib import nullcontext
 
 from poolfuzz.adapters.sglang import hicache, l3
-from poolfuzz.adapters.sglang.compat import has_private, private, seed_mamba_chunk_size
+from poolfuzz.adapters.sglang.compat import has_private, private, published_extra_buffer, seed_mamba_chunk_size
 
 _PUBLISHED: dict[str, tuple] = {}  # "flags": the server flags this process last published
+# SGLang's own model path for a server without weights: ServerArgs then skips what needs a model's config (0.5.18
+# fetched one from the hub for any other path, so its server arguments could not be published offline).
+NO_MODEL = "dummy"
 
 
 def publish_server_args(*, mamba_chunk_size: int = 64, **flags) -> None:
@@ -26,7 +29,7 @@ def publish_server_args(*, mamba_chunk_size: int = 64, **flags) -> None:
         return
     context = runtime_context.get_context()
     if key or "flags" in _PUBLISHED or not context.is_config_namespace_published("memory"):
-        context.set_server_args(ServerArgs(model_path="poolfuzz-no-model", device="cpu", **flags))
+        context.set_server_args(ServerArgs(model_path=NO_MODEL, device="cpu", **flags))
         # The server's widths now come from the arguments; the rank a launcher would write is the
         # single rank of a CPU run (MLA's pools and their retraction read it).
         parallel = runtime_context.get_parallel()
@@ -103,10 +106,8 @@ def _build_context(family, *, hierarchical: bool, disabled: bool, server: dict |
     c = family.config
     extra = {}
     if server and "enable_mamba_extra_buffer" in getattr(CacheInitParams, "__dataclass_fields__", {}):
-        from sglang.srt.runtime_context import get_exec
-
         # the scheduler's reading of the published arguments: whether the mamba radix cache keeps extra buffers
-        extra["enable_mamba_extra_buffer"] = get_exec().mamba.enable_mamba_extra_buffer
+        extra["enable_mamba_extra_buffer"] = published_extra_buffer()
     params = CacheInitParams(disable=disabled, req_to_token_pool=family.sg_req_pool, **extra,
                              token_to_kv_pool_allocator=family.sg_allocator, page_size=c.page_size,
                              sliding_window_size=c.sliding_window if c.has_swa else None,
