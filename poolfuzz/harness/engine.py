@@ -211,12 +211,6 @@ class Engine(KnownBugTaint):
         fam, ref = self.families[req.node], self.refs[req.node]
         start = req.kv.kv_committed_len
         end = min(req.prompt_len, start + chunk)
-        clip = self.caps[req.node].prefill_chunk_end  # a scheduler that splits chunks its own way
-        if clip is not None:
-            end = clip(req.kv, fam, start, end, req.prompt_len)
-            if end <= start:
-                self._record("no chunk fits this budget: waits")
-                return False
         self._maybe_evict(req, start)
         err = self._extend(req, end)
         if err:

@@ -12,7 +12,6 @@ import torch
 from poolfuzz.harness import row_cache
 from poolfuzz.harness.contents import KIND_PADDING, chain_affine
 from poolfuzz.harness.records import NO_CULPRIT, Request
-from poolfuzz.harness.state_hits import settle_cached_states
 from poolfuzz.pools.speculative import scratch_name
 
 _EMPTY = torch.empty(0, dtype=torch.int64)
@@ -194,7 +193,6 @@ class Writer:
                     comp.tensor[comp.at(part[kept])] = rows[kept]  # page-major components too (DSA index keys)
                     lo = hi
         if state_plan and ref.state:
-            settle_cached_states(e, req, ref, state_plan)  # the states a per-block state cache found
             held = req.kv.state_recompute_from
             if held is not None:  # the state continues from the family's copy-on-write
                 req.kv.state_recompute_from = None

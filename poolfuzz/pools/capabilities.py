@@ -48,10 +48,8 @@ class Capabilities:
     kv_write_verified_rows: Callable | None = None  # kv_pool.write_verified_rows
     spec_scratch: Any = None  # req_pool.mamba_pool.spec_scratch
     get_track_slots: Callable | None = None  # req_pool.get_track_slots
-    prefill_chunk_end: Callable | None = None  # protocol.prefill_chunk_end
     after_prefill: Callable | None = None  # protocol.after_prefill
     finish: Callable | None = None  # protocol.finish
-    cached_states: Callable | None = None  # protocol.cached_states
 
 
 _FLAGS = {f.name: f for f in dataclasses.fields(Capabilities)}
@@ -60,10 +58,8 @@ _DOORS = {"kv_writes_through_engine": ("kv_pool", "writes_through_engine"),
           "kv_write_verified_rows": ("kv_pool", "write_verified_rows"),
           "spec_scratch": ("req_pool.mamba_pool", "spec_scratch"),
           "get_track_slots": ("req_pool", "get_track_slots"),
-          "prefill_chunk_end": ("protocol", "prefill_chunk_end"),
           "after_prefill": ("protocol", "after_prefill"),
-          "finish": ("protocol", "finish"),
-          "cached_states": ("protocol", "cached_states")}
+          "finish": ("protocol", "finish")}
 _NO_PART = object()
 
 
