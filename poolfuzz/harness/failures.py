@@ -118,6 +118,7 @@ CHECKS: dict[str, str] = {
     "ownership": "every slot or page has one owner: a request or the free list (never two, never both)",
     "free-list": "a free list holds no unit twice and not the reserved one",
     "leak": "after every request ended, every space is whole",
+    "stuck": "an engine's idle scheduler finishes every request it holds (none waits forever)",
     "flush-leak": "after an idle node's cache flush reset its pools, every space is whole",
     "engine-idle-check": "on an idle node, the engine's own idle memory check (SGLang's Scheduler.on_idle) "
                          "reports nothing",
@@ -133,7 +134,7 @@ CHECKS: dict[str, str] = {
 WAIVABLE = frozenset(CHECKS) - {"outcome", "pool-error", "backup-short", "backup-long"}
 # Checks of a condition that persists once broken (a free list, a holding, a count): the operation
 # that first sees it is incidental, so two signatures that differ only there name one bug.
-STATE_CHECKS = frozenset({"reserved", "ownership", "free-list", "free-count", "leak", "flush-leak",
+STATE_CHECKS = frozenset({"reserved", "ownership", "free-list", "free-count", "leak", "flush-leak", "stuck",
                           "engine-idle-check",
                           "live-requests", "ssm-predicate", "backup-mode", "carries-mamba",
                           "backed-up-twice", "shared-unit",

@@ -32,7 +32,7 @@ from poolfuzz.harness.failures import Divergence, StateLost, invariant as invari
 from poolfuzz.harness.hypothesis_compat import set_database_identity
 from poolfuzz.harness.records import StepRecord
 from poolfuzz.pools.config import ModelConfig
-from poolfuzz.pools.errors import LostKv
+from poolfuzz.pools.errors import LostKv, ServerStuck
 
 PREFIX = "scheduler."  # the ops of a scheduler program, apart from the Engine's (harness.program.operations)
 # Each op of a scheduler program and the arguments it takes: what an artifact's program may hold.
@@ -86,6 +86,8 @@ class ScheduledMachine(RuleBasedStateMachine):
             return action()
         except LostKv as exc:
             self._failed(_lost(exc), in_teardown)
+        except ServerStuck as exc:  # requests the idle server never finishes: its own check, apart from a leak
+            self._failed(invariant_failure(step=self.steps, op=op, detail=str(exc), check="stuck"), in_teardown)
         except Exception as exc:  # an assert or crash inside the engine, or a check of ours
             self._failed(exc, in_teardown)
 

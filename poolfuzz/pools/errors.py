@@ -69,3 +69,8 @@ class LostKv(AssertionError):
                          + (f"block {block} slot {slot} holds {whose}" if slot is not None else whose)
                          + f" (expected the {'recurrent state' if space == 'mamba' else 'KV'} of its own tokens "
                            f"through position {position})")
+
+
+class ServerStuck(AssertionError):
+    """An engine's scheduler-driven driver, draining: requests the idle server never finishes (the message names
+    them and where each waits). The harness reports it under its own check, ``stuck``, apart from a leak."""

@@ -100,3 +100,23 @@ def test_a_program_with_session_turns_validates_and_replays():
     no_sessions = scheduled_machine(CONFIGS["dense"], driver_factory=lambda c: RecordingDriver(sessions=False))
     first = next(iter(replay(no_sessions, program)))
     assert first.cannot_run == "this server keeps no streaming sessions"
+
+
+def test_a_server_that_never_finishes_a_request_is_reported_stuck_not_leaking():
+    """A driver's drain raising ServerStuck is its own check, so --known can pass over a stuck admission and still
+    catch a leak."""
+    import pytest
+
+    from poolfuzz.harness.failures import InvariantViolation, signature_of
+    from poolfuzz.pools.errors import ServerStuck
+
+    class Stuck(RecordingDriver):
+        def drain(self):
+            raise ServerStuck("1 request(s) still unfinished after 400 idle steps (req 000001 waiting)")
+
+    machine = scheduled_machine(CONFIGS["dense"], driver_factory=lambda c: Stuck(sessions=False))()
+    with pytest.raises(InvariantViolation) as info:
+        machine.teardown()
+    assert info.value.divergence.check == "stuck"
+    assert signature_of(info.value, in_teardown=True) == "InvariantViolation:stuck:-"
+    assert "req 000001 waiting" in str(info.value)

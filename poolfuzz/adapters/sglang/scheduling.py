@@ -53,7 +53,7 @@ from poolfuzz.adapters.sglang.shims import cpu_pin_memory
 from poolfuzz.adapters.sglang.runner import ModelRunner, deferred_cow_and_clear
 from poolfuzz.adapters.sglang.sessions import SessionClients
 from poolfuzz.pools.config import ModelConfig
-from poolfuzz.pools.errors import ConfigError
+from poolfuzz.pools.errors import ConfigError, ServerStuck
 from poolfuzz.pools.token_chain import Tokens
 
 VOCAB = 1 << 15  # sampled tokens are below it; prompt tokens above it, so prompts share only the prefixes drawn
@@ -415,8 +415,8 @@ class SglangSchedulerDriver:
 
     def drain(self) -> str | None:
         """Run the idle server until every request finished, closing each open streaming session once its last turn
-        is answered (a client that is done closes them); what is wrong then (stuck, leaked: with the sessions and
-        their turns, where any)."""
+        is answered (a client that is done closes them); what is wrong then (leaked: with the sessions and their
+        turns, where any). Requests it never finishes raise ServerStuck."""
         idle = 0  # drain steps in a row that ran no batch
         for _ in range(DRAIN_STEPS):
             # an open session holds its row and KV: its client closes it once its last turn is answered, or gives up
@@ -430,7 +430,8 @@ class SglangSchedulerDriver:
         if self.requests:
             stuck = ", ".join(f"req {rid} {self._where(r)} with {len(r.output_ids)} of {r.sampling_params.max_new_tokens} "
                               "tokens out" for rid, r in list(self.requests.items())[:4])
-            return f"{len(self.requests)} request(s) still unfinished after {DRAIN_STEPS} idle steps ({stuck})"
+            raise ServerStuck(f"{len(self.requests)} request(s) still unfinished after {DRAIN_STEPS} idle steps "
+                              f"({stuck})")
         if not self.server.is_fully_idle():
             return "every request finished, but the server is not idle"
         problem = compat.engine_invariant_problem(self.server, idle=True)  # on_idle's leak checks, strict

@@ -47,7 +47,7 @@ from poolfuzz.adapters.vllm.manager import layout_for
 from poolfuzz.adapters.vllm.reference import mamba_mode_for
 from poolfuzz.adapters.vllm.worker import Worker
 from poolfuzz.pools.config import ModelConfig
-from poolfuzz.pools.errors import ConfigError
+from poolfuzz.pools.errors import ConfigError, ServerStuck
 from poolfuzz.pools.token_chain import Tokens
 
 
@@ -393,7 +393,8 @@ class SchedulerDriver:
         return None
 
     def drain(self) -> str | None:
-        """Run the idle server until every request finished; what is wrong then (stuck, leaked, unresettable)."""
+        """Run the idle server until every request finished; what is wrong then (leaked, unresettable). Requests it
+        never finishes raise ServerStuck."""
         for _ in range(DRAIN_STEPS):
             if not self.scheduler.requests:
                 break
@@ -401,8 +402,8 @@ class SchedulerDriver:
         if self.scheduler.requests:
             stuck = ", ".join(f"req {rid} {getattr(r.status, 'name', r.status)} at {r.num_computed_tokens}/{r.num_tokens}"
                               for rid, r in sorted(self.scheduler.requests.items(), key=lambda kv: int(kv[0]))[:4])
-            return (f"{len(self.scheduler.requests)} request(s) still unfinished after {DRAIN_STEPS} idle steps "
-                    f"({stuck})")
+            raise ServerStuck(f"{len(self.scheduler.requests)} request(s) still unfinished after {DRAIN_STEPS} idle "
+                              f"steps ({stuck})")
         pool = self.scheduler.kv_cache_manager.block_pool
         held = [b.block_id for b in pool.blocks if b.ref_cnt and not b.is_null]
         if held:
