@@ -50,3 +50,14 @@ def _fuzz(config, *, examples: int, steps: int = 30, shrink: bool = True) -> Out
 def fuzz():
     """``fuzz(config, examples=N)``: the state machine over the sglang family, shrunk failure if any."""
     return _fuzz
+
+
+@pytest.fixture(scope="module")
+def scheduling(api):
+    """The scheduler path's module, where this release's Scheduler can be driven (else the test skips, saying why)."""
+    from poolfuzz.adapters.sglang import scheduling
+
+    reason = scheduling.release_problem()
+    if reason:
+        pytest.skip(reason)
+    return scheduling

@@ -19,16 +19,6 @@ SETTINGS = settings(max_examples=25, stateful_step_count=30, deadline=None, dera
                     suppress_health_check=list(HealthCheck), database=None)
 
 
-@pytest.fixture(scope="module")
-def scheduling(api):
-    from poolfuzz.adapters.sglang import scheduling
-
-    reason = scheduling.release_problem()
-    if reason:
-        pytest.skip(reason)
-    return scheduling
-
-
 def _fuzz(scheduling, name, drivers=None, **kw):
     def driver(config):
         d = scheduling.SglangSchedulerDriver(config)

@@ -17,16 +17,6 @@ import pytest
 from poolfuzz.pools.config import CONFIGS
 
 
-@pytest.fixture(scope="module")
-def scheduling(api):
-    from poolfuzz.adapters.sglang import scheduling
-
-    reason = scheduling.release_problem()
-    if reason:
-        pytest.skip(reason)
-    return scheduling
-
-
 def _release(api):
     from packaging.version import Version
 
