@@ -103,9 +103,12 @@ def __getattr__(name: str):
 def hybrid_capable() -> bool:
     """Whether the store's connector runs on hybrid models with this release: its connector API takes a hybrid
     model's groups (``SupportsHMA``) and its scheduler handles a connector's hybrid hits (the base class has
-    ``supports_divergent_local_hybrid_hits``, 0.34.0 here). Not before: 0.16.0 with the connector on an align
-    hybrid also fails an assert while draining, not yet judged (engine defect or stand-in), so older releases
-    keep the connector on full-attention models only."""
+    ``supports_divergent_local_hybrid_hits``, 0.34.0 here). Older releases keep the connector on full-attention
+    models only: the store's hybrid hits rely on that handling. Judged (issue 30): forced onto 0.16.0's mamba
+    "align" hybrids, the connector's first external hit kills the scheduler with vLLM's own
+    ``AssertionError: External KV connector is not verified yet`` (``Scheduler._mamba_block_aligned_split``,
+    scheduler.py:281 in 0.16.0), a real defect (vllm#45268, vllm#45407 on 0.22.1) that vllm#42554 fixed (0.23.0
+    has no assert); the worker stand-in plays no part in it."""
     from vllm.distributed.kv_transfer.kv_connector.v1 import base
 
     return hasattr(base, "SupportsHMA") and hasattr(base.KVConnectorBase_V1, "supports_divergent_local_hybrid_hits")
