@@ -110,11 +110,14 @@ def test_a_key_left_on_the_block_its_producer_overwrites_is_caught(fine, monkeyp
         driver.step()
 
 
-def test_fuzzing_the_align_server_takes_hits_inside_a_block(fine):
+def test_fuzzing_the_align_server_takes_hits_inside_a_block(fine, api):
+    """Fuzzed past the release's judged defects (0.34: vllm#46892 on this config, whose connector is attached), so
+    which examples a seed draws never decides the verdict."""
     from hypothesis import settings
     from hypothesis.stateful import run_state_machine_as_test
 
     from poolfuzz.harness.scheduled import scheduled_machine
+    from tests.vllm.judged import PassOverJudged
     from tests.vllm.test_vllm_scheduling import SETTINGS
 
     drivers = []
@@ -123,5 +126,7 @@ def test_fuzzing_the_align_server_takes_hits_inside_a_block(fine):
         drivers.append(fine.SchedulerDriver(config))
         return drivers[-1]
 
-    run_state_machine_as_test(scheduled_machine(CONFIGS[NAME], driver_factory=driver), settings=settings(SETTINGS))
+    observer = PassOverJudged(api.version, NAME)
+    run_state_machine_as_test(scheduled_machine(CONFIGS[NAME], driver_factory=driver, observer=observer),
+                              settings=settings(SETTINGS))
     assert sum(d.hits_inside_a_block for d in drivers) > 0
