@@ -73,6 +73,9 @@ class ScheduledMachine(RuleBasedStateMachine):
         self.waived: dict = {}  # what an observer reads of an engine at the example's end (nothing is waived here)
         self.passed_over: dict = {}
         self.driver = None
+        # Prompts in units of max_context // 64 tokens, as the pool machine draws them: a config of 64-token pages
+        # gets prompts that fill pages, so chunks and page-granular prefix hits happen (the named configs: tokens).
+        self.unit = max(1, cls.config.max_context // 64)
         self.driver = self._guarded("init", lambda: cls.driver_factory(cls.config))
 
     @property
@@ -104,6 +107,7 @@ class ScheduledMachine(RuleBasedStateMachine):
     def add_request(self, length, share, max_tokens, priority=0):
         """A request arrives; ``share`` > 0 starts it with a prefix of an earlier request's tokens; ``priority``
         orders it where the server schedules by priority."""
+        length *= self.unit
         self._record("add_request", length=length, share=share, max_tokens=max_tokens, priority=priority)
         rid = self._guarded("add_request", lambda: self.driver.add_request(length=length, share=share,
                                                                           max_tokens=max_tokens, priority=priority))
@@ -127,6 +131,7 @@ class ScheduledMachine(RuleBasedStateMachine):
         """The next turn of streaming session ``session`` (opened by its first turn): ``length`` new tokens after
         the session's context, which the server keeps between turns (a server with streaming sessions). Sent only
         once the session's last turn is answered, as a client sends them (else the driver returns None)."""
+        length *= self.unit
         self._record("session_turn", session=session, length=length, max_tokens=max_tokens)
         rid = self._guarded("session_turn", lambda: self.driver.session_turn(session=session, length=length,
                                                                             max_tokens=max_tokens))

@@ -21,8 +21,9 @@ def chain_after(chain: int, token: int, position: int) -> int:
 
 
 def tag(chain: int, layer: int, component: int) -> int:
-    """The value a K or V slot holds for a position (its chain), salted by layer and component."""
-    return ((chain * 31 + layer * 7 + component + 1) * _PRIME) & MASK
+    """The value a K or V slot holds for a position (its chain), salted by layer and component (below 256, so no
+    two (layer, component) pairs share a salt)."""
+    return ((chain * 31 + (layer << 8) + component + 1) * _PRIME) & MASK
 
 
 def sampled_token(chain: int, vocab: int) -> int:

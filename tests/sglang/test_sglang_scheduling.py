@@ -267,3 +267,58 @@ def test_a_release_without_the_runner_s_mamba_functions_declines_mamba_models(sc
                        "_init_track_ssm_indices, which the model-runner"):
         scheduling.SglangSchedulerDriver(CONFIGS["hybrid-extra-buffer"])
     assert scheduling.SglangSchedulerDriver(CONFIGS["dense"]).runner.aligned_lens is None
+
+
+# --- every KV layout the family builds: MLA, quantised K and V with their scales, sparse indexes -------------------
+KV_KINDS = ["mla", "mla-ps4", "fp8-scaled", "dense-cpu-fp8", "dense-fp4", "mla-fp4", "minimax-sparse",
+            "minimax-sparse-konly-ps4", "mla-ssm"]
+
+
+@pytest.mark.parametrize("name", KV_KINDS)
+def test_every_kv_layout_is_scheduled_by_sglang_and_kept_on_its_own_tokens(scheduling, name):
+    """MLA latents, FP8 and FP4 bytes with their scale rows, MiniMax's and DSA's index caches: each component of each
+    layer is written at the batch's ``out_cache_loc`` and checked before every forward, through SGLang's scheduler."""
+    drivers = []
+    _fuzz(scheduling, name, drivers, max_examples=10)
+    assert sum(d.hits for d in drivers) > 0
+    assert sum(d.chunked for d in drivers) > 0
+
+
+# (config, component): one component of each kind the pool's door does not write as K and V
+LOST_COMPONENTS = [("mla", "mla.latent"), ("mla", "mla.rope"), ("fp8-scaled", "full.k_scale"),
+                   ("dense-fp4", "full.v_scale"), ("mla-fp4", "mla.scale"), ("minimax-sparse", "msa.index_k"),
+                   ("dsa-ps64", "dsa.index_k")]
+
+
+@pytest.mark.parametrize("name,component", LOST_COMPONENTS)
+def test_a_lost_row_of_any_kv_component_is_caught_and_named(scheduling, name, component):
+    """A row of the component cleared under a running request (for DSA's page-major index cache, the row inside its
+    page): the next forward reports the request, the component, its layer, the position and the slot."""
+    import torch
+
+    from poolfuzz.pools.errors import LostKv
+
+    driver = scheduling.SglangSchedulerDriver(CONFIGS[name])
+    a = driver.add_request(length=6, share=0, max_tokens=6)
+    driver.step()
+    row = driver.requests[a].kv.req_pool_idx
+    slot = int(driver.family.sg_req_pool.req_to_token[row, 5:6].to(dtype=torch.int64)[0])
+    comp = next(c for c, _ in driver.runner.kv if c.name == component)
+    comp.tensor[comp.at(slot)].zero_()
+    with pytest.raises(LostKv) as info:
+        driver.step()
+    assert str(info.value).startswith(f"req {a} step 2: {component} layer {comp.layer} position 5: block {slot} slot "
+                                      f"{slot} holds zeros"), info.value
+
+
+def test_mla_rows_go_through_the_pools_own_write_door(scheduling, monkeypatch):
+    """The latent and rope parts are handed to ``set_kv_buffer`` as an MLA backend hands them: a door that drops
+    the write leaves the request's context unwritten, and the next forward says so."""
+    from poolfuzz.pools.errors import LostKv
+
+    driver = scheduling.SglangSchedulerDriver(CONFIGS["mla"])
+    monkeypatch.setattr(type(driver.family.sg_kv_pool), "set_kv_buffer", lambda self, *a, **k: None)
+    a = driver.add_request(length=6, share=0, max_tokens=6)
+    driver.step()
+    with pytest.raises(LostKv, match=rf"req {a} step 2: mla\.(latent|rope) layer \d+ position 0: .* holds zeros"):
+        driver.step()

@@ -7,7 +7,9 @@ layer, the K and V of exactly the request's tokens up to it (in a sliding-window
 computed token's window reads, at the SWA slots the pool's ``translate_loc_from_full_to_swa`` gives), and that the recurrent state a request continues from
 (its working mamba slot, ``get_mamba_indices``) is, in every mamba layer, the state of exactly the tokens before
 the ones the batch computes. It then writes the K and V of the scheduled positions at the batch's
-``out_cache_loc`` through the pool's own write door (``set_kv_buffer``, ``writes.write_rows``), the state after the
+``out_cache_loc`` through the pool's own write door (``set_kv_buffer``, ``writes.write_rows``: MHA's K and V, MLA's
+latent and rope parts; what the door does not take, such as scale rows, FP4 bytes and sparse index caches, is stored
+where the pool keeps it, as the pools path stores it; "K and V" below means every KV component), the state after the
 last computed token into each working slot, and, where the batch asks to track a state for the radix tree
 (``mamba_track_mask``), the state the kernel snapshots into ``mamba_track_indices``: after ``mamba_track_seqlens``
 tokens for an extend, after the decoded token for a decode. It samples one token per request, determined by the
@@ -36,15 +38,36 @@ from poolfuzz.pools.token_chain import COMPONENTS, Tokens, sampled_token, tag
 TAG_BYTES = 8
 
 
-def _tag_of(tensor: torch.Tensor, slot: int) -> int:
+KV_SPACES = ("full", "swa")
+
+
+def _tag_of(c, slot: int) -> int:
     # a copy of the bytes: a row need not start 8-byte aligned (a conv state row of 27 floats)
-    return int(tensor[slot].reshape(-1).view(torch.uint8)[:TAG_BYTES].clone().view(torch.int64)[0])
+    return int(c.tensor[c.at(slot)].reshape(-1).view(torch.uint8)[:TAG_BYTES].clone().view(torch.int64)[0])
 
 
-def _set_tag(tensor: torch.Tensor, slot: int, value: int) -> None:
-    row = tensor[slot].reshape(-1).view(torch.uint8)
+def _set_tag(c, slot: int, value: int) -> None:
+    row = c.tensor[c.at(slot)].reshape(-1).view(torch.uint8)
     row.zero_()
     row[:TAG_BYTES] = torch.tensor([value], dtype=torch.int64).view(torch.uint8)
+
+
+def _tagged_rows(c, tags: list[int]) -> torch.Tensor:
+    """Rows of component ``c`` in its own dtype and shape, each zero but for its tag in its first eight bytes."""
+    row_bytes = c.tensor.element_size()
+    for d in c.row_shape:
+        row_bytes *= d
+    out = torch.zeros(len(tags), row_bytes, dtype=torch.uint8)
+    out[:, :TAG_BYTES] = torch.tensor(tags, dtype=torch.int64).view(torch.uint8).view(len(tags), TAG_BYTES)
+    return out.view(c.tensor.dtype).view(len(tags), *c.row_shape)
+
+
+def component_indices(kv: list, states: list) -> dict[str, int]:
+    """The tag salt of each component name: K and V as ``token_chain.COMPONENTS`` numbers them (full and SWA alike),
+    the recurrent states next, then every other KV component (MLA's latent and rope parts, scales, sparse indexes)."""
+    out = {c.name: COMPONENTS.index(c.name.split(".")[-1]) for c in kv if c.name.split(".")[-1] in COMPONENTS}
+    later = dict.fromkeys([c.name for c in states] + [c.name for c in kv if c.name not in out])
+    return out | {name: len(COMPONENTS) + i for i, name in enumerate(later)}
 
 
 class ModelRunner:
@@ -52,11 +75,11 @@ class ModelRunner:
 
     def __init__(self, *, family, vocab: int, cow_and_clear=None, aligned_lens=None):
         comps = family.components()
-        # each K/V component with its tag component index (0: K, 1: V)
-        self.kv = [(c, COMPONENTS.index(c.name.split(".")[-1])) for c in comps if c.space in ("full", "swa")]
+        kv = [c for c in comps if c.space in KV_SPACES]
         self.states = [c for c in comps if c.space == "mamba"]
-        names = dict.fromkeys(c.name for c in self.states)  # mamba.conv0.., mamba.temporal: tag components 2..
-        self.state_index = {name: len(COMPONENTS) + i for i, name in enumerate(names)}
+        index = component_indices(kv, self.states)
+        self.kv = [(c, index[c.name]) for c in kv]  # each KV component with its tag salt
+        self.state_index = {c.name: index[c.name] for c in self.states}
         self.kv_pool = family.kv_pool  # the write door
         # a sliding-window layer's rows live at SWA slots: a full slot translates through the allocator's mapping, the
         # one the pool's translate_loc_from_full_to_swa reads (an all-SWA pool hands out SWA slots itself)
@@ -74,7 +97,7 @@ class ModelRunner:
         self.given: dict[str, int] = {}  # req id -> tokens the model sampled for it (each kept once by SGLang)
         self.step = 0
         for c in [c for c, _ in self.kv] + self.states:
-            row_bytes = c.tensor[0].numel() * c.tensor.element_size()
+            row_bytes = c.tensor[c.at(0)].numel() * c.tensor.element_size()
             if row_bytes < TAG_BYTES:
                 raise ValueError(f"a {c.name} row of {row_bytes} bytes cannot hold a {TAG_BYTES}-byte tag")
 
@@ -153,7 +176,7 @@ class ModelRunner:
             first, where = (swa_from, swa_slots) if c.space == "swa" else (0, slots)
             for p, slot in enumerate(where.tolist(), start=first):
                 want = tag(tokens.chain(p), c.layer, index)
-                got = _tag_of(c.tensor, slot)
+                got = _tag_of(c, slot)
                 if got != want:
                     raise self._lost(rid, c, p, slot, want, got)
 
@@ -167,10 +190,19 @@ class ModelRunner:
             tags = [tag(chain, c.layer, index) for chain in chains]
             for t, (rid, p, _) in zip(tags, writes):
                 self.writers.setdefault(t, (rid, p))
-            out = torch.zeros(len(tags), c.tensor[0].numel() * c.tensor.element_size(), dtype=torch.uint8)
-            out[:, :TAG_BYTES] = torch.tensor(tags, dtype=torch.int64).view(torch.uint8).view(len(tags), TAG_BYTES)
-            rows[(c.name, c.layer)] = out.view(c.tensor.dtype).view(len(tags), *c.tensor.shape[1:])
-        self.kv_pool.write_rows(slots, rows)
+            rows[(c.name, c.layer)] = _tagged_rows(c, tags)
+        done = self.kv_pool.write_rows(slots, rows)
+        # What the pool's door does not take (a sparse index, MXFP8 scales, FP4 bytes the quantiser cannot carry a
+        # tag through) is stored where the pool keeps it, as the pools path stores it (``harness.forward``)
+        swa_slots = None
+        for c, _ in self.kv:
+            if (c.name, c.layer) in done:
+                continue
+            where = slots
+            if c.space == "swa" and self.to_swa is not None:
+                swa_slots = self.to_swa(slots) if swa_slots is None else swa_slots
+                where = swa_slots
+            c.tensor[c.at(where)] = rows[(c.name, c.layer)]
 
     # --- recurrent state -------------------------------------------------------------------------
     def _state_slots(self, rows: list[int]) -> list[int]:
@@ -188,7 +220,7 @@ class ModelRunner:
 
     def _check_state(self, rid: str, slot: int, tokens: int) -> None:
         for c in self.states:
-            want, got = self._state_tag(rid, c, tokens), _tag_of(c.tensor, slot)
+            want, got = self._state_tag(rid, c, tokens), _tag_of(c, slot)
             if got != want:
                 raise self._lost(rid, c, tokens - 1, slot, want, got, state=True)
 
@@ -196,7 +228,7 @@ class ModelRunner:
         for c in self.states:
             t = self._state_tag(rid, c, tokens)
             self.writers.setdefault(t, (rid, tokens - 1))
-            _set_tag(c.tensor, slot, t)
+            _set_tag(c, slot, t)
 
     def _track(self, batch, seq_lens: list[int], extend: bool) -> None:
         """The kernels' snapshot for the radix tree: for each request the batch tracks, into its

@@ -36,9 +36,11 @@ checkpointed; its mamba slots are sized by SGLang's configurator (``mamba_sized`
 
 The loop is ``event_loop_normal``, the one a CPU server runs, i.e. a server with ``--disable-overlap-schedule``; a
 GPU server runs ``event_loop_overlap`` by default (results a step late, a ping-pong pair of track slots), not driven
-here. Driven: MHA models of full-attention, sliding-window and mamba layers, on one-token and paged pools (the
-Scheduler's ``sliding_window_size`` and per-side token counts are the pools'; ``scheduler_problem``),
-on releases whose Scheduler and result processor this module builds (``release_problem``).
+here. Driven: every KV layout the family builds (MHA K and V, MLA's latent and rope parts, FP8 and FP4 bytes with
+their scale rows, MiniMax's and DSA's index caches) in models of full-attention, sliding-window and mamba layers, on
+one-token and paged pools (the Scheduler's ``sliding_window_size`` and per-side token counts are the pools'); not
+speculative decoding (``scheduler_problem``); on releases whose Scheduler and result processor this module builds
+(``release_problem``).
 """
 
 from __future__ import annotations
@@ -154,8 +156,6 @@ def _server_arguments_problem(version: str) -> str | None:
 
 def scheduler_problem(config: ModelConfig) -> str | None:
     """Why the scheduler path does not drive ``config`` (yet), or None."""
-    if config.attention != "mha" or config.kv_quant or config.kv_scale_block:
-        return "only MHA models with plain K and V are driven through SGLang's scheduler"
     if config.spec_draft_tokens:
         return "speculative decoding is not driven through SGLang's scheduler"
     return None
@@ -307,13 +307,14 @@ class SglangSchedulerDriver:
         return sorted((rid for rid, req in self.requests.items() if not req.finished()), key=int)
 
     def add_request(self, *, length: int, share: int, max_tokens: int, priority: int = 0) -> str:
-        """A request of ``length`` new tokens after, where ``share`` > 0, up to ``share`` * 4 tokens of an earlier
-        request's (its prompt and outputs); ``priority`` is ignored (the server schedules without priorities)."""
+        """A request of ``length`` new tokens after, where ``share`` > 0, up to ``share`` * 4 tokens (pages, where a page
+        is longer) of an earlier request's (its prompt and outputs); ``priority`` is ignored (the server schedules
+        without priorities)."""
         ids: list[int] = []
         known = sorted(self.runner.tokens, key=int)
         if share and known:
             src = self.runner.tokens[known[share % len(known)]].ids
-            ids = list(src[:min(len(src), share * 4)])
+            ids = list(src[:min(len(src), share * max(4, self.config.page_size))])
         ids += list(range(self.fresh, self.fresh + length))
         self.fresh += length
         rid = f"{self.next_rid:06d}"  # SGLang aborts every request whose id starts with the one named
@@ -498,6 +499,9 @@ def server_arguments(config: ModelConfig, *, max_running_requests: int) -> dict:
     (``extra_buffer``: a track slot pair per request; ``no_buffer``: none)."""
     flags = dict(SERVER_FLAGS, max_running_requests=max_running_requests, page_size=config.page_size,
                  disable_overlap_schedule=True)
+    # a server refuses a chunked prefill size that is not a whole number of pages (its validation hook asserts it)
+    chunk = flags["chunked_prefill_size"]
+    flags["chunked_prefill_size"] = -(-chunk // config.page_size) * config.page_size
     if config.has_mamba:
         flags.update(mamba_radix_cache_strategy="extra_buffer" if config.mamba_track_slots else "no_buffer",
                      mamba_track_interval=MAMBA_TRACK_INTERVAL, mamba_chunk_size=MAMBA_CHUNK)
