@@ -1,0 +1,127 @@
+"""The scheduler path on sliding-window bugs of SGLang's own scheduling code: each test is one shrunk program, run on
+the installed release, with the verdict that release must give.
+
+* SGLang 0.5.18 to 0.5.22 (fixed in 0.5.23, ``mem_cache/common.py:free_swa_out_of_window_slots``): when
+  ``cache_unfinished_req`` frees a request's out-of-window SWA slots (``SGLANG_OPT_UNIFIED_CACHE_FREE_OUT_OF_WINDOW_SLOTS``,
+  on by default), the frontier keeps ``max(window, page)`` tokens, floored to a page. With a window that is not a
+  multiple of the page (6 tokens on 4-token pages), the leaf the insert creates, which stops at
+  ``page_floor(len(key))``, keeps fewer than a window of live SWA, and the rematch after the insert refuses it: the
+  inserted nodes stay unlocked while the request still holds their slots (the strict busy check counts them twice), and
+  a second request that inserts the same prefix trips ``new_prefix_len <= len(new_indices)``. 0.5.23 rounds the kept
+  span up to whole pages.
+* SGLang 0.5.12 and 0.5.13 (streaming sessions are driven there only): a streaming session's turn that
+  ``retract_decode`` aborts ("Out of memory even after retracting all other requests") keeps ``to_finish`` and never
+  becomes ``finished()``, so ``close_session`` defers the release forever (``close_on_finish``) and the session keeps
+  its KV; a chunked turn of another session that needs those SWA slots is never scheduled again
+  (``add_chunked_req`` returns it unscheduled on a hybrid-SWA server) and cannot be aborted (``abort_request`` does not
+  reach a stashed chunked request before 0.5.18's ``_pending_chunked_abort_req``).
+* SGLang 0.5.12 and 0.5.13: the strict busy check (``SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_BUSY``) sums uncached
+  tokens over the last and running batches only; a chunked request that ``add_chunked_req`` left unscheduled holds its
+  chunk outside both, and the check reports a leak of exactly those slots (0.5.23's checker counts the chunked request).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from poolfuzz.pools.config import CONFIGS
+
+
+def _release(api):
+    from packaging.version import Version
+
+    return Version(api.version)
+
+
+def _window_frontier_driver(scheduling):
+    """swa-ps4 (window 6 on 4-token pages) on a release whose Scheduler builds the unified radix cache, else skip."""
+    driver = scheduling.SglangSchedulerDriver(CONFIGS["swa-ps4"])
+    if type(driver.tree).__name__ != "UnifiedRadixCache":
+        pytest.skip(f"the SWA frontier bug is in UnifiedRadixCache.cache_unfinished_req; this release's Scheduler "
+                    f"builds {type(driver.tree).__name__}")
+    return driver
+
+
+@pytest.mark.anchored
+def test_an_unfinished_prefill_on_a_window_off_the_page_grid_stays_locked(scheduling, api):
+    """0.5.18: one request of 11 tokens (window 6, pages of 4). Its prefill is cached with 4 live SWA tokens below the
+    insert boundary (8), the rematch refuses the leaf, and the tree's 8 evictable tokens are also the request's: the
+    strict busy check finds 72 of 64 slots. 0.5.23 keeps 8 live tokens and locks the leaf."""
+    from packaging.version import Version
+
+    driver = _window_frontier_driver(scheduling)
+    driver.add_request(length=11, share=0, max_tokens=2)
+    driver.step()
+    problem = driver.state_problem()
+    if _release(api) < Version("0.5.23"):
+        assert problem is not None and problem.startswith(
+            "Full Pool Mem Leak Detected! [full] total=64, available=52, evictable=8, protected=0, session_held=0, "
+            "uncached=12"), problem
+    else:
+        assert problem is None, problem
+        assert driver.drain() is None
+
+
+@pytest.mark.anchored
+def test_a_second_insert_of_a_prefix_whose_leaf_was_refused_does_not_crash(scheduling, api):
+    """0.5.18: request 1 (13 tokens) is cached with its first 8 tokens in the tree; request 2 shares those 8 and adds
+    3. When request 2's prefill is cached, its 8-token key is found in the tree but the rematch returns nothing (4 live
+    SWA tokens below the boundary), and ``cache_unfinished_req`` asserts. 0.5.23 serves both."""
+    from packaging.version import Version
+
+    driver = _window_frontier_driver(scheduling)
+    driver.add_request(length=13, share=0, max_tokens=2)
+    driver.add_request(length=3, share=2, max_tokens=2)
+    if _release(api) < Version("0.5.23"):
+        with pytest.raises(AssertionError, match=r"^new_prefix_len=8, len\(new_indices\)=0$"):
+            for _ in range(2):
+                driver.step()
+    else:
+        for _ in range(2):
+            driver.step()
+        assert driver.state_problem() is None
+        assert driver.drain() is None
+
+
+def _sessions(scheduling, name):
+    driver = scheduling.SglangSchedulerDriver(CONFIGS[name])
+    if not driver.streaming_sessions:
+        pytest.skip("the scheduler path drives streaming sessions on releases with one global ServerArgs (0.5.12, "
+                    "0.5.13)")
+    return driver
+
+
+@pytest.mark.anchored
+def test_a_session_turn_aborted_by_retraction_lets_its_session_close(scheduling, api):
+    """0.5.12/0.5.13 (swa: 32 SWA slots): session 0's turn (15 tokens) decodes while session 1's turn (20 tokens) is
+    chunked; the decode runs out of SWA slots and ``retract_decode`` aborts session 0's turn, which never becomes
+    finished, so closing session 0 is deferred for ever and its 16 slots stay held; session 1's last chunk never gets
+    SWA slots and the client's abort does not reach it. The server never finishes it."""
+    from poolfuzz.pools.errors import ServerStuck
+
+    driver = _sessions(scheduling, "swa")
+    driver.session_turn(session=0, length=15, max_tokens=7)
+    stuck = driver.session_turn(session=1, length=20, max_tokens=4)
+    with pytest.raises(ServerStuck, match=rf"req {stuck} mid-prefill \(chunked\) with 0 of 4 tokens out"):
+        driver.drain()
+    session = driver.server.session_controller.sessions["session-0"]  # closed by its client, still held
+    assert session.close_on_finish, "session 0's close is deferred"
+    [node] = session.req_nodes.values()
+    assert node.req.to_finish is not None and not node.req.finished(), "its aborted turn never finishes"
+
+
+@pytest.mark.anchored
+def test_the_busy_check_counts_a_chunked_request_left_out_of_the_batch(scheduling, api):
+    """0.5.12/0.5.13 (swa): request 1 (15 tokens) decodes while a session turn (17 tokens) is chunked; with no SWA
+    budget left, ``add_chunked_req`` leaves the turn out of the batch, and the strict busy check, which sums uncached
+    tokens over the last and running batches only, misses its 16 slots."""
+    driver = _sessions(scheduling, "swa")
+    driver.add_request(length=15, share=0, max_tokens=2)
+    turn = driver.session_turn(session=0, length=17, max_tokens=1)
+    for _ in range(3):
+        driver.step()
+    assert driver.server.chunked_req is not None and driver.server.chunked_req.rid == turn
+    problem = driver.state_problem()
+    assert problem is not None and problem.startswith(
+        "Full Pool Mem Leak Detected! [full] total=64, available=32, evictable=16, protected=0, session_held=0, "
+        "uncached=0"), problem
