@@ -75,6 +75,7 @@ class ScheduledMachine(RuleBasedStateMachine):
         self.driver = None
         # Prompts in units of max_context // 64 tokens, as the pool machine draws them: a config of 64-token pages
         # gets prompts that fill pages, so chunks and page-granular prefix hits happen (the named configs: tokens).
+        # The program records the drawn units, so a replay through these rules scales them once.
         self.unit = max(1, cls.config.max_context // 64)
         self.driver = self._guarded("init", lambda: cls.driver_factory(cls.config))
 
@@ -107,11 +108,16 @@ class ScheduledMachine(RuleBasedStateMachine):
     def add_request(self, length, share, max_tokens, priority=0):
         """A request arrives; ``share`` > 0 starts it with a prefix of an earlier request's tokens; ``priority``
         orders it where the server schedules by priority."""
-        length *= self.unit
         self._record("add_request", length=length, share=share, max_tokens=max_tokens, priority=priority)
-        rid = self._guarded("add_request", lambda: self.driver.add_request(length=length, share=share,
-                                                                          max_tokens=max_tokens, priority=priority))
-        self.program[-1] = StepRecord(op=self.program[-1].op, args=self.program[-1].args, outcome=f"req {rid}")
+        rid = self._guarded("add_request", lambda: self.driver.add_request(
+            length=length * self.unit, share=share, max_tokens=max_tokens, priority=priority))
+        self.program[-1] = StepRecord(op=self.program[-1].op, args=self.program[-1].args,
+                                      outcome=f"req {rid}{self._tokens(length)}")
+
+    def _tokens(self, length: int) -> str:
+        """The prompt's new tokens, where a drawn length is not a token count (the program records what was drawn,
+        so it replays through the same rule)."""
+        return f" ({length * self.unit} new tokens)" if self.unit > 1 else ""
 
     @rule(steps=st.integers(1, 4), drafts=st.integers(0, 2))
     def schedule(self, steps, drafts=0):
@@ -131,11 +137,10 @@ class ScheduledMachine(RuleBasedStateMachine):
         """The next turn of streaming session ``session`` (opened by its first turn): ``length`` new tokens after
         the session's context, which the server keeps between turns (a server with streaming sessions). Sent only
         once the session's last turn is answered, as a client sends them (else the driver returns None)."""
-        length *= self.unit
         self._record("session_turn", session=session, length=length, max_tokens=max_tokens)
-        rid = self._guarded("session_turn", lambda: self.driver.session_turn(session=session, length=length,
+        rid = self._guarded("session_turn", lambda: self.driver.session_turn(session=session, length=length * self.unit,
                                                                             max_tokens=max_tokens))
-        outcome = f"req {rid}" if rid else "the client waits: the session's last turn is in flight"
+        outcome = f"req {rid}{self._tokens(length)}" if rid else "the client waits: the session's last turn is in flight"
         self.program[-1] = StepRecord(op=self.program[-1].op, args=self.program[-1].args, outcome=outcome)
 
     @precondition(lambda self: self.driver.streaming_sessions)
