@@ -12,6 +12,7 @@ import pytest
 from hypothesis import HealthCheck, Phase, settings
 from hypothesis.stateful import run_state_machine_as_test
 
+from poolfuzz.adapters.sglang import compat
 from poolfuzz.harness.scheduled import scheduled_machine
 from poolfuzz.pools.config import CONFIGS
 
@@ -117,7 +118,7 @@ def test_a_slot_handed_out_twice_is_caught_and_named(scheduling, monkeypatch):
     a = driver.add_request(length=4, share=0, max_tokens=6)
     driver.step()  # a's prompt in slots; from now on every allocation hands out a's first slot again
     req = driver.requests[a]
-    row = req.kv.req_pool_idx
+    row = compat.request_row(req)
     live_rows[id(driver.family.sg_allocator)] = lambda: int(driver.family.sg_req_pool.req_to_token[row, 0])
     b = driver.add_request(length=3, share=0, max_tokens=2)
     with pytest.raises(LostKv) as info:
@@ -138,12 +139,15 @@ def test_a_slot_freed_while_its_request_runs_is_caught_after_the_step(scheduling
     driver.step()
     assert driver.state_problem() is None
     req = driver.requests[a]
-    slot = int(driver.family.sg_req_pool.req_to_token[req.kv.req_pool_idx, 2])
+    slot = int(driver.family.sg_req_pool.req_to_token[compat.request_row(req), 2])
     driver.family.sg_allocator.free(torch.tensor([slot], dtype=torch.int64))
     problem = driver.state_problem()
     # SGLang's own checker: one slot more than the pool holds is accounted (its use-after-free check comes next)
     assert problem.startswith("Full Pool Mem Leak Detected! [full] total=48, available=45"), problem
-    assert problem.endswith(f"; req {a} holds slot {slot} at position 2, which the allocator lists free"), problem
+    if compat.requests_owning_rows(driver.server):  # the release's checker lists who holds rows (0.5.23): named
+        assert problem.endswith(f"; req {a} holds slot {slot} at position 2, which the allocator lists free"), problem
+    else:  # before 0.5.23 the checker keeps no such list, and the message names no holder
+        assert "holds slot" not in problem, problem
 
 
 def test_an_aborted_chunked_prefill_is_answered_and_released(scheduling):
@@ -243,7 +247,7 @@ def test_a_sliding_window_row_lost_inside_the_window_is_caught_and_named(schedul
     a = driver.add_request(length=6, share=0, max_tokens=6)
     driver.step()
     req = driver.requests[a]
-    row = req.kv.req_pool_idx
+    row = compat.request_row(req)
     full_slot = driver.family.sg_req_pool.req_to_token[row, 5:6].to(dtype=torch.int64)
     swa_slot = int(driver.family.sg_kv_pool.translate_loc_from_full_to_swa(full_slot)[0])
     swa_k = next(c for c, _ in driver.runner.kv if c.name == "swa.k")
@@ -259,7 +263,6 @@ def test_a_sliding_window_row_lost_inside_the_window_is_caught_and_named(schedul
 def test_a_release_without_the_runner_s_mamba_functions_declines_mamba_models(scheduling, monkeypatch):
     """The stand-in calls SGLang's deferred copy-on-write and its snapshot length; where a release lacks one, a
     mamba model is declined naming it (never fuzzed with a guess), and a dense one still runs."""
-    from poolfuzz.adapters.sglang import compat
     from poolfuzz.errors import ConfigError
 
     monkeypatch.setattr(compat, "mamba_track_aligned_lens", lambda: None)
@@ -274,10 +277,17 @@ KV_KINDS = ["mla", "mla-ps4", "fp8-scaled", "dense-cpu-fp8", "dense-fp4", "mla-f
             "minimax-sparse-konly-ps4", "mla-ssm"]
 
 
+def _skip_if_declined(scheduling, name):
+    reason = scheduling.unsupported_reason(CONFIGS[name])
+    if reason:
+        pytest.skip(f"this release declines {name}: {reason}")
+
+
 @pytest.mark.parametrize("name", KV_KINDS)
 def test_every_kv_layout_is_scheduled_by_sglang_and_kept_on_its_own_tokens(scheduling, name):
     """MLA latents, FP8 and FP4 bytes with their scale rows, MiniMax's and DSA's index caches: each component of each
     layer is written at the batch's ``out_cache_loc`` and checked before every forward, through SGLang's scheduler."""
+    _skip_if_declined(scheduling, name)
     drivers = []
     _fuzz(scheduling, name, drivers, max_examples=10)
     assert sum(d.hits for d in drivers) > 0
@@ -298,10 +308,11 @@ def test_a_lost_row_of_any_kv_component_is_caught_and_named(scheduling, name, co
 
     from poolfuzz.pools.errors import LostKv
 
+    _skip_if_declined(scheduling, name)
     driver = scheduling.SglangSchedulerDriver(CONFIGS[name])
     a = driver.add_request(length=6, share=0, max_tokens=6)
     driver.step()
-    row = driver.requests[a].kv.req_pool_idx
+    row = compat.request_row(driver.requests[a])
     slot = int(driver.family.sg_req_pool.req_to_token[row, 5:6].to(dtype=torch.int64)[0])
     comp = next(c for c, _ in driver.runner.kv if c.name == component)
     comp.tensor[comp.at(slot)].zero_()
@@ -322,3 +333,46 @@ def test_mla_rows_go_through_the_pools_own_write_door(scheduling, monkeypatch):
     driver.step()
     with pytest.raises(LostKv, match=rf"req {a} step 2: mla\.(latent|rope) layer \d+ position 0: .* holds zeros"):
         driver.step()
+
+
+@pytest.mark.anchored
+def test_a_prompt_within_a_page_of_the_pool_is_accepted_but_never_admitted(scheduling, api):
+    """sglang#39271 (open; fix proposed in #39272), as the fuzzer found it on dsa-ps64 (64-token pages, a 256-token
+    pool and context, so max_req_input_len 250): a 192-token prompt passes validate_input_length, and
+    init_req_max_new_tokens clips its max_new_tokens to 0, since the base allocator's max_new_tokens_for_memory floors
+    the empty-pool budget 256 - 192 - 64 - 1 at 0 where its docstring promises None ("prompt cannot fit", which the
+    Scheduler answers with an abort). PrefillAdder then wants prompt + 0 + one page strictly below the free pool
+    (192 + 0 + 64 < 256) and never admits it: the request waits forever on an idle server (every prompt of 192 to 249
+    tokens here). One token shorter, it is admitted and finishes. Before 0.5.23 the refusal also leaves the empty running
+    batch marked full (sglang#22518)."""
+    from packaging.version import Version
+
+    from poolfuzz.pools.errors import ServerStuck
+
+    fits = scheduling.SglangSchedulerDriver(CONFIGS["dsa-ps64"])
+    rid = fits.add_request(length=191, share=0, max_tokens=1)
+    assert fits.drain() is None and fits.outcome[rid] == "finished"
+
+    driver = scheduling.SglangSchedulerDriver(CONFIGS["dsa-ps64"])
+    rid = driver.add_request(length=192, share=0, max_tokens=1)
+    assert driver.requests[rid].sampling_params.max_new_tokens == 0  # accepted, clipped, not aborted
+    where = "waiting" if Version(api.version) >= Version("0.5.23") else (
+        "waiting (the running batch is empty but marked full, so the scheduler admits nothing)")
+    with pytest.raises(ServerStuck) as stuck:
+        driver.drain()
+    assert str(stuck.value) == (f"1 request(s) still unfinished after 400 idle steps (req {rid} {where} with 0 of 0 "
+                                "tokens out)"), stuck.value
+
+
+def test_a_prompt_the_allocator_says_cannot_fit_is_answered_with_the_servers_abort(scheduling, api, monkeypatch):
+    """Where the allocator answers that a prompt cannot fit the pool at all (``max_new_tokens_for_memory`` None: the
+    unified pools' allocators on 0.5.23, the base one once sglang#39271 is fixed), init_req_max_new_tokens aborts it
+    itself; the driver then expects the one-token prompt the abort leaves, as for a refused prompt."""
+    driver = scheduling.SglangSchedulerDriver(CONFIGS["dsa-ps64"])
+    allocator = driver.server.token_to_kv_pool_allocator
+    if not hasattr(allocator, "max_new_tokens_for_memory"):
+        pytest.skip(f"SGLang {api.version}'s allocator has no max_new_tokens_for_memory (its Scheduler clips alone)")
+    monkeypatch.setattr(allocator, "max_new_tokens_for_memory", lambda *args, **kwargs: None)
+    rid = driver.add_request(length=192, share=0, max_tokens=1)
+    assert driver.refused == 1 and driver.requests[rid].to_finish is not None
+    assert driver.drain() is None and driver.outcome[rid] == "aborted"

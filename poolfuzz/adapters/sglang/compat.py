@@ -279,7 +279,9 @@ def publish_scheduler_context(*, max_running_requests: int) -> dict:
     except (RuntimeError, ValueError, AssertionError):  # 0.5.18 asserts a tensor-parallel group exists
         if hasattr(type(parallel), "override_permanently"):
             parallel.override_permanently(tp_rank=0)
-        else:  # 0.5.18's context reads the rank from parallel_state's group
+        try:  # 0.5.20's override lands where its tp_rank does not read: the rank comes from parallel_state's group
+            parallel.tp_rank
+        except (RuntimeError, ValueError, AssertionError):  # 0.5.18's context has no override at all
             single_tensor_parallel_rank()
     schedule = get_schedule()
     published = {name: getattr(schedule, name) for name in SCHEDULE_FLAGS}
@@ -431,6 +433,12 @@ def batch_rows(batch):
     """The batch's request rows on the CPU (``req_pool_indices_cpu`` from 0.5.13; the device tensor before)."""
     rows = getattr(batch, "req_pool_indices_cpu", None)
     return batch.req_pool_indices.cpu() if rows is None else rows
+
+
+def request_row(req) -> int | None:
+    """A request's row of the request pool (``req.kv.req_pool_idx`` in 0.5.23; on the ``Req`` itself before)."""
+    kv = getattr(req, "kv", None)
+    return kv.req_pool_idx if hasattr(kv, "req_pool_idx") else req.req_pool_idx
 
 
 def batch_prefill_inputs(batch):

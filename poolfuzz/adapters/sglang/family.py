@@ -190,7 +190,8 @@ def unsupported_reason(config: ModelConfig, *, scheduled: bool = False) -> str |
             return problem
     if config.latent and config.has_mamba:
         return extra_buffer_problem(api, config) or speculative_problem(api, config) or hybrid_mla_problem(api, config)
-    return extra_buffer_problem(api, config) or speculative_problem(api, config) or storage_problem(api, config)
+    return (extra_buffer_problem(api, config) or speculative_problem(api, config)
+            or storage_problem(api, config, scheduled=scheduled))
 
 
 _PAGED_PROBE: dict[str, str | None] = {}
@@ -239,7 +240,7 @@ def build_sglang_family(config: ModelConfig, *, device="cpu", faults=(), backup_
     sdev = str(dev) if dev.type == "cpu" else f"cuda:{dev.index or 0}"
     try:
         with debug_memory_pool(), native_kv_move():
-            return _build(api, config, dev, sdev, backup_mode, pd_decode=node == DECODE)
+            return _build(api, config, dev, sdev, backup_mode, pd_decode=node == DECODE, scheduled=scheduled)
     except (AssertionError, ValueError) as exc:
         # SGLang's constructors decide what this release can build: a config they refuse is
         # declined (a drawn one is skipped), never reported as a bug found in the pools.
@@ -249,7 +250,7 @@ def build_sglang_family(config: ModelConfig, *, device="cpu", faults=(), backup_
 
 
 def _build(api: SGLangAPI, config: ModelConfig, dev, sdev: str, backup_mode: str = "cpu_tensor",
-           pd_decode: bool = False) -> SGLangFamily:
+           pd_decode: bool = False, scheduled: bool = False) -> SGLangFamily:
     c = config
     need_sort = pd_decode  # the configurator's need_sort: disaggregation_mode in ("decode", "prefill")
     kv_dtype = KV_DTYPES[c.kv_dtype]
@@ -275,7 +276,7 @@ def _build(api: SGLangAPI, config: ModelConfig, dev, sdev: str, backup_mode: str
     comps: list[Component] = []
     if ((c.latent and not c.has_mamba) or c.kv_scale_block or c.kv_quant == "fp4_mx_block16"
             or c.attention == "msa"):
-        sg_kv, comps = build_storage_pool(api, c, common)
+        sg_kv, comps = build_storage_pool(api, c, common, scheduled=scheduled)
         alloc_cls = api.TokenToKVPoolAllocator if c.page_size == 1 else api.PagedTokenToKVPoolAllocator
         sg_alloc = construct(alloc_cls, size=c.full_tokens, page_size=c.page_size, dtype=kv_dtype, device=sdev,
                              kvcache=sg_kv, need_sort=need_sort)

@@ -151,6 +151,10 @@ def _server_arguments_problem(version: str) -> str | None:
     except (OSError, ImportError) as exc:
         return (f"SGLang {version}'s server arguments cannot be published without a model "
                 f"({str(exc).splitlines()[0][:80]}); the scheduler path drives releases that publish them so")
+    except AttributeError as exc:  # 0.5.15: an early runtime context, without config namespaces
+        return (f"SGLang {version}'s runtime context cannot publish a server's arguments ({exc}); the scheduler path "
+                "drives releases whose runtime context has config namespaces (0.5.18 on) or that keep one global "
+                "ServerArgs (0.5.12, 0.5.13)")
     return None
 
 
@@ -324,13 +328,15 @@ class SglangSchedulerDriver:
         self.next_rid += 1
         self.runner.tokens[rid] = Tokens(ids=list(ids))
         self.requests[rid] = req
-        # handle_generate_request's admission: max_new_tokens clipped to what the server holds, the prompt checked
-        # against max_req_input_len (a refused request is queued finished with an abort, as the server queues it)
+        # handle_generate_request's admission: max_new_tokens clipped to what the server holds (a release whose
+        # allocator answers that the prompt cannot fit at all aborts it there), the prompt checked against
+        # max_req_input_len (a refused request is queued finished with an abort, as the server queues it)
         self.server.init_req_max_new_tokens(req)
         refusal = self.m.validate_input_length(req, self.server.max_req_input_len, False)
         if refusal:
-            self.refused += 1
-            req.set_finish_with_abort(refusal)  # its prompt becomes one token, prefilled once to answer the abort
+            req.set_finish_with_abort(refusal)
+        if req.to_finish is not None:  # refused by either: its prompt becomes one token, prefilled once to
+            self.refused += 1  # answer the abort
             self.runner.tokens[rid] = Tokens(ids=list(req.origin_input_ids))
         compat.queue_request(self.server, req)
         return rid
@@ -409,7 +415,7 @@ class SglangSchedulerDriver:
             kv = req.kv
             if full is None:
                 continue
-            for position, slot in enumerate(req_to_token[kv.req_pool_idx, :kv.kv_allocated_len].tolist()):
+            for position, slot in enumerate(req_to_token[compat.request_row(req), :kv.kv_allocated_len].tolist()):
                 if full.is_free_page(slot):
                     out.append(f"req {req.rid} holds slot {slot} at position {position}, which the allocator lists free")
         return out

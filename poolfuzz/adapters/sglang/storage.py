@@ -42,8 +42,9 @@ def single_rank(api: SGLangAPI) -> None:
         ctx.override_permanently(**unset)
 
 
-def storage_problem(api: SGLangAPI, config: ModelConfig) -> str | None:
-    """Why this release cannot build the config's KV storage, or None."""
+def storage_problem(api: SGLangAPI, config: ModelConfig, *, scheduled: bool = False) -> str | None:
+    """Why this release cannot build the config's KV storage, or None. ``scheduled``: for the scheduler path, which
+    never backs a slot up to the host (SGLang's ``retract_decode`` frees it and recomputes)."""
     if config.attention == "msa":
         return msa_problem(api, config)
     if config.attention == "mla" and api.MLATokenToKVPool is None:
@@ -63,7 +64,7 @@ def storage_problem(api: SGLangAPI, config: ModelConfig) -> str | None:
         block = getattr(cls, "MXFP8_SCALE_BLOCK_SIZE", None)
         if block != config.kv_scale_block:
             return f"SGLang's MXFP8 pool scales blocks of {block} values; set kv_scale_block = {block}"
-        return _mxfp8_problem(api)
+        return None if scheduled else _mxfp8_problem(api)
     return None
 
 
@@ -157,10 +158,12 @@ def scales_as_bytes(pool) -> bool:
     return True
 
 
-def build_storage_pool(api: SGLangAPI, config: ModelConfig, common: dict) -> tuple[object, list[Component]]:
-    """The release's MLA, DSA, MiniMax sparse or MXFP8 pool for a full-attention-only config, and its components."""
+def build_storage_pool(api: SGLangAPI, config: ModelConfig, common: dict, *,
+                       scheduled: bool = False) -> tuple[object, list[Component]]:
+    """The release's MLA, DSA, MiniMax sparse or MXFP8 pool for a full-attention-only config, and its components
+    (``scheduled``: for the scheduler path, see ``storage_problem``)."""
     c = config
-    problem = storage_problem(api, c)
+    problem = storage_problem(api, c, scheduled=scheduled)
     if problem:
         raise ConfigError(f"config {c.name!r} on sglang {api.version}: {problem}")
     if c.attention == "msa":
