@@ -22,7 +22,7 @@ SETTINGS = settings(max_examples=25, stateful_step_count=30, deadline=None, dera
                     suppress_health_check=list(HealthCheck), database=None)
 
 
-def _fuzz(scheduling, name, stats=None, **kw):
+def _fuzz(scheduling, name, stats=None, *, also: tuple[str, ...] = (), **kw):
     """Run the machine on ``name``; ``stats`` gathers the drivers' preemptions and prefix hits."""
     def driver(config):
         d = scheduling.SchedulerDriver(config)
@@ -31,7 +31,7 @@ def _fuzz(scheduling, name, stats=None, **kw):
         return d
 
     # fuzzed past the release's judged defects, as CI's newest-release run is: a seed never decides the verdict
-    observer = PassOverJudged(version("vllm"), name)
+    observer = PassOverJudged(version("vllm"), name, also=also)
     run_state_machine_as_test(scheduled_machine(CONFIGS[name], driver_factory=driver, observer=observer),
                               settings=settings(SETTINGS, **kw))
 
@@ -223,10 +223,12 @@ def no_rollback(scheduling, monkeypatch):
 
 
 def test_a_rejected_draft_left_counted_as_computed_is_caught_and_named(scheduling, no_rollback):
-    """The request's next forward attends a position that holds its rejected draft's KV: the report names it."""
+    """The request's next forward attends a position that holds its rejected draft's KV: the report names it. (The
+    planted fault's other symptom, a request whose counted drafts never let it finish, is passed over, so which one a
+    seed meets first does not decide the test.)"""
     with pytest.raises(StateLost, match=r"req \d+ step \d+: full\.k layer \d+ position \d+: block \d+ slot \d+ holds "
                                         r"the KV of a draft token req \d+ proposed at position \d+ \(rejected\)"):
-        _fuzz(scheduling, "dense-ps4", phases=[Phase.generate])
+        _fuzz(scheduling, "dense-ps4", phases=[Phase.generate], also=("InvariantViolation:stuck:-",))
 
 
 # --- KV events: what the server publishes, replayed as a router replays it, against its prefix cache -----------
