@@ -23,7 +23,7 @@ from poolfuzz.pools.capabilities import factory_capabilities
 from poolfuzz.pools.config import CONFIGS, ModelConfig, get_config
 from poolfuzz.pools.family import build_family, expected_backup_mode, resolved_backup_mode
 from poolfuzz.strategies import (DRAWN_NAME, accepted_drafts, drawn_configs, chunk_sizes, decode_picks, draft_lengths, extra_tokens, picks,
-                                 prompt_lengths, warm_prompts)
+                                 prompt_lengths, token_unit, warm_prompts)
 
 
 def event(label: str) -> None:
@@ -135,9 +135,7 @@ class PoolMachine(RuleBasedStateMachine):
     def _new_engine(self, config: ModelConfig) -> Engine:
         cls = type(self)
         kwargs = {} if cls.family_factory is None else {"family_factory": cls.family_factory}
-        # Prompts and chunks are drawn in units of max_context // 64 tokens: a long-context config
-        # gets prompts of thousands of tokens; the named configs (contexts <= 64) draw token by token.
-        self.scale = max(1, config.max_context // 64)
+        self.scale = token_unit(config)  # prompts and chunks are drawn in these units of tokens
         return Engine(config=config, device=cls.device, faults=cls.faults, backup_mode=cls.backup_mode,
                       options=cls.options, **kwargs)
 

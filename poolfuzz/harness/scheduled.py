@@ -33,6 +33,7 @@ from poolfuzz.harness.hypothesis_compat import set_database_identity
 from poolfuzz.harness.records import StepRecord
 from poolfuzz.pools.config import ModelConfig
 from poolfuzz.pools.errors import LostKv, ServerStuck
+from poolfuzz.strategies import token_unit
 
 PREFIX = "scheduler."  # the ops of a scheduler program, apart from the Engine's (harness.program.operations)
 # Each op of a scheduler program and the arguments it takes: what an artifact's program may hold.
@@ -73,10 +74,9 @@ class ScheduledMachine(RuleBasedStateMachine):
         self.waived: dict = {}  # what an observer reads of an engine at the example's end (nothing is waived here)
         self.passed_over: dict = {}
         self.driver = None
-        # Prompts in units of max_context // 64 tokens, as the pool machine draws them: a config of 64-token pages
-        # gets prompts that fill pages, so chunks and page-granular prefix hits happen (the named configs: tokens).
-        # The program records the drawn units, so a replay through these rules scales them once.
-        self.unit = max(1, cls.config.max_context // 64)
+        # Prompts in the pool machine's units: a config of 64-token pages gets prompts that fill pages, so chunks and
+        # page-granular prefix hits happen. The program records the drawn units, so a replay scales them once.
+        self.unit = token_unit(cls.config)
         self.driver = self._guarded("init", lambda: cls.driver_factory(cls.config))
 
     @property

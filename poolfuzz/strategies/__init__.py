@@ -9,8 +9,9 @@ from poolfuzz.strategies.ops import (
     extra_tokens,
     picks,
     prompt_lengths,
+    token_unit,
     warm_prompts,
 )
 
 __all__ = ["DRAWN_NAME", "accepted_drafts", "chunk_sizes", "configs", "drawn_configs", "decode_picks", "draft_lengths", "extra_tokens", "picks",
-           "prompt_lengths", "warm_prompts"]
+           "prompt_lengths", "token_unit", "warm_prompts"]

@@ -14,6 +14,22 @@ def family_or_skip(api, name):
     return build_family(CONFIGS[name])
 
 
+def release(api):
+    """The installed release as a comparable version (the anchored tests pin each release's verdict)."""
+    from packaging.version import Version
+
+    return Version(api.version)
+
+
+def session_driver_or_skip(scheduling, name):
+    """A scheduler-path driver of the named config whose server keeps streaming sessions, or the test skipped."""
+    driver = scheduling.SglangSchedulerDriver(CONFIGS[name])
+    if not driver.streaming_sessions:
+        pytest.skip("the scheduler path drives streaming sessions on releases with one global ServerArgs (0.5.12, "
+                    "0.5.13)")
+    return driver
+
+
 def dsa_move_is_page_aware(api) -> bool:
     """Whether the release's DSA index cache moves a token's keys inside its page (0.5.23), or indexes the
     page-major buffer by token location (0.5.18: a tree verify's move lands on the wrong page or out of range;

@@ -15,20 +15,8 @@ from __future__ import annotations
 import pytest
 
 from poolfuzz.pools.config import CONFIGS
-
-
-def _release(api):
-    from packaging.version import Version
-
-    return Version(api.version)
-
-
-def _sessions(scheduling, name):
-    driver = scheduling.SglangSchedulerDriver(CONFIGS[name])
-    if not driver.streaming_sessions:
-        pytest.skip("the scheduler path drives streaming sessions on releases with one global ServerArgs (0.5.12, "
-                    "0.5.13)")
-    return driver
+from tests.sglang.families import release as _release
+from tests.sglang.families import session_driver_or_skip as _sessions
 
 
 @pytest.mark.anchored

@@ -25,12 +25,8 @@ from __future__ import annotations
 import pytest
 
 from poolfuzz.pools.config import CONFIGS
-
-
-def _release(api):
-    from packaging.version import Version
-
-    return Version(api.version)
+from tests.sglang.families import release as _release
+from tests.sglang.families import session_driver_or_skip as _sessions
 
 
 def _window_frontier_driver(scheduling):
@@ -81,14 +77,6 @@ def test_a_second_insert_of_a_prefix_whose_leaf_was_refused_does_not_crash(sched
             driver.step()
         assert driver.state_problem() is None
         assert driver.drain() is None
-
-
-def _sessions(scheduling, name):
-    driver = scheduling.SglangSchedulerDriver(CONFIGS[name])
-    if not driver.streaming_sessions:
-        pytest.skip("the scheduler path drives streaming sessions on releases with one global ServerArgs (0.5.12, "
-                    "0.5.13)")
-    return driver
 
 
 @pytest.mark.anchored

@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import json
 import re
-from pathlib import Path
 
 import pytest
 
 from poolfuzz.cli import run_cli
 from tests.engine_fuzz import assert_api_changed, run_on_changed_engine
+from tests.vllm.judged import known_file
 
 FAMILY = "vllm"
 
@@ -28,7 +28,7 @@ def _known(api) -> list[str]:
     """``--known`` with the installed release's judged defects (``ci/known/vllm-VERSION.txt``), where it has any:
     a config that is clean of new bugs may still show a real defect of that release (0.16.0's and 0.23.0's
     priority deadlock with async KV loads on dense-ps4), which these tests are not about."""
-    path = Path(__file__).parents[2] / "ci" / "known" / f"vllm-{api.version}.txt"
+    path = known_file(api.version)
     return ["--known", str(path)] if path.exists() else []
 
 

@@ -81,7 +81,6 @@ class SessionClients:
         return "; streaming sessions: " + "; ".join(parts) if parts else ""
 
 
-
 def _message(cls, values: dict):
     """One of the release's io_struct messages (a dataclass, or from 0.5.23 a msgspec struct) with ``values`` for the
     fields it has, and None for a required one not given (a field the scheduler path has nothing for)."""
@@ -98,7 +97,6 @@ def _message(cls, values: dict):
     return cls(**kwargs)
 
 
-
 def session_turn_request(*, rid: str, ids: list[int], sampling_params, session_id: str):
     """What the tokenizer manager sends the Scheduler for a turn of a streaming session: a tokenized generate
     request whose ``session_params`` name the session (``handle_generate_request`` builds the Req from it)."""
@@ -113,7 +111,6 @@ def session_turn_request(*, rid: str, ids: list[int], sampling_params, session_i
         token_ids_logprob=None, stream=False, rid=rid, session_params=SessionParams(id=session_id)))
 
 
-
 def open_session_request(session_id: str):
     """``OpenSessionReqInput`` of a streaming session (the server keeps its context between turns)."""
     from sglang.srt.managers.io_struct import OpenSessionReqInput
@@ -121,9 +118,7 @@ def open_session_request(session_id: str):
     return _message(OpenSessionReqInput, dict(capacity_of_str_len=1 << 20, session_id=session_id, streaming=True))
 
 
-
 def close_session_request(session_id: str):
     from sglang.srt.managers.io_struct import CloseSessionReqInput
 
     return _message(CloseSessionReqInput, dict(session_id=session_id))
-
