@@ -44,13 +44,13 @@ version, examples, out = sys.argv[1:4]
 def row(imports, configs, verdict, anchor="-"):
     print(f"{version:8} | {'yes':8} | {imports:7} | {configs:28} | {verdict:60} | {anchor}", flush=True)
 try:
-    from poolfuzz.adapters.vllm import describe, unsupported_reason
+    from poolfuzz.adapters.vllm import describe, scheduler_unsupported_reason
     describe()
 except Exception as exc:
     row("no", "-", f"{type(exc).__name__}: {str(exc)[:120]}")
     sys.exit(0)
 from poolfuzz.pools.config import CONFIGS
-ok = [n for n in CONFIGS if unsupported_reason(CONFIGS[n]) is None]
+ok = [n for n in CONFIGS if scheduler_unsupported_reason(CONFIGS[n]) is None]  # what --family vllm runs
 run = subprocess.run([sys.executable, "-m", "poolfuzz.cli", "run", "--family", "vllm", "--examples", examples,
                       "--seed", "1", "--db", "none", "--out", out], capture_output=True, text=True)
 found = {}

@@ -9,6 +9,13 @@ the installed release, with the verdict that release must give.
   inserted nodes stay unlocked while the request still holds their slots (the strict busy check counts them twice), and
   a second request that inserts the same prefix trips ``new_prefix_len <= len(new_indices)``. 0.5.23 rounds the kept
   span up to whole pages.
+* SGLang 0.5.18 (sglang#36081; fixed by sglang#36381, in 0.5.20): inside a free group (``process_batch_result``),
+  ``SWATokenToKVPoolAllocator.free_swa`` queued full indices and translated them to SWA slots only at
+  ``free_group_end``. A tombstone recovered in the same group (``RecoverSWAWithLockedFull``: a finished request inserts
+  live SWA over a prefix another request still holds) re-points the held full slot at the new SWA slot, so the flush
+  frees the recovered slot: the tree offers a prefix whose SWA slot is free and unmapped, and the next request that
+  hits it reads zeros (its old slot leaks: the drain's "pool memory leak detected" of #36081). 0.5.20 resolves the
+  SWA slot when the free is queued.
 * SGLang 0.5.12 and 0.5.13 (streaming sessions are driven there only): a streaming session's turn that
   ``retract_decode`` aborts ("Out of memory even after retracting all other requests") keeps ``to_finish`` and never
   becomes ``finished()``, so ``close_session`` defers the release forever (``close_on_finish``) and the session keeps
@@ -75,6 +82,35 @@ def test_a_second_insert_of_a_prefix_whose_leaf_was_refused_does_not_crash(sched
     else:
         for _ in range(2):
             driver.step()
+        assert driver.state_problem() is None
+        assert driver.drain() is None
+
+
+@pytest.mark.anchored
+def test_a_tombstone_recovered_in_the_free_group_of_a_window_eviction_keeps_its_swa_slot(scheduling, api):
+    """0.5.18 (swa, window 6, one-token pages): request 1 (8 tokens) and request 2 (its first 4 tokens and one more,
+    one output) are prefilled together. Caching request 1 evicts its position 0 from the window (queued in the free
+    group) and inserts it as a tombstone; request 2 finishes and re-inserts position 0 with live SWA, which recovery
+    maps onto request 1's locked full slot; the group's flush then frees that recovered SWA slot. Request 3 hits the
+    4-token prefix and reads zeros at position 0. 0.5.20 serves all three."""
+    from packaging.version import Version
+
+    from poolfuzz.pools.errors import LostKv
+
+    driver = scheduling.SglangSchedulerDriver(CONFIGS["swa"])
+    if type(driver.tree).__name__ != "UnifiedRadixCache":
+        pytest.skip(f"the tombstone recovery is UnifiedRadixCache's; this release's Scheduler builds "
+                    f"{type(driver.tree).__name__}")
+    driver.add_request(length=8, share=0, max_tokens=2)
+    driver.add_request(length=1, share=1, max_tokens=1)
+    driver.step()
+    third = driver.add_request(length=1, share=1, max_tokens=1)
+    assert driver.runner.tokens[third].ids[:4] == driver.runner.tokens["000001"].ids[:4], "it shares the prefix"
+    if _release(api) < Version("0.5.20"):
+        with pytest.raises(LostKv, match=rf"^req {third} step 2: swa\.k layer 1 position 0: block 0 slot 0 holds zeros"):
+            driver.step()
+    else:
+        driver.step()
         assert driver.state_problem() is None
         assert driver.drain() is None
 
