@@ -37,6 +37,7 @@ SHIPPED = {
     "sglang": "poolfuzz.adapters.sglang:build_family",
     "sglang:unified": "poolfuzz.adapters.sglang:build_unified_family",
     "sglang:scheduler": "poolfuzz.adapters.sglang:build_scheduler_driver",
+    "sglang:decode": "poolfuzz.adapters.sglang:build_decode_driver",
     "vllm": "poolfuzz.adapters.vllm:build_scheduler_driver",
     "vllm:scheduler": "poolfuzz.adapters.vllm:build_scheduler_driver",  # its name for one release: artifacts say it
     "vllm:manager": "poolfuzz.adapters.vllm:build_manager_family",

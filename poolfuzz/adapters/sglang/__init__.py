@@ -114,3 +114,27 @@ build_scheduler_driver.engine_report = engine_report
 build_scheduler_driver.engine_code = ("sglang/srt/mem_cache", "sglang/srt/managers/schedule_batch.py",
                                       "sglang/srt/managers/schedule_policy.py", "sglang/srt/managers/scheduler.py",
                                       "sglang/srt/managers/scheduler_components")
+
+
+def build_decode_driver(config, *, device="cpu", faults=(), backup_mode=None):
+    """The factory registered as ``sglang:decode``: one example's PD decode server, SGLang's own decode queues
+    (pre-allocation, transfer, retraction with a KV backup and its restore) and Scheduler over the family's pools,
+    fed by a prefill stand-in and the model-runner stand-in (``decode_server.SglangDecodeDriver``)."""
+    from poolfuzz.adapters.sglang.decode_server import build_decode_driver as build
+
+    return build(config, device=device, faults=faults, backup_mode=backup_mode)
+
+
+def decode_unsupported_reason(config) -> str | None:
+    """Why the decode server does not drive ``config`` with the installed SGLang, or None."""
+    from poolfuzz.adapters.sglang.decode_server import unsupported_reason as probe
+
+    return probe(config)
+
+
+build_decode_driver.drives_scheduler = True
+build_decode_driver.unsupported_reason = decode_unsupported_reason
+build_decode_driver.engine_report = engine_report
+# What --coverage measures: the decode side's queues besides the scheduler path's files.
+build_decode_driver.engine_code = build_scheduler_driver.engine_code + (
+    "sglang/srt/disaggregation/decode.py", "sglang/srt/disaggregation/decode_schedule_batch_mixin.py")

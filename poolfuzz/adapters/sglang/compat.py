@@ -330,12 +330,14 @@ def result_processor(cls, *, tree, req_to_token_pool, allocator, model_config, d
     return cls(**{k: v for k, v in wanted.items() if k in fields})
 
 
-def engine_invariant_problem(server, *, idle: bool) -> str | None:
+def engine_invariant_problem(server, *, idle: bool, conservation: bool = True) -> str | None:
     """SGLang's own ``SchedulerInvariantChecker`` on the server (built by the Scheduler's ``init_pool_stats_observer``
     / ``init_invariant_checker``), as a server run with ``SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_BUSY``,
     ``SGLANG_CHECK_KV_PAGE_INVARIANTS`` and ``SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE`` runs it: after a batch,
     exact slot conservation and no page both owned and free (or free twice); when fully idle, ``on_idle``'s pool and
-    request-row leak checks and the tree's ``sanity_check``. Its message where one fails, else None."""
+    request-row leak checks and the tree's ``sanity_check``. Its message where one fails, else None. Without
+    ``conservation``, the busy check's slot count is left out (a PD decode server's loop never runs it: requests
+    pre-allocated for a transfer hold slots outside every batch it counts)."""
     from contextlib import nullcontext
 
     from sglang.srt.environ import envs
@@ -352,7 +354,8 @@ def engine_invariant_problem(server, *, idle: bool) -> str | None:
                 with sanity.override(True) if sanity is not None else nullcontext():
                     checker._check_tree_cache()  # the tree's sanity check, where the server runs one for the model
             else:
-                checker.self_check_during_busy()
+                if conservation:
+                    checker.self_check_during_busy()
                 if callable(getattr(type(checker), "_check_kv_page_invariants", None)):  # 0.5.23's page check
                     checker._check_kv_page_invariants()
     except (AssertionError, ValueError) as exc:
@@ -574,3 +577,21 @@ def flush_pending_backups(tree) -> None:
     """What ``process_batch_result`` ends with where the tree defers host backups (0.5.23); nothing before."""
     if callable(getattr(type(tree), "flush_pending_backups", None)):
         tree.flush_pending_backups()
+
+
+def decode_server_gap() -> str | None:
+    """What the PD decode server stand-ins lack on this release, or None: a rank placed by override (0.5.20 on), and
+    SGLang's own decode-mode checks that never read the decode request pool's ``pre_alloc_size`` (the stand-in's
+    request pool is a plain ``ReqToTokenPool``, which has one from 0.5.22; 0.5.20's ``_check_req_pool`` reads it)."""
+    import inspect
+
+    from sglang.srt.managers.scheduler_components.invariant_checker import SchedulerInvariantChecker
+    from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
+    from sglang.srt.runtime_context import get_parallel
+
+    if not hasattr(type(get_parallel()), "override_permanently"):
+        return "its runtime context places no rank by override (override_permanently)"
+    if ("pre_alloc_size" in inspect.getsource(SchedulerInvariantChecker._check_req_pool)
+            and not hasattr(ReqToTokenPool, "pre_alloc_size")):
+        return "its request-row check reads a DecodeReqToTokenPool's pre_alloc_size, which the stand-in pool lacks"
+    return None

@@ -180,6 +180,21 @@ class ModelRunner:
                 if got != want:
                     raise self._lost(rid, c, p, slot, want, got)
 
+    def receive_prefill(self, rid: str, *, start: int, slots: list[int]) -> None:
+        """What a prefill node's KV transfer lands on a PD decode server: the K and V of the request's prompt from
+        ``start`` on, in the ``slots`` the decode side named (in position order)."""
+        self._write([(rid, start + i, slot) for i, slot in enumerate(slots)])
+
+    def receive_prefill_state(self, rid: str, *, slot: int, tokens: int) -> None:
+        """The recurrent state a prefill node transfers: every mamba layer's state after the first ``tokens`` tokens,
+        into the physical mamba ``slot`` the decode side named."""
+        self._write_state(rid, slot, tokens)
+
+    def receive_first_token(self, rid: str, token: int) -> None:
+        """The token the prefill node sampled after the prompt, handed over with the transfer."""
+        self.tokens[rid].ids.append(token)
+        self.given[rid] = self.given.get(rid, 0) + 1
+
     def _write(self, writes: list[tuple[str, int, int]]) -> None:
         if not writes:
             return

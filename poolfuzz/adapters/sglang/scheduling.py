@@ -178,7 +178,7 @@ class SglangSchedulerDriver:
         self.m = m
         config = served(config)
         max_running = min(MAX_RUNNING, config.request_rows)
-        self.server_args = server_arguments(config, max_running_requests=max_running)
+        self.server_args = self.server_flags(config, max_running_requests=max_running)
         self.aborted: set[str] = set()  # requests the server answered with an abort (no longer its to run)
         # streaming sessions: driven where the server is built with --enable-streaming-session (0.5.12, 0.5.13)
         self.streaming_sessions = False
@@ -215,6 +215,12 @@ class SglangSchedulerDriver:
         self.chunked = 0  # prefill forwards of a chunk that was not a prompt's last
         self.refused = 0
 
+    # The server's role: NULL, a server that prefills and decodes (decode_server.py's is a PD decode server).
+    role = "NULL"
+
+    def server_flags(self, config: ModelConfig, *, max_running_requests: int) -> dict:
+        return server_arguments(config, max_running_requests=max_running_requests)
+
     def _build_context_server(self, config: ModelConfig, max_running: int) -> None:
         """0.5.23's server: its arguments in the runtime context, the tree its registry picks, its components."""
         from poolfuzz.adapters.sglang.family import build_sglang_family
@@ -233,7 +239,7 @@ class SglangSchedulerDriver:
         req_pool, allocator = self.family.sg_req_pool, self.family.sg_allocator
         self.total = allocator.available_size()
         model = _model_config(config)
-        pd = m.DisaggregationMode.NULL
+        pd = getattr(m.DisaggregationMode, self.role)
         processor = compat.result_processor(m.ResultProcessor, tree=self.tree, req_to_token_pool=req_pool,
                                             allocator=allocator, model_config=model, disaggregation_mode=pd)
         flags = compat.publish_scheduler_context(max_running_requests=max_running)
@@ -338,8 +344,11 @@ class SglangSchedulerDriver:
         if req.to_finish is not None:  # refused by either: its prompt becomes one token, prefilled once to
             self.refused += 1  # answer the abort
             self.runner.tokens[rid] = Tokens(ids=list(req.origin_input_ids))
-        compat.queue_request(self.server, req)
+        self._queue(req)
         return rid
+
+    def _queue(self, req) -> None:
+        compat.queue_request(self.server, req)
 
     def session_turn(self, *, session: int, length: int, max_tokens: int) -> str | None:
         """The next turn of streaming session ``session`` (``sessions.SessionClients.turn``)."""

@@ -64,10 +64,11 @@ def _publish_defaults() -> None:
 
 def build_tree(family, *, hierarchical: bool = False, storage_dir: str | None = None, server: dict | None = None):
     """The tree the release's scheduler builds for this model (its registry's default chain) on a server with the
-    flags ``server`` (published first; default arguments where None); with
-    ``hierarchical``, as ``--enable-hierarchical-cache`` builds it (``hicache.py``), and with a
-    ``storage_dir`` also ``--hicache-storage-backend file`` there (``l3.py``)."""
-    ctx = _build_context(family, hierarchical=hierarchical, disabled=False, server=server)
+    flags ``server`` (published first; default arguments where None; disabled where they say
+    ``disable_radix_cache``); with ``hierarchical``, as ``--enable-hierarchical-cache`` builds it (``hicache.py``),
+    and with a ``storage_dir`` also ``--hicache-storage-backend file`` there (``l3.py``)."""
+    disabled = bool((server or {}).get("disable_radix_cache"))
+    ctx = _build_context(family, hierarchical=hierarchical, disabled=disabled, server=server)
     from sglang.srt.mem_cache import registry
 
     c = family.config

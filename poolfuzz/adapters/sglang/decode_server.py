@@ -1,0 +1,249 @@
+"""SGLang's own PD decode server on the CPU (``--family sglang:decode``): prefilled requests arrive, are pre-allocated,
+transferred, decoded, retracted with their KV backed up, and resumed, each by SGLang's code.
+
+What runs is SGLang's as shipped: ``Scheduler.init_disaggregation`` builds the decode side's queues
+(``DecodePreallocQueue``, ``DecodeTransferQueue``, their KV manager and metadata buffers) over the family's pools and
+tree. A request enters as ``handle_generate_request`` hands it on (``_add_request_to_queue``:
+``DecodePreallocQueue.add``, with a receiver of the ``fake`` transfer backend, the one SGLang's own warm-up requests
+use). Each step is one iteration of ``event_loop_normal_disagg_decode``: ``process_decode_queue``
+(``resume_retracted_reqs``: a retracted request pre-allocated again and its KV restored from its backup;
+``pop_preallocated``: the pre-allocation budgets and ``_pre_alloc``; ``pop_transferred``),
+``get_next_disagg_decode_batch_to_run`` (the prebuilt batch merged into the running one, ``update_running_batch``:
+``check_decode_mem``, ``retract_decode`` with ``release_req``'s KV backup under
+``--disaggregation-decode-retraction-backup cpu_tensor``, ``prepare_for_decode``), the forward, and
+``process_batch_result_decode``. The model-runner stand-in checks, before every forward, that each request attends to
+its own K and V at every position: after a transfer, and after a retraction and its restore.
+
+Stood in for, and why:
+
+* the prefill node and its transfer engine (with the fake backend nothing is sent): where the decode side's
+  ``send_metadata`` names the pre-allocated pages of a prompt (from ``decode_prefix_len``), the stand-in writes what a
+  prefill node's transfer lands there, the prompt's K and V as the model-runner stand-in computes them. The first
+  token is the one the fake path commits (0.5.23's hand-off token, ``_generate_fake_prefill_handoff_output_id``; the
+  zeroed metadata buffer's 0 before it), taken as the prefill's sample.
+* the process groups of one rank: the transfer queue's all-reduce runs over a real one-rank gloo group.
+* the TpModelWorker's model facts the queues read (layer count, KV heads, KV cache dtype name).
+* the request pool: the family's ``ReqToTokenPool``, where a decode server's configurator builds a
+  ``DecodeReqToTokenPool`` (rows kept for pre-allocation); building pools through the configurator is issue 35's.
+
+Server flags besides the scheduler path's: ``--disaggregation-mode decode``, ``--disaggregation-transfer-backend
+fake``, ``--disaggregation-decode-retraction-backup cpu_tensor`` and ``--num-reserved-decode-tokens 1``: the headroom
+each active request keeps for decode steps, scaled to these pools (the default, 512, is about half a percent of a
+GPU's pool; here it would exceed the pool, so nothing would ever be pre-allocated). With it the pre-allocation budget
+admits on what running requests could give back, and decode runs short and retracts, as a loaded server does.
+
+A model with mamba layers gets its recurrent state from the prefill stand-in too (the state after the prompt, into
+the mamba slot the ``MAMBA`` state item of ``send_metadata`` names), and the runner checks the state each request
+continues from, after a restore too. Its extra-buffer configs are declined: a decode server keeps no radix cache, so
+no track slots. Not driven: releases before 0.5.22 (``compat.decode_server_gap`` names what is missing).
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import types
+from functools import lru_cache
+
+from poolfuzz.adapters.sglang.scheduling import ContextLoop, SglangSchedulerDriver, server_arguments
+from poolfuzz.pools.config import ModelConfig
+from poolfuzz.pools.errors import ConfigError
+
+DECODE_FLAGS = {"disaggregation_mode": "decode", "disaggregation_transfer_backend": "fake",
+                "disaggregation_decode_retraction_backup": "cpu_tensor", "num_reserved_decode_tokens": 1,
+                # what SGLang's PD hook resolves for a decode server without --disaggregation-decode-enable-radix-cache
+                # (which the fake backend refuses): its launcher's resolution pipeline needs a model, so it is stated
+                "disable_radix_cache": True}
+
+
+def decode_problem(config: ModelConfig) -> str | None:
+    """Why the decode server does not drive ``config`` with the installed SGLang, or None."""
+    from poolfuzz.adapters.sglang import compat
+    from poolfuzz.adapters.sglang.api import _first, load
+
+    load()  # the CPU shims go in before any sglang import
+    if config.mamba_track_slots:
+        return ("a decode server runs without a radix cache (the fake backend refuses "
+                "--disaggregation-decode-enable-radix-cache), so it keeps no extra-buffer track slots for it")
+    if not compat.publishes_runtime_context():
+        return (f"SGLang {load().version} keeps one global ServerArgs: the decode server is driven on releases with a "
+                "runtime context")
+    if _first("sglang.srt.disaggregation.fake.conn:FakeKVReceiver", required=False) is None:
+        return (f"SGLang {load().version} has no fake transfer backend (FakeKVReceiver), whose receiver the decode "
+                "server runs")
+    gap = compat.decode_server_gap()
+    return gap and f"SGLang {load().version}: {gap}; the decode server is driven on 0.5.22 and 0.5.23"
+
+
+@lru_cache(maxsize=1)
+def one_rank_group():
+    """A real one-rank gloo process group, as a single-rank server's attention TP group is."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        store = os.path.join(tempfile.mkdtemp(prefix="poolfuzz-gloo-"), "store")
+        dist.init_process_group("gloo", rank=0, world_size=1, init_method=f"file://{store}")
+    return dist.new_group([0], backend="gloo")
+
+
+def publish_one_rank() -> None:
+    """The ranks a launcher publishes for the one rank of a CPU server that the decode queues read."""
+    from sglang.srt.runtime_context import get_parallel
+
+    parallel = get_parallel()
+    group = one_rank_group()
+    parallel.override_permanently(attn_tp_group=types.SimpleNamespace(cpu_group=group, world_size=1, rank_in_group=0),
+                                  pp_rank=0, dp_rank=None, attn_tp_rank=0)
+
+
+class DecodeLoop(ContextLoop):
+    """One step of ``event_loop_normal_disagg_decode``: the decode queues, then the batch plan."""
+
+    def __init__(self, server, processor, on_transferred):
+        super().__init__(server, processor)
+        self.on_transferred = on_transferred
+
+    def next_batch(self):
+        s = self.server
+        s.metrics_reporter.num_retracted_reqs = 0
+        s.process_decode_queue()
+        self.on_transferred(s.waiting_queue)
+        plan = s.get_next_disagg_decode_batch_to_run(running_batch=s.running_batch)
+        s.running_batch = plan.running_batch
+        return plan.batch_to_run
+
+
+class SglangDecodeDriver(SglangSchedulerDriver):
+    """One example's PD decode server: SGLang's decode queues and Scheduler, a prefill stand-in, the model runner."""
+
+    role = "DECODE"
+
+    def __init__(self, config: ModelConfig):
+        reason = decode_problem(config)
+        if reason:
+            raise ConfigError(f"the sglang decode server cannot build {config.name!r}: {reason}")
+        self.handed_off: set[str] = set()  # requests whose prefill hand-off (KV and first token) has landed
+        self.transferred = 0  # requests whose KV arrived through the transfer queue
+        super().__init__(config)
+
+    def server_flags(self, config: ModelConfig, *, max_running_requests: int) -> dict:
+        return server_arguments(config, max_running_requests=max_running_requests) | DECODE_FLAGS
+
+    def _build_context_server(self, config: ModelConfig, max_running: int) -> None:
+        from sglang.srt.runtime_context import get_server_args
+
+        super()._build_context_server(config, max_running)
+        s, config = self.server, self.config
+        publish_one_rank()
+        # what the TpModelWorker knows of the model, as far as the decode queues read it
+        s.model_config.num_hidden_layers = config.full_layers + config.swa_layers + config.mamba_layers
+        s.model_config.get_total_num_kv_heads = lambda: 1
+        s.model_config.hf_config = types.SimpleNamespace(architectures=["LlamaForCausalLM"])
+        s.tp_worker.model_runner.kv_cache_dtype_str = "auto"
+        s.tp_worker.model_runner.swa_max_total_num_tokens = config.swa_tokens if config.has_swa else None
+        s.tp_worker.is_hybrid_swa = config.has_swa
+        # the decode queues answer a request they cannot take (an abort) through the output streamer
+        s.output_streamer = types.SimpleNamespace(stream_output=self._streamed)
+        s.ps.gpu_id = None  # no GPU: 0.5.20 reads the rank's device off its placement (0.5.23: get_device())
+        s.__dict__.update(attn_tp_cpu_group=one_rank_group(),  # 0.5.20 hands the queues the group itself
+                          draft_worker=None, random_seed=1, enable_unified_memory=False, enable_decode_hicache=False,
+                          batch_result_processor=self.loop.processor, server_args=get_server_args())
+        try:
+            s.init_disaggregation()
+        except (AssertionError, ValueError, NotImplementedError) as exc:  # what a decode server refuses to start with
+            raise ConfigError(f"the sglang decode server cannot build {config.name!r}: SGLang's decode queues refuse "
+                              f"it ({exc})") from None
+        s.future_map = s.spec_algorithm.create_future_map("cpu", s.req_to_token_pool, needs_cpu_seq_lens=False,
+                                                          needs_confidence_relay=False)
+        self.loop = DecodeLoop(s, self.loop.processor, self._take_handoffs)
+
+    # --- the prefill node ------------------------------------------------------------------------
+    def _queue(self, req) -> None:
+        """A request a prefill node has taken: it names the fake bootstrap host, and the prefill stand-in listens
+        for where the decode side wants its KV."""
+        from sglang.srt.disaggregation.utils import FAKE_BOOTSTRAP_HOST
+
+        req.bootstrap_host, req.bootstrap_port, req.bootstrap_room = FAKE_BOOTSTRAP_HOST, 8998, int(req.rid)
+        super()._queue(req)
+        for decode_req in self.server.disagg_decode_prealloc_queue.queue:
+            if decode_req.req is req:
+                self._listen(decode_req)
+
+    def _listen(self, decode_req) -> None:
+        receiver, req = decode_req.kv_receiver, decode_req.req
+        send = receiver.send_metadata
+
+        def send_metadata(kv_indices, aux_index=None, state_indices=None, decode_prefix_len=None, **kwargs):
+            page = self.config.page_size
+            start, length = decode_prefix_len or 0, len(req.origin_input_ids)
+            slots = [int(p) * page + j for p in kv_indices for j in range(page)]
+            self.runner.receive_prefill(req.rid, start=start, slots=slots[:length - start])
+            # the recurrent state after the prompt, into the mamba slot the MAMBA state item names
+            types = self.server.disagg_decode_prealloc_queue.kv_manager.kv_args.state_types or []
+            for state_type, items in zip(types, state_indices or []):
+                if getattr(state_type, "name", "") == "MAMBA" and items is not None:
+                    for slot in items[0].reshape(-1).tolist():
+                        self.runner.receive_prefill_state(req.rid, slot=int(slot), tokens=length)
+            return send(kv_indices, aux_index, state_indices, decode_prefix_len, **kwargs)
+
+        receiver.send_metadata = send_metadata
+
+    def _streamed(self, reqs, *args, **kwargs) -> None:
+        """What the server streams to the tokenizer manager: an abort answers the request."""
+        for req in reqs:
+            if type(req.finished_reason).__name__ == "FINISH_ABORT" or getattr(req, "to_finish", None) is not None:
+                self.aborted.add(req.rid)
+
+    def _take_handoffs(self, waiting) -> None:
+        """Requests the transfer queue has just committed: the prefill's first token is theirs now."""
+        for req in waiting:
+            if req.rid not in self.handed_off and req.output_ids:
+                self.handed_off.add(req.rid)
+                self.transferred += 1
+                self.runner.receive_first_token(req.rid, int(req.output_ids[-1]))
+
+    def state_problem(self) -> str | None:
+        """After every rule, SGLang's page invariants (no page both owned and free, none free twice); not the busy
+        check's slot count, which ``event_loop_normal_disagg_decode`` never runs (pre-allocated requests hold slots
+        outside every batch it counts)."""
+        from poolfuzz.adapters.sglang import compat
+
+        problem = compat.engine_invariant_problem(self.server, idle=False, conservation=False)
+        return problem and problem + "".join(f"; {detail}" for detail in self._held_free()[:1])
+
+    def _where(self, req) -> str:
+        queues = self.server.disagg_decode_prealloc_queue
+        if any(r.req is req for r in queues.queue):
+            return "waiting for pre-allocation"
+        if req in queues.retracted_queue:
+            return "retracted, waiting to resume"
+        if any(r.req is req for r in self.server.disagg_decode_transfer_queue.queue):
+            return "waiting for its transfer"
+        return super()._where(req)
+
+
+def unsupported_reason(config: ModelConfig) -> str | None:
+    from poolfuzz.adapters.sglang.scheduling import unsupported_reason as scheduler_reason
+
+    return decode_problem(config) or scheduler_reason(config) or decode_refusal(config)
+
+
+@lru_cache(maxsize=None)
+def decode_refusal(config: ModelConfig) -> str | None:
+    """What SGLang's constructors refuse for a decode server of this config (built once), or None."""
+    try:
+        SglangDecodeDriver(config)
+    except ConfigError as exc:
+        return str(exc).split(": ", 1)[-1]
+    return None
+
+
+def build_decode_driver(config: ModelConfig, *, device="cpu", faults=(), backup_mode=None) -> SglangDecodeDriver:
+    """The ``sglang:decode`` factory's driver; its pools live on the CPU, where the scheduler runs."""
+    if tuple(faults):
+        raise ConfigError(f"the sglang decode server runs SGLang's own code; catalogue faults {list(faults)} only "
+                          "apply to the builtin family (drop --faults)")
+    if backup_mode not in (None, "cpu_tensor"):
+        raise ConfigError(f"the sglang decode server backs retracted requests up as cpu_tensor; backup mode "
+                          f"{backup_mode!r} is not driven (leave it unset)")
+    return SglangDecodeDriver(config)
