@@ -10,6 +10,7 @@ import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis.stateful import run_state_machine_as_test
 
+from poolfuzz.harness.failures import StateLost
 from poolfuzz.harness.scheduled import scheduled_machine
 from poolfuzz.pools.config import CONFIGS
 from poolfuzz.pools.errors import ConfigError, LostKv
@@ -39,14 +40,20 @@ def _pressure(decode, name="dense"):
 
 
 @pytest.mark.parametrize("name", ["dense", "swa", "dense-ps4", "swa-ssm", "hybrid-linear"])
-def test_fuzzed_traffic_is_transferred_decoded_retracted_and_restored_on_its_own_kv(decode, name):
+def test_fuzzed_traffic_is_transferred_decoded_retracted_and_restored_on_its_own_kv(decode, expect, name):
+    """Before #35957's fix (0.5.18) a retracted swa-ssm request loses its recurrent state: the fuzzer finds it."""
     drivers = []
 
     def factory(config):
         drivers.append(decode.SglangDecodeDriver(config))
         return drivers[-1]
 
-    run_state_machine_as_test(scheduled_machine(CONFIGS[name], driver_factory=factory), settings=SETTINGS)
+    machine = scheduled_machine(CONFIGS[name], driver_factory=factory)
+    if name == "swa-ssm" and expect == "35957":
+        with pytest.raises(StateLost, match=r"mamba\.\w+ layer \d+ position \d+"):
+            run_state_machine_as_test(machine, settings=SETTINGS)
+        return
+    run_state_machine_as_test(machine, settings=SETTINGS)
     assert sum(d.transferred for d in drivers) >= 20  # requests whose prompt KV the prefill stand-in landed
     assert sum(d.retracted for d in drivers) > 0  # retract_decode took running requests back, backed up
 
@@ -112,6 +119,30 @@ def test_a_restore_that_loses_the_recurrent_state_is_caught_and_named(decode, mo
     with pytest.raises(LostKv, match=r"^req \d+ step \d+: mamba\.\w+ layer \d+ .*slot \d+"):
         for _ in range(60):
             driver.step()
+
+
+@pytest.mark.anchored
+def test_a_retracted_sliding_window_and_mamba_request_resumes_on_its_own_state(decode, expect):
+    """#35957 through SGLang's own decode server (swa-ssm, sliding-window and mamba layers): under decode memory
+    pressure ``retract_decode`` backs each retracted request up with the KV pool's ``get_cpu_copy``. Before the fix
+    (0.5.18) that pool's copy ignores the mamba indices and nothing else backs the state up, so the resumed request
+    continues from a state that is not its own, and the runner names it; from 0.5.19 the pool declares
+    ``cpu_copy_carries_mamba`` and the state is backed up and restored."""
+    driver, rids, reqs = _pressure(decode, "swa-ssm")
+    if expect == "35957":
+        with pytest.raises(LostKv, match=r"^req \d+ step \d+: mamba\.\w+ layer \d+ position \d+: block \d+ slot \d+ "
+                                         r"holds .*\(expected the recurrent state of its own tokens"):
+            for _ in range(60):
+                driver.step()
+        assert driver.retracted >= 1
+    else:
+        for _ in range(60):
+            driver.step()
+        assert driver.retracted >= 1
+        assert driver.drain() is None
+        for req in reqs:  # each ran to its length (20, or what init_req_max_new_tokens clipped it to at admission)
+            assert type(req.finished_reason).__name__ == "FINISH_LENGTH", req
+            assert len(req.output_ids) == req.sampling_params.max_new_tokens, req
 
 
 def test_an_extra_buffer_model_is_declined_with_the_reason(decode):

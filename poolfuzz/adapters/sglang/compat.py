@@ -372,12 +372,12 @@ def deferred_mamba_cow_and_clear():
     return None
 
 
-def mamba_track_aligned_lens():
+def mamba_track_aligned_lens(model_chunk: int = 64):
     """How many of an extend's tokens the state the kernels snapshot for the radix tree covers, as a function of
     (track mask, track seqlens, prefix lens, extend lens): ``ForwardBatch.mamba_track_aligned_lens`` (SGLang's "sole
     home of this math", 0.5.23), else what the attention backend's ``_init_track_ssm_indices`` picks (0.5.12, 0.5.13:
     the final state, or the kernel's intermediate state ``h`` at a chunk boundary); None where the release has
-    neither."""
+    neither. ``model_chunk``: the model's ``mamba_chunk_size`` (the kernels' chunk, where a backend reads its own)."""
     import importlib
     from types import SimpleNamespace
 
@@ -391,15 +391,16 @@ def mamba_track_aligned_lens():
             mamba_track_mask=mask, mamba_track_seqlens=seqlens, extend_prefix_lens=prefix_lens))
     if not has_private("track_ssm_indices"):
         return None
-    return _covered_by_track_ssm_indices(private("track_ssm_indices"))
+    return _covered_by_track_ssm_indices(private("track_ssm_indices"), model_chunk)
 
 
-def _covered_by_track_ssm_indices(method):
+def _covered_by_track_ssm_indices(method, model_chunk: int):
     """``_init_track_ssm_indices`` run unbound on a GDN backend stand-in, read back as tokens covered: each tracked
     request's destination is its own batch index, so the final-state list names the requests whose snapshot is the
     state after the whole extend, and the ``h`` list gives, per request, the index into the kernel's packed chunk
     states (``(extend - 1) // chunk + 1`` a request, in batch order), i.e. the chunk boundary it covers. The chunk is
-    the one the method reads: FLA's (0.5.12) or the server's mamba checkpoint grid (0.5.13)."""
+    the one the method reads: FLA's (0.5.12), the server's mamba checkpoint grid (0.5.13) or the backend's own
+    ``mamba_chunk_size``, the model's (0.5.19)."""
     from types import SimpleNamespace
 
     import torch
@@ -407,6 +408,8 @@ def _covered_by_track_ssm_indices(method):
     def covered(mask, seqlens, prefix_lens, extend_lens):
         if "FLA_CHUNK_SIZE" in method.__code__.co_names:
             chunk = method.__globals__["FLA_CHUNK_SIZE"]
+        elif "mamba_chunk_size" in method.__code__.co_names:  # 0.5.19: the backend's own, the model's chunk
+            chunk = model_chunk
         else:
             from sglang.srt.server_args import get_global_server_args
 
@@ -415,7 +418,7 @@ def _covered_by_track_ssm_indices(method):
         ids = torch.arange(n, dtype=torch.int64)
         batch = SimpleNamespace(mamba_track_mask=mask, extend_seq_lens=extend_lens, mamba_track_indices=ids,
                                 mamba_track_seqlens=seqlens, extend_prefix_lens=prefix_lens)
-        h_src, h_dst, _, final_dst = method(SimpleNamespace(device="cpu"), ids, batch)
+        h_src, h_dst, _, final_dst = method(SimpleNamespace(device="cpu", mamba_chunk_size=model_chunk), ids, batch)
         states = (extend_lens - 1) // chunk + 1
         offsets = torch.cumsum(states, 0) - states
         out = torch.zeros(n, dtype=torch.int64)
@@ -579,19 +582,12 @@ def flush_pending_backups(tree) -> None:
         tree.flush_pending_backups()
 
 
-def decode_server_gap() -> str | None:
-    """What the PD decode server stand-ins lack on this release, or None: a rank placed by override (0.5.20 on), and
-    SGLang's own decode-mode checks that never read the decode request pool's ``pre_alloc_size`` (the stand-in's
-    request pool is a plain ``ReqToTokenPool``, which has one from 0.5.22; 0.5.20's ``_check_req_pool`` reads it)."""
-    import inspect
+def single_attention_group(cpu_group) -> None:
+    """0.5.18's attention tensor-parallel group of a one-rank CPU run, where none is initialised (its PD decode
+    queues ask ``get_attn_tp_group()``; later releases read it from the runtime context)."""
+    from types import SimpleNamespace
 
-    from sglang.srt.managers.scheduler_components.invariant_checker import SchedulerInvariantChecker
-    from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
-    from sglang.srt.runtime_context import get_parallel
+    from sglang.srt.distributed import parallel_state
 
-    if not hasattr(type(get_parallel()), "override_permanently"):
-        return "its runtime context places no rank by override (override_permanently)"
-    if ("pre_alloc_size" in inspect.getsource(SchedulerInvariantChecker._check_req_pool)
-            and not hasattr(ReqToTokenPool, "pre_alloc_size")):
-        return "its request-row check reads a DecodeReqToTokenPool's pre_alloc_size, which the stand-in pool lacks"
-    return None
+    if getattr(parallel_state, "_ATTN_TP", None) is None:
+        parallel_state._ATTN_TP = SimpleNamespace(cpu_group=cpu_group, rank_in_group=0, world_size=1)

@@ -23,8 +23,8 @@ Stood in for, and why:
   zeroed metadata buffer's 0 before it), taken as the prefill's sample.
 * the process groups of one rank: the transfer queue's all-reduce runs over a real one-rank gloo group.
 * the TpModelWorker's model facts the queues read (layer count, KV heads, KV cache dtype name).
-* the request pool: the family's ``ReqToTokenPool``, where a decode server's configurator builds a
-  ``DecodeReqToTokenPool`` (rows kept for pre-allocation); building pools through the configurator is issue 35's.
+* the request pool's extra rows: SGLang's ``DecodeReqToTokenPool`` (``HybridMambaDecodeReqToTokenPool`` with mamba
+  layers) is built as the configurator builds it, with the PD hook's default extra rows (:meth:`family_options`).
 
 Server flags besides the scheduler path's: ``--disaggregation-mode decode``, ``--disaggregation-transfer-backend
 fake``, ``--disaggregation-decode-retraction-backup cpu_tensor`` and ``--num-reserved-decode-tokens 1``: the headroom
@@ -35,7 +35,7 @@ admits on what running requests could give back, and decode runs short and retra
 A model with mamba layers gets its recurrent state from the prefill stand-in too (the state after the prompt, into
 the mamba slot the ``MAMBA`` state item of ``send_metadata`` names), and the runner checks the state each request
 continues from, after a restore too. Its extra-buffer configs are declined: a decode server keeps no radix cache, so
-no track slots. Not driven: releases before 0.5.22 (``compat.decode_server_gap`` names what is missing).
+no track slots.
 """
 
 from __future__ import annotations
@@ -71,8 +71,7 @@ def decode_problem(config: ModelConfig) -> str | None:
     if _first("sglang.srt.disaggregation.fake.conn:FakeKVReceiver", required=False) is None:
         return (f"SGLang {load().version} has no fake transfer backend (FakeKVReceiver), whose receiver the decode "
                 "server runs")
-    gap = compat.decode_server_gap()
-    return gap and f"SGLang {load().version}: {gap}; the decode server is driven on 0.5.22 and 0.5.23"
+    return None
 
 
 @lru_cache(maxsize=1)
@@ -92,6 +91,11 @@ def publish_one_rank() -> None:
 
     parallel = get_parallel()
     group = one_rank_group()
+    if not hasattr(type(parallel), "override_permanently"):  # 0.5.18: ranks off the Scheduler (ps), the group global
+        from poolfuzz.adapters.sglang import compat
+
+        compat.single_attention_group(group)
+        return
     parallel.override_permanently(attn_tp_group=types.SimpleNamespace(cpu_group=group, world_size=1, rank_in_group=0),
                                   pp_rank=0, dp_rank=None, attn_tp_rank=0)
 
@@ -128,6 +132,13 @@ class SglangDecodeDriver(SglangSchedulerDriver):
 
     def server_flags(self, config: ModelConfig, *, max_running_requests: int) -> dict:
         return server_arguments(config, max_running_requests=max_running_requests) | DECODE_FLAGS
+
+    def family_options(self, max_running: int) -> dict:
+        """The request pool a decode server's configurator builds (``DecodeReqToTokenPool`` /
+        ``HybridMambaDecodeReqToTokenPool``), with the rows SGLang's PD hook gives requests in pre-allocation and
+        transfer by default: twice the running requests, where those are 32 or fewer
+        (``handle_pd_disaggregation``'s ``disaggregation_decode_extra_slots``; its resolution needs a model)."""
+        return {"decode_rows": 2 * max_running}
 
     def _build_context_server(self, config: ModelConfig, max_running: int) -> None:
         from sglang.srt.runtime_context import get_server_args

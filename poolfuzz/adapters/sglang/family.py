@@ -29,7 +29,7 @@ from poolfuzz.adapters.sglang.pd import SGLangPDTransfer, pd_problem, registrati
 from poolfuzz.adapters.sglang.prealloc import DECODE, gate_problem
 from poolfuzz.adapters.sglang.protocol import SGLangProtocol
 from poolfuzz.adapters.sglang.reads import read_door, stored_bytes
-from poolfuzz.adapters.sglang.request_pool import build_request_pool
+from poolfuzz.adapters.sglang.request_pool import build_plain_request_pool, build_request_pool
 from poolfuzz.adapters.sglang.standin import standin_class
 from poolfuzz.adapters.sglang.storage import build_storage_pool, quant_method_kwargs, storage_problem
 from poolfuzz.adapters.sglang.speculative import SGLangScratch, move_problem, native_kv_move, speculative_problem
@@ -220,7 +220,11 @@ def _paged_allocation_problem(api: SGLangAPI) -> str | None:
 
 
 def build_sglang_family(config: ModelConfig, *, device="cpu", faults=(), backup_mode=None,
-                        node: str | None = None, scheduled: bool = False) -> SGLangFamily:
+                        node: str | None = None, scheduled: bool = False,
+                        decode_rows: int | None = None) -> SGLangFamily:
+    """``decode_rows``: the request pool is a PD decode server's, with that many rows more for requests in
+    pre-allocation and transfer (the scheduler path's decode server; the pools path's decode node keeps the plain
+    pool it drives)."""
     faults = tuple(faults)
     if faults:
         raise ConfigError(f"the sglang family runs SGLang's own code; catalogue faults {list(faults)} "
@@ -240,7 +244,8 @@ def build_sglang_family(config: ModelConfig, *, device="cpu", faults=(), backup_
     sdev = str(dev) if dev.type == "cpu" else f"cuda:{dev.index or 0}"
     try:
         with debug_memory_pool(), native_kv_move():
-            return _build(api, config, dev, sdev, backup_mode, pd_decode=node == DECODE, scheduled=scheduled)
+            return _build(api, config, dev, sdev, backup_mode, pd_decode=node == DECODE or decode_rows is not None,
+                          scheduled=scheduled, decode_rows=decode_rows)
     except (AssertionError, ValueError) as exc:
         # SGLang's constructors decide what this release can build: a config they refuse is
         # declined (a drawn one is skipped), never reported as a bug found in the pools.
@@ -250,7 +255,7 @@ def build_sglang_family(config: ModelConfig, *, device="cpu", faults=(), backup_
 
 
 def _build(api: SGLangAPI, config: ModelConfig, dev, sdev: str, backup_mode: str = "cpu_tensor",
-           pd_decode: bool = False, scheduled: bool = False) -> SGLangFamily:
+           pd_decode: bool = False, scheduled: bool = False, decode_rows: int | None = None) -> SGLangFamily:
     c = config
     need_sort = pd_decode  # the configurator's need_sort: disaggregation_mode in ("decode", "prefill")
     kv_dtype = KV_DTYPES[c.kv_dtype]
@@ -261,7 +266,7 @@ def _build(api: SGLangAPI, config: ModelConfig, dev, sdev: str, backup_mode: str
 
     mamba_view = None
     if c.has_mamba:
-        sg_req_pool = build_request_pool(api, c, sdev)
+        sg_req_pool = build_request_pool(api, c, sdev, decode_rows=decode_rows)
         problem = check_built(sg_req_pool, c)
         if problem:
             raise ConfigError(f"config {c.name!r} on sglang {api.version}: {problem}")
@@ -270,8 +275,7 @@ def _build(api: SGLangAPI, config: ModelConfig, dev, sdev: str, backup_mode: str
             mamba_view.spec_scratch = SGLangScratch(sg_req_pool, layer_ids=c.mamba_layer_ids,
                                                     draft_tokens=c.spec_draft_tokens)
     else:
-        sg_req_pool = construct(api.ReqToTokenPool, size=c.request_rows, max_context_len=c.max_context,
-                                device=sdev, enable_memory_saver=False)
+        sg_req_pool = build_plain_request_pool(api, c, sdev, decode_rows=decode_rows)
 
     comps: list[Component] = []
     if ((c.latent and not c.has_mamba) or c.kv_scale_block or c.kv_quant == "fp4_mx_block16"

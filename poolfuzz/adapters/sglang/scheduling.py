@@ -189,13 +189,14 @@ class SglangSchedulerDriver:
         else:
             self._build_global_server(config, max_running)
         config = self.config
-        if config.has_mamba and not self.tree.supports_mamba():
+        # a server without a radix cache (a PD decode server's) makes no prefix hits: its cache needs no state
+        if config.has_mamba and not self.tree.supports_mamba() and not self.server_args.get("disable_radix_cache"):
             raise ConfigError(f"the scheduler-driven sglang family cannot build {config.name!r}: the prefix tree "
                               f"SGLang {load().version}'s Scheduler builds for this model ({type(self.tree).__name__}) "
                               "keeps no recurrent state: a prefix hit would give a request no state to resume, so this "
                               "release's radix cache is not one for models with both sliding-window and mamba layers")
         req_pool = self.family.sg_req_pool
-        cow_and_clear, aligned_lens = deferred_cow_and_clear(req_pool), compat.mamba_track_aligned_lens()
+        cow_and_clear, aligned_lens = deferred_cow_and_clear(req_pool), compat.mamba_track_aligned_lens(MAMBA_CHUNK)
         lacking = [name for name, missing in (
             ("a deferred mamba copy-on-write (ModelRunner._maybe_execute_deferred_mamba_cow_and_clear)",
              cow_and_clear is None and compat.batches_defer_mamba_cow(_schedule_batch_class())),
@@ -221,6 +222,9 @@ class SglangSchedulerDriver:
     def server_flags(self, config: ModelConfig, *, max_running_requests: int) -> dict:
         return server_arguments(config, max_running_requests=max_running_requests)
 
+    def family_options(self, max_running: int) -> dict:
+        return {}
+
     def _build_context_server(self, config: ModelConfig, max_running: int) -> None:
         """0.5.23's server: its arguments in the runtime context, the tree its registry picks, its components."""
         from poolfuzz.adapters.sglang.family import build_sglang_family
@@ -230,7 +234,7 @@ class SglangSchedulerDriver:
         publish_server_args(**self.server_args)  # before the configurator's sizing reads them
         config = mamba_sized(config)
         self.config = config
-        self.family = build_sglang_family(config, scheduled=True)
+        self.family = build_sglang_family(config, scheduled=True, **self.family_options(max_running))
         try:
             self.tree = build_tree(self.family, hierarchical=False, server=self.server_args)
         except AssertionError as exc:  # the tree's constructor refuses the server's flags: no server runs them
