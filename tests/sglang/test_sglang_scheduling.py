@@ -265,7 +265,7 @@ def test_a_release_without_the_runner_s_mamba_functions_declines_mamba_models(sc
     mamba model is declined naming it (never fuzzed with a guess), and a dense one still runs."""
     from poolfuzz.errors import ConfigError
 
-    monkeypatch.setattr(compat, "mamba_track_aligned_lens", lambda: None)
+    monkeypatch.setattr(compat, "mamba_track_aligned_lens", lambda model_chunk=64: None)
     with pytest.raises(ConfigError, match="has no ForwardBatch.mamba_track_aligned_lens or MambaAttnBackendBase."
                        "_init_track_ssm_indices, which the model-runner"):
         scheduling.SglangSchedulerDriver(CONFIGS["hybrid-extra-buffer"])
