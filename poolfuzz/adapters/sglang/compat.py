@@ -582,12 +582,19 @@ def flush_pending_backups(tree) -> None:
         tree.flush_pending_backups()
 
 
-def single_attention_group(cpu_group) -> None:
-    """0.5.18's attention tensor-parallel group of a one-rank CPU run, where none is initialised (its PD decode
-    queues ask ``get_attn_tp_group()``; later releases read it from the runtime context)."""
+def publish_single_rank(cpu_group) -> None:
+    """A one-rank CPU server's ranks and attention group, as PD decode queues read them: the runtime context's override
+    (0.5.20 on), else (0.5.18, ranks off the Scheduler's ``ps``) ``parallel_state``'s global where none is set."""
     from types import SimpleNamespace
 
+    from sglang.srt.runtime_context import get_parallel
+
+    group = SimpleNamespace(cpu_group=cpu_group, rank_in_group=0, world_size=1)
+    parallel = get_parallel()
+    if hasattr(type(parallel), "override_permanently"):
+        parallel.override_permanently(attn_tp_group=group, pp_rank=0, dp_rank=None, attn_tp_rank=0)
+        return
     from sglang.srt.distributed import parallel_state
 
     if getattr(parallel_state, "_ATTN_TP", None) is None:
-        parallel_state._ATTN_TP = SimpleNamespace(cpu_group=cpu_group, rank_in_group=0, world_size=1)
+        parallel_state._ATTN_TP = group

@@ -61,15 +61,15 @@ def decode_problem(config: ModelConfig) -> str | None:
     from poolfuzz.adapters.sglang import compat
     from poolfuzz.adapters.sglang.api import _first, load
 
-    load()  # the CPU shims go in before any sglang import
+    api = load()  # the CPU shims go in before any sglang import
     if config.mamba_track_slots:
         return ("a decode server runs without a radix cache (the fake backend refuses "
                 "--disaggregation-decode-enable-radix-cache), so it keeps no extra-buffer track slots for it")
     if not compat.publishes_runtime_context():
-        return (f"SGLang {load().version} keeps one global ServerArgs: the decode server is driven on releases with a "
+        return (f"SGLang {api.version} keeps one global ServerArgs: the decode server is driven on releases with a "
                 "runtime context")
     if _first("sglang.srt.disaggregation.fake.conn:FakeKVReceiver", required=False) is None:
-        return (f"SGLang {load().version} has no fake transfer backend (FakeKVReceiver), whose receiver the decode "
+        return (f"SGLang {api.version} has no fake transfer backend (FakeKVReceiver), whose receiver the decode "
                 "server runs")
     return None
 
@@ -83,21 +83,6 @@ def one_rank_group():
         store = os.path.join(tempfile.mkdtemp(prefix="poolfuzz-gloo-"), "store")
         dist.init_process_group("gloo", rank=0, world_size=1, init_method=f"file://{store}")
     return dist.new_group([0], backend="gloo")
-
-
-def publish_one_rank() -> None:
-    """The ranks a launcher publishes for the one rank of a CPU server that the decode queues read."""
-    from sglang.srt.runtime_context import get_parallel
-
-    parallel = get_parallel()
-    group = one_rank_group()
-    if not hasattr(type(parallel), "override_permanently"):  # 0.5.18: ranks off the Scheduler (ps), the group global
-        from poolfuzz.adapters.sglang import compat
-
-        compat.single_attention_group(group)
-        return
-    parallel.override_permanently(attn_tp_group=types.SimpleNamespace(cpu_group=group, world_size=1, rank_in_group=0),
-                                  pp_rank=0, dp_rank=None, attn_tp_rank=0)
 
 
 class DecodeLoop(ContextLoop):
@@ -121,14 +106,20 @@ class SglangDecodeDriver(SglangSchedulerDriver):
     """One example's PD decode server: SGLang's decode queues and Scheduler, a prefill stand-in, the model runner."""
 
     role = "DECODE"
+    label = "the sglang decode server"
+    retraction = "backs retracted requests up as cpu_tensor"
 
     def __init__(self, config: ModelConfig):
         reason = decode_problem(config)
         if reason:
             raise ConfigError(f"the sglang decode server cannot build {config.name!r}: {reason}")
         self.handed_off: set[str] = set()  # requests whose prefill hand-off (KV and first token) has landed
-        self.transferred = 0  # requests whose KV arrived through the transfer queue
         super().__init__(config)
+
+    @property
+    def transferred(self) -> int:
+        """Requests whose KV arrived through the transfer queue."""
+        return len(self.handed_off)
 
     def server_flags(self, config: ModelConfig, *, max_running_requests: int) -> dict:
         return server_arguments(config, max_running_requests=max_running_requests) | DECODE_FLAGS
@@ -143,9 +134,11 @@ class SglangDecodeDriver(SglangSchedulerDriver):
     def _build_context_server(self, config: ModelConfig, max_running: int) -> None:
         from sglang.srt.runtime_context import get_server_args
 
+        from poolfuzz.adapters.sglang import compat
+
         super()._build_context_server(config, max_running)
-        s, config = self.server, self.config
-        publish_one_rank()
+        s, config, group = self.server, self.config, one_rank_group()
+        compat.publish_single_rank(group)
         # what the TpModelWorker knows of the model, as far as the decode queues read it
         s.model_config.num_hidden_layers = config.full_layers + config.swa_layers + config.mamba_layers
         s.model_config.get_total_num_kv_heads = lambda: 1
@@ -156,7 +149,7 @@ class SglangDecodeDriver(SglangSchedulerDriver):
         # the decode queues answer a request they cannot take (an abort) through the output streamer
         s.output_streamer = types.SimpleNamespace(stream_output=self._streamed)
         s.ps.gpu_id = None  # no GPU: 0.5.20 reads the rank's device off its placement (0.5.23: get_device())
-        s.__dict__.update(attn_tp_cpu_group=one_rank_group(),  # 0.5.20 hands the queues the group itself
+        s.__dict__.update(attn_tp_cpu_group=group,  # 0.5.20 hands the queues the group itself
                           draft_worker=None, random_seed=1, enable_unified_memory=False, enable_decode_hicache=False,
                           batch_result_processor=self.loop.processor, server_args=get_server_args())
         try:
@@ -190,9 +183,9 @@ class SglangDecodeDriver(SglangSchedulerDriver):
             slots = [int(p) * page + j for p in kv_indices for j in range(page)]
             self.runner.receive_prefill(req.rid, start=start, slots=slots[:length - start])
             # the recurrent state after the prompt, into the mamba slot the MAMBA state item names
-            types = self.server.disagg_decode_prealloc_queue.kv_manager.kv_args.state_types or []
-            for state_type, items in zip(types, state_indices or []):
-                if getattr(state_type, "name", "") == "MAMBA" and items is not None:
+            state_types = self.server.disagg_decode_prealloc_queue.kv_manager.kv_args.state_types or []
+            for state_type, items in zip(state_types, state_indices or []):
+                if state_type.name == "MAMBA" and items is not None:
                     for slot in items[0].reshape(-1).tolist():
                         self.runner.receive_prefill_state(req.rid, slot=int(slot), tokens=length)
             return send(kv_indices, aux_index, state_indices, decode_prefix_len, **kwargs)
@@ -202,7 +195,7 @@ class SglangDecodeDriver(SglangSchedulerDriver):
     def _streamed(self, reqs, *args, **kwargs) -> None:
         """What the server streams to the tokenizer manager: an abort answers the request."""
         for req in reqs:
-            if type(req.finished_reason).__name__ == "FINISH_ABORT" or getattr(req, "to_finish", None) is not None:
+            if type(req.finished_reason).__name__ == "FINISH_ABORT" or req.to_finish is not None:
                 self.aborted.add(req.rid)
 
     def _take_handoffs(self, waiting) -> None:
@@ -210,7 +203,6 @@ class SglangDecodeDriver(SglangSchedulerDriver):
         for req in waiting:
             if req.rid not in self.handed_off and req.output_ids:
                 self.handed_off.add(req.rid)
-                self.transferred += 1
                 self.runner.receive_first_token(req.rid, int(req.output_ids[-1]))
 
     def state_problem(self) -> str | None:
@@ -236,25 +228,11 @@ class SglangDecodeDriver(SglangSchedulerDriver):
 def unsupported_reason(config: ModelConfig) -> str | None:
     from poolfuzz.adapters.sglang.scheduling import unsupported_reason as scheduler_reason
 
-    return decode_problem(config) or scheduler_reason(config) or decode_refusal(config)
-
-
-@lru_cache(maxsize=None)
-def decode_refusal(config: ModelConfig) -> str | None:
-    """What SGLang's constructors refuse for a decode server of this config (built once), or None."""
-    try:
-        SglangDecodeDriver(config)
-    except ConfigError as exc:
-        return str(exc).split(": ", 1)[-1]
-    return None
+    return decode_problem(config) or scheduler_reason(config, SglangDecodeDriver)
 
 
 def build_decode_driver(config: ModelConfig, *, device="cpu", faults=(), backup_mode=None) -> SglangDecodeDriver:
-    """The ``sglang:decode`` factory's driver; its pools live on the CPU, where the scheduler runs."""
-    if tuple(faults):
-        raise ConfigError(f"the sglang decode server runs SGLang's own code; catalogue faults {list(faults)} only "
-                          "apply to the builtin family (drop --faults)")
-    if backup_mode not in (None, "cpu_tensor"):
-        raise ConfigError(f"the sglang decode server backs retracted requests up as cpu_tensor; backup mode "
-                          f"{backup_mode!r} is not driven (leave it unset)")
-    return SglangDecodeDriver(config)
+    """The ``sglang:decode`` factory's driver (``scheduling.build_driver``'s checks of the run's options)."""
+    from poolfuzz.adapters.sglang.scheduling import build_driver
+
+    return build_driver(config, device=device, faults=faults, backup_mode=backup_mode, driver_cls=SglangDecodeDriver)

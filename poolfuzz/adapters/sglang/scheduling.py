@@ -218,6 +218,8 @@ class SglangSchedulerDriver:
 
     # The server's role: NULL, a server that prefills and decodes (decode_server.py's is a PD decode server).
     role = "NULL"
+    label = "the sglang scheduler path"  # what the family's messages call it
+    retraction = "recomputes retracted requests"  # what it does with one (the backup modes it drives: cpu_tensor)
 
     def server_flags(self, config: ModelConfig, *, max_running_requests: int) -> dict:
         return server_arguments(config, max_running_requests=max_running_requests)
@@ -560,30 +562,33 @@ def _empty_batch():
     return _schedule_batch_class()(reqs=[], batch_is_full=False)
 
 
-def unsupported_reason(config: ModelConfig) -> str | None:
+def unsupported_reason(config: ModelConfig, driver_cls=None) -> str | None:
+    """Why the scheduler path (or ``driver_cls``, a server built on it) does not drive ``config``, or None."""
     from poolfuzz.adapters.sglang.family import unsupported_reason as pools_reason
 
-    return pools_reason(config, scheduled=True) or scheduler_problem(config) or release_problem() or server_refusal(config)
+    return (pools_reason(config, scheduled=True) or scheduler_problem(config) or release_problem()
+            or server_refusal(config, driver_cls or SglangSchedulerDriver))
 
 
 @lru_cache(maxsize=None)
-def server_refusal(config: ModelConfig) -> str | None:
-    """SGLang's own answer to whether a server with this path's flags builds the config: a driver is built once and
+def server_refusal(config: ModelConfig, driver_cls) -> str | None:
+    """SGLang's own answer to whether a server with the driver's flags builds the config: a driver is built once and
     what its constructors refuse is the reason (never a failure found in the engine)."""
     try:
-        SglangSchedulerDriver(config)
+        driver_cls(config)
     except ConfigError as exc:
         return str(exc).split(": ", 1)[-1]
     return None
 
 
-def build_driver(config: ModelConfig, *, device="cpu", faults=(), backup_mode=None) -> SglangSchedulerDriver:
-    """The ``sglang:scheduler`` factory's driver; its pools live on the CPU, where the scheduler runs, whatever
-    ``device`` the run names (as the vLLM scheduler path's do)."""
+def build_driver(config: ModelConfig, *, device="cpu", faults=(), backup_mode=None, driver_cls=None):
+    """A scheduler-path factory's driver (``driver_cls``, the ``sglang:scheduler`` one by default); its pools live on
+    the CPU, where the scheduler runs, whatever ``device`` the run names (as the vLLM scheduler path's do)."""
+    driver_cls = driver_cls or SglangSchedulerDriver
     if tuple(faults):
-        raise ConfigError(f"the sglang scheduler path runs SGLang's own code; catalogue faults {list(faults)} only "
+        raise ConfigError(f"{driver_cls.label} runs SGLang's own code; catalogue faults {list(faults)} only "
                           "apply to the builtin family (drop --faults)")
     if backup_mode not in (None, "cpu_tensor"):
-        raise ConfigError(f"the sglang scheduler path recomputes retracted requests; backup mode {backup_mode!r} "
-                          "is not driven (leave it unset)")
-    return SglangSchedulerDriver(config)
+        raise ConfigError(f"{driver_cls.label} {driver_cls.retraction}; backup mode {backup_mode!r} is not driven "
+                          "(leave it unset)")
+    return driver_cls(config)
