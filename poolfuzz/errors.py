@@ -14,7 +14,7 @@ class EngineApiChanged(Exception):
 
     Never a finding: the run cannot test that release until the adapter is updated, so it says
     "API CHANGED", writes no artifact and exits 2. Raised only by the per-engine compatibility
-    modules (``adapters/*/compat.py``), each read checking the shape it expects."""
+    modules (``adapters/vllm/compat.py``, ``adapters/sglang/compat/``), each read checking the shape it expects."""
 
     def __init__(self, *, engine: str, release: str, attribute: str, expected: str, found: str):
         self.engine, self.release, self.attribute = engine, release, attribute

@@ -1,6 +1,6 @@
 """Checked reads of an engine's API: each probe says present, absent or changed, and what it expected.
 
-The per-engine compatibility modules (``adapters/vllm/compat.py``, ``adapters/sglang/compat.py``) state
+The per-engine compatibility modules (``adapters/vllm/compat.py``, ``adapters/sglang/compat/``) state
 what their family needs of the installed release as :class:`Need` records; :func:`probe` checks one
 against the release and :func:`require` turns a needed one that is not there into an
 :class:`~poolfuzz.errors.EngineApiChanged` naming the release, the name and what was expected.

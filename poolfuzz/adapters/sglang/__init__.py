@@ -56,7 +56,7 @@ def engine_report():
 
 
 build_family.unsupported_reason = unsupported_reason
-# What ``poolfuzz doctor`` prints and ``poolfuzz run`` checks before fuzzing (adapters/sglang/compat.py).
+# What ``poolfuzz doctor`` prints and ``poolfuzz run`` checks before fuzzing (adapters/sglang/compat/).
 build_family.engine_report = engine_report
 # The engine names the node each family serves (``node="prefill"`` / ``"decode"``): the decode node is built
 # as SGLang's PD decode server.

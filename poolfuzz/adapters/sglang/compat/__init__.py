@@ -1,0 +1,26 @@
+"""What the sglang families need of the installed SGLang, listed once, in one package: ``needs`` (where each
+class lives across releases, which are needed, the private names read), ``scheduler`` (what the scheduler path reads
+of a Scheduler built without its model) and ``scheduler_global`` (the same on releases with one global ServerArgs).
+
+Every engine-private name the adapter reads is read in this package and nowhere else; the rest of the adapter imports
+it from here, as ``compat.NAME``."""
+
+from __future__ import annotations
+
+from poolfuzz.adapters.sglang.compat.needs import (  # noqa: F401
+    ENGINE, NEEDS, release, engine_report, PRIVATE, SPEC_DECODE_HELPERS, CONV_WINDOW_PHYS, MAMBA_CHUNK_MEMO,
+    private, has_private, private_name, speculative_decode_helpers, conv_window_buffers, seed_mamba_chunk_size,
+    registered_storage_backends, engine_report_needs,
+)
+from poolfuzz.adapters.sglang.compat.scheduler import (  # noqa: F401
+    SCHEDULER_MODULE, RESULT_PROCESSOR, TOKEN_RATIO, SCHEDULER_METHODS, scheduler_state, published_extra_buffer,
+    publish_scheduler_context, SCHEDULE_FLAGS, result_processor, engine_invariant_problem,
+    deferred_mamba_cow_and_clear, mamba_track_aligned_lens, batches_defer_mamba_cow, batch_rows, request_row,
+    batch_prefill_inputs, physical_mamba_slots, queue_request, requests_owning_rows,
+)
+from poolfuzz.adapters.sglang.compat.scheduler_global import (  # noqa: F401
+    SCHEDULER_REPORTERS, GLOBAL_SCHEDULER_METHODS, SCHEDULER_INITS, MAMBA_STRATEGY_FLAGS,
+    publishes_runtime_context, server_flags, single_tensor_parallel_rank, has_tree_registry, scheduler_inits,
+    retractions_reset, retractions_counted, invariant_checker, pool_stats, new_request, flush_pending_backups,
+    publish_single_rank,
+)

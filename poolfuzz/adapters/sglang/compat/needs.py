@@ -1,0 +1,189 @@
+"""What the sglang families need of the installed SGLang, listed once: where each class lives across
+releases, which are needed and which are features the adapter probes and does without.
+
+``api.load`` resolves every :class:`~poolfuzz.adapters.engine_api.Need` here into an ``SGLangAPI``; a
+needed one that the installed release lacks is an ``EngineApiChanged`` (verdict "API CHANGED", exit 2,
+no artifact), never a finding. ``poolfuzz doctor --family sglang`` prints the same probes.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+from poolfuzz.adapters.engine_api import PRESENT, EngineReport, Need, Probe, probe, report
+from poolfuzz.errors import EngineApiChanged
+
+ENGINE = "sglang"
+_MP = "sglang.srt.mem_cache.memory_pool"
+_ALLOC = "sglang.srt.mem_cache.allocator"
+_SB = "sglang.srt.managers.schedule_batch"
+
+# SGLangAPI's fields, each resolved from its need (the first place that imports, releases moved them).
+NEEDS: dict[str, Need] = {
+    "ReqToTokenPool": Need(target=f"{_MP}:ReqToTokenPool", used_for="request rows"),
+    "HybridReqToTokenPool": Need(target=f"{_MP}:HybridReqToTokenPool", used_for="request rows of a hybrid model"),
+    "MambaPool": Need(target=f"{_MP}:MambaPool", used_for="recurrent state"),
+    "MHATokenToKVPool": Need(target=f"{_MP}:MHATokenToKVPool", used_for="K and V rows"),
+    "HybridLinearKVPool": Need(target=f"{_MP}:HybridLinearKVPool", used_for="hybrid linear-attention models"),
+    "SWAKVPool": Need(target="sglang.srt.mem_cache.swa_memory_pool:SWAKVPool", also=(f"{_MP}:SWAKVPool",),
+                      used_for="sliding-window models"),
+    "TokenToKVPoolAllocator": Need(target=f"{_ALLOC}.token:TokenToKVPoolAllocator",
+                                   also=(f"{_ALLOC}:TokenToKVPoolAllocator",), used_for="token slots"),
+    "PagedTokenToKVPoolAllocator": Need(target=f"{_ALLOC}.paged:PagedTokenToKVPoolAllocator",
+                                        also=(f"{_ALLOC}:PagedTokenToKVPoolAllocator",), used_for="paged configs"),
+    "SWATokenToKVPoolAllocator": Need(target=f"{_ALLOC}.swa:SWATokenToKVPoolAllocator",
+                                      also=("sglang.srt.mem_cache.swa_memory_pool:SWATokenToKVPoolAllocator",
+                                            f"{_ALLOC}:SWATokenToKVPoolAllocator"), used_for="SWA slots"),
+    "MambaSlotAllocator": Need(target=f"{_ALLOC}.mamba:MambaSlotAllocator", required=False,
+                               used_for="mamba slots apart from the pool (absent: the MambaPool allocates them)"),
+    "Mamba2CacheParams": Need(target="sglang.srt.configs.mamba_utils:Mamba2CacheParams", used_for="mamba shapes"),
+    "Mamba2StateShape": Need(target="sglang.srt.configs.mamba_utils:Mamba2StateShape", used_for="mamba shapes"),
+    "Mamba2StateDType": Need(target="sglang.srt.configs.mamba_utils:Mamba2StateDType", required=False,
+                             used_for="mamba state dtypes"),
+    "Req": Need(target=f"{_SB}:Req", used_for="every request, and its retraction path"),
+    "ReqKvInfo": Need(target=f"{_SB}:ReqKvInfo", required=False,
+                      used_for="a request's KV fields on req.kv (absent: flat on the Req)"),
+    "RetractionBackup": Need(target="sglang.srt.mem_cache.common:RetractionBackup", required=False,
+                             used_for="a retracted request's backup record"),
+    "free_swa_out_of_window_slots": Need(target="sglang.srt.mem_cache.common:free_swa_out_of_window_slots",
+                                         required=False, used_for="SWA eviction"),
+    "free_kv_row_segments": Need(target="sglang.srt.mem_cache.common:free_kv_row_segments", required=False,
+                                 used_for="freeing a row's KV"),
+    "ComponentType": Need(target="sglang.srt.mem_cache.unified_cache.component_type:ComponentType",
+                          also=("sglang.srt.mem_cache.base_prefix_cache:ComponentType",
+                                "sglang.srt.mem_cache.common:ComponentType"), required=False,
+                          used_for="the unified tree's components"),
+    "ScheduleBatch": Need(target=f"{_SB}:ScheduleBatch", required=False,
+                          used_for="the decode admission check and SWA eviction trigger"),
+    "ensure_mamba_capacity": Need(target="sglang.srt.mem_cache.allocation:ensure_mamba_capacity", required=False,
+                                  used_for="mamba admission"),
+    "MLATokenToKVPool": Need(target=f"{_MP}:MLATokenToKVPool", required=False, used_for="MLA configs"),
+    "DSATokenToKVPool": Need(target=f"{_MP}:DSATokenToKVPool", also=(f"{_MP}:NSATokenToKVPool",), required=False,
+                             used_for="DSA configs"),
+    "MHATokenToKVPoolMXFP8": Need(target=f"{_MP}:MHATokenToKVPoolMXFP8", required=False,
+                                  used_for="fp8-scaled configs"),
+    "PureSWATokenToKVPoolAllocator": Need(target=f"{_ALLOC}.swa:PureSWATokenToKVPoolAllocator", required=False,
+                                          used_for="all-SWA models"),
+    "get_parallel": Need(target="sglang.srt.runtime_context:get_parallel", required=False,
+                         used_for="the runtime's parallel context, where pools read it"),
+}
+
+
+def release() -> str:
+    from importlib.metadata import version
+
+    return version("sglang")
+
+
+def engine_report() -> EngineReport:
+    """Every need probed (``poolfuzz doctor``), once SGLang is imported behind the CPU shims (``api.load``)."""
+    return report(engine_report_needs(), engine=ENGINE, release=release())
+
+
+# --- SGLang's private names ------------------------------------------------------------------------------
+# The few things the adapter must take from SGLang that SGLang keeps private (no public name gives them in
+# 0.5.23): each is read here and nowhere else, checked, and an EngineApiChanged when a release drops it. The
+# doctor lists the class-level ones (optional: the paths that use them check for them first).
+_UNIFIED = "sglang.srt.mem_cache.unified_radix_cache:UnifiedRadixCache"
+_CHECKER = "sglang.srt.managers.scheduler_components.invariant_checker:SchedulerInvariantChecker"
+_MAMBA_BACKEND = "sglang.srt.layers.attention.hybrid_linear_attn_backend:MambaAttnBackendBase"
+PRIVATE: dict[str, Need] = {
+    "swa_eviction_trigger": Need(target=f"{_SB}:ScheduleBatch._swa_eviction_trigger", required=False,
+                                 used_for="private: the decode-time SWA eviction trigger, run unbound"),
+    "check_all_pools": Need(target=f"{_CHECKER}._check_all_pools", required=False,
+                            used_for="private: the scheduler's idle leak check"),
+    "check_req_pool": Need(target=f"{_CHECKER}._check_req_pool", required=False,
+                           used_for="private: the scheduler's idle request-row leak check"),
+    "cuda_host_register": Need(target="sglang.srt.mem_cache.pool_host.common:_cuda_host_register", required=False,
+                               used_for="private: replaced by a no-op on a machine without CUDA"),
+    "cuda_host_ranges_attr": Need(target="sglang.srt.mem_cache.pool_host.common:_CUDA_HOST_REGISTERED_RANGES_ATTR",
+                                  required=False, used_for="private: what the no-op register records"),
+    "retraction_device_transfers": Need(target=f"{_UNIFIED}._retraction_device_transfers", required=False,
+                                        used_for="private: host-pool retraction, borrowed onto the stand-in tree"),
+    "reclaim_retraction_host": Need(target=f"{_UNIFIED}._reclaim_retraction_host", required=False,
+                                    used_for="private: host-pool retraction, borrowed onto the stand-in tree"),
+    "build_sidecar_transfers": Need(target=f"{_UNIFIED}._build_sidecar_transfers", required=False,
+                                    used_for="private: host-pool retraction, borrowed onto the stand-in tree"),
+    "pad_retraction_indices": Need(target=f"{_UNIFIED}._pad_retraction_indices", required=False,
+                                   used_for="private: host-pool retraction, borrowed onto the stand-in tree"),
+    "storage_registry": Need(target="sglang.srt.mem_cache.storage.backend_factory:StorageBackendFactory._registry",
+                             required=False, used_for="private: which L3 storage backends are registered"),
+    "compute_max_prefix_len": Need(target=f"{_SB}:Req._compute_max_prefix_len", required=False,
+                                   used_for="private: the span an L3 prefetch covers"),
+    "calculate_mamba_ratio": Need(target="sglang.srt.mem_cache.kv_cache_configurator:"
+                                         "KVCacheConfigurator._calculate_mamba_ratio", required=False,
+                                  used_for="private: mamba slots per request where a tree caches state"),
+    "deferred_mamba_cow_and_clear": Need(target="sglang.srt.model_executor.model_runner:"
+                                                "ModelRunner._maybe_execute_deferred_mamba_cow_and_clear",
+                                         required=False,
+                                         used_for="private: the model runner's mamba copy-on-write, run unbound"),
+    "runner_mamba_ratio": Need(target="sglang.srt.model_executor.model_runner_kv_cache_mixin:"
+                                      "ModelRunnerKVCacheMixin._calculate_mamba_ratio", required=False,
+                               used_for="private: mamba slots per request, before the configurator (0.5.12, "
+                                        "0.5.13), run unbound"),
+    "backend_mamba_cow_and_clear": Need(target=f"{_MAMBA_BACKEND}._execute_deferred_mamba_cow_and_clear",
+                                        required=False, used_for="private: the attention backend's mamba "
+                                                                 "copy-on-write (0.5.13), run unbound"),
+    "track_ssm_indices": Need(target=f"{_MAMBA_BACKEND}._init_track_ssm_indices", required=False,
+                              used_for="private: where the kernels snapshot a tracked state (before 0.5.23's "
+                                       "ForwardBatch.mamba_track_aligned_lens), run unbound"),
+}
+# Where the speculative decode-memory helpers are kept (ScheduleBatch, found by this prefix).
+SPEC_DECODE_HELPERS = "_new_tokens_required"
+# Instance attributes (no class to probe): read where they are, with a default for releases without them.
+CONV_WINDOW_PHYS = "_intermediate_conv_window_phys"  # MambaPool: the deduplicated conv-window buffers
+MAMBA_CHUNK_MEMO = "_mamba_cache_chunk_size"  # ServerArgs: the mamba checkpoint grid, memoised
+
+
+@lru_cache(maxsize=None)
+def _probed(key: str) -> Probe:
+    """A PRIVATE need probed once per process (the release does not change under a run; a decode asks)."""
+    return probe(PRIVATE[key])
+
+
+def private(key: str):
+    """The object a PRIVATE need names, where this release has it; an EngineApiChanged where not."""
+    found = _probed(key)
+    if found.status != PRESENT:
+        raise EngineApiChanged(engine=ENGINE, release=release(), attribute=found.need.target,
+                               expected="present (a private name the adapter depends on)", found=found.found)
+    return found.value
+
+
+def has_private(*keys: str) -> bool:
+    """Whether this release has every PRIVATE need named (a feature probe: a path declines without them)."""
+    return all(_probed(k).status == PRESENT for k in keys)
+
+
+def private_name(key: str) -> str:
+    """The attribute name of a PRIVATE need (for binding a borrowed method under SGLang's own name)."""
+    return PRIVATE[key].target.partition(":")[2].rpartition(".")[2]
+
+
+def speculative_decode_helpers(schedule_batch_cls) -> tuple[str, ...]:
+    """The names of ScheduleBatch's private speculative decode-memory helpers (``check_decode_mem`` calls them)."""
+    return tuple(n for n in vars(schedule_batch_cls) if n.startswith(SPEC_DECODE_HELPERS))
+
+
+def conv_window_buffers(mamba_pool, default):
+    """The MambaPool's physical conv-window buffers where it deduplicates them, else ``default``."""
+    return getattr(mamba_pool, CONV_WINDOW_PHYS, default)
+
+
+def seed_mamba_chunk_size(server_args, value: int) -> None:
+    """Pre-seed the server's memoised mamba checkpoint grid (as SGLang's own fixtures do), once."""
+    if not hasattr(server_args, MAMBA_CHUNK_MEMO):  # how SGLang's overrides.mamba_cache_chunk_size asks
+        setattr(server_args, MAMBA_CHUNK_MEMO, value)
+
+
+def registered_storage_backends() -> dict:
+    """The L3 storage backends SGLang's factory has registered (its private class registry, a dict)."""
+    registry = private("storage_registry")
+    if not isinstance(registry, dict):
+        raise EngineApiChanged(engine=ENGINE, release=release(), attribute=PRIVATE["storage_registry"].target,
+                               expected="a dict of backend name to entry", found=type(registry).__name__)
+    return registry
+
+
+def engine_report_needs():
+    return (*NEEDS.values(), *PRIVATE.values())

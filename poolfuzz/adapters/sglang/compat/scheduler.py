@@ -1,0 +1,292 @@
+"""SGLang's scheduler path (``adapters/sglang/scheduling.py``): the Scheduler's state and private reads, for a
+server built without its model; every name read here is checked, and an ``EngineApiChanged`` when a release drops it."""
+
+from __future__ import annotations
+
+from poolfuzz.adapters.sglang.compat.needs import ENGINE, has_private, private, release
+from poolfuzz.adapters.sglang.compat.scheduler_global import invariant_checker, pool_stats, single_tensor_parallel_rank
+from poolfuzz.errors import EngineApiChanged
+
+# --- the scheduler path (adapters/sglang/scheduling.py): a server's Scheduler without its model -----------------
+SCHEDULER_MODULE = "sglang.srt.managers.scheduler"
+RESULT_PROCESSOR = "sglang.srt.managers.scheduler_components.batch_result_processor:SchedulerBatchResultProcessor"
+TOKEN_RATIO = "sglang.srt.managers.scheduler_components.new_token_ratio_tracker:NewTokenRatioTracker"
+# The Scheduler's own methods the driver calls (what they call on it is the release's business).
+SCHEDULER_METHODS = ("get_next_batch_to_run", "update_running_batch", "abort_request", "init_req_max_new_tokens",
+                     "_add_request_to_queue", "init_pool_stats_observer", "init_invariant_checker", "is_fully_idle")
+
+
+def scheduler_state(*, tree, req_to_token_pool, allocator, model_config, spec_algorithm, disaggregation_mode,
+                    flags: dict, page_size: int, is_hybrid_ssm: bool, sliding_window_size: int | None,
+                    swa_tokens: tuple[int, int] | None, max_running_requests: int, max_total_num_tokens: int,
+                    max_req_len: int, max_req_input_len: int, policy, token_ratio, processor) -> dict:
+    """What ``Scheduler.__init__`` leaves on a server with the published ``flags`` (``publish_scheduler_context``), a
+    radix cache and no model, for the event-loop methods the scheduler path calls (its ``__init__`` builds a
+    TpModelWorker, which loads a model on a GPU). Every feature flag is the server's default (off); collaborators
+    the methods only notify are no-ops."""
+    from collections import deque
+    from types import SimpleNamespace as NS
+
+    from sglang.srt.runtime_context import get_server_args
+
+    noop = lambda *args, **kwargs: None  # noqa: E731
+    same = lambda batch, **kwargs: batch  # noqa: E731
+    return dict(
+        # queues and running state (init_running_status, init_chunked_prefill)
+        waiting_queue=[], last_batch=None, chunked_req=None, _pending_chunked_abort_req=None, result_queue=deque(),
+        forward_ct=0, processed_tokens_counter=0, enable_skip_finishing_decode=False, _sched_idled=False,
+        enable_continuous_input_polling=False,
+        # pools, model and policy
+        tree_cache=tree, req_to_token_pool=req_to_token_pool, token_to_kv_pool_allocator=allocator,
+        page_size=page_size, device="cpu", model_config=model_config, spec_algorithm=spec_algorithm, enable_overlap=False,
+        dllm_config=None, policy=policy, new_token_ratio_tracker=token_ratio, is_generation=True,
+        chunked_prefill_size=flags["chunked_prefill_size"], max_prefill_tokens=flags["max_prefill_tokens"],
+        max_running_requests=max_running_requests, max_req_input_len=max_req_input_len, max_prefill_bs=0,
+        max_total_num_tokens=max_total_num_tokens, max_req_len=max_req_len, kv_shard_widening=1,
+        max_new_tokens_limit=None, sliding_window_size=sliding_window_size,
+        is_mixed_chunk=False, truncation_align_size=None, dynamic_chunk_sizer=None, prefill_delayer=None,
+        min_free_slots_delayer=None, priority_scheduling_preemption_threshold=flags["priority_scheduling_preemption_threshold"],
+        enable_priority_preemption=False,
+        enable_priority_scheduling=False, schedule_low_priority_values_first=False,
+        abort_on_priority_when_disabled=False, max_queued_requests=None, is_hybrid_swa=sliding_window_size is not None, enable_lora=False,
+        enable_hierarchical_cache=False, enable_hicache_storage=False, enable_lmcache=False,
+        enable_unified_cache_external_linker=False, enable_hisparse=False, hisparse_coordinator=None,
+        require_mlp_sync=False, prefill_decode_interval=0, _prefill_decode_interval_remaining=0,
+        prefill_decode_interval_min_bs=0, disaggregation_mode=disaggregation_mode, decode_offload_manager=None,
+        scheduler_stage_metrics=None, mm_receiver=None, is_hybrid_ssm=is_hybrid_ssm,
+        full_tokens_per_layer=swa_tokens[0] if swa_tokens else None,
+        swa_tokens_per_layer=swa_tokens[1] if swa_tokens else None, _engine_paused=False,
+        _pp_microbatches_drained=lambda: True,
+        # collaborators, reduced to what those methods call
+        session_controller=NS(sessions={}), dllm_manager=NS(any_staging_reqs=lambda: False),
+        grammar_manager=NS(has_waiting_grammars=lambda: False, abort_requests=noop, grammar_queue=[]),
+        dp_attn_adapter=NS(maybe_prepare_mlp_sync_batch=same, maybe_convert_decode_to_extend=same),
+        ngram_embedding_manager=NS(prepare_for_forward=same),
+        tp_worker=NS(model_runner=NS(attn_backend=NS(), prefill_aware_swa=False)),
+        beam_coordinator=NS(pending_member_rows=lambda batch: 0, retire_group=noop),
+        load_inquirer=NS(_get_num_pending_tokens=lambda **kwargs: 0),
+        metrics_reporter=NS(enable_metrics=False, num_retracted_reqs=0, record_scheduler_active=noop),
+        send_abort_output=noop, result_processor=processor,
+        # read by 0.5.18's event-loop methods (later releases moved them into components)
+        server_args=get_server_args(), enable_fpm=False, enable_dynamic_chunking=False, ipc_channels=NS(send_to_tokenizer=NS(send_output=noop)),
+        ps=NS(tp_rank=0, pp_rank=0, attn_cp_rank=0, dp_rank=None, tp_size=1, pp_size=1, dp_size=1, attn_tp_size=1,
+              attn_tp_rank=0, attn_dp_rank=0))
+
+
+def published_extra_buffer() -> bool:
+    """Whether the published server keeps mamba extra buffers: the derived ``exec.mamba`` leaf (0.5.23), else the
+    published ``ServerArgs``' own ``enable_mamba_extra_buffer()`` (0.5.18's context has no such leaf)."""
+    from sglang.srt import runtime_context
+
+    try:
+        return runtime_context.get_exec().mamba.enable_mamba_extra_buffer
+    except AttributeError:
+        return runtime_context.get_server_args().enable_mamba_extra_buffer()
+
+
+def publish_scheduler_context(*, max_running_requests: int) -> dict:
+    """What a launcher and ``Scheduler.__init__`` publish into the runtime context besides the server's arguments
+    (published with the tree, ``tree_build.publish_server_args``): the single tensor-parallel rank of a CPU run and,
+    with no micro-batch size set, one pipeline stage's worth of running requests
+    (``scheduler.pp_max_micro_batch_size_default``). Returns the scheduling flags the Scheduler keeps, as published."""
+    from sglang.srt.runtime_context import get_context, get_parallel, get_schedule
+
+    parallel = get_parallel()
+    try:
+        parallel.tp_rank
+    except (RuntimeError, ValueError, AssertionError):  # 0.5.18 asserts a tensor-parallel group exists
+        if hasattr(type(parallel), "override_permanently"):
+            parallel.override_permanently(tp_rank=0)
+        try:  # 0.5.20's override lands where its tp_rank does not read: the rank comes from parallel_state's group
+            parallel.tp_rank
+        except (RuntimeError, ValueError, AssertionError):  # 0.5.18's context has no override at all
+            single_tensor_parallel_rank()
+    schedule = get_schedule()
+    published = {name: getattr(schedule, name) for name in SCHEDULE_FLAGS}
+    if not get_parallel().pp_max_micro_batch_size:
+        get_context().override("scheduler.pp_max_micro_batch_size_default",
+                               pp_max_micro_batch_size=max(max_running_requests // get_parallel().pp_size, 1))
+    return published
+
+
+# The published scheduling flags the Scheduler copies onto itself (its __init__ reads get_schedule()).
+SCHEDULE_FLAGS = ("schedule_policy", "chunked_prefill_size", "max_prefill_tokens", "schedule_conservativeness",
+                  "priority_scheduling_preemption_threshold")
+
+
+def result_processor(cls, *, tree, req_to_token_pool, allocator, model_config, disaggregation_mode):
+    """SGLang's own ``SchedulerBatchResultProcessor`` over the server's pools and tree (what turns a forward's tokens
+    into outputs, finishes requests and caches them); its streamer and metrics are no-ops."""
+    from types import SimpleNamespace as NS
+
+    noop = lambda *args, **kwargs: None  # noqa: E731
+    wanted = dict(is_generation=True, disaggregation_mode=disaggregation_mode, enable_overlap=False,
+                  enable_overlap_mlx=False, model_config=model_config, token_to_kv_pool_allocator=allocator,
+                  tree_cache=tree, hisparse_coordinator=None, req_to_token_pool=req_to_token_pool,
+                  decode_offload_manager=None, metrics_collector=None,
+                  metrics_reporter=NS(report_prefill_stats=noop, report_decode_stats=noop, num_generated_tokens=0,
+                                      forward_ct_decode=0),
+                  draft_worker=None, model_worker=NS(), logprob_result_processor=None,
+                  output_streamer=NS(stream_output=noop), beam_coordinator=NS(commit_decode=lambda batch: set()),
+                  abort_request=noop)
+    fields = getattr(cls, "__dataclass_fields__", {})
+    if "server_args" in fields:  # 0.5.18 reads the server's arguments off the processor, not the context
+        from sglang.srt.runtime_context import get_server_args
+
+        wanted["server_args"] = get_server_args()
+    fields = getattr(cls, "__dataclass_fields__", None)
+    if fields is None:
+        raise EngineApiChanged(engine=ENGINE, release=release(), attribute=RESULT_PROCESSOR,
+                               expected="a dataclass of the scheduler's collaborators", found=type(cls).__name__)
+    from dataclasses import MISSING
+
+    missing = [name for name, f in fields.items()
+               if name not in wanted and f.default is MISSING and f.default_factory is MISSING]
+    if missing:
+        raise EngineApiChanged(engine=ENGINE, release=release(), attribute=RESULT_PROCESSOR,
+                               expected="the fields the scheduler path fills", found=f"also needs {missing}")
+    return cls(**{k: v for k, v in wanted.items() if k in fields})
+
+
+def engine_invariant_problem(server, *, idle: bool, conservation: bool = True) -> str | None:
+    """SGLang's own ``SchedulerInvariantChecker`` on the server (built by the Scheduler's ``init_pool_stats_observer``
+    / ``init_invariant_checker``), as a server run with ``SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_BUSY``,
+    ``SGLANG_CHECK_KV_PAGE_INVARIANTS`` and ``SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE`` runs it: after a batch,
+    exact slot conservation and no page both owned and free (or free twice); when fully idle, ``on_idle``'s pool and
+    request-row leak checks and the tree's ``sanity_check``. Its message where one fails, else None. Without
+    ``conservation``, the busy check's slot count is left out (a PD decode server's loop never runs it: requests
+    pre-allocated for a transfer hold slots outside every batch it counts)."""
+    from contextlib import nullcontext
+
+    from sglang.srt.environ import envs
+
+    checker = invariant_checker(server)
+    try:
+        with envs.SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE.override(True):
+            if idle:
+                has_leak, messages = checker._check_all_pools(pool_stats(server))
+                if has_leak:
+                    checker._report_leak("pool", "\n".join(messages))
+                checker._check_req_pool()
+                sanity = getattr(envs, "SGLANG_ENABLE_TREE_CACHE_SANITY_CHECK", None)  # 0.5.23 gates it
+                with sanity.override(True) if sanity is not None else nullcontext():
+                    checker._check_tree_cache()  # the tree's sanity check, where the server runs one for the model
+            else:
+                if conservation:
+                    checker.self_check_during_busy()
+                if callable(getattr(type(checker), "_check_kv_page_invariants", None)):  # 0.5.23's page check
+                    checker._check_kv_page_invariants()
+    except (AssertionError, ValueError) as exc:
+        return str(exc).strip()
+    return None
+
+
+def deferred_mamba_cow_and_clear():
+    """The GPU model runner's deferred mamba copy-on-write and clear, run before an extend's forward (unbound; the
+    attention backend's on 0.5.13), or None where the release has none."""
+    for key in ("deferred_mamba_cow_and_clear", "backend_mamba_cow_and_clear"):
+        if has_private(key):
+            return private(key)
+    return None
+
+
+def mamba_track_aligned_lens(model_chunk: int = 64):
+    """How many of an extend's tokens the state the kernels snapshot for the radix tree covers, as a function of
+    (track mask, track seqlens, prefix lens, extend lens): ``ForwardBatch.mamba_track_aligned_lens`` (SGLang's "sole
+    home of this math", 0.5.23), else what the attention backend's ``_init_track_ssm_indices`` picks (0.5.12, 0.5.13:
+    the final state, or the kernel's intermediate state ``h`` at a chunk boundary); None where the release has
+    neither. ``model_chunk``: the model's ``mamba_chunk_size`` (the kernels' chunk, where a backend reads its own)."""
+    import importlib
+    from types import SimpleNamespace
+
+    try:
+        forward_batch = importlib.import_module("sglang.srt.model_executor.forward_batch_info").ForwardBatch
+    except (ImportError, AttributeError):
+        return None
+    method = vars(forward_batch).get("mamba_track_aligned_lens")
+    if method is not None:
+        return lambda mask, seqlens, prefix_lens, extend_lens: method(SimpleNamespace(
+            mamba_track_mask=mask, mamba_track_seqlens=seqlens, extend_prefix_lens=prefix_lens))
+    if not has_private("track_ssm_indices"):
+        return None
+    return _covered_by_track_ssm_indices(private("track_ssm_indices"), model_chunk)
+
+
+def _covered_by_track_ssm_indices(method, model_chunk: int):
+    """``_init_track_ssm_indices`` run unbound on a GDN backend stand-in, read back as tokens covered: each tracked
+    request's destination is its own batch index, so the final-state list names the requests whose snapshot is the
+    state after the whole extend, and the ``h`` list gives, per request, the index into the kernel's packed chunk
+    states (``(extend - 1) // chunk + 1`` a request, in batch order), i.e. the chunk boundary it covers. The chunk is
+    the one the method reads: FLA's (0.5.12), the server's mamba checkpoint grid (0.5.13) or the backend's own
+    ``mamba_chunk_size``, the model's (0.5.19)."""
+    from types import SimpleNamespace
+
+    import torch
+
+    def covered(mask, seqlens, prefix_lens, extend_lens):
+        if "FLA_CHUNK_SIZE" in method.__code__.co_names:
+            chunk = method.__globals__["FLA_CHUNK_SIZE"]
+        elif "mamba_chunk_size" in method.__code__.co_names:  # 0.5.19: the backend's own, the model's chunk
+            chunk = model_chunk
+        else:
+            from sglang.srt.server_args import get_global_server_args
+
+            chunk = get_global_server_args().mamba_cache_chunk_size
+        n = len(mask)
+        ids = torch.arange(n, dtype=torch.int64)
+        batch = SimpleNamespace(mamba_track_mask=mask, extend_seq_lens=extend_lens, mamba_track_indices=ids,
+                                mamba_track_seqlens=seqlens, extend_prefix_lens=prefix_lens)
+        h_src, h_dst, _, final_dst = method(SimpleNamespace(device="cpu", mamba_chunk_size=model_chunk), ids, batch)
+        states = (extend_lens - 1) // chunk + 1
+        offsets = torch.cumsum(states, 0) - states
+        out = torch.zeros(n, dtype=torch.int64)
+        out[final_dst] = extend_lens[final_dst]
+        out[h_dst] = (h_src - offsets[h_dst]) * chunk
+        return out
+
+    return covered
+
+
+def batches_defer_mamba_cow(schedule_batch_cls) -> bool:
+    """Whether the release's batches carry a mamba copy-on-write for the model runner to run before the forward
+    (0.5.13+); before, the tree's match copies the state itself."""
+    return "mamba_cow_src_indices" in getattr(schedule_batch_cls, "__dataclass_fields__", {})
+
+
+def batch_rows(batch):
+    """The batch's request rows on the CPU (``req_pool_indices_cpu`` from 0.5.13; the device tensor before)."""
+    rows = getattr(batch, "req_pool_indices_cpu", None)
+    return batch.req_pool_indices.cpu() if rows is None else rows
+
+
+def request_row(req) -> int | None:
+    """A request's row of the request pool (``req.kv.req_pool_idx`` in 0.5.23; on the ``Req`` itself before)."""
+    kv = getattr(req, "kv", None)
+    return kv.req_pool_idx if hasattr(kv, "req_pool_idx") else req.req_pool_idx
+
+
+def batch_prefill_inputs(batch):
+    """The token ids an extend feeds (``prefill_input_ids_cpu`` from 0.5.13; the batch's ``input_ids`` before)."""
+    ids = getattr(batch, "prefill_input_ids_cpu", None)
+    return batch.input_ids.cpu() if ids is None else ids
+
+
+def physical_mamba_slots(req_pool, index):
+    """Mamba indices as the kernels address the state (``translate_mamba_indices``; physical before 0.5.23)."""
+    translate = getattr(type(req_pool), "translate_mamba_indices", None)
+    return index if translate is None else req_pool.translate_mamba_indices(index)
+
+
+def queue_request(server, req) -> None:
+    """``Scheduler._add_request_to_queue``: where ``handle_generate_request`` ends, the request joins the queue."""
+    server._add_request_to_queue(req)
+
+
+def requests_owning_rows(server) -> list:
+    """The requests SGLang's invariant checker counts as holding a request row (``_requests_owning_rows``: the last
+    and running batches and the chunked request, those whose KV is held); empty where the release's checker has no
+    such list (before 0.5.23: the message then names no holder)."""
+    checker = invariant_checker(server)
+    if not callable(getattr(type(checker), "_requests_owning_rows", None)):
+        return []
+    return checker._requests_owning_rows()
