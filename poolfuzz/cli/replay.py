@@ -103,8 +103,9 @@ def _replay_scheduled(w, art, config, device, factory) -> int:
     from poolfuzz.errors import reraise_api_change
     from poolfuzz.harness.scheduled import replay, scheduled_machine
 
+    # the retraction path the failing server ran (a decode server's resolved backup, or the one its run named)
     machine = scheduled_machine(config, driver_factory=lambda model: factory(model, device=device, faults=(),
-                                                                             backup_mode=None))
+                                                                             backup_mode=art.backup_mode))
     w("     0  start (the engine's scheduler, fed by the worker stand-in)\n")
     for ev in replay(machine, art.program):
         label = "build the server" if ev.index == 0 else ("teardown: drain" if ev.step is None else _call(ev.step))

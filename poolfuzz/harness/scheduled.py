@@ -44,7 +44,7 @@ OPERATIONS: dict[str, tuple[str, ...]] = {f"{PREFIX}add_request": ("length", "sh
 SESSION_OPERATIONS = ("session_turn", "close_session")  # only for a driver whose streaming_sessions is True
 # Arguments an older program may lack (each then 0).
 OPTIONAL = {f"{PREFIX}schedule": {"drafts"}, f"{PREFIX}add_request": {"priority"}}
-BACKUP_MODE = "cpu_tensor"  # what an artifact records as its retraction path: the scheduler recomputes, on tensors
+BACKUP_MODE = "cpu_tensor"  # what an artifact records before a driver is built (its own backup_mode after)
 
 
 def _lost(exc: LostKv) -> StateLost:
@@ -59,7 +59,8 @@ class ScheduledMachine(RuleBasedStateMachine):
 
     config: ClassVar[ModelConfig]
     driver_factory: ClassVar[Callable]  # (config) -> a driver (add_request, step, abort, live, propose_drafts,
-    # state_problem, drain; where its ``streaming_sessions`` is True, also session_turn and close_session)
+    # state_problem, drain; where its ``streaming_sessions`` is True, also session_turn and close_session; its
+    # ``backup_mode``, the retraction path it runs, is what an artifact records)
     observer: ClassVar[object | None] = None  # a harness.machine.MachineObserver (a run's counts and failures)
     backup_mode = BACKUP_MODE
 
@@ -78,6 +79,8 @@ class ScheduledMachine(RuleBasedStateMachine):
         # page-granular prefix hits happen. The program records the drawn units, so a replay scales them once.
         self.unit = token_unit(cls.config)
         self.driver = self._guarded("init", lambda: cls.driver_factory(cls.config))
+        if self.driver is not None:
+            self.backup_mode = self.driver.backup_mode
 
     @property
     def step(self) -> int:  # the engine's step an observer reads (divergence_of)

@@ -59,9 +59,15 @@ class FamilyPlugin:
     def __repr__(self) -> str:
         return f"FamilyPlugin({self.name} -> {self.target}, {self.origin})"
 
-    def unsupported_reason(self, config: ModelConfig) -> str | None:
-        probe = factory_capabilities(self.factory).unsupported_reason
-        return None if probe is None else probe(config)
+    def unsupported_reason(self, config: ModelConfig, *, backup_mode: str | None = None) -> str | None:
+        """Why the family declines ``config`` (for a run that names ``backup_mode``, where the factory's declines
+        depend on it), or None."""
+        caps = factory_capabilities(self.factory)
+        if caps.unsupported_reason is None:
+            return None
+        if caps.declines_by_backup_mode:
+            return caps.unsupported_reason(config, backup_mode=backup_mode)
+        return caps.unsupported_reason(config)
 
     @property
     def drives_scheduler(self) -> bool:
@@ -182,12 +188,13 @@ def probe_family(plugin: FamilyPlugin, config: ModelConfig, *, device="cpu", fau
                           "section 'Pointing poolfuzz at your own pools')")
 
 
-def select_configs(plugin: FamilyPlugin, configs: Iterable[ModelConfig], *,
-                   explicit: bool) -> tuple[list[ModelConfig], list[tuple[str, str]]]:
-    """(configs to run, [(skipped config, reason)]). A declined explicit config is an error."""
+def select_configs(plugin: FamilyPlugin, configs: Iterable[ModelConfig], *, explicit: bool,
+                   backup_mode: str | None = None) -> tuple[list[ModelConfig], list[tuple[str, str]]]:
+    """(configs to run, [(skipped config, reason)]) for a run naming ``backup_mode`` (None: unnamed). A declined
+    explicit config is an error."""
     chosen, skipped = [], []
     for config in configs:
-        reason = plugin.unsupported_reason(config)
+        reason = plugin.unsupported_reason(config, backup_mode=backup_mode)
         if reason is None:
             chosen.append(config)
         elif explicit:

@@ -118,6 +118,9 @@ class FactoryCapabilities:
     """What a family factory declares beside building families (attributes of the factory function)."""
 
     unsupported_reason: Callable | None = None  # (config) -> str | None: the configs it declines, and why
+    # True: its unsupported_reason also takes the run's ``backup_mode=`` (None: unnamed), where what it declines
+    # depends on it (a server that resolves its own backup refuses a config with one it would not with another)
+    declines_by_backup_mode: bool = False
     builds_per_node: bool = False  # the engine tells it the node each family serves (node="prefill"/"decode")
     supports_next_turn: bool = False  # its families may continue finished requests: the machine gets the rule
     engine_code: tuple[str, ...] | None = None  # what --coverage measures, relative to the engine's parent dir

@@ -18,6 +18,8 @@ SETTINGS = settings(max_examples=20, stateful_step_count=15, deadline=None, dera
 class RecordingDriver:
     """A server that runs every request to completion at the next step and remembers what it was told."""
 
+    backup_mode = "cpu_tensor"
+
     def __init__(self, *, sessions: bool):
         self.streaming_sessions = sessions
         self.calls: list[tuple] = []

@@ -1,15 +1,17 @@
 """SGLang's own PD decode server on the CPU (adapters/sglang/decode_server.py, issue 31): pre-allocation, the transfer
-queue, decode, retraction with a ``cpu_tensor`` KV backup and its restore all run SGLang's code; the model-runner
-stand-in checks before every forward that each request attends to its own K and V, after a transfer and after a
-restore alike.
+queue, decode, retraction with the KV backup SGLang resolves for the pools (``host_pool`` into the tree's host tier, or
+``cpu_tensor``) and its restore all run SGLang's code; the model-runner stand-in checks before every forward that each
+request attends to its own K and V, after a transfer and after a restore alike.
 """
 
 from __future__ import annotations
 
 import pytest
+import torch
 from hypothesis import HealthCheck, settings
 from hypothesis.stateful import run_state_machine_as_test
 
+from poolfuzz.adapters.sglang import compat
 from poolfuzz.harness.failures import StateLost
 from poolfuzz.harness.scheduled import scheduled_machine
 from poolfuzz.pools.config import CONFIGS
@@ -30,10 +32,10 @@ def decode(scheduling):
     return decode_server
 
 
-def _pressure(decode, name="dense"):
+def _pressure(decode, name="dense", backup_mode=None):
     """Six prefilled requests of 6-12 prompt tokens and 20 outputs each on a 48-slot pool: the pre-allocation
     budget admits them on what the running requests could give back, and decode runs out of slots."""
-    driver = decode.SglangDecodeDriver(CONFIGS[name])
+    driver = decode.SglangDecodeDriver(CONFIGS[name], backup_mode=backup_mode)
     rids = [driver.add_request(length=n, share=0, max_tokens=20) for n in (10, 12, 9, 11, 8, 6)]
     reqs = [driver.requests[rid] for rid in rids]
     return driver, rids, reqs
@@ -44,8 +46,8 @@ def test_fuzzed_traffic_is_transferred_decoded_retracted_and_restored_on_its_own
     """Before #35957's fix (0.5.18) a retracted swa-ssm request loses its recurrent state: the fuzzer finds it."""
     drivers = []
 
-    def factory(config):
-        drivers.append(decode.SglangDecodeDriver(config))
+    def factory(config):  # a model with recurrent state backs up as cpu_tensor, as #35957's reporter ran it
+        drivers.append(decode.SglangDecodeDriver(config, backup_mode="cpu_tensor" if config.has_mamba else None))
         return drivers[-1]
 
     machine = scheduled_machine(CONFIGS[name], driver_factory=factory)
@@ -55,14 +57,27 @@ def test_fuzzed_traffic_is_transferred_decoded_retracted_and_restored_on_its_own
         return
     run_state_machine_as_test(machine, settings=SETTINGS)
     assert sum(d.transferred for d in drivers) >= 20  # requests whose prompt KV the prefill stand-in landed
-    assert sum(d.retracted for d in drivers) > 0  # retract_decode took running requests back, backed up
+    if all(_backs_up_a_request(d) for d in drivers):
+        assert sum(d.retracted for d in drivers) > 0  # retract_decode took running requests back, backed up
+    else:  # 0.5.20's backup-only host pool holds no request of these: a retraction is answered with an abort
+        assert sum(len(d.aborted) for d in drivers) > 0
+
+
+def _backs_up_a_request(driver) -> bool:
+    """Whether the retraction backup holds a request of a few dozen tokens: CPU tensors always; a host pool where it
+    has that many slots (0.5.20 sizes a backup-only one at a fifth of the device pool, 0.5.22 on at least a request's
+    maximum length)."""
+    tokens = driver.host_backup_tokens
+    return tokens is None or tokens >= driver.config.max_context // 2
 
 
 def test_decode_memory_pressure_backs_up_and_restores_the_retracted_requests(decode, monkeypatch):
-    """retract_decode backs a running request's KV up to CPU tensors (``Req.offload_kv_cache``), the prealloc queue
-    takes it back once there is room (``resume_retracted_reqs``: ``Req.load_kv_cache``), and it runs to its length
-    on the restored KV, checked at every forward."""
-    driver, rids, reqs = _pressure(decode)
+    """With ``--disaggregation-decode-retraction-backup cpu_tensor``, retract_decode backs a running request's KV up
+    to CPU tensors (``Req.offload_kv_cache``), the prealloc queue takes it back once there is room
+    (``resume_retracted_reqs``: ``Req.load_kv_cache``), and it runs to its length on the restored KV, checked at every
+    forward."""
+    driver, rids, reqs = _pressure(decode, backup_mode="cpu_tensor")
+    assert driver.backup_mode == "cpu_tensor"
     pool_cls = type(driver.family.sg_allocator.get_kvcache())
     calls = {"get_cpu_copy": 0, "load_cpu_copy": 0}
     for name in calls:
@@ -84,10 +99,84 @@ def test_decode_memory_pressure_backs_up_and_restores_the_retracted_requests(dec
     assert driver.drain() is None
 
 
+def _host_pool_methods(tree) -> tuple[str, str]:
+    """The tree's host-pool backup and restore methods (0.5.18 named them ``retraction_backup`` / ``_restore``)."""
+    pairs = [("backup_kv_cache", "restore_kv_cache"), ("retraction_backup", "retraction_restore")]
+    return next(pair for pair in pairs if all(hasattr(tree, name) for name in pair))
+
+
+def _counted(monkeypatch, cls, names) -> dict:
+    calls = dict.fromkeys(names, 0)
+    for name in names:
+        original = getattr(cls, name)
+
+        def counted(self, *args, _original=original, _name=name, **kwargs):
+            calls[_name] += 1
+            return _original(self, *args, **kwargs)
+
+        monkeypatch.setattr(cls, name, counted)
+    return calls
+
+
+@pytest.mark.parametrize("name", ["dense", "swa", "dense-ps4"])
+def test_sglang_resolves_a_host_pool_backup_and_the_retracted_requests_resume_from_it(decode, monkeypatch, name):
+    """Unset, the backup is SGLang's to resolve on the built pools (``resolve_decode_retraction_backup``): a model
+    without recurrent state gets ``host_pool``, and the disabled tree a host tier (``init_hicache``). retract_decode
+    backs a request up into it (``UnifiedRadixCache.backup_kv_cache``: every layer, and the SWA window), the prealloc
+    queue restores it (``restore_kv_cache``), and it continues on its own K and V, checked at every forward. A
+    request the host pool cannot hold is answered with an abort (0.5.20's backup-only pool is a fifth of the device
+    pool; 0.5.22 on give it room for one request): never resumed on another's KV."""
+    driver, rids, reqs = _pressure(decode, name)
+    assert driver.backup_mode == "host_pool" and driver.tree.cache_controller is not None
+    backup, restore = _host_pool_methods(driver.tree)
+    calls = _counted(monkeypatch, type(driver.tree), [backup, restore])
+    for _ in range(60):
+        driver.step()
+    assert driver.transferred == 6 and calls[backup] >= 1, calls
+    if _backs_up_a_request(driver):
+        assert driver.retracted >= 1 and calls[restore] >= 1, calls
+    assert driver.drain() is None
+    for rid, req in zip(rids, reqs):
+        if rid in driver.aborted:  # the host pool could not hold it (0.5.20's fifth of the device pool)
+            assert not _backs_up_a_request(driver)
+            assert "host KV pool exhausted" in (req.to_finish or req.finished_reason).message, req
+        else:  # it ran to its length (20, or what init_req_max_new_tokens clipped it to at admission)
+            assert type(req.finished_reason).__name__ == "FINISH_LENGTH", req
+            assert len(req.output_ids) == req.sampling_params.max_new_tokens, req
+
+
+def test_a_host_pool_restore_that_loses_a_layer_is_caught_and_named(decode, monkeypatch):
+    """A host-pool restore that lands every layer but layer 0's V: the resumed request's next forward finds zeros
+    where its own V was, and says which request, component, layer and position."""
+    driver, _, _ = _pressure(decode)
+    assert driver.backup_mode == "host_pool"
+    tree_cls, kv = type(driver.tree), driver.family.sg_allocator.get_kvcache()
+    restore = _host_pool_methods(driver.tree)[1]
+    original = getattr(tree_cls, restore)
+
+    def loses_layer_0(self, req, backup):
+        original(self, req, backup)
+        row = compat.request_row(req)
+        kv.v_buffer[0][driver.family.sg_req_pool.req_to_token[row, :req.seqlen - 1].to(torch.int64)] = 0
+
+    monkeypatch.setattr(tree_cls, restore, loses_layer_0)
+    with pytest.raises(LostKv, match=r"^req \d+ step \d+: full\.v layer 0 position \d+: .*holds zeros"):
+        for _ in range(60):
+            driver.step()
+
+
+def test_a_model_with_recurrent_state_resolves_to_cpu_tensor_and_refuses_a_named_host_pool(decode):
+    """SGLang's resolution keeps a model with mamba layers on ``cpu_tensor`` (a host pool has no recurrent-state
+    sidecar); naming ``host_pool`` for one is refused with SGLang's own message, not fuzzed."""
+    assert decode.SglangDecodeDriver(CONFIGS["hybrid-linear"]).backup_mode == "cpu_tensor"
+    with pytest.raises(ConfigError, match="(?i)host-pool retraction does not support mamba|host_pool"):
+        decode.build_decode_driver(CONFIGS["hybrid-linear"], backup_mode="host_pool")
+
+
 def test_a_restore_that_loses_a_layer_is_caught_and_named(decode, monkeypatch):
     """A backup restored without layer 0's K (what #35957's pool did to the mamba state): the resumed request's
     next forward finds zeros where its own K was, and says which request, component, layer and position."""
-    driver, _, _ = _pressure(decode)
+    driver, _, _ = _pressure(decode, backup_mode="cpu_tensor")
     pool_cls = type(driver.family.sg_allocator.get_kvcache())
     original = pool_cls.load_cpu_copy
 
@@ -105,7 +194,7 @@ def test_a_restore_that_loses_the_recurrent_state_is_caught_and_named(decode, mo
     """#35957's loss through SGLang's own decode server (swa-ssm: sliding-window and mamba layers): a retracted
     request's mamba state restored as zeros. Its next forward finds the state it continues from is not the state of
     its own tokens, and says which request, which layer and which slot."""
-    driver, _, _ = _pressure(decode, "swa-ssm")
+    driver, _, _ = _pressure(decode, "swa-ssm", backup_mode="cpu_tensor")
     pool_cls = type(driver.family.sg_req_pool.mamba_pool)
     original = pool_cls.load_cpu_copy
 
@@ -127,8 +216,9 @@ def test_a_retracted_sliding_window_and_mamba_request_resumes_on_its_own_state(d
     pressure ``retract_decode`` backs each retracted request up with the KV pool's ``get_cpu_copy``. Before the fix
     (0.5.18) that pool's copy ignores the mamba indices and nothing else backs the state up, so the resumed request
     continues from a state that is not its own, and the runner names it; from 0.5.19 the pool declares
-    ``cpu_copy_carries_mamba`` and the state is backed up and restored."""
-    driver, rids, reqs = _pressure(decode, "swa-ssm")
+    ``cpu_copy_carries_mamba`` and the state is backed up and restored. The server is started with
+    ``--disaggregation-decode-retraction-backup cpu_tensor``: on 0.5.18 one without it does not start (the next test)."""
+    driver, rids, reqs = _pressure(decode, "swa-ssm", backup_mode="cpu_tensor")
     if expect == "35957":
         with pytest.raises(LostKv, match=r"^req \d+ step \d+: mamba\.\w+ layer \d+ position \d+: block \d+ slot \d+ "
                                          r"holds .*\(expected the recurrent state of its own tokens"):
@@ -143,6 +233,21 @@ def test_a_retracted_sliding_window_and_mamba_request_resumes_on_its_own_state(d
         for req in reqs:  # each ran to its length (20, or what init_req_max_new_tokens clipped it to at admission)
             assert type(req.finished_reason).__name__ == "FINISH_LENGTH", req
             assert len(req.output_ids) == req.sampling_params.max_new_tokens, req
+
+
+@pytest.mark.anchored
+def test_a_sliding_window_and_mamba_decode_server_with_default_flags_starts_on_cpu_tensor(decode, expect):
+    """The other half of #35957: with the backup unset, 0.5.18's resolution picks ``host_pool`` for a model with
+    sliding-window and mamba layers (it asks only whether the KV pool is an SWA pool with full tokens), and the tree's
+    build refuses it ("Host-pool retraction does not support Mamba models"), so the decode server does not start.
+    #35957 made the resolution ask whether the model keeps recurrent state: from 0.5.20 it resolves ``cpu_tensor``."""
+    if expect == "35957":
+        reason = decode.unsupported_reason(CONFIGS["swa-ssm"])
+        assert reason is not None and "Host-pool retraction does not support Mamba models" in reason, reason
+        with pytest.raises(ConfigError, match="Host-pool retraction does not support Mamba models"):
+            decode.build_decode_driver(CONFIGS["swa-ssm"])
+    else:
+        assert decode.SglangDecodeDriver(CONFIGS["swa-ssm"]).backup_mode == "cpu_tensor"
 
 
 def test_an_extra_buffer_model_is_declined_with_the_reason(decode):

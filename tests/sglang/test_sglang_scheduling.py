@@ -278,7 +278,9 @@ KV_KINDS = ["mla", "mla-ps4", "fp8-scaled", "dense-cpu-fp8", "dense-fp4", "mla-f
 
 
 def _skip_if_declined(scheduling, name):
-    reason = scheduling.unsupported_reason(CONFIGS[name])
+    from poolfuzz.adapters.sglang import servers
+
+    reason = servers.unsupported_reason(CONFIGS[name])
     if reason:
         pytest.skip(f"this release declines {name}: {reason}")
 

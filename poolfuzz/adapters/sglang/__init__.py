@@ -95,14 +95,14 @@ def build_scheduler_driver(config, *, device="cpu", faults=(), backup_mode=None)
     """The factory registered as ``sglang:scheduler``: one example's server, SGLang's own Scheduler methods and
     result processor over the family's pools and radix tree, fed by a model-runner stand-in
     (``scheduling.SglangSchedulerDriver``), driven by ``harness/scheduled.py``'s machine."""
-    from poolfuzz.adapters.sglang.scheduling import build_driver
+    from poolfuzz.adapters.sglang.servers import build_driver
 
     return build_driver(config, device=device, faults=faults, backup_mode=backup_mode)
 
 
 def scheduler_unsupported_reason(config) -> str | None:
     """Why the scheduler path does not drive ``config`` with the installed SGLang, or None."""
-    from poolfuzz.adapters.sglang.scheduling import unsupported_reason as probe
+    from poolfuzz.adapters.sglang.servers import unsupported_reason as probe
 
     return probe(config)
 
@@ -125,15 +125,17 @@ def build_decode_driver(config, *, device="cpu", faults=(), backup_mode=None):
     return build(config, device=device, faults=faults, backup_mode=backup_mode)
 
 
-def decode_unsupported_reason(config) -> str | None:
-    """Why the decode server does not drive ``config`` with the installed SGLang, or None."""
+def decode_unsupported_reason(config, *, backup_mode=None) -> str | None:
+    """Why the decode server (with the run's ``--backup-mode``; unset, the one SGLang resolves) does not drive
+    ``config`` with the installed SGLang, or None."""
     from poolfuzz.adapters.sglang.decode_server import unsupported_reason as probe
 
-    return probe(config)
+    return probe(config, backup_mode=backup_mode)
 
 
 build_decode_driver.drives_scheduler = True
 build_decode_driver.unsupported_reason = decode_unsupported_reason
+build_decode_driver.declines_by_backup_mode = True  # a named backup refuses what SGLang's resolution would not
 build_decode_driver.engine_report = engine_report
 # What --coverage measures: the decode side's queues besides the scheduler path's files.
 build_decode_driver.engine_code = build_scheduler_driver.engine_code + (

@@ -9,9 +9,17 @@ use). Each step is one iteration of ``event_loop_normal_disagg_decode``: ``proce
 (``resume_retracted_reqs``: a retracted request pre-allocated again and its KV restored from its backup;
 ``pop_preallocated``: the pre-allocation budgets and ``_pre_alloc``; ``pop_transferred``),
 ``get_next_disagg_decode_batch_to_run`` (the prebuilt batch merged into the running one, ``update_running_batch``:
-``check_decode_mem``, ``retract_decode`` with ``release_req``'s KV backup under
-``--disaggregation-decode-retraction-backup cpu_tensor``, ``prepare_for_decode``), the forward, and
-``process_batch_result_decode``. The model-runner stand-in checks, before every forward, that each request attends to
+``check_decode_mem``, ``retract_decode`` with ``release_req``'s KV backup, ``prepare_for_decode``), the forward, and
+``process_batch_result_decode``.
+
+The backup is SGLang's to choose, as on a server started without ``--disaggregation-decode-retraction-backup``:
+``kv_cache_builder.resolve_decode_retraction_backup`` runs on the built pools (:meth:`SglangDecodeDriver.pools_built`)
+and picks ``host_pool`` for a model whose KV is full-attention, or SWA with full tokens, and keeps no recurrent state
+(0.5.18: whatever its layers), else ``cpu_tensor``. With ``host_pool`` the registry's disabled ``UnifiedRadixCache``
+gets its host tier (``init_hicache``: the host pool group and cache controller sized by the resolved
+``--hicache-ratio``), ``validate_retraction_host_capacity`` checks it as ``build_kv_cache`` does, and a retraction
+goes through the tree's ``backup_kv_cache`` / ``restore_kv_cache`` (0.5.18: ``retraction_backup`` /
+``retraction_restore``). A run's ``--backup-mode`` names the flag instead. The model-runner stand-in checks, before every forward, that each request attends to
 its own K and V at every position: after a transfer, and after a retraction and its restore.
 
 Stood in for, and why:
@@ -22,12 +30,14 @@ Stood in for, and why:
   token is the one the fake path commits (0.5.23's hand-off token, ``_generate_fake_prefill_handoff_output_id``; the
   zeroed metadata buffer's 0 before it), taken as the prefill's sample.
 * the process groups of one rank: the transfer queue's all-reduce runs over a real one-rank gloo group.
-* the TpModelWorker's model facts the queues read (layer count, KV heads, KV cache dtype name).
+* the TpModelWorker's model facts the queues and the backup's resolution read (layer count, KV heads, KV cache dtype
+  name; its HF config, a real ``transformers`` config of a model family with the config's kind of layers:
+  :func:`hf_model_config`), and its pools and load-back counter registration (:func:`worker_standin`).
 * the request pool's extra rows: SGLang's ``DecodeReqToTokenPool`` (``HybridMambaDecodeReqToTokenPool`` with mamba
   layers) is built as the configurator builds it, with the PD hook's default extra rows (:meth:`family_options`).
 
 Server flags besides the scheduler path's: ``--disaggregation-mode decode``, ``--disaggregation-transfer-backend
-fake``, ``--disaggregation-decode-retraction-backup cpu_tensor`` and ``--num-reserved-decode-tokens 1``: the headroom
+fake`` and ``--num-reserved-decode-tokens 1``: the headroom
 each active request keeps for decode steps, scaled to these pools (the default, 512, is about half a percent of a
 GPU's pool; here it would exceed the pool, so nothing would ever be pre-allocated). With it the pre-allocation budget
 admits on what running requests could give back, and decode runs short and retracts, as a loaded server does.
@@ -49,8 +59,7 @@ from poolfuzz.adapters.sglang.scheduling import ContextLoop, SglangSchedulerDriv
 from poolfuzz.pools.config import ModelConfig
 from poolfuzz.pools.errors import ConfigError
 
-DECODE_FLAGS = {"disaggregation_mode": "decode", "disaggregation_transfer_backend": "fake",
-                "disaggregation_decode_retraction_backup": "cpu_tensor", "num_reserved_decode_tokens": 1,
+DECODE_FLAGS = {"disaggregation_mode": "decode", "disaggregation_transfer_backend": "fake", "num_reserved_decode_tokens": 1,
                 # what SGLang's PD hook resolves for a decode server without --disaggregation-decode-enable-radix-cache
                 # (which the fake backend refuses): its launcher's resolution pipeline needs a model, so it is stated
                 "disable_radix_cache": True}
@@ -107,14 +116,22 @@ class SglangDecodeDriver(SglangSchedulerDriver):
 
     role = "DECODE"
     label = "the sglang decode server"
-    retraction = "backs retracted requests up as cpu_tensor"
+    retraction = "backs retracted requests up as SGLang resolves (host_pool, or cpu_tensor)"
+    backup_modes = ("cpu_tensor", "host_pool")
+    resolves_on_pools = True
 
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, *, backup_mode: str | None = None):
         reason = decode_problem(config)
         if reason:
             raise ConfigError(f"the sglang decode server cannot build {config.name!r}: {reason}")
         self.handed_off: set[str] = set()  # requests whose prefill hand-off (KV and first token) has landed
-        super().__init__(config)
+        super().__init__(config, backup_mode=backup_mode)
+
+    @property
+    def host_backup_tokens(self) -> int | None:
+        """Token slots of the host pool retractions back up into (``host_pool``), or None (``cpu_tensor``)."""
+        group = getattr(self.tree, "host_pool_group", None) if self.backup_mode == "host_pool" else None
+        return None if group is None else min(entry.host_pool.size for entry in group.entry_map.values())
 
     @property
     def transferred(self) -> int:
@@ -122,7 +139,23 @@ class SglangDecodeDriver(SglangSchedulerDriver):
         return len(self.handed_off)
 
     def server_flags(self, config: ModelConfig, *, max_running_requests: int) -> dict:
-        return server_arguments(config, max_running_requests=max_running_requests) | DECODE_FLAGS
+        """The scheduler path's flags and :data:`DECODE_FLAGS`; ``--disaggregation-decode-retraction-backup`` only
+        where the run names one (unset, SGLang resolves it on the built pools: :meth:`pools_built`)."""
+        chosen = {"disaggregation_decode_retraction_backup": self.named_backup} if self.named_backup else {}
+        return server_arguments(config, max_running_requests=max_running_requests) | DECODE_FLAGS | chosen
+
+    def pools_built(self):
+        """SGLang's own resolution of the retraction backup on the built pools
+        (``kv_cache_builder.resolve_decode_retraction_backup``, as ``Scheduler.init_memory_pools`` runs it): where the
+        run names none, ``host_pool`` for a model of full-attention or SWA-with-full KV without recurrent state, else
+        ``cpu_tensor``; with ``host_pool`` the tree gets the host tier it backs up into. The TP worker it reads is
+        :func:`worker_standin`."""
+        from poolfuzz.adapters.sglang import compat
+
+        worker = worker_standin(self.family, self.config, self.m.SpeculativeAlgorithm.NONE)
+        self.backup_mode = compat.resolve_decode_retraction_backup(worker)  # what an artifact records
+        self.hf_config = worker.model_runner.model_config.hf_config
+        return worker
 
     def family_options(self, max_running: int) -> dict:
         """The request pool a decode server's configurator builds (``DecodeReqToTokenPool`` /
@@ -142,7 +175,7 @@ class SglangDecodeDriver(SglangSchedulerDriver):
         # what the TpModelWorker knows of the model, as far as the decode queues read it
         s.model_config.num_hidden_layers = config.full_layers + config.swa_layers + config.mamba_layers
         s.model_config.get_total_num_kv_heads = lambda: 1
-        s.model_config.hf_config = types.SimpleNamespace(architectures=["LlamaForCausalLM"])
+        s.model_config.hf_config = self.hf_config
         s.tp_worker.model_runner.kv_cache_dtype_str = "auto"
         s.tp_worker.model_runner.swa_max_total_num_tokens = config.swa_tokens if config.has_swa else None
         s.tp_worker.is_hybrid_swa = config.has_swa
@@ -225,14 +258,43 @@ class SglangDecodeDriver(SglangSchedulerDriver):
         return super()._where(req)
 
 
-def unsupported_reason(config: ModelConfig) -> str | None:
-    from poolfuzz.adapters.sglang.scheduling import unsupported_reason as scheduler_reason
+def hf_model_config(config: ModelConfig):
+    """The model's HF config as far as SGLang's resolution reads it: a real ``transformers`` config of a family with
+    the config's kind of layers (a Nemotron-H model, attention and mamba layers, where it keeps recurrent state, so
+    ``uses_ssm_state`` answers yes; a Llama model otherwise)."""
+    if config.has_mamba:
+        from sglang.srt.configs import NemotronHConfig
 
-    return decode_problem(config) or scheduler_reason(config, SglangDecodeDriver)
+        return NemotronHConfig(architectures=["NemotronHForCausalLM"])
+    from transformers import LlamaConfig
+
+    return LlamaConfig(architectures=["LlamaForCausalLM"])
+
+
+def worker_standin(family, config: ModelConfig, spec_algorithm):
+    """What SGLang's decode-side resolution and tree build read of the TpModelWorker (it loads a model on a GPU): its
+    pools, per-side token counts, model config, draft pools (none) and the load-back layer counter's registration
+    (the model's attention layers wait on it; the model-runner stand-in waits for the whole load instead)."""
+    model_config = types.SimpleNamespace(hf_config=hf_model_config(config), linear_attn_registry_result=None,
+                                         is_draft_model=False)
+    runner = types.SimpleNamespace(mtp_draft_device_pools=[], mtp_draft_mamba_pools=[], spec_algorithm=spec_algorithm,
+                                   model_config=model_config)
+    return types.SimpleNamespace(
+        get_memory_pool=lambda: (family.sg_req_pool, family.sg_allocator),
+        get_tokens_per_layer_info=lambda: (config.full_tokens, config.swa_tokens), is_hybrid_swa=config.has_swa,
+        sliding_window_size=config.sliding_window if config.has_swa else None, model_runner=runner,
+        register_hicache_layer_transfer_counter=lambda counter: None)
+
+
+def unsupported_reason(config: ModelConfig, *, backup_mode: str | None = None) -> str | None:
+    """Why the decode server (with the run's ``backup_mode``; unset, SGLang's resolution) does not drive ``config``."""
+    from poolfuzz.adapters.sglang.servers import unsupported_reason as scheduler_reason
+
+    return decode_problem(config) or scheduler_reason(config, SglangDecodeDriver, backup_mode=backup_mode)
 
 
 def build_decode_driver(config: ModelConfig, *, device="cpu", faults=(), backup_mode=None) -> SglangDecodeDriver:
-    """The ``sglang:decode`` factory's driver (``scheduling.build_driver``'s checks of the run's options)."""
-    from poolfuzz.adapters.sglang.scheduling import build_driver
+    """The ``sglang:decode`` factory's driver (``servers.build_driver``'s checks of the run's options)."""
+    from poolfuzz.adapters.sglang.servers import build_driver
 
     return build_driver(config, device=device, faults=faults, backup_mode=backup_mode, driver_cls=SglangDecodeDriver)

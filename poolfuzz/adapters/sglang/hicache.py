@@ -24,7 +24,7 @@ from contextlib import contextmanager
 
 import torch
 
-from poolfuzz.adapters.sglang.compat import private, private_name
+from poolfuzz.adapters.sglang.compat import has_private, private, private_name
 
 from poolfuzz.adapters.sglang import l3
 from poolfuzz.adapters.sglang.host import HOST_LAYOUT, IO_BACKEND, install_cpu_transfer_ops
@@ -58,15 +58,17 @@ def hicache_problem(api, config: ModelConfig, *, pd_decode: bool) -> str | None:
 
 def install_cpu_host_register() -> bool:
     """A no-op ``cudaHostRegister`` for host pools on a machine without CUDA (see the module docstring)."""
-    if torch.cuda.is_available():
-        return False
+    if torch.cuda.is_available() or not has_private("cuda_host_register"):
+        return False  # CUDA registers for real; a release without the register has nothing to replace
     from sglang.srt.mem_cache.pool_host import common
 
-    attr = private("cuda_host_ranges_attr")
-    private("cuda_host_register")  # the function replaced must be there to replace
+    # where the release records what it registered (0.5.23), the record says nothing was, so destroy() unregisters
+    # nothing; 0.5.18 records nothing
+    attr = private("cuda_host_ranges_attr") if has_private("cuda_host_ranges_attr") else None
 
     def register_nothing(buffer, registration_granularity_bytes=None):
-        setattr(buffer, attr, [])  # nothing was registered, so destroy() unregisters nothing
+        if attr is not None:
+            setattr(buffer, attr, [])
 
     setattr(common, private_name("cuda_host_register"), register_nothing)
     return True
@@ -147,15 +149,21 @@ def host_layout(config: ModelConfig) -> str:
     return resolved_tier(config)[0][0]
 
 
+def install_cpu_host_tier() -> None:
+    """The call-time stand-ins a host tier needs on a machine without CUDA (each is a no-op where SGLang's own
+    kernels or register exist): the ``direct`` and ``kernel`` copies and the host register."""
+    install_cpu_transfer_ops()
+    install_cpu_kernel_ops()
+    install_cpu_host_register()
+
+
 @contextmanager
 def hicache_arguments(config: ModelConfig):
     """The server arguments ``--enable-hierarchical-cache`` sets, scoped to the tree's build."""
     from sglang.srt.runtime_context import get_memory
 
     (layout, io_backend), _ = resolved_tier(config)
-    install_cpu_transfer_ops()
-    install_cpu_kernel_ops()
-    install_cpu_host_register()
+    install_cpu_host_tier()
     with get_memory().override(enable_hierarchical_cache=True, hicache_ratio=HOST_RATIO,
                                hicache_io_backend=io_backend, hicache_mem_layout=layout,
                                hicache_write_policy=WRITE_POLICY):

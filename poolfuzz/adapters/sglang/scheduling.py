@@ -168,9 +168,10 @@ def scheduler_problem(config: ModelConfig) -> str | None:
 class SglangSchedulerDriver:
     """One example's server: SGLang's Scheduler methods and result processor, and the model-runner stand-in."""
 
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, *, backup_mode: str | None = None):
         from poolfuzz.adapters.sglang.api import load
 
+        self.named_backup = backup_mode  # the run's --backup-mode: None, or one of backup_modes
         reason = scheduler_problem(config) or release_problem()
         if reason:
             raise ConfigError(f"the scheduler-driven sglang family cannot build {config.name!r}: {reason}")
@@ -220,6 +221,9 @@ class SglangSchedulerDriver:
     role = "NULL"
     label = "the sglang scheduler path"  # what the family's messages call it
     retraction = "recomputes retracted requests"  # what it does with one (the backup modes it drives: cpu_tensor)
+    backup_modes: tuple[str, ...] = ("cpu_tensor",)  # the --backup-mode values it takes
+    backup_mode = "cpu_tensor"  # the retraction path an artifact records (this server recomputes, on tensors)
+    resolves_on_pools = False  # whether it resolves server flags on its built pools (pools_built)
 
     def server_flags(self, config: ModelConfig, *, max_running_requests: int) -> dict:
         return server_arguments(config, max_running_requests=max_running_requests)
@@ -227,19 +231,26 @@ class SglangSchedulerDriver:
     def family_options(self, max_running: int) -> dict:
         return {}
 
+    def pools_built(self):
+        """What a server resolves once its pools exist and before its tree is built; the TP worker stand-in the tree
+        is built with, or None (this server's tree needs none)."""
+        return None
+
     def _build_context_server(self, config: ModelConfig, max_running: int) -> None:
         """0.5.23's server: its arguments in the runtime context, the tree its registry picks, its components."""
         from poolfuzz.adapters.sglang.family import build_sglang_family
         from poolfuzz.adapters.sglang.tree_build import build_tree, mamba_sized, publish_server_args
 
         m = self.m
-        publish_server_args(**self.server_args)  # before the configurator's sizing reads them
+        # before the configurator's sizing reads them; afresh, where this server resolves flags on its own pools
+        publish_server_args(fresh=self.resolves_on_pools, **self.server_args)
         config = mamba_sized(config)
         self.config = config
         self.family = build_sglang_family(config, scheduled=True, **self.family_options(max_running))
+        worker = self.pools_built()
         try:
-            self.tree = build_tree(self.family, hierarchical=False, server=self.server_args)
-        except AssertionError as exc:  # the tree's constructor refuses the server's flags: no server runs them
+            self.tree = build_tree(self.family, hierarchical=False, server=self.server_args, worker=worker)
+        except (AssertionError, ValueError) as exc:  # the tree's build refuses the server's flags: no server runs them
             raise ConfigError(f"the scheduler-driven sglang family cannot build {config.name!r}: SGLang's radix "
                               f"cache refuses a server with {self.server_args} ({exc})") from None
         req_pool, allocator = self.family.sg_req_pool, self.family.sg_allocator
@@ -560,35 +571,3 @@ def _schedule_batch_class():
 
 def _empty_batch():
     return _schedule_batch_class()(reqs=[], batch_is_full=False)
-
-
-def unsupported_reason(config: ModelConfig, driver_cls=None) -> str | None:
-    """Why the scheduler path (or ``driver_cls``, a server built on it) does not drive ``config``, or None."""
-    from poolfuzz.adapters.sglang.family import unsupported_reason as pools_reason
-
-    return (pools_reason(config, scheduled=True) or scheduler_problem(config) or release_problem()
-            or server_refusal(config, driver_cls or SglangSchedulerDriver))
-
-
-@lru_cache(maxsize=None)
-def server_refusal(config: ModelConfig, driver_cls) -> str | None:
-    """SGLang's own answer to whether a server with the driver's flags builds the config: a driver is built once and
-    what its constructors refuse is the reason (never a failure found in the engine)."""
-    try:
-        driver_cls(config)
-    except ConfigError as exc:
-        return str(exc).split(": ", 1)[-1]
-    return None
-
-
-def build_driver(config: ModelConfig, *, device="cpu", faults=(), backup_mode=None, driver_cls=None):
-    """A scheduler-path factory's driver (``driver_cls``, the ``sglang:scheduler`` one by default); its pools live on
-    the CPU, where the scheduler runs, whatever ``device`` the run names (as the vLLM scheduler path's do)."""
-    driver_cls = driver_cls or SglangSchedulerDriver
-    if tuple(faults):
-        raise ConfigError(f"{driver_cls.label} runs SGLang's own code; catalogue faults {list(faults)} only "
-                          "apply to the builtin family (drop --faults)")
-    if backup_mode not in (None, "cpu_tensor"):
-        raise ConfigError(f"{driver_cls.label} {driver_cls.retraction}; backup mode {backup_mode!r} is not driven "
-                          "(leave it unset)")
-    return driver_cls(config)

@@ -5,7 +5,8 @@ from __future__ import annotations
 from contextlib import nullcontext
 
 from poolfuzz.adapters.sglang import hicache, l3
-from poolfuzz.adapters.sglang.compat import has_private, private, published_extra_buffer, seed_mamba_chunk_size
+from poolfuzz.adapters.sglang.compat import (has_private, private, published_extra_buffer, published_host_pool_backup,
+                                             seed_mamba_chunk_size)
 
 _PUBLISHED: dict[str, tuple] = {}  # "flags": the server flags this process last published
 # SGLang's own model path for a server without weights: ServerArgs then skips what needs a model's config (0.5.18
@@ -13,19 +14,21 @@ _PUBLISHED: dict[str, tuple] = {}  # "flags": the server flags this process last
 NO_MODEL = "dummy"
 
 
-def publish_server_args(*, mamba_chunk_size: int = 64, **flags) -> None:
+def publish_server_args(*, mamba_chunk_size: int = 64, fresh: bool = False, **flags) -> None:
     """Publish a server's arguments into SGLang's runtime context, as a launcher does before the scheduler and its
     tree read them: ``ServerArgs`` with ``flags`` (the rest at their defaults), projected into the config bags with
     what SGLang derives from them at publish (``exec.mamba.enable_mamba_extra_buffer`` from
     ``mamba_radix_cache_strategy``, ...). No model, so no resolution pipeline, which would fetch one. Published again
     only where the flags differ from the last ones this process published; with no flags, where nothing is published
     yet, or where a server with other flags was (so the families that read the defaults do not run on another
-    server's flags). ``mamba_chunk_size``: the model's (its HF config's; FLA's chunk, 64, where it names none)."""
+    server's flags). ``mamba_chunk_size``: the model's (its HF config's; FLA's chunk, 64, where it names none).
+    ``fresh``: published again whatever was published last (a server that resolves flags on its pools lands them in
+    the context, so the next server with the same flags must not start from them)."""
     from sglang.srt import runtime_context
     from sglang.srt.server_args import ServerArgs
 
     key = tuple(sorted(flags.items())) + ((("mamba_chunk_size", mamba_chunk_size),) if mamba_chunk_size != 64 else ())
-    if _PUBLISHED.get("flags") == key:
+    if _PUBLISHED.get("flags") == key and not fresh:
         return
     context = runtime_context.get_context()
     if key or "flags" in _PUBLISHED or not context.is_config_namespace_published("memory"):
@@ -62,18 +65,29 @@ def _publish_defaults() -> None:
     publish_server_args()
 
 
-def build_tree(family, *, hierarchical: bool = False, storage_dir: str | None = None, server: dict | None = None):
+def build_tree(family, *, hierarchical: bool = False, storage_dir: str | None = None, server: dict | None = None,
+               worker=None):
     """The tree the release's scheduler builds for this model (its registry's default chain) on a server with the
     flags ``server`` (published first; default arguments where None; disabled where they say
     ``disable_radix_cache``); with ``hierarchical``, as ``--enable-hierarchical-cache`` builds it (``hicache.py``),
-    and with a ``storage_dir`` also ``--hicache-storage-backend file`` there (``l3.py``)."""
+    and with a ``storage_dir`` also ``--hicache-storage-backend file`` there (``l3.py``). ``worker``: the TP worker
+    stand-in of a server that built one (``decode_server.py``); its host tier, where the published arguments give
+    the tree one (a decode server's ``host_pool`` retraction backup), is built and checked as SGLang's
+    ``kv_cache_builder.build_kv_cache`` builds it, on the server's own host arguments."""
     disabled = bool((server or {}).get("disable_radix_cache"))
-    ctx = _build_context(family, hierarchical=hierarchical, disabled=disabled, server=server)
+    if worker is not None:
+        hicache.install_cpu_host_tier()
+    ctx = _build_context(family, hierarchical=hierarchical, disabled=disabled, server=server, worker=worker)
     from sglang.srt.mem_cache import registry
 
     c = family.config
     if not hierarchical:
-        return registry.default_radix_cache_factory(ctx)
+        tree = registry.default_radix_cache_factory(ctx)
+        if getattr(tree, "cache_controller", None) is not None:  # a host tier the server's arguments asked for
+            hicache.register_kernel_buffers(tree)
+            if published_host_pool_backup():  # build_kv_cache's own check of the retraction host pool
+                tree.validate_retraction_host_capacity()
+        return tree
     storage = l3.storage_arguments(c, storage_dir, hicache.host_layout(c)) if storage_dir else nullcontext()
     with hicache.hicache_arguments(c), storage:
         tree = registry.default_radix_cache_factory(ctx)
@@ -95,9 +109,9 @@ def build_disabled_cache(family):
     return registry.default_radix_cache_factory(ctx)
 
 
-def _build_context(family, *, hierarchical: bool, disabled: bool, server: dict | None = None):
+def _build_context(family, *, hierarchical: bool, disabled: bool, server: dict | None = None, worker=None):
     """The registry's build context for this model, as the scheduler of a server with the flags ``server`` (default
-    arguments where None) fills it."""
+    arguments where None) fills it; ``worker``: the server's TP worker stand-in, where it has one."""
     server = server or {}
     publish_server_args(**server)  # its mamba_chunk_size, where given, is the model's
     from sglang.srt.mem_cache import registry
@@ -118,9 +132,9 @@ def _build_context(family, *, hierarchical: bool, disabled: bool, server: dict |
     # registry asks only whether a size is set)
     chunked = {"effective_chunked_prefill_size": CHUNKED_PREFILL_SIZE} if "effective_chunked_prefill_size" in fields else {}
     return registry.TreeCacheBuildContext(
-        server_args=get_server_args() if hierarchical else None, params=params, is_hybrid_swa=c.has_swa,
+        server_args=get_server_args() if hierarchical or worker is not None else None, params=params, is_hybrid_swa=c.has_swa,
         is_hybrid_ssm=c.has_mamba, enable_hierarchical_cache=hierarchical, disable_radix_cache=disabled,
-        tp_worker=hicache.worker_standin() if hierarchical else None, model_config=None,
+        tp_worker=worker or (hicache.worker_standin() if hierarchical else None), model_config=None,
         tp_size=1, tp_rank=0, tp_group=None, full_tokens_per_layer=c.full_tokens, **chunked)
 
 

@@ -291,6 +291,7 @@ class SchedulerDriver:
     """One example's server: vLLM's Scheduler and the worker, driven as an engine core loop drives them."""
 
     streaming_sessions = False  # vLLM keeps no sessions between requests: the machine's session rules never fire
+    backup_mode = "cpu_tensor"  # the retraction path an artifact records: vLLM recomputes a preempted request
 
     def __init__(self, config: ModelConfig, *, budget: int | None = None, max_seqs: int | None = None):
         from poolfuzz.adapters.vllm.api import load

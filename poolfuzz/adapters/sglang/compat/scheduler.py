@@ -84,6 +84,28 @@ def published_extra_buffer() -> bool:
         return runtime_context.get_server_args().enable_mamba_extra_buffer()
 
 
+def published_host_pool_backup() -> bool:
+    """Whether the published server backs retracted decode requests up into a host pool (its resolved
+    ``--disaggregation-decode-retraction-backup``)."""
+    from sglang.srt.runtime_context import get_disagg
+
+    return get_disagg().disaggregation_decode_retraction_backup == "host_pool"
+
+
+def resolve_decode_retraction_backup(worker) -> str:
+    """The decode retraction backup SGLang resolves for a server with ``worker``'s pools
+    (``kv_cache_builder.resolve_decode_retraction_backup``, which lands it in the runtime context with the host pool's
+    ratio); on a release without that resolution, the published flag, unset meaning per-request CPU tensors (the path
+    before host-pool retraction, sglang#34801)."""
+    from sglang.srt.runtime_context import get_disagg
+
+    try:
+        from sglang.srt.mem_cache.kv_cache_builder import resolve_decode_retraction_backup as resolve
+    except ImportError:
+        return get_disagg().disaggregation_decode_retraction_backup or "cpu_tensor"
+    return resolve(tp_worker=worker)
+
+
 def publish_scheduler_context(*, max_running_requests: int) -> dict:
     """What a launcher and ``Scheduler.__init__`` publish into the runtime context besides the server's arguments
     (published with the tree, ``tree_build.publish_server_args``): the single tensor-parallel rank of a CPU run and,
