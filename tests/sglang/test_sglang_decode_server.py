@@ -78,16 +78,7 @@ def test_decode_memory_pressure_backs_up_and_restores_the_retracted_requests(dec
     forward."""
     driver, rids, reqs = _pressure(decode, backup_mode="cpu_tensor")
     assert driver.backup_mode == "cpu_tensor"
-    pool_cls = type(driver.family.sg_allocator.get_kvcache())
-    calls = {"get_cpu_copy": 0, "load_cpu_copy": 0}
-    for name in calls:
-        original = getattr(pool_cls, name)
-
-        def counted(self, *args, _original=original, _name=name, **kwargs):
-            calls[_name] += 1
-            return _original(self, *args, **kwargs)
-
-        monkeypatch.setattr(pool_cls, name, counted)
+    calls = _counted(monkeypatch, type(driver.family.sg_allocator.get_kvcache()), ["get_cpu_copy", "load_cpu_copy"])
     for _ in range(60):
         driver.step()
     assert driver.transferred == 6 and driver.retracted >= 1

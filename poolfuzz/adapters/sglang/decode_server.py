@@ -130,8 +130,9 @@ class SglangDecodeDriver(SglangSchedulerDriver):
     @property
     def host_backup_tokens(self) -> int | None:
         """Token slots of the host pool retractions back up into (``host_pool``), or None (``cpu_tensor``)."""
-        group = getattr(self.tree, "host_pool_group", None) if self.backup_mode == "host_pool" else None
-        return None if group is None else min(entry.host_pool.size for entry in group.entry_map.values())
+        if self.backup_mode != "host_pool":
+            return None
+        return min(entry.host_pool.size for entry in self.tree.host_pool_group.entry_map.values())
 
     @property
     def transferred(self) -> int:

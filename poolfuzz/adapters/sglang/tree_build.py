@@ -83,10 +83,9 @@ def build_tree(family, *, hierarchical: bool = False, storage_dir: str | None = 
     c = family.config
     if not hierarchical:
         tree = registry.default_radix_cache_factory(ctx)
-        if getattr(tree, "cache_controller", None) is not None:  # a host tier the server's arguments asked for
+        if worker is not None and published_host_pool_backup():  # the retraction backup's host tier
             hicache.register_kernel_buffers(tree)
-            if published_host_pool_backup():  # build_kv_cache's own check of the retraction host pool
-                tree.validate_retraction_host_capacity()
+            tree.validate_retraction_host_capacity()  # build_kv_cache's own check of it
         return tree
     storage = l3.storage_arguments(c, storage_dir, hicache.host_layout(c)) if storage_dir else nullcontext()
     with hicache.hicache_arguments(c), storage:
