@@ -167,11 +167,13 @@ def render_scheduled(art, *, source_name: str = "") -> str:
         *imports,
         "",
         f"FAMILY = {art.family!r}  # the family (--family) it was found on: the engine's scheduler, driven",
+        f"BACKUP_MODE = {art.backup_mode!r}  # the retraction path the failing server ran",
         *config,
         "",
         "",
         f"def test_{slug(art.config)}_{slug(kind)}_at_{slug(op)}():",
-        f"    machine = scheduled_machine({expr}, driver_factory=resolve_family(FAMILY).factory)()",
+        "    factory = resolve_family(FAMILY).factory",
+        f"    machine = scheduled_machine({expr}, driver_factory=lambda c: factory(c, backup_mode=BACKUP_MODE))()",
     ]
     failing_step = None if art.in_teardown else len(art.program)
     for i, step in enumerate(art.program, 1):

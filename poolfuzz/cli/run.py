@@ -11,6 +11,7 @@ from __future__ import annotations
 import random
 
 from poolfuzz.pools.config import CONFIGS
+from poolfuzz.pools.family import BACKUP_MODES
 from poolfuzz.pools.faults import FAULTS
 from poolfuzz.strategies import DRAWN_NAME
 
@@ -36,6 +37,9 @@ def register(sub) -> None:
     run.add_argument("--seed", type=int, help="seed (default: a fresh random one, printed so it can be reused)")
     run.add_argument("--faults", action="extend", nargs="+", default=[], metavar="ID",
                      help=f"switch on catalogue faults ({', '.join(FAULTS)})")
+    run.add_argument("--backup-mode", choices=BACKUP_MODES,
+                     help="the retraction backup path every config runs (default: the family's own resolution per "
+                          "config; for --family sglang:decode, SGLang's --disaggregation-decode-retraction-backup)")
     run.add_argument("--workers", type=int, default=1,
                      help="processes that split configs and seeds (worker i uses cuda:i on several GPUs)")
     run.add_argument("--db", metavar="PATH|redis://HOST:PORT",
@@ -125,6 +129,11 @@ def plan_from_args(args):
                              "switch them on one at a time")
         for name in names:  # faults that change the same method, or live on different backup paths
             resolved_backup_mode(_some_config_takes(faults) if name == DRAWN_NAME else config_of(name), faults)
+    if args.backup_mode is not None and DRAWN_NAME in names:
+        raise UsageError(f"--backup-mode applies to named configs; a drawn config's backup path is the family's "
+                         f"resolution of its shape: drop --config {DRAWN_NAME} or --backup-mode")
+    if args.backup_mode is not None and not args.family:
+        names = _configs_taking_backup(names, config_of, faults, args.backup_mode, explicit=explicit)
     if os.path.exists(args.out) and not os.path.isdir(args.out):
         raise UsageError(f"--out {args.out!r} is a file; pass a directory for the failure artifacts")
     check_writable_dir(args.out, "--out")  # a failure found after an hour must have somewhere to go
@@ -142,7 +151,7 @@ def plan_from_args(args):
                              f"drop --config {DRAWN_NAME}" + (f" (or use --family {ENGINE_PROGRAMS_OF[plugin.name]}, "
                              "which takes drawn configs)" if plugin.name in ENGINE_PROGRAMS_OF else ""))
         fixed = [config_of(n) for n in names if n != DRAWN_NAME]
-        chosen, skipped = select_configs(plugin, fixed, explicit=explicit)
+        chosen, skipped = select_configs(plugin, fixed, explicit=explicit, backup_mode=args.backup_mode)
         for name, why in skipped:
             print(f"poolfuzz: family {plugin.name} skips {name}: {why}")
         # Drawn configs the family declines are rejected example by example, never reported.
@@ -155,7 +164,7 @@ def plan_from_args(args):
                                               None)
         if probe is None:
             raise UsageError(f"family {plugin.name!r} supports none of the built-in configs; it cannot be probed")
-        probe_family(plugin, probe)
+        probe_family(plugin, probe, backup_mode=args.backup_mode)
     minutes = args.minutes if args.minutes is not None else (None if args.examples else DEFAULT_MINUTES)
     from poolfuzz.harness.failures import CHECKS, WAIVABLE
     from poolfuzz.orchestration.known import load_known
@@ -174,7 +183,8 @@ def plan_from_args(args):
         require_coverage()
         engine_code_of(resolve_family(args.family))
         check_writable_dir(args.coverage, "--coverage")
-    return Plan(configs=tuple(names), device=args.device, faults=tuple(faults), known=known, waive=waive,
+    return Plan(configs=tuple(names), device=args.device, faults=tuple(faults), backup_mode=args.backup_mode,
+                known=known, waive=waive,
                 seed=args.seed if args.seed is not None else random.SystemRandom().randrange(2**32),
                 examples=args.examples, seconds=None if minutes is None else minutes * 60, steps=args.steps,
                 db=db, out=args.out, workers=args.workers, shrink_seconds=args.shrink_seconds,
@@ -195,6 +205,28 @@ def _file_configs(paths) -> dict:
                                  "rename it in the file")
             out[config.name] = config
     return out
+
+
+def _configs_taking_backup(names, config_of, faults, backup_mode: str, *, explicit: bool) -> list[str]:
+    """The builtin family's configs that run ``backup_mode`` (its own resolution says whether the pools carry every
+    component through it); a named config that cannot is bad usage, a default one is skipped with the reason."""
+    from poolfuzz.errors import UsageError
+    from poolfuzz.pools.errors import ConfigError
+    from poolfuzz.pools.family import resolved_backup_mode
+
+    kept = []
+    for name in names:
+        try:
+            resolved_backup_mode(config_of(name), faults, backup_mode)
+        except ConfigError as exc:
+            if explicit:
+                raise UsageError(f"--backup-mode {backup_mode}: {exc}") from None
+            print(f"poolfuzz: skips {name}: {exc}")
+            continue
+        kept.append(name)
+    if not kept:
+        raise UsageError(f"no chosen config runs --backup-mode {backup_mode}")
+    return kept
 
 
 def _some_config_takes(faults):

@@ -35,6 +35,7 @@ class Plan:
     configs: tuple[str, ...]
     device: str  # auto | cpu | cuda | cuda:N, as given (each worker resolves it)
     faults: tuple[str, ...] = ()
+    backup_mode: str | None = None  # --backup-mode: every config's retraction path (None: the family resolves it)
     seed: int = 0
     examples: int | None = None  # per config; None: the time budget rules
     seconds: float | None = None  # wall-clock budget of the whole session
@@ -163,6 +164,7 @@ def _run_campaign(plan: Plan, lane: Lane, device: str, database, budget: float |
         # Each round its own seed: a round that found a bug starts the next one elsewhere.
         round_started = time.perf_counter()
         result = run_machine(lane_config(plan, lane.config), device=device, faults=plan.faults,
+                             backup_mode=plan.backup_mode,
                              max_examples=remaining if remaining is not None else 1_000_000,
                              steps_per_example=plan.steps, seed=(lane.seed + round_no * 7919) % 2**32,
                              database=database if not (plan.known or found) or database is None

@@ -42,8 +42,41 @@ BAD_USAGE = [
     (["--db", "a-file/db"], "--db 'a-file/db' is under the file 'a-file'"),
     (["--db", "/proc/poolfuzz-db"], "--db '/proc/poolfuzz-db': cannot create files in '/proc'"),
     (["--family", "os:getcwd"], "family 'os:getcwd' (os:getcwd) cannot build config"),
+    (["--config", "hybrid-linear", "--backup-mode", "host_pool"],
+     "--backup-mode host_pool: config 'hybrid-linear': host_pool retraction backup cannot carry recurrent state"),
+    (["--config", "random", "--backup-mode", "cpu_tensor"], "--backup-mode applies to named configs"),
     _no_gpu_case(),
 ]
+
+
+def test_a_named_backup_mode_reaches_every_round_of_the_session(tmp_path, monkeypatch, capsys):
+    """``--backup-mode`` is the plan's, and every round of the session runs its machine with it: dense resolves
+    host_pool by itself, the run names cpu_tensor, and the engine reports cpu_tensor. A default config list skips
+    the configs that cannot run the mode, with the builtin family's reason."""
+    from poolfuzz.cli import build_parser
+    from poolfuzz.cli.run import plan_from_args
+    from poolfuzz.orchestration import runner
+
+    plan = plan_from_args(build_parser().parse_args(
+        ["run", "--config", "dense", "--backup-mode", "cpu_tensor", "--examples", "2", "--device", "cpu", "--db",
+         "none", "--out", str(tmp_path)]))
+    assert plan.backup_mode == "cpu_tensor" and plan.configs == ("dense",)
+    modes = []
+
+    def recorded(config, **kwargs):
+        result = run_machine(config, **kwargs)
+        modes.append((kwargs["backup_mode"], result.backup_mode))
+        return result
+
+    monkeypatch.setattr(runner, "run_machine", recorded)  # what each round of the session calls
+    assert run_session(plan, stream=io.StringIO(), tty=False).exit_code == 0
+    assert modes and set(modes) == {("cpu_tensor", "cpu_tensor")}
+    everything = plan_from_args(build_parser().parse_args(
+        ["run", "--backup-mode", "host_pool", "--examples", "1", "--device", "cpu", "--db", "none", "--out",
+         str(tmp_path)]))
+    assert "dense" in everything.configs and "hybrid-linear" not in everything.configs
+    assert "poolfuzz: skips hybrid-linear: config 'hybrid-linear': host_pool retraction backup cannot carry" in \
+        capsys.readouterr().out
 
 
 @pytest.mark.parametrize("argv, problem", BAD_USAGE)
@@ -61,6 +94,7 @@ def test_bad_usage_is_one_line_exit_2_and_nothing_written(argv, problem, tmp_pat
 
 @pytest.mark.parametrize("argv, problem", [
     (["run", "--examples", "many"], "invalid int value"),
+    (["run", "--backup-mode", "tape"], "invalid choice: 'tape'"),
     (["run", "--minutes", "1", "--examples", "3"], "not allowed with argument"),
     (["replay"], "the following arguments are required: FILE"),
     (["emit-test", "x.json"], "the following arguments are required: -o/--output"),

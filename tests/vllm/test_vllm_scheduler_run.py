@@ -79,7 +79,9 @@ def test_a_planted_double_allocation_is_shrunk_reported_and_replayed(scheduling,
     module = tmp_path / "test_regression_x.py"
     assert run_cli(["emit-test", str(path), "-o", str(module)]) == 0
     source = module.read_text()
-    assert "machine = scheduled_machine(get_config(CONFIG), driver_factory=resolve_family(FAMILY).factory)()" in source
+    assert ("machine = scheduled_machine(get_config(CONFIG), driver_factory=lambda c: factory(c, "
+            "backup_mode=BACKUP_MODE))()") in source
+    assert "BACKUP_MODE = 'cpu_tensor'" in source
     assert "machine.schedule(" in source and "machine.teardown()" in source
     namespace = {"__name__": "emitted"}
     exec(compile(source, str(module), "exec"), namespace)
