@@ -38,6 +38,7 @@ SHIPPED = {
     "sglang:unified": "poolfuzz.adapters.sglang:build_unified_family",
     "sglang:scheduler": "poolfuzz.adapters.sglang:build_scheduler_driver",
     "sglang:decode": "poolfuzz.adapters.sglang:build_decode_driver",
+    "sglang:hicache": "poolfuzz.adapters.sglang:build_hicache_driver",
     "vllm": "poolfuzz.adapters.vllm:build_scheduler_driver",
     "vllm:scheduler": "poolfuzz.adapters.vllm:build_scheduler_driver",  # its name for one release: artifacts say it
     "vllm:manager": "poolfuzz.adapters.vllm:build_manager_family",

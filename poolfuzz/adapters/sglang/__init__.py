@@ -140,3 +140,28 @@ build_decode_driver.engine_report = engine_report
 # What --coverage measures: the decode side's queues besides the scheduler path's files.
 build_decode_driver.engine_code = build_scheduler_driver.engine_code + (
     "sglang/srt/disaggregation/decode.py", "sglang/srt/disaggregation/decode_schedule_batch_mixin.py")
+
+
+def build_hicache_driver(config, *, device="cpu", faults=(), backup_mode=None):
+    """The factory registered as ``sglang:hicache``: one example's server started with
+    ``--enable-hierarchical-cache``, SGLang's Scheduler over a radix tree with a host tier (write-through, eviction
+    to the host, load-back by the prefill adder), fed by the model-runner stand-in
+    (``hicache_server.SglangHiCacheDriver``)."""
+    from poolfuzz.adapters.sglang.hicache_server import build_hicache_driver as build
+
+    return build(config, device=device, faults=faults, backup_mode=backup_mode)
+
+
+def hicache_unsupported_reason(config) -> str | None:
+    """Why the HiCache server does not drive ``config`` with the installed SGLang, or None."""
+    from poolfuzz.adapters.sglang.hicache_server import unsupported_reason as probe
+
+    return probe(config)
+
+
+build_hicache_driver.drives_scheduler = True
+build_hicache_driver.unsupported_reason = hicache_unsupported_reason
+build_hicache_driver.engine_report = engine_report
+# What --coverage measures: the scheduler path's files (the host pools and cache controller are under mem_cache),
+# and the legacy controller the unified one builds on.
+build_hicache_driver.engine_code = build_scheduler_driver.engine_code + ("sglang/srt/managers/cache_controller.py",)

@@ -50,12 +50,10 @@ no track slots.
 
 from __future__ import annotations
 
-import os
-import tempfile
 import types
-from functools import lru_cache
 
 from poolfuzz.adapters.sglang.scheduling import ContextLoop, SglangSchedulerDriver, server_arguments
+from poolfuzz.adapters.sglang.shims import one_rank_group
 from poolfuzz.pools.config import ModelConfig
 from poolfuzz.pools.errors import ConfigError
 
@@ -81,17 +79,6 @@ def decode_problem(config: ModelConfig) -> str | None:
         return (f"SGLang {api.version} has no fake transfer backend (FakeKVReceiver), whose receiver the decode "
                 "server runs")
     return None
-
-
-@lru_cache(maxsize=1)
-def one_rank_group():
-    """A real one-rank gloo process group, as a single-rank server's attention TP group is."""
-    import torch.distributed as dist
-
-    if not dist.is_initialized():
-        store = os.path.join(tempfile.mkdtemp(prefix="poolfuzz-gloo-"), "store")
-        dist.init_process_group("gloo", rank=0, world_size=1, init_method=f"file://{store}")
-    return dist.new_group([0], backend="gloo")
 
 
 class DecodeLoop(ContextLoop):
@@ -130,9 +117,9 @@ class SglangDecodeDriver(SglangSchedulerDriver):
     @property
     def host_backup_tokens(self) -> int | None:
         """Token slots of the host pool retractions back up into (``host_pool``), or None (``cpu_tensor``)."""
-        if self.backup_mode != "host_pool":
-            return None
-        return min(entry.host_pool.size for entry in self.tree.host_pool_group.entry_map.values())
+        from poolfuzz.adapters.sglang import compat
+
+        return min(pool.size for pool in compat.host_pools(self.tree)) if self.backup_mode == "host_pool" else None
 
     @property
     def transferred(self) -> int:

@@ -47,6 +47,14 @@ def hicache_problem(api, config: ModelConfig, *, pd_decode: bool) -> str | None:
         return "block-scaled and DSA host pools are not driven"
     if config.kv_quant == "fp4_mx_block16":  # SGLang's MLAKVPoolHost raises ValueError for an FP4 device pool
         return "SGLang's MLA host cache refuses FP4 KV (its packed payload and block scales cannot be restored)"
+    return host_tier_problem(api, config)
+
+
+def host_tier_problem(api, config: ModelConfig) -> str | None:
+    """Why the adapter cannot give ``config``'s tree SGLang's host tier on the CPU, or None: what SGLang itself
+    refuses is its own answer, when the tree is built (the scheduler path asks only this)."""
+    if config.attention == "dsa":  # its host transfers synchronise a device stream; a CPU stream has no synchronize
+        return "DSA host pools are not driven (their transfers synchronise a device stream, which the CPU lacks)"
     try:
         from sglang.srt.mem_cache import unified_radix_cache as urc
     except ImportError:

@@ -224,6 +224,7 @@ class SglangSchedulerDriver:
     backup_modes: tuple[str, ...] = ("cpu_tensor",)  # the --backup-mode values it takes
     backup_mode = "cpu_tensor"  # the retraction path an artifact records (this server recomputes, on tensors)
     resolves_on_pools = False  # whether it resolves server flags on its built pools (pools_built)
+    hierarchical = False  # whether it is started with --enable-hierarchical-cache (hicache_server.py)
 
     def server_flags(self, config: ModelConfig, *, max_running_requests: int) -> dict:
         return server_arguments(config, max_running_requests=max_running_requests)
@@ -249,8 +250,9 @@ class SglangSchedulerDriver:
         self.family = build_sglang_family(config, scheduled=True, **self.family_options(max_running))
         worker = self.pools_built()
         try:
-            self.tree = build_tree(self.family, hierarchical=False, server=self.server_args, worker=worker)
-        except (AssertionError, ValueError) as exc:  # the tree's build refuses the server's flags: no server runs them
+            self.tree = build_tree(self.family, hierarchical=self.hierarchical, server=self.server_args,
+                                   worker=worker)
+        except (AssertionError, ValueError, NotImplementedError) as exc:  # the tree's build refuses the server's flags
             raise ConfigError(f"the scheduler-driven sglang family cannot build {config.name!r}: SGLang's radix "
                               f"cache refuses a server with {self.server_args} ({exc})") from None
         req_pool, allocator = self.family.sg_req_pool, self.family.sg_allocator
@@ -272,7 +274,7 @@ class SglangSchedulerDriver:
             max_req_len=longest, max_req_input_len=longest - 5,
             policy=m.SchedulePolicy(flags["schedule_policy"], self.tree, False, False, False),
             token_ratio=m.TokenRatio.from_config(),
-            processor=processor))
+            processor=processor, enable_hierarchical_cache=self.hierarchical))
         self.server.running_batch = _empty_batch()
         self.server.init_pool_stats_observer()  # the Scheduler's own, for SGLang's invariant checker below
         self.server.init_invariant_checker()

@@ -37,7 +37,9 @@ import importlib.machinery
 import importlib.util
 import os
 import sys
+import tempfile
 import types
+from functools import lru_cache
 
 _INSTALLED: dict[str, str] = {}
 
@@ -305,3 +307,15 @@ def _tensor_unpinned(real):
         return real(*args, **kwargs)
 
     return tensor
+
+
+@lru_cache(maxsize=1)
+def one_rank_group():
+    """A real one-rank gloo process group, as a single-rank server's attention TP group is; it also initialises the
+    default process group, which a tree's host tier all-reduces its sizes over (0.5.18)."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        store = os.path.join(tempfile.mkdtemp(prefix="poolfuzz-gloo-"), "store")
+        dist.init_process_group("gloo", rank=0, world_size=1, init_method=f"file://{store}")
+    return dist.new_group([0], backend="gloo")

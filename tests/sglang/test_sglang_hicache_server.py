@@ -1,0 +1,128 @@
+"""SGLang's own Scheduler with a host tier (adapters/sglang/hicache_server.py, issue 31): write-through to the host,
+eviction to the host under pressure, and load-back of a prefix that ends on the host by SGLang's own PrefillAdder;
+the model-runner stand-in checks before every forward that each request attends to its own K and V, loaded back or
+not.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import HealthCheck, settings
+from hypothesis.stateful import run_state_machine_as_test
+
+from poolfuzz.harness.scheduled import scheduled_machine
+from poolfuzz.pools.config import CONFIGS
+from poolfuzz.pools.errors import ConfigError, LostKv
+
+SETTINGS = settings(max_examples=25, stateful_step_count=30, deadline=None, derandomize=True,
+                    suppress_health_check=list(HealthCheck), database=None)
+
+
+@pytest.fixture(scope="module")
+def hicache_server(scheduling):
+    """The HiCache server's module, where this release's tree can be given a host tier here (else the test skips)."""
+    from poolfuzz.adapters.sglang import hicache_server
+
+    reason = hicache_server.unsupported_reason(CONFIGS["dense"])
+    if reason:
+        pytest.skip(reason)
+    return hicache_server
+
+
+def _counted_load_backs(monkeypatch, tree_cls) -> dict:
+    """How many host hits SGLang's prefill adder loaded back (``init_load_back`` answering tokens)."""
+    calls = {"loaded": 0}
+    original = tree_cls.init_load_back
+
+    def counted(self, params):
+        out = original(self, params)
+        if out is not None:  # (tokens loaded, node); 0.5.20 answers the loaded device indices instead of a count
+            loaded = out[0]
+            calls["loaded"] += (loaded.numel() if torch.is_tensor(loaded) and loaded.dim() else int(loaded)) > 0
+        return out
+
+    monkeypatch.setattr(tree_cls, "init_load_back", counted)
+    return calls
+
+
+def _shared_traffic(driver, steps: int = 200) -> None:
+    """A request every other step, sharing up to five earlier requests' prefixes, more than the device pool holds:
+    nodes are evicted to the host and later prefixes end there (seeded, so the same traffic every run)."""
+    import random
+
+    draw = random.Random(2)
+    for i in range(steps):
+        if i % 2 == 0:
+            driver.add_request(length=draw.randint(4, 30), share=draw.randint(0, 5), max_tokens=draw.randint(1, 8))
+        driver.step()
+
+
+@pytest.mark.parametrize("name", ["dense", "dense-ps4", "mla", "hybrid-linear", "swa", "swa-ps4", "swa-ssm"])
+def test_fuzzed_traffic_is_written_through_evicted_to_the_host_and_loaded_back_on_its_own_kv(hicache_server,
+                                                                                           monkeypatch, name):
+    """Hypothesis's traffic through SGLang's scheduler on a server with ``--enable-hierarchical-cache``: every
+    forward attends to its own K and V (and recurrent state), including the prefixes written through to the host and
+    those the prefill adder loaded back from it."""
+    reason = hicache_server.unsupported_reason(CONFIGS[name])
+    if reason:
+        pytest.skip(reason)
+    drivers = []
+
+    def factory(config):
+        drivers.append(hicache_server.SglangHiCacheDriver(config))
+        return drivers[-1]
+
+    run_state_machine_as_test(scheduled_machine(CONFIGS[name], driver_factory=factory), settings=SETTINGS)
+    assert all(d.server.enable_hierarchical_cache and d.tree.cache_controller is not None for d in drivers)
+    assert sum(d.hits for d in drivers) > 0 and sum(d.host_tokens for d in drivers) > 0
+
+
+@pytest.mark.parametrize("name", ["dense", "dense-ps4", "mla", "hybrid-linear", "swa", "swa-ps4"])
+def test_prefixes_evicted_to_the_host_are_loaded_back_by_the_prefill_adder(hicache_server, monkeypatch, name):
+    """Under pressure the tree demotes backed-up prefixes to the host; a later request matching one is loaded back by
+    SGLang's PrefillAdder (``init_load_back``), and runs on the loaded K and V, checked at every forward."""
+    reason = hicache_server.unsupported_reason(CONFIGS[name])
+    if reason:
+        pytest.skip(reason)
+    driver = hicache_server.SglangHiCacheDriver(CONFIGS[name])
+    loads = _counted_load_backs(monkeypatch, type(driver.tree))
+    _shared_traffic(driver)
+    assert loads["loaded"] > 0, "no prefix was loaded back from the host"
+    assert driver.drain() is None
+
+
+def test_a_load_back_that_loses_a_layer_is_caught_and_named(hicache_server, monkeypatch):
+    """A host->device load that lands every layer but layer 0's K: the request that matched the loaded prefix finds
+    zeros where its own K was, and the runner says which request, component, layer and position."""
+    driver = hicache_server.SglangHiCacheDriver(CONFIGS["dense"])
+    tree_cls, kv = type(driver.tree), driver.family.sg_allocator.get_kvcache()
+    original = tree_cls.ready_to_load_host_cache
+
+    def loses_layer_0(self):
+        queued = [op.device_indices for op in self.cache_controller.load_queue]
+        started = original(self)
+        for rows in queued:
+            kv.k_buffer[0][rows.to(torch.int64)] = 0
+        return started
+
+    monkeypatch.setattr(tree_cls, "ready_to_load_host_cache", loses_layer_0)
+    with pytest.raises(LostKv, match=r"^req \d+ step \d+: full\.k layer 0 position \d+: .*holds zeros"):
+        _shared_traffic(driver)
+
+
+def test_the_host_tier_holds_written_through_prefixes_and_drains_clean(hicache_server):
+    """Write-through backs every cached prefix up to the host; the idle server's own leak checks pass at the end."""
+    driver = hicache_server.SglangHiCacheDriver(CONFIGS["dense"])
+    _shared_traffic(driver, steps=60)
+    assert driver.host_tokens > 0
+    assert driver.drain() is None
+
+
+def test_a_model_whose_tree_has_no_host_tier_is_declined_with_the_reason(hicache_server):
+    """A model of only sliding-window layers: SGLang's registry builds it a tree without a host tier, whose
+    ``check_hicache_events`` (polled by the Scheduler every step) raises; the server is declined saying so."""
+    reason = hicache_server.unsupported_reason(CONFIGS["swa-only"])
+    assert reason is not None and "has no host tier" in reason, reason
+    with pytest.raises(ConfigError, match="has no host tier"):
+        hicache_server.build_hicache_driver(CONFIGS["swa-only"])
