@@ -159,10 +159,22 @@ def host_layout(config: ModelConfig) -> str:
 
 def install_cpu_host_tier() -> None:
     """The call-time stand-ins a host tier needs on a machine without CUDA (each is a no-op where SGLang's own
-    kernels or register exist): the ``direct`` and ``kernel`` copies and the host register."""
+    kernels or register exist): the ``direct`` and ``kernel`` copies, the host register, and a CPU stream's
+    ``synchronize``."""
     install_cpu_transfer_ops()
     install_cpu_kernel_ops()
     install_cpu_host_register()
+    install_cpu_stream_synchronize()
+
+
+def install_cpu_stream_synchronize() -> bool:
+    """``torch.cpu.Stream.synchronize`` as a no-op where torch lacks it: CPU work is done when it returns. SGLang's
+    L2 transfer engine synchronises its stream when a transfer raises (0.5.22's ``_submission``); without it the
+    CPU run would report an ``AttributeError`` in place of the transfer's own error."""
+    if hasattr(torch.cpu.Stream, "synchronize"):
+        return False
+    torch.cpu.Stream.synchronize = lambda self: None
+    return True
 
 
 @contextmanager
