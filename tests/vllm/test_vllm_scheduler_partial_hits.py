@@ -112,7 +112,9 @@ def test_a_key_left_on_the_block_its_producer_overwrites_is_caught(fine, monkeyp
 
 def test_fuzzing_the_align_server_takes_hits_inside_a_block(fine, api):
     """Fuzzed past the release's judged defects (0.34: vllm#46892 on this config, whose connector is attached), so
-    which examples a seed draws never decides the verdict."""
+    which examples a seed draws never decides the verdict. About one example in seven takes such a hit, and
+    Hypothesis's first examples are its smallest: 25 examples drew none after a re-seed, so 60 are run (measured
+    with one seed: 19 hits in 50 examples, 27 in 100)."""
     from hypothesis import settings
     from hypothesis.stateful import run_state_machine_as_test
 
@@ -128,5 +130,5 @@ def test_fuzzing_the_align_server_takes_hits_inside_a_block(fine, api):
 
     observer = PassOverJudged(api.version, NAME)
     run_state_machine_as_test(scheduled_machine(CONFIGS[NAME], driver_factory=driver, observer=observer),
-                              settings=settings(SETTINGS))
+                              settings=settings(SETTINGS, max_examples=60))
     assert sum(d.hits_inside_a_block for d in drivers) > 0
