@@ -2,7 +2,7 @@
 
 An engine's own scheduler decides which blocks or slots a request's positions land in, and a prefix hit
 shares another request's; so what a slot must hold is a function of the tokens up to its position, never of
-who computed it. Both engines' worker stand-ins (``adapters/vllm/worker.py``, ``adapters/sglang/runner.py``)
+who computed it. Both engines' worker stand-ins (``adapters/vllm/worker.py``, ``adapters/sglang/scheduler/runner.py``)
 write and check these values.
 """
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from poolfuzz.adapters.sglang import kernel_io as k
+from poolfuzz.adapters.sglang.host_tier import kernel_io as k
 
 LAYERS, SLOTS, HEADS, DIM = 3, 8, 2, 4
 

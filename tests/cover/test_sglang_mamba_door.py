@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from poolfuzz.adapters.sglang.reads import mamba_layer_states
+from poolfuzz.adapters.sglang.pools.reads import mamba_layer_states
 from poolfuzz.pools.errors import ConfigError
 
 

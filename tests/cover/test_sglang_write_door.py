@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from poolfuzz.adapters.sglang import writes
+from poolfuzz.adapters.sglang.pools import writes
 
 
 class _Pool:
@@ -31,8 +31,9 @@ class _OldPool(_Pool):
 
 @pytest.fixture
 def no_write_loc(monkeypatch):
-    real = writes._first
-    monkeypatch.setattr(writes, "_first", lambda *c, required=True: None if "KVWriteLoc" in c[0] else real(*c, required=required))
+    real = writes.first_importable
+    monkeypatch.setattr(writes, "first_importable",
+                        lambda *c, required=True: None if "KVWriteLoc" in c[0] else real(*c, required=required))
 
 
 @pytest.mark.parametrize("pool_cls, expected_swa", [(_Pool, [101, 102]), (_OldPool, None)])

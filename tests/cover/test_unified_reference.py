@@ -1,4 +1,5 @@
-"""The unified pool's reference asks SGLang's gates in the scheduler's order (adapters/sglang/unified_reference.py).
+"""The unified pool's reference asks SGLang's gates in the scheduler's order
+(adapters/sglang/unified_pool/unified_reference.py).
 
 The allocator here is a stand-in with the three read-only sizes the reference reads, so the order of the
 questions can be set up exactly: no SGLang is imported.
@@ -10,7 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from poolfuzz.adapters.sglang.unified_reference import UnifiedReference
+from poolfuzz.adapters.sglang.unified_pool.unified_reference import UnifiedReference
 from poolfuzz.pools.config import CONFIGS
 from poolfuzz.pools.errors import PoolExhausted
 

@@ -55,7 +55,7 @@ def fuzz():
 @pytest.fixture(scope="module")
 def scheduling(api):
     """The scheduler path's module, where this release's Scheduler can be driven (else the test skips, saying why)."""
-    from poolfuzz.adapters.sglang import scheduling
+    from poolfuzz.adapters.sglang.scheduler import scheduling
 
     reason = scheduling.release_problem()
     if reason:

@@ -86,12 +86,12 @@ def casts_fp8_twice(api) -> bool:
     import torch
 
     from poolfuzz.adapters.sglang.api import construct
-    from poolfuzz.adapters.sglang.writes import _Layer
+    from poolfuzz.adapters.sglang.pools.writes import RadixAttentionFields
 
     if getattr(api.MHATokenToKVPool, "set_kv_buffer_prefix_valid", None) is None:
         return False  # a release before the door: nothing casts
     pool = construct(api.MHATokenToKVPool, size=4, page_size=1, dtype=torch.float8_e4m3fn, head_num=1, head_dim=8,
                      layer_num=1, device="cpu", enable_memory_saver=False)
     rows = torch.arange(1, 9, dtype=torch.float32).reshape(1, 1, 8).to(torch.float8_e4m3fn)
-    pool.set_kv_buffer_prefix_valid(_Layer(0), torch.tensor([[2]]), torch.tensor([1]), rows, rows.clone())
+    pool.set_kv_buffer_prefix_valid(RadixAttentionFields(0), torch.tensor([[2]]), torch.tensor([1]), rows, rows.clone())
     return not torch.equal(pool.k_buffer[0][2].view(torch.uint8), rows[0].view(torch.uint8))

@@ -95,7 +95,7 @@ def test_a_kept_page_asks_the_releases_own_gate_with_what_it_takes(api, free, fi
     0.5.19's takes no ``requests`` (calling it with them was a TypeError on every paged config)."""
     from types import SimpleNamespace
 
-    from poolfuzz.adapters.sglang.admission import SchedulerAdmission
+    from poolfuzz.adapters.sglang.lifecycle.admission import SchedulerAdmission
 
     gate = _Gate0519(free)
     sg = SimpleNamespace(kv_allocated_len=12, kv_committed_len=10)
@@ -150,7 +150,7 @@ class _AdmitsTheRetry(_AdmitsAll):
 def test_an_extend_the_budget_admits_and_the_allocator_cannot_place_is_a_scheduler_crash(api, monkeypatch):
     """Where SGLang's budget admits an extend its allocator then refuses, the scheduler raises 'Prefill out
     of memory': the adapter reports that as OverAdmitted, not as the exhaustion the reference predicts."""
-    from poolfuzz.adapters.sglang.admission import OverAdmitted
+    from poolfuzz.adapters.sglang.lifecycle.admission import OverAdmitted
 
     fam = _prefill_budget_or_skip(api, "dense-ps4")
     monkeypatch.setattr(type(fam.sg_allocator), "create_prefill_budget",
@@ -170,7 +170,7 @@ def test_an_extend_the_budget_admits_and_the_allocator_cannot_place_is_a_schedul
 def test_a_first_extend_that_waited_is_judged_again_when_retried(api, monkeypatch):
     """A first extend the budget refused leaves the request waiting; the adder asks again when the request
     is retried, and a yes that the allocator cannot honour is then OverAdmitted."""
-    from poolfuzz.adapters.sglang.admission import OverAdmitted
+    from poolfuzz.adapters.sglang.lifecycle.admission import OverAdmitted
 
     fam = _prefill_budget_or_skip(api, "dense-ps4")
     monkeypatch.setattr(type(fam.sg_allocator), "create_prefill_budget",
@@ -201,7 +201,7 @@ def test_a_decode_sglangs_check_lets_through_and_the_allocator_refuses_is_a_sche
     """The decode side of the same rule: the scheduler raises 'Decode out of memory' on the allocator's
     None after its decode check said yes. Planted: a check that says yes to a full pool (page size 1: some
     releases' paged decode kernel reads past an empty free list, which the check is there to prevent)."""
-    from poolfuzz.adapters.sglang.admission import OverAdmitted
+    from poolfuzz.adapters.sglang.lifecycle.admission import OverAdmitted
 
     fam = _family(api, "dense")
     req = ReqKv(rid=1, seqlen=fam.config.full_tokens + 1)
@@ -226,17 +226,17 @@ def test_the_budget_s_chunk_cache_is_built_as_releases_with_a_chunked_prefill_fi
 
     from sglang.srt.mem_cache import registry
 
-    from poolfuzz.adapters.sglang.tree_build import CHUNKED_PREFILL_SIZE, _build_context
+    from poolfuzz.adapters.sglang.tree.tree_build import CHUNKED_PREFILL_SIZE, build_context
 
     fam = _prefill_budget_or_skip(api, "dense")  # the budget is what builds a chunk cache's context
     base = registry.TreeCacheBuildContext
     if "effective_chunked_prefill_size" not in {f.name for f in dataclasses.fields(base)}:
-        assert not hasattr(_build_context(fam, hierarchical=False, disabled=True), "effective_chunked_prefill_size")
+        assert not hasattr(build_context(fam, hierarchical=False, disabled=True), "effective_chunked_prefill_size")
         fields = [(f.name, f.type, dataclasses.field(default=f.default, default_factory=f.default_factory))
                   if f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING
                   else (f.name, f.type) for f in dataclasses.fields(base)]
         required = ("effective_chunked_prefill_size", object, dataclasses.field(kw_only=True))  # as in 0.5.21
         monkeypatch.setattr(registry, "TreeCacheBuildContext",
                             dataclasses.make_dataclass("TreeCacheBuildContext0521", fields + [required]))
-    ctx = _build_context(fam, hierarchical=False, disabled=True)
+    ctx = build_context(fam, hierarchical=False, disabled=True)
     assert ctx.effective_chunked_prefill_size == CHUNKED_PREFILL_SIZE and ctx.disable_radix_cache

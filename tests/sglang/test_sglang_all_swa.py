@@ -20,7 +20,7 @@ def pure_swa_api(api):
 
 def test_a_release_without_the_pure_swa_allocator_declines_the_config(api):
     from poolfuzz.adapters.sglang import build_family
-    from poolfuzz.adapters.sglang.family import unsupported_reason
+    from poolfuzz.adapters.sglang.lifecycle.family import unsupported_reason
 
     if api.PureSWATokenToKVPoolAllocator is not None:
         assert unsupported_reason(CONFIG) is None
@@ -84,7 +84,7 @@ def test_swa_only_fuzzes_clean_without_decode_eviction(pure_swa_api, fuzz, monke
 
 def _tree_holds_free_slots(fam) -> list[int]:
     """SGLang's own objects, read directly: the slots PureSWARadixCache holds that its allocator lists as free."""
-    from poolfuzz.adapters.sglang.views import token_free_pages
+    from poolfuzz.adapters.sglang.pools.views import token_free_pages
 
     if not fam.tree_sizes()[0]:
         return []

@@ -30,7 +30,7 @@ CHANGES = {
 def test_an_engine_api_change_is_not_a_finding(api, change, tmp_path):
     edit, config, words = CHANGES[change]
     if change == "private method":
-        from poolfuzz.adapters.sglang.trees import tree_problem
+        from poolfuzz.adapters.sglang.tree.trees import tree_problem
         from poolfuzz.pools.config import CONFIGS
 
         why = tree_problem(api, CONFIGS[config])

@@ -45,7 +45,7 @@ def test_drawn_storage_kinds_pass_on_a_fixed_release(api, expect):
 
 def test_a_config_the_constructors_refuse_is_declined_not_reported(api, expect, monkeypatch):
     from poolfuzz.adapters import sglang as plugin
-    from poolfuzz.adapters.sglang import family as sg_family
+    from poolfuzz.adapters.sglang.lifecycle import family as sg_family
 
     paged = plugin.unsupported_reason(CONFIGS["dense-ps4"])
     if paged:  # releases whose paged allocator needs a GPU decline every paged config before building

@@ -186,7 +186,7 @@ def _sglang_buffers(fam) -> list[torch.Tensor]:
         if pool is not None and getattr(pool, "k_buffer", None) is not None:
             out += list(pool.k_buffer) + list(pool.v_buffer)
     if fam.has_recurrent_state():
-        from poolfuzz.adapters.sglang.views import mamba_state_tensors
+        from poolfuzz.adapters.sglang.pools.views import mamba_state_tensors
 
         conv, temporal = mamba_state_tensors(fam.sg_req_pool.mamba_pool)
         out += list(conv) + [temporal]

@@ -1,4 +1,5 @@
-"""A fork's SWA budget counts what the tree can evict with the fork's hit locked (adapters/sglang/tree_reference.py).
+"""A fork's SWA budget counts what the tree can evict with the fork's hit locked
+(adapters/sglang/tree/tree_reference.py).
 
 The fork locks its hit before it allocates, and the lock protects the hit's window of SWA. The reference
 once counted the tree's evictable SWA without that lock and predicted a fork SGLang's pools refused (a false
@@ -14,8 +15,8 @@ from poolfuzz.pools.config import CONFIGS
 
 def test_a_fork_after_a_host_pool_resume_waits_as_the_locked_tree_says(api):
     from poolfuzz.adapters.sglang import build_family
-    from poolfuzz.adapters.sglang.host import host_pool_problem
-    from poolfuzz.adapters.sglang.trees import tree_problem
+    from poolfuzz.adapters.sglang.host_tier.host import host_pool_problem
+    from poolfuzz.adapters.sglang.tree.trees import tree_problem
     from poolfuzz.harness.engine import Engine
 
     config = CONFIGS["swa"]

@@ -52,7 +52,7 @@ def test_an_abort_between_prefill_chunks_gives_everything_back(api, name):
 def test_a_finish_frees_its_row_by_segments_inside_a_free_group(api, name):
     fam = _family(api, name)
     alloc = fam.sg_allocator
-    from poolfuzz.adapters.sglang.frees import row_segments_supported
+    from poolfuzz.adapters.sglang.lifecycle.frees import row_segments_supported
 
     if not row_segments_supported(fam):  # 0.5.18 has free_segments but no free_kv_row_segments
         pytest.skip(f"sglang {api.version} frees rows whole")

@@ -1,4 +1,4 @@
-"""HiCache through SGLang's own tree (adapters/sglang/hicache.py): write-through, demotion, load-back."""
+"""HiCache through SGLang's own tree (adapters/sglang/host_tier/hicache.py): write-through, demotion, load-back."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from tests.sglang.families import served_pressed_continued
 
 @pytest.fixture
 def hicache_api(api):
-    from poolfuzz.adapters.sglang.hicache import hicache_problem
-    from poolfuzz.adapters.sglang.trees import tree_problem
+    from poolfuzz.adapters.sglang.host_tier.hicache import hicache_problem
+    from poolfuzz.adapters.sglang.tree.trees import tree_problem
 
     # HiCache is built into SGLang's tree: a release whose tree is not driven has no host tier here
     problem = tree_problem(api, CONFIGS["dense"]) or hicache_problem(api, CONFIGS["dense"], pd_decode=False)
@@ -49,7 +49,7 @@ def _demoted_then_continued(e):
 
 @pytest.mark.parametrize("name", ["dense", "dense-ps4", "mla", "mla-ps4", "hybrid-linear"])
 def test_a_demoted_prefix_is_loaded_back_and_reads_right(hicache_api, name):
-    from poolfuzz.adapters.sglang.hicache import host_layout
+    from poolfuzz.adapters.sglang.host_tier.hicache import host_layout
 
     e = _engine(name)
     fam = e.families["prefill"]

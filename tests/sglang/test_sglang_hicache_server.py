@@ -1,4 +1,5 @@
-"""SGLang's own Scheduler with a host tier (adapters/sglang/hicache_server.py, issue 31): write-through to the host,
+"""SGLang's own Scheduler with a host tier (adapters/sglang/scheduler/hicache_server.py, issue 31): write-through to
+the host,
 eviction to the host under pressure, and load-back of a prefix that ends on the host by SGLang's own PrefillAdder;
 the model-runner stand-in checks before every forward that each request attends to its own K and V, loaded back or
 not.
@@ -22,7 +23,7 @@ SETTINGS = settings(max_examples=25, stateful_step_count=30, deadline=None, dera
 @pytest.fixture(scope="module")
 def hicache_server(scheduling):
     """The HiCache server's module, where this release's tree can be given a host tier here (else the test skips)."""
-    from poolfuzz.adapters.sglang import hicache_server
+    from poolfuzz.adapters.sglang.scheduler import hicache_server
 
     reason = hicache_server.unsupported_reason(CONFIGS["dense"])
     if reason:

@@ -14,7 +14,7 @@ HOST = ["dense", "swa", "dense-ps4", "swa-ps4"]
 
 def _family(api, config, **kwargs):
     from poolfuzz.adapters.sglang import build_family, unsupported_reason
-    from poolfuzz.adapters.sglang.host import host_pool_problem
+    from poolfuzz.adapters.sglang.host_tier.host import host_pool_problem
 
     why = unsupported_reason(config) or host_pool_problem(api, config)
     if why:
@@ -152,12 +152,12 @@ class TestBackup:
         """The host rows are checksummed components: a write-back that skips the last layer is caught."""
         import sglang.srt.mem_cache.pool_host.mha as host_mha
 
-        from poolfuzz.adapters.sglang.host import _transfer_kv_direct
+        from poolfuzz.adapters.sglang.host_tier.host import cpu_transfer_kv_direct
 
         # dense-ps4: its retraction host pools take the direct copies (retraction_io_backend)
         _family(api, CONFIGS["dense-ps4"])  # installs the CPU copy where it is missing
         def drops_last_layer(*, src_layers, dst_layers, src_indices, dst_indices, page_size):
-            _transfer_kv_direct(src_layers[:-1], dst_layers[:-1], src_indices, dst_indices, page_size)
+            cpu_transfer_kv_direct(src_layers[:-1], dst_layers[:-1], src_indices, dst_indices, page_size)
 
         monkeypatch.setattr(host_mha, "transfer_kv_direct", drops_last_layer)
         outcome = fuzz(CONFIGS["dense-ps4"], examples=30, shrink=False)
@@ -170,8 +170,8 @@ class TestBackup:
         all-layer copy is caught."""
         import sglang.srt.mem_cache.pool_host.mha as host_mha
 
-        from poolfuzz.adapters.sglang.host import retraction_io_backend
-        from poolfuzz.adapters.sglang.kernel_io import transfer_kv_all_layer
+        from poolfuzz.adapters.sglang.host_tier.host import retraction_io_backend
+        from poolfuzz.adapters.sglang.host_tier.kernel_io import transfer_kv_all_layer
 
         assert retraction_io_backend(CONFIGS["dense"]) == "kernel"
         _family(api, CONFIGS["dense"])  # installs the CPU copies where they are missing

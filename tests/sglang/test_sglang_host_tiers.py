@@ -15,8 +15,8 @@ TIERED = ["dense", "dense-ps4", "mla", "mla-ps4", "hybrid-linear", "hybrid-spec"
 
 @pytest.fixture
 def hicache_api(api):
-    from poolfuzz.adapters.sglang.hicache import hicache_problem
-    from poolfuzz.adapters.sglang.trees import tree_problem
+    from poolfuzz.adapters.sglang.host_tier.hicache import hicache_problem
+    from poolfuzz.adapters.sglang.tree.trees import tree_problem
 
     problem = tree_problem(api, CONFIGS["dense"]) or hicache_problem(api, CONFIGS["dense"], pd_decode=False)
     if problem:
@@ -38,8 +38,8 @@ def _served_demoted_continued(e) -> None:
 
 @pytest.mark.parametrize("name", TIERED)
 def test_each_config_runs_its_tier_through_sglang_and_loads_back_right(hicache_api, name):
-    from poolfuzz.adapters.sglang.hicache import host_tier
-    from poolfuzz.adapters.sglang.kernel_io import CPU_KERNEL_OPS
+    from poolfuzz.adapters.sglang.host_tier.hicache import host_tier
+    from poolfuzz.adapters.sglang.host_tier.kernel_io import CPU_KERNEL_OPS
 
     layout, io_backend = host_tier(CONFIGS[name])
     e = _engine(name)
@@ -62,7 +62,7 @@ def test_each_config_runs_its_tier_through_sglang_and_loads_back_right(hicache_a
 
 
 def test_the_mha_tiers_cover_both_kernel_layouts_and_the_mla_and_mamba_ones_both_backends():
-    from poolfuzz.adapters.sglang.hicache import host_tier
+    from poolfuzz.adapters.sglang.host_tier.hicache import host_tier
 
     tiers = {name: host_tier(CONFIGS[name]) for name in TIERED}
     assert {tiers["dense"], tiers["dense-ps4"]} == {("page_first", "kernel"), ("page_head", "kernel")}
@@ -126,7 +126,7 @@ def test_this_release_runs_every_wanted_tier_and_a_missing_layout_is_declined_wi
                                                                                                monkeypatch):
     from sglang.srt.mem_cache.pool_host import mha
 
-    from poolfuzz.adapters.sglang import hicache
+    from poolfuzz.adapters.sglang.host_tier import hicache
 
     for name in TIERED:
         assert hicache.resolved_tier(CONFIGS[name]) == (hicache.host_tier(CONFIGS[name]), None), name

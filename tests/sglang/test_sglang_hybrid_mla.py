@@ -1,4 +1,4 @@
-"""Kimi-Linear's pools: SGLang's HybridLinearKVPool with an MLA sub-pool (adapters/sglang/hybrid_mla.py),
+"""Kimi-Linear's pools: SGLang's HybridLinearKVPool with an MLA sub-pool (adapters/sglang/pools/hybrid_mla.py),
 built by the installed release and fuzzed through the harness."""
 
 from __future__ import annotations

@@ -10,7 +10,8 @@ from poolfuzz.pools.config import CONFIGS
 
 
 def _tree_engine(api, name):
-    from poolfuzz.adapters.sglang import build_family, idle_check, unsupported_reason
+    from poolfuzz.adapters.sglang import build_family, unsupported_reason
+    from poolfuzz.adapters.sglang.tree import idle_check
 
     why = unsupported_reason(CONFIGS[name])
     if why:
@@ -19,7 +20,7 @@ def _tree_engine(api, name):
     fam = e.families["prefill"]
     if getattr(fam, "tree", None) is None:
         pytest.skip(f"{name} runs without SGLang's prefix tree on {api.version}")
-    if idle_check._checker(fam) is None:
+    if idle_check.invariant_checker_for(fam) is None:
         pytest.skip(f"SGLang {api.version} has no SchedulerInvariantChecker")
     return e
 

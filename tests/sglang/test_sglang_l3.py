@@ -1,4 +1,4 @@
-"""HiCache's L3 storage tier through SGLang's own tree and ``file`` backend (adapters/sglang/l3.py):
+"""HiCache's L3 storage tier through SGLang's own tree and ``file`` backend (adapters/sglang/host_tier/l3.py):
 write-back of written-through pages, prefetch on arrival, the page audit, the per-example close."""
 
 from __future__ import annotations
@@ -20,9 +20,9 @@ STORED = ["dense", "dense-ps4", "mla", "mla-ps4", "hybrid-linear", "minimax-spar
 
 @pytest.fixture
 def l3_api(api):
-    from poolfuzz.adapters.sglang.hicache import hicache_problem
-    from poolfuzz.adapters.sglang.l3 import storage_problem
-    from poolfuzz.adapters.sglang.trees import tree_problem
+    from poolfuzz.adapters.sglang.host_tier.hicache import hicache_problem
+    from poolfuzz.adapters.sglang.host_tier.l3 import storage_problem
+    from poolfuzz.adapters.sglang.tree.trees import tree_problem
 
     config = CONFIGS["dense"]
     problem = (tree_problem(api, config) or hicache_problem(api, config, pd_decode=False)
@@ -41,7 +41,7 @@ def _engine(name: str):
 
 def _spy_prefetches(monkeypatch) -> list[int]:
     """Tokens each arrival's prefetch read from storage."""
-    from poolfuzz.adapters.sglang import l3
+    from poolfuzz.adapters.sglang.host_tier import l3
 
     loaded: list[int] = []
     real = l3.prefetch
@@ -167,7 +167,7 @@ def test_a_prefetch_into_the_wrong_host_slot_is_caught_on_the_device(l3_api, nam
 def test_a_backup_that_never_returns_is_a_hang_that_says_where_the_thread_is(l3_api, monkeypatch):
     """A storage thread blocked in the backend: the hang names the thread and the frames it is blocked in, and
     that the other three are idle (a dead or stopped thread is said as such)."""
-    from poolfuzz.adapters.sglang import l3
+    from poolfuzz.adapters.sglang.host_tier import l3
 
     e = _engine("dense")
     from sglang.srt.mem_cache.hicache_storage import HiCacheFile
@@ -199,14 +199,14 @@ def test_fuzzing_dense_ps4_with_storage_passes(l3_api, fuzz):
 # --- the zero-copy interface (zero_copy.py): SGLang's page meta decides every address ----------------
 def _meta_method(name: str) -> str:
     """The host pool's meta the stand-in asks: split by heads on a page-head host (``tp_lcm_size``)."""
-    from poolfuzz.adapters.sglang.hicache import host_layout
+    from poolfuzz.adapters.sglang.host_tier.hicache import host_layout
 
     return "get_split_heads_page_buffer_meta" if host_layout(CONFIGS[name]) == "page_head" else "get_page_buffer_meta"
 
 
 @pytest.mark.parametrize("name", ["dense-ps4", "mla-ps4", "dense-cpu-fp8"])
 def test_the_zero_copy_configs_store_through_the_pools_meta(l3_api, name, monkeypatch):
-    from poolfuzz.adapters.sglang.zero_copy import CLASS_NAME
+    from poolfuzz.adapters.sglang.host_tier.zero_copy import CLASS_NAME
 
     e = _engine(name)
     controller = e.families["prefill"].tree.cache_controller
@@ -269,7 +269,7 @@ def test_a_head_split_meta_that_repeats_the_first_heads_is_caught(l3_api, monkey
 
 
 def test_a_page_meta_past_the_host_buffer_is_an_illegal_address(l3_api, monkeypatch):
-    from poolfuzz.adapters.sglang.kernel_io import IllegalAddress
+    from poolfuzz.adapters.sglang.host_tier.kernel_io import IllegalAddress
 
     e = _engine("mla-ps4")
     cls = _host_cls("mla-ps4")

@@ -1,5 +1,5 @@
 """SGLang's FP4 MHA KV cache (``dense-fp4``): packed K and V with a scale row each, built as the release builds it
-for ``--kv-cache-dtype fp4_mx_block16`` (adapters/sglang/mha_fp4.py), its four buffers checksummed components."""
+for ``--kv-cache-dtype fp4_mx_block16`` (adapters/sglang/pools/mha_fp4.py), its four buffers checksummed components."""
 
 from __future__ import annotations
 
@@ -73,7 +73,7 @@ def test_a_pd_transfer_without_the_scales_is_caught(api):
     descriptors are K and V: the decode node's scale rows stay as they were. A release that sends them passes."""
     _family("dense-fp4")
     from poolfuzz.adapters.sglang import build_family
-    from poolfuzz.adapters.sglang.pd import registration
+    from poolfuzz.adapters.sglang.disaggregation.pd import registration
 
     e = Engine(config=CONFIGS["dense-fp4"], family_factory=build_family)
     rid = e.admit(5)

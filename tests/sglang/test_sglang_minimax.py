@@ -1,4 +1,4 @@
-"""SGLang's MiniMax sparse KV pool (``minimax-sparse*``, adapters/sglang/minimax.py): the release's own
+"""SGLang's MiniMax sparse KV pool (``minimax-sparse*``, adapters/sglang/pools/minimax.py): the release's own
 MiniMaxSparseKVPool, written and read through its doors, its index caches checksummed; what SGLang refuses or
 lacks for it (PD with index values, HiCache with index values, a CPU copy, a row move) is declined with
 SGLang's own reason, and the CPU copy it lacks is shown to crash SGLang's retraction."""

@@ -11,7 +11,7 @@ from poolfuzz.pools.config import CONFIGS
 
 def _engine(api, name):
     from poolfuzz.adapters.sglang import build_family, unsupported_reason
-    from poolfuzz.adapters.sglang.pd import pd_problem
+    from poolfuzz.adapters.sglang.disaggregation.pd import pd_problem
 
     why = unsupported_reason(CONFIGS[name]) or pd_problem(api)
     if why:
@@ -61,7 +61,7 @@ def test_a_registration_of_a_temporary_tensor_is_raised_not_copied_into(api, mon
     so the transfer checks every descriptor against the node's live pool buffers and raises instead."""
     import torch
 
-    from poolfuzz.adapters.sglang.kernel_io import IllegalAddress
+    from poolfuzz.adapters.sglang.host_tier.kernel_io import IllegalAddress
 
     e = _engine(api, "dense")
     pool_cls = type(e.families["decode"].sg_kv_pool)

@@ -12,8 +12,8 @@ from poolfuzz.pools.config import CONFIGS
 
 def _engine(api, name):
     from poolfuzz.adapters.sglang import build_family, unsupported_reason
-    from poolfuzz.adapters.sglang.pd import pd_problem
-    from poolfuzz.adapters.sglang.prealloc import gate_problem
+    from poolfuzz.adapters.sglang.disaggregation.pd import pd_problem
+    from poolfuzz.adapters.sglang.disaggregation.prealloc import gate_problem
 
     why = unsupported_reason(CONFIGS[name]) or pd_problem(api) or gate_problem(api)
     if why:

@@ -1,5 +1,5 @@
 """SGLang's CPU fp8 KV cache (``dense-cpu-fp8``): an MHA pool built with the ``cpu_fp8_e4m3`` KV quant method,
-whose ``set_kv_buffer`` quantises the model's K and V into the fp8 buffers (adapters/sglang/storage.py)."""
+whose ``set_kv_buffer`` quantises the model's K and V into the fp8 buffers (adapters/sglang/pools/storage.py)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """The harness checksums what the attention kernels read: each layer's K and V as the model's KV pool hands
-them out (``get_key_buffer`` / ``get_value_buffer`` by model layer id), see adapters/sglang/reads.py."""
+them out (``get_key_buffer`` / ``get_value_buffer`` by model layer id), see adapters/sglang/pools/reads.py."""
 
 from __future__ import annotations
 

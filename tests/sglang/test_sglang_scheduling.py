@@ -1,4 +1,5 @@
-"""SGLang's own batch scheduling on the CPU, fed by the model-runner stand-in (adapters/sglang/scheduling.py, issue 31).
+"""SGLang's own batch scheduling on the CPU, fed by the model-runner stand-in
+(adapters/sglang/scheduler/scheduling.py, issue 31).
 
 SGLang decides everything (which requests are batched, chunks, tree hits, retraction, which slots); the runner
 checks, before every forward, that each position a request attends to holds the KV of its own tokens up to it.
@@ -278,7 +279,7 @@ KV_KINDS = ["mla", "mla-ps4", "fp8-scaled", "dense-cpu-fp8", "dense-fp4", "mla-f
 
 
 def _skip_if_declined(scheduling, name):
-    from poolfuzz.adapters.sglang import servers
+    from poolfuzz.adapters.sglang.scheduler import servers
 
     reason = servers.unsupported_reason(CONFIGS[name])
     if reason:

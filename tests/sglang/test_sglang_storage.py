@@ -127,11 +127,11 @@ class TestScaledPools:
 
         from poolfuzz.adapters.sglang.api import construct
         from poolfuzz.adapters.sglang.shims import cpu_synchronize
-        from poolfuzz.adapters.sglang.storage import _index_put_lacks_ue8m0, scales_as_bytes
+        from poolfuzz.adapters.sglang.pools.storage import index_put_lacks_ue8m0, scales_as_bytes
 
         if api.MHATokenToKVPoolMXFP8 is None:
             pytest.skip("no MXFP8 pool in this release")
-        if not _index_put_lacks_ue8m0(torch.device("cpu")):
+        if not index_put_lacks_ue8m0(torch.device("cpu")):
             pytest.skip("this torch index-puts UE8M0 on the CPU: no stand-in needed")
         pool = construct(api.MHATokenToKVPoolMXFP8, size=8, page_size=1, dtype=torch.float8_e4m3fn, head_num=1,
                          head_dim=64, layer_num=1, device="cpu", enable_memory_saver=False,

@@ -19,7 +19,7 @@ from poolfuzz.pools.config import CONFIGS
 def _engine():
     from poolfuzz.adapters.sglang import build_family
     from poolfuzz.adapters.sglang.api import load
-    from poolfuzz.adapters.sglang.trees import tree_problem
+    from poolfuzz.adapters.sglang.tree.trees import tree_problem
     from poolfuzz.harness.engine import Engine
 
     problem = tree_problem(load(), CONFIGS["swa-ps4"])

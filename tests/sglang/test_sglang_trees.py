@@ -1,4 +1,4 @@
-"""Forks through SGLang's own prefix tree (adapters/sglang/trees.py), on the installed release."""
+"""Forks through SGLang's own prefix tree (adapters/sglang/tree/trees.py), on the installed release."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from poolfuzz.pools.config import CONFIGS
 
 @pytest.fixture
 def tree_api(api):
-    from poolfuzz.adapters.sglang.trees import tree_problem
+    from poolfuzz.adapters.sglang.tree.trees import tree_problem
 
     problem = tree_problem(api, CONFIGS["dense"])
     if problem:
@@ -82,7 +82,7 @@ def test_a_locked_prefix_freed_under_a_fork_is_caught(tree_api):
 
 def test_configs_the_tree_path_does_not_drive_say_why(tree_api):
     from poolfuzz.adapters.sglang import build_family
-    from poolfuzz.adapters.sglang.trees import tree_problem
+    from poolfuzz.adapters.sglang.tree.trees import tree_problem
 
     for name in ("hybrid-linear-ps4", "hybrid-extra-buffer", "swa-ssm-ps4"):  # SGLang's MambaComponent
         assert "page size 1 without the extra buffer" in tree_problem(tree_api, CONFIGS[name])
@@ -203,7 +203,7 @@ def test_decode_time_window_eviction_through_the_tree_passes(tree_api, fuzz, mon
     """SGLang's SGLANG_SWA_EVICTION_INTERVAL at 1 (every decode past the window evicts through
     tree_cache.evict_sliding_windows), and unset: the adapter's default, one window (``eviction_interval``:
     SGLang's own 128 would never evict in these contexts)."""
-    from poolfuzz.adapters.sglang import tree_swa
+    from poolfuzz.adapters.sglang.tree import tree_swa
 
     if interval is None:
         monkeypatch.delenv("SGLANG_SWA_EVICTION_INTERVAL", raising=False)
@@ -224,7 +224,7 @@ def test_decode_time_window_eviction_through_the_tree_passes(tree_api, fuzz, mon
 
 
 def test_the_eviction_interval_is_one_window_unless_the_environment_sets_it(tree_api, monkeypatch):
-    from poolfuzz.adapters.sglang import tree_swa
+    from poolfuzz.adapters.sglang.tree import tree_swa
 
     fam = _engine("swa-ps4").families["prefill"]
     monkeypatch.delenv("SGLANG_SWA_EVICTION_INTERVAL", raising=False)

@@ -44,7 +44,7 @@ def _two_then_one_finished(e):
 
 def test_a_release_without_the_unified_pool_is_refused_by_name(api):
     from poolfuzz.adapters.sglang import unified_unsupported_reason
-    from poolfuzz.adapters.sglang.unified import _factory
+    from poolfuzz.adapters.sglang.unified_pool.unified import unified_mamba_factory
 
     why = unified_unsupported_reason(CONFIGS["hybrid-linear"])
     try:
@@ -52,7 +52,7 @@ def test_a_release_without_the_unified_pool_is_refused_by_name(api):
         layout = True
     except ImportError:
         layout = False
-    if _factory() is None:
+    if unified_mamba_factory() is None:
         assert "has no unified memory pool" in why and "--family sglang" in why
     elif not layout:
         assert "predates the layout poolfuzz drives" in why and "--family sglang" in why
@@ -76,7 +76,7 @@ def test_a_model_the_releases_factory_refuses_is_declined_before_a_run(api, monk
     degenerate; the family says so when asked which configs it drives (a run used to count swa-only in and
     crash at every example). Here the refusal is planted, so the test holds on any release with the pool."""
     from poolfuzz.adapters.sglang import build_unified_family, unified_unsupported_reason
-    from poolfuzz.adapters.sglang import unified
+    from poolfuzz.adapters.sglang.unified_pool import unified
 
     _factory_or_skip(api)
     config = CONFIGS["swa-only"].replace(name="swa-only-refused")

@@ -13,8 +13,8 @@ def build_family(config, *, device="cpu", faults=(), backup_mode=None, node=None
     """The family factory registered as ``sglang`` in the ``poolfuzz.families`` entry points. ``node``: the
     engine's node it serves; "decode" builds SGLang's PD decode server (see ``SGLangFamily.pd_decode``)."""
     from poolfuzz.adapters.sglang.api import load
-    from poolfuzz.adapters.sglang.family import build_sglang_family
-    from poolfuzz.adapters.sglang.trees import tree_sized, with_tree
+    from poolfuzz.adapters.sglang.lifecycle.family import build_sglang_family
+    from poolfuzz.adapters.sglang.tree.trees import tree_sized, with_tree
 
     # SGLang's own prefix tree in front of the pools, where the release's scheduler has one the
     # adapter drives for this config (then forks go through it), with the pools sized for it
@@ -24,7 +24,7 @@ def build_family(config, *, device="cpu", faults=(), backup_mode=None, node=None
 
 def unsupported_reason(config) -> str | None:
     """Why the installed SGLang cannot run ``config`` here (probed), or None."""
-    from poolfuzz.adapters.sglang.family import unsupported_reason as probe
+    from poolfuzz.adapters.sglang.lifecycle.family import unsupported_reason as probe
 
     return probe(config)
 
@@ -32,7 +32,7 @@ def unsupported_reason(config) -> str | None:
 def describe() -> dict:
     """The installed SGLang and what the adapter found in it (for reports and the compat table)."""
     from poolfuzz.adapters.sglang.api import load
-    from poolfuzz.adapters.sglang.host import host_pool_path_present
+    from poolfuzz.adapters.sglang.host_tier.host import host_pool_path_present
 
     api = load()
     return {"host_pool_backup": host_pool_path_present(), "version": api.version, "shims": api.shims, "kv_on_req": api.kv_on_req,
@@ -71,8 +71,8 @@ build_family.engine_code = ("sglang/srt/mem_cache", "sglang/srt/managers/schedul
 
 def build_unified_family(config, *, device="cpu", faults=(), backup_mode=None, node=None):
     """The family factory registered as ``sglang:unified``: SGLang's unified memory pool
-    (``--enable-unified-memory``), see :mod:`poolfuzz.adapters.sglang.unified`."""
-    from poolfuzz.adapters.sglang.unified import build_unified
+    (``--enable-unified-memory``), see :mod:`poolfuzz.adapters.sglang.unified_pool.unified`."""
+    from poolfuzz.adapters.sglang.unified_pool.unified import build_unified
 
     return build_unified(config, device=device, faults=faults, backup_mode=backup_mode, node=node)
 
@@ -80,7 +80,7 @@ def build_unified_family(config, *, device="cpu", faults=(), backup_mode=None, n
 def unified_unsupported_reason(config) -> str | None:
     """Why the installed SGLang's unified pool is not driven for ``config`` here, or None."""
     from poolfuzz.adapters.sglang.api import load
-    from poolfuzz.adapters.sglang.unified import unified_problem
+    from poolfuzz.adapters.sglang.unified_pool.unified import unified_problem
 
     return unified_problem(load(), config)
 
@@ -95,14 +95,14 @@ def build_scheduler_driver(config, *, device="cpu", faults=(), backup_mode=None)
     """The factory registered as ``sglang:scheduler``: one example's server, SGLang's own Scheduler methods and
     result processor over the family's pools and radix tree, fed by a model-runner stand-in
     (``scheduling.SglangSchedulerDriver``), driven by ``harness/scheduled.py``'s machine."""
-    from poolfuzz.adapters.sglang.servers import build_driver
+    from poolfuzz.adapters.sglang.scheduler.servers import build_driver
 
     return build_driver(config, device=device, faults=faults, backup_mode=backup_mode)
 
 
 def scheduler_unsupported_reason(config) -> str | None:
     """Why the scheduler path does not drive ``config`` with the installed SGLang, or None."""
-    from poolfuzz.adapters.sglang.servers import unsupported_reason as probe
+    from poolfuzz.adapters.sglang.scheduler.servers import unsupported_reason as probe
 
     return probe(config)
 
@@ -120,7 +120,7 @@ def build_decode_driver(config, *, device="cpu", faults=(), backup_mode=None):
     """The factory registered as ``sglang:decode``: one example's PD decode server, SGLang's own decode queues
     (pre-allocation, transfer, retraction with a KV backup and its restore) and Scheduler over the family's pools,
     fed by a prefill stand-in and the model-runner stand-in (``decode_server.SglangDecodeDriver``)."""
-    from poolfuzz.adapters.sglang.decode_server import build_decode_driver as build
+    from poolfuzz.adapters.sglang.disaggregation.decode_server import build_decode_driver as build
 
     return build(config, device=device, faults=faults, backup_mode=backup_mode)
 
@@ -128,7 +128,7 @@ def build_decode_driver(config, *, device="cpu", faults=(), backup_mode=None):
 def decode_unsupported_reason(config, *, backup_mode=None) -> str | None:
     """Why the decode server (with the run's ``--backup-mode``; unset, the one SGLang resolves) does not drive
     ``config`` with the installed SGLang, or None."""
-    from poolfuzz.adapters.sglang.decode_server import unsupported_reason as probe
+    from poolfuzz.adapters.sglang.disaggregation.decode_server import unsupported_reason as probe
 
     return probe(config, backup_mode=backup_mode)
 
@@ -147,14 +147,14 @@ def build_hicache_driver(config, *, device="cpu", faults=(), backup_mode=None):
     ``--enable-hierarchical-cache``, SGLang's Scheduler over a radix tree with a host tier (write-through, eviction
     to the host, load-back by the prefill adder), fed by the model-runner stand-in
     (``hicache_server.SglangHiCacheDriver``)."""
-    from poolfuzz.adapters.sglang.hicache_server import build_hicache_driver as build
+    from poolfuzz.adapters.sglang.scheduler.hicache_server import build_hicache_driver as build
 
     return build(config, device=device, faults=faults, backup_mode=backup_mode)
 
 
 def hicache_unsupported_reason(config) -> str | None:
     """Why the HiCache server does not drive ``config`` with the installed SGLang, or None."""
-    from poolfuzz.adapters.sglang.hicache_server import unsupported_reason as probe
+    from poolfuzz.adapters.sglang.scheduler.hicache_server import unsupported_reason as probe
 
     return probe(config)
 

@@ -29,7 +29,7 @@ class SGLangUnavailable(ConfigError):
     """SGLang is not installed here, or lacks something the adapter cannot do without."""
 
 
-def _first(*candidates: str, required: bool = True) -> Any:
+def first_importable(*candidates: str, required: bool = True) -> Any:
     """The first ``module:attr`` that imports; None (or an error naming all tried) otherwise."""
     tried = []
     for target in candidates:

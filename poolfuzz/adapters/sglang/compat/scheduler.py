@@ -1,4 +1,4 @@
-"""SGLang's scheduler path (``adapters/sglang/scheduling.py``): the Scheduler's state and private reads, for a
+"""SGLang's scheduler path (``adapters/sglang/scheduler/scheduling.py``): the Scheduler's state and private reads, for a
 server built without its model; every name read here is checked, and an ``EngineApiChanged`` when a release drops it."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from poolfuzz.adapters.sglang.compat.needs import ENGINE, has_private, private, 
 from poolfuzz.adapters.sglang.compat.scheduler_global import invariant_checker, pool_stats, single_tensor_parallel_rank
 from poolfuzz.errors import EngineApiChanged
 
-# --- the scheduler path (adapters/sglang/scheduling.py): a server's Scheduler without its model -----------------
+# --- the scheduler path (adapters/sglang/scheduler/scheduling.py): a server's Scheduler without its model -------------
 SCHEDULER_MODULE = "sglang.srt.managers.scheduler"
 RESULT_PROCESSOR = "sglang.srt.managers.scheduler_components.batch_result_processor:SchedulerBatchResultProcessor"
 TOKEN_RATIO = "sglang.srt.managers.scheduler_components.new_token_ratio_tracker:NewTokenRatioTracker"

@@ -1,0 +1,318 @@
+"""HiCache's L3 storage tier on the CPU: one storage backend per tree (SGLang's ``file`` backend in a
+temporary directory of its own, or ``zero_copy``'s stand-in for the zero-copy interface: :func:`storage_backend`).
+
+A server started with ``--hicache-storage-backend file`` backs every node the tree writes through to
+the host up into storage as well: when the write-through's ack comes in (``writing_check``), the tree
+calls ``write_backup_storage(node)``, which hands the node's host pages and their page hashes (a chain:
+each page's hash covers every token before it) to the controller's backup thread; the thread copies
+each page out of the host pool (``get_data_page``) into a file named by its hash, and the next poll's
+``drain_storage_control_queues`` releases the node's host lock. A request that arrives with a prefix
+the device and the host no longer hold, but storage does, is prefetched: the scheduler's
+``_prefetch_kvcache`` (``prefetch_from_storage`` from the deepest host node, with that node's last page
+hash), then, each step, ``check_prefetch_progress`` until the prefetch thread has found the pages
+(``batch_exists``), the tree has given it host slots and the I/O thread has read each page into its slot
+(``set_from_flat_data_page``); the pages are then host nodes of the tree, loaded back to the device by
+the prefill adder like any host hit (``hicache.load_back``).
+
+Four threads run this per tree. The adapter keeps them deterministic by settling after every poll:
+:func:`settle` waits until every backup and prefetch handed to them has come back, and drains it, so
+no storage operation is in flight between two steps (the ``wait_complete`` prefetch policy makes a
+prefetch all-or-nothing, as the checks need). :func:`close` detaches the backend (SGLang's own
+``shutdown``: drain, stop the threads, release what is still tracked) and removes the directory; the
+family calls it when its example ends (``SGLangTreeFamily.close``). :class:`StorageReader` reads each
+stored page back for the checks (``harness/storage_audit.py``).
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import shutil
+import sys
+import tempfile
+import time
+import traceback
+from contextlib import contextmanager
+
+from poolfuzz.adapters.sglang.host_tier import zero_copy
+from poolfuzz.adapters.sglang.compat import has_private, private, registered_storage_backends
+from poolfuzz.pools.config import ModelConfig
+
+BACKEND = "file"  # the storage backend SGLang ships that needs no network
+PREFETCH_POLICY = "wait_complete"  # a prefetch completes whole before its request is admitted
+# --hicache-ratio with an L3 tier below the host: the host is a staging tier a little larger than the device
+# (SGLang warns at or below 1), so written-through prefixes leave it, and come back through storage, within
+# the few dozen steps of an example (at SGLang's default 2 they seldom leave it at all)
+HOST_RATIO = 1.25
+SETTLE_SECONDS = 30.0  # a storage operation not back by then is a hang: reported, never waited out
+
+
+class StorageHang(RuntimeError):
+    """A backup or prefetch the storage threads never finished (SGLang's scheduler would wait forever)."""
+
+
+def storage_problem(api, config: ModelConfig) -> str | None:
+    """Why the adapter does not back this config's HiCache tier up into L3 storage, or None."""
+    try:
+        from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory  # noqa: F401 - a probe
+        from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
+    except ImportError:
+        return f"SGLang {api.version} has no HiCache storage backends (mem_cache.storage.backend_factory)"
+    if not all(hasattr(UnifiedRadixCache, m) for m in ("write_backup_storage", "prefetch_from_storage",
+                                                       "check_prefetch_progress", "shutdown")):
+        return f"SGLang {api.version}'s tree has no L3 entry points (write_backup_storage / prefetch_from_storage)"
+    if has_private("storage_registry") and BACKEND not in registered_storage_backends():
+        return f"SGLang {api.version} registers no {BACKEND!r} storage backend"
+    return None
+
+
+def _single_rank() -> None:
+    """The controller reads the tensor- and pipeline-parallel place of its rank to key the files: where
+    no launcher wrote it, state the single rank a CPU run is."""
+    from sglang.srt.runtime_context import get_parallel
+
+    ctx = get_parallel()
+    unset = {}
+    for name, value in (("tp_rank", 0), ("tp_size", 1), ("pp_rank", 0), ("pp_size", 1), ("attn_cp_rank", 0),
+                        ("attn_cp_size", 1), ("attn_tp_rank", 0), ("attn_tp_size", 1), ("attn_dp_rank", 0)):
+        try:
+            getattr(ctx, name)
+        except (RuntimeError, ValueError):
+            unset[name] = value
+        except AttributeError:  # a release whose context has no such width reads none
+            pass
+    if unset:
+        ctx.override_permanently(**unset)
+
+
+def storage_backend(config: ModelConfig, directory: str, layout: str) -> tuple[str, dict]:
+    """``(--hicache-storage-backend, its extra config)``: SGLang's ``file`` backend, whose copying interface
+    reads and writes flat pages (``get_data_page`` / ``set_from_flat_data_page``), or the zero-copy interface
+    that real L3 engines use (``get_page_buffer_meta``; split by heads on a ``page_head`` host), through
+    ``zero_copy``'s stand-in. Each host layout runs both across the configs: a KV-only config takes the
+    zero-copy one when it is paged, and its KV-quantised twin (same host layout) the other way round. A tree
+    whose host group has pools beside the KV (mamba state, MiniMax's index keys) keeps the file backend: those
+    go through the v2 pool interface, which the stand-in does not offer (:func:`_has_side_pools`).
+
+    ==========================  ===============================  ==================================
+    config                       page size 1                      paged
+    ==========================  ===============================  ==================================
+    MHA, MLA                     file                             zero-copy (page_head: head split)
+    MHA with a KV quant method   zero-copy                        file
+    mamba                        file                             (no tree at page size > 1)
+    MiniMax sparse (index keys)  file                             file
+    ==========================  ===============================  ==================================
+
+    (``layout``: the host's ``--hicache-mem-layout``.)
+    """
+    if not _has_side_pools(config) and (config.page_size > 1) != bool(config.kv_quant):
+        return zero_copy.BACKEND, zero_copy.extra_config(layout=layout, head_num=config.head_num)
+    return BACKEND, {"file_storage_path": directory}
+
+
+def _has_side_pools(config: ModelConfig) -> bool:
+    """Whether the host group holds pools beside the KV (mamba state, MiniMax's sparse index keys): SGLang's
+    hybrid controller then stores and queries through the v2 pool interface (``batch_set_v2`` /
+    ``batch_exists_v2``), which the zero-copy stand-in does not offer; SGLang logs the
+    ``NotImplementedError`` and stores nothing, so such a tree takes the file backend."""
+    return config.has_mamba or config.attention == "msa"  # msa_layers needs attention "msa" (config.py)
+
+
+@contextmanager
+def storage_arguments(config: ModelConfig, directory: str, layout: str):
+    """``--hicache-storage-backend file`` with its files in ``directory``, scoped to the tree's build, and
+    the host ratio of :data:`HOST_RATIO`. The prefetch threshold is one page (SGLang's default, 256 tokens,
+    is past every context here)."""
+    from sglang.srt.runtime_context import get_memory
+
+    _single_rank()
+    backend, extra = storage_backend(config, directory, layout)
+    extra = json.dumps(dict(extra, prefetch_threshold=config.page_size))
+    with get_memory().override(hicache_storage_backend=backend, hicache_storage_backend_extra_config=extra,
+                               hicache_storage_prefetch_policy=PREFETCH_POLICY, hicache_ratio=HOST_RATIO):
+        yield
+
+
+def new_directory() -> str:
+    return tempfile.mkdtemp(prefix="poolfuzz-l3-")
+
+
+def enabled(tree) -> bool:
+    return bool(getattr(tree, "enable_storage", False))
+
+
+# =============================================================================================
+# The scheduler's calls, settled
+# =============================================================================================
+def _in_flight(tree) -> bool:
+    """Whether a backup or prefetch is still with the storage threads (or back and not yet drained)."""
+    cc = tree.cache_controller
+    queues = (cc.backup_queue, cc.prefetch_queue, cc.prefetch_buffer, cc.prefetch_sync_queue,
+              cc.prefetch_hit_queue, cc.ack_prefetch_queue, cc.ack_backup_queue)
+    return bool(tree.ongoing_backup or tree.ongoing_prefetch or any(q.qsize() for q in queues))
+
+
+STORAGE_THREADS = ("backup_thread", "prefetch_thread", "prefetch_io_aux_thread", "prefetch_sync_thread")
+
+
+def threads_report(controller) -> str:
+    """Where each of the controller's storage threads is: dead, or the innermost frames it is running, so a
+    hang says whether a thread died, stopped, or is blocked (and on what)."""
+    frames = sys._current_frames()
+    lines = [f"stop event set: {controller.storage_stop_event.is_set()}; "
+             f"backup queue {controller.backup_queue.qsize()}, ack queue {controller.ack_backup_queue.qsize()}"]
+    for name in STORAGE_THREADS:
+        thread = getattr(controller, name, None)
+        if thread is None:
+            lines.append(f"{name}: never started")
+        elif not thread.is_alive():
+            lines.append(f"{name}: not running")
+        else:
+            frame = frames.get(thread.ident)
+            where = traceback.format_stack(frame, limit=4) if frame is not None else ["(no frame)"]
+            lines.append(f"{name}: running at\n" + "".join(where).rstrip())
+    return "\n".join(lines)
+
+
+def settle(tree) -> None:
+    """Poll (``check_hicache_events``) until no storage operation is in flight."""
+    deadline = time.monotonic() + SETTLE_SECONDS
+    tree.check_hicache_events()
+    while enabled(tree) and _in_flight(tree):
+        if time.monotonic() > deadline:
+            raise StorageHang(f"HiCache storage: {len(tree.ongoing_backup)} backup(s) and "
+                              f"{len(tree.ongoing_prefetch)} prefetch(es) still in flight after {SETTLE_SECONDS:.0f} s\n"
+                              + threads_report(tree.cache_controller))
+        time.sleep(0.001)
+        tree.check_hicache_events()
+    faults = getattr(tree.cache_controller.storage_backend, "faults", None) if enabled(tree) else None
+    if faults:  # a zero-copy address outside the host pools (``zero_copy``): the process would be dead
+        raise faults.pop(0)
+
+
+def prefetch(tree, sg, common) -> int:
+    """The scheduler's ``_prefetch_kvcache`` for a request entering the queue, then its admission-time
+    ``check_prefetch_progress`` / ``pop_prefetch_loaded_span``: what storage holds past the host's hit
+    becomes host nodes of the tree. Returns the tokens read from storage."""
+    if not enabled(tree):
+        return 0
+    common.match_kv_cache(sg, tree, cow_mamba=False)  # init_next_round_input(tree, cow_mamba=False)
+    anchor = sg.last_host_node
+    matched = int(sg.prefix_len) + int(sg.host_hit_length)
+    if not (tree.is_backuped(anchor) or tree.is_root(anchor)):
+        return 0  # an anchor not written through: its suffix cannot be in storage
+    ids = sg.full_untruncated_fill_ids
+    end = private("compute_max_prefix_len")(sg, len(ids))  # what Scheduler._prefetch_kvcache asks
+    prefix_keys = tree.get_prefix_hash_values(anchor) if tree.hicache_storage_pass_prefix_keys else None
+    handle = sg.cache_request_handle
+    tree.prefetch_from_storage(handle, anchor, ids[matched:end], tree.get_last_hash_value(anchor), prefix_keys,
+                               matched_prefix_tokens=ids[:matched], extra_key=sg.extra_key, cache_salt=sg.cache_salt)
+    deadline = time.monotonic() + SETTLE_SECONDS
+    while not tree.check_prefetch_progress(handle):
+        if time.monotonic() > deadline:
+            raise StorageHang(f"HiCache storage: the prefetch of req {sg.rid} never completed\n"
+                              + threads_report(tree.cache_controller))
+        time.sleep(0.001)
+        tree.check_hicache_events()
+    loaded, _ = tree.pop_prefetch_loaded_span(handle)
+    settle(tree)
+    return int(loaded)
+
+
+def close(tree, directory: str | None) -> None:
+    """The server's shutdown of a HiCache tree: detach the storage backend (the tree's ``atexit`` hook,
+    ``shutdown``: its threads stop), then, as a scheduler's graceful exit does, release its host pools
+    (``release_host_resources``: each host pool's ``destroy``); and remove the backend's files."""
+    shutdown = getattr(tree, "shutdown", None)
+    if shutdown is not None:
+        shutdown()
+        atexit.unregister(shutdown)  # registered by init_hicache; the tree is done with
+    release = getattr(tree, "release_host_resources", None)
+    if release is not None:
+        release()
+    if directory:
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+# =============================================================================================
+# Reading storage back for the checks
+# =============================================================================================
+def _layer_token_rows(layout: str):
+    """How a host page's structured view (``get_data_page(index, flat=False)``: the flat bytes storage
+    keeps) is read as ``[layer, token, *row]``, per host memory layout; for MHA the K and V halves are
+    split off first (the page's leading axis)."""
+    return {"layer_first": lambda x: x,  # [layers, tokens, ...]
+            "page_first": lambda x: x.transpose(0, 1),  # [tokens, layers, ...]
+            "page_first_direct": lambda x: x[0],  # [1 page, layers, tokens, ...]
+            "page_head": lambda x: x[0].permute(2, 1, 0, 3)}.get(layout)  # [1 page, heads, tokens, layers, dim]
+
+
+class StorageReader:
+    """Reads back, once each, the KV pages the tree's storage backend holds under the keys of the token
+    sequences the adapter made (``tokens``: rid -> its token ids), as SGLang keys them (a chain of page
+    hashes from the root: ``get_storage_hash_str``); ``owner_of(token)`` names the request a token is of.
+    The recurrent-state pages a mamba tree stores beside them are not read (a page keyed by the KV's hash,
+    under its own pool's name)."""
+
+    def __init__(self, *, tree, config: ModelConfig, tokens: dict, owner_of):
+        from sglang.srt.mem_cache.radix_cache import RadixKey
+        from sglang.srt.mem_cache.utils import get_storage_hash_str
+
+        self.tree, self.config, self.tokens, self.owner_of = tree, config, tokens, owner_of
+        self._key, self._hash = RadixKey, get_storage_hash_str
+        self.read: set[str] = set()  # keys already read back (a file is written once; ``set`` skips a stored key)
+        self._chains: dict[tuple, list[str]] = {}
+
+    def _page_hashes(self, toks: list[int]) -> list[str]:
+        ps = self.config.page_size
+        n = len(toks) // ps * ps
+        whole = tuple(toks[:n])
+        got = self._chains.get(whole)
+        if got is None:
+            from array import array
+
+            key = self._key(array("q", whole), is_bigram=bool(getattr(self.tree.tree_core, "is_eagle", False)))
+            got = self._chains[whole] = list(self._hash(key.page_aligned(ps), None, page_size=ps)) if n else []
+        return got
+
+    def take(self) -> list:
+        """The pages stored since the last call."""
+        if not enabled(self.tree):
+            return []
+        backend = self.tree.cache_controller.storage_backend
+        ps = self.config.page_size
+        out = []
+        for toks in list(self.tokens.values()):
+            for page, key in enumerate(self._page_hashes(toks)):
+                if key in self.read or not backend.exists(key):
+                    continue
+                self.read.add(key)
+                out.append(self._page(backend, key, page * ps, toks[page * ps:(page + 1) * ps]))
+        return out
+
+    def _page(self, backend, key: str, first: int, toks: list[int]):
+        from poolfuzz.adapters.sglang.pools.reads import stored_bytes
+        from poolfuzz.pools.components import Component
+        from poolfuzz.pools.storage_tier import StoredPage
+
+        host = self.tree.cache_controller.storage_host_pool
+        shape = host.get_data_page(0, flat=False).shape
+        zero_copied = getattr(backend, "flat_page", None)  # zero_copy's stand-in: it keeps the meta's chunks
+        flat = zero_copied(key, host) if zero_copied else backend.get(key, host.get_dummy_flat_data_page())
+        page = stored_bytes(flat.reshape(shape))
+        rows = _layer_token_rows(host.layout)
+        c = self.config
+        comps = []
+        if c.latent:  # [layers, tokens, 1, latent | rope]
+            grid = rows(page)[:, :, 0]
+            for local, layer in enumerate(c.full_layer_ids):
+                r = c.kv_lora_rank
+                comps.append(Component(name="host.mla.latent", layer=layer, space="l3", tensor=grid[local, :, :r]))
+                comps.append(Component(name="host.mla.rope", layer=layer, space="l3", tensor=grid[local, :, r:]))
+        else:  # [k | v, ...]
+            k, v = rows(page[0]), rows(page[1])
+            for local, layer in enumerate(c.full_layer_ids):
+                comps.append(Component(name="host.full.k", layer=layer, space="l3", tensor=k[local]))
+                comps.append(Component(name="host.full.v", layer=layer, space="l3", tensor=v[local]))
+        return StoredPage(key=key, first_position=first, owners=tuple(self.owner_of(t) for t in toks),
+                          components=tuple(comps))

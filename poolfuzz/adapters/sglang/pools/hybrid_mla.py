@@ -1,0 +1,101 @@
+"""Kimi-Linear's pools: SGLang's ``HybridLinearKVPool`` with an MLA full-attention sub-pool (``use_mla=True``), or a DSA
+one (``use_dsa=True``: the latent rows and the indexer's page-major index cache).
+
+Built as ``kv_cache_configurator._build_hybrid_linear_kv_pool`` builds it for an MLA model with recurrent
+layers: the model's full-attention layer ids, the request pool's MambaPool, ``kv_lora_rank`` and
+``qk_rope_head_dim`` (for DSA also ``index_head_dim`` and ``kv_cache_dim``). The pool routes a model layer id to its MLA sub-pool's layer (``_transfer_id_context``
+for the write door, ``_transfer_full_attention_id`` for the read door), so the components are read through the
+hybrid pool's own door and written through its ``set_kv_buffer`` (DSA's index keys through its
+``get_index_k_with_scale_buffer``, written directly, as for a plain DSA pool); a release whose pool cannot be built with
+``use_mla`` declines the config with the reason.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from poolfuzz.adapters.sglang.api import SGLangAPI, construct
+from poolfuzz.adapters.sglang.pools.reads import read_door
+from poolfuzz.adapters.sglang.pools.storage import single_rank
+from poolfuzz.pools.components import Component
+from poolfuzz.pools.config import ModelConfig
+from poolfuzz.pools.errors import ConfigError
+
+_PROBE: dict[tuple, str | None] = {}
+
+
+def _latent_args(c: ModelConfig) -> dict:
+    """What the configurator passes for the config's latent attention (``_build_hybrid_linear_kv_pool``)."""
+    args = dict(use_mla=True, kv_lora_rank=c.kv_lora_rank, qk_rope_head_dim=c.qk_rope_head_dim)
+    if c.attention == "dsa":
+        args.update(use_dsa=True, index_head_dim=c.index_head_dim, kv_cache_dim=c.kv_lora_rank + c.qk_rope_head_dim)
+    return args
+
+
+def hybrid_mla_problem(api: SGLangAPI, config: ModelConfig) -> str | None:
+    """Why this release cannot build the config's hybrid MLA (or DSA) pool, or None: a one-page pool built without
+    a MambaPool must route the model's full layers to a sub-pool of the config's latent class."""
+    key = (config.attention, config.page_size, config.index_head_dim, config.kv_lora_rank, config.qk_rope_head_dim,
+           config.full_layer_ids)
+    if key not in _PROBE:
+        problem = None
+        want = api.DSATokenToKVPool if config.attention == "dsa" else api.MLATokenToKVPool
+        if want is None:
+            problem = f"this SGLang has no {'DSATokenToKVPool' if config.attention == 'dsa' else 'MLATokenToKVPool'}"
+        else:
+            try:
+                single_rank(api)
+                pool = construct(api.HybridLinearKVPool, size=config.page_size, page_size=config.page_size,
+                                 dtype=torch.bfloat16, head_num=1, head_dim=16,
+                                 full_attention_layer_ids=list(config.full_layer_ids), device="cpu", mamba_pool=None,
+                                 enable_memory_saver=False, enable_kvcache_transpose=False, **_latent_args(config))
+                if not isinstance(pool.full_kv_pool, want) or (config.attention == "mla" and isinstance(
+                        pool.full_kv_pool, api.DSATokenToKVPool or ())):
+                    problem = (f"its HybridLinearKVPool builds a {type(pool.full_kv_pool).__name__} sub-pool for "
+                               f"attention {config.attention!r}")
+            except Exception as exc:  # a constructor without use_mla=, or one that refuses it here
+                first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+                problem = (f"SGLang {api.version} cannot build HybridLinearKVPool with a {config.attention.upper()} "
+                           f"sub-pool of page_size={config.page_size} ({type(exc).__name__}: {first})")
+        _PROBE[key] = problem
+    return _PROBE[key]
+
+
+def build_hybrid_mla_pool(api: SGLangAPI, c: ModelConfig, mamba_pool, common: dict) -> tuple[object, list[Component]]:
+    """The release's ``HybridLinearKVPool(use_mla=True)`` for the config, and its latent (and index) components."""
+    single_rank(api)
+    pool = construct(api.HybridLinearKVPool, size=c.full_tokens, full_attention_layer_ids=list(c.full_layer_ids),
+                     mamba_pool=mamba_pool, **_latent_args(c), **common)
+    r = c.kv_lora_rank
+    out = []
+    for local, layer_id in enumerate(c.full_layer_ids):
+        # What an MLA backend reads from the hybrid pool by model layer id: ``get_kv_buffer``, the whole latent
+        # row as K and its compressed part as V (views of the sub-pool's buffer, checked in place)
+        row = read_door(pool, "get_key_buffer", layer_id, pool.full_kv_pool.kv_buffer[local])
+        key, value = pool.get_kv_buffer(layer_id)
+        if key.data_ptr() != row.data_ptr() or value.data_ptr() != row.data_ptr() or value.shape[-1] != r:
+            raise ConfigError(f"config {c.name!r}: HybridLinearKVPool.get_kv_buffer({layer_id}) does not hand out "
+                              "the MLA sub-pool's latent row (K) and its compressed part (V) in place")
+        out.append(Component(name="mla.latent", layer=layer_id, space="full", tensor=value[:, 0, :]))
+        out.append(Component(name="mla.rope", layer=layer_id, space="full", tensor=key[:, 0, r:]))
+    if c.attention == "dsa":
+        out += _index_components(pool, c)
+    return pool, out
+
+
+def _index_components(pool, c: ModelConfig) -> list[Component]:
+    """DSA's index keys of each layer, page-major, as the indexer gets them from the hybrid pool by model layer
+    (``get_index_k_with_scale_buffer``); the scales are four bytes a token, too few for a tag (as for DSA)."""
+    ps = c.page_size
+    if pool.full_kv_pool.page_size // getattr(pool.full_kv_pool, "index_kpool", 1) != ps:
+        raise ConfigError(f"config {c.name!r}: SGLang's DSA index pages are not {ps}-token pages; poolfuzz reads them "
+                          "by the KV page")
+    out = []
+    for local, layer_id in enumerate(c.full_layer_ids):
+        buf = pool.get_index_k_with_scale_buffer(layer_id)
+        if buf.data_ptr() != pool.full_kv_pool.index_k_with_scale_buffer[local].data_ptr():
+            raise ConfigError(f"config {c.name!r}: HybridLinearKVPool.get_index_k_with_scale_buffer({layer_id}) does "
+                              "not hand out the DSA sub-pool's index cache of that layer in place")
+        keys = buf[:, :ps * c.index_head_dim].view(-1, ps, c.index_head_dim)
+        out.append(Component(name="dsa.index_k", layer=layer_id, space="full", tensor=keys, page_size=ps))
+    return out

@@ -1,0 +1,58 @@
+"""SGLang's request pool for a config: ``HybridReqToTokenPool`` with its MambaPool, in the config's modes."""
+
+from __future__ import annotations
+
+import torch
+
+from poolfuzz.adapters.sglang.api import SGLangAPI, SGLangUnavailable, first_importable, construct
+from poolfuzz.adapters.sglang.lifecycle.tracking import pool_kwargs
+from poolfuzz.pools.config import ModelConfig
+
+_DECODE = "sglang.srt.disaggregation.decode"
+STATE_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def build_request_pool(api: SGLangAPI, c: ModelConfig, sdev: str, *, decode_rows: int | None = None):
+    """SGLang's HybridReqToTokenPool for the config, in its modes (extra buffer, speculative caches); with
+    ``decode_rows``, a PD decode server's ``HybridMambaDecodeReqToTokenPool`` with that many rows more for requests
+    being pre-allocated and transferred (its ``pre_alloc_size``)."""
+    cls, extra = api.HybridReqToTokenPool, {}
+    if decode_rows is not None:
+        cls, extra = first_importable(f"{_DECODE}:HybridMambaDecodeReqToTokenPool"), {"pre_alloc_size": decode_rows}
+    return construct(
+        cls, **extra, size=c.request_rows, mamba_size=c.mamba_slots,
+        mamba_spec_state_size=c.request_rows, max_context_len=c.max_context, device=sdev,
+        enable_memory_saver=False, cache_params=mamba_cache_params(api, c), mamba_layer_ids=list(c.mamba_layer_ids),
+        speculative_num_draft_tokens=c.spec_draft_tokens or None, start_layer=0, **pool_kwargs(c),
+        # EAGLE tree verify (top-k 2) keeps one dense conv window per draft step, which a step's tags
+        # can live in; chain drafts on a GPU share window columns between steps (see speculative.py)
+        speculative_eagle_topk=2 if c.spec_draft_tokens else None)
+
+
+def build_plain_request_pool(api: SGLangAPI, c: ModelConfig, sdev: str, *, decode_rows: int | None = None):
+    """SGLang's ReqToTokenPool for a model without recurrent state; with ``decode_rows``, a PD decode server's
+    ``DecodeReqToTokenPool`` (as ``build_request_pool``)."""
+    if decode_rows is None:
+        return construct(api.ReqToTokenPool, size=c.request_rows, max_context_len=c.max_context, device=sdev,
+                         enable_memory_saver=False)
+    return construct(first_importable(f"{_DECODE}:DecodeReqToTokenPool"), size=c.request_rows,
+                     max_context_len=c.max_context,
+                     device=sdev, enable_memory_saver=False, pre_alloc_size=decode_rows)
+
+
+def mamba_cache_params(api: SGLangAPI, c: ModelConfig):
+    """SGLang's Mamba2 cache params for the config's conv and temporal shapes and dtype."""
+    dtype = STATE_DTYPES[c.state_dtype]
+    conv = [tuple(s) for s in c.conv_shapes]
+    heads, head_dim, state = c.temporal_shape
+    conv_kernel = conv[0][-1] + 1
+    shape = construct(api.Mamba2StateShape, conv=conv, temporal=tuple(c.temporal_shape),
+                      intermediate_size=heads * head_dim, conv_dim=conv[0][0], ssm_state_size=state,
+                      num_heads=heads, head_dim=head_dim, state_size=state, conv_kernel=conv_kernel)
+    kwargs = dict(shape=shape, layers=list(c.mamba_layer_ids))
+    if api.Mamba2StateDType is not None:
+        kwargs["dtype"] = construct(api.Mamba2StateDType, conv=dtype, temporal=dtype)
+    try:
+        return construct(api.Mamba2CacheParams, **kwargs)
+    except TypeError as exc:
+        raise SGLangUnavailable(f"cannot build Mamba2CacheParams on sglang {api.version}: {exc}") from exc

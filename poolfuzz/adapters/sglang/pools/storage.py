@@ -1,0 +1,301 @@
+"""SGLang's KV pools that store KV other than as K and V rows: MLA, DSA, MiniMax sparse and MXFP8 block-scaled.
+
+Each is built from the installed release's own class, with the keywords its constructor names;
+a release without the class, or whose class cannot run here, declines the config with a reason.
+Every buffer the pool's ``get_cpu_copy`` / ``load_cpu_copy`` carries is a component the harness
+checksums, except DSA's index scales: four bytes a token in SGLang's layout, too few to carry a
+tag (the built-in family checks them, with wider scales).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from poolfuzz.adapters.sglang.api import SGLangAPI, first_importable, construct
+from poolfuzz.adapters.sglang.pools.mha_fp4 import build_mha_fp4_pool, mha_fp4_problem
+from poolfuzz.adapters.sglang.pools.minimax import build_msa_pool, msa_problem
+from poolfuzz.adapters.sglang.pools.reads import read_door
+from poolfuzz.pools.components import Component
+from poolfuzz.pools.config import ModelConfig
+from poolfuzz.pools.errors import ConfigError
+
+
+def single_rank(api: SGLangAPI) -> None:
+    """Releases whose pools read the runtime's parallel context (MLA's decode-context-parallel
+    width) need one: with nothing published, state the single rank a CPU run is."""
+    if api.get_parallel is None:
+        return
+    ctx = api.get_parallel()
+    unset = {}
+    # Each width a pool may read, at its single-rank value (0.5.20's MLA retraction reads
+    # dcp_enabled, 0.5.23's attn_dcp_size and attn_dcp_rank).
+    for width, value in (("dcp_enabled", False), ("attn_dcp_size", 1), ("attn_dcp_rank", 0)):
+        try:
+            getattr(ctx, width)
+        except (RuntimeError, ValueError):
+            unset[width] = value
+        except AttributeError:  # a release whose context has no such width reads none
+            pass
+    if unset:
+        ctx.override_permanently(**unset)
+
+
+def storage_problem(api: SGLangAPI, config: ModelConfig, *, scheduled: bool = False) -> str | None:
+    """Why this release cannot build the config's KV storage, or None. ``scheduled``: for the scheduler path, which
+    never backs a slot up to the host (SGLang's ``retract_decode`` frees it and recomputes)."""
+    if config.attention == "msa":
+        return msa_problem(api, config)
+    if config.attention == "mla" and api.MLATokenToKVPool is None:
+        return "this SGLang has no MLATokenToKVPool"
+    if config.attention == "dsa":
+        if api.DSATokenToKVPool is None:
+            return "this SGLang has no DSATokenToKVPool (or NSATokenToKVPool)"
+        return _dsa_problem(api, config)
+    if config.kv_quant == "fp4_mx_block16":
+        return _fp4_problem(api, config) if config.latent else mha_fp4_problem(api, config)
+    if config.kv_quant:
+        return _quant_problem(api, config)
+    if config.kv_scale_block:
+        cls = api.MHATokenToKVPoolMXFP8
+        if cls is None:
+            return "this SGLang has no MHATokenToKVPoolMXFP8 (block-scaled fp8 KV)"
+        block = getattr(cls, "MXFP8_SCALE_BLOCK_SIZE", None)
+        if block != config.kv_scale_block:
+            return f"SGLang's MXFP8 pool scales blocks of {block} values; set kv_scale_block = {block}"
+        return None if scheduled else _mxfp8_problem(api)
+    return None
+
+
+_DSA_PROBE: dict[tuple, str | None] = {}
+
+
+def _dsa_problem(api: SGLangAPI, config: ModelConfig) -> str | None:
+    """Build a one-page DSA pool of the config's page size and index width: the release's indexer
+    asserts the shapes its kernels take (0.5.23: 64-token pages, 128-value index keys)."""
+    key = (config.page_size, config.index_head_dim, config.kv_lora_rank, config.qk_rope_head_dim)
+    if key not in _DSA_PROBE:
+        problem = None
+        try:
+            single_rank(api)
+            construct(api.DSATokenToKVPool, size=config.page_size, page_size=config.page_size,
+                      dtype=torch.bfloat16, kv_lora_rank=config.kv_lora_rank,
+                      qk_rope_head_dim=config.qk_rope_head_dim, layer_num=1, device="cpu",
+                      index_head_dim=config.index_head_dim, enable_memory_saver=False,
+                      kv_cache_dim=config.kv_lora_rank + config.qk_rope_head_dim)
+        except Exception as exc:  # the indexer's own assertions say what it takes
+            problem = (f"SGLang {api.version}'s DSA pool refuses page_size={config.page_size}, "
+                       f"index_head_dim={config.index_head_dim} ({type(exc).__name__}: {what_failed(exc)})")
+        _DSA_PROBE[key] = problem
+    return _DSA_PROBE[key]
+
+
+def what_failed(exc: BaseException) -> str:
+    """An exception's message, or for a bare ``assert`` the source line that failed."""
+    text = str(exc).splitlines()[0] if str(exc) else ""
+    if text:
+        return text
+    import traceback
+
+    frames = traceback.extract_tb(exc.__traceback__)
+    return frames[-1].line if frames and frames[-1].line else "no message"
+
+
+_MXFP8_PROBE: dict[str, str | None] = {}
+
+
+def _mxfp8_problem(api: SGLangAPI) -> str | None:
+    """Back up and restore one slot of a throwaway MXFP8 pool: some torch builds cannot index-put
+    its UE8M0 scale dtype on the CPU."""
+    if "result" in _MXFP8_PROBE:
+        return _MXFP8_PROBE["result"]
+    problem = None
+    try:
+        pool = construct(api.MHATokenToKVPoolMXFP8, size=4, page_size=1, dtype=torch.float8_e4m3fn, head_num=1,
+                         head_dim=32, layer_num=1, device="cpu", enable_memory_saver=False,
+                         enable_kvcache_transpose=False)
+        scales_as_bytes(pool)
+        from poolfuzz.adapters.sglang.shims import cpu_synchronize
+
+        with cpu_synchronize(torch.device("cpu")):
+            pool.load_cpu_copy(pool.get_cpu_copy(torch.tensor([1])), torch.tensor([2]))
+    except Exception as exc:  # what a kernel or dtype the CPU lacks raises varies by release
+        first = str(exc).splitlines()[0] if str(exc) else ""
+        problem = (f"SGLang {api.version}'s MXFP8 pool cannot back up and restore a slot on this device "
+                   f"({type(exc).__name__}: {first})")
+    _MXFP8_PROBE["result"] = problem
+    return problem
+
+
+@functools.cache
+def index_put_lacks_ue8m0(device: torch.device) -> bool:
+    """Whether this torch has no ``index_put`` for UE8M0 (``float8_e8m0fnu``) on ``device``: its CPU
+    build (2.13 among them) has none, while indexing, slicing and ``.to`` work."""
+    ue8m0 = getattr(torch, "float8_e8m0fnu", None)
+    if ue8m0 is None:
+        return False
+    probe = torch.zeros(2, dtype=ue8m0, device=device)
+    try:
+        probe[torch.tensor([0], device=device)] = probe[1:]
+    except (NotImplementedError, RuntimeError):
+        return True
+    return False
+
+
+def scales_as_bytes(pool) -> bool:
+    """A call-time stand-in, as :func:`~poolfuzz.adapters.sglang.shims.cpu_synchronize` is: where torch
+    cannot index-put UE8M0 on the pool's device, hand the MXFP8 pool its scale buffers as their bytes
+    (``view(torch.uint8)``, the same memory). A UE8M0 scale is one byte, and the per-slot layout's paths
+    only move scales (backup, restore, ``move_kv_cache``), so every move copies the same bytes it would
+    have. Returns whether it did; the page-interleaved layout (Triton kernels only) is left alone."""
+    bufs = list(pool.k_scale_buffer) + list(pool.v_scale_buffer)
+    if (not bufs or getattr(pool, "mxfp8_sf_interleaved", False) or bufs[0].dtype == torch.uint8
+            or not index_put_lacks_ue8m0(bufs[0].device)):
+        return False
+    pool.k_scale_buffer = [b.view(torch.uint8) for b in pool.k_scale_buffer]
+    pool.v_scale_buffer = [b.view(torch.uint8) for b in pool.v_scale_buffer]
+    return True
+
+
+def build_storage_pool(api: SGLangAPI, config: ModelConfig, common: dict, *,
+                       scheduled: bool = False) -> tuple[object, list[Component]]:
+    """The release's MLA, DSA, MiniMax sparse or MXFP8 pool for a full-attention-only config, and its components
+    (``scheduled``: for the scheduler path, see ``storage_problem``)."""
+    c = config
+    problem = storage_problem(api, c, scheduled=scheduled)
+    if problem:
+        raise ConfigError(f"config {c.name!r} on sglang {api.version}: {problem}")
+    if c.attention == "msa":
+        return build_msa_pool(api, c, {k: v for k, v in common.items() if k != "enable_kvcache_transpose"})
+    single_rank(api)
+    if c.kv_quant == "fp4_mx_block16" and not c.latent:
+        return build_mha_fp4_pool(api, c, common)
+    if c.latent:
+        args = dict(common, size=c.full_tokens, kv_lora_rank=c.kv_lora_rank, qk_rope_head_dim=c.qk_rope_head_dim, layer_num=c.full_layers)
+        if c.attention == "dsa":
+            pool = construct(api.DSATokenToKVPool, index_head_dim=c.index_head_dim,
+                             kv_cache_dim=c.kv_lora_rank + c.qk_rope_head_dim, **args)
+        elif c.kv_quant:  # SGLang's configurator: MLA with an fp4_e2m1 KV cache dtype (_build_mla_fp4_kv_pool)
+            pool = construct(first_importable(_FP4_POOL), **dict(args, dtype=torch.float4_e2m1fn_x2))
+            return pool, _fp4_components(pool, c)
+        else:
+            pool = construct(api.MLATokenToKVPool, **args)
+        return pool, _latent_components(pool, c)
+    pool = construct(api.MHATokenToKVPoolMXFP8, size=c.full_tokens, layer_num=c.full_layers, **common)
+    scales_as_bytes(pool)
+    return pool, _scaled_components(pool, c)
+
+
+def _latent_components(pool, c: ModelConfig) -> list[Component]:
+    r = c.kv_lora_rank
+    out = []
+    for local, layer_id in enumerate(c.full_layer_ids):
+        # the latent row as the MLA kernels get it (``get_key_buffer``: the compressed part then the rope part)
+        buf = read_door(pool, "get_key_buffer", layer_id, pool.kv_buffer[local])
+        out.append(Component(name="mla.latent", layer=layer_id, space="full", tensor=buf[:, 0, :r]))
+        out.append(Component(name="mla.rope", layer=layer_id, space="full", tensor=buf[:, 0, r:]))
+    if c.attention == "dsa":
+        ps = pool.page_size // getattr(pool, "index_kpool", 1)
+        if ps != c.page_size:
+            raise ConfigError(f"config {c.name!r}: SGLang's DSA index pages hold {ps} tokens, not page_size "
+                              f"{c.page_size}; poolfuzz reads them by the KV page")
+        for local, layer_id in enumerate(c.full_layer_ids):
+            buf = pool.index_k_with_scale_buffer[local]
+            keys = buf[:, :ps * c.index_head_dim].view(-1, ps, c.index_head_dim)
+            out.append(Component(name="dsa.index_k", layer=layer_id, space="full", tensor=keys, page_size=ps))
+    return out
+
+
+def _scaled_components(pool, c: ModelConfig) -> list[Component]:
+    out = []
+    for local, layer_id in enumerate(c.full_layer_ids):
+        # This pool stores K and V as float8_e4m3fn and the scales as UE8M0: the harness writes and
+        # reads their bytes (as SGLang's other fp8 pools store them: uint8)
+        out.append(Component(name="full.k", layer=layer_id, space="full", tensor=pool.k_buffer[local].view(torch.uint8)))
+        out.append(Component(name="full.v", layer=layer_id, space="full", tensor=pool.v_buffer[local].view(torch.uint8)))
+        for name, buf in (("full.k_scale", pool.k_scale_buffer[local]), ("full.v_scale", pool.v_scale_buffer[local])):
+            if buf.dim() != 3:
+                raise ConfigError(f"config {c.name!r}: SGLang's MXFP8 scales are interleaved by page here "
+                                  f"(shape {tuple(buf.shape)}); poolfuzz reads per-slot scales only")
+            out.append(Component(name=name, layer=layer_id, space="full", tensor=buf.view(torch.uint8)))
+    return out
+
+
+_QUANT_GETTER = "sglang.srt.layers.quantization.fp4_kv_cache_quant_method:get_kv_cache_quant_method"
+_QUANT_PROBE: dict[str, str | None] = {}
+
+
+def quant_method_kwargs(api: SGLangAPI, config: ModelConfig) -> dict:
+    """``quant_method=`` as SGLang's configurator passes it to an MHA pool (``_build_mha_quant_method``:
+    ``get_kv_cache_quant_method("cpu_fp8_e4m3")`` for fp8_e4m3 KV on its CPU engine); {} for none."""
+    if not config.kv_quant:
+        return {}
+    problem = _quant_problem(api, config)
+    if problem:
+        raise ConfigError(f"config {config.name!r} on sglang {api.version}: {problem}")
+    return {"quant_method": first_importable(_QUANT_GETTER)(config.kv_quant)}
+
+
+def _quant_problem(api: SGLangAPI, config: ModelConfig) -> str | None:
+    """Build a one-slot pool with the method: a release without KV quant methods (or without this one)
+    declines the config. Nothing is written here: what the door stores is the checksums' to judge (a door
+    that stores wrongly is a defect to report, not a reason to decline)."""
+    if config.kv_quant not in _QUANT_PROBE:
+        problem = None
+        getter = first_importable(_QUANT_GETTER, required=False)
+        if getter is None:
+            problem = "this SGLang has no KV cache quant methods (get_kv_cache_quant_method)"
+        else:
+            try:
+                construct(api.MHATokenToKVPool, size=2, page_size=1, dtype=torch.float8_e4m3fn, head_num=1,
+                          head_dim=16, layer_num=1, device="cpu", enable_memory_saver=False,
+                          quant_method=getter(config.kv_quant))
+            except Exception as exc:  # an unknown method name, a constructor without quant_method=, ...
+                problem = (f"SGLang {api.version} cannot build an MHA pool with KV quant method {config.kv_quant!r} "
+                           f"({type(exc).__name__}: {what_failed(exc)})")
+        _QUANT_PROBE[config.kv_quant] = problem
+    return _QUANT_PROBE[config.kv_quant]
+
+
+_FP4_POOL = "sglang.srt.mem_cache.memory_pool:MLATokenToKVPoolFP4"
+_FP4_PROBE: dict[tuple, str | None] = {}
+
+
+def _fp4_problem(api: SGLangAPI, config: ModelConfig) -> str | None:
+    """Build a one-page FP4 MLA pool of the config's row: the release must have the class, and store a row
+    as packed bytes beside a scale byte per 16 values, as poolfuzz reads it."""
+    key = (config.kv_lora_rank, config.qk_rope_head_dim)
+    if key not in _FP4_PROBE:
+        problem = None
+        cls = first_importable(_FP4_POOL, required=False)
+        if cls is None or not hasattr(torch, "float4_e2m1fn_x2"):
+            problem = "this SGLang (or torch) has no FP4 MLA KV pool (MLATokenToKVPoolFP4, float4_e2m1fn_x2)"
+        else:
+            try:
+                single_rank(api)
+                width = config.kv_lora_rank + config.qk_rope_head_dim
+                pool = construct(cls, size=1, page_size=1, dtype=torch.float4_e2m1fn_x2,
+                                 kv_lora_rank=config.kv_lora_rank, qk_rope_head_dim=config.qk_rope_head_dim,
+                                 layer_num=1, device="cpu", enable_memory_saver=False)
+                shapes = (tuple(pool.kv_buffer[0].shape[1:]), tuple(pool.kv_scale_buffer[0].shape[1:]))
+                if shapes != ((1, width // 2), (width // 16,)):
+                    problem = f"its FP4 MLA rows are laid out as {shapes}, not packed bytes and 16-value scales"
+            except Exception as exc:  # what the release's constructor refuses varies
+                problem = (f"SGLang {api.version} cannot build an FP4 MLA pool here "
+                           f"({type(exc).__name__}: {what_failed(exc)})")
+        _FP4_PROBE[key] = problem
+    return _FP4_PROBE[key]
+
+
+def _fp4_components(pool, c: ModelConfig) -> list[Component]:
+    """The packed latent row's two parts (the compressed part's bytes, then the rope part's) and its scale row.
+    Read from the buffers: the pool's ``get_key_buffer`` hands the kernels a dequantised copy."""
+    half = c.kv_lora_rank // 2
+    out = []
+    for local, layer_id in enumerate(c.full_layer_ids):
+        buf = pool.kv_buffer[local]
+        out.append(Component(name="mla.latent", layer=layer_id, space="full", tensor=buf[:, 0, :half]))
+        out.append(Component(name="mla.rope", layer=layer_id, space="full", tensor=buf[:, 0, half:]))
+        out.append(Component(name="mla.scale", layer=layer_id, space="full", tensor=pool.kv_scale_buffer[local]))
+    return out

@@ -1,0 +1,100 @@
+"""SGLang's own Scheduler with a host tier (``--family sglang:hicache``): a server started with
+``--enable-hierarchical-cache``, its radix tree backed by host pools, driven by SGLang's event loop.
+
+What runs besides the scheduler path's (``scheduling.py``): the tree the registry builds with HiCache
+(``UnifiedRadixCache.init_hicache``: the host pool group SGLang's assembler picks for each device pool and a
+``HybridCacheController``), written through to the host as nodes are inserted (``--hicache-write-policy
+write_through``, the default); eviction under pressure demotes backed-up nodes to the host and frees their device
+slots; a later prefix that ends on the host is loaded back by ``PrefillAdder`` itself (``init_load_back``, with its
+load-back budget), ``get_new_batch_prefill`` starts the load (``ready_to_load_host_cache``), and
+``get_next_batch_to_run`` polls the transfers once a step (``check_hicache_events``). The model-runner stand-in checks
+before every forward that each request attends to its own K and V, so a load-back that lands the wrong rows, or a
+device slot freed while a load still points at it, is named as on every other path.
+
+Stood in for, besides the scheduler path's stand-ins: the host memory layout and I/O backend are
+``hicache.host_tier``'s (one pair per config shape, each with a CPU copy: ``host.py``, ``kernel_io.py``), published as
+the server's ``--hicache-mem-layout`` / ``--hicache-io-backend``; the TP worker's load-back layer counter is not
+waited on layer by layer (``hicache.worker_standin``): on the CPU the copies are done when ``start_loading`` returns,
+before the forward reads them.
+"""
+
+from __future__ import annotations
+
+from poolfuzz.adapters.sglang.scheduler.scheduling import SglangSchedulerDriver, server_arguments
+from poolfuzz.adapters.sglang.shims import one_rank_group
+from poolfuzz.pools.config import ModelConfig
+from poolfuzz.pools.errors import ConfigError
+
+
+def hicache_server_problem(config: ModelConfig) -> str | None:
+    """Why the HiCache server does not drive ``config`` with the installed SGLang, or None (the adapter's host-tier
+    stand-ins, ``hicache.host_tier_problem``; what SGLang itself refuses shows when the tree is built)."""
+    from poolfuzz.adapters.sglang import compat
+    from poolfuzz.adapters.sglang.host_tier import hicache
+    from poolfuzz.adapters.sglang.api import load
+
+    api = load()  # the CPU shims go in before any sglang import
+    if not compat.publishes_runtime_context():
+        return (f"SGLang {api.version} keeps one global ServerArgs: the HiCache server is driven on releases with a "
+                "runtime context")
+    return hicache.host_tier_problem(api, config)
+
+
+class SglangHiCacheDriver(SglangSchedulerDriver):
+    """One example's server started with ``--enable-hierarchical-cache``: the scheduler path over a tree with a host
+    tier."""
+
+    label = "the sglang HiCache server"
+    hierarchical = True
+
+    def __init__(self, config: ModelConfig, *, backup_mode: str | None = None):
+        reason = hicache_server_problem(config)
+        if reason:
+            raise ConfigError(f"the sglang HiCache server cannot build {config.name!r}: {reason}")
+        super().__init__(config, backup_mode=backup_mode)
+        if self.tree.__class__.check_hicache_events is _base_check_hicache_events():
+            # the Scheduler polls check_hicache_events every step; this tree's is the base class's, which raises
+            raise ConfigError(f"the sglang HiCache server cannot build {config.name!r}: SGLang's registry builds a "
+                              f"{type(self.tree).__name__} for this model, which has no host tier: its "
+                              "check_hicache_events raises NotImplementedError on the server's first step")
+
+    def pools_built(self):
+        """The process group a one-rank server runs in: the host tier all-reduces its sizes over the default group
+        (0.5.18). No TP worker stand-in of its own (the tree's build uses ``hicache.worker_standin``)."""
+        one_rank_group()
+        return None
+
+    def server_flags(self, config: ModelConfig, *, max_running_requests: int) -> dict:
+        """The scheduler path's flags, ``--enable-hierarchical-cache`` and the host tier's layout and I/O backend."""
+        from poolfuzz.adapters.sglang.host_tier import hicache
+
+        (layout, io_backend), _ = hicache.resolved_tier(config)
+        return server_arguments(config, max_running_requests=max_running_requests) | {
+            "enable_hierarchical_cache": True, "hicache_mem_layout": layout, "hicache_io_backend": io_backend}
+
+    @property
+    def host_tokens(self) -> int:
+        """Token slots the tree's host tier holds now (written through, or demoted by eviction)."""
+        from poolfuzz.adapters.sglang import compat
+
+        return sum(pool.size - pool.available_size() for pool in compat.host_pools(self.tree))
+
+
+def _base_check_hicache_events():
+    from sglang.srt.mem_cache.base_prefix_cache import BasePrefixCache
+
+    return BasePrefixCache.check_hicache_events
+
+
+def unsupported_reason(config: ModelConfig) -> str | None:
+    """Why the HiCache server does not drive ``config``, or None."""
+    from poolfuzz.adapters.sglang.scheduler.servers import unsupported_reason as scheduler_reason
+
+    return hicache_server_problem(config) or scheduler_reason(config, SglangHiCacheDriver)
+
+
+def build_hicache_driver(config: ModelConfig, *, device="cpu", faults=(), backup_mode=None) -> SglangHiCacheDriver:
+    """The ``sglang:hicache`` factory's driver (``servers.build_driver``'s checks of the run's options)."""
+    from poolfuzz.adapters.sglang.scheduler.servers import build_driver
+
+    return build_driver(config, device=device, faults=faults, backup_mode=backup_mode, driver_cls=SglangHiCacheDriver)

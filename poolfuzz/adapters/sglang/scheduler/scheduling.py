@@ -1,0 +1,576 @@
+"""SGLang's own batch scheduling on the CPU, over the family's pools and radix tree, fed by a model-runner stand-in.
+
+What runs is SGLang's as shipped (issue 31): ``Scheduler.get_next_batch_to_run`` (the chunked request stashed into
+the tree, the last prefill batch filtered and merged into the running batch), ``get_new_batch_prefill``
+(``SchedulePolicy.calc_priority``, the tree match of ``Req.init_next_round_input``, ``PrefillAdder``'s token and
+memory budgets and its chunking, ``ScheduleBatch.init_new`` and ``prepare_for_extend``), ``update_running_batch``
+(``check_decode_mem``, ``retract_decode`` under memory pressure and the retracted requests re-queued,
+``prepare_for_decode``), ``abort_request``, and ``SchedulerBatchResultProcessor`` (outputs appended, finish checks,
+``release_kv_cache`` / ``checkpoint_kv_cache`` into the tree). Nothing here decides what the scheduler decides:
+which requests are batched, how far a chunk goes, which slots they get and who is retracted come from SGLang.
+
+What is stood in for, and why:
+
+* ``Scheduler.__init__``: it builds a TpModelWorker, which loads a model on a GPU. The server is a ``Scheduler``
+  made without it (``object.__new__``) and given the state its ``__init__`` leaves on a server with default flags
+  and a radix cache (``compat.scheduler_state``); its own methods then run unchanged. Its sizes are the
+  TpModelWorker's (``get_worker_info``): ``max_req_input_len`` is ``min(context, pool) - 1 - 5``.
+* ``Scheduler.run_batch``: its model forward is :class:`~poolfuzz.adapters.sglang.scheduler.runner.ModelRunner`; its
+  counters (``forward_ct``, ``processed_tokens_counter``) are kept as it keeps them.
+* ``Scheduler.handle_generate_request`` (it takes a tokenized request off a ZMQ socket): its admission of a
+  request, ``init_req_max_new_tokens`` (max_new_tokens clipped to what the server holds) and
+  ``validate_input_length`` (a refused prompt is queued finished with an abort), then ``_add_request_to_queue``.
+
+Checked: before every forward, the runner's contents and token checks (``runner.py``); after every rule, SGLang's
+own ``SchedulerInvariantChecker`` as a server run with its strict memory checks runs it after a batch (exact slot
+conservation, no page owned and free, none free twice), and at the end, idle, ``on_idle``'s leak checks and the
+tree's ``sanity_check`` (``compat.engine_invariant_problem``).
+
+The server's arguments are published as a launcher publishes them (``tree_build.publish_server_args``:
+``ServerArgs`` of the flags of :func:`server_arguments`, with what SGLang derives from them), so the Scheduler, the
+tree and ``ScheduleBatch`` read one server's configuration. A model with recurrent state runs the mamba radix cache
+with the strategy its pools were built for (``no_buffer``, or ``extra_buffer`` with its track slots), a model
+``mamba_chunk_size`` of 4 and ``--mamba-track-interval 8``, so short prompts cross the boundaries where states are
+checkpointed; its mamba slots are sized by SGLang's configurator (``mamba_sized``). A combination the server refuses
+(SGLang's tree asserts it at construction) is declined with SGLang's message.
+
+The loop is ``event_loop_normal``, the one a CPU server runs, i.e. a server with ``--disable-overlap-schedule``; a
+GPU server runs ``event_loop_overlap`` by default (results a step late, a ping-pong pair of track slots), not driven
+here. Driven: every KV layout the family builds (MHA K and V, MLA's latent and rope parts, FP8 and FP4 bytes with
+their scale rows, MiniMax's and DSA's index caches) in models of full-attention, sliding-window and mamba layers, on
+one-token and paged pools (the Scheduler's ``sliding_window_size`` and per-side token counts are the pools'); not
+speculative decoding (``scheduler_problem``); on releases whose Scheduler and result processor this module builds
+(``release_problem``).
+"""
+
+from __future__ import annotations
+
+import logging
+from functools import lru_cache
+
+import torch
+
+from poolfuzz.adapters.sglang import compat
+from poolfuzz.adapters.sglang.shims import cpu_pin_memory
+from poolfuzz.adapters.sglang.scheduler.runner import ModelRunner, deferred_cow_and_clear
+from poolfuzz.adapters.sglang.scheduler.sessions import SessionClients
+from poolfuzz.pools.config import ModelConfig
+from poolfuzz.pools.errors import ConfigError, ServerStuck
+from poolfuzz.pools.token_chain import Tokens
+
+VOCAB = 1 << 15  # sampled tokens are below it; prompt tokens above it, so prompts share only the prefixes drawn
+DRAIN_STEPS = 400
+STALLED_STEPS = 3  # idle steps with requests waiting after which a session's client gives up its turn
+MAX_RUNNING = 4  # --max-running-requests
+# The server's flags, the rest at their defaults (fcfs policy, --max-prefill-tokens 16384, ...):
+# --chunked-prefill-size small, so prompts are chunked; --schedule-conservativeness below the default 1.0, so the
+# server admits on a smaller estimate of the tokens running requests will still take, and under load decode runs
+# out of slots and retract_decode takes requests back.
+SERVER_FLAGS = {"chunked_prefill_size": 16, "schedule_conservativeness": 0.1}
+# A model with recurrent state: its HF config's mamba_chunk_size (the kernels' chunk; the checkpoint grid is this or
+# the page size, the larger), and --mamba-track-interval a multiple of it, so that prompts of a few dozen tokens
+# cross track boundaries where the extra buffer snapshots a state for the radix tree (the defaults, 64 and 256, need
+# thousands).
+MAMBA_CHUNK = 4
+MAMBA_TRACK_INTERVAL = 8
+
+
+@lru_cache(maxsize=1)
+def scheduler_modules():
+    """SGLang's scheduler and what it hands its methods, imported once (after the pools' import shims)."""
+    import importlib
+    import types
+    import warnings
+
+    from poolfuzz.adapters.sglang.api import first_importable, load
+
+    from poolfuzz.adapters.sglang.shims import install_on_demand
+
+    load()  # the CPU shims go in before any sglang import
+    # ERROR too: a refused prompt is logged as an error by the server (Req.set_finish_with_abort), and is traffic
+    logging.getLogger("sglang").setLevel(logging.CRITICAL)
+    with warnings.catch_warnings():  # its import chain warns that Triton falls back to the CPU: not ours to fail on
+        warnings.simplefilter("ignore")
+        while True:  # 0.5.12's chain reaches sgl_kernel (the host pools): its stand-in goes in on demand
+            try:
+                module = importlib.import_module(compat.SCHEDULER_MODULE)
+                break
+            except ModuleNotFoundError as exc:
+                if not install_on_demand(exc.name):
+                    raise
+    from sglang.srt.disaggregation.utils import DisaggregationMode
+    from sglang.srt.managers.io_struct import AbortReq
+    from sglang.srt.managers.schedule_batch import Req
+    from sglang.srt.managers.schedule_policy import SchedulePolicy
+    from sglang.srt.managers.utils import GenerationBatchResult, validate_input_length
+    from sglang.srt.sampling.sampling_params import SamplingParams
+    from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+
+    return types.SimpleNamespace(Scheduler=module.Scheduler, Req=Req, SchedulePolicy=SchedulePolicy,
+                                 SamplingParams=SamplingParams, GenerationBatchResult=GenerationBatchResult,
+                                 AbortReq=AbortReq, validate_input_length=validate_input_length,
+                                 DisaggregationMode=DisaggregationMode, SpeculativeAlgorithm=SpeculativeAlgorithm,
+                                 ResultProcessor=first_importable(compat.RESULT_PROCESSOR, required=False),
+                                 TokenRatio=first_importable(compat.TOKEN_RATIO, required=False))
+
+
+def release_problem() -> str | None:
+    """Why this release's Scheduler cannot be driven here, or None."""
+    from poolfuzz.adapters.sglang.api import first_importable, load
+
+    api = load()
+    try:
+        m = scheduler_modules()
+    except ImportError as exc:
+        return f"SGLang's scheduler cannot be imported here ({exc}); ci/sglang-install.sh installs what it needs"
+    if compat.publishes_runtime_context():
+        missing = [t for t in (compat.RESULT_PROCESSOR, compat.TOKEN_RATIO)
+                   if first_importable(t, required=False) is None]
+        if missing:
+            return (f"SGLang {api.version} has no {' or '.join(missing)}: the scheduler path drives the event loop "
+                    "of releases whose Scheduler hands results to those components (0.5.23)")
+        methods = compat.SCHEDULER_METHODS
+    else:
+        methods = compat.GLOBAL_SCHEDULER_METHODS + (() if compat.has_tree_registry()
+                                                     else ("init_cache_with_memory_pool",))
+    lacking = [name for name in methods if not callable(getattr(m.Scheduler, name, None))]
+    if lacking:
+        return f"SGLang {api.version}'s Scheduler has no {', '.join(lacking)}: the scheduler path calls them"
+    return _server_arguments_problem(api.version) if compat.publishes_runtime_context() else None
+
+
+@lru_cache(maxsize=1)
+def _server_arguments_problem(version: str) -> str | None:
+    """Whether this release publishes a server's default arguments without a model (its radix tree reads them)."""
+    import os
+
+    from poolfuzz.adapters.sglang.tree.tree_build import publish_defaults
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # a release that wants a model's config fails at once, offline
+    try:
+        publish_defaults()
+    except (OSError, ImportError) as exc:
+        return (f"SGLang {version}'s server arguments cannot be published without a model "
+                f"({str(exc).splitlines()[0][:80]}); the scheduler path drives releases that publish them so")
+    except AttributeError as exc:  # 0.5.15: an early runtime context, without config namespaces
+        return (f"SGLang {version}'s runtime context cannot publish a server's arguments ({exc}); the scheduler path "
+                "drives releases whose runtime context has config namespaces (0.5.18 on) or that keep one global "
+                "ServerArgs (0.5.12, 0.5.13)")
+    return None
+
+
+def scheduler_problem(config: ModelConfig) -> str | None:
+    """Why the scheduler path does not drive ``config`` (yet), or None."""
+    if config.spec_draft_tokens:
+        return "speculative decoding is not driven through SGLang's scheduler"
+    return None
+
+
+class SglangSchedulerDriver:
+    """One example's server: SGLang's Scheduler methods and result processor, and the model-runner stand-in."""
+
+    def __init__(self, config: ModelConfig, *, backup_mode: str | None = None):
+        from poolfuzz.adapters.sglang.api import load
+
+        self.named_backup = backup_mode  # the run's --backup-mode: None, or one of backup_modes
+        reason = scheduler_problem(config) or release_problem()
+        if reason:
+            raise ConfigError(f"the scheduler-driven sglang family cannot build {config.name!r}: {reason}")
+        m = scheduler_modules()
+        self.m = m
+        config = served(config)
+        max_running = min(MAX_RUNNING, config.request_rows)
+        self.server_args = self.server_flags(config, max_running_requests=max_running)
+        self.aborted: set[str] = set()  # requests the server answered with an abort (no longer its to run)
+        # streaming sessions: driven where the server is built with --enable-streaming-session (0.5.12, 0.5.13)
+        self.streaming_sessions = False
+        self.session_clients = SessionClients(self)
+        self.outcome: dict[str, str] = {}  # request id -> "finished" / "aborted", once the server is done with it
+        if compat.publishes_runtime_context():
+            self._build_context_server(config, max_running)
+        else:
+            self._build_global_server(config, max_running)
+        config = self.config
+        # a server without a radix cache (a PD decode server's) makes no prefix hits: its cache needs no state
+        if config.has_mamba and not self.tree.supports_mamba() and not self.server_args.get("disable_radix_cache"):
+            raise ConfigError(f"the scheduler-driven sglang family cannot build {config.name!r}: the prefix tree "
+                              f"SGLang {load().version}'s Scheduler builds for this model ({type(self.tree).__name__}) "
+                              "keeps no recurrent state: a prefix hit would give a request no state to resume, so this "
+                              "release's radix cache is not one for models with both sliding-window and mamba layers")
+        req_pool = self.family.sg_req_pool
+        cow_and_clear, aligned_lens = deferred_cow_and_clear(req_pool), compat.mamba_track_aligned_lens(MAMBA_CHUNK)
+        lacking = [name for name, missing in (
+            ("a deferred mamba copy-on-write (ModelRunner._maybe_execute_deferred_mamba_cow_and_clear)",
+             cow_and_clear is None and compat.batches_defer_mamba_cow(_schedule_batch_class())),
+            ("ForwardBatch.mamba_track_aligned_lens or MambaAttnBackendBase._init_track_ssm_indices",
+             aligned_lens is None)) if missing]
+        if config.has_mamba and lacking:
+            raise ConfigError(f"the scheduler-driven sglang family cannot build {config.name!r}: SGLang "
+                              f"{load().version} has no {' or '.join(lacking)}, which the model-runner stand-in "
+                              "calls for a model with recurrent state")
+        self.runner = ModelRunner(family=self.family, vocab=VOCAB, cow_and_clear=cow_and_clear,
+                                  aligned_lens=aligned_lens)
+        self.requests: dict[str, object] = {}  # rid -> SGLang's Req, until it finishes
+        self.next_rid = 1
+        self.fresh = VOCAB
+        self.retracted = 0  # requests retract_decode took back (each is recomputed and checked again)
+        self.first_prefix: dict[str, int] = {}  # rid -> the prefix the tree matched for its first batch
+        self.chunked = 0  # prefill forwards of a chunk that was not a prompt's last
+        self.refused = 0
+
+    # The server's role: NULL, a server that prefills and decodes (decode_server.py's is a PD decode server).
+    role = "NULL"
+    label = "the sglang scheduler path"  # what the family's messages call it
+    retraction = "recomputes retracted requests"  # what it does with one (the backup modes it drives: cpu_tensor)
+    backup_modes: tuple[str, ...] = ("cpu_tensor",)  # the --backup-mode values it takes
+    backup_mode = "cpu_tensor"  # the retraction path an artifact records (this server recomputes, on tensors)
+    resolves_on_pools = False  # whether it resolves server flags on its built pools (pools_built)
+    hierarchical = False  # whether it is started with --enable-hierarchical-cache (hicache_server.py)
+
+    def server_flags(self, config: ModelConfig, *, max_running_requests: int) -> dict:
+        return server_arguments(config, max_running_requests=max_running_requests)
+
+    def family_options(self, max_running: int) -> dict:
+        return {}
+
+    def pools_built(self):
+        """What a server resolves once its pools exist and before its tree is built; the TP worker stand-in the tree
+        is built with, or None (this server's tree needs none)."""
+        return None
+
+    def _build_context_server(self, config: ModelConfig, max_running: int) -> None:
+        """0.5.23's server: its arguments in the runtime context, the tree its registry picks, its components."""
+        from poolfuzz.adapters.sglang.lifecycle.family import build_sglang_family
+        from poolfuzz.adapters.sglang.tree.tree_build import build_tree, mamba_sized, publish_server_args
+
+        m = self.m
+        # before the configurator's sizing reads them; afresh, where this server resolves flags on its own pools
+        publish_server_args(fresh=self.resolves_on_pools, **self.server_args)
+        config = mamba_sized(config)
+        self.config = config
+        self.family = build_sglang_family(config, scheduled=True, **self.family_options(max_running))
+        worker = self.pools_built()
+        try:
+            self.tree = build_tree(self.family, hierarchical=self.hierarchical, server=self.server_args,
+                                   worker=worker)
+        except (AssertionError, ValueError, NotImplementedError) as exc:  # the tree's build refuses the server's flags
+            raise ConfigError(f"the scheduler-driven sglang family cannot build {config.name!r}: SGLang's radix "
+                              f"cache refuses a server with {self.server_args} ({exc})") from None
+        req_pool, allocator = self.family.sg_req_pool, self.family.sg_allocator
+        self.total = allocator.available_size()
+        model = _model_config(config)
+        pd = getattr(m.DisaggregationMode, self.role)
+        processor = compat.result_processor(m.ResultProcessor, tree=self.tree, req_to_token_pool=req_pool,
+                                            allocator=allocator, model_config=model, disaggregation_mode=pd)
+        flags = compat.publish_scheduler_context(max_running_requests=max_running)
+        longest = max_req_len(config, self.total)
+        self.server = object.__new__(m.Scheduler)
+        self.server.__dict__.update(compat.scheduler_state(
+            tree=self.tree, req_to_token_pool=req_pool, allocator=allocator, model_config=model,
+            spec_algorithm=m.SpeculativeAlgorithm.NONE, disaggregation_mode=pd, flags=flags,
+            page_size=config.page_size, is_hybrid_ssm=config.has_mamba,
+            sliding_window_size=config.sliding_window if config.has_swa else None,
+            swa_tokens=(config.full_tokens, config.swa_tokens) if config.has_swa else None,  # the worker's sizes
+            max_running_requests=max_running, max_total_num_tokens=self.total,
+            max_req_len=longest, max_req_input_len=longest - 5,
+            policy=m.SchedulePolicy(flags["schedule_policy"], self.tree, False, False, False),
+            token_ratio=m.TokenRatio.from_config(),
+            processor=processor, enable_hierarchical_cache=self.hierarchical))
+        self.server.running_batch = _empty_batch()
+        self.server.init_pool_stats_observer()  # the Scheduler's own, for SGLang's invariant checker below
+        self.server.init_invariant_checker()
+        # what the tokenizer manager would be told (0.5.23: send_abort_output; 0.5.18: its IPC channel)
+        self.server.send_abort_output = self._abort_sent
+        self.server.ipc_channels.send_to_tokenizer.send_output = self._sent
+        self.loop = ContextLoop(self.server, processor)
+
+    def _build_global_server(self, config: ModelConfig, max_running: int) -> None:
+        """A 0.5.12 / 0.5.13 server (``scheduling_global``): one global ServerArgs, the tree its Scheduler builds."""
+        from poolfuzz.adapters.sglang.scheduler import scheduling_global as legacy
+        from poolfuzz.adapters.sglang.lifecycle.family import build_sglang_family
+
+        m = self.m
+        self.server_args = dict(self.server_args, enable_streaming_session=True)
+        self.streaming_sessions = True
+        try:
+            server_args = legacy.publish(self.server_args, max_running_requests=max_running)
+        except (AssertionError, ValueError) as exc:  # ServerArgs' own validation: no server starts with these
+            raise ConfigError(f"the scheduler-driven sglang family cannot build {config.name!r}: SGLang refuses a "
+                              f"server with {self.server_args} ({exc})") from None
+        config = legacy.mamba_sized(config, server_args)
+        self.config = config
+        self.family = build_sglang_family(config, scheduled=True)
+        self.total = self.family.sg_allocator.available_size()
+        self.server = object.__new__(m.Scheduler)
+        self.server.__dict__.update(legacy.server_state(
+            server_args=server_args, model_config=_model_config(config), spec_algorithm=m.SpeculativeAlgorithm.NONE,
+            disaggregation_mode=m.DisaggregationMode.NULL, config=config, total=self.total, max_running=max_running,
+            max_req_len=max_req_len(config, self.total), sent=self._sent))
+        try:
+            self.tree = legacy.build_tree(self.server, self.family, server_args)
+        except AssertionError as exc:
+            raise ConfigError(f"the scheduler-driven sglang family cannot build {config.name!r}: SGLang's radix "
+                              f"cache refuses a server with {self.server_args} ({exc})") from None
+        self.server.__dict__.update(tree_cache=self.tree, req_to_token_pool=self.family.sg_req_pool,
+                                    token_to_kv_pool_allocator=self.family.sg_allocator, is_hybrid_swa=config.has_swa,
+                                    is_hybrid_ssm=config.has_mamba,
+                                    sliding_window_size=config.sliding_window if config.has_swa else None,
+                                    full_tokens_per_layer=config.full_tokens if config.has_swa else None,
+                                    swa_tokens_per_layer=config.swa_tokens if config.has_swa else None,
+                                    disable_radix_cache=False, running_batch=_empty_batch())
+        legacy.finish_building(self.server)
+        self.loop = legacy.GlobalLoop(self.server)
+
+    def _sent(self, output, req=None) -> None:
+        """What the server sends the tokenizer manager: an abort answers a request (it is no longer the server's)."""
+        for rid in getattr(output, "rids", None) or [getattr(output, "rid", None)]:
+            if rid is not None and type(output).__name__.startswith("Abort"):
+                self.aborted.add(rid)
+
+    @property
+    def hits(self) -> int:
+        """Requests that joined their first batch with a prefix matched in the tree."""
+        return sum(1 for prefix in self.first_prefix.values() if prefix)
+
+    # --- traffic ---------------------------------------------------------------------------------
+    def live(self) -> list[str]:
+        return sorted((rid for rid, req in self.requests.items() if not req.finished()), key=int)
+
+    def add_request(self, *, length: int, share: int, max_tokens: int, priority: int = 0) -> str:
+        """A request of ``length`` new tokens after, where ``share`` > 0, up to ``share`` * 4 tokens (pages, where a page
+        is longer) of an earlier request's (its prompt and outputs); ``priority`` is ignored (the server schedules
+        without priorities)."""
+        ids: list[int] = []
+        known = sorted(self.runner.tokens, key=int)
+        if share and known:
+            src = self.runner.tokens[known[share % len(known)]].ids
+            ids = list(src[:min(len(src), share * max(4, self.config.page_size))])
+        ids += list(range(self.fresh, self.fresh + length))
+        self.fresh += length
+        rid = f"{self.next_rid:06d}"  # SGLang aborts every request whose id starts with the one named
+        params = self.m.SamplingParams(max_new_tokens=max_tokens)
+        params.normalize(None)
+        req = compat.new_request(self.m.Req, rid=rid, ids=ids, sampling_params=params, vocab_size=VOCAB)
+        self.next_rid += 1
+        self.runner.tokens[rid] = Tokens(ids=list(ids))
+        self.requests[rid] = req
+        # handle_generate_request's admission: max_new_tokens clipped to what the server holds (a release whose
+        # allocator answers that the prompt cannot fit at all aborts it there), the prompt checked against
+        # max_req_input_len (a refused request is queued finished with an abort, as the server queues it)
+        self.server.init_req_max_new_tokens(req)
+        refusal = self.m.validate_input_length(req, self.server.max_req_input_len, False)
+        if refusal:
+            req.set_finish_with_abort(refusal)
+        if req.to_finish is not None:  # refused by either: its prompt becomes one token, prefilled once to
+            self.refused += 1  # answer the abort
+            self.runner.tokens[rid] = Tokens(ids=list(req.origin_input_ids))
+        self._queue(req)
+        return rid
+
+    def _queue(self, req) -> None:
+        compat.queue_request(self.server, req)
+
+    def session_turn(self, *, session: int, length: int, max_tokens: int) -> str | None:
+        """The next turn of streaming session ``session`` (``sessions.SessionClients.turn``)."""
+        return self.session_clients.turn(f"session-{session}", length=length, max_tokens=max_tokens)
+
+    def close_session(self, session: int) -> None:
+        """The client closes streaming session ``session``, where it is open and its last turn answered."""
+        self.session_clients.close(f"session-{session}", give_up=False)
+
+    def propose_drafts(self, tokens: int) -> None:
+        """No speculative decoding on this server."""
+
+    @property
+    def speculative(self) -> bool:
+        return False
+
+    def step(self) -> None:
+        """One iteration of ``Scheduler.event_loop_normal``: the next batch, its forward, its result."""
+        with cpu_pin_memory():
+            self._step()
+
+    def _step(self) -> None:
+        s = self.server
+        batch = self.loop.next_batch()
+        self.retracted += self.loop.retractions()
+        if batch is None:
+            try:
+                self.loop.idle()
+            except ValueError as exc:  # on_idle's strict leak check: the server stops here
+                raise AssertionError(str(exc).strip() + self.session_clients.told()) from None
+            self._forget_done()  # a chunked request's deferred abort is answered at the top of a step
+            return
+        s.forward_ct += 1  # run_batch's counter
+        batch.forward_iter = s.forward_ct
+        extend = batch.forward_mode.is_extend()
+        if extend:
+            for r, p in zip(batch.reqs, batch.prefix_lens):
+                self.first_prefix.setdefault(r.rid, p)  # its first batch: what the tree matched
+            self.chunked += sum(1 for r in batch.reqs if r is s.chunked_req)
+        tokens = self.runner.forward(batch)
+        self.loop.finish(batch, self.m.GenerationBatchResult(next_token_ids=torch.tensor(tokens, dtype=torch.int64)))
+        self._forget_done()
+
+    def abort(self, rid: str) -> None:
+        with cpu_pin_memory():
+            self.server.abort_request(self.m.AbortReq(rid=rid))
+        self._forget_done()
+
+    def _abort_sent(self, output, req) -> None:
+        self.aborted.add(req.rid)
+
+    def _forget_done(self) -> None:
+        for rid in [rid for rid, req in self.requests.items() if req.finished() or rid in self.aborted]:
+            self.outcome[rid] = "aborted" if rid in self.aborted or _aborted(self.requests[rid]) else "finished"
+            del self.requests[rid]
+
+    # --- checks --------------------------------------------------------------------------------
+    def state_problem(self) -> str | None:
+        """After every rule, SGLang's own invariant checker as a strict server runs it after a batch
+        (``compat.engine_invariant_problem``); where it finds a page both owned and free, which request holds it at
+        which position."""
+        problem = compat.engine_invariant_problem(self.server, idle=False)
+        if problem is None:
+            return None
+        return problem + "".join(f"; {detail}" for detail in self._held_free()[:1])
+
+    def _held_free(self) -> list[str]:
+        """Each slot a request in flight holds that the allocator also lists free, named."""
+        full = self.family.free_lists().get("full")
+        req_to_token = self.family.sg_req_pool.req_to_token
+        out = []
+        for req in compat.requests_owning_rows(self.server):
+            kv = req.kv
+            if full is None:
+                continue
+            for position, slot in enumerate(req_to_token[compat.request_row(req), :kv.kv_allocated_len].tolist()):
+                if full.is_free_page(slot):
+                    out.append(f"req {req.rid} holds slot {slot} at position {position}, which the allocator lists free")
+        return out
+
+    def drain(self) -> str | None:
+        """Run the idle server until every request finished, closing each open streaming session once its last turn
+        is answered (a client that is done closes them); what is wrong then (leaked: with the sessions and their
+        turns, where any). Requests it never finishes raise ServerStuck."""
+        idle = 0  # drain steps in a row that ran no batch
+        for _ in range(DRAIN_STEPS):
+            # an open session holds its row and KV: its client closes it once its last turn is answered, or gives up
+            # on the turn and closes it where the server has run nothing for a few steps while the turn waits (a pool
+            # too small for a turn beside what the sessions hold)
+            self.session_clients.close_all(give_up=idle >= STALLED_STEPS)
+            if not self.requests and self.server.last_batch is None:
+                break
+            self.step()
+            idle = idle + 1 if self.server.last_batch is None else 0
+        if self.requests:
+            stuck = ", ".join(f"req {rid} {self._where(r)} with {len(r.output_ids)} of {r.sampling_params.max_new_tokens} "
+                              "tokens out" for rid, r in list(self.requests.items())[:4])
+            raise ServerStuck(f"{len(self.requests)} request(s) still unfinished after {DRAIN_STEPS} idle steps "
+                              f"({stuck})")
+        if not self.server.is_fully_idle():
+            return "every request finished, but the server is not idle"
+        problem = compat.engine_invariant_problem(self.server, idle=True)  # on_idle's leak checks, strict
+        return problem and problem + self.session_clients.told()
+
+    def _where(self, req) -> str:
+        s = self.server
+        if req in s.waiting_queue:
+            if s.running_batch.is_empty() and s.running_batch.batch_is_full:
+                # nothing is left to leave the batch, and only a leaving request clears the flag
+                return "waiting (the running batch is empty but marked full, so the scheduler admits nothing)"
+            return "waiting"
+        if req is s.chunked_req:
+            return "mid-prefill (chunked)"
+        return "running" if req in s.running_batch.reqs else "in no queue"
+
+
+class ContextLoop:
+    """One step of 0.5.23's ``event_loop_normal``: the batch plan, the result processor, ``on_idle``'s ratio reset."""
+
+    def __init__(self, server, processor):
+        self.server, self.processor = server, processor
+
+    def next_batch(self):
+        s = self.server
+        s.metrics_reporter.num_retracted_reqs = 0  # update_running_batch sets it to the step's retractions
+        plan = s.get_next_batch_to_run(s.running_batch, s.last_batch)
+        s.running_batch = plan.running_batch
+        return plan.batch_to_run
+
+    def retractions(self) -> int:
+        return self.server.metrics_reporter.num_retracted_reqs
+
+    def finish(self, batch, result) -> None:
+        s = self.server
+        if batch.extend_num_tokens:  # run_batch's counter
+            s.processed_tokens_counter += batch.extend_num_tokens
+        if batch.forward_mode.is_extend():
+            self.processor.process_batch_result_prefill(batch, result)
+        else:
+            self.processor.process_batch_result_decode(batch, result)
+        compat.flush_pending_backups(s.tree_cache)  # as process_batch_result ends
+        s.last_batch = batch
+
+    def idle(self) -> None:
+        s = self.server
+        s.last_batch = None
+        if s.is_fully_idle():  # on_idle: a fully idle server resets the new-token ratio
+            s.new_token_ratio_tracker.reset()
+
+
+def served(config: ModelConfig) -> ModelConfig:
+    """The config as the server this path runs builds it: ``event_loop_normal`` is a server without the overlap
+    schedule (``--disable-overlap-schedule``), whose extra buffer gives a request one track slot, not a ping-pong
+    pair (SGLang's ``get_mamba_tracking_slots``)."""
+    if config.mamba_track_slots > 1:
+        return config.replace(mamba_track_slots=1)
+    return config
+
+
+def server_arguments(config: ModelConfig, *, max_running_requests: int) -> dict:
+    """The flags of the server this path runs (``ServerArgs`` fields; the rest at their defaults): the scheduling
+    flags above, and for a model with recurrent state the mamba radix cache's strategy its pools were built for
+    (``extra_buffer``: a track slot pair per request; ``no_buffer``: none)."""
+    flags = dict(SERVER_FLAGS, max_running_requests=max_running_requests, page_size=config.page_size,
+                 disable_overlap_schedule=True)
+    # a server refuses a chunked prefill size that is not a whole number of pages (its validation hook asserts it)
+    chunk = flags["chunked_prefill_size"]
+    flags["chunked_prefill_size"] = -(-chunk // config.page_size) * config.page_size
+    if config.has_mamba:
+        flags.update(mamba_radix_cache_strategy="extra_buffer" if config.mamba_track_slots else "no_buffer",
+                     mamba_track_interval=MAMBA_TRACK_INTERVAL, mamba_chunk_size=MAMBA_CHUNK)
+    return flags
+
+
+def max_req_len(config: ModelConfig, pool_tokens: int) -> int:
+    """The TpModelWorker's ``max_req_len``: ``min(context length, KV pool) - 1`` (its ``max_req_input_len`` is 5
+    less)."""
+    return min(config.max_context, pool_tokens) - 1
+
+
+def _model_config(config: ModelConfig):
+    """The model config fields the scheduling methods read (the real one is built from a model's HF config)."""
+    from types import SimpleNamespace
+
+    # hf_text_config: the model's HF config, as far as the scheduler reads it
+    return SimpleNamespace(vocab_size=VOCAB, is_encoder_decoder=False, context_len=config.max_context,
+                           self_opened_think_start_ids=None, think_end_ids=None, think_end_id=None,
+                           is_multimodal=False, hf_eos_token_id=set(), is_hybrid_swa=config.has_swa,
+                           is_matryoshka=False, is_generation=True, use_ngram_embedding=False,
+                           hf_text_config=SimpleNamespace(mamba_chunk_size=MAMBA_CHUNK))
+
+
+def _aborted(req) -> bool:
+    """Whether the server finished ``req`` with an abort (``FINISH_ABORT``), not a stop or length."""
+    return type(req.finished_reason).__name__ == "FINISH_ABORT"
+
+
+def _schedule_batch_class():
+    from sglang.srt.managers.schedule_batch import ScheduleBatch
+
+    return ScheduleBatch
+
+
+def _empty_batch():
+    return _schedule_batch_class()(reqs=[], batch_is_full=False)

@@ -1,0 +1,191 @@
+"""SGLang's Scheduler on releases whose server arguments are one process global (0.5.12, 0.5.13): built and stepped.
+
+``scheduling.py`` drives the Scheduler the same way on every release; what differs before 0.5.23's runtime context
+is here (every engine-private name it reads is in ``compat``):
+
+* The server's arguments: ``ServerArgs`` of the path's flags, published with ``set_global_server_args_for_scheduler``
+  as ``Scheduler.__init__`` publishes them, with the micro-batch size ``init_model_worker`` derives. The model path
+  is ``dummy``, SGLang's own name for a server without weights (its model-dependent validation is skipped).
+* The prefix tree: the release's own choice, made by the code the Scheduler runs (0.5.13: its registry's
+  ``create_tree_cache``, which wraps the cache in a ``StreamingSession`` where ``--enable-streaming-session`` asks;
+  0.5.12: ``Scheduler.init_cache_with_memory_pool`` itself, run on the server with a ``TpModelWorker`` stand-in
+  that hands it the family's pools and says what kind of model it serves).
+* The event loop: ``get_next_batch_to_run()`` on the Scheduler's own state, ``process_batch_result`` (0.5.13 hands
+  it to its ``SchedulerBatchResultProcessor``, built by the Scheduler's ``init_batch_result_processor``; 0.5.12
+  runs its output-processor mixin), and an idle step's ``on_idle`` (a strict server's pool and request-row leak
+  checks, the tree's sanity check, the new-token ratio reset), as ``event_loop_normal`` runs them; after each
+  step the strict busy check (``self_check_during_busy``; 0.5.12's is a mixin method, 0.5.13's a component's).
+* ``run_batch``: the model-runner stand-in forwards; the sampled ids become ``batch.output_ids`` as ``run_batch``
+  sets them (0.5.12's ``prepare_for_decode`` feeds them to the next decode).
+
+Stood in for, as on 0.5.23: the TpModelWorker (its sizes are the family's pools), the tokenizer's and detokenizer's
+sockets (what the server sends them is recorded), metrics and their timers (no-ops).
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace as NS
+
+from poolfuzz.adapters.sglang import compat
+from poolfuzz.adapters.sglang.tree.tree_build import NO_MODEL
+
+
+
+def publish(flags: dict, *, max_running_requests: int):
+    """The server's ``ServerArgs`` with ``flags`` (the rest at their defaults), published as the Scheduler's global,
+    with the micro-batch size ``Scheduler.init_model_worker`` derives and the model's ``mamba_chunk_size`` (in
+    ``flags``, where the model has one) pre-seeded where the release reads it from a model config (0.5.13; 0.5.12's
+    grid is FLA's chunk or the page, whatever is given)."""
+    from sglang.srt.server_args import ServerArgs, set_global_server_args_for_scheduler
+
+    flags = dict(flags)
+    mamba_chunk_size = flags.pop("mamba_chunk_size", 64)
+    server_args = ServerArgs(model_path=NO_MODEL, device="cpu", **compat.server_flags(ServerArgs, flags))
+    server_args.pp_max_micro_batch_size = max(max_running_requests // server_args.pp_size, 1)
+    compat.seed_mamba_chunk_size(server_args, max(mamba_chunk_size, flags.get("page_size", 1)))
+    set_global_server_args_for_scheduler(server_args)
+    compat.single_tensor_parallel_rank()
+    return server_args
+
+
+def mamba_sized(config, server_args):
+    """Mamba slots as the release's model runner sizes them for the server (``_calculate_mamba_ratio``, run on a
+    runner stand-in holding the server's arguments: a state, a checkpoint and a copy-on-write a request, plus the
+    extra buffer's track slots) times the request rows, where the config has fewer."""
+    if not config.has_mamba or not compat.has_private("runner_mamba_ratio"):
+        return config
+    ratio = compat.private("runner_mamba_ratio")(NS(server_args=server_args))
+    return config.replace(mamba_slots=max(config.mamba_slots, ratio * config.request_rows))
+
+
+def build_tree(server, family, server_args):
+    """The prefix tree the release's Scheduler builds over the family's pools (see the module)."""
+    c = family.config
+    if compat.has_tree_registry():
+        from sglang.srt.mem_cache import registry
+        from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+
+        params = CacheInitParams(disable=False, req_to_token_pool=family.sg_req_pool,
+                                 token_to_kv_pool_allocator=family.sg_allocator, page_size=c.page_size,
+                                 enable_mamba_extra_buffer=server_args.enable_mamba_extra_buffer(),
+                                 chunked_prefill_size=server_args.chunked_prefill_size,
+                                 sliding_window_size=c.sliding_window if c.has_swa else None)
+        return registry.create_tree_cache(registry.TreeCacheBuildContext(
+            server_args=server_args, params=params, is_hybrid_swa=c.has_swa, is_hybrid_ssm=c.has_mamba,
+            enable_hierarchical_cache=False, disable_radix_cache=False,
+            effective_chunked_prefill_size=server_args.chunked_prefill_size, tp_worker=None, model_config=None,
+            tp_size=1, tp_rank=0, tp_group=None))
+    # 0.5.12: the Scheduler's own init_cache_with_memory_pool, over a worker that serves this model's pools; the
+    # model is one of SGLang's own implementations (not the Transformers backend, which changes the tree)
+    from sglang.srt.configs.model_config import ModelImpl
+
+    server.model_config._resolved_model_impl = ModelImpl.SGLANG
+    server.__dict__.update(tp_worker=_worker(family), server_args=server_args)
+    server.init_cache_with_memory_pool()
+    return server.tree_cache
+
+
+def _worker(family):
+    """What ``init_cache_with_memory_pool`` asks the TpModelWorker: the model's kind and its pools."""
+    c = family.config
+    runner = NS(linear_attn_model_spec=None, hybrid_gdn_config=NS() if c.has_mamba else None, mamba2_config=None)
+    return NS(is_hybrid_swa=c.has_swa, model_runner=runner, sliding_window_size=c.sliding_window,
+              get_tokens_per_layer_info=lambda: (c.full_tokens, c.swa_tokens),
+              get_memory_pool=lambda: (family.sg_req_pool, family.sg_allocator))
+
+
+def server_state(*, server_args, model_config, spec_algorithm, disaggregation_mode, config, total: int,
+                 max_running: int, max_req_len: int, sent) -> dict:
+    """What ``Scheduler.__init__`` leaves on a server with ``server_args`` and no model, for the event-loop methods
+    (the pools and tree are set by :func:`build_tree`); ``sent(output, req)``: what the tokenizer is sent."""
+    noop = lambda *args, **kwargs: None  # noqa: E731
+    same = lambda batch, **kwargs: batch  # noqa: E731
+    ranks = dict(tp_rank=0, pp_rank=0, dp_rank=None, tp_size=1, pp_size=1, dp_size=1, attn_tp_rank=0, attn_tp_size=1,
+                 attn_dp_rank=0, attn_cp_size=1, attn_cp_rank=0, moe_ep_rank=0, moe_dp_rank=0)
+    tokenizer = NS(send_output=sent)
+    state = dict(
+        ranks, server_args=server_args, schedule_policy=server_args.schedule_policy,
+        enable_priority_scheduling=False, abort_on_priority_when_disabled=False,
+        schedule_low_priority_values_first=False,
+        priority_scheduling_preemption_threshold=server_args.priority_scheduling_preemption_threshold,
+        enable_lora=False, enable_lora_overlap_loading=False, enable_overlap=False, enable_overlap_mlx=False,
+        enable_pdmux=False, skip_tokenizer_init=True, tokenizer=None, stream_interval=1,
+        spec_algorithm=spec_algorithm, page_size=config.page_size, enable_hierarchical_cache=False,
+        enable_hicache_storage=False, enable_hisparse=False, hisparse_coordinator=None, model_config=model_config,
+        is_generation=True, attn_tp_cpu_group=None, tp_cpu_group=None, attn_cp_cpu_group=None, tp_group=None,
+        enable_metrics=False, enable_kv_cache_events=False, current_scheduler_metrics_enabled=False,
+        # init_model_worker: the TpModelWorker's sizes
+        max_total_num_tokens=total, max_prefill_tokens=server_args.max_prefill_tokens,
+        max_running_requests=max_running, max_queued_requests=None, max_req_len=max_req_len,
+        max_req_input_len=max_req_len - 5, device="cpu",
+        # init_running_status, init_chunked_prefill, init_schedule_policy, init_disaggregation
+        waiting_queue=[], cur_batch=None, last_batch=None, forward_ct=0, return_health_check_ipcs=[],
+        _pending_flush=None, num_retracted_reqs=0, num_paused_reqs=0, forward_sleep_time=None, _engine_paused=False,
+        chunked_prefill_size=server_args.chunked_prefill_size, chunked_req=None,
+        _chunked_req_scheduled_last_iter=False, is_mixed_chunk=False, enable_dynamic_chunking=False,
+        prefill_delayer=None, max_prefill_bs=0, enable_priority_preemption=False,
+        disaggregation_mode=disaggregation_mode, decode_offload_manager=None, dllm_config=None, enable_fpm=False,
+        require_mlp_sync=False, truncation_align_size=None, use_ngram_embedding=False, num_generated_tokens=0,
+        forward_ct_decode=0, metrics_collector=None, draft_worker=None, model_worker=NS(),
+        # collaborators the event-loop methods only notify
+        send_to_tokenizer=tokenizer, ipc_channels=NS(send_to_tokenizer=tokenizer),
+        grammar_manager=NS(has_waiting_grammars=lambda: False, abort_requests=noop, grammar_queue=[],
+                           get_ready_grammar_requests=lambda: [], process_req_with_grammar=lambda req: False,
+                           __len__=lambda: 0),
+        dllm_manager=NS(any_staging_reqs=lambda: False),
+        metrics_reporter=NS(enable_metrics=False, num_retracted_reqs=0, report_prefill_stats=noop,
+                            report_decode_stats=noop, num_generated_tokens=0, forward_ct_decode=0,
+                            log_batch_result_stats=noop, update_device_timer=noop, _maybe_log_idle_metrics=noop,
+                            reset_device_timer_window=noop, increment_retracted_reqs=noop, stats=NS()),
+        kv_events_publisher=NS(publish_kv_events=noop), publish_load_snapshot=noop,
+        output_streamer=NS(stream_output=noop), dp_attn_adapter=NS(maybe_prepare_mlp_sync_batch=same),
+        load_inquirer=NS(_get_num_pending_tokens=lambda **kwargs: 0),
+        ps=NS(**ranks),
+    )
+    # the Scheduler's own mixin methods that only report: metrics, health checks, sleeping (0.5.12)
+    for name in compat.SCHEDULER_REPORTERS:
+        state[name] = noop
+    state["_get_num_pending_tokens"] = lambda **kwargs: 0
+    return state
+
+
+def finish_building(server) -> None:
+    """The Scheduler's own ``init_*`` methods that build what its event loop reads over the tree, where the release
+    has them (``compat.SCHEDULER_INITS``: the policy and new-token ratio, the pool stats observer, the invariant
+    checker, the batch result processor), and ``init_running_status``'s session controller."""
+    from sglang.srt.session.session_controller import SessionController
+
+    server.session_controller = SessionController(server.tree_cache)
+    for init in compat.scheduler_inits(type(server)):
+        getattr(server, init)()
+
+
+class GlobalLoop:
+    """One step of 0.5.12's / 0.5.13's ``event_loop_normal`` over a built server (see the module)."""
+
+    def __init__(self, server):
+        self.server = server
+
+    def next_batch(self):
+        s = self.server
+        s.num_retracted_reqs = 0
+        compat.retractions_reset(s)
+        batch = s.get_next_batch_to_run()
+        s.cur_batch = batch
+        return batch
+
+    def retractions(self) -> int:
+        return compat.retractions_counted(self.server)
+
+    def finish(self, batch, result) -> None:
+        batch.output_ids = result.next_token_ids  # run_batch's relay of the sampled ids to the next decode
+        self.server.process_batch_result(batch, result)
+        self.server.last_batch = batch
+
+    def idle(self) -> None:
+        from sglang.srt.environ import envs
+
+        s = self.server
+        with envs.SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE.override(True):
+            s.on_idle()
+        s.last_batch = None

@@ -1,0 +1,1 @@
+"""SGLang's unified memory pool (``--enable-unified-memory``, ``--family sglang:unified``)."""

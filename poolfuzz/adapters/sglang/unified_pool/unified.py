@@ -1,0 +1,236 @@
+"""``poolfuzz run --family sglang:unified``: SGLang's unified memory pool (``--enable-unified-memory``).
+
+SGLang's KV cache configurator builds, for a hybrid model with the flag, one byte buffer shared by its
+sub-pools, each with a ``MultiEndedAllocator`` over virtual ids: for a hybrid Mamba model the full-attention
+KV (growing down) and the per-request Mamba state (growing up), bound in ``UnifiedMambaTokenToKVPoolAllocator``
+and ``UnifiedHybridReqToTokenPool`` (``init_unified_mamba_pools``, built here); for a hybrid SWA model the
+full and sliding-window KV, and with Mamba layers too the tri-pool (``unified_swa.py``). This module builds
+the stack on the CPU with the configurator's arguments for the config, and wraps it in the same family the
+``sglang`` option drives, so every operation and check runs unchanged. What differs is said by the family's
+capabilities:
+  * the harness's components are virtual-id mirrors of SGLang's physical views (``unified_mirror``);
+  * the free lists are the sub-allocators' virtual ids; whether an allocation fits is the engine's own
+    answer (``unified_reference``);
+  * after every operation the scheduler's sync-boundary ``flush_opportunistic`` runs (lazy compaction,
+    SGLang's default), so rows move between physical pages as they do when serving.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from poolfuzz.adapters.sglang.lifecycle.admission import SchedulerAdmission
+from poolfuzz.adapters.sglang.pools.calls import paged_alloc_extend
+from poolfuzz.adapters.sglang.api import SGLangAPI, first_importable, call_with, load
+from poolfuzz.adapters.sglang.lifecycle.family import KV_DTYPES
+from poolfuzz.adapters.sglang.pools.request_pool import mamba_cache_params
+from poolfuzz.adapters.sglang.lifecycle.standin import standin_class
+from poolfuzz.adapters.sglang.pools.storage import what_failed, single_rank
+from poolfuzz.adapters.sglang.lifecycle.tracking import check_built, pool_kwargs
+from poolfuzz.adapters.sglang.unified_pool.unified_family import (
+    UnifiedFamily, UnifiedProtocol, kv_pool_view, mirrored_kv, mirrored_state, prewarm_compaction,
+)
+from poolfuzz.adapters.sglang.unified_pool.unified_mirror import held_slots
+from poolfuzz.adapters.sglang.unified_pool.unified_swa import build_swa, swa_factory, tri_factory
+from poolfuzz.adapters.sglang.pools.views import AllocatorView, FreeListView, ReqPoolView, as_ints
+from poolfuzz.adapters.sglang.pools.writes import as_pool_dtype, RadixAttentionFields, latent_row
+from poolfuzz.pools.config import ModelConfig, uses_ssm_state
+from poolfuzz.pools.errors import ConfigError
+from poolfuzz.pools.family import resolve_device
+
+
+def unified_problem(api: SGLangAPI, config: ModelConfig) -> str | None:
+    """Why the unified pool of this SGLang is not driven for ``config`` here, or None."""
+    if unified_mamba_factory() is None:
+        return (f"SGLang {api.version} has no unified memory pool (--enable-unified-memory arrived in "
+                "0.5.23's mem_cache/unified_memory_pool.py); use --family sglang")
+    sub_pool = first_importable("sglang.srt.mem_cache.allocator.unified_sub_pool:MultiEndedAllocator", required=False)
+    if sub_pool is None:
+        return (f"SGLang {api.version}'s unified memory pool predates the layout poolfuzz drives (0.5.23's "
+                "MultiEndedAllocator in mem_cache/allocator/unified_sub_pool.py); use --family sglang")
+    if not hasattr(sub_pool, "translate_write_loc"):
+        # the write door hands the pool ``KVWriteLoc(translate_write_loc(loc), physical=True)``, as the
+        # attention backends of 0.5.22 on do; an earlier unified pool is written another way, not modelled
+        return (f"SGLang {api.version}'s unified allocator has no translate_write_loc (the physical write "
+                "location a forward hands the pool from 0.5.22 on), which poolfuzz's write door uses; use "
+                "--family sglang")
+    if config.has_swa and (tri_factory() if config.has_mamba else swa_factory()) is None:
+        return f"SGLang {api.version} has no unified pool factory for this model's layers; use --family sglang"
+    if not config.has_mamba and not config.has_swa:
+        return ("SGLang builds the unified memory pool only for hybrid Mamba and hybrid SWA models "
+                "(kv_cache_configurator: '--enable-unified-memory only supports hybrid Mamba and hybrid "
+                "sliding-window-attention models'); use --family sglang for this config")
+    if config.spec_draft_tokens:
+        return ("speculative decoding's per-draft mamba caches on the unified pool are not driven by "
+                "poolfuzz yet; use hybrid-linear, hybrid-extra-buffer, swa or swa-ssm")
+    if config.attention == "dsa":
+        # the configurator would pass use_mla_backend=True and nothing of the indexer: the pool it builds
+        # has no index-key buffer for poolfuzz to check, so this model's unified pool is not driven
+        return (f"SGLang {api.version}'s unified Mamba factory (init_unified_mamba_pools) builds an MLA "
+                "sub-pool without DSA's index-key cache (it takes no index_head_dim); use --family sglang")
+    if config.page_size > 1:
+        return _paged_problem(api, config)
+    return _factory_problem(api, config)
+
+
+_FACTORY_PROBE: dict[ModelConfig, str | None] = {}
+
+
+def _factory_problem(api: SGLangAPI, config: ModelConfig) -> str | None:
+    """Build the config's unified stack once: a factory that refuses the model's layers declines the config
+    here, with its reason, instead of at every example of a run that counted it in (the SWA factory of
+    0.5.22 and 0.5.23 asserts that an SWA hybrid without full-attention layers, swa-only, is degenerate)."""
+    if config not in _FACTORY_PROBE:
+        problem = None
+        try:
+            _build(api, config.replace(name="probe"), resolve_device("cpu"), "cpu", need_sort=False)
+        except (AssertionError, ValueError, RuntimeError) as exc:
+            problem = (f"SGLang {api.version}'s unified pool factory refuses this model's layers "
+                       f"({type(exc).__name__}: {what_failed(exc)}); use --family sglang")
+        _FACTORY_PROBE[config] = problem
+    return _FACTORY_PROBE[config]
+
+
+_PAGED_PROBE: dict[int, str | None] = {}
+
+
+def _paged_problem(api: SGLangAPI, config: ModelConfig) -> str | None:
+    """Try one paged allocation on a throwaway unified stack: the unified sub-pool allocator launches
+    SGLang's Triton ``alloc_extend_kernel`` for every paged allocation (it has no CPU path, unlike
+    ``PagedTokenToKVPoolAllocator``), which needs Triton (compiled on a GPU, or interpreted)."""
+    if config.page_size not in _PAGED_PROBE:
+        problem = None
+        try:
+            family = _build(api, config.replace(name="probe"), resolve_device("cpu"), "cpu", need_sort=False)
+            out = paged_alloc_extend(family.sg_allocator, prefix_len=0, seq_len=3, last_loc=-1)
+            if out is None or out.numel() != 3:
+                problem = f"the unified pool's paged alloc_extend gave {out!r} on an empty pool"
+        except Exception as exc:  # a kernel launch without Triton raises one of many types
+            problem = (f"SGLang {api.version}'s unified sub-pool allocator launches the Triton alloc_extend "
+                       f"kernel for every paged allocation, and it cannot run here ({type(exc).__name__}: "
+                       f"{str(exc).splitlines()[0] if str(exc) else ''}); use a page-size-1 config, or "
+                       "install Triton (ci/sglang-install.sh VENV VERSION --triton)")
+        _PAGED_PROBE[config.page_size] = problem
+    return _PAGED_PROBE[config.page_size]
+
+
+def unified_mamba_factory():
+    """SGLang's ``init_unified_mamba_pools``, or None where the release has no unified pool."""
+    return first_importable("sglang.srt.mem_cache.unified_memory_pool:init_unified_mamba_pools", required=False)
+
+
+def build_unified(config: ModelConfig, *, device="cpu", faults=(), backup_mode=None, node=None) -> UnifiedFamily:
+    """The family factory registered as ``sglang:unified``."""
+    if tuple(faults):
+        raise ConfigError(f"the sglang:unified family runs SGLang's own code; catalogue faults {list(faults)} "
+                          "only apply to the builtin family (drop --faults, or use --family builtin)")
+    if backup_mode not in (None, "cpu_tensor"):
+        raise ConfigError(f"the sglang:unified family retracts through the KV pool's CPU copy; backup mode "
+                          f"{backup_mode!r} is not driven on the unified pool (use cpu_tensor, or leave it unset)")
+    api = load()
+    problem = unified_problem(api, config)
+    if problem:
+        raise ConfigError(f"config {config.name!r} on sglang {api.version}: {problem}")
+    dev = resolve_device(device)
+    sdev = str(dev) if dev.type == "cpu" else f"cuda:{dev.index or 0}"
+    try:
+        return _build(api, config, dev, sdev, need_sort=node == "decode")
+    except (AssertionError, ValueError, RuntimeError) as exc:
+        first = str(exc).splitlines()[0] if str(exc) else ""
+        raise ConfigError(f"config {config.name!r} on sglang {api.version}: SGLang's unified pool factory "
+                          f"refuses it ({type(exc).__name__}: {first})") from None
+
+
+def _build(api: SGLangAPI, c: ModelConfig, dev, sdev: str, *, need_sort: bool) -> UnifiedFamily:
+    """The configurator's unified factory for the model: the SWA pair, or the Mamba pair."""
+    single_rank(api)
+    if c.has_swa:
+        return build_swa(api, c, dev, sdev, need_sort=need_sort)
+    return _build_mamba(api, c, dev, sdev, need_sort=need_sort)
+
+
+def _attention_args(c: ModelConfig) -> dict:
+    """The configurator's attention arguments: an MLA model's (``use_mla_backend``, its latent widths)
+    build the MLA sub-pool (``UnifiedMLATokenToKVPool``), any other model's the MHA one."""
+    if c.latent:
+        return dict(use_mla_backend=True, kv_lora_rank=c.kv_lora_rank, qk_rope_head_dim=c.qk_rope_head_dim)
+    return dict(use_mla_backend=False)
+
+
+def _build_mamba(api: SGLangAPI, c: ModelConfig, dev, sdev: str, *, need_sort: bool) -> UnifiedFamily:
+    kv_dtype = KV_DTYPES[c.kv_dtype]
+    modes = pool_kwargs(c)
+    # ``_init_unified_mamba_pools``' arguments, for a config's model on one rank with the overlap
+    # schedule off (lazy compaction on: SGLang's default, ``_should_enable_lazy_compaction``)
+    args = dict(
+        device=sdev, kv_cache_dtype=kv_dtype, head_num=c.head_num, head_dim=c.head_dim, v_head_dim=c.head_dim,
+        page_size=c.page_size, start_layer=0, end_layer=c.num_layers, is_draft_worker=False,
+        **_attention_args(c), mamba_layer_ids=list(c.mamba_layer_ids),
+        full_attention_layer_ids=list(c.full_layer_ids), mamba2_cache_params=mamba_cache_params(api, c),
+        extra_max_context_len=4, max_total_num_tokens=c.full_tokens,
+        max_mamba_cache_size=c.mamba_slots, max_num_reqs=c.request_rows, enable_memory_saver=False,
+        enable_mamba_extra_buffer=modes["enable_mamba_extra_buffer"], enable_mamba_extra_buffer_lazy=False,
+        speculative_num_draft_tokens=None, disable_overlap_schedule=not modes["enable_overlap_schedule"],
+        need_sort=need_sort, lazy_compaction=True)
+    # The full side can hold more tokens than ``full_tokens`` (it grows into the state side's free
+    # bytes), and the harness ends no request by length: the model's context is what the full side can
+    # ever hold (the scheduler clamps a request to the pool), so a request row never overflows.
+    sized = call_with(unified_mamba_factory(), model_context_len=c.max_context, **args)
+    ever = sized.token_to_kv_pool_allocator.full_attn_allocator.max_slots
+    bundle = call_with(unified_mamba_factory(), model_context_len=max(c.max_context, ever), **args)
+    req_pool, kv_pool, alloc = bundle.req_to_token_pool, bundle.token_to_kv_pool, bundle.token_to_kv_pool_allocator
+    problem = check_built(req_pool, c)
+    if problem:
+        raise ConfigError(f"config {c.name!r} on sglang {api.version}: {problem}")
+    prewarm_compaction(alloc)
+    full, mamba = alloc.full_attn_allocator, alloc.mamba_allocator
+
+    kv_mirrors, comps = mirrored_kv(kv_pool.full_kv_pool, c.full_layer_ids, "full", full,
+                                    held=functools.partial(held_slots, full),
+                                    latent_rank=c.kv_lora_rank if c.latent else None)
+    mamba_view, state_mirrors = mirrored_state(req_pool, c.mamba_layer_ids, mamba)
+    write_loc = first_importable("sglang.srt.mem_cache.memory_pool:KVWriteLoc")
+
+    def door(*, slots, rows):
+        """A forward's KV writes: the backend hands SGLang's door the location its plan translated, marked
+        physical (``KVWriteLoc(loc, physical=True)``, as the pool's door demands)."""
+        loc = slots.to(torch.int64)
+        physical = write_loc(alloc.translate_write_loc(loc), physical=True)
+        done = set()
+        for layer_id in c.full_layer_ids:
+            k, v = ("full.k", layer_id), ("full.v", layer_id)
+            nope, rope = ("mla.latent", layer_id), ("mla.rope", layer_id)
+            if k in rows and v in rows:
+                kv_pool.set_kv_buffer(RadixAttentionFields(layer_id), physical, as_pool_dtype(rows[k], kv_pool),
+                                      as_pool_dtype(rows[v], kv_pool))
+                done |= {k, v}
+            elif nope in rows and rope in rows:  # the CPU backends' MLA door: one latent row, no V
+                kv_pool.set_kv_buffer(RadixAttentionFields(layer_id), physical, latent_row(rows, layer_id, kv_pool),
+                                      None)
+                done |= {nope, rope}
+        for m in kv_mirrors:  # every held row: a write that landed on another id's row shows there now
+            m.pull()
+        return done
+
+    views = {"rows": FreeListView(space="rows", owner=req_pool, read=lambda: as_ints(req_pool.free_slots),
+                                  available=req_pool.available_size)}
+    for space, sub in (("full", full), ("mamba", mamba)):
+        # the sub-allocator's virtual ids: the slots the harness tracks (pages for the full side)
+        views[space] = FreeListView(space=space, owner=sub, read=lambda s=sub: as_ints(s.free_virtual_ids),
+                                    available=lambda s=sub: s.free_virtual_ids.numel() * s.pool_page_size,
+                                    page_size=sub.pool_page_size, sources=lambda s=sub: [s.free_virtual_ids])
+    family = UnifiedFamily(
+        api=api, config=c, device=dev, uses_ssm_state=uses_ssm_state(c), sg_req_pool=req_pool, sg_kv_pool=kv_pool,
+        sg_allocator=alloc, req_pool=ReqPoolView(req_pool, mamba=mamba_view, rows=views["rows"],
+                                                 mamba_free=views["mamba"]),
+        kv_pool=kv_pool_view(api, kv_pool, comps, door=door), allocator=AllocatorView(alloc, swa=False), protocol=UnifiedProtocol(),
+        standin_cls=standin_class(api), admission=SchedulerAdmission(api))
+    family.mirrors = tuple(kv_mirrors + state_mirrors)
+    family.kv_mirrors = tuple(kv_mirrors)
+    family.unified_buffer = bundle.unified_memory_pool
+    family._free_views = views
+    family.pd_decode = False
+    family.snapshot_free_lists()
+    return family

@@ -1,0 +1,162 @@
+"""The unified memory pool of a hybrid sliding-window model (``init_unified_swa_pools``) as a family.
+
+SGLang builds one byte buffer shared by the full-attention KV sub-pool (growing down) and the sliding-window
+KV sub-pool (growing up), under ``UnifiedSWATokenToKVPoolAllocator``: one virtual id space, owned by the full
+side; the SWA side binds the same virtual pages to its own physical pages and unbinds them when the window
+moves past them (``free_swa``). A full slot's SWA slot is therefore the same virtual id while the SWA side
+holds it, and none (0) after: that is the translation the harness reads (``UnifiedSWAView.translate``).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from poolfuzz.adapters.sglang.lifecycle.admission import SchedulerAdmission
+from poolfuzz.adapters.sglang.api import SGLangAPI, first_importable, call_with, construct
+from poolfuzz.adapters.sglang.lifecycle.family import KV_DTYPES
+from poolfuzz.adapters.sglang.lifecycle.standin import standin_class
+from poolfuzz.adapters.sglang.pools.request_pool import mamba_cache_params
+from poolfuzz.adapters.sglang.lifecycle.tracking import pool_kwargs
+from poolfuzz.adapters.sglang.unified_pool.unified_family import (
+    UnifiedFamily, UnifiedProtocol, kv_pool_view, mirrored_kv, mirrored_state, prewarm_compaction,
+)
+from poolfuzz.adapters.sglang.unified_pool.unified_mirror import Mirror, held_slots, shadow_like
+from poolfuzz.adapters.sglang.pools.views import FreeListView, ReqPoolView, as_ints
+from poolfuzz.adapters.sglang.pools.writes import as_pool_dtype, RadixAttentionFields
+from poolfuzz.pools.components import Component
+from poolfuzz.pools.config import ModelConfig, uses_ssm_state
+
+
+def swa_factory():
+    """SGLang's ``init_unified_swa_pools``, or None where the release has no unified pool."""
+    return first_importable("sglang.srt.mem_cache.unified_memory_pool:init_unified_swa_pools", required=False)
+
+
+class UnifiedSWAView:
+    """The composite allocator; ``translate`` maps a full (virtual) slot to its SWA slot: itself while the
+    SWA side binds its page, 0 once the window left it (SGLang's ``translate_loc_from_full_to_swa`` gives the
+    physical row; the harness tracks virtual ids)."""
+
+    def __init__(self, allocator):
+        self.allocator = allocator
+        self.swa = True
+
+    def translate(self, indices) -> torch.Tensor:
+        swa = self.allocator.swa_attn_allocator
+        idx = torch.as_tensor(indices, dtype=torch.int64).reshape(-1)
+        bound = swa.virtual_to_physical[idx // swa.pool_page_size] >= 0
+        return torch.where(bound & (idx > 0), idx, torch.zeros_like(idx))
+
+
+def swa_bound_slots(swa) -> torch.Tensor:
+    """Virtual token ids whose page the SWA side binds now, with the padding page 0."""
+    v2p = swa.virtual_to_physical[:-1]  # the trailing -1 sentinel is no page
+    pages = torch.cat([torch.zeros(1, dtype=torch.int64), (v2p >= 0).nonzero().reshape(-1)[1:]])
+    ps = swa.pool_page_size
+    return (pages[:, None] * ps + torch.arange(ps)).reshape(-1)
+
+
+def tri_factory():
+    """SGLang's ``init_unified_mamba_swa_pools`` (the tri-pool), or None."""
+    return first_importable("sglang.srt.mem_cache.unified_memory_pool:init_unified_mamba_swa_pools", required=False)
+
+
+def build_swa(api: SGLangAPI, c: ModelConfig, dev, sdev: str, *, need_sort: bool) -> UnifiedFamily:
+    """``_init_unified_swa_pools`` for the config's model on one rank, lazy compaction on (SGLang's default);
+    with Mamba layers too, ``_init_unified_mamba_swa_pools`` (the tri-pool: state | SWA | full)."""
+    kv_dtype = KV_DTYPES[c.kv_dtype]
+    args = dict(
+        device=sdev, kv_cache_dtype=kv_dtype, head_num=c.head_num, head_dim=c.head_dim, v_head_dim=c.head_dim,
+        swa_head_num=c.head_num, swa_head_dim=c.head_dim, swa_v_head_dim=c.head_dim, page_size=c.page_size,
+        start_layer=0, end_layer=c.num_layers, swa_attention_layer_ids=list(c.swa_layer_ids),
+        full_attention_layer_ids=list(c.full_layer_ids), full_max_total_num_tokens=c.full_tokens,
+        swa_max_total_num_tokens=c.swa_tokens, enable_memory_saver=False, need_sort=need_sort,
+        lazy_compaction=True, sliding_window_size=c.sliding_window)
+    if c.has_mamba:
+        modes = pool_kwargs(c)
+        args.update(mamba_layer_ids=list(c.mamba_layer_ids), mamba2_cache_params=mamba_cache_params(api, c),
+                    max_mamba_cache_size=c.mamba_slots, extra_max_context_len=4, max_num_reqs=c.request_rows,
+                    enable_mamba_extra_buffer=modes["enable_mamba_extra_buffer"],
+                    enable_mamba_extra_buffer_lazy=False,
+                    disable_overlap_schedule=not modes["enable_overlap_schedule"])
+        # rows as wide as the full side can ever grow (see unified._build_mamba)
+        sized = call_with(tri_factory(), model_context_len=c.max_context, **args)
+        ever = sized.token_to_kv_pool_allocator.full_attn_allocator.max_slots
+        bundle = call_with(tri_factory(), model_context_len=max(c.max_context, ever), **args)
+        req_pool = bundle.req_to_token_pool
+    else:
+        bundle = call_with(swa_factory(), model_context_len=c.max_context, **args)
+    alloc, kv_pool = bundle.token_to_kv_pool_allocator, bundle.token_to_kv_pool
+    full, swa = alloc.full_attn_allocator, alloc.swa_attn_allocator
+    if not c.has_mamba:  # the configurator's plain request pool, rows as wide as the full side can grow
+        req_pool = construct(api.ReqToTokenPool, size=c.request_rows,
+                             max_context_len=max(c.max_context, full.max_slots), device=sdev,
+                             enable_memory_saver=False)
+    prewarm_compaction(alloc)
+
+    kv_mirrors, comps = mirrored_kv(kv_pool.full_kv_pool, c.full_layer_ids, "full", full,
+                                    held=functools.partial(held_slots, full))
+    slots = full.num_virtual_ids * full.pool_page_size
+    for local, layer_id in enumerate(c.swa_layer_ids):
+        for part, buffers in (("k", kv_pool.swa_kv_pool.k_buffer), ("v", kv_pool.swa_kv_pool.v_buffer)):
+            m = Mirror(shadow=shadow_like(buffers[local], slots), physical=buffers[local],
+                       translate=lambda ids: swa.translate_kv_loc(ids).to(torch.int64),
+                       held=functools.partial(swa_bound_slots, swa))
+            kv_mirrors.append(m)
+            comps.append(Component(name=f"swa.{part}", layer=layer_id, space="swa", tensor=m.shadow))
+    mamba_view, state_mirrors = (None, [])
+    if c.has_mamba:
+        mamba_view, state_mirrors = mirrored_state(req_pool, c.mamba_layer_ids, alloc.mamba_allocator)
+    write_loc = first_importable("sglang.srt.mem_cache.memory_pool:KVWriteLoc")
+
+    def door(*, slots, rows):
+        """The backend's write: the full side's physical rows, and the SWA side's for the same ids."""
+        loc = slots.to(torch.int64)
+        physical = write_loc(alloc.translate_write_loc(loc), swa_loc=alloc.translate_loc_from_full_to_swa(loc),
+                             physical=True)
+        done = set()
+        for space, layer_id in [("full", i) for i in c.full_layer_ids] + [("swa", i) for i in c.swa_layer_ids]:
+            k, v = (f"{space}.k", layer_id), (f"{space}.v", layer_id)
+            if k in rows and v in rows:
+                kv_pool.set_kv_buffer(RadixAttentionFields(layer_id), physical, as_pool_dtype(rows[k], kv_pool),
+                                      as_pool_dtype(rows[v], kv_pool))
+                done |= {k, v}
+        for m in kv_mirrors:
+            m.pull()
+        return done
+
+    ps = c.page_size
+    universe = range(full.min_page_index, full.num_virtual_ids)
+
+    def swa_free() -> list[int]:
+        bound = set((swa.virtual_to_physical[:-1] >= 0).nonzero().reshape(-1).tolist())
+        return [p for p in universe if p not in bound]
+
+    views = {"rows": FreeListView(space="rows", owner=req_pool, read=lambda: as_ints(req_pool.free_slots),
+                                  available=req_pool.available_size),
+             "full": FreeListView(space="full", owner=full, read=lambda: as_ints(full.free_virtual_ids),
+                                  available=lambda: full.free_virtual_ids.numel() * ps, page_size=ps,
+                                  sources=lambda: [full.free_virtual_ids]),
+             "swa": FreeListView(space="swa", owner=swa, read=swa_free, available=lambda: len(swa_free()) * ps,
+                                 page_size=ps, sources=lambda: [swa.virtual_to_physical])}
+    if c.has_mamba:
+        mamba = alloc.mamba_allocator
+        views["mamba"] = FreeListView(space="mamba", owner=mamba, read=lambda: as_ints(mamba.free_virtual_ids),
+                                      available=lambda: mamba.free_virtual_ids.numel(),
+                                      sources=lambda: [mamba.free_virtual_ids])
+    family = UnifiedFamily(
+        api=api, config=c, device=dev, uses_ssm_state=uses_ssm_state(c), sg_req_pool=req_pool, sg_kv_pool=kv_pool,
+        sg_allocator=alloc, req_pool=ReqPoolView(req_pool, mamba=mamba_view, rows=views["rows"],
+                                                 mamba_free=views.get("mamba")),
+        kv_pool=kv_pool_view(api, kv_pool, comps, door=door), allocator=UnifiedSWAView(alloc), protocol=UnifiedProtocol(),
+        standin_cls=standin_class(api), admission=SchedulerAdmission(api))
+    family.mirrors = tuple(kv_mirrors + state_mirrors)
+    family.kv_mirrors = tuple(kv_mirrors)
+    family.unified_buffer = bundle.unified_memory_pool
+    family._free_views = views
+    family.resume_swa_tail_only = hasattr(alloc, "alloc_extend_swa_tail")
+    family.pd_decode = False
+    family.snapshot_free_lists()
+    return family
