@@ -11,6 +11,9 @@ def register(sub) -> None:
     p.add_argument("--show", metavar="NAME",
                    help="print config NAME as TOML, every field written out: edit it and pass it to "
                         "poolfuzz run --config-file FILE.toml")
+    p.add_argument("--family", metavar="NAME",
+                   help="also print, per config, the server it stands for on that family's engine: its flags and "
+                        "the pools the engine's own configurator builds for it here, beside the family's")
     p.set_defaults(handler=_configs)
     p = sub.add_parser("faults", help="list the fault catalogue")
     p.set_defaults(handler=_faults)
@@ -25,11 +28,55 @@ def _configs(args) -> int:
 
         print(to_toml(get_config(args.show)), end="")
         return 0
+    plugin = _describing_family(args.family) if getattr(args, "family", None) else None
     for name, c in CONFIGS.items():
         print(f"{name:20} {c.architecture:12} page_size={c.page_size} full={c.full_layers} "
               f"swa={c.swa_layers} mamba={c.mamba_layers} kv={c.kv_dtype}")
+        if plugin is not None:
+            _print_server(plugin.describe_server(c))
     print(f"{'random':20} {'(drawn)':12} a config Hypothesis draws in every example: poolfuzz run --config random")
     return 0
+
+
+def _describing_family(name: str):
+    """The family plug-in ``name``, which must describe the servers its configs stand for."""
+    from poolfuzz.errors import UsageError
+    from poolfuzz.orchestration.plugins import resolve_family
+    from poolfuzz.pools.capabilities import factory_capabilities
+
+    plugin = resolve_family(name)
+    if factory_capabilities(plugin.factory).describe_server is None:
+        raise UsageError(f"family {name!r} describes no server for its configs (drop --family, or name a family "
+                         "whose factory declares describe_server, such as sglang)")
+    plugin.check_engine()
+    return plugin
+
+
+def _print_server(d) -> None:
+    indent = " " * 4
+    if d.flags:
+        print(f"{indent}server flags: {d.flags}")
+    if d.built is None:
+        print(f"{indent}configurator: {d.refused}")
+    else:
+        print(f"{indent}configurator built:")
+        for part, what in d.built.items():
+            print(f"{indent}  {part:14} {what}")
+    if d.family is None:
+        print(f"{indent}family: declines ({d.family_declines})")
+    elif d.built is None:
+        print(f"{indent}family builds:")
+        for part, what in d.family.items():
+            print(f"{indent}  {part:14} {what}")
+    else:
+        differs = {p: w for p, w in d.family.items() if d.built.get(p) != w}
+        extra = [p for p in d.built if p not in d.family]
+        if not differs and not extra:
+            print(f"{indent}family builds the same")
+        for part, what in differs.items():
+            print(f"{indent}family differs: {part:14} {what}")
+        for part in extra:
+            print(f"{indent}family differs: {part:14} (none)")
 
 
 def _faults(args) -> int:

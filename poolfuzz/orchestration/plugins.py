@@ -75,6 +75,12 @@ class FamilyPlugin:
         """The factory builds a driver of the engine's own scheduler (harness/scheduled.py), not a pool family."""
         return factory_capabilities(self.factory).drives_scheduler
 
+    def describe_server(self, config: ModelConfig):
+        """The server ``config`` stands for on this family's engine (a ``ServerDescription``), or None for a family
+        that describes none."""
+        describe = factory_capabilities(self.factory).describe_server
+        return None if describe is None else describe(config)
+
     def engine_report(self):
         """The factory's ``engine_report()`` (an ``adapters.engine_api.EngineReport``: the engine release
         and every entry point the family needs, probed), or None for a family over no external engine."""

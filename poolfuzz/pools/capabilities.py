@@ -114,6 +114,18 @@ def capabilities_of(family) -> Capabilities:
 
 
 @dataclass(frozen=True, kw_only=True)
+class ServerDescription:
+    """What a config stands for on an engine (``poolfuzz configs --family``): the server flags, and the pools the
+    engine's own configurator built for that server on this machine, beside those the family builds for it."""
+
+    flags: str  # the server's command-line flags ("" where no server stands for the config yet)
+    built: dict[str, str] | None  # part -> its class and size, as the engine's configurator built it; None: refused
+    refused: str | None  # why the engine (here) refuses that server, or why no server stands for the config yet
+    family: dict[str, str] | None  # part -> its class and size, as the family builds it; None: the family declines
+    family_declines: str | None = None  # why the family declines the config
+
+
+@dataclass(frozen=True, kw_only=True)
 class FactoryCapabilities:
     """What a family factory declares beside building families (attributes of the factory function)."""
 
@@ -128,6 +140,9 @@ class FactoryCapabilities:
     # True: the factory builds a *scheduler driver* (harness/scheduled.py), not a pool family: a run drives the
     # engine's own scheduler with the ScheduledMachine instead of playing the scheduler with the Engine machine.
     drives_scheduler: bool = False
+    # (config) -> ServerDescription: the server a config stands for and the pools the engine's configurator builds
+    # for it (``poolfuzz configs --family``)
+    describe_server: Callable | None = None
 
 
 _FACTORY_FLAGS = {f.name: f for f in dataclasses.fields(FactoryCapabilities)}

@@ -97,3 +97,19 @@ def test_old_artifacts_without_model_config_still_replay(tmp_path):
     del raw["model_config"]
     (tmp_path / "old.json").write_text(json.dumps(raw))
     assert run_cli(["replay", str(tmp_path / "old.json")]) == 1
+
+
+def test_configs_for_a_family_that_describes_no_server_is_an_error_naming_one_that_does(capsys):
+    assert run_cli(["configs", "--family", "builtin"]) == 2
+    err = capsys.readouterr().err
+    assert "family 'builtin' describes no server" in err and "such as sglang" in err
+
+
+def test_configs_for_a_family_whose_engine_is_absent_says_how_to_install_it(capsys):
+    try:
+        import sglang  # noqa: F401
+    except ImportError:
+        assert run_cli(["configs", "--family", "sglang"]) == 2
+        assert "SGLang is not installed" in capsys.readouterr().err
+    else:
+        pytest.skip("SGLang is installed here: tests/sglang lists its servers")

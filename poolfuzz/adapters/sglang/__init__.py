@@ -55,7 +55,34 @@ def engine_report():
     return probed()
 
 
+def describe_server(config):
+    """The server ``config`` stands for (its flags), the pools SGLang's own KV cache configurator builds for that
+    server here, and the pools the family builds for the config, as ``build_family`` sizes them for its tree
+    (``poolfuzz configs --family sglang``)."""
+    from poolfuzz.adapters.sglang.api import load
+    from poolfuzz.adapters.sglang.lifecycle.family import build_sglang_family
+    from poolfuzz.adapters.sglang.pools.configurator import configure, describe_pools, server_model
+    from poolfuzz.adapters.sglang.tree.trees import tree_sized
+    from poolfuzz.errors import ConfigError
+    from poolfuzz.pools.capabilities import ServerDescription
+
+    api = load()
+    flags, built, refused, family, declines = "", None, None, None, None
+    try:
+        flags = server_model(config).command_line()
+        built = configure(config).parts()
+    except ConfigError as exc:
+        refused = str(exc)
+    try:
+        built_family = build_sglang_family(tree_sized(api, config))
+        family = describe_pools(built_family.sg_req_pool, built_family.sg_kv_pool, built_family.sg_allocator)
+    except ConfigError as exc:
+        declines = str(exc)
+    return ServerDescription(flags=flags, built=built, refused=refused, family=family, family_declines=declines)
+
+
 build_family.unsupported_reason = unsupported_reason
+build_family.describe_server = describe_server
 # What ``poolfuzz doctor`` prints and ``poolfuzz run`` checks before fuzzing (adapters/sglang/compat/).
 build_family.engine_report = engine_report
 # The engine names the node each family serves (``node="prefill"`` / ``"decode"``): the decode node is built

@@ -110,6 +110,23 @@ PRIVATE: dict[str, Need] = {
                              required=False, used_for="private: which L3 storage backends are registered"),
     "compute_max_prefix_len": Need(target=f"{_SB}:Req._compute_max_prefix_len", required=False,
                                    used_for="private: the span an L3 prefetch covers"),
+    "kv_cache_configurator": Need(target="sglang.srt.mem_cache.kv_cache_configurator:KVCacheConfigurator",
+                                  required=False, used_for="the pools a server builds from its flags (0.5.16 on)"),
+    "spawn_ranks": Need(target="sglang.srt.runtime_context:SpawnRanks", required=False,
+                        used_for="a scheduler process's ranks, published with its server arguments (0.5.22 on)"),
+    "init_parallel_groups": Need(target="sglang.srt.distributed.bootstrap:_init_parallel_groups", required=False,
+                                 used_for="private: a one-rank server's parallel groups, built on gloo"),
+    "resolve_layer_indices": Need(target="sglang.srt.model_executor.model_runner_components.layer_setup:"
+                                         "resolve_layer_indices", required=False,
+                                  used_for="the model runner's layer split, for the configurator"),
+    "configure_kv_cache_dtype": Need(target="sglang.srt.mem_cache.kv_cache_dtype:configure_kv_cache_dtype",
+                                     required=False, used_for="the model runner's KV dtype, for the configurator"),
+    "resolve_sliding_window_size": Need(target="sglang.srt.model_executor.model_runner_components.load_model_utils:"
+                                               "resolve_sliding_window_size", required=False,
+                                        used_for="the model runner's sliding window, for the configurator"),
+    "spec_aux_config": Need(target="sglang.srt.model_executor.model_runner_components.spec_aux_hidden_state:"
+                                   "SpecAuxHiddenStateConfig", required=False,
+                            used_for="the model runner's speculative hidden-state record (none: no draft)"),
     "calculate_mamba_ratio": Need(target="sglang.srt.mem_cache.kv_cache_configurator:"
                                          "KVCacheConfigurator._calculate_mamba_ratio", required=False,
                                   used_for="private: mamba slots per request where a tree caches state"),

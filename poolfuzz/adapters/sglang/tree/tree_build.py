@@ -48,6 +48,11 @@ def publish_server_args(*, mamba_chunk_size: int = 64, fresh: bool = False, **fl
     _PUBLISHED["flags"] = key
 
 
+def forget_published() -> None:
+    """Something else published a server (the configurator path publishes its own): the next publish here runs."""
+    _PUBLISHED.clear()
+
+
 def mamba_sized(config):
     """Mamba slots as SGLang's configurator sizes them for a radix cache on the published server: its
     ``_calculate_mamba_ratio`` (a state, a checkpoint and a copy-on-write a request, plus the extra buffer's track

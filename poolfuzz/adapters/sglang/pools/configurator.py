@@ -1,0 +1,268 @@
+"""A config as the server it stands for (server flags and a model's ``config.json``), and the pools SGLang's own KV
+cache configurator builds for that server on this machine.
+
+What runs is SGLang's: ``ServerArgs`` with the flags and the model directory (its own validation), ``publish`` as a
+scheduler process publishes, its parallel groups built by ``bootstrap._init_parallel_groups`` on one gloo rank, its
+``ModelConfig`` read from the directory, the model runner's own leaves for the configurator's inputs
+(``resolve_layer_indices``, ``configure_kv_cache_dtype``, ``resolve_sliding_window_size``), and
+``KVCacheConfigurator.configure``, which sizes the pools from the memory it finds and the flags' caps
+(``--max-total-tokens``, ``--max-running-requests``, ``--swa-full-tokens-ratio``, ``--max-mamba-cache-size``), then
+builds the request pool, the KV pool and the allocator.
+
+Stood in for: the model, which a configurator reads only for its quantisation and layer hooks: an object with no
+weights and none of those hooks (so SGLang takes its defaults from the model config), and the GPU, which this machine
+may lack: the configurator then asks SGLang's CPU platform, so the pools are those a server with these flags builds
+*here* (a CPU server refuses ``fp8_e5m2`` KV, and FP8 without Intel AMX, where a GPU server does not).
+
+One registry (``MODELS``) maps a config's architecture to the model that stands for it; one with no entry yet is
+named as such, never built another way. Releases before 0.5.16 have no configurator (their model runner builds the pools); 0.5.16 to 0.5.21 publish a
+scheduler's ranks otherwise, and are not driven here yet.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import types
+from dataclasses import dataclass, field
+from typing import Callable
+
+from poolfuzz.adapters.sglang.compat import has_private, private
+from poolfuzz.errors import ConfigError
+from poolfuzz.pools.config import ModelConfig
+
+# The KV dtype flag for each config dtype: a float dtype is the model's own (``--kv-cache-dtype auto``).
+_MODEL_DTYPES = ("bfloat16", "float16", "float32")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ServerModel:
+    """The server a config stands for: its flags (``ServerArgs`` fields) and its model's ``config.json``."""
+
+    kind: str  # the config's architecture
+    flags: dict
+    hf_config: dict
+
+    def command_line(self) -> str:
+        """The flags as ``python -m sglang.launch_server`` takes them (the model path left out)."""
+        out = []
+        for name, value in sorted(self.flags.items()):
+            flag = "--" + name.replace("_", "-")
+            out.append(flag if value is True else f"{flag} {value}")
+        return " ".join(out)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ConfiguredPools:
+    """What SGLang's configurator built for a server: the three pools, and what it sized them to."""
+
+    server: ServerModel
+    req_to_token_pool: object
+    token_to_kv_pool: object
+    allocator: object
+    sizes: dict = field(default_factory=dict)
+
+    def parts(self) -> dict[str, str]:
+        """Each pool (and each part of a hybrid one) with its class and size, in a listing's words."""
+        return describe_pools(self.req_to_token_pool, self.token_to_kv_pool, self.allocator)
+
+
+def describe_pools(req_to_token_pool, token_to_kv_pool, allocator) -> dict[str, str]:
+    """Each pool and each part of a hybrid one: its class and size (the configurator's and the family's alike)."""
+    rows = getattr(req_to_token_pool, "req_to_token", None)
+    out = {"request pool": type(req_to_token_pool).__name__ + (f" ({rows.shape[0]} rows of {rows.shape[1]} tokens)"
+                                                                if rows is not None else "")}
+    mamba = getattr(req_to_token_pool, "mamba_pool", None)
+    if mamba is not None:
+        out["mamba pool"] = f"{type(mamba).__name__} ({mamba.size} slots)"
+    quant = type(getattr(token_to_kv_pool, "quant_method", None)).__name__
+    out["KV pool"] = (f"{type(token_to_kv_pool).__name__} ({token_to_kv_pool.size} tokens, "
+                      f"{getattr(token_to_kv_pool, 'dtype', '?')}"
+                      + (f", {quant}" if quant not in ("NoneType", "UnquantizedKVCacheMethod") else "") + ")")
+    for part in ("full_kv_pool", "swa_kv_pool"):
+        sub = getattr(token_to_kv_pool, part, None)
+        if sub is not None:
+            out[part.replace("_", " ")] = f"{type(sub).__name__} ({sub.size} tokens)"
+    out["allocator"] = f"{type(allocator).__name__} ({allocator.size} tokens)"
+    return out
+
+
+def _layer_count(c: ModelConfig) -> int:
+    return c.full_layers + c.swa_layers + c.mamba_layers
+
+
+def _dtype_flags(c: ModelConfig) -> tuple[str, dict]:
+    """(the model's dtype, the KV dtype flag): a float KV dtype is the model's; FP8 and FP4 are asked by flag."""
+    if c.kv_dtype in _MODEL_DTYPES and not c.kv_quant and not c.kv_scale_block:
+        return c.kv_dtype, {}
+    if c.kv_quant == "fp4_mx_block16":
+        return c.kv_dtype if c.kv_dtype in _MODEL_DTYPES else "bfloat16", {"kv_cache_dtype": "fp4_mx_block16"}
+    if c.kv_scale_block:
+        return "bfloat16", {"kv_cache_dtype": "mxfp8"}
+    return "bfloat16", {"kv_cache_dtype": c.kv_dtype}  # fp8_e4m3 / fp8_e5m2 (cpu_fp8_e4m3: SGLang's CPU quant)
+
+
+def _attention(c: ModelConfig, dtype: str) -> dict:
+    """A decoder's attention fields, as a Llama-shaped ``config.json`` names them."""
+    return {"num_hidden_layers": _layer_count(c), "num_attention_heads": c.head_num,
+            "num_key_value_heads": c.head_num, "head_dim": c.head_dim, "hidden_size": c.head_num * c.head_dim,
+            "intermediate_size": 4 * c.head_num * c.head_dim, "vocab_size": 256,
+            "max_position_embeddings": c.max_context, "torch_dtype": dtype}
+
+
+def _dense_model(c: ModelConfig, dtype: str) -> dict:
+    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", **_attention(c, dtype)}
+
+
+def _gpt_oss_model(c: ModelConfig, dtype: str) -> dict:
+    """GPT-OSS: sliding-window and full-attention layers as its ``layer_types`` name them (SGLang's
+    ``get_hybrid_layer_ids`` reads them), with one expert per layer."""
+    layer_types = ["sliding_attention" if i in c.swa_layer_ids else "full_attention" for i in range(_layer_count(c))]
+    return {"architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", **_attention(c, dtype),
+            "sliding_window": c.sliding_window, "layer_types": layer_types, "num_local_experts": 1,
+            "num_experts_per_tok": 1}
+
+
+def _qwen3_next_model(c: ModelConfig, dtype: str) -> dict:
+    """Qwen3-Next: gated delta-net layers with a full-attention layer every ``full_attention_interval`` (the last of
+    each interval, so the config's count of each is kept, not its order); the recurrent state is heads x head_dim x
+    key head_dim, its conv rows the query, key and value widths together."""
+    heads, head_dim, key_dim = c.temporal_shape
+    interval = _layer_count(c) // max(c.full_layers, 1)
+    return {"architectures": ["Qwen3NextForCausalLM"], "model_type": "qwen3_next", **_attention(c, dtype),
+            "full_attention_interval": interval, "linear_num_value_heads": heads, "linear_value_head_dim": head_dim,
+            "linear_num_key_heads": 1, "linear_key_head_dim": key_dim,
+            "linear_conv_kernel_dim": c.conv_shapes[0][1] + 1, "num_experts": 0, "mamba_chunk_size": 4,
+            "mamba_ssm_dtype": c.state_dtype}
+
+
+def _deepseek_v3_model(c: ModelConfig, dtype: str) -> dict:
+    """DeepSeek-V3: multi-head latent attention (its latent rank and rope width are the config's), every layer dense
+    (``first_k_dense_replace`` past the last layer, so no experts are read)."""
+    return {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", **_attention(c, dtype),
+            "kv_lora_rank": c.kv_lora_rank, "q_lora_rank": None, "qk_rope_head_dim": c.qk_rope_head_dim,
+            "qk_nope_head_dim": c.head_dim, "v_head_dim": c.head_dim, "first_k_dense_replace": _layer_count(c),
+            "n_routed_experts": 1, "num_experts_per_tok": 1, "moe_intermediate_size": 16, "rope_scaling": None}
+
+
+def _deepseek_v32_model(c: ModelConfig, dtype: str) -> dict:
+    """DeepSeek-V3.2: DeepSeek-V3 with its sparse attention's indexer (``index_topk``, the config's index width),
+    which SGLang's ``is_deepseek_dsa`` asks for."""
+    return {**_deepseek_v3_model(c, dtype), "index_topk": 4, "index_head_dim": c.index_head_dim, "index_n_heads": 1}
+
+
+# A config's architecture -> the model that stands for it (its config.json). Architectures without an entry
+# (MiniMax's sparse index, Inkling, Kimi-Linear) are not built through the configurator yet.
+MODELS: dict[str, Callable[[ModelConfig, str], dict]] = {
+    "llama": _dense_model,
+    "gpt-oss": _gpt_oss_model,
+    "qwen3-next": _qwen3_next_model,
+    "deepseek-v3": _deepseek_v3_model,
+    "deepseek-v3.2": _deepseek_v32_model,
+}
+
+
+def server_model(c: ModelConfig) -> ServerModel:
+    """The server ``c`` stands for; a ConfigError naming the kind where no model stands for it yet."""
+    kind = c.architecture
+    if kind not in MODELS:
+        raise ConfigError(f"config {c.name!r}: no model stands for a {kind} config on the configurator path yet "
+                          f"(it has models for: {', '.join(MODELS)})")
+    if c.spec_draft_tokens:
+        raise ConfigError(f"config {c.name!r}: speculative decoding needs a draft model, which the configurator path "
+                          "does not build yet")
+    dtype, flags = _dtype_flags(c)
+    flags.update(page_size=c.page_size, max_total_tokens=c.full_tokens or c.swa_tokens,
+                 max_running_requests=c.request_rows)
+    if c.has_swa and c.has_full:
+        flags["swa_full_tokens_ratio"] = c.swa_tokens / c.full_tokens
+    if c.has_mamba:
+        flags.update(max_mamba_cache_size=c.mamba_slots, disable_overlap_schedule=True,
+                     mamba_radix_cache_strategy="extra_buffer" if c.mamba_track_slots else "no_buffer")
+    return ServerModel(kind=kind, flags=flags, hf_config=MODELS[kind](c, dtype))
+
+
+def problem() -> str | None:
+    """Why this release cannot build pools through its configurator here, or None."""
+    missing = [k for k in ("kv_cache_configurator", "spawn_ranks", "init_parallel_groups", "resolve_layer_indices",
+                           "configure_kv_cache_dtype", "resolve_sliding_window_size", "spec_aux_config")
+               if not has_private(k)]
+    if not missing:
+        return None
+    return (f"the configurator path drives SGLang 0.5.22 on, and this release lacks {', '.join(missing)} (no KV "
+            "cache configurator before 0.5.16; before 0.5.22 a scheduler process publishes its ranks otherwise)")
+
+
+def configure(c: ModelConfig, *, device: str = "cpu") -> ConfiguredPools:
+    """Build ``c``'s server's pools with SGLang's configurator; a ConfigError with SGLang's words where the server (or
+    this release, or this machine's platform) refuses it."""
+    reason = problem()
+    if reason:
+        raise ConfigError(f"config {c.name!r}: {reason}")
+    server = server_model(c)
+    from sglang.srt.configs.model_config import AttentionArch
+    from sglang.srt.configs.model_config import ModelConfig as SGLangModelConfig
+    from sglang.srt.runtime_context import get_model, get_parallel, publish
+    from sglang.srt.server_args import ServerArgs
+    from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+
+    model_dir = _model_dir(server.hf_config)
+    from poolfuzz.adapters.sglang.tree.tree_build import forget_published
+
+    forget_published()  # the server published below is not the one the tree path last published
+    try:
+        args = ServerArgs(model_path=model_dir, device="cpu", **server.flags)
+        publish(args, role="scheduler", ranks=private("spawn_ranks")(world_rank=0, dp_rank=None, gpu_id=0))
+        _parallel_groups(args)
+        model_config = SGLangModelConfig(model_path=model_dir)
+        model = types.SimpleNamespace()  # no weights, no quantisation, no layer hooks: the model config decides
+        kv_name, kv_dtype = private("configure_kv_cache_dtype")(
+            server_args_kv_cache_dtype=get_model().kv_cache_dtype, model=model, model_dtype=model_config.dtype,
+            is_draft_worker=False, is_dflash=False, speculative_draft_attention_backend=None,
+            speculative_draft_kv_cache_dtype=None)
+        configurator = private("kv_cache_configurator")(
+            device=device, gpu_id=0, attn_dp_size=1, pp_size=1, pp_group=get_parallel().pp_group, model=model,
+            model_config=model_config, server_args=args, kv_cache_dtype=kv_dtype,
+            kv_cache_dtype_str=kv_name if kv_name is not None else get_model().kv_cache_dtype,
+            model_dtype=model_config.dtype, page_size=c.page_size,
+            sliding_window_size=private("resolve_sliding_window_size")(model, model_config),
+            spec_algorithm=SpeculativeAlgorithm.NONE, is_draft_worker=False, post_capture_kv_active=False,
+            spec_aux_config=private("spec_aux_config")(), is_hybrid_swa=model_config.is_hybrid_swa,
+            is_hybrid_swa_compress=model_config.is_hybrid_swa_compress,
+            use_mla_backend=model_config.attention_arch == AttentionArch.MLA,
+            layer_info=private("resolve_layer_indices")(model=model, model_config=model_config,
+                                                        is_draft_worker=False),
+            forward_stream=None, req_to_token_pool=None, token_to_kv_pool_allocator=None, memory_pool_config=None)
+        result = configurator.configure(pre_model_load_memory=0)
+    except (AssertionError, ValueError, RuntimeError, NotImplementedError) as exc:
+        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise ConfigError(f"config {c.name!r}: SGLang refuses the server {server.command_line()!r} here: "
+                          f"{type(exc).__name__}: {first}") from None
+    sizes = {"max_total_num_tokens": result.max_total_num_tokens,
+             "max_running_requests": result.max_running_requests,
+             "full_max_total_num_tokens": result.full_max_total_num_tokens,
+             "swa_max_total_num_tokens": result.swa_max_total_num_tokens}
+    return ConfiguredPools(server=server, req_to_token_pool=result.req_to_token_pool,
+                           token_to_kv_pool=result.token_to_kv_pool, allocator=result.token_to_kv_pool_allocator,
+                           sizes=sizes)
+
+
+_GROUPS: dict[str, bool] = {}
+
+
+def _parallel_groups(args) -> None:
+    """SGLang's own parallel groups of a one-rank server, built once per process (gloo: no GPU)."""
+    if _GROUPS.get("built"):
+        return
+    store = os.path.join(tempfile.mkdtemp(prefix="poolfuzz-groups-"), "store")
+    private("init_parallel_groups")(backend="gloo", dist_init_method=f"file://{store}", server_args=args, gpu_id=0)
+    _GROUPS["built"] = True
+
+
+def _model_dir(hf_config: dict) -> str:
+    """A directory holding the model's ``config.json`` (no weights: the configurator reads none)."""
+    path = tempfile.mkdtemp(prefix="poolfuzz-model-")
+    with open(os.path.join(path, "config.json"), "w") as fh:
+        json.dump(hf_config, fh, indent=1)
+    return path

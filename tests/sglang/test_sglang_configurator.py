@@ -1,0 +1,122 @@
+"""A config as the server it stands for, and the pools SGLang's own KV cache configurator builds for it (issue 35):
+``adapters/sglang/pools/configurator.py`` and ``poolfuzz configs --family sglang``."""
+
+from __future__ import annotations
+
+import pytest
+
+from poolfuzz.errors import ConfigError
+from poolfuzz.pools.config import CONFIGS
+
+
+@pytest.fixture(scope="module")
+def configurator(api):
+    from poolfuzz.adapters.sglang.pools import configurator
+
+    if configurator.problem():
+        pytest.skip(f"sglang {api.version}: {configurator.problem()}")
+    return configurator
+
+
+def _extra_columns() -> int:
+    """The columns SGLang adds to a request row beyond the model's context (its own rule, asked)."""
+    from sglang.srt.mem_cache.allocation_sizing import get_req_to_token_extra_context_len
+
+    return get_req_to_token_extra_context_len()
+
+
+def test_a_dense_server_gets_the_pools_its_flags_size(configurator):
+    c = CONFIGS["dense"]
+    built = configurator.configure(c)
+    assert built.server.flags == {"page_size": 1, "max_total_tokens": c.full_tokens,
+                                  "max_running_requests": c.request_rows}
+    assert type(built.token_to_kv_pool).__name__ == "MHATokenToKVPool"
+    assert built.token_to_kv_pool.size == c.full_tokens and built.allocator.size == c.full_tokens
+    assert len(built.token_to_kv_pool.k_buffer) == c.full_layers
+    rows = built.req_to_token_pool.req_to_token
+    assert tuple(rows.shape) == (c.request_rows + 1, c.max_context + _extra_columns())
+
+
+def test_a_sliding_window_server_splits_its_tokens_by_the_flag_and_its_layers_by_the_model(configurator):
+    c = CONFIGS["swa"]
+    built = configurator.configure(c)
+    kv = built.token_to_kv_pool
+    assert type(kv).__name__ == "SWAKVPool"
+    assert (kv.full_kv_pool.size, kv.swa_kv_pool.size) == (c.full_tokens, c.swa_tokens)
+    assert sorted(kv.layers_mapping) == list(range(c.full_layers + c.swa_layers))
+    swa_layers = sorted(i for i, (_, is_swa) in kv.layers_mapping.items() if is_swa)
+    assert swa_layers == list(c.swa_layer_ids)
+
+
+def test_a_recurrent_server_caps_its_requests_by_its_mamba_slots(configurator):
+    """``--max-mamba-cache-size`` below the state slots the requests need: SGLang admits fewer requests, its own
+    sizing, which the listing shows (the family sizes the slots up instead)."""
+    c = CONFIGS["hybrid-linear"]
+    built = configurator.configure(c)
+    assert type(built.req_to_token_pool).__name__ == "HybridReqToTokenPool"
+    assert built.req_to_token_pool.mamba_pool.size == c.mamba_slots
+    assert built.sizes["max_running_requests"] < c.request_rows
+    assert built.req_to_token_pool.req_to_token.shape[0] == built.sizes["max_running_requests"] + 1
+
+
+@pytest.mark.parametrize("name, words", [
+    ("hybrid-linear-ps4", "no_buffer only supports page_size=1"),
+    ("hybrid-spec", "draft model"),
+    ("minimax-sparse", "no model stands for a minimax-m3 config"),
+])
+def test_a_server_sglang_refuses_is_refused_in_its_words(configurator, name, words):
+    with pytest.raises(ConfigError, match=words):
+        configurator.configure(CONFIGS[name])
+
+
+@pytest.mark.parametrize("name", ["dense", "dense-ps4", "swa", "hybrid-linear"])
+def test_the_listed_flags_are_the_servers_own_command_line(configurator, name, tmp_path):
+    """The flags the listing prints parse, with SGLang's own argument parser, into the server that was built."""
+    import argparse
+    import shlex
+
+    from sglang.srt.server_args import ServerArgs
+
+    server = configurator.server_model(CONFIGS[name])
+    parser = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(parser)
+    parsed = ServerArgs.from_cli_args(parser.parse_args(["--model-path", str(tmp_path), "--device", "cpu",
+                                                         *shlex.split(server.command_line())]))
+    for flag, value in server.flags.items():
+        assert getattr(parsed, flag) == value, flag
+
+
+@pytest.mark.parametrize("name", ["dense", "swa", "swa-only", "mla", "mla-ps4"])
+def test_the_family_builds_the_kv_pool_and_allocator_the_server_builds(api, configurator, name):
+    """The family's own wiring beside the configurator's: a KV pool or allocator of another class or size is a
+    drift of the adapter from the release, which the listing names."""
+    from poolfuzz.orchestration.plugins import resolve_family
+
+    d = resolve_family("sglang").describe_server(CONFIGS[name])
+    assert d.built is not None, d.refused
+    assert d.family is not None, d.family_declines
+    for part in ("KV pool", "allocator", "full kv pool", "swa kv pool"):
+        assert d.family.get(part) == d.built.get(part), part
+
+
+def test_a_sparse_attention_server_is_refused_where_its_model_hook_asks_for_a_gpu(configurator):
+    """SGLang's DeepSeek DSA model hook (which also sets the server's page size to 64) asks the GPU's compute
+    capability when the server is published: without CUDA the server is refused, in SGLang's words."""
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU answers the hook: the DSA server builds here")
+    with pytest.raises(ConfigError, match="SGLang refuses the server .* Torch not compiled with CUDA enabled"):
+        configurator.configure(CONFIGS["dsa-ps64"])
+
+
+def test_the_configs_listing_names_each_servers_flags_and_pools(api, configurator, capsys):
+    from poolfuzz.cli import main
+
+    assert main(["configs", "--family", "sglang"]) == 0
+    out = capsys.readouterr().out
+    out = "\n" + out
+    dense = out[out.index("\ndense "):out.index("\ndense-ps4 ")]
+    assert "server flags: --max-running-requests 5 --max-total-tokens 48 --page-size 1" in dense
+    assert "KV pool        MHATokenToKVPool (48 tokens, torch.bfloat16)" in dense
+    assert "configurator: config 'minimax-sparse': no model stands for" in out
