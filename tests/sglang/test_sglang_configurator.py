@@ -62,7 +62,7 @@ def test_a_recurrent_server_caps_its_requests_by_its_mamba_slots(configurator):
 @pytest.mark.parametrize("name, words", [
     ("hybrid-linear-ps4", "no_buffer only supports page_size=1"),
     ("hybrid-spec", "draft model"),
-    ("minimax-sparse", "no model stands for a minimax-m3 config"),
+    ("minimax-sparse", "no model stands for architecture 'minimax-m3'"),
 ])
 def test_a_server_sglang_refuses_is_refused_in_its_words(configurator, name, words):
     with pytest.raises(ConfigError, match=words):
@@ -120,3 +120,33 @@ def test_the_configs_listing_names_each_servers_flags_and_pools(api, configurato
     assert "server flags: --max-running-requests 5 --max-total-tokens 48 --page-size 1" in dense
     assert "KV pool        MHATokenToKVPool (48 tokens, torch.bfloat16)" in dense
     assert "configurator: config 'minimax-sparse': no model stands for" in out
+
+
+@pytest.mark.parametrize("name", ["dense", "swa-ps4", "swa-only", "mla-ps4"])
+def test_the_family_runs_on_the_pools_sglangs_configurator_built_for_its_server(configurator, name):
+    """Where the configurator builds the pools the config describes, the family drives those very objects: its
+    request rows are as wide as SGLang makes them (the model's context and SGLang's extra columns)."""
+    from poolfuzz.adapters.sglang.lifecycle.family import build_sglang_family
+
+    c = CONFIGS[name]
+    family = build_sglang_family(c, scheduled=True)
+    assert family.pools_source.startswith("SGLang's KV cache configurator (--max-running-requests 5")
+    assert family.sg_req_pool.req_to_token.shape[1] == c.max_context + _extra_columns()
+
+
+@pytest.mark.parametrize("name, why", [
+    ("hybrid-linear", "SGLang's configurator builds other pools for the config's server"),
+    ("hybrid-extra-buffer", "requires platform support for Mamba cache state snapshots"),
+    ("swa-ssm", "no model stands for architecture 'inkling'"),
+])
+def test_a_family_the_configurator_cannot_serve_keeps_its_wiring_and_says_why(configurator, name, why):
+    import torch
+
+    from poolfuzz.adapters.sglang.lifecycle.family import build_sglang_family
+
+    if "platform" in why and torch.cuda.is_available():
+        pytest.skip("SGLang's CUDA platform supports the mamba extra buffer")
+
+    family = build_sglang_family(CONFIGS[name], scheduled=True)
+    assert family.pools_source.startswith("the adapter's wiring (") and why in family.pools_source
+    assert family.sg_req_pool.req_to_token.shape[1] == CONFIGS[name].max_context

@@ -114,6 +114,9 @@ PRIVATE: dict[str, Need] = {
                                   required=False, used_for="the pools a server builds from its flags (0.5.16 on)"),
     "spawn_ranks": Need(target="sglang.srt.runtime_context:SpawnRanks", required=False,
                         used_for="a scheduler process's ranks, published with its server arguments (0.5.22 on)"),
+    "profile_available_bytes": Need(target="sglang.srt.mem_cache.kv_cache_configurator:"
+                                           "KVCacheConfigurator._profile_available_bytes", required=False,
+                                    used_for="private: the GPU memory probe, stood in for by a fixed budget"),
     "init_parallel_groups": Need(target="sglang.srt.distributed.bootstrap:_init_parallel_groups", required=False,
                                  used_for="private: a one-rank server's parallel groups, built on gloo"),
     "resolve_layer_indices": Need(target="sglang.srt.model_executor.model_runner_components.layer_setup:"

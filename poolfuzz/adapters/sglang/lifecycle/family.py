@@ -106,6 +106,8 @@ class SGLangFamily:
     # Backups whose tensors aliased a live pool buffer and were copied (CPU only; see protocol).
     cpu_aliases: list = field(default_factory=list)
     declined: dict = field(default_factory=dict)  # operation -> the engine's reason it is not driven
+    # who built the pools: SGLang's KV cache configurator for the config's server, or the adapter's wiring and why
+    pools_source: str = "the adapter's wiring"
     _free_views: dict = field(default_factory=dict)
     _last_free: dict = field(default_factory=dict)
 
@@ -248,8 +250,16 @@ def build_sglang_family(config: ModelConfig, *, device="cpu", faults=(), backup_
     sdev = str(dev) if dev.type == "cpu" else f"cuda:{dev.index or 0}"
     try:
         with debug_memory_pool(), native_kv_move():
-            return _build(api, config, dev, sdev, backup_mode, pd_decode=node == DECODE or decode_rows is not None,
-                          scheduled=scheduled, decode_rows=decode_rows)
+            pd_decode = node == DECODE or decode_rows is not None
+            family = _build(api, config, dev, sdev, backup_mode, pd_decode=pd_decode, scheduled=scheduled,
+                            decode_rows=decode_rows)
+            served = _server_pools(config, family, sdev, pd_decode=pd_decode)
+            if served is None:
+                return family
+            family = _build(api, config, dev, sdev, backup_mode, pd_decode=pd_decode, scheduled=scheduled,
+                            decode_rows=decode_rows, served=served)
+            family.pools_source = "SGLang's KV cache configurator (" + served.server.command_line() + ")"
+            return family
     except (AssertionError, ValueError) as exc:
         # SGLang's constructors decide what this release can build: a config they refuse is
         # declined (a drawn one is skipped), never reported as a bug found in the pools.
@@ -258,8 +268,43 @@ def build_sglang_family(config: ModelConfig, *, device="cpu", faults=(), backup_
                           f"({type(exc).__name__}: {first})") from None
 
 
+def _server_pools(config: ModelConfig, family: SGLangFamily, sdev: str, *, pd_decode: bool):
+    """The pools SGLang's own KV cache configurator builds for the config's server (``pools/configurator.py``), where
+    it builds them here and they are the pools the config describes: the classes, sizes, mamba shapes and layers of
+    the family's own wiring, the request rows' width aside. None otherwise, and ``family.pools_source`` says why the
+    family keeps its wiring (``poolfuzz configs --family sglang`` shows how the two differ)."""
+    from poolfuzz.adapters.sglang.pools import configurator
+
+    if pd_decode:
+        family.pools_source = "the adapter's wiring (a PD decode server's pools: not through the configurator yet)"
+        return None
+    if config.kv_quant or config.kv_scale_block or config.attention == "msa" or (config.latent and config.has_mamba):
+        family.pools_source = ("the adapter's wiring (it reads FP4, block-scaled, MiniMax sparse and hybrid MLA "
+                               "pools only from its own wiring yet)")
+        return None
+    try:
+        served = configurator.configure(config, device=sdev)
+    except ConfigError as exc:
+        family.pools_source = f"the adapter's wiring ({exc})"
+        return None
+    if not configurator.same_pools(served.parts(), configurator.describe_pools(
+            family.sg_req_pool, family.sg_kv_pool, family.sg_allocator)):
+        family.pools_source = ("the adapter's wiring (SGLang's configurator builds other pools for the config's "
+                               "server; poolfuzz configs --family sglang shows them)")
+        return None
+    return served
+
+
+def _take(served, role: str, build):
+    """The server's own pool for ``role`` where SGLang's configurator built this config's pools, else ``build()``."""
+    return build() if served is None else getattr(served, role)
+
+
 def _build(api: SGLangAPI, config: ModelConfig, dev, sdev: str, backup_mode: str = "cpu_tensor",
-           pd_decode: bool = False, scheduled: bool = False, decode_rows: int | None = None) -> SGLangFamily:
+           pd_decode: bool = False, scheduled: bool = False, decode_rows: int | None = None,
+           served=None) -> SGLangFamily:
+    """The family over the config's pools: the adapter's wiring of them, or, with ``served``, the ones SGLang's own
+    configurator built for the config's server (the same classes and sizes, checked by ``_server_pools``)."""
     c = config
     need_sort = pd_decode  # the configurator's need_sort: disaggregation_mode in ("decode", "prefill")
     kv_dtype = KV_DTYPES[c.kv_dtype]
@@ -270,7 +315,8 @@ def _build(api: SGLangAPI, config: ModelConfig, dev, sdev: str, backup_mode: str
 
     mamba_view = None
     if c.has_mamba:
-        sg_req_pool = build_request_pool(api, c, sdev, decode_rows=decode_rows)
+        sg_req_pool = _take(served, "req_to_token_pool",
+                            lambda: build_request_pool(api, c, sdev, decode_rows=decode_rows))
         problem = check_built(sg_req_pool, c)
         if problem:
             raise ConfigError(f"config {c.name!r} on sglang {api.version}: {problem}")
@@ -279,31 +325,35 @@ def _build(api: SGLangAPI, config: ModelConfig, dev, sdev: str, backup_mode: str
             mamba_view.spec_scratch = SGLangScratch(sg_req_pool, layer_ids=c.mamba_layer_ids,
                                                     draft_tokens=c.spec_draft_tokens)
     else:
-        sg_req_pool = build_plain_request_pool(api, c, sdev, decode_rows=decode_rows)
+        sg_req_pool = _take(served, "req_to_token_pool",
+                            lambda: build_plain_request_pool(api, c, sdev, decode_rows=decode_rows))
 
     comps: list[Component] = []
     if ((c.latent and not c.has_mamba) or c.kv_scale_block or c.kv_quant == "fp4_mx_block16"
             or c.attention == "msa"):
-        sg_kv, comps = build_storage_pool(api, c, common, scheduled=scheduled)
+        sg_kv, comps = build_storage_pool(api, c, common, scheduled=scheduled,
+                                          pool=None if served is None else served.token_to_kv_pool)
         alloc_cls = api.TokenToKVPoolAllocator if c.page_size == 1 else api.PagedTokenToKVPoolAllocator
-        sg_alloc = construct(alloc_cls, size=c.full_tokens, page_size=c.page_size, dtype=kv_dtype, device=sdev,
-                             kvcache=sg_kv, need_sort=need_sort)
+        sg_alloc = _take(served, "allocator", lambda: construct(
+            alloc_cls, size=c.full_tokens, page_size=c.page_size, dtype=kv_dtype, device=sdev, kvcache=sg_kv,
+            need_sort=need_sort))
         subs = {"full": sg_alloc}
     elif c.has_swa and not c.has_full:  # all-SWA: as kv_cache_configurator builds it (no full side)
-        sg_kv = construct(api.SWAKVPool, size=0, size_swa=c.swa_tokens, swa_attention_layer_ids=list(c.swa_layer_ids),
-                          full_attention_layer_ids=[], token_to_kv_pool_class=api.MHATokenToKVPool, **common)
-        sg_alloc = construct(api.PureSWATokenToKVPoolAllocator, size_swa=c.swa_tokens, page_size=c.page_size,
-                             dtype=kv_dtype, device=sdev, kvcache=sg_kv, need_sort=need_sort)
+        sg_kv = _take(served, "token_to_kv_pool", lambda: construct(
+            api.SWAKVPool, size=0, size_swa=c.swa_tokens, swa_attention_layer_ids=list(c.swa_layer_ids),
+            full_attention_layer_ids=[], token_to_kv_pool_class=api.MHATokenToKVPool, **common))
+        sg_alloc = _take(served, "allocator", lambda: construct(
+            api.PureSWATokenToKVPoolAllocator, size_swa=c.swa_tokens, page_size=c.page_size, dtype=kv_dtype,
+            device=sdev, kvcache=sg_kv, need_sort=need_sort))
         comps += _mha_components(sg_kv.swa_kv_pool, c.swa_layer_ids, "swa", door=sg_kv)
         subs = {"swa": sg_alloc.swa_attn_allocator}
     elif c.has_swa:
-        sg_kv = construct(api.SWAKVPool, size=c.full_tokens, size_swa=c.swa_tokens,
-                          swa_attention_layer_ids=list(c.swa_layer_ids),
-                          full_attention_layer_ids=list(c.full_layer_ids),
-                          token_to_kv_pool_class=api.MHATokenToKVPool, **common)
-        sg_alloc = construct(api.SWATokenToKVPoolAllocator, size=c.full_tokens, size_swa=c.swa_tokens,
-                             page_size=c.page_size, dtype=kv_dtype, device=sdev, kvcache=sg_kv, need_sort=need_sort,
-                             req_to_token_pool=sg_req_pool)
+        sg_kv = _take(served, "token_to_kv_pool", lambda: construct(
+            api.SWAKVPool, size=c.full_tokens, size_swa=c.swa_tokens, swa_attention_layer_ids=list(c.swa_layer_ids),
+            full_attention_layer_ids=list(c.full_layer_ids), token_to_kv_pool_class=api.MHATokenToKVPool, **common))
+        sg_alloc = _take(served, "allocator", lambda: construct(
+            api.SWATokenToKVPoolAllocator, size=c.full_tokens, size_swa=c.swa_tokens, page_size=c.page_size,
+            dtype=kv_dtype, device=sdev, kvcache=sg_kv, need_sort=need_sort, req_to_token_pool=sg_req_pool))
         if getattr(sg_kv, "full_to_swa_index_mapping", None) is None:
             sg_kv.register_mapping(sg_alloc.full_to_swa_index_mapping)
         comps += _mha_components(sg_kv.full_kv_pool, c.full_layer_ids, "full", door=sg_kv)
@@ -317,18 +367,20 @@ def _build(api: SGLangAPI, config: ModelConfig, dev, sdev: str, backup_mode: str
         subs = {"full": sg_alloc}
     else:
         if c.has_mamba:
-            sg_kv = construct(api.HybridLinearKVPool, size=c.full_tokens,
-                              full_attention_layer_ids=list(c.full_layer_ids), mamba_pool=sg_req_pool.mamba_pool,
-                              use_mla=False, **common)
+            sg_kv = _take(served, "token_to_kv_pool", lambda: construct(
+                api.HybridLinearKVPool, size=c.full_tokens, full_attention_layer_ids=list(c.full_layer_ids),
+                mamba_pool=sg_req_pool.mamba_pool, use_mla=False, **common))
             full_pool = sg_kv.full_kv_pool
         else:
-            sg_kv = construct(api.MHATokenToKVPool, size=c.full_tokens, layer_num=c.full_layers, **common,
-                              **quant_method_kwargs(api, c))
+            sg_kv = _take(served, "token_to_kv_pool", lambda: construct(
+                api.MHATokenToKVPool, size=c.full_tokens, layer_num=c.full_layers, **common,
+                **quant_method_kwargs(api, c)))
             full_pool = sg_kv
         comps += _mha_components(full_pool, c.full_layer_ids, "full", door=sg_kv)
         alloc_cls = api.TokenToKVPoolAllocator if c.page_size == 1 else api.PagedTokenToKVPoolAllocator
-        sg_alloc = construct(alloc_cls, size=c.full_tokens, page_size=c.page_size, dtype=kv_dtype, device=sdev,
-                             kvcache=sg_kv, need_sort=need_sort)
+        sg_alloc = _take(served, "allocator", lambda: construct(
+            alloc_cls, size=c.full_tokens, page_size=c.page_size, dtype=kv_dtype, device=sdev, kvcache=sg_kv,
+            need_sort=need_sort))
         subs = {"full": sg_alloc}
 
     views: dict[str, FreeListView] = {

@@ -10,8 +10,10 @@ scheduler process publishes, its parallel groups built by ``bootstrap._init_para
 builds the request pool, the KV pool and the allocator.
 
 Stood in for: the model, which a configurator reads only for its quantisation and layer hooks: an object with no
-weights and none of those hooks (so SGLang takes its defaults from the model config), and the GPU, which this machine
-may lack: the configurator then asks SGLang's CPU platform, so the pools are those a server with these flags builds
+weights and none of those hooks (so SGLang takes its defaults from the model config); the GPU memory probe
+(``_profile_available_bytes``: free memory after a ``gc.collect``, 0.3 s a build), answered with a fixed
+``MEMORY_BUDGET`` so the flags' caps decide every size, the same on every machine; and the GPU, which this machine
+may lack: the configurator then asks SGLang's platform here, so the pools are those a server with these flags builds
 *here* (a CPU server refuses ``fp8_e5m2`` KV, and FP8 without Intel AMX, where a GPU server does not).
 
 One registry (``MODELS``) maps a config's architecture to the model that stands for it; one with no entry yet is
@@ -28,10 +30,12 @@ import types
 from dataclasses import dataclass, field
 from typing import Callable
 
-from poolfuzz.adapters.sglang.compat import has_private, private
+from poolfuzz.adapters.sglang.compat import has_private, private, private_name
 from poolfuzz.errors import ConfigError
 from poolfuzz.pools.config import ModelConfig
 
+# What the GPU memory probe answers: more than any config's pools take, so the flags' caps bind.
+MEMORY_BUDGET = 1 << 30
 # The KV dtype flag for each config dtype: a float dtype is the model's own (``--kv-cache-dtype auto``).
 _MODEL_DTYPES = ("bfloat16", "float16", "float32")
 
@@ -69,23 +73,42 @@ class ConfiguredPools:
 
 
 def describe_pools(req_to_token_pool, token_to_kv_pool, allocator) -> dict[str, str]:
-    """Each pool and each part of a hybrid one: its class and size (the configurator's and the family's alike)."""
+    """Each pool and each part of a hybrid one: its class, size, and the shapes and layers that tell two builds apart
+    (the configurator's and the family's alike)."""
     rows = getattr(req_to_token_pool, "req_to_token", None)
     out = {"request pool": type(req_to_token_pool).__name__ + (f" ({rows.shape[0]} rows of {rows.shape[1]} tokens)"
                                                                 if rows is not None else "")}
     mamba = getattr(req_to_token_pool, "mamba_pool", None)
     if mamba is not None:
-        out["mamba pool"] = f"{type(mamba).__name__} ({mamba.size} slots)"
+        cache = mamba.mamba_cache
+        conv = ", ".join(str(tuple(t.shape[2:])) for t in cache.conv)
+        out["mamba pool"] = (f"{type(mamba).__name__} ({mamba.size} slots; conv {conv}; "
+                             f"temporal {tuple(cache.temporal.shape[2:])} {cache.temporal.dtype})")
     quant = type(getattr(token_to_kv_pool, "quant_method", None)).__name__
+    layers = ""
+    mapping = getattr(token_to_kv_pool, "layers_mapping", None)
+    if isinstance(mapping, dict) and mapping:
+        layers = "; sliding-window layers " + str(sorted(i for i, (_, swa) in mapping.items() if swa))
+    full_ids = getattr(token_to_kv_pool, "full_attention_layer_id_mapping", None)  # a hybrid linear pool's
+    if not layers and isinstance(full_ids, dict):
+        layers = f"; attention layers {sorted(full_ids)}"
     out["KV pool"] = (f"{type(token_to_kv_pool).__name__} ({token_to_kv_pool.size} tokens, "
                       f"{getattr(token_to_kv_pool, 'dtype', '?')}"
-                      + (f", {quant}" if quant not in ("NoneType", "UnquantizedKVCacheMethod") else "") + ")")
+                      + (f", {quant}" if quant not in ("NoneType", "UnquantizedKVCacheMethod") else "") + layers + ")")
     for part in ("full_kv_pool", "swa_kv_pool"):
         sub = getattr(token_to_kv_pool, part, None)
         if sub is not None:
             out[part.replace("_", " ")] = f"{type(sub).__name__} ({sub.size} tokens)"
     out["allocator"] = f"{type(allocator).__name__} ({allocator.size} tokens)"
     return out
+
+
+def same_pools(built: dict[str, str], family: dict[str, str]) -> bool:
+    """Whether two descriptions name the same pools, the request rows' width aside (SGLang adds columns past the
+    context that no request of the config reaches)."""
+    def rows_only(d):
+        return {k: (v.split(" of ")[0] if k == "request pool" else v) for k, v in d.items()}
+    return rows_only(built) == rows_only(family)
 
 
 def _layer_count(c: ModelConfig) -> int:
@@ -167,8 +190,8 @@ def server_model(c: ModelConfig) -> ServerModel:
     """The server ``c`` stands for; a ConfigError naming the kind where no model stands for it yet."""
     kind = c.architecture
     if kind not in MODELS:
-        raise ConfigError(f"config {c.name!r}: no model stands for a {kind} config on the configurator path yet "
-                          f"(it has models for: {', '.join(MODELS)})")
+        raise ConfigError(f"config {c.name!r}: no model stands for architecture {kind!r} on the configurator path "
+                          f"yet (it has models for: {', '.join(MODELS)})")
     if c.spec_draft_tokens:
         raise ConfigError(f"config {c.name!r}: speculative decoding needs a draft model, which the configurator path "
                           "does not build yet")
@@ -185,7 +208,7 @@ def server_model(c: ModelConfig) -> ServerModel:
 
 def problem() -> str | None:
     """Why this release cannot build pools through its configurator here, or None."""
-    missing = [k for k in ("kv_cache_configurator", "spawn_ranks", "init_parallel_groups", "resolve_layer_indices",
+    missing = [k for k in ("kv_cache_configurator", "profile_available_bytes", "spawn_ranks", "init_parallel_groups", "resolve_layer_indices",
                            "configure_kv_cache_dtype", "resolve_sliding_window_size", "spec_aux_config")
                if not has_private(k)]
     if not missing:
@@ -221,7 +244,7 @@ def configure(c: ModelConfig, *, device: str = "cpu") -> ConfiguredPools:
             server_args_kv_cache_dtype=get_model().kv_cache_dtype, model=model, model_dtype=model_config.dtype,
             is_draft_worker=False, is_dflash=False, speculative_draft_attention_backend=None,
             speculative_draft_kv_cache_dtype=None)
-        configurator = private("kv_cache_configurator")(
+        configurator = _budgeted_configurator()(
             device=device, gpu_id=0, attn_dp_size=1, pp_size=1, pp_group=get_parallel().pp_group, model=model,
             model_config=model_config, server_args=args, kv_cache_dtype=kv_dtype,
             kv_cache_dtype_str=kv_name if kv_name is not None else get_model().kv_cache_dtype,
@@ -235,7 +258,7 @@ def configure(c: ModelConfig, *, device: str = "cpu") -> ConfiguredPools:
                                                         is_draft_worker=False),
             forward_stream=None, req_to_token_pool=None, token_to_kv_pool_allocator=None, memory_pool_config=None)
         result = configurator.configure(pre_model_load_memory=0)
-    except (AssertionError, ValueError, RuntimeError, NotImplementedError) as exc:
+    except Exception as exc:  # noqa: BLE001 -- whatever SGLang (or transformers, parsing the model) refuses it with
         first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         raise ConfigError(f"config {c.name!r}: SGLang refuses the server {server.command_line()!r} here: "
                           f"{type(exc).__name__}: {first}") from None
@@ -246,6 +269,20 @@ def configure(c: ModelConfig, *, device: str = "cpu") -> ConfiguredPools:
     return ConfiguredPools(server=server, req_to_token_pool=result.req_to_token_pool,
                            token_to_kv_pool=result.token_to_kv_pool, allocator=result.token_to_kv_pool_allocator,
                            sizes=sizes)
+
+
+_BUDGETED: dict[str, type] = {}
+
+
+def _budgeted_configurator() -> type:
+    """SGLang's ``KVCacheConfigurator`` with its GPU memory probe answered by ``MEMORY_BUDGET`` (a subclass that
+    overrides that one method: the class keeps its fields in slots)."""
+    if "class" not in _BUDGETED:
+        base = private("kv_cache_configurator")
+        _BUDGETED["class"] = type(base.__name__, (base,), {
+            private_name("profile_available_bytes"): lambda self, pre_model_load_memory: MEMORY_BUDGET,
+            "__module__": __name__})
+    return _BUDGETED["class"]
 
 
 _GROUPS: dict[str, bool] = {}

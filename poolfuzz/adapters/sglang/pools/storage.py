@@ -158,10 +158,11 @@ def scales_as_bytes(pool) -> bool:
     return True
 
 
-def build_storage_pool(api: SGLangAPI, config: ModelConfig, common: dict, *,
-                       scheduled: bool = False) -> tuple[object, list[Component]]:
+def build_storage_pool(api: SGLangAPI, config: ModelConfig, common: dict, *, scheduled: bool = False,
+                       pool=None) -> tuple[object, list[Component]]:
     """The release's MLA, DSA, MiniMax sparse or MXFP8 pool for a full-attention-only config, and its components
-    (``scheduled``: for the scheduler path, see ``storage_problem``)."""
+    (``scheduled``: for the scheduler path, see ``storage_problem``); with ``pool``, the components of that one, as
+    SGLang's configurator built it for the config's server (an MLA or DSA pool)."""
     c = config
     problem = storage_problem(api, c, scheduled=scheduled)
     if problem:
@@ -171,6 +172,8 @@ def build_storage_pool(api: SGLangAPI, config: ModelConfig, common: dict, *,
     single_rank(api)
     if c.kv_quant == "fp4_mx_block16" and not c.latent:
         return build_mha_fp4_pool(api, c, common)
+    if pool is not None:  # MLA and DSA only: _server_pools serves no other storage pool yet
+        return pool, _latent_components(pool, c)
     if c.latent:
         args = dict(common, size=c.full_tokens, kv_lora_rank=c.kv_lora_rank, qk_rope_head_dim=c.qk_rope_head_dim, layer_num=c.full_layers)
         if c.attention == "dsa":
