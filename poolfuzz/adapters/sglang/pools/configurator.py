@@ -14,15 +14,17 @@ weights and none of those hooks (so SGLang takes its defaults from the model con
 (``_profile_available_bytes``: free memory after a ``gc.collect``, 0.3 s a build), answered with a fixed
 ``MEMORY_BUDGET`` so the flags' caps decide every size, the same on every machine; and the GPU, which this machine
 may lack: the configurator then asks SGLang's platform here, so the pools are those a server with these flags builds
-*here* (a CPU server refuses ``fp8_e5m2`` KV, and FP8 without Intel AMX, where a GPU server does not).
+*here* (without CUDA, SGLang's base platform refuses FP4 KV, ``mxfp8`` and the mamba extra buffer, and DSA's model
+hook asks the GPU's compute capability, where a GPU server takes them).
 
 One registry (``MODELS``) maps a config's architecture to the model that stands for it; one with no entry yet is
-named as such, never built another way. Releases before 0.5.16 have no configurator (their model runner builds the pools); 0.5.16 to 0.5.21 publish a
-scheduler's ranks otherwise, and are not driven here yet.
+named as such, never built another way. Releases before 0.5.16 have no configurator (their model runner builds
+the pools); 0.5.16 to 0.5.21 publish a scheduler's ranks otherwise, and are not driven here yet.
 """
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import tempfile
@@ -208,8 +210,9 @@ def server_model(c: ModelConfig) -> ServerModel:
 
 def problem() -> str | None:
     """Why this release cannot build pools through its configurator here, or None."""
-    missing = [k for k in ("kv_cache_configurator", "profile_available_bytes", "spawn_ranks", "init_parallel_groups", "resolve_layer_indices",
-                           "configure_kv_cache_dtype", "resolve_sliding_window_size", "spec_aux_config")
+    missing = [k for k in ("kv_cache_configurator", "profile_available_bytes", "spawn_ranks", "init_parallel_groups",
+                           "resolve_layer_indices", "configure_kv_cache_dtype", "resolve_sliding_window_size",
+                           "spec_aux_config")
                if not has_private(k)]
     if not missing:
         return None
@@ -285,21 +288,39 @@ def _budgeted_configurator() -> type:
     return _BUDGETED["class"]
 
 
-_GROUPS: dict[str, bool] = {}
+_GROUPS: dict[str, object] = {}
 
 
 def _parallel_groups(args) -> None:
-    """SGLang's own parallel groups of a one-rank server, built once per process (gloo: no GPU)."""
-    if _GROUPS.get("built"):
+    """SGLang's own parallel groups of a one-rank server, built once per process (gloo: no GPU), their file store in
+    a temporary directory removed when the process ends."""
+    if "store" in _GROUPS:
         return
-    store = os.path.join(tempfile.mkdtemp(prefix="poolfuzz-groups-"), "store")
-    private("init_parallel_groups")(backend="gloo", dist_init_method=f"file://{store}", server_args=args, gpu_id=0)
-    _GROUPS["built"] = True
+    _GROUPS["store"] = store = _kept_temporary("groups")
+    private("init_parallel_groups")(backend="gloo", dist_init_method=f"file://{store.name}/store", server_args=args,
+                                    gpu_id=0)
+
+
+_MODEL_DIRS: dict[str, str] = {}
+_TEMPORARY: dict[str, tempfile.TemporaryDirectory] = {}
+
+
+def _kept_temporary(what: str) -> tempfile.TemporaryDirectory:
+    """A temporary directory for ``what``, made once per process and removed when it exits."""
+    if what not in _TEMPORARY:
+        _TEMPORARY[what] = tempfile.TemporaryDirectory(prefix=f"poolfuzz-{what}-")
+        atexit.register(_TEMPORARY[what].cleanup)
+    return _TEMPORARY[what]
 
 
 def _model_dir(hf_config: dict) -> str:
-    """A directory holding the model's ``config.json`` (no weights: the configurator reads none)."""
-    path = tempfile.mkdtemp(prefix="poolfuzz-model-")
-    with open(os.path.join(path, "config.json"), "w") as fh:
-        json.dump(hf_config, fh, indent=1)
-    return path
+    """A directory holding the model's ``config.json`` (no weights: the configurator reads none), one per model per
+    process (a family is built for every example), under one temporary directory removed when the process ends."""
+    text = json.dumps(hf_config, indent=1, sort_keys=True)
+    if text not in _MODEL_DIRS:
+        path = os.path.join(_kept_temporary("models").name, str(len(_MODEL_DIRS)))
+        os.makedirs(path)
+        with open(os.path.join(path, "config.json"), "w") as fh:
+            fh.write(text)
+        _MODEL_DIRS[text] = path
+    return _MODEL_DIRS[text]
