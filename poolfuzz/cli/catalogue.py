@@ -14,6 +14,9 @@ def register(sub) -> None:
     p.add_argument("--family", metavar="NAME",
                    help="also print, per config, the server it stands for on that family's engine: its flags and "
                         "the pools the engine's own configurator builds for it here, beside the family's")
+    p.add_argument("--server-dir", metavar="DIR",
+                   help="with --family and --show NAME: write the model's config.json for NAME's server to DIR and "
+                        "print the engine's command that launches that server (random weights) on a GPU")
     p.set_defaults(handler=_configs)
     p = sub.add_parser("faults", help="list the fault catalogue")
     p.set_defaults(handler=_faults)
@@ -22,6 +25,20 @@ def register(sub) -> None:
 
 
 def _configs(args) -> int:
+    from poolfuzz.errors import UsageError
+
+    if getattr(args, "server_dir", None) and not (args.family and args.show):
+        raise UsageError("--server-dir writes the server of one config: give it with --family NAME and --show CONFIG")
+    if getattr(args, "family", None) and getattr(args, "show", None):
+        from poolfuzz.pools.config import get_config
+
+        config = get_config(args.show)
+        described = _describing_family(args.family).describe_server(config)
+        print(config.name)
+        _print_server(described)
+        if args.server_dir:
+            _write_server(described, args.server_dir)
+        return 0
     if getattr(args, "show", None):
         from poolfuzz.pools.config import get_config
         from poolfuzz.pools.config_file import to_toml
@@ -50,6 +67,27 @@ def _describing_family(name: str):
                          "whose factory declares describe_server, such as sglang)")
     plugin.check_engine()
     return plugin
+
+
+def _write_server(d, directory: str) -> None:
+    """The server's model as DIR/config.json, and the command that launches it."""
+    import json
+    import os
+    import shlex
+
+    from poolfuzz.errors import UsageError
+
+    if d.model is None:
+        raise UsageError(f"no server to write: {d.refused}")
+    try:
+        os.makedirs(directory, exist_ok=True)
+        with open(os.path.join(directory, "config.json"), "w") as fh:
+            json.dump(d.model, fh, indent=1, sort_keys=True)
+            fh.write("\n")
+    except OSError as exc:
+        raise UsageError(f"cannot write {directory}/config.json ({exc.strerror}); name a directory you can write") from None
+    print(f"wrote {os.path.join(directory, 'config.json')}; launch the server on a GPU with:")
+    print(f"  {d.launcher} --model-path {shlex.quote(os.path.abspath(directory))} {d.flags}")
 
 
 def _print_server(d) -> None:

@@ -123,6 +123,8 @@ class ServerDescription:
     refused: str | None  # why the engine (here) refuses that server, or why no server stands for the config yet
     family: dict[str, str] | None  # part -> its class and size, as the family builds it; None: the family declines
     family_declines: str | None = None  # why the family declines the config
+    model: dict | None = None  # the model's config.json the server reads (None: no model stands for the config yet)
+    launcher: str = ""  # the engine's own launch command for that server, without its model path and flags
 
 
 @dataclass(frozen=True, kw_only=True)

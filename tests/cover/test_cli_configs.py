@@ -113,3 +113,8 @@ def test_configs_for_a_family_whose_engine_is_absent_says_how_to_install_it(caps
         assert "SGLang is not installed" in capsys.readouterr().err
     else:
         pytest.skip("SGLang is installed here: tests/sglang lists its servers")
+
+
+def test_a_server_dir_without_a_family_and_one_config_is_an_error(capsys):
+    assert run_cli(["configs", "--server-dir", "/tmp/x"]) == 2
+    assert "give it with --family NAME and --show CONFIG" in capsys.readouterr().err

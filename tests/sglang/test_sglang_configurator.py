@@ -86,17 +86,23 @@ def test_the_listed_flags_are_the_servers_own_command_line(configurator, name, t
         assert getattr(parsed, flag) == value, flag
 
 
-@pytest.mark.parametrize("name", ["dense", "swa", "swa-only", "mla", "mla-ps4"])
-def test_the_family_builds_the_kv_pool_and_allocator_the_server_builds(api, configurator, name):
-    """The family's own wiring beside the configurator's: a KV pool or allocator of another class or size is a
-    drift of the adapter from the release, which the listing names."""
-    from poolfuzz.orchestration.plugins import resolve_family
+@pytest.mark.parametrize("name", ["dense", "dense-ps4", "swa", "swa-ps4", "swa-only", "mla", "mla-ps4"])
+def test_the_adapters_own_wiring_builds_the_pools_the_server_builds(configurator, name, monkeypatch):
+    """The family's wiring (what it falls back to where the configurator cannot serve) beside the configurator's
+    pools: a class, size, shape or layer of its own is a drift of the adapter from the release."""
+    from poolfuzz.adapters.sglang.lifecycle.family import build_sglang_family
 
-    d = resolve_family("sglang").describe_server(CONFIGS[name])
-    assert d.built is not None, d.refused
-    assert d.family is not None, d.family_declines
-    for part in ("KV pool", "allocator", "full kv pool", "swa kv pool"):
-        assert d.family.get(part) == d.built.get(part), part
+    c = CONFIGS[name]
+    server = configurator.configure(c).parts()
+
+    def refused(config, **kwargs):
+        raise ConfigError("the configurator is switched off for this test")
+
+    monkeypatch.setattr(configurator, "configure", refused)
+    wired = build_sglang_family(c, scheduled=True)
+    assert wired.pools_source.startswith("the adapter's wiring (the configurator is switched off")
+    assert configurator.same_pools(server, configurator.describe_pools(wired.sg_req_pool, wired.sg_kv_pool,
+                                                                        wired.sg_allocator))
 
 
 def test_a_sparse_attention_server_is_refused_where_its_model_hook_asks_for_a_gpu(configurator):
@@ -120,6 +126,20 @@ def test_the_configs_listing_names_each_servers_flags_and_pools(api, configurato
     assert "server flags: --max-running-requests 5 --max-total-tokens 48 --page-size 1" in dense
     assert "KV pool        MHATokenToKVPool (48 tokens, torch.bfloat16)" in dense
     assert "configurator: config 'minimax-sparse': no model stands for" in out
+    assert dense.count("family builds the same") == 1
+
+
+def test_a_configs_server_is_written_out_to_launch_on_a_gpu(api, configurator, capsys, tmp_path):
+    import json
+
+    from poolfuzz.cli import main
+
+    assert main(["configs", "--family", "sglang", "--show", "swa", "--server-dir", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    model = json.loads((tmp_path / "config.json").read_text())
+    assert model["architectures"] == ["GptOssForCausalLM"] and model["sliding_window"] == CONFIGS["swa"].sliding_window
+    assert (f"python -m sglang.launch_server --load-format dummy --skip-tokenizer-init --model-path {tmp_path} "
+            "--max-running-requests 5 --max-total-tokens 64 --page-size 1 --swa-full-tokens-ratio 0.5") in out
 
 
 @pytest.mark.parametrize("name", ["dense", "swa-ps4", "swa-only", "mla-ps4"])

@@ -67,9 +67,10 @@ def describe_server(config):
     from poolfuzz.pools.capabilities import ServerDescription
 
     api = load()
-    flags, built, refused, family, declines = "", None, None, None, None
+    flags, built, refused, family, declines, model = "", None, None, None, None, None
     try:
-        flags = server_model(config).command_line()
+        server = server_model(config)
+        flags, model = server.command_line(), server.hf_config
         built = configure(config).parts()
     except ConfigError as exc:
         refused = str(exc)
@@ -78,7 +79,10 @@ def describe_server(config):
         family = describe_pools(built_family.sg_req_pool, built_family.sg_kv_pool, built_family.sg_allocator)
     except ConfigError as exc:
         declines = str(exc)
-    return ServerDescription(flags=flags, built=built, refused=refused, family=family, family_declines=declines)
+    # a server with the model's shapes and random weights: the pools poolfuzz fuzzed, on a GPU
+    return ServerDescription(flags=flags, built=built, refused=refused, family=family, family_declines=declines,
+                             model=model, launcher="python -m sglang.launch_server --load-format dummy "
+                                                   "--skip-tokenizer-init")
 
 
 build_family.unsupported_reason = unsupported_reason
