@@ -117,6 +117,9 @@ PRIVATE: dict[str, Need] = {
     "profile_available_bytes": Need(target="sglang.srt.mem_cache.kv_cache_configurator:"
                                            "KVCacheConfigurator._profile_available_bytes", required=False,
                                     used_for="private: the GPU memory probe, stood in for by a fixed budget"),
+    "post_capture_kv_active": Need(target="sglang.srt.model_executor.model_runner_components.kv_pool_runtime:"
+                                          "is_post_capture_kv_active", required=False,
+                                   used_for="the model runner's answer for the configurator's post-capture KV flag"),
     "init_parallel_groups": Need(target="sglang.srt.distributed.bootstrap:_init_parallel_groups", required=False,
                                  used_for="private: a one-rank server's parallel groups, built on gloo"),
     "resolve_layer_indices": Need(target="sglang.srt.model_executor.model_runner_components.layer_setup:"

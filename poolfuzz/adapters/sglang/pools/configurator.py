@@ -211,6 +211,7 @@ def server_model(c: ModelConfig) -> ServerModel:
 def problem() -> str | None:
     """Why this release cannot build pools through its configurator here, or None."""
     missing = [k for k in ("kv_cache_configurator", "profile_available_bytes", "spawn_ranks", "init_parallel_groups",
+                           "post_capture_kv_active",
                            "resolve_layer_indices", "configure_kv_cache_dtype", "resolve_sliding_window_size",
                            "spec_aux_config")
                if not has_private(k)]
@@ -229,7 +230,7 @@ def configure(c: ModelConfig, *, device: str = "cpu") -> ConfiguredPools:
     server = server_model(c)
     from sglang.srt.configs.model_config import AttentionArch
     from sglang.srt.configs.model_config import ModelConfig as SGLangModelConfig
-    from sglang.srt.runtime_context import get_model, get_parallel, publish
+    from sglang.srt.runtime_context import get_model, get_parallel, get_schedule, publish
     from sglang.srt.server_args import ServerArgs
     from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 
@@ -247,13 +248,19 @@ def configure(c: ModelConfig, *, device: str = "cpu") -> ConfiguredPools:
             server_args_kv_cache_dtype=get_model().kv_cache_dtype, model=model, model_dtype=model_config.dtype,
             is_draft_worker=False, is_dflash=False, speculative_draft_attention_backend=None,
             speculative_draft_kv_cache_dtype=None)
+        # each argument as ModelRunner.init_kv_cache_configurator passes it, from what the runner holds: the published
+        # server's page size (a model hook may have reset it), its groups, SGLang's own post-capture answer
+        pp_group = get_parallel().pp_group
         configurator = _budgeted_configurator()(
-            device=device, gpu_id=0, attn_dp_size=1, pp_size=1, pp_group=get_parallel().pp_group, model=model,
-            model_config=model_config, server_args=args, kv_cache_dtype=kv_dtype,
+            device=device, gpu_id=0, attn_dp_size=get_parallel().attn_dp_size, pp_size=pp_group.world_size,
+            pp_group=pp_group, model=model, model_config=model_config, server_args=args, kv_cache_dtype=kv_dtype,
             kv_cache_dtype_str=kv_name if kv_name is not None else get_model().kv_cache_dtype,
-            model_dtype=model_config.dtype, page_size=c.page_size,
+            model_dtype=model_config.dtype, page_size=get_schedule().page_size,
             sliding_window_size=private("resolve_sliding_window_size")(model, model_config),
-            spec_algorithm=SpeculativeAlgorithm.NONE, is_draft_worker=False, post_capture_kv_active=False,
+            spec_algorithm=SpeculativeAlgorithm.NONE, is_draft_worker=False,
+            post_capture_kv_active=private("post_capture_kv_active")(
+                server_args=args, is_draft_worker=False, spec_algorithm=SpeculativeAlgorithm.NONE,
+                token_to_kv_pool_allocator=None),
             spec_aux_config=private("spec_aux_config")(), is_hybrid_swa=model_config.is_hybrid_swa,
             is_hybrid_swa_compress=model_config.is_hybrid_swa_compress,
             use_mla_backend=model_config.attention_arch == AttentionArch.MLA,
