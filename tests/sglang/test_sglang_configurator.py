@@ -18,10 +18,14 @@ def configurator(api):
     return configurator
 
 
-def _extra_columns() -> int:
-    """The columns SGLang adds to a request row beyond the model's context (its own rule, asked)."""
+def _extra_columns(page_size: int = 1) -> int:
+    """The columns SGLang adds to a request row beyond the model's context (its own rule, asked of a server with that
+    page size: the configurator publishes the server before it back once it has built the pools)."""
     from sglang.srt.mem_cache.allocation_sizing import get_req_to_token_extra_context_len
 
+    from poolfuzz.adapters.sglang.server_args import publish_server_args
+
+    publish_server_args(page_size=page_size)
     return get_req_to_token_extra_context_len()
 
 
@@ -34,7 +38,7 @@ def test_a_dense_server_gets_the_pools_its_flags_size(configurator):
     assert built.token_to_kv_pool.size == c.full_tokens and built.allocator.size == c.full_tokens
     assert len(built.token_to_kv_pool.k_buffer) == c.full_layers
     rows = built.req_to_token_pool.req_to_token
-    assert tuple(rows.shape) == (c.request_rows + 1, c.max_context + _extra_columns())
+    assert tuple(rows.shape) == (c.request_rows + 1, c.max_context + _extra_columns(c.page_size))
 
 
 def test_a_sliding_window_server_splits_its_tokens_by_the_flag_and_its_layers_by_the_model(configurator):
@@ -151,7 +155,7 @@ def test_the_family_runs_on_the_pools_sglangs_configurator_built_for_its_server(
     c = CONFIGS[name]
     family = build_sglang_family(c, scheduled=True)
     assert family.pools_source.startswith("SGLang's KV cache configurator (--max-running-requests 5")
-    assert family.sg_req_pool.req_to_token.shape[1] == c.max_context + _extra_columns()
+    assert family.sg_req_pool.req_to_token.shape[1] == c.max_context + _extra_columns(c.page_size)
 
 
 @pytest.mark.parametrize("name, why", [
@@ -170,3 +174,30 @@ def test_a_family_the_configurator_cannot_serve_keeps_its_wiring_and_says_why(co
     family = build_sglang_family(CONFIGS[name], scheduled=True)
     assert family.pools_source.startswith("the adapter's wiring (") and why in family.pools_source
     assert family.sg_req_pool.req_to_token.shape[1] == CONFIGS[name].max_context
+
+
+def test_a_decode_server_runs_on_the_request_pool_sglangs_pd_hook_sizes(configurator):
+    """The scheduler path's PD decode server: SGLang's own resolution (with a model) gives the request pool its extra
+    rows for requests in pre-allocation and transfer, and the family runs on that pool."""
+    from poolfuzz.adapters.sglang.lifecycle.family import build_sglang_family
+    from poolfuzz.adapters.sglang.scheduler.decode_server import ROLE_FLAGS
+
+    c = CONFIGS["dense"]
+    family = build_sglang_family(c, scheduled=True, decode_rows=2 * c.request_rows, role_flags=ROLE_FLAGS)
+    assert family.pools_source.startswith("SGLang's KV cache configurator (--disaggregation-mode decode")
+    pool = family.sg_req_pool
+    assert type(pool).__name__ == "DecodeReqToTokenPool" and pool.pre_alloc_size == 2 * c.request_rows
+
+
+def test_a_radix_disabled_decode_server_sizes_its_window_pool_from_its_requests(configurator):
+    """Not from ``--swa-full-tokens-ratio``: SGLang's configurator sizes a radix-disabled SWA server's window pool for
+    its running and pre-allocated requests' windows, so the family (whose config asks for half the full pool) keeps
+    its wiring and says so."""
+    from poolfuzz.adapters.sglang.lifecycle.family import build_sglang_family
+    from poolfuzz.adapters.sglang.scheduler.decode_server import ROLE_FLAGS
+
+    c = CONFIGS["swa"]
+    server = configurator.configure(c, role_flags=ROLE_FLAGS).parts()
+    assert server["swa kv pool"] != f"MHATokenToKVPool ({c.swa_tokens} tokens)"
+    family = build_sglang_family(c, scheduled=True, decode_rows=2 * c.request_rows, role_flags=ROLE_FLAGS)
+    assert "builds other pools for the config's server" in family.pools_source

@@ -1,4 +1,4 @@
-"""SGLang's own PD decode server on the CPU (adapters/sglang/disaggregation/decode_server.py, issue 31):
+"""SGLang's own PD decode server on the CPU (adapters/sglang/scheduler/decode_server.py, issue 31):
 pre-allocation, the transfer
 queue, decode, retraction with the KV backup SGLang resolves for the pools (``host_pool`` into the tree's host tier, or
 ``cpu_tensor``) and its restore all run SGLang's code; the model-runner stand-in checks before every forward that each
@@ -25,7 +25,7 @@ SETTINGS = settings(max_examples=25, stateful_step_count=30, deadline=None, dera
 @pytest.fixture(scope="module")
 def decode(scheduling):
     """The decode server's module, where this release's decode queues can be driven (else the test skips)."""
-    from poolfuzz.adapters.sglang.disaggregation import decode_server
+    from poolfuzz.adapters.sglang.scheduler import decode_server
 
     reason = decode_server.unsupported_reason(CONFIGS["dense"])
     if reason:

@@ -151,7 +151,7 @@ def build_decode_driver(config, *, device="cpu", faults=(), backup_mode=None):
     """The factory registered as ``sglang:decode``: one example's PD decode server, SGLang's own decode queues
     (pre-allocation, transfer, retraction with a KV backup and its restore) and Scheduler over the family's pools,
     fed by a prefill stand-in and the model-runner stand-in (``decode_server.SglangDecodeDriver``)."""
-    from poolfuzz.adapters.sglang.disaggregation.decode_server import build_decode_driver as build
+    from poolfuzz.adapters.sglang.scheduler.decode_server import build_decode_driver as build
 
     return build(config, device=device, faults=faults, backup_mode=backup_mode)
 
@@ -159,7 +159,7 @@ def build_decode_driver(config, *, device="cpu", faults=(), backup_mode=None):
 def decode_unsupported_reason(config, *, backup_mode=None) -> str | None:
     """Why the decode server (with the run's ``--backup-mode``; unset, the one SGLang resolves) does not drive
     ``config`` with the installed SGLang, or None."""
-    from poolfuzz.adapters.sglang.disaggregation.decode_server import unsupported_reason as probe
+    from poolfuzz.adapters.sglang.scheduler.decode_server import unsupported_reason as probe
 
     return probe(config, backup_mode=backup_mode)
 

@@ -118,7 +118,7 @@ def resolve_decode_retraction_backup(worker) -> str:
 
 def publish_scheduler_context(*, max_running_requests: int) -> dict:
     """What a launcher and ``Scheduler.__init__`` publish into the runtime context besides the server's arguments
-    (published with the tree, ``tree_build.publish_server_args``): the single tensor-parallel rank of a CPU run and,
+    (published with the tree, ``server_args.publish_server_args``): the single tensor-parallel rank of a CPU run and,
     with no micro-batch size set, one pipeline stage's worth of running requests
     (``scheduler.pp_max_micro_batch_size_default``). Returns the scheduling flags the Scheduler keeps, as published."""
     from sglang.srt.runtime_context import get_context, get_parallel, get_schedule

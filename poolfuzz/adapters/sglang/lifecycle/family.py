@@ -29,16 +29,14 @@ from poolfuzz.adapters.sglang.disaggregation.pd import SGLangPDTransfer, pd_prob
 from poolfuzz.adapters.sglang.disaggregation.prealloc import DECODE, gate_problem
 from poolfuzz.adapters.sglang.lifecycle.protocol import SGLangProtocol
 from poolfuzz.adapters.sglang.pools.reads import read_door, stored_bytes
-from poolfuzz.adapters.sglang.pools.request_pool import build_plain_request_pool, build_request_pool
+from poolfuzz.adapters.sglang.pools.request_pool import build_plain_request_pool, build_request_pool, check_built
 from poolfuzz.adapters.sglang.lifecycle.standin import standin_class
 from poolfuzz.adapters.sglang.pools.storage import build_storage_pool, quant_method_kwargs, storage_problem
 from poolfuzz.adapters.sglang.lifecycle.speculative import (
     SGLangScratch, move_problem, native_kv_move, speculative_problem,
 )
 from poolfuzz.adapters.sglang.pools.writes import write_rows
-from poolfuzz.adapters.sglang.lifecycle.tracking import (
-    check_built, extra_buffer_admission_problem, extra_buffer_problem,
-)
+from poolfuzz.adapters.sglang.lifecycle.tracking import extra_buffer_admission_problem, extra_buffer_problem
 from poolfuzz.adapters.sglang.pools.views import (AllocatorView, FreeListView, KVPoolView, MambaPoolView, ReqPoolView,
                                             as_ints, token_free_pages,
                                             token_free_sources)
@@ -227,8 +225,10 @@ def _paged_allocation_problem(api: SGLangAPI) -> str | None:
 
 def build_sglang_family(config: ModelConfig, *, device="cpu", faults=(), backup_mode=None,
                         node: str | None = None, scheduled: bool = False,
-                        decode_rows: int | None = None) -> SGLangFamily:
-    """``decode_rows``: the request pool is a PD decode server's, with that many rows more for requests in
+                        decode_rows: int | None = None, role_flags: dict | None = None) -> SGLangFamily:
+    """``role_flags``: the server flags of the role a scheduler-path server plays (its decode server's), with which
+    SGLang's configurator builds its pools. ``decode_rows``: the request pool is a PD decode server's, with that many
+    rows more for requests in
     pre-allocation and transfer (the scheduler path's decode server; the pools path's decode node keeps the plain
     pool it drives)."""
     faults = tuple(faults)
@@ -253,7 +253,7 @@ def build_sglang_family(config: ModelConfig, *, device="cpu", faults=(), backup_
             pd_decode = node == DECODE or decode_rows is not None
             family = _build(api, config, dev, sdev, backup_mode, pd_decode=pd_decode, scheduled=scheduled,
                             decode_rows=decode_rows)
-            served = _server_pools(config, family, sdev, pd_decode=pd_decode)
+            served = _server_pools(config, family, sdev, pd_decode=pd_decode, role_flags=role_flags)
             if served is None:
                 return family
             family = _build(api, config, dev, sdev, backup_mode, pd_decode=pd_decode, scheduled=scheduled,
@@ -268,22 +268,24 @@ def build_sglang_family(config: ModelConfig, *, device="cpu", faults=(), backup_
                           f"({type(exc).__name__}: {first})") from None
 
 
-def _server_pools(config: ModelConfig, family: SGLangFamily, sdev: str, *, pd_decode: bool):
+def _server_pools(config: ModelConfig, family: SGLangFamily, sdev: str, *, pd_decode: bool,
+                  role_flags: dict | None = None):
     """The pools SGLang's own KV cache configurator builds for the config's server (``pools/configurator.py``), where
     it builds them here and they are the pools the config describes: the classes, sizes, mamba shapes and layers of
     the family's own wiring, the request rows' width aside. None otherwise, and ``family.pools_source`` says why the
     family keeps its wiring (``poolfuzz configs --family sglang`` shows how the two differ)."""
     from poolfuzz.adapters.sglang.pools import configurator
 
-    if pd_decode:
-        family.pools_source = "the adapter's wiring (a PD decode server's pools: not through the configurator yet)"
+    if pd_decode and not role_flags:
+        family.pools_source = ("the adapter's wiring (the pools path's decode node: its server flags are not the "
+                               "scheduler path's decode server's)")
         return None
     if config.kv_quant or config.kv_scale_block or config.attention == "msa" or (config.latent and config.has_mamba):
         family.pools_source = ("the adapter's wiring (it reads FP4, block-scaled, MiniMax sparse and hybrid MLA "
                                "pools only from its own wiring yet)")
         return None
     try:
-        served = configurator.configure(config, device=sdev)
+        served = configurator.configure(config, device=sdev, role_flags=role_flags)
     except ConfigError as exc:
         family.pools_source = f"the adapter's wiring ({exc})"
         return None

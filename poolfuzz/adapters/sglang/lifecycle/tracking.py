@@ -42,24 +42,6 @@ def extra_buffer_admission_problem(api, config) -> str | None:
     return None
 
 
-def pool_kwargs(config) -> dict:
-    """The constructor flags of the config's mode: extra buffer on with track slots, the overlap
-    schedule with two of them (SGLang's ``get_mamba_tracking_slots``)."""
-    return dict(enable_mamba_extra_buffer=bool(config.mamba_track_slots),
-                enable_overlap_schedule=config.mamba_track_slots == 2)
-
-
-def check_built(pool, config) -> str | None:
-    """The built pool allocates as many track slots per request as the config holds, or a reason."""
-    if not config.mamba_track_slots:
-        return None
-    got = getattr(pool, "mamba_initial_tracking_slots", getattr(pool, "mamba_ping_pong_track_buffer_size", None))
-    if got != config.mamba_track_slots:
-        return (f"SGLang's pool gives each request {got} track slots in this mode, the config holds "
-                f"{config.mamba_track_slots}")
-    return None
-
-
 def _record(sg):
     """Where this release keeps the request's mamba fields (``req.kv`` from 0.5.19, else the request)."""
     kv = getattr(sg, "kv", None)

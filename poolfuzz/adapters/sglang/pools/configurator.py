@@ -211,63 +211,34 @@ def server_model(c: ModelConfig) -> ServerModel:
 def problem() -> str | None:
     """Why this release cannot build pools through its configurator here, or None."""
     missing = [k for k in ("kv_cache_configurator", "profile_available_bytes", "spawn_ranks", "init_parallel_groups",
-                           "post_capture_kv_active",
-                           "resolve_layer_indices", "configure_kv_cache_dtype", "resolve_sliding_window_size",
-                           "spec_aux_config")
+                           "post_capture_kv_active", "resolve_layer_indices", "configure_kv_cache_dtype",
+                           "resolve_sliding_window_size", "spec_aux_config")
                if not has_private(k)]
     if not missing:
         return None
-    return (f"the configurator path drives SGLang 0.5.22 on, and this release lacks {', '.join(missing)} (no KV "
-            "cache configurator before 0.5.16; before 0.5.22 a scheduler process publishes its ranks otherwise)")
+    if "kv_cache_configurator" in missing:
+        return "this release has no KV cache configurator (0.5.16 on): its model runner builds the pools"
+    return (f"the configurator path drives SGLang 0.5.22 on, and this release lacks {', '.join(missing)} (before "
+            "0.5.22 a scheduler process publishes its ranks otherwise)")
 
 
-def configure(c: ModelConfig, *, device: str = "cpu") -> ConfiguredPools:
+def configure(c: ModelConfig, *, device: str = "cpu", role_flags: dict | None = None) -> ConfiguredPools:
     """Build ``c``'s server's pools with SGLang's configurator; a ConfigError with SGLang's words where the server (or
-    this release, or this machine's platform) refuses it."""
+    this release, or this machine's platform) refuses it. ``role_flags``: the flags that make the server what it is
+    beside its model and sizes (a PD decode server's ``--disaggregation-mode decode``, ...); what SGLang's hooks
+    resolve from them (the decode side's extra request rows, its disabled radix cache) is theirs."""
     reason = problem()
     if reason:
         raise ConfigError(f"config {c.name!r}: {reason}")
     server = server_model(c)
-    from sglang.srt.configs.model_config import AttentionArch
-    from sglang.srt.configs.model_config import ModelConfig as SGLangModelConfig
-    from sglang.srt.runtime_context import get_model, get_parallel, get_schedule, publish
-    from sglang.srt.server_args import ServerArgs
-    from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
-
+    if role_flags:
+        server = ServerModel(kind=server.kind, flags=server.flags | role_flags, hf_config=server.hf_config)
     model_dir = _model_dir(server.hf_config)
-    from poolfuzz.adapters.sglang.tree.tree_build import forget_published
+    from poolfuzz.adapters.sglang.server_args import another_server
 
-    forget_published()  # the server published below is not the one the tree path last published
     try:
-        args = ServerArgs(model_path=model_dir, device="cpu", **server.flags)
-        publish(args, role="scheduler", ranks=private("spawn_ranks")(world_rank=0, dp_rank=None, gpu_id=0))
-        _parallel_groups(args)
-        model_config = SGLangModelConfig(model_path=model_dir)
-        model = types.SimpleNamespace()  # no weights, no quantisation, no layer hooks: the model config decides
-        kv_name, kv_dtype = private("configure_kv_cache_dtype")(
-            server_args_kv_cache_dtype=get_model().kv_cache_dtype, model=model, model_dtype=model_config.dtype,
-            is_draft_worker=False, is_dflash=False, speculative_draft_attention_backend=None,
-            speculative_draft_kv_cache_dtype=None)
-        # each argument as ModelRunner.init_kv_cache_configurator passes it, from what the runner holds: the published
-        # server's page size (a model hook may have reset it), its groups, SGLang's own post-capture answer
-        pp_group = get_parallel().pp_group
-        configurator = _budgeted_configurator()(
-            device=device, gpu_id=0, attn_dp_size=get_parallel().attn_dp_size, pp_size=pp_group.world_size,
-            pp_group=pp_group, model=model, model_config=model_config, server_args=args, kv_cache_dtype=kv_dtype,
-            kv_cache_dtype_str=kv_name if kv_name is not None else get_model().kv_cache_dtype,
-            model_dtype=model_config.dtype, page_size=get_schedule().page_size,
-            sliding_window_size=private("resolve_sliding_window_size")(model, model_config),
-            spec_algorithm=SpeculativeAlgorithm.NONE, is_draft_worker=False,
-            post_capture_kv_active=private("post_capture_kv_active")(
-                server_args=args, is_draft_worker=False, spec_algorithm=SpeculativeAlgorithm.NONE,
-                token_to_kv_pool_allocator=None),
-            spec_aux_config=private("spec_aux_config")(), is_hybrid_swa=model_config.is_hybrid_swa,
-            is_hybrid_swa_compress=model_config.is_hybrid_swa_compress,
-            use_mla_backend=model_config.attention_arch == AttentionArch.MLA,
-            layer_info=private("resolve_layer_indices")(model=model, model_config=model_config,
-                                                        is_draft_worker=False),
-            forward_stream=None, req_to_token_pool=None, token_to_kv_pool_allocator=None, memory_pool_config=None)
-        result = configurator.configure(pre_model_load_memory=0)
+        with another_server():  # the server published last is published again once these pools are built
+            result = _configured(server, model_dir, device)
     except Exception as exc:  # noqa: BLE001 -- whatever SGLang (or transformers, parsing the model) refuses it with
         first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         raise ConfigError(f"config {c.name!r}: SGLang refuses the server {server.command_line()!r} here: "
@@ -279,6 +250,45 @@ def configure(c: ModelConfig, *, device: str = "cpu") -> ConfiguredPools:
     return ConfiguredPools(server=server, req_to_token_pool=result.req_to_token_pool,
                            token_to_kv_pool=result.token_to_kv_pool, allocator=result.token_to_kv_pool_allocator,
                            sizes=sizes)
+
+
+def _configured(server: ServerModel, model_dir: str, device: str):
+    """SGLang's configurator run for ``server`` (published as a scheduler process publishes it), its result."""
+    from sglang.srt.configs.model_config import AttentionArch
+    from sglang.srt.configs.model_config import ModelConfig as SGLangModelConfig
+    from sglang.srt.runtime_context import get_model, get_parallel, get_schedule, publish
+    from sglang.srt.server_args import ServerArgs
+    from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+
+    args = ServerArgs(model_path=model_dir, device="cpu", **server.flags)
+    publish(args, role="scheduler", ranks=private("spawn_ranks")(world_rank=0, dp_rank=None, gpu_id=0))
+    _parallel_groups(args)
+    model_config = SGLangModelConfig(model_path=model_dir)
+    model = types.SimpleNamespace()  # no weights, no quantisation, no layer hooks: the model config decides
+    kv_name, kv_dtype = private("configure_kv_cache_dtype")(
+        server_args_kv_cache_dtype=get_model().kv_cache_dtype, model=model, model_dtype=model_config.dtype,
+        is_draft_worker=False, is_dflash=False, speculative_draft_attention_backend=None,
+        speculative_draft_kv_cache_dtype=None)
+    # each argument as ModelRunner.init_kv_cache_configurator passes it, from what the runner holds: the published
+    # server's page size (a model hook may have reset it), its groups, SGLang's own post-capture answer
+    pp_group = get_parallel().pp_group
+    configurator = _budgeted_configurator()(
+        device=device, gpu_id=0, attn_dp_size=get_parallel().attn_dp_size, pp_size=pp_group.world_size,
+        pp_group=pp_group, model=model, model_config=model_config, server_args=args, kv_cache_dtype=kv_dtype,
+        kv_cache_dtype_str=kv_name if kv_name is not None else get_model().kv_cache_dtype,
+        model_dtype=model_config.dtype, page_size=get_schedule().page_size,
+        sliding_window_size=private("resolve_sliding_window_size")(model, model_config),
+        spec_algorithm=SpeculativeAlgorithm.NONE, is_draft_worker=False,
+        post_capture_kv_active=private("post_capture_kv_active")(
+            server_args=args, is_draft_worker=False, spec_algorithm=SpeculativeAlgorithm.NONE,
+            token_to_kv_pool_allocator=None),
+        spec_aux_config=private("spec_aux_config")(), is_hybrid_swa=model_config.is_hybrid_swa,
+        is_hybrid_swa_compress=model_config.is_hybrid_swa_compress,
+        use_mla_backend=model_config.attention_arch == AttentionArch.MLA,
+        layer_info=private("resolve_layer_indices")(model=model, model_config=model_config,
+                                                    is_draft_worker=False),
+        forward_stream=None, req_to_token_pool=None, token_to_kv_pool_allocator=None, memory_pool_config=None)
+    return configurator.configure(pre_model_load_memory=0)
 
 
 _BUDGETED: dict[str, type] = {}

@@ -5,7 +5,6 @@ from __future__ import annotations
 import torch
 
 from poolfuzz.adapters.sglang.api import SGLangAPI, SGLangUnavailable, first_importable, construct
-from poolfuzz.adapters.sglang.lifecycle.tracking import pool_kwargs
 from poolfuzz.pools.config import ModelConfig
 
 _DECODE = "sglang.srt.disaggregation.decode"
@@ -56,3 +55,21 @@ def mamba_cache_params(api: SGLangAPI, c: ModelConfig):
         return construct(api.Mamba2CacheParams, **kwargs)
     except TypeError as exc:
         raise SGLangUnavailable(f"cannot build Mamba2CacheParams on sglang {api.version}: {exc}") from exc
+
+
+def pool_kwargs(config) -> dict:
+    """The constructor flags of the config's mode: extra buffer on with track slots, the overlap
+    schedule with two of them (SGLang's ``get_mamba_tracking_slots``)."""
+    return dict(enable_mamba_extra_buffer=bool(config.mamba_track_slots),
+                enable_overlap_schedule=config.mamba_track_slots == 2)
+
+
+def check_built(pool, config) -> str | None:
+    """The built pool allocates as many track slots per request as the config holds, or a reason."""
+    if not config.mamba_track_slots:
+        return None
+    got = getattr(pool, "mamba_initial_tracking_slots", getattr(pool, "mamba_ping_pong_track_buffer_size", None))
+    if got != config.mamba_track_slots:
+        return (f"SGLang's pool gives each request {got} track slots in this mode, the config holds "
+                f"{config.mamba_track_slots}")
+    return None

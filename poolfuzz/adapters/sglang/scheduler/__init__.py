@@ -1,1 +1,2 @@
-"""SGLang's own Scheduler on the CPU (``--family sglang:scheduler`` and ``sglang:hicache``): the server, its model-runner stand-in, its sessions' clients, and the factories."""
+"""SGLang's own Scheduler on the CPU (``--family sglang:scheduler``, ``sglang:hicache`` and ``sglang:decode``): the
+servers, the model-runner stand-in, the streaming sessions' clients, and the factories."""

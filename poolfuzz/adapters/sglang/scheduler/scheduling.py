@@ -26,7 +26,7 @@ own ``SchedulerInvariantChecker`` as a server run with its strict memory checks 
 conservation, no page owned and free, none free twice), and at the end, idle, ``on_idle``'s leak checks and the
 tree's ``sanity_check`` (``compat.engine_invariant_problem``).
 
-The server's arguments are published as a launcher publishes them (``tree_build.publish_server_args``:
+The server's arguments are published as a launcher publishes them (``server_args.publish_server_args``:
 ``ServerArgs`` of the flags of :func:`server_arguments`, with what SGLang derives from them), so the Scheduler, the
 tree and ``ScheduleBatch`` read one server's configuration. A model with recurrent state runs the mamba radix cache
 with the strategy its pools were built for (``no_buffer``, or ``extra_buffer`` with its track slots), a model
@@ -144,7 +144,7 @@ def _server_arguments_problem(version: str) -> str | None:
     """Whether this release publishes a server's default arguments without a model (its radix tree reads them)."""
     import os
 
-    from poolfuzz.adapters.sglang.tree.tree_build import publish_defaults
+    from poolfuzz.adapters.sglang.server_args import publish_defaults
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # a release that wants a model's config fails at once, offline
     try:
@@ -241,7 +241,8 @@ class SglangSchedulerDriver:
     def _build_context_server(self, config: ModelConfig, max_running: int) -> None:
         """0.5.23's server: its arguments in the runtime context, the tree its registry picks, its components."""
         from poolfuzz.adapters.sglang.lifecycle.family import build_sglang_family
-        from poolfuzz.adapters.sglang.tree.tree_build import build_tree, mamba_sized, publish_server_args
+        from poolfuzz.adapters.sglang.server_args import publish_server_args
+        from poolfuzz.adapters.sglang.tree.tree_build import build_tree, mamba_sized
 
         m = self.m
         # before the configurator's sizing reads them; afresh, where this server resolves flags on its own pools

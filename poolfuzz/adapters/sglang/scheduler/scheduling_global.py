@@ -27,7 +27,7 @@ from __future__ import annotations
 from types import SimpleNamespace as NS
 
 from poolfuzz.adapters.sglang import compat
-from poolfuzz.adapters.sglang.tree.tree_build import NO_MODEL
+from poolfuzz.adapters.sglang.server_args import NO_MODEL
 
 
 

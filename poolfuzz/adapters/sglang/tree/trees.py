@@ -34,7 +34,8 @@ from poolfuzz.adapters.sglang.lifecycle.protocol import SGLangProtocol
 from poolfuzz.adapters.sglang.lifecycle.standin import FLAT_FIELDS
 from poolfuzz.adapters.sglang.host_tier import hicache, l3
 from poolfuzz.adapters.sglang.tree import idle_check, tree_swa
-from poolfuzz.adapters.sglang.tree.tree_build import publish_defaults, build_tree, mamba_sized
+from poolfuzz.adapters.sglang.server_args import publish_defaults
+from poolfuzz.adapters.sglang.tree.tree_build import build_tree, mamba_sized
 from poolfuzz.pools.errors import PoolError, PoolExhausted
 from poolfuzz.pools.protocol import window_start
 

@@ -25,10 +25,9 @@ from poolfuzz.adapters.sglang.lifecycle.admission import SchedulerAdmission
 from poolfuzz.adapters.sglang.pools.calls import paged_alloc_extend
 from poolfuzz.adapters.sglang.api import SGLangAPI, first_importable, call_with, load
 from poolfuzz.adapters.sglang.lifecycle.family import KV_DTYPES
-from poolfuzz.adapters.sglang.pools.request_pool import mamba_cache_params
 from poolfuzz.adapters.sglang.lifecycle.standin import standin_class
 from poolfuzz.adapters.sglang.pools.storage import what_failed, single_rank
-from poolfuzz.adapters.sglang.lifecycle.tracking import check_built, pool_kwargs
+from poolfuzz.adapters.sglang.pools.request_pool import check_built, mamba_cache_params, pool_kwargs
 from poolfuzz.adapters.sglang.unified_pool.unified_family import (
     UnifiedFamily, UnifiedProtocol, kv_pool_view, mirrored_kv, mirrored_state, prewarm_compaction,
 )

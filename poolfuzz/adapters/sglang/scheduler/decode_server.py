@@ -33,8 +33,10 @@ Stood in for, and why:
 * the TpModelWorker's model facts the queues and the backup's resolution read (layer count, KV heads, KV cache dtype
   name; its HF config, a real ``transformers`` config of a model family with the config's kind of layers:
   :func:`hf_model_config`), and its pools and load-back counter registration (:func:`worker_standin`).
-* the request pool's extra rows: SGLang's ``DecodeReqToTokenPool`` (``HybridMambaDecodeReqToTokenPool`` with mamba
-  layers) is built as the configurator builds it, with the PD hook's default extra rows (:meth:`family_options`).
+* the request pool's extra rows, where SGLang's own configurator does not build the pools here
+  (``pools/configurator.py``, with :data:`ROLE_FLAGS`; then its PD hook sizes them): SGLang's
+  ``DecodeReqToTokenPool`` (``HybridMambaDecodeReqToTokenPool`` with mamba layers) as the configurator builds it,
+  with the PD hook's default extra rows (:meth:`family_options`).
 
 Server flags besides the scheduler path's: ``--disaggregation-mode decode``, ``--disaggregation-transfer-backend
 fake`` and ``--num-reserved-decode-tokens 1``: the headroom
@@ -57,6 +59,8 @@ from poolfuzz.adapters.sglang.shims import one_rank_group
 from poolfuzz.pools.config import ModelConfig
 from poolfuzz.pools.errors import ConfigError
 
+# What makes the server a decode server, for SGLang's configurator (whose resolution, with a model, derives the rest).
+ROLE_FLAGS = {"disaggregation_mode": "decode", "disaggregation_transfer_backend": "fake"}
 DECODE_FLAGS = {"disaggregation_mode": "decode", "disaggregation_transfer_backend": "fake", "num_reserved_decode_tokens": 1,
                 # what SGLang's PD hook resolves for a decode server without --disaggregation-decode-enable-radix-cache
                 # (which the fake backend refuses): its launcher's resolution pipeline needs a model, so it is stated
@@ -146,11 +150,12 @@ class SglangDecodeDriver(SglangSchedulerDriver):
         return worker
 
     def family_options(self, max_running: int) -> dict:
-        """The request pool a decode server's configurator builds (``DecodeReqToTokenPool`` /
-        ``HybridMambaDecodeReqToTokenPool``), with the rows SGLang's PD hook gives requests in pre-allocation and
-        transfer by default: twice the running requests, where those are 32 or fewer
-        (``handle_pd_disaggregation``'s ``disaggregation_decode_extra_slots``; its resolution needs a model)."""
-        return {"decode_rows": 2 * max_running}
+        """The decode server's role flags, with which SGLang's configurator builds its pools (its PD hook resolving
+        the extra rows from the model); and the wiring's request pool where the configurator does not serve
+        (``DecodeReqToTokenPool`` / ``HybridMambaDecodeReqToTokenPool``, with the rows SGLang's PD hook gives
+        requests in pre-allocation and transfer by default: twice the running requests, where those are 32 or fewer,
+        ``handle_pd_disaggregation``'s ``disaggregation_decode_extra_slots``)."""
+        return {"decode_rows": 2 * max_running, "role_flags": ROLE_FLAGS}
 
     def _build_context_server(self, config: ModelConfig, max_running: int) -> None:
         from sglang.srt.runtime_context import get_server_args
