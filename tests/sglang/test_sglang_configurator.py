@@ -201,3 +201,16 @@ def test_a_radix_disabled_decode_server_sizes_its_window_pool_from_its_requests(
     assert server["swa kv pool"] != f"MHATokenToKVPool ({c.swa_tokens} tokens)"
     family = build_sglang_family(c, scheduled=True, decode_rows=2 * c.request_rows, role_flags=ROLE_FLAGS)
     assert "builds other pools for the config's server" in family.pools_source
+
+
+def test_the_configurator_publishes_the_callers_server_back(configurator):
+    """The configurator publishes its own server (with a model) to build the pools; what reads SGLang's context next
+    (a decode server resolving its retraction backup, a tree) must read its caller's server again."""
+    from sglang.srt.runtime_context import get_server_args
+
+    from poolfuzz.adapters.sglang.server_args import NO_MODEL, publish_server_args
+
+    publish_server_args(chunked_prefill_size=24, schedule_conservativeness=0.1)
+    configurator.configure(CONFIGS["swa"])
+    args = get_server_args()
+    assert (args.model_path, args.chunked_prefill_size, args.schedule_conservativeness) == (NO_MODEL, 24, 0.1)
