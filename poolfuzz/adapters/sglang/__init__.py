@@ -61,13 +61,14 @@ def describe_server(config):
     (``poolfuzz configs --family sglang``)."""
     from poolfuzz.adapters.sglang.api import load
     from poolfuzz.adapters.sglang.lifecycle.family import build_sglang_family
-    from poolfuzz.adapters.sglang.pools.configurator import configure, describe_pools, server_model
+    from poolfuzz.adapters.sglang.pools.configurator import (command_line, configure, describe_pools, server_flags,
+                                                             server_model)
     from poolfuzz.adapters.sglang.tree.trees import tree_sized
     from poolfuzz.errors import ConfigError
     from poolfuzz.pools.capabilities import ServerDescription
 
     api = load()
-    flags, built, refused, family, declines, model = "", None, None, None, None, None
+    flags, built, refused, family, declines, model = command_line(server_flags(config)), None, None, None, None, None
     try:
         server = server_model(config)
         flags, model = server.command_line(), server.hf_config

@@ -52,11 +52,16 @@ class ServerModel:
 
     def command_line(self) -> str:
         """The flags as ``python -m sglang.launch_server`` takes them (the model path left out)."""
-        out = []
-        for name, value in sorted(self.flags.items()):
-            flag = "--" + name.replace("_", "-")
-            out.append(flag if value is True else f"{flag} {value}")
-        return " ".join(out)
+        return command_line(self.flags)
+
+
+def command_line(flags: dict) -> str:
+    """Server flags as ``python -m sglang.launch_server`` takes them."""
+    out = []
+    for name, value in sorted(flags.items()):
+        flag = "--" + name.replace("_", "-")
+        out.append(flag if value is True else f"{flag} {value}")
+    return " ".join(out)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -188,16 +193,9 @@ MODELS: dict[str, Callable[[ModelConfig, str], dict]] = {
 }
 
 
-def server_model(c: ModelConfig) -> ServerModel:
-    """The server ``c`` stands for; a ConfigError naming the kind where no model stands for it yet."""
-    kind = c.architecture
-    if kind not in MODELS:
-        raise ConfigError(f"config {c.name!r}: no model stands for architecture {kind!r} on the configurator path "
-                          f"yet (it has models for: {', '.join(MODELS)})")
-    if c.spec_draft_tokens:
-        raise ConfigError(f"config {c.name!r}: speculative decoding needs a draft model, which the configurator path "
-                          "does not build yet")
-    dtype, flags = _dtype_flags(c)
+def server_flags(c: ModelConfig) -> dict:
+    """The flags of the server ``c`` stands for (``ServerArgs`` fields), whether or not a model stands for it yet."""
+    flags = _dtype_flags(c)[1]
     flags.update(page_size=c.page_size, max_total_tokens=c.full_tokens or c.swa_tokens,
                  max_running_requests=c.request_rows)
     if c.has_swa and c.has_full:
@@ -205,7 +203,21 @@ def server_model(c: ModelConfig) -> ServerModel:
     if c.has_mamba:
         flags.update(max_mamba_cache_size=c.mamba_slots, disable_overlap_schedule=True,
                      mamba_radix_cache_strategy="extra_buffer" if c.mamba_track_slots else "no_buffer")
-    return ServerModel(kind=kind, flags=flags, hf_config=MODELS[kind](c, dtype))
+    if c.spec_draft_tokens:  # EAGLE drafting the config's tokens a step (its draft model is not built yet)
+        flags.update(speculative_algorithm="EAGLE", speculative_num_draft_tokens=c.spec_draft_tokens)
+    return flags
+
+
+def server_model(c: ModelConfig) -> ServerModel:
+    """The server ``c`` stands for; a ConfigError naming what is missing where no model stands for it yet."""
+    kind = c.architecture
+    if kind not in MODELS:
+        raise ConfigError(f"config {c.name!r}: no model stands for architecture {kind!r} on the configurator path "
+                          f"yet (it has models for: {', '.join(MODELS)})")
+    if c.spec_draft_tokens:
+        raise ConfigError(f"config {c.name!r}: speculative decoding needs a draft model, which the configurator path "
+                          "does not build yet")
+    return ServerModel(kind=kind, flags=server_flags(c), hf_config=MODELS[kind](c, _dtype_flags(c)[0]))
 
 
 def problem() -> str | None:
