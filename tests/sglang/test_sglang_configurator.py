@@ -66,7 +66,7 @@ def test_a_recurrent_server_caps_its_requests_by_its_mamba_slots(configurator):
 @pytest.mark.parametrize("name, words", [
     ("hybrid-linear-ps4", "no_buffer only supports page_size=1"),
     ("hybrid-spec", "draft model"),
-    ("minimax-sparse", "no model stands for architecture 'minimax-m3'"),
+    ("swa-ssm", "no model stands for architecture 'inkling'"),
 ])
 def test_a_server_sglang_refuses_is_refused_in_its_words(configurator, name, words):
     with pytest.raises(ConfigError, match=words):
@@ -91,7 +91,8 @@ def test_the_listed_flags_are_the_servers_own_command_line(configurator, name, t
         assert getattr(parsed, flag) == value, flag
 
 
-@pytest.mark.parametrize("name", ["dense", "dense-ps4", "swa", "swa-ps4", "swa-only", "mla", "mla-ps4"])
+@pytest.mark.parametrize("name", ["dense", "dense-ps4", "swa", "swa-ps4", "swa-only", "mla", "mla-ps4", "minimax-sparse",
+                                  "minimax-sparse-ps4", "minimax-sparse-konly"])
 def test_the_adapters_own_wiring_builds_the_pools_the_server_builds(configurator, name, monkeypatch):
     """The family's wiring (what it falls back to where the configurator cannot serve) beside the configurator's
     pools: a class, size, shape or layer of its own is a drift of the adapter from the release."""
@@ -130,7 +131,7 @@ def test_the_configs_listing_names_each_servers_flags_and_pools(api, configurato
     dense = out[out.index("\ndense "):out.index("\ndense-ps4 ")]
     assert "server flags: --max-running-requests 5 --max-total-tokens 48 --page-size 1" in dense
     assert "KV pool        MHATokenToKVPool (48 tokens, torch.bfloat16)" in dense
-    assert "configurator: config 'minimax-sparse': no model stands for" in out
+    assert "configurator: config 'swa-ssm': no model stands for" in out
     assert dense.count("family builds the same") == 1
 
 
@@ -147,7 +148,7 @@ def test_a_configs_server_is_written_out_to_launch_on_a_gpu(api, configurator, c
             "--max-running-requests 5 --max-total-tokens 64 --page-size 1 --swa-full-tokens-ratio 0.5") in out
 
 
-@pytest.mark.parametrize("name", ["dense", "swa-ps4", "swa-only", "mla-ps4"])
+@pytest.mark.parametrize("name", ["dense", "swa-ps4", "swa-only", "mla-ps4", "minimax-sparse-konly-ps4"])
 def test_the_family_runs_on_the_pools_sglangs_configurator_built_for_its_server(configurator, name):
     """Where the configurator builds the pools the config describes, the family drives those very objects: its
     request rows are as wide as SGLang makes them (the model's context and SGLang's extra columns)."""

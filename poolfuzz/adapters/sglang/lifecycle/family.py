@@ -280,9 +280,9 @@ def _server_pools(config: ModelConfig, family: SGLangFamily, sdev: str, *, pd_de
         family.pools_source = ("the adapter's wiring (the pools path's decode node: its server flags are not the "
                                "scheduler path's decode server's)")
         return None
-    if config.kv_quant or config.kv_scale_block or config.attention == "msa" or (config.latent and config.has_mamba):
-        family.pools_source = ("the adapter's wiring (it reads FP4, block-scaled, MiniMax sparse and hybrid MLA "
-                               "pools only from its own wiring yet)")
+    if config.kv_quant or config.kv_scale_block or (config.latent and config.has_mamba):
+        family.pools_source = ("the adapter's wiring (it reads FP4, block-scaled and hybrid MLA pools only from its "
+                               "own wiring yet)")
         return None
     try:
         served = configurator.configure(config, device=sdev, role_flags=role_flags)

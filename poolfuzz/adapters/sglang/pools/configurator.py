@@ -35,6 +35,7 @@ from typing import Callable
 from poolfuzz.adapters.sglang.compat import has_private, private, private_name
 from poolfuzz.errors import ConfigError
 from poolfuzz.pools.config import ModelConfig
+from poolfuzz.pools.quantised import MODEL_DTYPE
 
 # What the GPU memory probe answers: more than any config's pools take, so the flags' caps bind.
 MEMORY_BUDGET = 1 << 30
@@ -102,10 +103,10 @@ def describe_pools(req_to_token_pool, token_to_kv_pool, allocator) -> dict[str, 
     out["KV pool"] = (f"{type(token_to_kv_pool).__name__} ({token_to_kv_pool.size} tokens, "
                       f"{getattr(token_to_kv_pool, 'dtype', '?')}"
                       + (f", {quant}" if quant not in ("NoneType", "UnquantizedKVCacheMethod") else "") + layers + ")")
-    for part in ("full_kv_pool", "swa_kv_pool"):
+    for part in ("full_kv_pool", "swa_kv_pool", "main_pool", "index_kv_pool", "index_k_pool"):
         sub = getattr(token_to_kv_pool, part, None)
         if sub is not None:
-            out[part.replace("_", " ")] = f"{type(sub).__name__} ({sub.size} tokens)"
+            out[part.replace("_", " ")] = f"{type(sub).__name__} ({sub.size} tokens, {getattr(sub, 'dtype', '?')})"
     out["allocator"] = f"{type(allocator).__name__} ({allocator.size} tokens)"
     return out
 
@@ -128,9 +129,11 @@ def _dtype_flags(c: ModelConfig) -> tuple[str, dict]:
         return c.kv_dtype, {}
     if c.kv_quant == "fp4_mx_block16":
         return c.kv_dtype if c.kv_dtype in _MODEL_DTYPES else "bfloat16", {"kv_cache_dtype": "fp4_mx_block16"}
+    # an FP8 KV cache's model: poolfuzz's model dtype for quantised KV (float16, in which every fp8 byte round-trips)
+    model = str(MODEL_DTYPE).removeprefix("torch.")
     if c.kv_scale_block:
-        return "bfloat16", {"kv_cache_dtype": "mxfp8"}
-    return "bfloat16", {"kv_cache_dtype": c.kv_dtype}  # fp8_e4m3 / fp8_e5m2 (cpu_fp8_e4m3: SGLang's CPU quant)
+        return model, {"kv_cache_dtype": "mxfp8"}
+    return model, {"kv_cache_dtype": c.kv_dtype}  # fp8_e4m3 / fp8_e5m2 (cpu_fp8_e4m3: SGLang's CPU quant)
 
 
 def _attention(c: ModelConfig, dtype: str) -> dict:
@@ -182,6 +185,17 @@ def _deepseek_v32_model(c: ModelConfig, dtype: str) -> dict:
     return {**_deepseek_v3_model(c, dtype), "index_topk": 4, "index_head_dim": c.index_head_dim, "index_n_heads": 1}
 
 
+def _minimax_m3_model(c: ModelConfig, dtype: str) -> dict:
+    """MiniMax-M3 sparse: each layer dense or sparse (``sparse_attention_freq``), a sparse layer's indexer keeping
+    its value or not (``sparse_disable_index_value``), as the config's ``msa_layers`` letters say (D, V, K)."""
+    letters = c.msa_layers
+    return {"architectures": ["MiniMaxM3SparseForCausalLM"], "model_type": "minimax_m2", **_attention(c, dtype),
+            "sparse_attention_config": {"sparse_attention_freq": [0 if x == "D" else 1 for x in letters],
+                                        "sparse_disable_index_value": [1 if x == "K" else 0 for x in letters],
+                                        "sparse_index_dim": c.index_head_dim},
+            "num_local_experts": 1, "num_experts_per_tok": 1}
+
+
 # A config's architecture -> the model that stands for it (its config.json). Architectures without an entry
 # (MiniMax's sparse index, Inkling, Kimi-Linear) are not built through the configurator yet.
 MODELS: dict[str, Callable[[ModelConfig, str], dict]] = {
@@ -190,6 +204,7 @@ MODELS: dict[str, Callable[[ModelConfig, str], dict]] = {
     "qwen3-next": _qwen3_next_model,
     "deepseek-v3": _deepseek_v3_model,
     "deepseek-v3.2": _deepseek_v32_model,
+    "minimax-m3": _minimax_m3_model,
 }
 
 

@@ -30,13 +30,16 @@ def msa_problem(api: SGLangAPI, config: ModelConfig) -> str | None:
     return None
 
 
-def build_msa_pool(api: SGLangAPI, config: ModelConfig, common: dict):
+def build_msa_pool(api: SGLangAPI, config: ModelConfig, common: dict, *, pool=None):
     """The release's ``MiniMaxSparseKVPool`` for ``config`` (its index caches in the KV dtype, as the
-    configurator's ``get_minimax_sparse_index_dtype`` gives off CUDA), and its components."""
+    configurator's ``get_minimax_sparse_index_dtype`` gives off CUDA), and its components; with ``pool``, the
+    components of that one, as SGLang's configurator built it for the config's server."""
     c = config
     problem = msa_problem(api, c)
     if problem:
         raise ConfigError(f"config {c.name!r} on sglang {api.version}: {problem}")
+    if pool is not None:
+        return pool, _components(pool, c)
     sparse = sorted(c.msa_layer_ids("V") + c.msa_layer_ids("K"))
     pool = construct(first_importable(_POOL), size=c.full_tokens, idx_head_dim=c.index_head_dim,
                      dense_layer_ids=list(c.msa_layer_ids("D")), sparse_layer_ids=sparse,

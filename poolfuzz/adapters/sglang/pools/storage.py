@@ -162,17 +162,17 @@ def build_storage_pool(api: SGLangAPI, config: ModelConfig, common: dict, *, sch
                        pool=None) -> tuple[object, list[Component]]:
     """The release's MLA, DSA, MiniMax sparse or MXFP8 pool for a full-attention-only config, and its components
     (``scheduled``: for the scheduler path, see ``storage_problem``); with ``pool``, the components of that one, as
-    SGLang's configurator built it for the config's server (an MLA or DSA pool)."""
+    SGLang's configurator built it for the config's server (an MLA, DSA or MiniMax sparse pool)."""
     c = config
     problem = storage_problem(api, c, scheduled=scheduled)
     if problem:
         raise ConfigError(f"config {c.name!r} on sglang {api.version}: {problem}")
     if c.attention == "msa":
-        return build_msa_pool(api, c, {k: v for k, v in common.items() if k != "enable_kvcache_transpose"})
+        return build_msa_pool(api, c, {k: v for k, v in common.items() if k != "enable_kvcache_transpose"}, pool=pool)
     single_rank(api)
     if c.kv_quant == "fp4_mx_block16" and not c.latent:
         return build_mha_fp4_pool(api, c, common)
-    if pool is not None:  # MLA and DSA only: _server_pools serves no other storage pool yet
+    if pool is not None:  # MLA and DSA here (MiniMax above): _server_pools serves no FP4 or block-scaled pool yet
         return pool, _latent_components(pool, c)
     if c.latent:
         args = dict(common, size=c.full_tokens, kv_lora_rank=c.kv_lora_rank, qk_rope_head_dim=c.qk_rope_head_dim, layer_num=c.full_layers)
