@@ -104,7 +104,10 @@ def test_the_adapters_own_wiring_builds_the_pools_the_server_builds(configurator
     def refused(config, **kwargs):
         raise ConfigError("the configurator is switched off for this test")
 
+    from poolfuzz.adapters.sglang.lifecycle import family as family_module
+
     monkeypatch.setattr(configurator, "configure", refused)
+    monkeypatch.setattr(family_module, "_SERVES", {})  # this test's verdicts are not the release's
     wired = build_sglang_family(c, scheduled=True)
     assert wired.pools_source.startswith("the adapter's wiring (the configurator is switched off")
     assert configurator.same_pools(server, configurator.describe_pools(wired.sg_req_pool, wired.sg_kv_pool,

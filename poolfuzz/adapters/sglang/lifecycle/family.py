@@ -251,21 +251,49 @@ def build_sglang_family(config: ModelConfig, *, device="cpu", faults=(), backup_
     try:
         with debug_memory_pool(), native_kv_move():
             pd_decode = node == DECODE or decode_rows is not None
-            family = _build(api, config, dev, sdev, backup_mode, pd_decode=pd_decode, scheduled=scheduled,
-                            decode_rows=decode_rows)
-            served = _server_pools(config, family, sdev, pd_decode=pd_decode, role_flags=role_flags)
-            if served is None:
-                return family
-            family = _build(api, config, dev, sdev, backup_mode, pd_decode=pd_decode, scheduled=scheduled,
-                            decode_rows=decode_rows, served=served)
-            family.pools_source = "SGLang's KV cache configurator (" + served.server.command_line() + ")"
-            return family
+            build = functools.partial(_build, api, config, dev, sdev, backup_mode, pd_decode=pd_decode,
+                                      scheduled=scheduled, decode_rows=decode_rows)
+            return _served_or_wired(build, config, sdev, pd_decode=pd_decode, role_flags=role_flags)
     except (AssertionError, ValueError) as exc:
         # SGLang's constructors decide what this release can build: a config they refuse is
         # declined (a drawn one is skipped), never reported as a bug found in the pools.
         first = str(exc).splitlines()[0] if str(exc) else ""
         raise ConfigError(f"config {config.name!r} on sglang {api.version}: SGLang's constructors refuse it "
                           f"({type(exc).__name__}: {first})") from None
+
+
+# (config, its role flags, decode node, device) -> None where SGLang's configurator serves the config's pools, else why
+# the family keeps its wiring: decided by the first build (a family is built for every example; the release does not
+# change under a run), so later builds neither build the wiring only to compare it nor ask a refusing server again.
+_SERVES: dict[tuple, str | None] = {}
+
+
+def _served_or_wired(build, config: ModelConfig, sdev: str, *, pd_decode: bool, role_flags: dict | None):
+    """The family over the pools SGLang's configurator builds for the config's server where they are the config's
+    (``_server_pools``), else over the adapter's wiring (``build``: ``_build`` with all but ``served`` given)."""
+    from poolfuzz.adapters.sglang.pools import configurator
+
+    key = (config, tuple(sorted((role_flags or {}).items())), pd_decode, sdev)
+    if key not in _SERVES:
+        family = build()
+        served = _server_pools(config, family, sdev, pd_decode=pd_decode, role_flags=role_flags)
+        _SERVES[key] = None if served is not None else family.pools_source
+        if served is None:
+            return family
+    elif _SERVES[key] is not None:
+        family = build()
+        family.pools_source = _SERVES[key]
+        return family
+    else:
+        try:
+            served = configurator.configure(config, device=sdev, role_flags=role_flags)
+        except ConfigError as exc:  # refused now where it built before: the wiring, with the reason
+            family = build()
+            family.pools_source = f"the adapter's wiring ({exc})"
+            return family
+    family = build(served=served)
+    family.pools_source = "SGLang's KV cache configurator (" + served.server.command_line() + ")"
+    return family
 
 
 def _server_pools(config: ModelConfig, family: SGLangFamily, sdev: str, *, pd_decode: bool,
