@@ -99,6 +99,36 @@ class TestResolution:
         outcome = fuzz_family(host_pool_family, CONFIGS["mla"], examples=15, steps=30)
         assert outcome.failure is None, outcome.failure
 
+    def test_a_forked_request_transferred_to_decode_is_stored_in_l3_under_its_own_tokens(self, api):
+        """Shrunk from a failure the MLA host-pool fuzz found (the adapter's, not SGLang's): a fork's first token is
+        its source's, so its L3 page is the source's page. The decode node made up the fork's ids after a PD
+        transfer, so the page was keyed, and audited, as the fork's own; the ids now travel with the request, as a
+        decode server receives its prompt."""
+        from poolfuzz.adapters.sglang import build_family
+        from poolfuzz.harness.engine import Engine
+
+        _family(api, CONFIGS["mla"], backup_mode="host_pool")  # skips a release without the path
+
+        def host_pool_family(config, **kwargs):
+            return build_family(config, **{**kwargs, "backup_mode": "host_pool"})
+
+        e = Engine(config=CONFIGS["mla"], family_factory=host_pool_family)
+        if e.caps["decode"].take_stored_pages is None:
+            pytest.skip(f"sglang {api.version}: no L3 storage tier on this path")
+        first = e.admit(1)
+        e.prefill(first, 1)
+        source = e.admit(1)
+        e.prefill(source, 1)
+        e.finish(first)
+        fork = e.fork(source, 1)
+        e.prefill(fork, 1)
+        e.finish(source)
+        assert e.transfer(fork)
+        e.check()
+        e.finish(fork)  # its pages go to L3 on the decode node, and are audited there
+        e.check()
+        e.drain()
+
     def test_cpu_tensor_is_still_driven_when_asked(self, api):
         fam = _family(api, CONFIGS["dense"], backup_mode="cpu_tensor")
         assert fam.backup_mode == "cpu_tensor" and fam.host_pools == {}

@@ -149,6 +149,9 @@ class SGLangPDTransfer:
         if src_family.device.type != "cpu":
             raise PoolError("the sglang family's PD transfer copies host memory; on a GPU a transfer engine "
                             "(Mooncake, NIXL) moves the bytes")
+        tokens = src_family.protocol.token_ids(src.rid)
+        if tokens is not None:  # the request's token ids travel with it (the decode server receives its prompt)
+            dst_family.protocol.adopt_token_ids(dst.rid, tokens)
         s_args, d_args = registration(src_family), registration(dst_family)
         length = src.kv_committed_len
         ps = src_family.config.page_size

@@ -58,6 +58,15 @@ class SGLangProtocol(ServingProtocol):
     def _done(self, family) -> None:
         family.notify_frees()
 
+    # --- token ids (a prefix tree keys by them) ----------------------------------------------------
+    def token_ids(self, rid: int) -> list[int] | None:
+        """The request's token ids as this node knows them; None: a node without a prefix tree keeps none."""
+        return None
+
+    def adopt_token_ids(self, rid: int, tokens: list[int]) -> None:
+        """A request arriving from another node (PD) brings its token ids, as a decode server's request does;
+        a node without a prefix tree has no use for them."""
+
     # --- admission -----------------------------------------------------------------------------
     def admit(self, req: ReqKv, family) -> None:
         try:

@@ -157,6 +157,17 @@ class SGLangTreeProtocol(SGLangProtocol):
         got.seqlen = req.seqlen
         return got
 
+    def token_ids(self, rid: int) -> list[int] | None:
+        return list(self.tokens[rid]) if rid in self.tokens else None
+
+    def adopt_token_ids(self, rid: int, tokens: list[int]) -> None:
+        """The request's own ids (a fork's prefix is its source's tokens), not ids made up on this node: its KV
+        and its L3 pages are keyed by them here as on the node it came from."""
+        self.tokens[rid] = list(tokens)
+        sg = self.standins.get(rid)
+        if sg is not None:  # the pre-allocation made the decode side's request: its prompt, as received
+            sg.origin_input_ids = array("q", self._tokens(rid, len(sg.origin_input_ids))[:len(sg.origin_input_ids)])
+
     def _sync_ids(self, req, sg) -> None:
         """Output ids as far as the harness sampled: SGLang keys the tree by prompt + output ids."""
         toks = self._tokens(req.rid, req.seqlen)
