@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from poolfuzz.errors import ConfigError
 from poolfuzz.pools.config import CONFIGS
@@ -32,7 +33,7 @@ def _extra_columns(page_size: int = 1) -> int:
 def test_a_dense_server_gets_the_pools_its_flags_size(configurator):
     c = CONFIGS["dense"]
     built = configurator.configure(c)
-    assert built.server.flags == {"page_size": 1, "max_total_tokens": c.full_tokens,
+    assert built.server.flags == {"attention_backend": "triton", "page_size": 1, "max_total_tokens": c.full_tokens,
                                   "max_running_requests": c.request_rows}
     assert type(built.token_to_kv_pool).__name__ == "MHATokenToKVPool"
     assert built.token_to_kv_pool.size == c.full_tokens and built.allocator.size == c.full_tokens
@@ -92,7 +93,8 @@ def test_the_listed_flags_are_the_servers_own_command_line(configurator, name, t
 
 
 @pytest.mark.parametrize("name", ["dense", "dense-ps4", "swa", "swa-ps4", "swa-only", "mla", "mla-ps4", "minimax-sparse",
-                                  "minimax-sparse-ps4", "minimax-sparse-konly"])
+                                  "minimax-sparse-ps4", "minimax-sparse-konly", "dense-fp4", "dense-fp4-ps4",
+                                  "fp8-scaled", "mla-fp4", "mla-fp4-ps4"])
 def test_the_adapters_own_wiring_builds_the_pools_the_server_builds(configurator, name, monkeypatch):
     """The family's wiring (what it falls back to where the configurator cannot serve) beside the configurator's
     pools: a class, size, shape or layer of its own is a drift of the adapter from the release."""
@@ -114,15 +116,50 @@ def test_the_adapters_own_wiring_builds_the_pools_the_server_builds(configurator
                                                                         wired.sg_allocator))
 
 
-def test_a_sparse_attention_server_is_refused_where_its_model_hook_asks_for_a_gpu(configurator):
-    """SGLang's DeepSeek DSA model hook (which also sets the server's page size to 64) asks the GPU's compute
-    capability when the server is published: without CUDA the server is refused, in SGLang's words."""
-    import torch
+def test_a_sparse_attention_server_on_a_blackwell_gpu_keeps_its_kv_in_the_dtype_it_names(configurator):
+    """SGLang's DeepSeek DSA hook (which also sets the page size to 64) stores the KV as fp8_e4m3 on the GPU the
+    server stands on unless the server names its dtype: the config's server names bfloat16, and gets it."""
+    named = configurator.configure(CONFIGS["dsa-ps64"])
+    assert named.server.flags["kv_cache_dtype"] == "bfloat16"
+    kv = named.token_to_kv_pool
+    assert type(kv).__name__ == "DSATokenToKVPool" and kv.dtype == torch.bfloat16 and kv.page_size == 64
+    left_to_auto = configurator.configure(CONFIGS["dsa-ps64"], role_flags={"kv_cache_dtype": "auto"})
+    assert left_to_auto.token_to_kv_pool.dtype == torch.float8_e4m3fn
 
-    if torch.cuda.is_available():
-        pytest.skip("a GPU answers the hook: the DSA server builds here")
-    with pytest.raises(ConfigError, match="SGLang refuses the server .* Torch not compiled with CUDA enabled"):
-        configurator.configure(CONFIGS["dsa-ps64"])
+
+def test_a_gpu_server_is_stood_in_for_only_while_its_pools_are_built(configurator):
+    """A Blackwell server's FP4 KV cache gets its quant method (``is_float4_e2m1fn_x2`` asks SGLang's CUDA probe);
+    afterwards every probe answers for this machine again."""
+    from sglang.srt.runtime_context import get_platform
+    from sglang.srt.utils import common
+
+    before = (common.is_cuda(), get_platform().is_cuda, torch.cuda.get_device_capability)
+    built = configurator.configure(CONFIGS["dense-fp4"])
+    assert built.server.gpu is not None and built.server.gpu.name == "B200"
+    assert type(built.token_to_kv_pool.quant_method).__name__ == "FP4MXBlock16KVCacheMethod"
+    assert (common.is_cuda(), get_platform().is_cuda, torch.cuda.get_device_capability) == before
+
+
+def test_a_cpu_server_is_built_without_the_gpu_stand_in(configurator):
+    """SGLang's CPU FP8 KV cache stands for its CPU server: no GPU is stood in for, and the flags say ``--device
+    cpu``."""
+    c = CONFIGS["dense-cpu-fp8"]
+    assert configurator.server_gpu(c) is None and configurator.server_flags(c)["device"] == "cpu"
+    assert configurator.configure(c).server.gpu is None
+
+
+def test_the_pools_path_declines_a_server_sglang_refuses(configurator):
+    """Issue 35 item 2: a server SGLang's own validation refuses starts nowhere, so it is declined with SGLang's
+    words rather than fuzzed on the adapter's wiring."""
+    from poolfuzz.adapters.sglang.lifecycle.family import build_sglang_family
+
+    from poolfuzz.adapters.sglang.lifecycle.family import unsupported_reason
+
+    assert "SGLang refuses the server" in unsupported_reason(CONFIGS["hybrid-linear-ps4"])
+    with pytest.raises(ConfigError, match="SGLang refuses the server .*no_buffer only supports page_size=1"):
+        build_sglang_family(CONFIGS["hybrid-linear-ps4"])
+    # the scheduler path publishes its server itself, and is refused there (test_sglang_scheduling)
+    assert unsupported_reason(CONFIGS["hybrid-linear-ps4"], scheduled=True) is None
 
 
 def test_the_configs_listing_names_each_servers_flags_and_pools(api, configurator, capsys):
@@ -132,7 +169,7 @@ def test_the_configs_listing_names_each_servers_flags_and_pools(api, configurato
     out = capsys.readouterr().out
     out = "\n" + out
     dense = out[out.index("\ndense "):out.index("\ndense-ps4 ")]
-    assert "server flags: --max-running-requests 5 --max-total-tokens 48 --page-size 1" in dense
+    assert "server flags: --attention-backend triton --max-running-requests 5 --max-total-tokens 48 --page-size 1" in dense
     assert "KV pool        MHATokenToKVPool (48 tokens, torch.bfloat16)" in dense
     assert "configurator: config 'swa-ssm': no model stands for" in out
     assert dense.count("family builds the same") == 1
@@ -148,10 +185,12 @@ def test_a_configs_server_is_written_out_to_launch_on_a_gpu(api, configurator, c
     model = json.loads((tmp_path / "config.json").read_text())
     assert model["architectures"] == ["GptOssForCausalLM"] and model["sliding_window"] == CONFIGS["swa"].sliding_window
     assert (f"python -m sglang.launch_server --load-format dummy --skip-tokenizer-init --model-path {tmp_path} "
-            "--max-running-requests 5 --max-total-tokens 64 --page-size 1 --swa-full-tokens-ratio 0.5") in out
+            "--attention-backend triton --max-running-requests 5 --max-total-tokens 64 --page-size 1 "
+            "--swa-full-tokens-ratio 0.5") in out
 
 
-@pytest.mark.parametrize("name", ["dense", "swa-ps4", "swa-only", "mla-ps4", "minimax-sparse-konly-ps4"])
+@pytest.mark.parametrize("name", ["dense", "swa-ps4", "swa-only", "mla-ps4", "minimax-sparse-konly-ps4", "dense-fp4",
+                                  "fp8-scaled", "mla-fp4-ps4", "dsa-ps64"])
 def test_the_family_runs_on_the_pools_sglangs_configurator_built_for_its_server(configurator, name):
     """Where the configurator builds the pools the config describes, the family drives those very objects: its
     request rows are as wide as SGLang makes them (the model's context and SGLang's extra columns)."""
@@ -159,22 +198,19 @@ def test_the_family_runs_on_the_pools_sglangs_configurator_built_for_its_server(
 
     c = CONFIGS[name]
     family = build_sglang_family(c, scheduled=True)
-    assert family.pools_source.startswith("SGLang's KV cache configurator (--max-running-requests 5")
+    assert family.pools_source.startswith("SGLang's KV cache configurator (--attention-backend ")
     assert family.sg_req_pool.req_to_token.shape[1] == c.max_context + _extra_columns(c.page_size)
 
 
 @pytest.mark.parametrize("name, why", [
     ("hybrid-linear", "SGLang's configurator builds other pools for the config's server"),
-    ("hybrid-extra-buffer", "requires platform support for Mamba cache state snapshots"),
+    ("hybrid-extra-buffer", "SGLang's configurator builds other pools for the config's server"),
     ("swa-ssm", "no model stands for architecture 'inkling'"),
 ])
 def test_a_family_the_configurator_cannot_serve_keeps_its_wiring_and_says_why(configurator, name, why):
     import torch
 
     from poolfuzz.adapters.sglang.lifecycle.family import build_sglang_family
-
-    if "platform" in why and torch.cuda.is_available():
-        pytest.skip("SGLang's CUDA platform supports the mamba extra buffer")
 
     family = build_sglang_family(CONFIGS[name], scheduled=True)
     assert family.pools_source.startswith("the adapter's wiring (") and why in family.pools_source
@@ -189,7 +225,8 @@ def test_a_decode_server_runs_on_the_request_pool_sglangs_pd_hook_sizes(configur
 
     c = CONFIGS["dense"]
     family = build_sglang_family(c, scheduled=True, decode_rows=2 * c.request_rows, role_flags=ROLE_FLAGS)
-    assert family.pools_source.startswith("SGLang's KV cache configurator (--disaggregation-mode decode")
+    assert family.pools_source.startswith("SGLang's KV cache configurator (")
+    assert "--disaggregation-mode decode" in family.pools_source
     pool = family.sg_req_pool
     assert type(pool).__name__ == "DecodeReqToTokenPool" and pool.pre_alloc_size == 2 * c.request_rows
 

@@ -17,10 +17,17 @@ def test_drawn_configs_pass_on_a_fixed_release(api, expect):
 
     if expect != "pass":
         pytest.skip("a release before the #35957 fix fails SWA+SSM configs, drawn ones too")
-    for seed in (0, 1):
-        result = run_machine(drawn_configs(), family_factory=build_family, max_examples=25, seed=seed,
-                             shrink_limit=30)
+    for seed in (0, 1):  # the judged defects left out as below (a draw of an FP4 MHA config finds its PD transfer's)
+        result = run_machine(drawn_configs(where=_without_a_known_defect), family_factory=build_family,
+                             max_examples=25, seed=seed, shrink_limit=30)
         assert result.passed, result.failure
+
+
+def _without_a_known_defect(c) -> bool:
+    """Not a kind with a judged defect of the release, each with its own test: K-only MiniMax layers crash at
+    retraction (sglang#32603); FP4 pools (MHA and MLA) lose their scale rows at retraction and PD transfer
+    (test_sglang_mha_fp4.py, test_sglang_quant.py, docs/bugs/sglang-mha-fp4-scales.md)."""
+    return "K" not in c.msa_layers and c.kv_quant != "fp4_mx_block16"
 
 
 def test_drawn_storage_kinds_pass_on_a_fixed_release(api, expect):
@@ -35,7 +42,7 @@ def test_drawn_storage_kinds_pass_on_a_fixed_release(api, expect):
     # retraction and PD transfer (test_sglang_mha_fp4.py, test_sglang_quant.py; this test's draw found the MHA
     # transfer once it was steered to the storage kinds).
     def storage_kind_without_a_known_defect(c):
-        return (c.attention != "mha" or bool(c.kv_quant)) and "K" not in c.msa_layers and c.kv_quant != "fp4_mx_block16"
+        return (c.attention != "mha" or bool(c.kv_quant)) and _without_a_known_defect(c)
 
     result = run_machine(drawn_configs(where=storage_kind_without_a_known_defect),
                          family_factory=build_family, max_examples=25, seed=0, shrink_limit=30)

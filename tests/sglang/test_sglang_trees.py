@@ -84,8 +84,12 @@ def test_configs_the_tree_path_does_not_drive_say_why(tree_api):
     from poolfuzz.adapters.sglang import build_family
     from poolfuzz.adapters.sglang.tree.trees import tree_problem
 
+    from poolfuzz.adapters.sglang.lifecycle.family import unsupported_reason
+
     for name in ("hybrid-linear-ps4", "hybrid-extra-buffer", "swa-ssm-ps4"):  # SGLang's MambaComponent
         assert "page size 1 without the extra buffer" in tree_problem(tree_api, CONFIGS[name])
+        if unsupported_reason(CONFIGS[name]):  # a server SGLang refuses outright (0.5.22 on: hybrid-linear-ps4)
+            continue
         assert build_family(CONFIGS[name]).supports_fork is False
 
 

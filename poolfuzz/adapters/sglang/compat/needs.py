@@ -114,9 +114,13 @@ PRIVATE: dict[str, Need] = {
                                   required=False, used_for="the pools a server builds from its flags (0.5.16 on)"),
     "spawn_ranks": Need(target="sglang.srt.runtime_context:SpawnRanks", required=False,
                         used_for="a scheduler process's ranks, published with its server arguments (0.5.22 on)"),
-    "profile_available_bytes": Need(target="sglang.srt.mem_cache.kv_cache_configurator:"
-                                           "KVCacheConfigurator._profile_available_bytes", required=False,
-                                    used_for="private: the GPU memory probe, stood in for by a fixed budget"),
+    "configurator_free_memory": Need(target="sglang.srt.mem_cache.kv_cache_configurator:get_available_gpu_memory",
+                                     required=False,
+                                     used_for="private: the free GPU memory the configurator's budget starts from, "
+                                              "stood in for by a fixed budget"),
+    "configurator_gc": Need(target="sglang.srt.mem_cache.kv_cache_configurator:gc", required=False,
+                            used_for="private: the collection before the free-memory probe (0.3 s a build), which "
+                                     "frees no GPU memory here"),
     "post_capture_kv_active": Need(target="sglang.srt.model_executor.model_runner_components.kv_pool_runtime:"
                                           "is_post_capture_kv_active", required=False,
                                    used_for="the model runner's answer for the configurator's post-capture KV flag"),
@@ -133,6 +137,15 @@ PRIVATE: dict[str, Need] = {
     "spec_aux_config": Need(target="sglang.srt.model_executor.model_runner_components.spec_aux_hidden_state:"
                                    "SpecAuxHiddenStateConfig", required=False,
                             used_for="the model runner's speculative hidden-state record (none: no draft)"),
+    "override_platform": Need(target="sglang.srt.runtime_context:override_platform", required=False,
+                              used_for="the machine's facts every server hook reads, stated for a GPU server "
+                                       "(0.5.22 on)"),
+    "cuda_probe": Need(target="sglang.srt.utils.common:is_cuda", required=False,
+                       used_for="private: SGLang's call-time CUDA probe (is_float4_e2m1fn_x2 asks it), answered "
+                                "for a GPU server"),
+    "gpu_memory_capacity": Need(target="sglang.srt.utils.common:get_nvgpu_memory_capacity", required=False,
+                                used_for="private: the GPU's memory as the server's memory hook asks it, answered "
+                                         "for a GPU server"),
     "calculate_mamba_ratio": Need(target="sglang.srt.mem_cache.kv_cache_configurator:"
                                          "KVCacheConfigurator._calculate_mamba_ratio", required=False,
                                   used_for="private: mamba slots per request where a tree caches state"),

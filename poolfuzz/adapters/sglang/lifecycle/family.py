@@ -183,6 +183,11 @@ def unsupported_reason(config: ModelConfig, *, scheduled: bool = False) -> str |
     scheduler path, which admits requests through SGLang's own scheduler (the adapter's admission limits do not
     apply)."""
     api = load()
+    if not scheduled:  # the scheduler path publishes its server itself, and SGLang refuses it there
+        from poolfuzz.adapters.sglang.pools import configurator
+
+        if not configurator.problem() and configurator.refusal(config):
+            return configurator.refusal(config)
     if not scheduled and extra_buffer_admission_problem(api, config):
         return extra_buffer_admission_problem(api, config)
     if config.has_swa and not config.has_full and api.PureSWATokenToKVPoolAllocator is None:
@@ -254,6 +259,8 @@ def build_sglang_family(config: ModelConfig, *, device="cpu", faults=(), backup_
             build = functools.partial(_build, api, config, dev, sdev, backup_mode, pd_decode=pd_decode,
                                       scheduled=scheduled, decode_rows=decode_rows)
             return _served_or_wired(build, config, sdev, pd_decode=pd_decode, role_flags=role_flags)
+    except ConfigError:
+        raise  # declined already, with its reason (a server SGLang refuses among them)
     except (AssertionError, ValueError) as exc:
         # SGLang's constructors decide what this release can build: a config they refuse is
         # declined (a drawn one is skipped), never reported as a bug found in the pools.
@@ -308,12 +315,10 @@ def _server_pools(config: ModelConfig, family: SGLangFamily, sdev: str, *, pd_de
         family.pools_source = ("the adapter's wiring (the pools path's decode node: its server flags are not the "
                                "scheduler path's decode server's)")
         return None
-    if config.kv_quant or config.kv_scale_block or (config.latent and config.has_mamba):
-        family.pools_source = ("the adapter's wiring (it reads FP4, block-scaled and hybrid MLA pools only from its "
-                               "own wiring yet)")
-        return None
     try:
         served = configurator.configure(config, device=sdev, role_flags=role_flags)
+    except configurator.ServerRefused:
+        raise  # no such server starts: the config is declined, with SGLang's words
     except ConfigError as exc:
         family.pools_source = f"the adapter's wiring ({exc})"
         return None

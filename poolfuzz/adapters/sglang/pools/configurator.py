@@ -10,12 +10,13 @@ scheduler process publishes, its parallel groups built by ``bootstrap._init_para
 builds the request pool, the KV pool and the allocator.
 
 Stood in for: the model, which a configurator reads only for its quantisation and layer hooks: an object with no
-weights and none of those hooks (so SGLang takes its defaults from the model config); the GPU memory probe
-(``_profile_available_bytes``: free memory after a ``gc.collect``, 0.3 s a build), answered with a fixed
-``MEMORY_BUDGET`` so the flags' caps decide every size, the same on every machine; and the GPU, which this machine
-may lack: the configurator then asks SGLang's platform here, so the pools are those a server with these flags builds
-*here* (without CUDA, SGLang's base platform refuses FP4 KV, ``mxfp8`` and the mamba extra buffer, and DSA's model
-hook asks the GPU's compute capability, where a GPU server takes them).
+weights and none of those hooks (so SGLang takes its defaults from the model config); the free GPU memory the
+configurator's budget starts from (``get_available_gpu_memory`` in ``_profile_available_bytes``, after a
+``gc.collect`` of 0.3 s a build), answered with a fixed ``MEMORY_BUDGET`` so the flags' caps decide every size, the
+same on every machine, while the rest of that method (its mamba budget) is SGLang's; and the GPU a server runs on
+(``compat.platform``: a B200 for every config but the CPU server's), so that the flags are resolved and the pools
+built as that GPU's server resolves and builds them (without CUDA, SGLang's base platform refuses FP4 KV, ``mxfp8``
+and the mamba extra buffer, and DSA's model hook asks the GPU's compute capability).
 
 One registry (``MODELS``) maps a config's architecture to the model that stands for it; one with no entry yet is
 named as such, never built another way. Releases before 0.5.16 have no configurator (their model runner builds
@@ -25,14 +26,21 @@ the pools); 0.5.16 to 0.5.21 publish a scheduler's ranks otherwise, and are not 
 from __future__ import annotations
 
 import atexit
+import contextlib
+import dataclasses
 import json
+import logging
 import os
 import tempfile
+import traceback
 import types
+import warnings
+from unittest import mock
 from dataclasses import dataclass, field
 from typing import Callable
 
 from poolfuzz.adapters.sglang.compat import has_private, private, private_name
+from poolfuzz.adapters.sglang.compat.platform import B200, GPU, gpu_server, platform_problem
 from poolfuzz.errors import ConfigError
 from poolfuzz.pools.config import ModelConfig
 from poolfuzz.pools.quantised import MODEL_DTYPE
@@ -50,6 +58,7 @@ class ServerModel:
     kind: str  # the config's architecture
     flags: dict
     hf_config: dict
+    gpu: GPU | None = None  # the GPU it runs on (stood in for while its pools are built); None: a CPU server
 
     def command_line(self) -> str:
         """The flags as ``python -m sglang.launch_server`` takes them (the model path left out)."""
@@ -141,7 +150,9 @@ def _attention(c: ModelConfig, dtype: str) -> dict:
     return {"num_hidden_layers": _layer_count(c), "num_attention_heads": c.head_num,
             "num_key_value_heads": c.head_num, "head_dim": c.head_dim, "hidden_size": c.head_num * c.head_dim,
             "intermediate_size": 4 * c.head_num * c.head_dim, "vocab_size": 256,
-            "max_position_embeddings": c.max_context, "torch_dtype": dtype}
+            "max_position_embeddings": c.max_context, "torch_dtype": dtype,
+            # token ids inside the small vocabulary (a model's defaults name ids past it, and transformers warns)
+            "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
 
 
 def _dense_model(c: ModelConfig, dtype: str) -> dict:
@@ -185,6 +196,18 @@ def _deepseek_v32_model(c: ModelConfig, dtype: str) -> dict:
     return {**_deepseek_v3_model(c, dtype), "index_topk": 4, "index_head_dim": c.index_head_dim, "index_n_heads": 1}
 
 
+def _kimi_linear_model(c: ModelConfig, dtype: str) -> dict:
+    """Kimi-Linear: MLA layers between KDA (recurrent) ones, as its ``linear_attn_config`` names them (layers counted
+    from 1); the KDA state is heads x head_dim x head_dim, with a short conv per q, k and v."""
+    heads, head_dim, _ = c.temporal_shape
+    return {"architectures": ["KimiLinearForCausalLM"], "model_type": "kimi_linear", **_attention(c, dtype),
+            "kv_lora_rank": c.kv_lora_rank, "q_lora_rank": None, "qk_rope_head_dim": c.qk_rope_head_dim,
+            "qk_nope_head_dim": c.head_dim, "v_head_dim": c.head_dim, "num_experts": None,
+            "linear_attn_config": {"kda_layers": [i + 1 for i in c.mamba_layer_ids],
+                                   "full_attn_layers": [i + 1 for i in c.full_layer_ids], "num_heads": heads,
+                                   "head_dim": head_dim, "short_conv_kernel_size": c.conv_shapes[0][1] + 1}}
+
+
 def _minimax_m3_model(c: ModelConfig, dtype: str) -> dict:
     """MiniMax-M3 sparse: each layer dense or sparse (``sparse_attention_freq``), a sparse layer's indexer keeping
     its value or not (``sparse_disable_index_value``), as the config's ``msa_layers`` letters say (D, V, K)."""
@@ -196,21 +219,47 @@ def _minimax_m3_model(c: ModelConfig, dtype: str) -> dict:
             "num_local_experts": 1, "num_experts_per_tok": 1}
 
 
-# A config's architecture -> the model that stands for it (its config.json). Architectures without an entry
-# (MiniMax's sparse index, Inkling, Kimi-Linear) are not built through the configurator yet.
-MODELS: dict[str, Callable[[ModelConfig, str], dict]] = {
-    "llama": _dense_model,
-    "gpt-oss": _gpt_oss_model,
-    "qwen3-next": _qwen3_next_model,
-    "deepseek-v3": _deepseek_v3_model,
-    "deepseek-v3.2": _deepseek_v32_model,
-    "minimax-m3": _minimax_m3_model,
+@dataclass(frozen=True, kw_only=True)
+class ModelKind:
+    """A model that stands for a config's architecture: its ``config.json``, and the attention backend its GPU server
+    names (one SGLang accepts for the model with every KV dtype its configs ask: a server left to choose picks by GPU,
+    and some picks refuse FP4 or move the page size)."""
+
+    config_json: Callable[[ModelConfig, str], dict]
+    attention_backend: str
+    # the server names its KV dtype where it is the model's: left to "auto", DeepSeek DSA's hook stores the KV as
+    # fp8_e4m3 on a Hopper or Blackwell GPU
+    names_model_kv_dtype: bool = False
+
+
+# A config's architecture -> the model that stands for it. Architectures without an entry (Inkling) are not built
+# through the configurator yet.
+MODELS: dict[str, ModelKind] = {
+    "llama": ModelKind(config_json=_dense_model, attention_backend="triton"),
+    "gpt-oss": ModelKind(config_json=_gpt_oss_model, attention_backend="triton"),
+    "qwen3-next": ModelKind(config_json=_qwen3_next_model, attention_backend="triton"),
+    "deepseek-v3": ModelKind(config_json=_deepseek_v3_model, attention_backend="flashinfer"),
+    "deepseek-v3.2": ModelKind(config_json=_deepseek_v32_model, attention_backend="flashinfer",
+                               names_model_kv_dtype=True),
+    "minimax-m3": ModelKind(config_json=_minimax_m3_model, attention_backend="triton"),
+    "kimi-linear": ModelKind(config_json=_kimi_linear_model, attention_backend="flashinfer"),
 }
+
+
+def server_gpu(c: ModelConfig) -> GPU | None:
+    """The GPU ``c``'s server runs on, or None for a CPU server (SGLang's CPU FP8 KV cache is a CPU server's)."""
+    return None if c.kv_quant == "cpu_fp8_e4m3" else B200
 
 
 def server_flags(c: ModelConfig) -> dict:
     """The flags of the server ``c`` stands for (``ServerArgs`` fields), whether or not a model stands for it yet."""
-    flags = _dtype_flags(c)[1]
+    model_dtype, flags = _dtype_flags(c)
+    if not flags and c.architecture in MODELS and MODELS[c.architecture].names_model_kv_dtype:
+        flags["kv_cache_dtype"] = model_dtype
+    if server_gpu(c) is None:
+        flags["device"] = "cpu"
+    elif c.architecture in MODELS:
+        flags["attention_backend"] = MODELS[c.architecture].attention_backend
     flags.update(page_size=c.page_size, max_total_tokens=c.full_tokens or c.swa_tokens,
                  max_running_requests=c.request_rows)
     if c.has_swa and c.has_full:
@@ -232,12 +281,31 @@ def server_model(c: ModelConfig) -> ServerModel:
     if c.spec_draft_tokens:
         raise ConfigError(f"config {c.name!r}: speculative decoding needs a draft model, which the configurator path "
                           "does not build yet")
-    return ServerModel(kind=kind, flags=server_flags(c), hf_config=MODELS[kind](c, _dtype_flags(c)[0]))
+    return ServerModel(kind=kind, flags=server_flags(c), hf_config=MODELS[kind].config_json(c, _dtype_flags(c)[0]),
+                       gpu=server_gpu(c))
+
+
+_REFUSALS: dict[ModelConfig, str | None] = {}
+
+
+def refusal(c: ModelConfig) -> str | None:
+    """SGLang's words where its own validation refuses ``c``'s server (no such server starts), else None: also None
+    where the configurator cannot tell (this release has none, no model stands for the config yet, or this machine
+    cannot build the server's pools). Asked once per config per process."""
+    if c not in _REFUSALS:
+        try:
+            configure(c)
+            _REFUSALS[c] = None
+        except ServerRefused as exc:
+            _REFUSALS[c] = exc.reason
+        except ConfigError:
+            _REFUSALS[c] = None
+    return _REFUSALS[c]
 
 
 def problem() -> str | None:
     """Why this release cannot build pools through its configurator here, or None."""
-    missing = [k for k in ("kv_cache_configurator", "profile_available_bytes", "spawn_ranks", "init_parallel_groups",
+    missing = [k for k in ("kv_cache_configurator", "configurator_free_memory", "configurator_gc", "spawn_ranks", "init_parallel_groups",
                            "post_capture_kv_active", "resolve_layer_indices", "configure_kv_cache_dtype",
                            "resolve_sliding_window_size", "spec_aux_config")
                if not has_private(k)]
@@ -259,17 +327,24 @@ def configure(c: ModelConfig, *, device: str = "cpu", role_flags: dict | None = 
         raise ConfigError(f"config {c.name!r}: {reason}")
     server = server_model(c)
     if role_flags:
-        server = ServerModel(kind=server.kind, flags=server.flags | role_flags, hf_config=server.hf_config)
+        server = dataclasses.replace(server, flags=server.flags | role_flags)
+    if server.gpu is not None and platform_problem():
+        raise ConfigError(f"config {c.name!r}: its server runs on a GPU, which cannot be stood in for on this "
+                          f"release ({platform_problem()})")
     model_dir = _model_dir(server.hf_config)
     from poolfuzz.adapters.sglang.server_args import another_server
 
     try:
-        with another_server():  # the server published last is published again once these pools are built
+        with another_server(), _sglang_quiet():  # the caller's server published again once these pools are built
             result = _configured(server, model_dir, device)
+    except _Refused as refused:
+        exc = refused.__cause__
+        reason = (f"SGLang refuses the server {server.command_line()!r}: "
+                  f"{type(exc).__name__}: {_first_line(exc)}")
+        raise ServerRefused(f"config {c.name!r}: {reason}", reason=reason) from None
     except Exception as exc:  # noqa: BLE001 -- whatever SGLang (or transformers, parsing the model) refuses it with
-        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        raise ConfigError(f"config {c.name!r}: SGLang refuses the server {server.command_line()!r} here: "
-                          f"{type(exc).__name__}: {first}") from None
+        raise ConfigError(f"config {c.name!r}: SGLang cannot build the server {server.command_line()!r} here: "
+                          f"{type(exc).__name__}: {_first_line(exc)}") from None
     sizes = {"max_total_num_tokens": result.max_total_num_tokens,
              "max_running_requests": result.max_running_requests,
              "full_max_total_num_tokens": result.full_max_total_num_tokens,
@@ -279,17 +354,85 @@ def configure(c: ModelConfig, *, device: str = "cpu", role_flags: dict | None = 
                            sizes=sizes)
 
 
+@contextlib.contextmanager
+def _sglang_quiet():
+    """SGLang's warnings held back while a server is resolved (a CPU machine's fallbacks, printed at every build of
+    every example, and warnings of its imports, which a warnings filter set to raise would turn into refusals); what
+    refuses the server is raised, and reported."""
+    logger = logging.getLogger("sglang")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        logger.setLevel(level)
+
+
+class ServerRefused(ConfigError):
+    """SGLang's own validation of the server's flags refuses them: no such server starts, so nothing is fuzzed.
+    ``reason``: SGLang's words, without the config's name."""
+
+    def __init__(self, message: str, *, reason: str = "") -> None:
+        super().__init__(message)
+        self.reason = reason
+
+    def __reduce__(self):  # crosses process boundaries (a campaign's workers) with its reason
+        return type(self), (self.args[0],), {"reason": self.reason}
+
+
+class _Refused(Exception):
+    """Raised from the flags' resolution by SGLang's own code (its cause is SGLang's error)."""
+
+
+def _first_line(exc: BaseException) -> str:
+    return str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+
+
+def _raised_by_sglang(exc: BaseException) -> bool:
+    """Whether SGLang's own code raised ``exc`` (not torch, asked for a device this machine lacks)."""
+    import sglang
+
+    frames = traceback.extract_tb(exc.__traceback__)
+    package = os.path.dirname(os.path.abspath(sglang.__file__)) + os.sep
+    return bool(frames) and os.path.abspath(frames[-1].filename).startswith(package)
+
+
+def _on_server_machine(server: ServerModel):
+    """The server's machine as SGLang sees it: its GPU stood in for (``compat.platform``), or this CPU."""
+    return gpu_server(server.gpu) if server.gpu is not None else contextlib.nullcontext()
+
+
 def _configured(server: ServerModel, model_dir: str, device: str):
-    """SGLang's configurator run for ``server`` (published as a scheduler process publishes it), its result."""
+    """SGLang's configurator run for ``server`` (published as a scheduler process publishes it), its result. The
+    server's flags are resolved and its pools built as on its machine; its one-rank parallel groups are a CPU
+    process's (gloo), built outside the GPU's stand-in. ``ServerArgs`` keeps ``device="cpu"`` for a GPU server too,
+    so that no hook sizes anything from this machine's devices; the flags name what a GPU server would otherwise pick
+    by device (its attention backend)."""
+    from sglang.srt.runtime_context import publish
+    from sglang.srt.server_args import ServerArgs
+
+    with _on_server_machine(server):
+        try:
+            args = ServerArgs(model_path=model_dir, **({"device": "cpu"} | server.flags))
+            publish(args, role="scheduler", ranks=private("spawn_ranks")(world_rank=0, dp_rank=None, gpu_id=0))
+        except Exception as exc:  # noqa: BLE001 -- SGLang's validation raises many types
+            if _raised_by_sglang(exc):
+                raise _Refused() from exc
+            raise
+    _parallel_groups(args)
+    with _on_server_machine(server):
+        return _built(args, model_dir, device)
+
+
+def _built(args, model_dir: str, device: str):
+    """The configurator's result for the published ``args`` (the model runner's leaves give its inputs)."""
     from sglang.srt.configs.model_config import AttentionArch
     from sglang.srt.configs.model_config import ModelConfig as SGLangModelConfig
-    from sglang.srt.runtime_context import get_model, get_parallel, get_schedule, publish
-    from sglang.srt.server_args import ServerArgs
+    from sglang.srt.runtime_context import get_model, get_parallel, get_schedule
     from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 
-    args = ServerArgs(model_path=model_dir, device="cpu", **server.flags)
-    publish(args, role="scheduler", ranks=private("spawn_ranks")(world_rank=0, dp_rank=None, gpu_id=0))
-    _parallel_groups(args)
     model_config = SGLangModelConfig(model_path=model_dir)
     model = types.SimpleNamespace()  # no weights, no quantisation, no layer hooks: the model config decides
     kv_name, kv_dtype = private("configure_kv_cache_dtype")(
@@ -299,7 +442,7 @@ def _configured(server: ServerModel, model_dir: str, device: str):
     # each argument as ModelRunner.init_kv_cache_configurator passes it, from what the runner holds: the published
     # server's page size (a model hook may have reset it), its groups, SGLang's own post-capture answer
     pp_group = get_parallel().pp_group
-    configurator = _budgeted_configurator()(
+    configurator = private("kv_cache_configurator")(
         device=device, gpu_id=0, attn_dp_size=get_parallel().attn_dp_size, pp_size=pp_group.world_size,
         pp_group=pp_group, model=model, model_config=model_config, server_args=args, kv_cache_dtype=kv_dtype,
         kv_cache_dtype_str=kv_name if kv_name is not None else get_model().kv_cache_dtype,
@@ -315,21 +458,21 @@ def _configured(server: ServerModel, model_dir: str, device: str):
         layer_info=private("resolve_layer_indices")(model=model, model_config=model_config,
                                                     is_draft_worker=False),
         forward_stream=None, req_to_token_pool=None, token_to_kv_pool_allocator=None, memory_pool_config=None)
-    return configurator.configure(pre_model_load_memory=0)
+    with _fixed_free_memory():
+        return configurator.configure(pre_model_load_memory=0)
 
 
-_BUDGETED: dict[str, type] = {}
-
-
-def _budgeted_configurator() -> type:
-    """SGLang's ``KVCacheConfigurator`` with its GPU memory probe answered by ``MEMORY_BUDGET`` (a subclass that
-    overrides that one method: the class keeps its fields in slots)."""
-    if "class" not in _BUDGETED:
-        base = private("kv_cache_configurator")
-        _BUDGETED["class"] = type(base.__name__, (base,), {
-            private_name("profile_available_bytes"): lambda self, pre_model_load_memory: MEMORY_BUDGET,
-            "__module__": __name__})
-    return _BUDGETED["class"]
+@contextlib.contextmanager
+def _fixed_free_memory():
+    """The configurator's free-memory probe answered with ``MEMORY_BUDGET`` (and its ``gc.collect`` before it
+    skipped) for the span of one build: the rest of ``_profile_available_bytes`` is SGLang's, its mamba budget among it
+    (``_handle_max_mamba_cache``: the mamba slots a server gets, from ``--max-mamba-cache-size``, its running requests
+    or its memory)."""
+    module = __import__(private("kv_cache_configurator").__module__, fromlist=["_"])
+    budget_gb = MEMORY_BUDGET / (1 << 30)
+    with mock.patch.object(module, private_name("configurator_free_memory"), lambda *a, **k: budget_gb), \
+            mock.patch.object(module, private_name("configurator_gc"), types.SimpleNamespace(collect=lambda: 0)):
+        yield
 
 
 _GROUPS: dict[str, object] = {}

@@ -77,9 +77,10 @@ def mha_fp4_problem(api: SGLangAPI, config: ModelConfig) -> str | None:
     return _PROBE[key]
 
 
-def build_mha_fp4_pool(api: SGLangAPI, c: ModelConfig, common: dict) -> tuple[object, list[Component]]:
-    """The release's FP4 MHA pool for the config, and its four components per layer."""
-    pool = _pool(api, c, size=c.full_tokens, layers=c.full_layers, common=common)
+def build_mha_fp4_pool(api: SGLangAPI, c: ModelConfig, common: dict, *, pool=None) -> tuple[object, list[Component]]:
+    """The release's FP4 MHA pool for the config (``pool``: the one SGLang's configurator built for its server), and
+    its four components per layer."""
+    pool = pool if pool is not None else _pool(api, c, size=c.full_tokens, layers=c.full_layers, common=common)
     raw = getattr(pool, "get_raw_kv_buffer", None)
     out = []
     for local, layer_id in enumerate(c.full_layer_ids):

@@ -162,7 +162,7 @@ def build_storage_pool(api: SGLangAPI, config: ModelConfig, common: dict, *, sch
                        pool=None) -> tuple[object, list[Component]]:
     """The release's MLA, DSA, MiniMax sparse or MXFP8 pool for a full-attention-only config, and its components
     (``scheduled``: for the scheduler path, see ``storage_problem``); with ``pool``, the components of that one, as
-    SGLang's configurator built it for the config's server (an MLA, DSA or MiniMax sparse pool)."""
+    SGLang's configurator built it for the config's server."""
     c = config
     problem = storage_problem(api, c, scheduled=scheduled)
     if problem:
@@ -171,23 +171,29 @@ def build_storage_pool(api: SGLangAPI, config: ModelConfig, common: dict, *, sch
         return build_msa_pool(api, c, {k: v for k, v in common.items() if k != "enable_kvcache_transpose"}, pool=pool)
     single_rank(api)
     if c.kv_quant == "fp4_mx_block16" and not c.latent:
-        return build_mha_fp4_pool(api, c, common)
-    if pool is not None:  # MLA and DSA here (MiniMax above): _server_pools serves no FP4 or block-scaled pool yet
-        return pool, _latent_components(pool, c)
+        return build_mha_fp4_pool(api, c, common, pool=pool)
+    if pool is None:
+        pool = _wired_pool(api, c, common)
+    if c.kv_scale_block:
+        scales_as_bytes(pool)
+        return pool, _scaled_components(pool, c)
+    if c.kv_quant:
+        return pool, _fp4_components(pool, c)
+    return pool, _latent_components(pool, c)
+
+
+def _wired_pool(api: SGLangAPI, c: ModelConfig, common: dict):
+    """The adapter's own wiring of the config's MLA, DSA, FP4 MLA or MXFP8 pool (where no configurator builds it)."""
     if c.latent:
-        args = dict(common, size=c.full_tokens, kv_lora_rank=c.kv_lora_rank, qk_rope_head_dim=c.qk_rope_head_dim, layer_num=c.full_layers)
+        args = dict(common, size=c.full_tokens, kv_lora_rank=c.kv_lora_rank, qk_rope_head_dim=c.qk_rope_head_dim,
+                    layer_num=c.full_layers)
         if c.attention == "dsa":
-            pool = construct(api.DSATokenToKVPool, index_head_dim=c.index_head_dim,
+            return construct(api.DSATokenToKVPool, index_head_dim=c.index_head_dim,
                              kv_cache_dim=c.kv_lora_rank + c.qk_rope_head_dim, **args)
-        elif c.kv_quant:  # SGLang's configurator: MLA with an fp4_e2m1 KV cache dtype (_build_mla_fp4_kv_pool)
-            pool = construct(first_importable(_FP4_POOL), **dict(args, dtype=torch.float4_e2m1fn_x2))
-            return pool, _fp4_components(pool, c)
-        else:
-            pool = construct(api.MLATokenToKVPool, **args)
-        return pool, _latent_components(pool, c)
-    pool = construct(api.MHATokenToKVPoolMXFP8, size=c.full_tokens, layer_num=c.full_layers, **common)
-    scales_as_bytes(pool)
-    return pool, _scaled_components(pool, c)
+        if c.kv_quant:  # SGLang's configurator: MLA with an fp4_e2m1 KV cache dtype (_build_mla_fp4_kv_pool)
+            return construct(first_importable(_FP4_POOL), **dict(args, dtype=torch.float4_e2m1fn_x2))
+        return construct(api.MLATokenToKVPool, **args)
+    return construct(api.MHATokenToKVPoolMXFP8, size=c.full_tokens, layer_num=c.full_layers, **common)
 
 
 def _latent_components(pool, c: ModelConfig) -> list[Component]:

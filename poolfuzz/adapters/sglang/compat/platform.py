@@ -1,0 +1,74 @@
+"""The GPU a config's server runs on, stood in for while SGLang resolves its flags and builds its pools on the CPU.
+
+A server's flags are resolved against its machine: FP4 KV, ``mxfp8`` and the mamba extra buffer need a CUDA GPU
+(``mxfp8`` a Blackwell one), and DeepSeek DSA's model hook asks the GPU's compute capability. On a machine without
+one, SGLang's base platform refuses them, so the pools fuzzed would be a CPU server's, not the GPU server's a user
+runs. ``gpu_server`` answers those questions as the GPU would, for the span of one build, and nothing else:
+
+- the platform facts every hook reads, through SGLang's own ``override_platform`` (its scoped seam for this);
+- SGLang's call-time CUDA probe ``utils.common.is_cuda`` (``is_float4_e2m1fn_x2`` asks it before building the FP4
+  quant method);
+- ``torch.cuda.get_device_capability``, which the DSA model hook calls for a value it does not use;
+- the GPU's memory as the memory hook asks it (``get_nvgpu_memory_capacity``; the pool sizes come from the flags'
+  caps and the configurator's fixed budget, not from it).
+
+Names bound at import (``_is_cuda = is_cuda()`` in the kernels' modules) keep the CPU's answer: the kernels that run
+are the CPU's, the decisions are the GPU server's. Every name read here is private to SGLang and listed in
+``compat.needs.PRIVATE``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from unittest import mock
+
+from poolfuzz.adapters.sglang.compat.needs import has_private, private, private_name
+
+
+@dataclass(frozen=True, kw_only=True)
+class GPU:
+    """A GPU as SGLang's platform facts name it."""
+
+    name: str
+    capability: tuple[int, int]
+    memory_mib: int
+
+    def facts(self) -> dict:
+        """SGLang's platform facts (``runtime_context._PLATFORM_PROBES``) for this GPU."""
+        major, minor = self.capability
+        sm = major * 10 + minor
+        return {"is_cuda": True, "is_hip": False, "is_npu": False, "is_xpu": False, "is_musa": False,
+                "is_mps": False, "is_sm90": sm == 90, "is_sm100": sm == 100, "is_sm100_or_sm110": sm in (100, 110),
+                "is_sm110": sm == 110, "is_sm120": sm == 120, "is_blackwell": major in (10, 11, 12),
+                "is_hopper_with_cuda_12_3": sm == 90, "has_amx": False, "device_sm": sm,
+                "device_capability": self.capability}
+
+
+# The GPU servers stand on: a Blackwell B200, where every KV dtype SGLang offers (FP4, mxfp8) is served.
+B200 = GPU(name="B200", capability=(10, 0), memory_mib=183_359)
+_NEEDS = ("override_platform", "cuda_probe", "gpu_memory_capacity")
+
+
+def platform_problem() -> str | None:
+    """Why a GPU server cannot be stood in for on this release, or None."""
+    missing = [k for k in _NEEDS if not has_private(k)]
+    return f"this release lacks {', '.join(missing)}" if missing else None
+
+
+@contextlib.contextmanager
+def gpu_server(gpu: GPU):
+    """SGLang answering as a server on ``gpu`` for the span of the ``with`` (see the module docstring)."""
+    import torch
+
+    probe = private("cuda_probe")
+    common = __import__(probe.__module__, fromlist=["_"])
+    override = private("override_platform")(**gpu.facts())
+    override.install()
+    try:
+        with mock.patch.object(common, private_name("cuda_probe"), lambda: True), \
+                mock.patch.object(common, private_name("gpu_memory_capacity"), lambda: gpu.memory_mib), \
+                mock.patch.object(torch.cuda, "get_device_capability", lambda device=None: gpu.capability):
+            yield gpu
+    finally:
+        override.restore()
