@@ -186,8 +186,9 @@ def unsupported_reason(config: ModelConfig, *, scheduled: bool = False) -> str |
     if not scheduled:  # the scheduler path publishes its server itself, and SGLang refuses it there
         from poolfuzz.adapters.sglang.pools import configurator
 
-        if not configurator.problem() and configurator.refusal(config):
-            return configurator.refusal(config)
+        refused = None if configurator.problem() else configurator.refusal(config)
+        if refused:
+            return refused
     if not scheduled and extra_buffer_admission_problem(api, config):
         return extra_buffer_admission_problem(api, config)
     if config.has_swa and not config.has_full and api.PureSWATokenToKVPoolAllocator is None:
