@@ -31,11 +31,16 @@ def pytest_configure(config):
     import torch
 
     torch.set_num_threads(1)
-    # Hypothesis draws literals from every loaded local module: load them all before any test, so a
-    # seeded test draws what it drew alone, whatever ran before it on its worker.
-    from poolfuzz.orchestration.constants import load_every_module
+    # Hypothesis draws literals from every loaded "local" module, and which modules are local depends
+    # on the clone's path and on what a worker imported first: frozen for the whole session, a seeded
+    # or derandomized test draws the same examples here, in CI's fresh clone, alone or after others.
+    from contextlib import ExitStack
 
-    load_every_module()
+    from poolfuzz.harness.hypothesis_compat import local_constants_frozen
+
+    frozen = ExitStack()
+    frozen.enter_context(local_constants_frozen())
+    config.add_cleanup(frozen.close)
 
 
 def pytest_addoption(parser):

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import importlib
 import re
-from contextlib import AbstractContextManager
+import threading
+from contextlib import AbstractContextManager, contextmanager
 
 import hypothesis
 from hypothesis.errors import InvalidArgument
@@ -42,6 +43,49 @@ _reproduction_decorator = private("hypothesis.core", "reproduction_decorator")
 _with_reporter = private("hypothesis.reporting", "with_reporter")
 _function_digest = private("hypothesis.internal.reflection", "function_digest")
 _get_state_machine_test = private("hypothesis.stateful", "get_state_machine_test")
+# Hypothesis mixes into its draws the literals of every "local" module loaded (6.131 on: not in
+# site-packages, not a test file): poolfuzz's own, the engines' shims, a user's conftest. Which ones
+# are local depends on where the clone lies and on what the process imported before, so a seed drew
+# other examples in CI's fresh clone than here (stop 46's red build). Both names are optional: a
+# release without local constants has nothing to freeze.
+_providers = importlib.import_module("hypothesis.internal.conjecture.providers")
+_HAS_LOCAL_CONSTANTS = hasattr(_providers, "_get_local_constants") and hasattr(_providers, "CONSTANTS_CACHE")
+_freeze_lock = threading.Lock()
+_freeze_depth = 0
+_thawed = None
+
+
+@contextmanager
+def local_constants_frozen():
+    """Within it, Hypothesis draws no literals from loaded modules, so a seed draws the same
+    examples in any process, from any path, whatever was imported first. Re-entrant; restores
+    Hypothesis's own behaviour when the outermost exit is reached."""
+    global _freeze_depth, _thawed
+    if not _HAS_LOCAL_CONSTANTS:
+        yield
+        return
+    with _freeze_lock:
+        if _freeze_depth == 0:
+            from hypothesis.internal.constants_ast import Constants
+
+            none = Constants()
+            _thawed = _providers._get_local_constants
+            _providers._get_local_constants = lambda: none
+            _providers.CONSTANTS_CACHE.cache.clear()  # it holds the local literals already drawn from
+        _freeze_depth += 1
+    try:
+        yield
+    finally:
+        with _freeze_lock:
+            _freeze_depth -= 1
+            if _freeze_depth == 0:
+                _providers._get_local_constants = _thawed
+                _providers.CONSTANTS_CACHE.cache.clear()
+
+
+def local_constants_are_frozen() -> bool:
+    """True inside :func:`local_constants_frozen` (on a release with local constants)."""
+    return _freeze_depth > 0
 
 
 def _build_context():

@@ -31,6 +31,7 @@ from poolfuzz.harness.hypothesis_compat import (
     in_final_replay,
     reproduction_in,
     runnable_program,
+    local_constants_frozen,
     silenced,
     state_machine_test,
 )
@@ -39,7 +40,6 @@ from poolfuzz.harness.minimise import minimise
 from poolfuzz.harness.program import new_engine
 from poolfuzz.harness.records import EngineOptions
 from poolfuzz.harness.scheduled import scheduled_machine
-from poolfuzz.orchestration.constants import load_every_module
 from poolfuzz.pools.capabilities import factory_capabilities
 from poolfuzz.pools.config import ModelConfig
 from poolfuzz.pools.family import expected_backup_mode
@@ -261,7 +261,6 @@ def run_machine(config, *, device="cpu", faults=(), backup_mode=None, max_exampl
     violations instead of failing. ``minimise_seconds`` (0: off) bounds the last pass over the reported
     program, which deletes the steps Hypothesis could not (see ``harness.minimise``).
     """
-    load_every_module()  # the same seed draws the same examples in any process
     started = time.perf_counter()
     tracker = _Tracker(started=started, deadline=None if time_budget is None else started + time_budget,
                        shrink_limit=shrink_limit, on_progress=on_progress, on_failure=on_failure,
@@ -292,7 +291,8 @@ def run_machine(config, *, device="cpu", faults=(), backup_mode=None, max_exampl
                 # test function it would also switch the example database off).
                 hypothesis_seed(round_seed)(machine)
             test = state_machine_test(machine, settings=chosen)
-            with silenced():
+            # no literals from loaded modules: the same seed draws the same examples in any process
+            with silenced(), local_constants_frozen():
                 test()
             if time_budget is None or time.perf_counter() - started >= time_budget:
                 break

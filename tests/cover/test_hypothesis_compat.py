@@ -107,3 +107,36 @@ def test_outside_a_test_the_build_context_is_absent():
 
     with pytest.raises(InvalidArgument):
         current_build_context()
+
+
+def _draws():
+    seen = []
+
+    @settings(database=None, derandomize=True, max_examples=300)
+    @given(st.integers(0, 10**9))
+    def test(x):
+        seen.append(x)
+
+    test()
+    return seen
+
+
+def test_local_constants_frozen_keeps_a_newly_loaded_modules_literals_out_of_the_draws(tmp_path, monkeypatch):
+    """A module loaded mid-session (outside site-packages, not a test file: Hypothesis calls it local)
+    changes nothing that a derandomized test draws while the constants are frozen; unfrozen,
+    Hypothesis 6.131+ would mix its literal 987654321 into about one draw in forty."""
+    import importlib
+    import sys
+
+    with compat.local_constants_frozen():
+        assert compat.local_constants_are_frozen()
+        before = _draws()
+        (tmp_path / "poolfuzz_literal_probe.py").write_text("ODD = 987654321\nOTHER = 987654322\n")
+        monkeypatch.syspath_prepend(str(tmp_path))
+        importlib.import_module("poolfuzz_literal_probe")
+        try:
+            after = _draws()
+        finally:
+            sys.modules.pop("poolfuzz_literal_probe", None)
+    assert before == after
+    assert 987654321 not in after and 987654322 not in after
