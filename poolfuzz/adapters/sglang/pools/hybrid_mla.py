@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from poolfuzz.adapters.sglang.api import SGLangAPI, construct
-from poolfuzz.adapters.sglang.pools.reads import read_door
+from poolfuzz.adapters.sglang.pools.reads import read_door, stored_bytes
 from poolfuzz.adapters.sglang.pools.storage import single_rank
 from poolfuzz.pools.components import Component
 from poolfuzz.pools.config import ModelConfig
@@ -72,7 +72,8 @@ def build_hybrid_mla_pool(api: SGLangAPI, c: ModelConfig, mamba_pool, common: di
         # What an MLA backend reads from the hybrid pool by model layer id: ``get_kv_buffer``, the whole latent
         # row as K and its compressed part as V (views of the sub-pool's buffer, checked in place)
         row = read_door(pool, "get_key_buffer", layer_id, pool.full_kv_pool.kv_buffer[local])
-        key, value = pool.get_kv_buffer(layer_id)
+        # an fp8 pool hands them out in its dtype: checked as the bytes it stores, as the sub-pool's host copy is
+        key, value = (stored_bytes(t) for t in pool.get_kv_buffer(layer_id))
         if key.data_ptr() != row.data_ptr() or value.data_ptr() != row.data_ptr() or value.shape[-1] != r:
             raise ConfigError(f"config {c.name!r}: HybridLinearKVPool.get_kv_buffer({layer_id}) does not hand out "
                               "the MLA sub-pool's latent row (K) and its compressed part (V) in place")
