@@ -64,9 +64,22 @@ def test_a_recurrent_server_caps_its_requests_by_its_mamba_slots(configurator):
     assert built.req_to_token_pool.req_to_token.shape[0] == built.sizes["max_running_requests"] + 1
 
 
+def test_a_speculative_server_builds_one_recurrent_state_per_draft_token(configurator):
+    """``--speculative-algorithm NEXTN`` (the model's MTP layers draft, run as EAGLE): the target's mamba pool keeps
+    the verify's intermediate states, one per draft token for every request row (its KV pool, built to move rows,
+    warms SGLang's copy kernel up over dummy locations: the one launch stood in for)."""
+    c = CONFIGS["hybrid-spec"]
+    built = configurator.configure(c)
+    cache = built.req_to_token_pool.mamba_pool.mamba_cache
+    rows = built.sizes["max_running_requests"] + 1
+    assert cache.intermediate_ssm.shape[1:3] == (rows, c.spec_draft_tokens)
+    assert all(w.shape[2] == c.spec_draft_tokens for w in cache.intermediate_conv_window)
+    assert "4 draft-token states" in built.parts()["mamba pool"]
+
+
 @pytest.mark.parametrize("name, words", [
     ("hybrid-linear-ps4", "no_buffer only supports page_size=1"),
-    ("hybrid-spec", "draft model"),
+    ("hybrid-spec-ps4", "no_buffer only supports page_size=1"),
     ("swa-ssm", "no model stands for architecture 'inkling'"),
 ])
 def test_a_server_sglang_refuses_is_refused_in_its_words(configurator, name, words):

@@ -285,3 +285,23 @@ def test_a_resume_is_billed_in_whole_pages_as_the_reference_counts_it(api):
     assert e.resume("prefill") is None, "the resume was admitted on its raw tokens"
     assert e.retracted["prefill"] == [rid]  # it waits, still first in line
     e.check()
+
+
+def test_the_family_runs_on_the_pools_sglangs_configurator_builds_for_the_unified_server(api):
+    """``swa`` with ``--enable-unified-memory``: SGLang's configurator builds the same sub-pool classes and layers as
+    the family's wiring, and sizes the sliding-window side from the unified byte envelope (63 tokens for a 64-token
+    server at ratio 0.5, where the wiring named the config's 32): the family runs on the server's own pools. A model
+    whose recurrent state is another model's (the config's two conv tensors, a Qwen3-Next's one) keeps the wiring and
+    says why."""
+    from poolfuzz.adapters.sglang.pools import configurator
+
+    factory = _factory_or_skip(api, "swa")
+    if configurator.problem():
+        pytest.skip(f"sglang {api.version}: {configurator.problem()}")
+    fam = factory(CONFIGS["swa"])
+    assert fam.pools_source.startswith("SGLang's KV cache configurator (") and "--enable-unified-memory" in fam.pools_source
+    server = configurator.configure(CONFIGS["swa"], role_flags={"enable_unified_memory": True})
+    assert fam.sg_allocator.swa_attn_allocator is not None and fam.sg_allocator.size == server.allocator.size
+    assert fam.sg_allocator.size != CONFIGS["swa"].swa_tokens  # the server's sizing, not the config's number
+    hybrid = factory(CONFIGS["hybrid-linear"])
+    assert hybrid.pools_source.startswith("the adapter's wiring (SGLang's configurator builds other pools")

@@ -61,22 +61,31 @@ def describe_server(config):
     (``poolfuzz configs --family sglang``)."""
     from poolfuzz.adapters.sglang.api import load
     from poolfuzz.adapters.sglang.lifecycle.family import build_sglang_family
+    from poolfuzz.adapters.sglang.tree.trees import tree_sized
+
+    return _described(config, role_flags=None, build=lambda: build_sglang_family(tree_sized(load(), config)))
+
+
+def _described(config, *, role_flags, build):
+    """``config``'s server with ``role_flags`` beside its own flags, what SGLang's configurator builds for it here,
+    and what the family (``build()``) runs on."""
+    from poolfuzz.adapters.sglang.api import load
     from poolfuzz.adapters.sglang.pools.configurator import (command_line, configure, describe_pools, server_flags,
                                                              server_model)
-    from poolfuzz.adapters.sglang.tree.trees import tree_sized
     from poolfuzz.errors import ConfigError
     from poolfuzz.pools.capabilities import ServerDescription
 
-    api = load()
-    flags, built, refused, family, declines, model = command_line(server_flags(config)), None, None, None, None, None
+    load()
+    flags = command_line(server_flags(config) | (role_flags or {}))
+    built, refused, family, declines, model = None, None, None, None, None
     try:
         server = server_model(config)
-        flags, model = server.command_line(), server.hf_config
-        built = configure(config).parts()
+        model = server.hf_config
+        built = configure(config, role_flags=role_flags).parts()
     except ConfigError as exc:
         refused = str(exc)
     try:
-        built_family = build_sglang_family(tree_sized(api, config))
+        built_family = build()
         family = describe_pools(built_family.sg_req_pool, built_family.sg_kv_pool, built_family.sg_allocator)
     except ConfigError as exc:
         declines = str(exc)
@@ -117,7 +126,16 @@ def unified_unsupported_reason(config) -> str | None:
     return unified_problem(load(), config)
 
 
+def describe_unified_server(config):
+    """The unified-memory server ``config`` stands for (its flags and ``--enable-unified-memory``), the pools SGLang's
+    configurator builds for it here, and those the family runs on (``poolfuzz configs --family sglang:unified``)."""
+    from poolfuzz.adapters.sglang.unified_pool.unified import SERVER_FLAGS, build_unified
+
+    return _described(config, role_flags=SERVER_FLAGS, build=lambda: build_unified(config))
+
+
 build_unified_family.unsupported_reason = unified_unsupported_reason
+build_unified_family.describe_server = describe_unified_server
 build_unified_family.engine_report = engine_report
 build_unified_family.builds_per_node = True
 build_unified_family.engine_code = build_family.engine_code

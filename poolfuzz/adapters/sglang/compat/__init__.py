@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from poolfuzz.adapters.sglang.compat.needs import (  # noqa: F401
     ENGINE, NEEDS, release, engine_report, PRIVATE, SPEC_DECODE_HELPERS, CONV_WINDOW_PHYS, MAMBA_CHUNK_MEMO,
-    private, has_private, private_name, speculative_decode_helpers, conv_window_buffers, seed_mamba_chunk_size,
+    private, has_private, private_module, private_name, speculative_decode_helpers, conv_window_buffers, seed_mamba_chunk_size,
     registered_storage_backends, engine_report_needs,
 )
 from poolfuzz.adapters.sglang.compat.scheduler import (  # noqa: F401

@@ -8,6 +8,7 @@ no artifact), never a finding. ``poolfuzz doctor --family sglang`` prints the sa
 
 from __future__ import annotations
 
+import importlib
 from functools import lru_cache
 
 from poolfuzz.adapters.engine_api import PRESENT, EngineReport, Need, Probe, probe, report
@@ -121,6 +122,9 @@ PRIVATE: dict[str, Need] = {
     "configurator_gc": Need(target="sglang.srt.mem_cache.kv_cache_configurator:gc", required=False,
                             used_for="private: the collection before the free-memory probe (0.3 s a build), which "
                                      "frees no GPU memory here"),
+    "kv_copy_kernel": Need(target="sglang.srt.mem_cache.memory_pool:copy_all_layer_kv_cache_func", required=False,
+                           used_for="private: the tiled KV row copy (a Triton kernel) a speculative server's pool "
+                                    "launches once when built, over dummy locations, to warm it up"),
     "post_capture_kv_active": Need(target="sglang.srt.model_executor.model_runner_components.kv_pool_runtime:"
                                           "is_post_capture_kv_active", required=False,
                                    used_for="the model runner's answer for the configurator's post-capture KV flag"),
@@ -135,8 +139,9 @@ PRIVATE: dict[str, Need] = {
                                                "resolve_sliding_window_size", required=False,
                                         used_for="the model runner's sliding window, for the configurator"),
     "spec_aux_config": Need(target="sglang.srt.model_executor.model_runner_components.spec_aux_hidden_state:"
-                                   "SpecAuxHiddenStateConfig", required=False,
-                            used_for="the model runner's speculative hidden-state record (none: no draft)"),
+                                   "resolve_spec_aux_hidden_state_config", required=False,
+                            used_for="the model runner's speculative hidden-state record, resolved from the "
+                                     "server's speculative flags (init_spec_aux_hidden_state)"),
     "override_platform": Need(target="sglang.srt.runtime_context:override_platform", required=False,
                               used_for="the machine's facts every server hook reads, stated for a GPU server "
                                        "(0.5.22 on)"),
@@ -189,6 +194,11 @@ def private(key: str):
 def has_private(*keys: str) -> bool:
     """Whether this release has every PRIVATE need named (a feature probe: a path declines without them)."""
     return all(_probed(k).status == PRESENT for k in keys)
+
+
+def private_module(key: str):
+    """The module a PRIVATE need is looked up in (for standing in for the name there, where its callers read it)."""
+    return importlib.import_module(PRIVATE[key].target.partition(":")[0])
 
 
 def private_name(key: str) -> str:

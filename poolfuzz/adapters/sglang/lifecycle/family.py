@@ -20,7 +20,7 @@ import torch
 
 from poolfuzz.adapters.sglang.lifecycle.admission import SchedulerAdmission
 from poolfuzz.adapters.sglang.api import SGLangAPI, construct, load
-from poolfuzz.adapters.sglang.pools.calls import paged_alloc_extend
+from poolfuzz.adapters.sglang.pools.calls import native_kv_move, paged_alloc_extend
 from poolfuzz.adapters.sglang.lifecycle.frees import debug_memory_pool
 from poolfuzz.adapters.sglang.host_tier.host import SGLangHostBackup, host_pool_problem, resolve_backup_mode
 from poolfuzz.adapters.sglang.pools.hybrid_mla import build_hybrid_mla_pool, hybrid_mla_problem
@@ -33,7 +33,7 @@ from poolfuzz.adapters.sglang.pools.request_pool import build_plain_request_pool
 from poolfuzz.adapters.sglang.lifecycle.standin import standin_class
 from poolfuzz.adapters.sglang.pools.storage import build_storage_pool, quant_method_kwargs, storage_problem
 from poolfuzz.adapters.sglang.lifecycle.speculative import (
-    SGLangScratch, move_problem, native_kv_move, speculative_problem,
+    SGLangScratch, move_problem, speculative_problem,
 )
 from poolfuzz.adapters.sglang.pools.writes import write_rows
 from poolfuzz.adapters.sglang.lifecycle.tracking import extra_buffer_admission_problem, extra_buffer_problem
@@ -259,7 +259,7 @@ def build_sglang_family(config: ModelConfig, *, device="cpu", faults=(), backup_
             pd_decode = node == DECODE or decode_rows is not None
             build = functools.partial(_build, api, config, dev, sdev, backup_mode, pd_decode=pd_decode,
                                       scheduled=scheduled, decode_rows=decode_rows)
-            return _served_or_wired(build, config, sdev, pd_decode=pd_decode, role_flags=role_flags)
+            return served_or_wired(build, config, sdev, pd_decode=pd_decode, role_flags=role_flags)
     except ConfigError:
         raise  # declined already, with its reason (a server SGLang refuses among them)
     except (AssertionError, ValueError) as exc:
@@ -276,15 +276,19 @@ def build_sglang_family(config: ModelConfig, *, device="cpu", faults=(), backup_
 _SERVES: dict[tuple, str | None] = {}
 
 
-def _served_or_wired(build, config: ModelConfig, sdev: str, *, pd_decode: bool, role_flags: dict | None):
+def served_or_wired(build, config: ModelConfig, sdev: str, *, pd_decode: bool, role_flags: dict | None,
+                    same=None, listing: str = "sglang"):
     """The family over the pools SGLang's configurator builds for the config's server where they are the config's
-    (``_server_pools``), else over the adapter's wiring (``build``: ``_build`` with all but ``served`` given)."""
+    (``_server_pools``; ``same``: how the two builds' descriptions must agree, ``configurator.same_pools`` by
+    default), else over the adapter's wiring (``build``: the family's builder with all but ``served`` given).
+    ``listing``: the family whose ``poolfuzz configs --family`` listing shows the two builds."""
     from poolfuzz.adapters.sglang.pools import configurator
 
     key = (config, tuple(sorted((role_flags or {}).items())), pd_decode, sdev)
     if key not in _SERVES:
         family = build()
-        served = _server_pools(config, family, sdev, pd_decode=pd_decode, role_flags=role_flags)
+        served = _server_pools(config, family, sdev, pd_decode=pd_decode, role_flags=role_flags,
+                               same=same or configurator.same_pools, listing=listing)
         _SERVES[key] = None if served is not None else family.pools_source
         if served is None:
             return family
@@ -305,7 +309,7 @@ def _served_or_wired(build, config: ModelConfig, sdev: str, *, pd_decode: bool, 
 
 
 def _server_pools(config: ModelConfig, family: SGLangFamily, sdev: str, *, pd_decode: bool,
-                  role_flags: dict | None = None):
+                  role_flags: dict | None = None, same, listing: str):
     """The pools SGLang's own KV cache configurator builds for the config's server (``pools/configurator.py``), where
     it builds them here and they are the pools the config describes: the classes, sizes, mamba shapes and layers of
     the family's own wiring, the request rows' width aside. None otherwise, and ``family.pools_source`` says why the
@@ -323,10 +327,9 @@ def _server_pools(config: ModelConfig, family: SGLangFamily, sdev: str, *, pd_de
     except ConfigError as exc:
         family.pools_source = f"the adapter's wiring ({exc})"
         return None
-    if not configurator.same_pools(served.parts(), configurator.describe_pools(
-            family.sg_req_pool, family.sg_kv_pool, family.sg_allocator)):
+    if not same(served.parts(), configurator.describe_pools(family.sg_req_pool, family.sg_kv_pool, family.sg_allocator)):
         family.pools_source = ("the adapter's wiring (SGLang's configurator builds other pools for the config's "
-                               "server; poolfuzz configs --family sglang shows them)")
+                               f"server; poolfuzz configs --family {listing} shows them)")
         return None
     return served
 

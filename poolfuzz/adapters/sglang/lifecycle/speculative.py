@@ -13,13 +13,11 @@ accessor returns.
 
 from __future__ import annotations
 
-import contextlib
-import os
-
 import torch
 
 from poolfuzz.adapters.sglang.api import parameters
 from poolfuzz.adapters.sglang.compat import conv_window_buffers
+from poolfuzz.adapters.sglang.pools.calls import native_kv_move
 from poolfuzz.adapters.sglang.pools.request_pool import build_request_pool
 from poolfuzz.adapters.sglang.pools.storage import what_failed
 from poolfuzz.pools.speculative import scratch_components
@@ -99,27 +97,6 @@ def move_accepted(family, *, tgt, src) -> None:
     device = family.device
     with native_kv_move():  # releases up to 0.5.22 read the switch at each move, 0.5.23 when the pool is built
         kv_pool.move_kv_cache(tgt.to(device=device, dtype=torch.int64), src.to(device=device, dtype=torch.int64))
-
-
-# A speculative server builds its MHA pools with ``enable_kv_cache_copy`` (the configurator), whose tiled
-# row move is a Triton kernel (on a CPU server sgl_kernel's ``copy_all_layer_kv_cache_cpu``); neither runs
-# here. SGLang's own switch for the torch move (``move_kv_cache_native``) is this variable: 0.5.23 reads it
-# when a pool is built, earlier releases (0.5.13) at every ``move_kv_cache``, so it is set around both.
-NATIVE_MOVE = "SGLANG_NATIVE_MOVE_KV_CACHE"
-
-
-@contextlib.contextmanager
-def native_kv_move():
-    """Build pools that move rows with SGLang's native (torch indexing) move."""
-    before = os.environ.get(NATIVE_MOVE)
-    os.environ[NATIVE_MOVE] = "1"
-    try:
-        yield
-    finally:
-        if before is None:
-            os.environ.pop(NATIVE_MOVE, None)
-        else:
-            os.environ[NATIVE_MOVE] = before
 
 
 def move_problem(sg_kv, device) -> str | None:

@@ -1,6 +1,10 @@
-"""SGLang's paged allocator calls, with the keywords the installed release accepts."""
+"""SGLang's paged allocator calls, with the keywords the installed release accepts; its switch for pools that move
+rows with torch."""
 
 from __future__ import annotations
+
+import contextlib
+import os
 
 import torch
 
@@ -26,3 +30,24 @@ def paged_alloc_decode(allocator, *, seq_len: int, last_loc: int):
     kwargs = dict(seq_lens=_dev_tensor([seq_len], dev), seq_lens_cpu=torch.tensor([seq_len]),
                   last_loc=_dev_tensor([last_loc], dev))
     return allocator.alloc_decode(**accepted_kwargs(allocator.alloc_decode, **kwargs))
+
+
+# A speculative server builds its MHA pools with ``enable_kv_cache_copy`` (the configurator), whose tiled
+# row move is a Triton kernel (on a CPU server sgl_kernel's ``copy_all_layer_kv_cache_cpu``); neither runs
+# here. SGLang's own switch for the torch move (``move_kv_cache_native``) is this variable: 0.5.23 reads it
+# when a pool is built, earlier releases (0.5.13) at every ``move_kv_cache``, so it is set around both.
+NATIVE_MOVE = "SGLANG_NATIVE_MOVE_KV_CACHE"
+
+
+@contextlib.contextmanager
+def native_kv_move():
+    """Build pools that move rows with SGLang's native (torch indexing) move."""
+    before = os.environ.get(NATIVE_MOVE)
+    os.environ[NATIVE_MOVE] = "1"
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(NATIVE_MOVE, None)
+        else:
+            os.environ[NATIVE_MOVE] = before

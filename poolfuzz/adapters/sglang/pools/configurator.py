@@ -16,7 +16,11 @@ configurator's budget starts from (``get_available_gpu_memory`` in ``_profile_av
 same on every machine, while the rest of that method (its mamba budget) is SGLang's; and the GPU a server runs on
 (``compat.platform``: a B200 for every config but the CPU server's), so that the flags are resolved and the pools
 built as that GPU's server resolves and builds them (without CUDA, SGLang's base platform refuses FP4 KV, ``mxfp8``
-and the mamba extra buffer, and DSA's model hook asks the GPU's compute capability).
+and the mamba extra buffer, and DSA's model hook asks the GPU's compute capability); and, for a speculative server
+(``--speculative-algorithm NEXTN``: the target worker's pools, with a state row per draft token), the one launch of
+SGLang's tiled KV copy kernel its pools make when built, over dummy locations (it moves nothing; a real move called
+then is refused): the pools move rows with SGLang's native torch move (``SGLANG_NATIVE_MOVE_KV_CACHE``). The draft
+worker's own pools (a second KV pool over the same allocator) are not built.
 
 One registry (``MODELS``) maps a config's architecture to the model that stands for it; one with no entry yet is
 named as such, never built another way. Releases before 0.5.16 have no configurator (their model runner builds
@@ -31,6 +35,7 @@ import dataclasses
 import json
 import logging
 import os
+import re
 import tempfile
 import traceback
 import types
@@ -39,8 +44,9 @@ from unittest import mock
 from dataclasses import dataclass, field
 from typing import Callable
 
-from poolfuzz.adapters.sglang.compat import has_private, private, private_name
+from poolfuzz.adapters.sglang.compat import has_private, private, private_module, private_name
 from poolfuzz.adapters.sglang.compat.platform import B200, GPU, gpu_server, platform_problem
+from poolfuzz.adapters.sglang.pools.calls import native_kv_move
 from poolfuzz.errors import ConfigError
 from poolfuzz.pools.config import ModelConfig
 from poolfuzz.pools.quantised import MODEL_DTYPE
@@ -83,6 +89,7 @@ class ConfiguredPools:
     token_to_kv_pool: object
     allocator: object
     sizes: dict = field(default_factory=dict)
+    unified_buffer: object = None  # --enable-unified-memory: the byte buffer the sub-pools share
 
     def parts(self) -> dict[str, str]:
         """Each pool (and each part of a hybrid one) with its class and size, in a listing's words."""
@@ -99,8 +106,11 @@ def describe_pools(req_to_token_pool, token_to_kv_pool, allocator) -> dict[str, 
     if mamba is not None:
         cache = mamba.mamba_cache
         conv = ", ".join(str(tuple(t.shape[2:])) for t in cache.conv)
+        spec = getattr(cache, "intermediate_ssm", None)  # a speculative server's per-draft-token states
         out["mamba pool"] = (f"{type(mamba).__name__} ({mamba.size} slots; conv {conv}; "
-                             f"temporal {tuple(cache.temporal.shape[2:])} {cache.temporal.dtype})")
+                             f"temporal {tuple(cache.temporal.shape[2:])} {cache.temporal.dtype}"
+                             + (f"; {spec.shape[2]} draft-token states for {spec.shape[1]} requests"
+                                if spec is not None else "") + ")")
     quant = type(getattr(token_to_kv_pool, "quant_method", None)).__name__
     layers = ""
     mapping = getattr(token_to_kv_pool, "layers_mapping", None)
@@ -126,6 +136,17 @@ def same_pools(built: dict[str, str], family: dict[str, str]) -> bool:
     def rows_only(d):
         return {k: (v.split(" of ")[0] if k == "request pool" else v) for k, v in d.items()}
     return rows_only(built) == rows_only(family)
+
+
+_SIZE = re.compile(r"\b\d+ (tokens|slots|rows)\b")
+
+
+def same_layout(built: dict[str, str], family: dict[str, str]) -> bool:
+    """Whether two descriptions name the same pool classes, shapes, dtypes and layers, whatever their sizes: a unified
+    memory pool's sub-pools are sized by SGLang from one byte envelope, and what fits is the engine's own answer."""
+    def shapes_only(d):
+        return {k: _SIZE.sub(r"N \1", v) for k, v in d.items()}
+    return shapes_only(built) == shapes_only(family)
 
 
 def _layer_count(c: ModelConfig) -> int:
@@ -267,8 +288,11 @@ def server_flags(c: ModelConfig) -> dict:
     if c.has_mamba:
         flags.update(max_mamba_cache_size=c.mamba_slots, disable_overlap_schedule=True,
                      mamba_radix_cache_strategy="extra_buffer" if c.mamba_track_slots else "no_buffer")
-    if c.spec_draft_tokens:  # EAGLE drafting the config's tokens a step (its draft model is not built yet)
-        flags.update(speculative_algorithm="EAGLE", speculative_num_draft_tokens=c.spec_draft_tokens)
+    if c.spec_draft_tokens:
+        # the model's own MTP layers draft (NEXTN, which SGLang runs as EAGLE), a tree of top-k 2 verified in one
+        # forward of the config's draft tokens: the target's pools keep one state row per draft token
+        flags.update(speculative_algorithm="NEXTN", speculative_num_draft_tokens=c.spec_draft_tokens,
+                     speculative_num_steps=c.spec_draft_tokens - 1, speculative_eagle_topk=2)
     return flags
 
 
@@ -278,9 +302,6 @@ def server_model(c: ModelConfig) -> ServerModel:
     if kind not in MODELS:
         raise ConfigError(f"config {c.name!r}: no model stands for architecture {kind!r} on the configurator path "
                           f"yet (it has models for: {', '.join(MODELS)})")
-    if c.spec_draft_tokens:
-        raise ConfigError(f"config {c.name!r}: speculative decoding needs a draft model, which the configurator path "
-                          "does not build yet")
     return ServerModel(kind=kind, flags=server_flags(c), hf_config=MODELS[kind].config_json(c, _dtype_flags(c)[0]),
                        gpu=server_gpu(c))
 
@@ -351,7 +372,7 @@ def configure(c: ModelConfig, *, device: str = "cpu", role_flags: dict | None = 
              "swa_max_total_num_tokens": result.swa_max_total_num_tokens}
     return ConfiguredPools(server=server, req_to_token_pool=result.req_to_token_pool,
                            token_to_kv_pool=result.token_to_kv_pool, allocator=result.token_to_kv_pool_allocator,
-                           sizes=sizes)
+                           sizes=sizes, unified_buffer=getattr(result, "unified_memory_pool", None))
 
 
 @contextlib.contextmanager
@@ -430,11 +451,13 @@ def _built(args, model_dir: str, device: str):
     """The configurator's result for the published ``args`` (the model runner's leaves give its inputs)."""
     from sglang.srt.configs.model_config import AttentionArch
     from sglang.srt.configs.model_config import ModelConfig as SGLangModelConfig
-    from sglang.srt.runtime_context import get_model, get_parallel, get_schedule
+    from sglang.srt.runtime_context import get_model, get_parallel, get_schedule, get_spec
     from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 
     model_config = SGLangModelConfig(model_path=model_dir)
     model = types.SimpleNamespace()  # no weights, no quantisation, no layer hooks: the model config decides
+    # the target worker's (this server's pools are its; a draft worker builds its own beside them, not here)
+    spec_algorithm = SpeculativeAlgorithm.from_string(get_spec().speculative_algorithm)
     kv_name, kv_dtype = private("configure_kv_cache_dtype")(
         server_args_kv_cache_dtype=get_model().kv_cache_dtype, model=model, model_dtype=model_config.dtype,
         is_draft_worker=False, is_dflash=False, speculative_draft_attention_backend=None,
@@ -448,18 +471,39 @@ def _built(args, model_dir: str, device: str):
         kv_cache_dtype_str=kv_name if kv_name is not None else get_model().kv_cache_dtype,
         model_dtype=model_config.dtype, page_size=get_schedule().page_size,
         sliding_window_size=private("resolve_sliding_window_size")(model, model_config),
-        spec_algorithm=SpeculativeAlgorithm.NONE, is_draft_worker=False,
+        spec_algorithm=spec_algorithm, is_draft_worker=False,
         post_capture_kv_active=private("post_capture_kv_active")(
-            server_args=args, is_draft_worker=False, spec_algorithm=SpeculativeAlgorithm.NONE,
+            server_args=args, is_draft_worker=False, spec_algorithm=spec_algorithm,
             token_to_kv_pool_allocator=None),
-        spec_aux_config=private("spec_aux_config")(), is_hybrid_swa=model_config.is_hybrid_swa,
+        spec_aux_config=private("spec_aux_config")(server_args=args, model_config=model_config,
+                                                   spec_algorithm=spec_algorithm, is_draft_worker=False),
+        is_hybrid_swa=model_config.is_hybrid_swa,
         is_hybrid_swa_compress=model_config.is_hybrid_swa_compress,
         use_mla_backend=model_config.attention_arch == AttentionArch.MLA,
         layer_info=private("resolve_layer_indices")(model=model, model_config=model_config,
                                                     is_draft_worker=False),
         forward_stream=None, req_to_token_pool=None, token_to_kv_pool_allocator=None, memory_pool_config=None)
-    with _fixed_free_memory():
+    with _fixed_free_memory(), _kv_copy_warmup_skipped(), native_kv_move():
         return configurator.configure(pre_model_load_memory=0)
+
+
+@contextlib.contextmanager
+def _kv_copy_warmup_skipped():
+    """A speculative server's pools (``enable_kv_cache_copy``) launch SGLang's tiled KV copy kernel once when built,
+    copying dummy location 0 onto itself in every layer to warm the kernel up: a Triton launch (a GPU's), which moves
+    nothing, stood in for by nothing. Any other call (a real move) is refused, not skipped: the pools' moves take
+    SGLang's native torch path (``native_kv_move``, read when a pool is built)."""
+    if not has_private("kv_copy_kernel"):
+        yield
+        return
+    module = private_module("kv_copy_kernel")
+
+    def warmup(data_ptrs, data_strides, tgt_loc, src_loc, *args, **kwargs):
+        if bool(tgt_loc.any()) or bool(src_loc.any()):
+            raise RuntimeError("the tiled KV copy kernel was called for a real move while pools were being built")
+
+    with mock.patch.object(module, private_name("kv_copy_kernel"), warmup):
+        yield
 
 
 @contextlib.contextmanager
@@ -468,7 +512,7 @@ def _fixed_free_memory():
     skipped) for the span of one build: the rest of ``_profile_available_bytes`` is SGLang's, its mamba budget among it
     (``_handle_max_mamba_cache``: the mamba slots a server gets, from ``--max-mamba-cache-size``, its running requests
     or its memory)."""
-    module = __import__(private("kv_cache_configurator").__module__, fromlist=["_"])
+    module = private_module("configurator_free_memory")
     budget_gb = MEMORY_BUDGET / (1 << 30)
     with mock.patch.object(module, private_name("configurator_free_memory"), lambda *a, **k: budget_gb), \
             mock.patch.object(module, private_name("configurator_gc"), types.SimpleNamespace(collect=lambda: 0)):

@@ -4,10 +4,13 @@ SGLang's KV cache configurator builds, for a hybrid model with the flag, one byt
 sub-pools, each with a ``MultiEndedAllocator`` over virtual ids: for a hybrid Mamba model the full-attention
 KV (growing down) and the per-request Mamba state (growing up), bound in ``UnifiedMambaTokenToKVPoolAllocator``
 and ``UnifiedHybridReqToTokenPool`` (``init_unified_mamba_pools``, built here); for a hybrid SWA model the
-full and sliding-window KV, and with Mamba layers too the tri-pool (``unified_swa.py``). This module builds
-the stack on the CPU with the configurator's arguments for the config, and wraps it in the same family the
-``sglang`` option drives, so every operation and check runs unchanged. What differs is said by the family's
-capabilities:
+full and sliding-window KV, and with Mamba layers too the tri-pool (``unified_swa.py``). The family runs on the
+pools SGLang's configurator builds for the config's server with ``--enable-unified-memory``
+(``pools/configurator.py``) where they are the config's pools, their sizes aside (SGLang sizes the sub-pools
+from one byte envelope; what fits is the engine's answer anyway); elsewhere on the adapter's wiring of the
+unified factory with the configurator's arguments, and ``pools_source`` says why (``poolfuzz configs --family
+sglang:unified`` shows both). Either stack is wrapped in the same family the ``sglang`` option drives, so
+every operation and check runs unchanged. What differs is said by the family's capabilities:
   * the harness's components are virtual-id mirrors of SGLang's physical views (``unified_mirror``);
   * the free lists are the sub-allocators' virtual ids; whether an allocation fits is the engine's own
     answer (``unified_reference``);
@@ -24,12 +27,12 @@ import torch
 from poolfuzz.adapters.sglang.lifecycle.admission import SchedulerAdmission
 from poolfuzz.adapters.sglang.pools.calls import paged_alloc_extend
 from poolfuzz.adapters.sglang.api import SGLangAPI, first_importable, call_with, load
-from poolfuzz.adapters.sglang.lifecycle.family import KV_DTYPES
+from poolfuzz.adapters.sglang.lifecycle.family import KV_DTYPES, served_or_wired
 from poolfuzz.adapters.sglang.lifecycle.standin import standin_class
 from poolfuzz.adapters.sglang.pools.storage import what_failed, single_rank
 from poolfuzz.adapters.sglang.pools.request_pool import check_built, mamba_cache_params, pool_kwargs
 from poolfuzz.adapters.sglang.unified_pool.unified_family import (
-    UnifiedFamily, UnifiedProtocol, kv_pool_view, mirrored_kv, mirrored_state, prewarm_compaction,
+    UnifiedFamily, UnifiedProtocol, kv_pool_view, mirrored_kv, mirrored_state, prewarm_compaction, served_bundle,
 )
 from poolfuzz.adapters.sglang.unified_pool.unified_mirror import held_slots
 from poolfuzz.adapters.sglang.unified_pool.unified_swa import build_swa, swa_factory, tri_factory
@@ -135,19 +138,30 @@ def build_unified(config: ModelConfig, *, device="cpu", faults=(), backup_mode=N
     dev = resolve_device(device)
     sdev = str(dev) if dev.type == "cpu" else f"cuda:{dev.index or 0}"
     try:
-        return _build(api, config, dev, sdev, need_sort=node == "decode")
+        if node == "decode":  # a PD decode node's server flags are not the unified server's: the wiring
+            return _build(api, config, dev, sdev, need_sort=True)
+        from poolfuzz.adapters.sglang.pools.configurator import same_layout
+
+        return served_or_wired(functools.partial(_build, api, config, dev, sdev, need_sort=False), config, sdev,
+                               pd_decode=False, role_flags=SERVER_FLAGS, same=same_layout, listing="sglang:unified")
     except (AssertionError, ValueError, RuntimeError) as exc:
         first = str(exc).splitlines()[0] if str(exc) else ""
         raise ConfigError(f"config {config.name!r} on sglang {api.version}: SGLang's unified pool factory "
                           f"refuses it ({type(exc).__name__}: {first})") from None
 
 
-def _build(api: SGLangAPI, c: ModelConfig, dev, sdev: str, *, need_sort: bool) -> UnifiedFamily:
-    """The configurator's unified factory for the model: the SWA pair, or the Mamba pair."""
+# What makes a server's pools these: SGLang's configurator builds them with its unified factories.
+SERVER_FLAGS = {"enable_unified_memory": True}
+
+
+def _build(api: SGLangAPI, c: ModelConfig, dev, sdev: str, *, need_sort: bool, served=None) -> UnifiedFamily:
+    """The family over the pools SGLang's configurator built for the config's server with ``SERVER_FLAGS``
+    (``served``: where they are the config's pools, sizes aside), or over the adapter's wiring of the configurator's
+    unified factory for the model: the SWA pair, or the Mamba pair."""
     single_rank(api)
     if c.has_swa:
-        return build_swa(api, c, dev, sdev, need_sort=need_sort)
-    return _build_mamba(api, c, dev, sdev, need_sort=need_sort)
+        return build_swa(api, c, dev, sdev, need_sort=need_sort, served=served)
+    return _build_mamba(api, c, dev, sdev, need_sort=need_sort, served=served)
 
 
 def _attention_args(c: ModelConfig) -> dict:
@@ -158,7 +172,12 @@ def _attention_args(c: ModelConfig) -> dict:
     return dict(use_mla_backend=False)
 
 
-def _build_mamba(api: SGLangAPI, c: ModelConfig, dev, sdev: str, *, need_sort: bool) -> UnifiedFamily:
+def _build_mamba(api: SGLangAPI, c: ModelConfig, dev, sdev: str, *, need_sort: bool, served=None) -> UnifiedFamily:
+    bundle = served_bundle(served) if served is not None else _wired_mamba(api, c, sdev, need_sort=need_sort)
+    return _mamba_family(api, c, dev, bundle)
+
+
+def _wired_mamba(api: SGLangAPI, c: ModelConfig, sdev: str, *, need_sort: bool):
     kv_dtype = KV_DTYPES[c.kv_dtype]
     modes = pool_kwargs(c)
     # ``_init_unified_mamba_pools``' arguments, for a config's model on one rank with the overlap
@@ -178,7 +197,10 @@ def _build_mamba(api: SGLangAPI, c: ModelConfig, dev, sdev: str, *, need_sort: b
     # ever hold (the scheduler clamps a request to the pool), so a request row never overflows.
     sized = call_with(unified_mamba_factory(), model_context_len=c.max_context, **args)
     ever = sized.token_to_kv_pool_allocator.full_attn_allocator.max_slots
-    bundle = call_with(unified_mamba_factory(), model_context_len=max(c.max_context, ever), **args)
+    return call_with(unified_mamba_factory(), model_context_len=max(c.max_context, ever), **args)
+
+
+def _mamba_family(api: SGLangAPI, c: ModelConfig, dev, bundle) -> UnifiedFamily:
     req_pool, kv_pool, alloc = bundle.req_to_token_pool, bundle.token_to_kv_pool, bundle.token_to_kv_pool_allocator
     problem = check_built(req_pool, c)
     if problem:

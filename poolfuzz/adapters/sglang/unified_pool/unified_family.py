@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import types
 
 import torch
 
@@ -185,3 +186,9 @@ def kv_pool_view(api, kv_pool, comps, *, door) -> KVPoolView:
     view_cls = type(type(kv_pool).__name__, (KVPoolView,), {"cpu_copy_carries_mamba": carries,
                                                             "declared": declared, "__module__": __name__})
     return view_cls(kv_pool, comps, door=door)
+
+
+def served_bundle(served):
+    """The pools SGLang's configurator built for a unified server, in the shape of a unified factory's result."""
+    return types.SimpleNamespace(req_to_token_pool=served.req_to_token_pool, token_to_kv_pool=served.token_to_kv_pool,
+                                 token_to_kv_pool_allocator=served.allocator, unified_memory_pool=served.unified_buffer)

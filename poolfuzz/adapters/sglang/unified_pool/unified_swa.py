@@ -19,7 +19,7 @@ from poolfuzz.adapters.sglang.lifecycle.family import KV_DTYPES
 from poolfuzz.adapters.sglang.lifecycle.standin import standin_class
 from poolfuzz.adapters.sglang.pools.request_pool import mamba_cache_params, pool_kwargs
 from poolfuzz.adapters.sglang.unified_pool.unified_family import (
-    UnifiedFamily, UnifiedProtocol, kv_pool_view, mirrored_kv, mirrored_state, prewarm_compaction,
+    UnifiedFamily, UnifiedProtocol, kv_pool_view, mirrored_kv, mirrored_state, prewarm_compaction, served_bundle,
 )
 from poolfuzz.adapters.sglang.unified_pool.unified_mirror import Mirror, held_slots, shadow_like
 from poolfuzz.adapters.sglang.pools.views import FreeListView, ReqPoolView, as_ints
@@ -62,9 +62,13 @@ def tri_factory():
     return first_importable("sglang.srt.mem_cache.unified_memory_pool:init_unified_mamba_swa_pools", required=False)
 
 
-def build_swa(api: SGLangAPI, c: ModelConfig, dev, sdev: str, *, need_sort: bool) -> UnifiedFamily:
-    """``_init_unified_swa_pools`` for the config's model on one rank, lazy compaction on (SGLang's default);
-    with Mamba layers too, ``_init_unified_mamba_swa_pools`` (the tri-pool: state | SWA | full)."""
+def build_swa(api: SGLangAPI, c: ModelConfig, dev, sdev: str, *, need_sort: bool, served=None) -> UnifiedFamily:
+    """The family over the pools the configurator built for the config's server (``served``), or over
+    ``_init_unified_swa_pools`` for the config's model on one rank, lazy compaction on (SGLang's default); with Mamba
+    layers too, ``_init_unified_mamba_swa_pools`` (the tri-pool: state | SWA | full)."""
+    if served is not None:
+        bundle = served_bundle(served)
+        return _swa_family(api, c, dev, bundle, bundle.req_to_token_pool)
     kv_dtype = KV_DTYPES[c.kv_dtype]
     args = dict(
         device=sdev, kv_cache_dtype=kv_dtype, head_num=c.head_num, head_dim=c.head_dim, v_head_dim=c.head_dim,
@@ -87,12 +91,17 @@ def build_swa(api: SGLangAPI, c: ModelConfig, dev, sdev: str, *, need_sort: bool
         req_pool = bundle.req_to_token_pool
     else:
         bundle = call_with(swa_factory(), model_context_len=c.max_context, **args)
-    alloc, kv_pool = bundle.token_to_kv_pool_allocator, bundle.token_to_kv_pool
-    full, swa = alloc.full_attn_allocator, alloc.swa_attn_allocator
     if not c.has_mamba:  # the configurator's plain request pool, rows as wide as the full side can grow
+        full = bundle.token_to_kv_pool_allocator.full_attn_allocator
         req_pool = construct(api.ReqToTokenPool, size=c.request_rows,
                              max_context_len=max(c.max_context, full.max_slots), device=sdev,
                              enable_memory_saver=False)
+    return _swa_family(api, c, dev, bundle, req_pool)
+
+
+def _swa_family(api: SGLangAPI, c: ModelConfig, dev, bundle, req_pool) -> UnifiedFamily:
+    alloc, kv_pool = bundle.token_to_kv_pool_allocator, bundle.token_to_kv_pool
+    full, swa = alloc.full_attn_allocator, alloc.swa_attn_allocator
     prewarm_compaction(alloc)
 
     kv_mirrors, comps = mirrored_kv(kv_pool.full_kv_pool, c.full_layer_ids, "full", full,
