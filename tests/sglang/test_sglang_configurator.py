@@ -77,10 +77,24 @@ def test_a_speculative_server_builds_one_recurrent_state_per_draft_token(configu
     assert "4 draft-token states" in built.parts()["mamba pool"]
 
 
+def test_an_inkling_server_keeps_conv_states_in_every_layer_and_its_family_keeps_the_wiring(configurator):
+    """``swa-ssm`` stands for an Inkling: SGLang builds a sliding-window pool for its local layers and full KV for the
+    rest, and a short-conv state pool over every layer (no temporal state). The config's model has separate recurrent
+    layers with a temporal state, so the family runs on its own wiring and says why."""
+    from poolfuzz.adapters.sglang.lifecycle.family import build_sglang_family
+
+    c = CONFIGS["swa-ssm"]
+    parts = configurator.configure(c).parts()
+    assert parts["KV pool"].startswith("SWAKVPool") and f"sliding-window layers {list(c.swa_layer_ids)}" in parts["KV pool"]
+    assert "temporal (0, 0, 0)" in parts["mamba pool"]
+    # short convs over full K and V, local K and V, and the attention and MLP output streams (16 wide each here)
+    assert parts["mamba pool"].count("(3, 16)") == 6
+    assert "other pools" in build_sglang_family(c).pools_source
+
+
 @pytest.mark.parametrize("name, words", [
     ("hybrid-linear-ps4", "no_buffer only supports page_size=1"),
     ("hybrid-spec-ps4", "no_buffer only supports page_size=1"),
-    ("swa-ssm", "no model stands for architecture 'inkling'"),
 ])
 def test_a_server_sglang_refuses_is_refused_in_its_words(configurator, name, words):
     with pytest.raises(ConfigError, match=words):
@@ -184,7 +198,7 @@ def test_the_configs_listing_names_each_servers_flags_and_pools(api, configurato
     dense = out[out.index("\ndense "):out.index("\ndense-ps4 ")]
     assert "server flags: --attention-backend triton --max-running-requests 5 --max-total-tokens 48 --page-size 1" in dense
     assert "KV pool        MHATokenToKVPool (48 tokens, torch.bfloat16)" in dense
-    assert "configurator: config 'swa-ssm': no model stands for" in out
+    assert "configurator: config 'hybrid-linear-ps4': SGLang refuses the server" in out
     assert dense.count("family builds the same") == 1
 
 
@@ -218,7 +232,6 @@ def test_the_family_runs_on_the_pools_sglangs_configurator_built_for_its_server(
 @pytest.mark.parametrize("name, why", [
     ("hybrid-linear", "SGLang's configurator builds other pools for the config's server"),
     ("hybrid-extra-buffer", "SGLang's configurator builds other pools for the config's server"),
-    ("swa-ssm", "no model stands for architecture 'inkling'"),
 ])
 def test_a_family_the_configurator_cannot_serve_keeps_its_wiring_and_says_why(configurator, name, why):
     import torch

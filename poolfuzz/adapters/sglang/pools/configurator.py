@@ -229,6 +229,17 @@ def _kimi_linear_model(c: ModelConfig, dtype: str) -> dict:
                                    "head_dim": head_dim, "short_conv_kernel_size": c.conv_shapes[0][1] + 1}}
 
 
+def _inkling_model(c: ModelConfig, dtype: str) -> dict:
+    """Inkling (``InklingForConditionalGeneration``, its text model): attention in every layer, sliding-window in the
+    config's SWA layers (``local_layer_ids``), full in the rest, and short-conv states (``use_sconv``) in every layer,
+    the config's kernel; dense, no MTP draft layers. The config's separate recurrent layers are no Inkling's."""
+    text = {"model_type": "inkling_model", **_attention(c, dtype), "local_layer_ids": list(c.swa_layer_ids),
+            "sliding_window_size": c.sliding_window, "use_sconv": True, "sconv_kernel_size": c.conv_shapes[0][1] + 1,
+            "n_routed_experts": 0, "num_nextn_predict_layers": 0}
+    return {"architectures": ["InklingForConditionalGeneration"], "model_type": "inkling_mm_model",
+            "text_config": text, "torch_dtype": dtype, "max_position_embeddings": c.max_context}
+
+
 def _minimax_m3_model(c: ModelConfig, dtype: str) -> dict:
     """MiniMax-M3 sparse: each layer dense or sparse (``sparse_attention_freq``), a sparse layer's indexer keeping
     its value or not (``sparse_disable_index_value``), as the config's ``msa_layers`` letters say (D, V, K)."""
@@ -264,6 +275,7 @@ MODELS: dict[str, ModelKind] = {
                                names_model_kv_dtype=True),
     "minimax-m3": ModelKind(config_json=_minimax_m3_model, attention_backend="triton"),
     "kimi-linear": ModelKind(config_json=_kimi_linear_model, attention_backend="flashinfer"),
+    "inkling": ModelKind(config_json=_inkling_model, attention_backend="triton"),
 }
 
 
