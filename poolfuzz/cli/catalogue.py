@@ -87,7 +87,7 @@ def _write_server(d, directory: str) -> None:
     except OSError as exc:
         raise UsageError(f"cannot write {directory}/config.json ({exc.strerror}); name a directory you can write") from None
     print(f"wrote {os.path.join(directory, 'config.json')}; launch the server on a GPU with:")
-    print(f"  {d.launcher} --model-path {shlex.quote(os.path.abspath(directory))} {d.flags}")
+    print(f"  {d.command(shlex.quote(os.path.abspath(directory)))}")
 
 
 def _print_server(d) -> None:

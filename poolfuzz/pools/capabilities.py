@@ -116,7 +116,9 @@ def capabilities_of(family) -> Capabilities:
 @dataclass(frozen=True, kw_only=True)
 class ServerDescription:
     """What a config stands for on an engine (``poolfuzz configs --family``): the server flags, and the pools the
-    engine's own configurator built for that server on this machine, beside those the family builds for it."""
+    engine's own configurator built for that server on this machine, beside those the family builds for it. A flag
+    whose value is the server's own model path (a draft model that lives in the target's checkpoint) reads
+    ``MODEL_PATH`` in ``flags``."""
 
     flags: str  # the server's command-line flags ("" where no server stands for the config yet)
     built: dict[str, str] | None  # part -> its class and size, as the engine's configurator built it; None: refused
@@ -125,6 +127,14 @@ class ServerDescription:
     family_declines: str | None = None  # why the family declines the config
     model: dict | None = None  # the model's config.json the server reads (None: no model stands for the config yet)
     launcher: str = ""  # the engine's own launch command for that server, without its model path and flags
+
+    def command(self, model_path: str) -> str:
+        """The command that launches the server on the model at ``model_path`` (already quoted for a shell)."""
+        return f"{self.launcher} --model-path {model_path} {self.flags.replace(MODEL_PATH, model_path)}"
+
+
+# A server flag's value that stands for the server's own model path (its listing prints it so).
+MODEL_PATH = "<model-path>"
 
 
 @dataclass(frozen=True, kw_only=True)

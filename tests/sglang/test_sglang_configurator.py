@@ -67,7 +67,8 @@ def test_a_recurrent_server_caps_its_requests_by_its_mamba_slots(configurator):
 def test_a_speculative_server_builds_one_recurrent_state_per_draft_token(configurator):
     """``--speculative-algorithm NEXTN`` (the model's MTP layers draft, run as EAGLE): the target's mamba pool keeps
     the verify's intermediate states, one per draft token for every request row (its KV pool, built to move rows,
-    warms SGLang's copy kernel up over dummy locations: the one launch stood in for)."""
+    warms SGLang's copy kernel up over dummy locations: the one launch stood in for); the draft worker builds its own
+    KV pool beside it."""
     c = CONFIGS["hybrid-spec"]
     built = configurator.configure(c)
     cache = built.req_to_token_pool.mamba_pool.mamba_cache
@@ -75,6 +76,10 @@ def test_a_speculative_server_builds_one_recurrent_state_per_draft_token(configu
     assert cache.intermediate_ssm.shape[1:3] == (rows, c.spec_draft_tokens)
     assert all(w.shape[2] == c.spec_draft_tokens for w in cache.intermediate_conv_window)
     assert "4 draft-token states" in built.parts()["mamba pool"]
+    # the draft worker's KV pool, over the target's allocator: listed, never compared with a family's pools
+    assert built.draft_kv_pool is not None and built.draft_kv_pool is not built.token_to_kv_pool
+    assert "not fuzzed" in built.parts()[configurator.DRAFT]
+    assert configurator.same_pools(built.parts(), {k: v for k, v in built.parts().items() if k != configurator.DRAFT})
 
 
 def test_an_inkling_server_keeps_conv_states_in_every_layer_and_its_family_keeps_the_wiring(configurator):

@@ -19,10 +19,12 @@ built as that GPU's server resolves and builds them (without CUDA, SGLang's base
 and the mamba extra buffer, and DSA's model hook asks the GPU's compute capability); and, for a speculative server
 (``--speculative-algorithm NEXTN``: the target worker's pools, with a state row per draft token), the one launch of
 SGLang's tiled KV copy kernel its pools make when built, over dummy locations (it moves nothing; a real move called
-then is refused): the pools move rows with SGLang's native torch move (``SGLANG_NATIVE_MOVE_KV_CACHE``). The draft
-worker's own pools (a second KV pool over the same allocator) are not built.
+then is refused): the pools move rows with SGLang's native torch move (``SGLANG_NATIVE_MOVE_KV_CACHE``). Its draft
+worker's KV pool is built too, as an EAGLE worker's model runner builds it (the draft checkpoint's model config,
+over the target's request pool and allocator, sized by the target's memory config), and listed; no family writes a
+draft model's KV, so none runs on it.
 
-One registry (``MODELS``) maps a config's architecture to the model that stands for it; one with no entry yet is
+One registry (``server_models.MODELS``) maps a config's architecture to the model that stands for it; one with no entry yet is
 named as such, never built another way. Releases before 0.5.16 have no configurator (their model runner builds
 the pools); 0.5.16 to 0.5.21 publish a scheduler's ranks otherwise, and are not driven here yet.
 """
@@ -42,19 +44,17 @@ import types
 import warnings
 from unittest import mock
 from dataclasses import dataclass, field
-from typing import Callable
 
 from poolfuzz.adapters.sglang.compat import has_private, private, private_module, private_name
 from poolfuzz.adapters.sglang.compat.platform import B200, GPU, gpu_server, platform_problem
 from poolfuzz.adapters.sglang.pools.calls import native_kv_move
+from poolfuzz.adapters.sglang.pools.server_models import MODELS, dtype_flags
 from poolfuzz.errors import ConfigError
+from poolfuzz.pools.capabilities import MODEL_PATH
 from poolfuzz.pools.config import ModelConfig
-from poolfuzz.pools.quantised import MODEL_DTYPE
 
 # What the GPU memory probe answers: more than any config's pools take, so the flags' caps bind.
 MEMORY_BUDGET = 1 << 30
-# The KV dtype flag for each config dtype: a float dtype is the model's own (``--kv-cache-dtype auto``).
-_MODEL_DTYPES = ("bfloat16", "float16", "float32")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -90,10 +90,19 @@ class ConfiguredPools:
     allocator: object
     sizes: dict = field(default_factory=dict)
     unified_buffer: object = None  # --enable-unified-memory: the byte buffer the sub-pools share
+    # a speculative server's draft worker's KV pool (over the same allocator); no family writes a draft model's KV
+    draft_kv_pool: object = None
 
     def parts(self) -> dict[str, str]:
-        """Each pool (and each part of a hybrid one) with its class and size, in a listing's words."""
-        return describe_pools(self.req_to_token_pool, self.token_to_kv_pool, self.allocator)
+        """Each pool (and each part of a hybrid one) with its class and size, in a listing's words; a speculative
+        server's draft KV pool last, which the families' pools are not compared with (they run no draft model)."""
+        out = describe_pools(self.req_to_token_pool, self.token_to_kv_pool, self.allocator)
+        if self.draft_kv_pool is not None:
+            out[DRAFT] = _kv_pool_words(self.draft_kv_pool) + " (not fuzzed: no family runs a draft model)"
+        return out
+
+
+DRAFT = "draft KV pool"
 
 
 def describe_pools(req_to_token_pool, token_to_kv_pool, allocator) -> dict[str, str]:
@@ -111,17 +120,7 @@ def describe_pools(req_to_token_pool, token_to_kv_pool, allocator) -> dict[str, 
                              f"temporal {tuple(cache.temporal.shape[2:])} {cache.temporal.dtype}"
                              + (f"; {spec.shape[2]} draft-token states for {spec.shape[1]} requests"
                                 if spec is not None else "") + ")")
-    quant = type(getattr(token_to_kv_pool, "quant_method", None)).__name__
-    layers = ""
-    mapping = getattr(token_to_kv_pool, "layers_mapping", None)
-    if isinstance(mapping, dict) and mapping:
-        layers = "; sliding-window layers " + str(sorted(i for i, (_, swa) in mapping.items() if swa))
-    full_ids = getattr(token_to_kv_pool, "full_attention_layer_id_mapping", None)  # a hybrid linear pool's
-    if not layers and isinstance(full_ids, dict):
-        layers = f"; attention layers {sorted(full_ids)}"
-    out["KV pool"] = (f"{type(token_to_kv_pool).__name__} ({token_to_kv_pool.size} tokens, "
-                      f"{getattr(token_to_kv_pool, 'dtype', '?')}"
-                      + (f", {quant}" if quant not in ("NoneType", "UnquantizedKVCacheMethod") else "") + layers + ")")
+    out["KV pool"] = _kv_pool_words(token_to_kv_pool)
     for part in ("full_kv_pool", "swa_kv_pool", "main_pool", "index_kv_pool", "index_k_pool"):
         sub = getattr(token_to_kv_pool, part, None)
         if sub is not None:
@@ -130,11 +129,25 @@ def describe_pools(req_to_token_pool, token_to_kv_pool, allocator) -> dict[str, 
     return out
 
 
+def _kv_pool_words(pool) -> str:
+    """A KV pool's class, size, dtype, quantisation and (for a hybrid one) its layers, in a listing's words."""
+    quant = type(getattr(pool, "quant_method", None)).__name__
+    layers = ""
+    mapping = getattr(pool, "layers_mapping", None)
+    if isinstance(mapping, dict) and mapping:
+        layers = "; sliding-window layers " + str(sorted(i for i, (_, swa) in mapping.items() if swa))
+    full_ids = getattr(pool, "full_attention_layer_id_mapping", None)  # a hybrid linear pool's
+    if not layers and isinstance(full_ids, dict):
+        layers = f"; attention layers {sorted(full_ids)}"
+    return (f"{type(pool).__name__} ({pool.size} tokens, {getattr(pool, 'dtype', '?')}"
+            + (f", {quant}" if quant not in ("NoneType", "UnquantizedKVCacheMethod") else "") + layers + ")")
+
+
 def same_pools(built: dict[str, str], family: dict[str, str]) -> bool:
     """Whether two descriptions name the same pools, the request rows' width aside (SGLang adds columns past the
     context that no request of the config reaches)."""
     def rows_only(d):
-        return {k: (v.split(" of ")[0] if k == "request pool" else v) for k, v in d.items()}
+        return {k: (v.split(" of ")[0] if k == "request pool" else v) for k, v in d.items() if k != DRAFT}
     return rows_only(built) == rows_only(family)
 
 
@@ -145,138 +158,8 @@ def same_layout(built: dict[str, str], family: dict[str, str]) -> bool:
     """Whether two descriptions name the same pool classes, shapes, dtypes and layers, whatever their sizes: a unified
     memory pool's sub-pools are sized by SGLang from one byte envelope, and what fits is the engine's own answer."""
     def shapes_only(d):
-        return {k: _SIZE.sub(r"N \1", v) for k, v in d.items()}
+        return {k: _SIZE.sub(r"N \1", v) for k, v in d.items() if k != DRAFT}
     return shapes_only(built) == shapes_only(family)
-
-
-def _layer_count(c: ModelConfig) -> int:
-    return c.full_layers + c.swa_layers + c.mamba_layers
-
-
-def _dtype_flags(c: ModelConfig) -> tuple[str, dict]:
-    """(the model's dtype, the KV dtype flag): a float KV dtype is the model's; FP8 and FP4 are asked by flag."""
-    if c.kv_dtype in _MODEL_DTYPES and not c.kv_quant and not c.kv_scale_block:
-        return c.kv_dtype, {}
-    if c.kv_quant == "fp4_mx_block16":
-        return c.kv_dtype if c.kv_dtype in _MODEL_DTYPES else "bfloat16", {"kv_cache_dtype": "fp4_mx_block16"}
-    # an FP8 KV cache's model: poolfuzz's model dtype for quantised KV (float16, in which every fp8 byte round-trips)
-    model = str(MODEL_DTYPE).removeprefix("torch.")
-    if c.kv_scale_block:
-        return model, {"kv_cache_dtype": "mxfp8"}
-    return model, {"kv_cache_dtype": c.kv_dtype}  # fp8_e4m3 / fp8_e5m2 (cpu_fp8_e4m3: SGLang's CPU quant)
-
-
-def _attention(c: ModelConfig, dtype: str) -> dict:
-    """A decoder's attention fields, as a Llama-shaped ``config.json`` names them."""
-    return {"num_hidden_layers": _layer_count(c), "num_attention_heads": c.head_num,
-            "num_key_value_heads": c.head_num, "head_dim": c.head_dim, "hidden_size": c.head_num * c.head_dim,
-            "intermediate_size": 4 * c.head_num * c.head_dim, "vocab_size": 256,
-            "max_position_embeddings": c.max_context, "torch_dtype": dtype,
-            # token ids inside the small vocabulary (a model's defaults name ids past it, and transformers warns)
-            "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
-
-
-def _dense_model(c: ModelConfig, dtype: str) -> dict:
-    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", **_attention(c, dtype)}
-
-
-def _gpt_oss_model(c: ModelConfig, dtype: str) -> dict:
-    """GPT-OSS: sliding-window and full-attention layers as its ``layer_types`` name them (SGLang's
-    ``get_hybrid_layer_ids`` reads them), with one expert per layer."""
-    layer_types = ["sliding_attention" if i in c.swa_layer_ids else "full_attention" for i in range(_layer_count(c))]
-    return {"architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", **_attention(c, dtype),
-            "sliding_window": c.sliding_window, "layer_types": layer_types, "num_local_experts": 1,
-            "num_experts_per_tok": 1}
-
-
-def _qwen3_next_model(c: ModelConfig, dtype: str) -> dict:
-    """Qwen3-Next: gated delta-net layers with a full-attention layer every ``full_attention_interval`` (the last of
-    each interval, so the config's count of each is kept, not its order); the recurrent state is heads x head_dim x
-    key head_dim, its conv rows the query, key and value widths together."""
-    heads, head_dim, key_dim = c.temporal_shape
-    interval = _layer_count(c) // max(c.full_layers, 1)
-    return {"architectures": ["Qwen3NextForCausalLM"], "model_type": "qwen3_next", **_attention(c, dtype),
-            "full_attention_interval": interval, "linear_num_value_heads": heads, "linear_value_head_dim": head_dim,
-            "linear_num_key_heads": 1, "linear_key_head_dim": key_dim,
-            "linear_conv_kernel_dim": c.conv_shapes[0][1] + 1, "num_experts": 0, "mamba_chunk_size": 4,
-            "mamba_ssm_dtype": c.state_dtype}
-
-
-def _deepseek_v3_model(c: ModelConfig, dtype: str) -> dict:
-    """DeepSeek-V3: multi-head latent attention (its latent rank and rope width are the config's), every layer dense
-    (``first_k_dense_replace`` past the last layer, so no experts are read)."""
-    return {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", **_attention(c, dtype),
-            "kv_lora_rank": c.kv_lora_rank, "q_lora_rank": None, "qk_rope_head_dim": c.qk_rope_head_dim,
-            "qk_nope_head_dim": c.head_dim, "v_head_dim": c.head_dim, "first_k_dense_replace": _layer_count(c),
-            "n_routed_experts": 1, "num_experts_per_tok": 1, "moe_intermediate_size": 16, "rope_scaling": None}
-
-
-def _deepseek_v32_model(c: ModelConfig, dtype: str) -> dict:
-    """DeepSeek-V3.2: DeepSeek-V3 with its sparse attention's indexer (``index_topk``, the config's index width),
-    which SGLang's ``is_deepseek_dsa`` asks for."""
-    return {**_deepseek_v3_model(c, dtype), "index_topk": 4, "index_head_dim": c.index_head_dim, "index_n_heads": 1}
-
-
-def _kimi_linear_model(c: ModelConfig, dtype: str) -> dict:
-    """Kimi-Linear: MLA layers between KDA (recurrent) ones, as its ``linear_attn_config`` names them (layers counted
-    from 1); the KDA state is heads x head_dim x head_dim, with a short conv per q, k and v."""
-    heads, head_dim, _ = c.temporal_shape
-    return {"architectures": ["KimiLinearForCausalLM"], "model_type": "kimi_linear", **_attention(c, dtype),
-            "kv_lora_rank": c.kv_lora_rank, "q_lora_rank": None, "qk_rope_head_dim": c.qk_rope_head_dim,
-            "qk_nope_head_dim": c.head_dim, "v_head_dim": c.head_dim, "num_experts": None,
-            "linear_attn_config": {"kda_layers": [i + 1 for i in c.mamba_layer_ids],
-                                   "full_attn_layers": [i + 1 for i in c.full_layer_ids], "num_heads": heads,
-                                   "head_dim": head_dim, "short_conv_kernel_size": c.conv_shapes[0][1] + 1}}
-
-
-def _inkling_model(c: ModelConfig, dtype: str) -> dict:
-    """Inkling (``InklingForConditionalGeneration``, its text model): attention in every layer, sliding-window in the
-    config's SWA layers (``local_layer_ids``), full in the rest, and short-conv states (``use_sconv``) in every layer,
-    the config's kernel; dense, no MTP draft layers. The config's separate recurrent layers are no Inkling's."""
-    text = {"model_type": "inkling_model", **_attention(c, dtype), "local_layer_ids": list(c.swa_layer_ids),
-            "sliding_window_size": c.sliding_window, "use_sconv": True, "sconv_kernel_size": c.conv_shapes[0][1] + 1,
-            "n_routed_experts": 0, "num_nextn_predict_layers": 0}
-    return {"architectures": ["InklingForConditionalGeneration"], "model_type": "inkling_mm_model",
-            "text_config": text, "torch_dtype": dtype, "max_position_embeddings": c.max_context}
-
-
-def _minimax_m3_model(c: ModelConfig, dtype: str) -> dict:
-    """MiniMax-M3 sparse: each layer dense or sparse (``sparse_attention_freq``), a sparse layer's indexer keeping
-    its value or not (``sparse_disable_index_value``), as the config's ``msa_layers`` letters say (D, V, K)."""
-    letters = c.msa_layers
-    return {"architectures": ["MiniMaxM3SparseForCausalLM"], "model_type": "minimax_m2", **_attention(c, dtype),
-            "sparse_attention_config": {"sparse_attention_freq": [0 if x == "D" else 1 for x in letters],
-                                        "sparse_disable_index_value": [1 if x == "K" else 0 for x in letters],
-                                        "sparse_index_dim": c.index_head_dim},
-            "num_local_experts": 1, "num_experts_per_tok": 1}
-
-
-@dataclass(frozen=True, kw_only=True)
-class ModelKind:
-    """A model that stands for a config's architecture: its ``config.json``, and the attention backend its GPU server
-    names (one SGLang accepts for the model with every KV dtype its configs ask: a server left to choose picks by GPU,
-    and some picks refuse FP4 or move the page size)."""
-
-    config_json: Callable[[ModelConfig, str], dict]
-    attention_backend: str
-    # the server names its KV dtype where it is the model's: left to "auto", DeepSeek DSA's hook stores the KV as
-    # fp8_e4m3 on a Hopper or Blackwell GPU
-    names_model_kv_dtype: bool = False
-
-
-# A config's architecture -> the model that stands for it. Architectures without an entry (Inkling) are not built
-# through the configurator yet.
-MODELS: dict[str, ModelKind] = {
-    "llama": ModelKind(config_json=_dense_model, attention_backend="triton"),
-    "gpt-oss": ModelKind(config_json=_gpt_oss_model, attention_backend="triton"),
-    "qwen3-next": ModelKind(config_json=_qwen3_next_model, attention_backend="triton"),
-    "deepseek-v3": ModelKind(config_json=_deepseek_v3_model, attention_backend="flashinfer"),
-    "deepseek-v3.2": ModelKind(config_json=_deepseek_v32_model, attention_backend="flashinfer",
-                               names_model_kv_dtype=True),
-    "minimax-m3": ModelKind(config_json=_minimax_m3_model, attention_backend="triton"),
-    "kimi-linear": ModelKind(config_json=_kimi_linear_model, attention_backend="flashinfer"),
-    "inkling": ModelKind(config_json=_inkling_model, attention_backend="triton"),
-}
 
 
 def server_gpu(c: ModelConfig) -> GPU | None:
@@ -286,7 +169,7 @@ def server_gpu(c: ModelConfig) -> GPU | None:
 
 def server_flags(c: ModelConfig) -> dict:
     """The flags of the server ``c`` stands for (``ServerArgs`` fields), whether or not a model stands for it yet."""
-    model_dtype, flags = _dtype_flags(c)
+    model_dtype, flags = dtype_flags(c)
     if not flags and c.architecture in MODELS and MODELS[c.architecture].names_model_kv_dtype:
         flags["kv_cache_dtype"] = model_dtype
     if server_gpu(c) is None:
@@ -303,8 +186,10 @@ def server_flags(c: ModelConfig) -> dict:
     if c.spec_draft_tokens:
         # the model's own MTP layers draft (NEXTN, which SGLang runs as EAGLE), a tree of top-k 2 verified in one
         # forward of the config's draft tokens: the target's pools keep one state row per draft token
+        # (SGLang names the target's checkpoint as the draft's itself only for DeepSeek-like models, not Qwen3-Next)
         flags.update(speculative_algorithm="NEXTN", speculative_num_draft_tokens=c.spec_draft_tokens,
-                     speculative_num_steps=c.spec_draft_tokens - 1, speculative_eagle_topk=2)
+                     speculative_num_steps=c.spec_draft_tokens - 1, speculative_eagle_topk=2,
+                     speculative_draft_model_path=MODEL_PATH)
     return flags
 
 
@@ -314,7 +199,7 @@ def server_model(c: ModelConfig) -> ServerModel:
     if kind not in MODELS:
         raise ConfigError(f"config {c.name!r}: no model stands for architecture {kind!r} on the configurator path "
                           f"yet (it has models for: {', '.join(MODELS)})")
-    return ServerModel(kind=kind, flags=server_flags(c), hf_config=MODELS[kind].config_json(c, _dtype_flags(c)[0]),
+    return ServerModel(kind=kind, flags=server_flags(c), hf_config=MODELS[kind].config_json(c, dtype_flags(c)[0]),
                        gpu=server_gpu(c))
 
 
@@ -378,13 +263,15 @@ def configure(c: ModelConfig, *, device: str = "cpu", role_flags: dict | None = 
     except Exception as exc:  # noqa: BLE001 -- whatever SGLang (or transformers, parsing the model) refuses it with
         raise ConfigError(f"config {c.name!r}: SGLang cannot build the server {server.command_line()!r} here: "
                           f"{type(exc).__name__}: {_first_line(exc)}") from None
+    result, draft = result
     sizes = {"max_total_num_tokens": result.max_total_num_tokens,
              "max_running_requests": result.max_running_requests,
              "full_max_total_num_tokens": result.full_max_total_num_tokens,
              "swa_max_total_num_tokens": result.swa_max_total_num_tokens}
     return ConfiguredPools(server=server, req_to_token_pool=result.req_to_token_pool,
                            token_to_kv_pool=result.token_to_kv_pool, allocator=result.token_to_kv_pool_allocator,
-                           sizes=sizes, unified_buffer=getattr(result, "unified_memory_pool", None))
+                           sizes=sizes, unified_buffer=getattr(result, "unified_memory_pool", None),
+                           draft_kv_pool=None if draft is None else draft.token_to_kv_pool)
 
 
 @contextlib.contextmanager
@@ -448,7 +335,8 @@ def _configured(server: ServerModel, model_dir: str, device: str):
 
     with _on_server_machine(server):
         try:
-            args = ServerArgs(model_path=model_dir, **({"device": "cpu"} | server.flags))
+            flags = {k: model_dir if v == MODEL_PATH else v for k, v in server.flags.items()}
+            args = ServerArgs(model_path=model_dir, **({"device": "cpu"} | flags))
             publish(args, role="scheduler", ranks=private("spawn_ranks")(world_rank=0, dp_rank=None, gpu_id=0))
         except Exception as exc:  # noqa: BLE001 -- SGLang's validation raises many types
             if _raised_by_sglang(exc):
@@ -460,22 +348,40 @@ def _configured(server: ServerModel, model_dir: str, device: str):
 
 
 def _built(args, model_dir: str, device: str):
-    """The configurator's result for the published ``args`` (the model runner's leaves give its inputs)."""
+    """The configurator's result for the published ``args`` (the model runner's leaves give its inputs): the target
+    worker's, and with it, for a speculative server, the draft worker's (``(target, draft or None)``)."""
+    from sglang.srt.runtime_context import get_spec
+    from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+
+    target = _worker_pools(args, model_dir, device)
+    spec = get_spec()
+    if SpeculativeAlgorithm.from_string(spec.speculative_algorithm).is_none():
+        return target, None
+    # the draft worker's model runner, as an EAGLE worker builds it: its own model config (the MTP layers of the draft
+    # checkpoint) and KV pool, over the target's request pool and allocator, sized by the target's memory config
+    return target, _worker_pools(args, spec.speculative_draft_model_path, device, target=target)
+
+
+def _worker_pools(args, model_dir: str, device: str, *, target=None):
+    """One model runner's ``KVCacheConfigurator.configure``: the target worker's, or with ``target`` (the target's
+    result) the draft worker's, each argument as ``ModelRunner.init_kv_cache_configurator`` passes it, from what the
+    runner holds: the published server's page size (a model hook may have reset it), its groups, SGLang's own answers
+    for the KV dtype, the layers and the post-capture state."""
     from sglang.srt.configs.model_config import AttentionArch
     from sglang.srt.configs.model_config import ModelConfig as SGLangModelConfig
     from sglang.srt.runtime_context import get_model, get_parallel, get_schedule, get_spec
     from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 
-    model_config = SGLangModelConfig(model_path=model_dir)
+    draft = target is not None
+    model_config = SGLangModelConfig(model_path=model_dir, is_draft_model=draft)
     model = types.SimpleNamespace()  # no weights, no quantisation, no layer hooks: the model config decides
-    # the target worker's (this server's pools are its; a draft worker builds its own beside them, not here)
-    spec_algorithm = SpeculativeAlgorithm.from_string(get_spec().speculative_algorithm)
+    spec = get_spec()
+    spec_algorithm = SpeculativeAlgorithm.from_string(spec.speculative_algorithm)
     kv_name, kv_dtype = private("configure_kv_cache_dtype")(
         server_args_kv_cache_dtype=get_model().kv_cache_dtype, model=model, model_dtype=model_config.dtype,
-        is_draft_worker=False, is_dflash=False, speculative_draft_attention_backend=None,
-        speculative_draft_kv_cache_dtype=None)
-    # each argument as ModelRunner.init_kv_cache_configurator passes it, from what the runner holds: the published
-    # server's page size (a model hook may have reset it), its groups, SGLang's own post-capture answer
+        is_draft_worker=draft, is_dflash=False,
+        speculative_draft_attention_backend=spec.speculative_draft_attention_backend if draft else None,
+        speculative_draft_kv_cache_dtype=spec.speculative_draft_kv_cache_dtype if draft else None)
     pp_group = get_parallel().pp_group
     configurator = private("kv_cache_configurator")(
         device=device, gpu_id=0, attn_dp_size=get_parallel().attn_dp_size, pp_size=pp_group.world_size,
@@ -483,18 +389,19 @@ def _built(args, model_dir: str, device: str):
         kv_cache_dtype_str=kv_name if kv_name is not None else get_model().kv_cache_dtype,
         model_dtype=model_config.dtype, page_size=get_schedule().page_size,
         sliding_window_size=private("resolve_sliding_window_size")(model, model_config),
-        spec_algorithm=spec_algorithm, is_draft_worker=False,
+        spec_algorithm=spec_algorithm, is_draft_worker=draft,
         post_capture_kv_active=private("post_capture_kv_active")(
-            server_args=args, is_draft_worker=False, spec_algorithm=spec_algorithm,
-            token_to_kv_pool_allocator=None),
+            server_args=args, is_draft_worker=draft, spec_algorithm=spec_algorithm,
+            token_to_kv_pool_allocator=target.token_to_kv_pool_allocator if draft else None),
         spec_aux_config=private("spec_aux_config")(server_args=args, model_config=model_config,
-                                                   spec_algorithm=spec_algorithm, is_draft_worker=False),
+                                                   spec_algorithm=spec_algorithm, is_draft_worker=draft),
         is_hybrid_swa=model_config.is_hybrid_swa,
         is_hybrid_swa_compress=model_config.is_hybrid_swa_compress,
         use_mla_backend=model_config.attention_arch == AttentionArch.MLA,
-        layer_info=private("resolve_layer_indices")(model=model, model_config=model_config,
-                                                    is_draft_worker=False),
-        forward_stream=None, req_to_token_pool=None, token_to_kv_pool_allocator=None, memory_pool_config=None)
+        layer_info=private("resolve_layer_indices")(model=model, model_config=model_config, is_draft_worker=draft),
+        forward_stream=None, req_to_token_pool=target.req_to_token_pool if draft else None,
+        token_to_kv_pool_allocator=target.token_to_kv_pool_allocator if draft else None,
+        memory_pool_config=target.memory_pool_config if draft else None)
     with _fixed_free_memory(), _kv_copy_warmup_skipped(), native_kv_move():
         return configurator.configure(pre_model_load_memory=0)
 

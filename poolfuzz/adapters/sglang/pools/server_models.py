@@ -1,0 +1,147 @@
+"""The models that stand for the configs' architectures on the configurator path: each a ``config.json`` SGLang reads
+(no weights), with the shapes, layers and dtypes of the config, and the flags its GPU server names beside it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from poolfuzz.pools.config import ModelConfig
+from poolfuzz.pools.quantised import MODEL_DTYPE
+
+# The KV dtype flag for each config dtype: a float dtype is the model's own (``--kv-cache-dtype auto``).
+_MODEL_DTYPES = ("bfloat16", "float16", "float32")
+
+
+def _layer_count(c: ModelConfig) -> int:
+    return c.full_layers + c.swa_layers + c.mamba_layers
+
+
+def dtype_flags(c: ModelConfig) -> tuple[str, dict]:
+    """(the model's dtype, the KV dtype flag): a float KV dtype is the model's; FP8 and FP4 are asked by flag."""
+    if c.kv_dtype in _MODEL_DTYPES and not c.kv_quant and not c.kv_scale_block:
+        return c.kv_dtype, {}
+    if c.kv_quant == "fp4_mx_block16":
+        return c.kv_dtype if c.kv_dtype in _MODEL_DTYPES else "bfloat16", {"kv_cache_dtype": "fp4_mx_block16"}
+    # an FP8 KV cache's model: poolfuzz's model dtype for quantised KV (float16, in which every fp8 byte round-trips)
+    model = str(MODEL_DTYPE).removeprefix("torch.")
+    if c.kv_scale_block:
+        return model, {"kv_cache_dtype": "mxfp8"}
+    return model, {"kv_cache_dtype": c.kv_dtype}  # fp8_e4m3 / fp8_e5m2 (cpu_fp8_e4m3: SGLang's CPU quant)
+
+
+def _attention(c: ModelConfig, dtype: str) -> dict:
+    """A decoder's attention fields, as a Llama-shaped ``config.json`` names them."""
+    return {"num_hidden_layers": _layer_count(c), "num_attention_heads": c.head_num,
+            "num_key_value_heads": c.head_num, "head_dim": c.head_dim, "hidden_size": c.head_num * c.head_dim,
+            "intermediate_size": 4 * c.head_num * c.head_dim, "vocab_size": 256,
+            "max_position_embeddings": c.max_context, "torch_dtype": dtype,
+            # token ids inside the small vocabulary (a model's defaults name ids past it, and transformers warns)
+            "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
+
+
+def _dense_model(c: ModelConfig, dtype: str) -> dict:
+    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", **_attention(c, dtype)}
+
+
+def _gpt_oss_model(c: ModelConfig, dtype: str) -> dict:
+    """GPT-OSS: sliding-window and full-attention layers as its ``layer_types`` name them (SGLang's
+    ``get_hybrid_layer_ids`` reads them), with one expert per layer."""
+    layer_types = ["sliding_attention" if i in c.swa_layer_ids else "full_attention" for i in range(_layer_count(c))]
+    return {"architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", **_attention(c, dtype),
+            "sliding_window": c.sliding_window, "layer_types": layer_types, "num_local_experts": 1,
+            "num_experts_per_tok": 1,
+            # GPT-OSS's YaRN scaling, its pre-YaRN context the config's over the factor (the default 4096 against a
+            # short context made transformers warn at every build of the model)
+            "rope_scaling": {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                             "truncate": False, "original_max_position_embeddings": max(1, c.max_context // 32)}}
+
+
+def _qwen3_next_model(c: ModelConfig, dtype: str) -> dict:
+    """Qwen3-Next: gated delta-net layers with a full-attention layer every ``full_attention_interval`` (the last of
+    each interval, so the config's count of each is kept, not its order); the recurrent state is heads x head_dim x
+    key head_dim, its conv rows the query, key and value widths together."""
+    heads, head_dim, key_dim = c.temporal_shape
+    interval = _layer_count(c) // max(c.full_layers, 1)
+    return {"architectures": ["Qwen3NextForCausalLM"], "model_type": "qwen3_next", **_attention(c, dtype),
+            "full_attention_interval": interval, "linear_num_value_heads": heads, "linear_value_head_dim": head_dim,
+            "linear_num_key_heads": 1, "linear_key_head_dim": key_dim,
+            "linear_conv_kernel_dim": c.conv_shapes[0][1] + 1, "num_experts": 0, "mamba_chunk_size": 4,
+            "mamba_ssm_dtype": c.state_dtype}
+
+
+def _deepseek_v3_model(c: ModelConfig, dtype: str) -> dict:
+    """DeepSeek-V3: multi-head latent attention (its latent rank and rope width are the config's), every layer dense
+    (``first_k_dense_replace`` past the last layer, so no experts are read)."""
+    return {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", **_attention(c, dtype),
+            "kv_lora_rank": c.kv_lora_rank, "q_lora_rank": None, "qk_rope_head_dim": c.qk_rope_head_dim,
+            "qk_nope_head_dim": c.head_dim, "v_head_dim": c.head_dim, "first_k_dense_replace": _layer_count(c),
+            "n_routed_experts": 1, "num_experts_per_tok": 1, "moe_intermediate_size": 16, "rope_scaling": None}
+
+
+def _deepseek_v32_model(c: ModelConfig, dtype: str) -> dict:
+    """DeepSeek-V3.2: DeepSeek-V3 with its sparse attention's indexer (``index_topk``, the config's index width),
+    which SGLang's ``is_deepseek_dsa`` asks for."""
+    return {**_deepseek_v3_model(c, dtype), "index_topk": 4, "index_head_dim": c.index_head_dim, "index_n_heads": 1}
+
+
+def _kimi_linear_model(c: ModelConfig, dtype: str) -> dict:
+    """Kimi-Linear: MLA layers between KDA (recurrent) ones, as its ``linear_attn_config`` names them (layers counted
+    from 1); the KDA state is heads x head_dim x head_dim, with a short conv per q, k and v."""
+    heads, head_dim, _ = c.temporal_shape
+    return {"architectures": ["KimiLinearForCausalLM"], "model_type": "kimi_linear", **_attention(c, dtype),
+            "kv_lora_rank": c.kv_lora_rank, "q_lora_rank": None, "qk_rope_head_dim": c.qk_rope_head_dim,
+            "qk_nope_head_dim": c.head_dim, "v_head_dim": c.head_dim, "num_experts": None,
+            "linear_attn_config": {"kda_layers": [i + 1 for i in c.mamba_layer_ids],
+                                   "full_attn_layers": [i + 1 for i in c.full_layer_ids], "num_heads": heads,
+                                   "head_dim": head_dim, "short_conv_kernel_size": c.conv_shapes[0][1] + 1}}
+
+
+def _inkling_model(c: ModelConfig, dtype: str) -> dict:
+    """Inkling (``InklingForConditionalGeneration``, its text model): attention in every layer, sliding-window in the
+    config's SWA layers (``local_layer_ids``), full in the rest, and short-conv states (``use_sconv``) in every layer,
+    the config's kernel; dense, no MTP draft layers. The config's separate recurrent layers are no Inkling's."""
+    text = {"model_type": "inkling_model", **_attention(c, dtype), "local_layer_ids": list(c.swa_layer_ids),
+            "sliding_window_size": c.sliding_window, "use_sconv": True, "sconv_kernel_size": c.conv_shapes[0][1] + 1,
+            "n_routed_experts": 0, "num_nextn_predict_layers": 0}
+    return {"architectures": ["InklingForConditionalGeneration"], "model_type": "inkling_mm_model",
+            "text_config": text, "torch_dtype": dtype, "max_position_embeddings": c.max_context}
+
+
+def _minimax_m3_model(c: ModelConfig, dtype: str) -> dict:
+    """MiniMax-M3 sparse: each layer dense or sparse (``sparse_attention_freq``), a sparse layer's indexer keeping
+    its value or not (``sparse_disable_index_value``), as the config's ``msa_layers`` letters say (D, V, K)."""
+    letters = c.msa_layers
+    return {"architectures": ["MiniMaxM3SparseForCausalLM"], "model_type": "minimax_m2", **_attention(c, dtype),
+            "sparse_attention_config": {"sparse_attention_freq": [0 if x == "D" else 1 for x in letters],
+                                        "sparse_disable_index_value": [1 if x == "K" else 0 for x in letters],
+                                        "sparse_index_dim": c.index_head_dim},
+            "num_local_experts": 1, "num_experts_per_tok": 1}
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelKind:
+    """A model that stands for a config's architecture: its ``config.json``, and the attention backend its GPU server
+    names (one SGLang accepts for the model with every KV dtype its configs ask: a server left to choose picks by GPU,
+    and some picks refuse FP4 or move the page size)."""
+
+    config_json: Callable[[ModelConfig, str], dict]
+    attention_backend: str
+    # the server names its KV dtype where it is the model's: left to "auto", DeepSeek DSA's hook stores the KV as
+    # fp8_e4m3 on a Hopper or Blackwell GPU
+    names_model_kv_dtype: bool = False
+
+
+# A config's architecture -> the model that stands for it. An architecture without an entry is not built through the
+# configurator (the family keeps its wiring, and says so).
+MODELS: dict[str, ModelKind] = {
+    "llama": ModelKind(config_json=_dense_model, attention_backend="triton"),
+    "gpt-oss": ModelKind(config_json=_gpt_oss_model, attention_backend="triton"),
+    "qwen3-next": ModelKind(config_json=_qwen3_next_model, attention_backend="triton"),
+    "deepseek-v3": ModelKind(config_json=_deepseek_v3_model, attention_backend="flashinfer"),
+    "deepseek-v3.2": ModelKind(config_json=_deepseek_v32_model, attention_backend="flashinfer",
+                               names_model_kv_dtype=True),
+    "minimax-m3": ModelKind(config_json=_minimax_m3_model, attention_backend="triton"),
+    "kimi-linear": ModelKind(config_json=_kimi_linear_model, attention_backend="flashinfer"),
+    "inkling": ModelKind(config_json=_inkling_model, attention_backend="triton"),
+}
