@@ -71,6 +71,22 @@ def test_configs_the_unified_family_does_not_drive_are_refused_in_one_line(api, 
         build_unified_family(CONFIGS[name])
 
 
+def test_a_unified_server_sglang_refuses_is_declined_in_its_words(api):
+    """``hybrid-linear-ps4`` with ``--enable-unified-memory``: SGLang refuses a no_buffer mamba server at page size 4,
+    so the family declines it before a run (it was fuzzed, where Triton runs, and every example reported the
+    refusal as a crash at step 0)."""
+    from poolfuzz.adapters.sglang import build_unified_family, unified_unsupported_reason
+    from poolfuzz.adapters.sglang.pools import configurator
+
+    _factory_or_skip(api)
+    if configurator.problem():
+        pytest.skip(f"sglang {api.version}: {configurator.problem()}")
+    why = unified_unsupported_reason(CONFIGS["hybrid-linear-ps4"])
+    assert why and "--enable-unified-memory" in why and "no_buffer only supports page_size=1" in why
+    with pytest.raises(ConfigError, match="no_buffer only supports page_size=1"):
+        build_unified_family(CONFIGS["hybrid-linear-ps4"])
+
+
 def test_a_model_the_releases_factory_refuses_is_declined_before_a_run(api, monkeypatch):
     """SGLang's SWA factory (0.5.22, 0.5.23) asserts that an SWA hybrid without full-attention layers is
     degenerate; the family says so when asked which configs it drives (a run used to count swa-only in and

@@ -203,22 +203,23 @@ def server_model(c: ModelConfig) -> ServerModel:
                        gpu=server_gpu(c))
 
 
-_REFUSALS: dict[ModelConfig, str | None] = {}
+_REFUSALS: dict[tuple, str | None] = {}
 
 
-def refusal(c: ModelConfig) -> str | None:
-    """SGLang's words where its own validation refuses ``c``'s server (no such server starts), else None: also None
-    where the configurator cannot tell (this release has none, no model stands for the config yet, or this machine
-    cannot build the server's pools). Asked once per config per process."""
-    if c not in _REFUSALS:
+def refusal(c: ModelConfig, *, role_flags: dict | None = None) -> str | None:
+    """SGLang's words where its own validation refuses ``c``'s server (with ``role_flags`` beside its own: no such
+    server starts), else None: also None where the configurator cannot tell (this release has none, or this machine
+    cannot build the server's pools). Asked once per config and role per process."""
+    key = (c, tuple(sorted((role_flags or {}).items())))
+    if key not in _REFUSALS:
         try:
-            configure(c)
-            _REFUSALS[c] = None
+            configure(c, role_flags=role_flags)
+            _REFUSALS[key] = None
         except ServerRefused as exc:
-            _REFUSALS[c] = exc.reason
+            _REFUSALS[key] = exc.reason
         except ConfigError:
-            _REFUSALS[c] = None
-    return _REFUSALS[c]
+            _REFUSALS[key] = None
+    return _REFUSALS[key]
 
 
 def problem() -> str | None:

@@ -43,6 +43,10 @@ from poolfuzz.pools.errors import ConfigError
 from poolfuzz.pools.family import resolve_device
 
 
+# What makes a server's pools these: SGLang's configurator builds them with its unified factories.
+SERVER_FLAGS = {"enable_unified_memory": True}
+
+
 def unified_problem(api: SGLangAPI, config: ModelConfig) -> str | None:
     """Why the unified pool of this SGLang is not driven for ``config`` here, or None."""
     if unified_mamba_factory() is None:
@@ -72,6 +76,12 @@ def unified_problem(api: SGLangAPI, config: ModelConfig) -> str | None:
         # has no index-key buffer for poolfuzz to check, so this model's unified pool is not driven
         return (f"SGLang {api.version}'s unified Mamba factory (init_unified_mamba_pools) builds an MLA "
                 "sub-pool without DSA's index-key cache (it takes no index_head_dim); use --family sglang")
+    from poolfuzz.adapters.sglang.pools import configurator
+
+    # a unified server SGLang's own validation refuses starts nowhere: declined with SGLang's words
+    refused = None if configurator.problem() else configurator.refusal(config, role_flags=SERVER_FLAGS)
+    if refused:
+        return refused
     if config.page_size > 1:
         return _paged_problem(api, config)
     return _factory_problem(api, config)
@@ -148,10 +158,6 @@ def build_unified(config: ModelConfig, *, device="cpu", faults=(), backup_mode=N
         first = str(exc).splitlines()[0] if str(exc) else ""
         raise ConfigError(f"config {config.name!r} on sglang {api.version}: SGLang's unified pool factory "
                           f"refuses it ({type(exc).__name__}: {first})") from None
-
-
-# What makes a server's pools these: SGLang's configurator builds them with its unified factories.
-SERVER_FLAGS = {"enable_unified_memory": True}
 
 
 def _build(api: SGLangAPI, c: ModelConfig, dev, sdev: str, *, need_sort: bool, served=None) -> UnifiedFamily:
