@@ -107,6 +107,29 @@ def test_a_model_the_releases_factory_refuses_is_declined_before_a_run(api, monk
         build_unified_family(config)
 
 
+def test_an_allocator_whose_first_allocation_launches_a_kernel_that_cannot_run_is_declined(api, monkeypatch):
+    """0.5.22's unified allocator zeroes the pages it hands an MLA sub-pool with a Triton kernel: without Triton,
+    ``mla-ssm`` crashed at the first prefill of every example. The probe allocates one token on its throwaway stack,
+    so such a config is declined with the reason; planted here (the allocator raises as a missing kernel does), so
+    the test holds on any release with the pool."""
+    from poolfuzz.adapters.sglang import unified_unsupported_reason
+    from poolfuzz.adapters.sglang.unified_pool import unified
+
+    _factory_or_skip(api)
+    config = CONFIGS["hybrid-linear"].replace(name="hybrid-linear-kernel")
+    built = unified._build
+
+    def build_with_a_kernel(*args, **kwargs):
+        family = built(*args, **kwargs)
+        monkeypatch.setattr(family.sg_allocator, "alloc", lambda n: (_ for _ in ()).throw(
+            TypeError("'function' object is not subscriptable")))
+        return family
+
+    monkeypatch.setattr(unified, "_build", build_with_a_kernel)
+    why = unified_unsupported_reason(config)
+    assert why and "first allocation" in why and "Triton" in why and "\n" not in why
+
+
 def test_the_family_is_sglangs_unified_stack_seen_through_virtual_ids(api):
     e = _engine(api)
     fam = e.families["prefill"]

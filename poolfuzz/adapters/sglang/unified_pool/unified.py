@@ -91,16 +91,25 @@ _FACTORY_PROBE: dict[ModelConfig, str | None] = {}
 
 
 def _factory_problem(api: SGLangAPI, config: ModelConfig) -> str | None:
-    """Build the config's unified stack once: a factory that refuses the model's layers declines the config
-    here, with its reason, instead of at every example of a run that counted it in (the SWA factory of
-    0.5.22 and 0.5.23 asserts that an SWA hybrid without full-attention layers, swa-only, is degenerate)."""
+    """Build the config's unified stack once, and allocate one token on it: a factory that refuses the model's
+    layers declines the config here, with its reason, instead of at every example of a run that counted it in
+    (the SWA factory of 0.5.22 and 0.5.23 asserts that an SWA hybrid without full-attention layers, swa-only, is
+    degenerate); so does an allocator that launches a kernel this machine cannot run (0.5.22 zeroes the pages
+    it hands an MLA sub-pool with a Triton kernel, ``zero_physical_pages``)."""
     if config not in _FACTORY_PROBE:
         problem = None
         try:
-            _build(api, config.replace(name="probe"), resolve_device("cpu"), "cpu", need_sort=False)
+            family = _build(api, config.replace(name="probe"), resolve_device("cpu"), "cpu", need_sort=False)
         except (AssertionError, ValueError, RuntimeError) as exc:
             problem = (f"SGLang {api.version}'s unified pool factory refuses this model's layers "
                        f"({type(exc).__name__}: {what_failed(exc)}); use --family sglang")
+        else:
+            try:
+                family.sg_allocator.alloc(1)
+            except Exception as exc:  # a kernel launch without Triton raises one of many types
+                problem = (f"SGLang {api.version}'s unified allocator launches a kernel on its first allocation for "
+                           f"this model that cannot run here ({type(exc).__name__}: {what_failed(exc)}); install "
+                           "Triton (ci/sglang-install.sh VENV VERSION --triton), or use --family sglang")
         _FACTORY_PROBE[config] = problem
     return _FACTORY_PROBE[config]
 
