@@ -141,6 +141,15 @@ def test_the_family_is_sglangs_unified_stack_seen_through_virtual_ids(api):
     assert {m.physical.untyped_storage().data_ptr() for m in fam.mirrors} == {raw}
 
 
+def _mover(api, cls):
+    """The sub-pool allocator class whose ``_move_pages`` (the compaction's page move) a test plants a broken move
+    in; a release that moves pages another way (0.5.22) skips, saying so."""
+    if not hasattr(cls, "_move_pages"):
+        pytest.skip(f"sglang {api.version}: {cls.__name__} has no _move_pages (its compaction moves pages another "
+                    "way), where these tests plant a broken move")
+    return cls
+
+
 def test_an_mla_hybrid_is_built_with_the_mla_sub_pool(api):
     """As the configurator builds it for an MLA model (``use_mla_backend``): one latent row a layer, which
     the harness checks as its compressed and rope parts; a compaction that moves no data is caught there."""
@@ -149,7 +158,7 @@ def test_an_mla_hybrid_is_built_with_the_mla_sub_pool(api):
     assert type(fam.sg_kv_pool.full_kv_pool).__name__ == "UnifiedMLATokenToKVPool"
     names = {c.name for c in fam.components()}
     assert {"mla.latent", "mla.rope"} <= names and not {"full.k", "full.v"} & names
-    cls = type(fam.sg_allocator.full_attn_allocator)
+    cls = _mover(api, type(fam.sg_allocator.full_attn_allocator))
     real = cls._move_pages
     try:
         cls._move_pages = lambda self, src, dst: None  # rebinds, but moves no data
@@ -166,8 +175,8 @@ def test_compaction_moves_a_live_requests_rows_and_the_checksums_follow_them(api
     fam = e.families["prefill"]
     full = fam.sg_allocator.full_attn_allocator
     moves = []
-    real = type(full)._move_pages
-    cls = type(full)
+    cls = _mover(api, type(full))
+    real = cls._move_pages
     try:
         cls._move_pages = lambda self, src, dst: (moves.append(src.numel()), real(self, src, dst))[1]
         b = _two_then_one_finished(e)
@@ -181,7 +190,7 @@ def test_compaction_moves_a_live_requests_rows_and_the_checksums_follow_them(api
 
 def test_a_compaction_that_copies_nothing_is_caught_as_state_loss(api, monkeypatch):
     e = _engine(api)
-    cls = type(e.families["prefill"].sg_allocator.full_attn_allocator)
+    cls = _mover(api, type(e.families["prefill"].sg_allocator.full_attn_allocator))
     monkeypatch.setattr(cls, "_move_pages", lambda self, src, dst: None)  # rebinds, but moves no data
     with pytest.raises(PoolfuzzFailure) as err:
         _two_then_one_finished(e)
