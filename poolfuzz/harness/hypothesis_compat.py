@@ -44,10 +44,10 @@ _with_reporter = private("hypothesis.reporting", "with_reporter")
 _function_digest = private("hypothesis.internal.reflection", "function_digest")
 _get_state_machine_test = private("hypothesis.stateful", "get_state_machine_test")
 # Hypothesis mixes into its draws the literals of every "local" module loaded (6.131 on: not in
-# site-packages, not a test file): poolfuzz's own, the engines' shims, a user's conftest. Which ones
-# are local depends on where the clone lies and on what the process imported before, so a seed drew
-# other examples in CI's fresh clone than here (stop 46's red build). Both names are optional: a
-# release without local constants has nothing to freeze.
+# site-packages, not a test file): poolfuzz's own, the engines' shims, a user's conftest, a plug-in a
+# test wrote to a temporary directory. Which of them a process has loaded depends on what ran before
+# (under xdist, on the order tests reach a worker), so a seed drew other examples in CI than here
+# (stop 46's red build). Both names are optional: a release without local constants has nothing to freeze.
 _providers = importlib.import_module("hypothesis.internal.conjecture.providers")
 _HAS_LOCAL_CONSTANTS = hasattr(_providers, "_get_local_constants") and hasattr(_providers, "CONSTANTS_CACHE")
 _freeze_lock = threading.Lock()
