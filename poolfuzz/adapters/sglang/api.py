@@ -12,8 +12,10 @@ from __future__ import annotations
 import importlib
 import inspect
 import logging
+import os
 import threading
 import warnings
+from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any, Callable
@@ -27,6 +29,20 @@ INSTALL_HINT = ("install it beside poolfuzz (see the README section 'Driving rea
 
 class SGLangUnavailable(ConfigError):
     """SGLang is not installed here, or lacks something the adapter cannot do without."""
+
+
+@contextmanager
+def switched_on(variable: str):
+    """One of SGLang's environment switches set to "1" for the span of the block, and put back as it was after."""
+    before = os.environ.get(variable)
+    os.environ[variable] = "1"
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(variable, None)
+        else:
+            os.environ[variable] = before
 
 
 def first_importable(*candidates: str, required: bool = True) -> Any:

@@ -186,7 +186,7 @@ def unsupported_reason(config: ModelConfig, *, scheduled: bool = False) -> str |
     if not scheduled:  # the scheduler path publishes its server itself, and SGLang refuses it there
         from poolfuzz.adapters.sglang.pools import configurator
 
-        refused = None if configurator.problem() else configurator.refusal(config)
+        refused = configurator.refusal(config)
         if refused:
             return refused
     if not scheduled and extra_buffer_admission_problem(api, config):

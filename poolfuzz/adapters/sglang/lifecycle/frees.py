@@ -27,30 +27,18 @@ are the engine's own invariants; an assertion they raise is reported as what the
 
 from __future__ import annotations
 
-import os
-from contextlib import contextmanager
-
 import torch
 
-from poolfuzz.adapters.sglang.api import accepted_kwargs
+from poolfuzz.adapters.sglang.api import accepted_kwargs, switched_on
 from poolfuzz.pools.protocol import free_group  # noqa: F401 - the same bracket for SGLang's allocators
 
 
 DEBUG_SWITCH = "SGLANG_DEBUG_MEMORY_POOL"
 
 
-@contextmanager
 def debug_memory_pool():
     """SGLang's memory-pool debug switch on while pools are constructed (each reads it then)."""
-    before = os.environ.get(DEBUG_SWITCH)
-    os.environ[DEBUG_SWITCH] = "1"
-    try:
-        yield
-    finally:
-        if before is None:
-            os.environ.pop(DEBUG_SWITCH, None)
-        else:
-            os.environ[DEBUG_SWITCH] = before
+    return switched_on(DEBUG_SWITCH)
 
 
 

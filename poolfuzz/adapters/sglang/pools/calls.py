@@ -3,12 +3,10 @@ rows with torch."""
 
 from __future__ import annotations
 
-import contextlib
-import os
 
 import torch
 
-from poolfuzz.adapters.sglang.api import accepted_kwargs
+from poolfuzz.adapters.sglang.api import accepted_kwargs, switched_on
 
 
 def _dev_tensor(values, device) -> torch.Tensor:
@@ -39,15 +37,6 @@ def paged_alloc_decode(allocator, *, seq_len: int, last_loc: int):
 NATIVE_MOVE = "SGLANG_NATIVE_MOVE_KV_CACHE"
 
 
-@contextlib.contextmanager
 def native_kv_move():
     """Build pools that move rows with SGLang's native (torch indexing) move."""
-    before = os.environ.get(NATIVE_MOVE)
-    os.environ[NATIVE_MOVE] = "1"
-    try:
-        yield
-    finally:
-        if before is None:
-            os.environ.pop(NATIVE_MOVE, None)
-        else:
-            os.environ[NATIVE_MOVE] = before
+    return switched_on(NATIVE_MOVE)

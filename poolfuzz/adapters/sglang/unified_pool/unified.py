@@ -79,7 +79,7 @@ def unified_problem(api: SGLangAPI, config: ModelConfig) -> str | None:
     from poolfuzz.adapters.sglang.pools import configurator
 
     # a unified server SGLang's own validation refuses starts nowhere: declined with SGLang's words
-    refused = None if configurator.problem() else configurator.refusal(config, role_flags=SERVER_FLAGS)
+    refused = configurator.refusal(config, role_flags=SERVER_FLAGS)
     if refused:
         return refused
     if config.page_size > 1:
