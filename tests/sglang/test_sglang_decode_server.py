@@ -248,3 +248,24 @@ def test_an_extra_buffer_model_is_declined_with_the_reason(decode):
     assert reason is not None and "no extra-buffer track slots" in reason
     with pytest.raises(ConfigError, match="no extra-buffer track slots"):
         decode.build_decode_driver(CONFIGS["hybrid-extra-buffer"])
+
+
+def test_a_prompt_whose_pages_fill_the_pool_is_accepted_but_never_pre_allocated(decode):
+    """sglang#39271 seen through the decode server's queues, as the fuzzer found it on dsa-ssm-ps64 (64-token pages,
+    a 192-token pool and context): a 129-token prompt is accepted with max_new_tokens clipped to 0 (the base
+    allocator's max_new_tokens_for_memory floors 192 - 192 - 64 - 1 at 0 instead of answering None, which the
+    Scheduler would abort), ``_check_if_req_exceed_kv_capacity`` lets it in (the raw prompt fits the pool), and
+    ``pop_preallocated`` wants its three pages plus ``num_reserved_decode_tokens`` within the pool: it waits forever,
+    and so would every request behind it. One token shorter (two pages), it is pre-allocated and finishes."""
+    from poolfuzz.pools.errors import ServerStuck
+
+    fits = decode.SglangDecodeDriver(CONFIGS["dsa-ssm-ps64"])
+    rid = fits.add_request(length=128, share=0, max_tokens=1)
+    assert fits.drain() is None and fits.outcome[rid] == "finished"
+
+    driver = decode.SglangDecodeDriver(CONFIGS["dsa-ssm-ps64"])
+    rid = driver.add_request(length=129, share=0, max_tokens=1)
+    with pytest.raises(ServerStuck) as stuck:
+        driver.drain()
+    assert str(stuck.value) == (f"1 request(s) still unfinished after 400 idle steps (req {rid} waiting for "
+                                "pre-allocation with 0 of 0 tokens out)"), stuck.value
