@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from poolfuzz.pools.allocator import TokenAllocator
+from poolfuzz.pools.attention_kinds import kind_of
 from poolfuzz.pools.config import ModelConfig, uses_ssm_state
 from poolfuzz.pools.host import HostKVPool
 from poolfuzz.pools.kv import HybridLinearKVPool, MHATokenToKVPool, SWAKVPool
@@ -56,19 +57,18 @@ class Blueprint:
     backup_resolver: Callable[..., str] = None  # None: resolve_backup_mode
 
     def kv_pool_class(self, config: ModelConfig) -> type:
-        """The KV pool class a config is built with: SWA, hybrid-linear (mamba), MLA, DSA, MiniMax sparse or plain
-        MHA (block-scaled where the config has scale blocks)."""
+        """The KV pool class a config is built with: SWA, hybrid-linear (mamba), else its attention kind's pool
+        (``attention_kinds.KINDS``: MLA, DSA, MiniMax sparse, or the per-token MHA pool)."""
         if config.has_swa:
             return self.swa_kv_pool if config.has_full else self.pure_swa_kv_pool
         if config.has_mamba:
             return self.hybrid_kv_pool
-        if config.attention == "mla":
-            return self.mla_fp4_kv_pool if config.kv_quant else self.mla_kv_pool
-        if config.attention == "dsa":
-            return self.dsa_kv_pool
-        if config.attention == "msa":
-            return self.msa_kv_pool
-        return self.token_kv_pool(config)
+        return self.full_attention_pool(config)
+
+    def full_attention_pool(self, config: ModelConfig) -> type:
+        """The pool of a model whose full attention is the config's only KV: its attention kind's."""
+        pools = kind_of(config).pools
+        return self.token_kv_pool(config) if pools is None else getattr(self, pools[config.kv_quant])
 
     def token_kv_pool(self, config: ModelConfig) -> type:
         """The per-token MHA pool (also the sub-pool of SWA and hybrid-linear pools)."""
@@ -79,9 +79,8 @@ class Blueprint:
         return self.scaled_kv_pool if config.kv_scale_block else self.mha_kv_pool
 
     def hybrid_full_pool(self, config: ModelConfig) -> type:
-        """The full-attention sub-pool of a hybrid-linear pool: MLA latent rows where the config's attention is
-        MLA (Kimi-Linear; SGLang's ``HybridLinearKVPool(use_mla=True)``), DSA where it is DSA (``use_dsa``), else
-        the per-token MHA pool."""
-        if config.latent:
-            return self.dsa_kv_pool if config.attention == "dsa" else self.mla_kv_pool
-        return self.token_kv_pool(config)
+        """The full-attention sub-pool of a hybrid-linear pool: the attention kind's pool for it (MLA latent rows
+        for Kimi-Linear, SGLang's ``HybridLinearKVPool(use_mla=True)``; DSA, ``use_dsa``), else the per-token MHA
+        pool."""
+        field = kind_of(config).beside_recurrent
+        return self.token_kv_pool(config) if field is None else getattr(self, field)

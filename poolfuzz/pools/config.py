@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from poolfuzz.pools.attention_kinds import ATTENTIONS, DSA_QUANT_BLOCK, KINDS  # noqa: F401 (re-exported)
 from poolfuzz.pools.errors import ConfigError
 
 # Model architectures whose layers keep recurrent (conv / temporal) state besides attention KV.
@@ -16,13 +17,10 @@ SSM_ARCHITECTURES = frozenset(
 )
 
 KV_DTYPES = ("bfloat16", "float16", "float32", "fp8_e4m3", "fp8_e5m2")
-# How full-attention KV is stored: per-head K and V (MHA); one latent row per token, the compressed
-# KV then the rope part (MLA, SGLang's MLATokenToKVPool); MLA plus the DSA indexer's keys and
-# scales in a page-major cache of their own (SGLang's DSATokenToKVPool, earlier NSATokenToKVPool).
-# "msa": MiniMax sparse attention (SGLang's MiniMaxSparseKVPool): K and V of every layer in one MHA pool, and
-# beside each sparse layer a single-head index cache, keys and values or keys only (``msa_layers``).
-ATTENTIONS = ("mha", "mla", "dsa", "msa")
-DSA_QUANT_BLOCK = 16  # index-key values per float32 scale (SGLang: 128; small here so rows stay small)
+# How full-attention KV is stored (``attention``): per-head K and V (MHA); one latent row per token, the compressed
+# KV then the rope part (MLA, SGLang's MLATokenToKVPool); MLA plus the DSA indexer's keys and scales in a page-major
+# cache of their own (SGLang's DSATokenToKVPool, earlier NSATokenToKVPool); MiniMax sparse attention (SGLang's
+# MiniMaxSparseKVPool). What each kind needs and is built with: ``attention_kinds.KINDS``.
 STATE_DTYPES = ("bfloat16", "float16", "float32")
 
 
@@ -88,7 +86,7 @@ class ModelConfig:
     @property
     def latent(self) -> bool:
         """Full attention stored as MLA latent rows (MLA and DSA)."""
-        return self.attention in ("mla", "dsa")
+        return KINDS[self.attention].latent
 
     def msa_layer_ids(self, kind: str) -> tuple[int, ...]:
         """The full-attention layers of one MiniMax kind: "D" dense, "V" index K and V, "K" index K only."""
@@ -236,19 +234,9 @@ def _validate_storage(c: ModelConfig) -> list[str]:
     problems = []
     if c.attention not in ATTENTIONS:
         return [f"attention {c.attention!r} is not one of {', '.join(ATTENTIONS)}"]
-    if c.latent:
-        # MLA beside recurrent layers is Kimi-Linear's shape (SGLang's HybridLinearKVPool with use_mla; use_dsa too)
-        if c.has_swa or (c.has_mamba and c.kv_quant):
-            problems.append(f"attention {c.attention!r} is built for full-attention-only models here, and unquantised "
-                            "also beside mamba layers (swa_layers must be 0; mamba_layers 0 with a kv_quant)")
-        if c.kv_lora_rank < 12 or c.qk_rope_head_dim < 12:
-            problems.append(f"kv_lora_rank ({c.kv_lora_rank}) and qk_rope_head_dim ({c.qk_rope_head_dim}) "
-                            "must each be >= 12 (each part of a latent row carries a tag)")
-    if c.attention == "dsa" and (c.index_head_dim % DSA_QUANT_BLOCK or c.index_head_dim // DSA_QUANT_BLOCK * 4 < 12):
-        problems.append(f"index_head_dim ({c.index_head_dim}) must be a multiple of {DSA_QUANT_BLOCK} "
-                        f"and at least {3 * DSA_QUANT_BLOCK} (its scales carry a tag)")
-    if c.attention == "msa" or c.msa_layers:
-        problems += _validate_msa(c)
+    problems += KINDS[c.attention].rules(c)
+    if c.msa_layers and c.attention != "msa":
+        problems.append(f"msa_layers is set but attention is {c.attention!r}; set attention = 'msa'")
     if c.kv_quant and (c.kv_quant not in ("cpu_fp8_e4m3", "fp4_mx_block16") or c.kv_scale_block or c.has_swa
                        or c.has_mamba):
         problems.append(f"kv_quant {c.kv_quant!r} must be 'cpu_fp8_e4m3' or 'fp4_mx_block16', with no "
@@ -274,23 +262,6 @@ def _validate_storage(c: ModelConfig) -> list[str]:
         elif c.head_num * c.head_dim // c.kv_scale_block < 12:
             problems.append(f"head_num*head_dim/kv_scale_block must be >= 12 (each scale row carries a tag), "
                             f"got {c.head_num * c.head_dim // c.kv_scale_block}")
-    return problems
-
-
-def _validate_msa(c: ModelConfig) -> list[str]:
-    """MiniMax sparse attention: full-attention MHA layers only, each dense or sparse (index K+V, or K only)."""
-    if c.attention != "msa":
-        return [f"msa_layers is set but attention is {c.attention!r}; set attention = 'msa'"]
-    problems = []
-    if c.has_swa or c.has_mamba or c.kv_quant or c.kv_scale_block:
-        problems.append("attention 'msa' is built for full-attention MHA models here (no SWA or mamba layers, "
-                        "no kv_quant or kv_scale_block)")
-    if len(c.msa_layers) != c.full_layers or set(c.msa_layers) - set("DVK") or not set(c.msa_layers) & set("VK"):
-        problems.append(f"msa_layers {c.msa_layers!r} must give one letter per full-attention layer "
-                        f"({c.full_layers}): D dense, V sparse with index K and V, K sparse with index K only; "
-                        "at least one sparse")
-    if c.index_head_dim < 12:
-        problems.append(f"index_head_dim ({c.index_head_dim}) must be >= 12 (an index row carries a tag)")
     return problems
 
 

@@ -8,6 +8,7 @@ from typing import Iterable
 import torch
 
 from poolfuzz.pools.allocator import FreeListener, TokenAllocator
+from poolfuzz.pools.attention_kinds import kind_of
 from poolfuzz.pools.components import Component
 from poolfuzz.pools.config import ModelConfig
 from poolfuzz.pools.errors import ConfigError
@@ -203,39 +204,25 @@ def build_family(config: ModelConfig, *, device="cpu", faults: Iterable[str] = (
     kv_args = dict(page_size=c.page_size, dtype=c.kv_dtype, head_num=c.head_num, head_dim=c.head_dim, device=dev)
     if c.kv_scale_block:
         kv_args["scale_block"] = c.kv_scale_block
-    if c.latent and not c.has_mamba:
-        kv_cls = bp.kv_pool_class(c)
-        extra = dict(index_head_dim=c.index_head_dim) if c.attention == "dsa" else {}
-        kv_pool = kv_cls(size=c.full_tokens, layer_ids=c.full_layer_ids, kv_lora_rank=c.kv_lora_rank,
-                         qk_rope_head_dim=c.qk_rope_head_dim, **extra, **kv_args)
-        allocator = bp.token_allocator(size=c.full_tokens, page_size=c.page_size)
-    elif c.attention == "msa":
-        kv_pool = bp.kv_pool_class(c)(size=c.full_tokens, layer_ids=c.full_layer_ids,
-                                      kv_sparse_layer_ids=c.msa_layer_ids("V"), k_only_layer_ids=c.msa_layer_ids("K"),
-                                      index_head_dim=c.index_head_dim, kv_class=bp.token_kv_pool(c), **kv_args)
-        allocator = bp.token_allocator(size=c.full_tokens, page_size=c.page_size)
-    elif c.has_swa and not c.has_full:  # all-SWA: the window's slots are the only token slots
+    kind = kind_of(c)
+    if c.has_swa and not c.has_full:  # all-SWA: the window's slots are the only token slots
         kv_pool = bp.pure_swa_kv_pool(size=0, size_swa=c.swa_tokens, full_layer_ids=(), swa_layer_ids=c.swa_layer_ids,
                                       kv_class=bp.token_kv_pool(c), **kv_args)
         allocator = bp.pure_swa_allocator(size_swa=c.swa_tokens, page_size=c.page_size)
         kv_pool.register_mapping(allocator.full_to_swa)
     elif c.has_swa:
-        kv_cls = bp.swa_kv_pool
-        kv_pool = kv_cls(size=c.full_tokens, size_swa=c.swa_tokens, full_layer_ids=c.full_layer_ids,
-                         swa_layer_ids=c.swa_layer_ids, kv_class=bp.token_kv_pool(c), **kv_args)
+        kv_pool = bp.swa_kv_pool(size=c.full_tokens, size_swa=c.swa_tokens, full_layer_ids=c.full_layer_ids,
+                                 swa_layer_ids=c.swa_layer_ids, kv_class=bp.token_kv_pool(c), **kv_args)
         allocator = bp.swa_allocator(size=c.full_tokens, size_swa=c.swa_tokens, page_size=c.page_size)
         kv_pool.register_mapping(allocator.full_to_swa)
     elif c.has_mamba:
-        kv_cls = bp.hybrid_kv_pool
-        latent = dict(kv_lora_rank=c.kv_lora_rank, qk_rope_head_dim=c.qk_rope_head_dim) if c.latent else {}
-        if c.attention == "dsa":
-            latent["index_head_dim"] = c.index_head_dim
-        kv_pool = kv_cls(size=c.full_tokens, full_layer_ids=c.full_layer_ids, mamba_pool=mamba_pool,
-                         kv_class=bp.hybrid_full_pool(c), **latent, **kv_args)
+        kv_pool = bp.hybrid_kv_pool(size=c.full_tokens, full_layer_ids=c.full_layer_ids, mamba_pool=mamba_pool,
+                                    kv_class=bp.hybrid_full_pool(c), **kind.pool_args(c), **kv_args)
         allocator = bp.token_allocator(size=c.full_tokens, page_size=c.page_size)
-    else:
-        kv_cls = bp.token_kv_pool(c)
-        kv_pool = kv_cls(size=c.full_tokens, layer_ids=c.full_layer_ids, **kv_args)
+    else:  # full attention only: the attention kind's pool (MHA, MLA, DSA, MiniMax sparse)
+        token_pool = dict(kv_class=bp.token_kv_pool(c)) if kind.holds_token_pool else {}
+        kv_pool = bp.full_attention_pool(c)(size=c.full_tokens, layer_ids=c.full_layer_ids, **kind.pool_args(c),
+                                            **token_pool, **kv_args)
         allocator = bp.token_allocator(size=c.full_tokens, page_size=c.page_size)
 
     backup_mode = resolved_backup_mode(c, faults, backup_mode)

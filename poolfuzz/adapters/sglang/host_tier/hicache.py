@@ -29,6 +29,7 @@ from poolfuzz.adapters.sglang.compat import has_private, private, private_name
 from poolfuzz.adapters.sglang.host_tier import l3
 from poolfuzz.adapters.sglang.host_tier.host import HOST_LAYOUT, IO_BACKEND, install_cpu_transfer_ops
 from poolfuzz.adapters.sglang.host_tier.kernel_io import install_cpu_kernel_ops, register_buffers
+from poolfuzz.adapters.sglang.pools.storage import storage_of
 from poolfuzz.pools.config import ModelConfig
 
 HOST_RATIO = 2.0  # SGLang's default --hicache-ratio: host pages = 2 x device pages
@@ -43,8 +44,10 @@ def hicache_problem(api, config: ModelConfig, *, pd_decode: bool) -> str | None:
         # with a host tier the tree frees SWA the reference's accounting (swa_evictable_size) does not
         # count: a fork it predicts out of SWA succeeds (swa-ssm, 12 steps); not modelled yet
         return "the SWA host tier is not driven (its SWA reclaim is not modelled by the tree reference)"
-    if config.kv_scale_block or config.attention == "dsa":
-        return "block-scaled and DSA host pools are not driven"
+    if config.kv_scale_block:
+        return "block-scaled host pools are not driven"
+    if storage_of(config).host_tier:
+        return storage_of(config).host_tier
     if config.kv_quant == "fp4_mx_block16":  # SGLang's MLAKVPoolHost raises ValueError for an FP4 device pool
         return "SGLang's MLA host cache refuses FP4 KV (its packed payload and block scales cannot be restored)"
     return host_tier_problem(api, config)
@@ -53,8 +56,8 @@ def hicache_problem(api, config: ModelConfig, *, pd_decode: bool) -> str | None:
 def host_tier_problem(api, config: ModelConfig) -> str | None:
     """Why the adapter cannot give ``config``'s tree SGLang's host tier on the CPU, or None: what SGLang itself
     refuses is its own answer, when the tree is built (the scheduler path asks only this)."""
-    if config.attention == "dsa":  # its host transfers synchronise a device stream; a CPU stream has no synchronize
-        return "DSA host pools are not driven (their transfers synchronise a device stream, which the CPU lacks)"
+    if storage_of(config).host_tier:
+        return storage_of(config).host_tier
     try:
         from sglang.srt.mem_cache import unified_radix_cache as urc
     except ImportError:
@@ -111,7 +114,7 @@ def host_tier(config: ModelConfig) -> tuple[str, str]:
         return ("page_first_direct", IO_BACKEND) if paged or config.spec_draft_tokens else ("page_first", KERNEL)
     if config.latent:
         return ("page_first", KERNEL) if paged else (HOST_LAYOUT, IO_BACKEND)
-    if config.attention == "msa" and paged:  # MiniMax's K-only index host pool has no page_head layout
+    if storage_of(config).host_side_pools and paged:  # MiniMax's K-only index host pool has no page_head layout
         return "page_first_direct", IO_BACKEND
     return ("page_head", KERNEL) if paged else ("page_first", KERNEL)
 

@@ -37,6 +37,7 @@ import torch
 from poolfuzz.adapters.sglang.host_tier.kernel_io import install_cpu_kernel_ops, register_buffers
 from poolfuzz.adapters.sglang.compat import private, private_name
 from poolfuzz.adapters.sglang.pools.reads import stored_bytes
+from poolfuzz.adapters.sglang.pools.storage import storage_of
 from poolfuzz.adapters.sglang.pools.views import FreeListView, as_ints
 from poolfuzz.pools.components import Component
 from poolfuzz.pools.config import ModelConfig, uses_ssm_state
@@ -178,13 +179,10 @@ def host_pool_problem(api, config: ModelConfig) -> str | None:
     if config.kv_quant == "fp4_mx_block16":  # 0.5.23's MHATokenToKVPoolHost raises this ValueError for it
         return ("SGLang's MHA host pool refuses an FP4 pool's per-token scales ('MHA host transfers do not support KV "
                 "scale layout token'): its decode server needs --disaggregation-decode-retraction-backup cpu_tensor")
-    if config.attention == "dsa":
-        return "the DSA host pool (pool_host/dsa) is not driven here"
+    if storage_of(config).host_retraction:
+        return storage_of(config).host_retraction
     if config.has_swa and not config.full_layer_ids:
         return "SGLang's host-pool retraction does not support pure-SWA models"
-    if config.attention == "msa":
-        return ("SGLang's decode server backs a MiniMax sparse pool up as cpu_tensor (resolve_decode_retraction_backup "
-                "takes host_pool for MHATokenToKVPool and SWAKVPool only); its host-pool retraction is not driven here")
     if config.mamba_track_slots:
         return "mamba extra-buffer mode is not driven through SGLang"
     if _hicache_api() is None:

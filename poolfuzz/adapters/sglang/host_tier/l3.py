@@ -36,6 +36,7 @@ from contextlib import contextmanager
 
 from poolfuzz.adapters.sglang.host_tier import zero_copy
 from poolfuzz.adapters.sglang.compat import has_private, private, registered_storage_backends
+from poolfuzz.adapters.sglang.pools.storage import storage_of
 from poolfuzz.pools.config import ModelConfig
 
 BACKEND = "file"  # the storage backend SGLang ships that needs no network
@@ -115,7 +116,7 @@ def _has_side_pools(config: ModelConfig) -> bool:
     hybrid controller then stores and queries through the v2 pool interface (``batch_set_v2`` /
     ``batch_exists_v2``), which the zero-copy stand-in does not offer; SGLang logs the
     ``NotImplementedError`` and stores nothing, so such a tree takes the file backend."""
-    return config.has_mamba or config.attention == "msa"  # msa_layers needs attention "msa" (config.py)
+    return config.has_mamba or storage_of(config).host_side_pools
 
 
 @contextmanager

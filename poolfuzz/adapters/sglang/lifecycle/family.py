@@ -31,7 +31,8 @@ from poolfuzz.adapters.sglang.lifecycle.protocol import SGLangProtocol
 from poolfuzz.adapters.sglang.pools.reads import read_door, stored_bytes
 from poolfuzz.adapters.sglang.pools.request_pool import build_plain_request_pool, build_request_pool, check_built
 from poolfuzz.adapters.sglang.lifecycle.standin import standin_class
-from poolfuzz.adapters.sglang.pools.storage import build_storage_pool, quant_method_kwargs, storage_problem
+from poolfuzz.adapters.sglang.pools.storage import (build_storage_pool, quant_method_kwargs, storage_of,
+                                                     storage_problem)
 from poolfuzz.adapters.sglang.lifecycle.speculative import (
     SGLangScratch, move_problem, speculative_problem,
 )
@@ -368,8 +369,7 @@ def _build(api: SGLangAPI, config: ModelConfig, dev, sdev: str, backup_mode: str
                             lambda: build_plain_request_pool(api, c, sdev, decode_rows=decode_rows))
 
     comps: list[Component] = []
-    if ((c.latent and not c.has_mamba) or c.kv_scale_block or c.kv_quant == "fp4_mx_block16"
-            or c.attention == "msa"):
+    if not c.has_mamba and (storage_of(c).own_pool or c.kv_scale_block or c.kv_quant == "fp4_mx_block16"):
         sg_kv, comps = build_storage_pool(api, c, common, scheduled=scheduled,
                                           pool=None if served is None else served.token_to_kv_pool)
         alloc_cls = api.TokenToKVPoolAllocator if c.page_size == 1 else api.PagedTokenToKVPoolAllocator
@@ -490,7 +490,7 @@ def _write_doors(sg_kv, c: ModelConfig):
     scale buffers quantises what it is handed, so its rows (already bytes) are written directly."""
     if c.kv_scale_block or c.kv_quant == "fp4_mx_block16":
         return None, None
-    if c.attention == "msa":  # the sparse pool has no prefix-valid door
+    if not storage_of(c).prefix_valid_door:  # MiniMax's sparse pool: its own door
         return functools.partial(write_msa_rows, sg_kv, config=c), None
     mha = [] if c.latent else [("full", i) for i in c.full_layer_ids] + [("swa", i) for i in c.swa_layer_ids]
     door = functools.partial(write_rows, sg_kv, mha_layers=mha, mla_layers=list(c.full_layer_ids) if c.latent else [],

@@ -16,20 +16,12 @@ import torch
 
 from poolfuzz.adapters.sglang.api import SGLangAPI, construct
 from poolfuzz.adapters.sglang.pools.reads import read_door, stored_bytes
-from poolfuzz.adapters.sglang.pools.storage import single_rank
+from poolfuzz.adapters.sglang.pools.storage import single_rank, storage_of
 from poolfuzz.pools.components import Component
 from poolfuzz.pools.config import ModelConfig
 from poolfuzz.pools.errors import ConfigError
 
 _PROBE: dict[tuple, str | None] = {}
-
-
-def _latent_args(c: ModelConfig) -> dict:
-    """What the configurator passes for the config's latent attention (``_build_hybrid_linear_kv_pool``)."""
-    args = dict(use_mla=True, kv_lora_rank=c.kv_lora_rank, qk_rope_head_dim=c.qk_rope_head_dim)
-    if c.attention == "dsa":
-        args.update(use_dsa=True, index_head_dim=c.index_head_dim, kv_cache_dim=c.kv_lora_rank + c.qk_rope_head_dim)
-    return args
 
 
 def hybrid_mla_problem(api: SGLangAPI, config: ModelConfig) -> str | None:
@@ -39,17 +31,19 @@ def hybrid_mla_problem(api: SGLangAPI, config: ModelConfig) -> str | None:
            config.full_layer_ids)
     if key not in _PROBE:
         problem = None
-        want = api.DSATokenToKVPool if config.attention == "dsa" else api.MLATokenToKVPool
+        kind = storage_of(config)
+        want = getattr(api, kind.pool_class)
         if want is None:
-            problem = f"this SGLang has no {'DSATokenToKVPool' if config.attention == 'dsa' else 'MLATokenToKVPool'}"
+            problem = f"this SGLang has no {kind.pool_class}"
         else:
             try:
                 single_rank(api)
                 pool = construct(api.HybridLinearKVPool, size=config.page_size, page_size=config.page_size,
                                  dtype=torch.bfloat16, head_num=1, head_dim=16,
                                  full_attention_layer_ids=list(config.full_layer_ids), device="cpu", mamba_pool=None,
-                                 enable_memory_saver=False, enable_kvcache_transpose=False, **_latent_args(config))
-                if not isinstance(pool.full_kv_pool, want) or (config.attention == "mla" and isinstance(
+                                 enable_memory_saver=False, enable_kvcache_transpose=False, **kind.hybrid_args(config))
+                # a DSA pool is an MLA pool too: an MLA sub-pool must not carry the indexer's cache
+                if not isinstance(pool.full_kv_pool, want) or (not kind.index_cache and isinstance(
                         pool.full_kv_pool, api.DSATokenToKVPool or ())):
                     problem = (f"its HybridLinearKVPool builds a {type(pool.full_kv_pool).__name__} sub-pool for "
                                f"attention {config.attention!r}")
@@ -65,7 +59,7 @@ def build_hybrid_mla_pool(api: SGLangAPI, c: ModelConfig, mamba_pool, common: di
     """The release's ``HybridLinearKVPool(use_mla=True)`` for the config, and its latent (and index) components."""
     single_rank(api)
     pool = construct(api.HybridLinearKVPool, size=c.full_tokens, full_attention_layer_ids=list(c.full_layer_ids),
-                     mamba_pool=mamba_pool, **_latent_args(c), **common)
+                     mamba_pool=mamba_pool, **storage_of(c).hybrid_args(c), **common)
     r = c.kv_lora_rank
     out = []
     for local, layer_id in enumerate(c.full_layer_ids):
@@ -79,7 +73,7 @@ def build_hybrid_mla_pool(api: SGLangAPI, c: ModelConfig, mamba_pool, common: di
                               "the MLA sub-pool's latent row (K) and its compressed part (V) in place")
         out.append(Component(name="mla.latent", layer=layer_id, space="full", tensor=value[:, 0, :]))
         out.append(Component(name="mla.rope", layer=layer_id, space="full", tensor=key[:, 0, r:]))
-    if c.attention == "dsa":
+    if storage_of(c).index_cache:
         out += _index_components(pool, c)
     return pool, out
 

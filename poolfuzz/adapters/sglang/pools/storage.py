@@ -10,6 +10,8 @@ tag (the built-in family checks them, with wider scales).
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -45,14 +47,11 @@ def single_rank(api: SGLangAPI) -> None:
 def storage_problem(api: SGLangAPI, config: ModelConfig, *, scheduled: bool = False) -> str | None:
     """Why this release cannot build the config's KV storage, or None. ``scheduled``: for the scheduler path, which
     never backs a slot up to the host (SGLang's ``retract_decode`` frees it and recomputes)."""
-    if config.attention == "msa":
-        return msa_problem(api, config)
-    if config.attention == "mla" and api.MLATokenToKVPool is None:
-        return "this SGLang has no MLATokenToKVPool"
-    if config.attention == "dsa":
-        if api.DSATokenToKVPool is None:
-            return "this SGLang has no DSATokenToKVPool (or NSATokenToKVPool)"
-        return _dsa_problem(api, config)
+    kind = storage_of(config)
+    if kind.pool_class is not None and getattr(api, kind.pool_class) is None:
+        return f"this SGLang has no {kind.pool_class}{kind.pool_class_also}"
+    if kind.probe is not None:
+        return kind.probe(api, config)
     if config.kv_quant == "fp4_mx_block16":
         return _fp4_problem(api, config) if config.latent else mha_fp4_problem(api, config)
     if config.kv_quant:
@@ -167,7 +166,7 @@ def build_storage_pool(api: SGLangAPI, config: ModelConfig, common: dict, *, sch
     problem = storage_problem(api, c, scheduled=scheduled)
     if problem:
         raise ConfigError(f"config {c.name!r} on sglang {api.version}: {problem}")
-    if c.attention == "msa":
+    if storage_of(c).builds_own_pool:  # MiniMax's sparse pool: its own builder, which takes no transpose flag
         return build_msa_pool(api, c, {k: v for k, v in common.items() if k != "enable_kvcache_transpose"}, pool=pool)
     single_rank(api)
     if c.kv_quant == "fp4_mx_block16" and not c.latent:
@@ -187,7 +186,7 @@ def _wired_pool(api: SGLangAPI, c: ModelConfig, common: dict):
     if c.latent:
         args = dict(common, size=c.full_tokens, kv_lora_rank=c.kv_lora_rank, qk_rope_head_dim=c.qk_rope_head_dim,
                     layer_num=c.full_layers)
-        if c.attention == "dsa":
+        if storage_of(c).index_cache:
             return construct(api.DSATokenToKVPool, index_head_dim=c.index_head_dim,
                              kv_cache_dim=c.kv_lora_rank + c.qk_rope_head_dim, **args)
         if c.kv_quant:  # SGLang's configurator: MLA with an fp4_e2m1 KV cache dtype (_build_mla_fp4_kv_pool)
@@ -204,7 +203,7 @@ def _latent_components(pool, c: ModelConfig) -> list[Component]:
         buf = read_door(pool, "get_key_buffer", layer_id, pool.kv_buffer[local])
         out.append(Component(name="mla.latent", layer=layer_id, space="full", tensor=buf[:, 0, :r]))
         out.append(Component(name="mla.rope", layer=layer_id, space="full", tensor=buf[:, 0, r:]))
-    if c.attention == "dsa":
+    if storage_of(c).index_cache:
         ps = pool.page_size // getattr(pool, "index_kpool", 1)
         if ps != c.page_size:
             raise ConfigError(f"config {c.name!r}: SGLang's DSA index pages hold {ps} tokens, not page_size "
@@ -308,3 +307,64 @@ def _fp4_components(pool, c: ModelConfig) -> list[Component]:
         out.append(Component(name="mla.rope", layer=layer_id, space="full", tensor=buf[:, 0, half:]))
         out.append(Component(name="mla.scale", layer=layer_id, space="full", tensor=pool.kv_scale_buffer[local]))
     return out
+
+
+def _hybrid_latent_args(c: ModelConfig) -> dict:
+    return dict(use_mla=True, kv_lora_rank=c.kv_lora_rank, qk_rope_head_dim=c.qk_rope_head_dim)
+
+
+def _hybrid_dsa_args(c: ModelConfig) -> dict:
+    return _hybrid_latent_args(c) | dict(use_dsa=True, index_head_dim=c.index_head_dim,
+                                         kv_cache_dim=c.kv_lora_rank + c.qk_rope_head_dim)
+
+
+@dataclass(frozen=True, kw_only=True)
+class SGLangStorage:
+    """What the adapter builds and drives on SGLang for one attention kind (``poolfuzz.pools.attention_kinds``),
+    decided here once: its pool class, what the installed release must accept, and which of SGLang's host paths
+    run it here (a ``str`` field says why one does not; None: it does)."""
+
+    name: str
+    pool_class: str | None = None  # the SGLangAPI attribute of its pool; None: found by its probe, or MHA's by quant
+    pool_class_also: str = ""  # the class's other names, for the message where a release has none
+    probe: Callable[[SGLangAPI, ModelConfig], str | None] | None = None  # the release refusing the config's shapes
+    builds_own_pool: bool = False  # built by its own module (MiniMax's), not ``_wired_pool``
+    # HybridLinearKVPool's keywords for a full-attention sub-pool of this kind beside recurrent layers (MLA: use_mla)
+    hybrid_args: Callable[[ModelConfig], dict] | None = None
+    index_cache: bool = False  # DSA's page-major index-key cache beside the latent rows (dsa.index_k)
+    prefix_valid_door: bool = True  # its pool takes writes through the prefix-valid door (MiniMax's has none)
+    host_side_pools: bool = False  # its host group holds pools beside the KV (index keys): the v2 store interface
+    host_retraction: str | None = None  # why a PD decode server's host_pool retraction is not driven for it
+    host_tier: str | None = None  # why SGLang's HiCache host tier is not driven for it
+    unified: str | None = None  # why SGLang's unified pool is not driven for it ({version}: the release)
+
+    @property
+    def own_pool(self) -> bool:
+        """Its full-attention KV is a pool of its own (MLA, DSA, MiniMax sparse), not SGLang's per-head MHA pool."""
+        return self.pool_class is not None or self.builds_own_pool
+
+
+STORAGE: dict[str, SGLangStorage] = {k.name: k for k in (
+    SGLangStorage(name="mha"),
+    SGLangStorage(name="mla", pool_class="MLATokenToKVPool", hybrid_args=_hybrid_latent_args),
+    SGLangStorage(name="dsa", pool_class="DSATokenToKVPool", pool_class_also=" (or NSATokenToKVPool)",
+                  probe=_dsa_problem, hybrid_args=_hybrid_dsa_args, index_cache=True,
+                  host_retraction="the DSA host pool (pool_host/dsa) is not driven here",
+                  # its host transfers synchronise a device stream; a CPU stream has no synchronize
+                  host_tier="DSA host pools are not driven (their transfers synchronise a device stream, which the "
+                            "CPU lacks)",
+                  # the configurator would pass use_mla_backend=True and nothing of the indexer: the pool it builds
+                  # has no index-key buffer for poolfuzz to check
+                  unified="SGLang {version}'s unified Mamba factory (init_unified_mamba_pools) builds an MLA sub-pool "
+                          "without DSA's index-key cache (it takes no index_head_dim); use --family sglang"),
+    SGLangStorage(name="msa", probe=msa_problem, builds_own_pool=True,
+                  prefix_valid_door=False, host_side_pools=True,
+                  host_retraction="SGLang's decode server backs a MiniMax sparse pool up as cpu_tensor "
+                                  "(resolve_decode_retraction_backup takes host_pool for MHATokenToKVPool and SWAKVPool "
+                                  "only); its host-pool retraction is not driven here"),
+)}
+
+
+def storage_of(config: ModelConfig) -> SGLangStorage:
+    """How the adapter stores and drives ``config``'s full attention on SGLang."""
+    return STORAGE[config.attention]

@@ -29,7 +29,7 @@ from poolfuzz.adapters.sglang.pools.calls import paged_alloc_extend
 from poolfuzz.adapters.sglang.api import SGLangAPI, first_importable, call_with, load
 from poolfuzz.adapters.sglang.lifecycle.family import KV_DTYPES, served_or_wired
 from poolfuzz.adapters.sglang.lifecycle.standin import standin_class
-from poolfuzz.adapters.sglang.pools.storage import what_failed, single_rank
+from poolfuzz.adapters.sglang.pools.storage import single_rank, storage_of, what_failed
 from poolfuzz.adapters.sglang.pools.request_pool import check_built, mamba_cache_params, pool_kwargs
 from poolfuzz.adapters.sglang.unified_pool.unified_family import (
     UnifiedFamily, UnifiedProtocol, kv_pool_view, mirrored_kv, mirrored_state, prewarm_compaction, served_bundle,
@@ -71,11 +71,8 @@ def unified_problem(api: SGLangAPI, config: ModelConfig) -> str | None:
     if config.spec_draft_tokens:
         return ("speculative decoding's per-draft mamba caches on the unified pool are not driven by "
                 "poolfuzz yet; use hybrid-linear, hybrid-extra-buffer, swa or swa-ssm")
-    if config.attention == "dsa":
-        # the configurator would pass use_mla_backend=True and nothing of the indexer: the pool it builds
-        # has no index-key buffer for poolfuzz to check, so this model's unified pool is not driven
-        return (f"SGLang {api.version}'s unified Mamba factory (init_unified_mamba_pools) builds an MLA "
-                "sub-pool without DSA's index-key cache (it takes no index_head_dim); use --family sglang")
+    if storage_of(config).unified:
+        return storage_of(config).unified.format(version=api.version)
     from poolfuzz.adapters.sglang.pools import configurator
 
     # a unified server SGLang's own validation refuses starts nowhere: declined with SGLang's words
