@@ -251,12 +251,11 @@ def test_a_family_the_configurator_cannot_serve_keeps_its_wiring_and_says_why(co
 def test_a_decode_server_runs_on_the_request_pool_sglangs_pd_hook_sizes(configurator):
     """The scheduler path's PD decode server: SGLang's own resolution (with a model) gives the request pool its extra
     rows for requests in pre-allocation and transfer, and the family runs on that pool."""
-    from poolfuzz.adapters.sglang.lifecycle.family import build_sglang_family
-    from poolfuzz.adapters.sglang.scheduler.decode_server import ROLE_FLAGS
+    from poolfuzz.adapters.sglang.scheduler.decode_server import SglangDecodeDriver
 
     c = CONFIGS["dense"]
-    family = build_sglang_family(c, scheduled=True, decode_rows=2 * c.request_rows, role_flags=ROLE_FLAGS)
-    assert family.pools_source.startswith("SGLang's KV cache configurator (")
+    family = SglangDecodeDriver(c).family  # the decode server a fuzz run builds
+    assert family.pools_source.startswith("SGLang's KV cache configurator ("), family.pools_source
     assert "--disaggregation-mode decode" in family.pools_source
     pool = family.sg_req_pool
     assert type(pool).__name__ == "DecodeReqToTokenPool" and pool.pre_alloc_size == 2 * c.request_rows
