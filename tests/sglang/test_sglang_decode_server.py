@@ -269,3 +269,18 @@ def test_a_prompt_whose_pages_fill_the_pool_is_accepted_but_never_pre_allocated(
         driver.drain()
     assert str(stuck.value) == (f"1 request(s) still unfinished after 400 idle steps (req {rid} waiting for "
                                 "pre-allocation with 0 of 0 tokens out)"), stuck.value
+
+
+def test_a_dsa_request_retracted_on_a_decode_server_is_backed_up_and_resumes(decode):
+    """The decode server's retraction backs a DSA request's KV up through SGLang's ``get_cpu_copy``, whose index cache
+    synchronises the device first (``torch.cuda.synchronize``, a no-op stand-in on a machine without a GPU:
+    ``shims.cpu_server``). The fuzzer's shrunk program on dsa-ssm-ps64, which crashed with "Torch not compiled with
+    CUDA enabled" before the stand-in covered the scheduler path's steps (an adapter gap, not the engine's)."""
+    machine = scheduled_machine(CONFIGS["dsa-ssm-ps64"], driver_factory=decode.SglangDecodeDriver)()
+    machine.add_request(length=20, share=0, max_tokens=1, priority=0)
+    machine.add_request(length=1, share=1, max_tokens=4, priority=0)
+    machine.add_request(length=1, share=2, max_tokens=3, priority=0)
+    machine.schedule(steps=3, drafts=0)
+    assert machine.driver.retracted == 1
+    assert machine.driver.drain() is None
+    assert set(machine.driver.outcome.values()) == {"finished"}

@@ -299,6 +299,19 @@ def cpu_pin_memory():
     return stack
 
 
+
+def cpu_server():
+    """Within the block, a server's step runs on a machine without a GPU as far as its pools are on the CPU: pinned
+    memory is plain memory (:func:`cpu_pin_memory`) and ``torch.cuda.synchronize()`` a no-op
+    (:func:`cpu_synchronize`; SGLang's DSA index cache synchronises the device before the CPU copy a decode server's
+    retraction backs up)."""
+    import torch
+
+    stack = contextlib.ExitStack()
+    stack.enter_context(cpu_pin_memory())
+    stack.enter_context(cpu_synchronize(torch.device("cpu")))
+    return stack
+
 def _tensor_unpinned(real):
     """``torch.tensor`` that builds in ordinary memory what it was asked to pin (no accelerator to pin it for)."""
 

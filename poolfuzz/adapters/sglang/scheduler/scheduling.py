@@ -51,7 +51,7 @@ from functools import lru_cache
 import torch
 
 from poolfuzz.adapters.sglang import compat
-from poolfuzz.adapters.sglang.shims import cpu_pin_memory
+from poolfuzz.adapters.sglang.shims import cpu_server
 from poolfuzz.adapters.sglang.scheduler.runner import ModelRunner, deferred_cow_and_clear
 from poolfuzz.adapters.sglang.scheduler.sessions import SessionClients
 from poolfuzz.pools.config import ModelConfig
@@ -388,7 +388,7 @@ class SglangSchedulerDriver:
 
     def step(self) -> None:
         """One iteration of ``Scheduler.event_loop_normal``: the next batch, its forward, its result."""
-        with cpu_pin_memory():
+        with cpu_server():
             self._step()
 
     def _step(self) -> None:
@@ -414,7 +414,7 @@ class SglangSchedulerDriver:
         self._forget_done()
 
     def abort(self, rid: str) -> None:
-        with cpu_pin_memory():
+        with cpu_server():
             self.server.abort_request(self.m.AbortReq(rid=rid))
         self._forget_done()
 

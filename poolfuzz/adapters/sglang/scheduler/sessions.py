@@ -10,7 +10,7 @@ context) and ``close_session``; the messages are the release's own ``io_struct``
 
 from __future__ import annotations
 
-from poolfuzz.adapters.sglang.shims import cpu_pin_memory
+from poolfuzz.adapters.sglang.shims import cpu_server
 from poolfuzz.pools.token_chain import Tokens
 
 
@@ -41,7 +41,7 @@ class SessionClients:
         d.next_rid += 1
         params = d.m.SamplingParams(max_new_tokens=max_tokens)
         params.normalize(None)
-        with cpu_pin_memory():
+        with cpu_server():
             d.server.handle_generate_request(session_turn_request(rid=rid, ids=ids, sampling_params=params,
                                                                          session_id=sid))
         self.open[sid].append(rid)
@@ -64,7 +64,7 @@ class SessionClients:
             self.driver.abort(self.open[sid][-1])
             if self.in_flight(sid):  # the abort is answered at the next step
                 return
-        with cpu_pin_memory():
+        with cpu_server():
             self.driver.server.close_session(close_session_request(sid))
         self.closed[sid] = self.open.pop(sid)
 
