@@ -61,7 +61,6 @@ from poolfuzz.pools.token_chain import Tokens
 VOCAB = 1 << 15  # sampled tokens are below it; prompt tokens above it, so prompts share only the prefixes drawn
 DRAIN_STEPS = 400
 STALLED_STEPS = 3  # idle steps with requests waiting after which a session's client gives up its turn
-MAX_RUNNING = 4  # --max-running-requests
 # The server's flags, the rest at their defaults (fcfs policy, --max-prefill-tokens 16384, ...):
 # --chunked-prefill-size small, so prompts are chunked; --schedule-conservativeness below the default 1.0, so the
 # server admits on a smaller estimate of the tokens running requests will still take, and under load decode runs
@@ -179,7 +178,7 @@ class SglangSchedulerDriver:
         m = scheduler_modules()
         self.m = m
         config = served(config)
-        max_running = min(MAX_RUNNING, config.request_rows)
+        max_running = config.request_rows  # the server's --max-running-requests, the flag its pools are built with
         self.server_args = self.server_flags(config, max_running_requests=max_running)
         self.aborted: set[str] = set()  # requests the server answered with an abort (no longer its to run)
         # streaming sessions: driven where the server is built with --enable-streaming-session (0.5.12, 0.5.13)
