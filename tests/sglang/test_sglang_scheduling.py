@@ -349,7 +349,7 @@ def test_a_prompt_within_a_page_of_the_pool_is_accepted_but_never_admitted(sched
     the empty-pool budget 256 - 192 - 64 - 1 at 0 where its docstring promises None ("prompt cannot fit", which the
     Scheduler answers with an abort). PrefillAdder then wants prompt + 0 + one page strictly below the free pool
     (192 + 0 + 64 < 256) and never admits it: the request waits forever on an idle server (every prompt of 192 to 249
-    tokens here). One token shorter, it is admitted and finishes. Before 0.5.23 the refusal also leaves the empty running
+    tokens here). One token shorter, it is admitted and finishes. Before 0.5.22 the refusal also leaves the empty running
     batch marked full (sglang#22518)."""
     from packaging.version import Version
 
@@ -362,7 +362,7 @@ def test_a_prompt_within_a_page_of_the_pool_is_accepted_but_never_admitted(sched
     driver = scheduling.SglangSchedulerDriver(CONFIGS["dsa-ps64"])
     rid = driver.add_request(length=192, share=0, max_tokens=1)
     assert driver.requests[rid].sampling_params.max_new_tokens == 0  # accepted, clipped, not aborted
-    where = "waiting" if Version(api.version) >= Version("0.5.23") else (
+    where = "waiting" if Version(api.version) >= Version("0.5.22") else (
         "waiting (the running batch is empty but marked full, so the scheduler admits nothing)")
     with pytest.raises(ServerStuck) as stuck:
         driver.drain()
