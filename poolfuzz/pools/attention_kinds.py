@@ -26,6 +26,25 @@ def _no_args(c: ModelConfig) -> dict:
     return {}
 
 
+def _mha_rules(c: ModelConfig) -> list[str]:
+    """Per-head K and V: FP4 rows need whole scale blocks of a token's K, enough of them to carry a tag."""
+    if c.kv_quant == "fp4_mx_block16" and (c.head_dim % 2 or (c.head_num * c.head_dim) % 16
+                                           or c.head_num * c.head_dim // 16 < 12):
+        return ["kv_quant 'fp4_mx_block16' on MHA needs an even head_dim and head_num*head_dim a multiple of 16 of "
+                "at least 192 values (a scale byte per 16 values of a token's K; its 12 scale bytes carry a tag)"]
+    return []
+
+
+def _mla_rules(c: ModelConfig) -> list[str]:
+    problems = _latent_rules(c)
+    if c.kv_quant == "fp4_mx_block16" and (c.kv_lora_rank % 32 or c.qk_rope_head_dim % 32
+                                           or (c.kv_lora_rank + c.qk_rope_head_dim) // 16 < 12):
+        problems.append("kv_quant 'fp4_mx_block16' on MLA needs kv_lora_rank and qk_rope_head_dim multiples of 32 "
+                        "(16-value scale blocks, two values a byte) and at least 192 values a row (its 12 scale "
+                        "bytes carry a tag)")
+    return problems
+
+
 def _latent_rules(c: ModelConfig) -> list[str]:
     """MLA and DSA rows: a compressed-KV part and a rope part, each carrying a tag."""
     problems = []
@@ -87,6 +106,9 @@ class AttentionKind:
     pools: dict[str, str] | None = None
     # the Blueprint field of the full-attention sub-pool beside recurrent layers; None: the per-head MHA pool
     beside_recurrent: str | None = None
+    kv_quants: tuple[str, ...] = ()  # the KV quant methods (``kv_quant``) its pools are built with
+    scale_blocks: bool = False  # fp8 KV with block scales beside it (``kv_scale_block``, MXFP8)
+    sliding_window: bool = False  # its layers may be sliding-window ones (SWA pools keep per-head K and V)
     # its pool keeps per-head K and V in a per-token MHA pool it is handed (``kv_class``: MiniMax sparse)
     holds_token_pool: bool = False
     rules: Callable[[ModelConfig], list[str]] = _no_rules  # what the kind needs of a config's fields
@@ -94,10 +116,13 @@ class AttentionKind:
 
 
 KINDS: dict[str, AttentionKind] = {k.name: k for k in (
-    AttentionKind(name="mha", summary="per-head K and V per token (MHATokenToKVPool and its quantised forms)"),
+    AttentionKind(name="mha", summary="per-head K and V per token (MHATokenToKVPool and its quantised forms)",
+                  kv_quants=("cpu_fp8_e4m3", "fp4_mx_block16"), scale_blocks=True, sliding_window=True,
+                  rules=_mha_rules),
     AttentionKind(name="mla", summary="one latent row per token (MLATokenToKVPool; FP4 rows with kv_quant)",
                   latent=True, pools={"": "mla_kv_pool", "fp4_mx_block16": "mla_fp4_kv_pool"},
-                  beside_recurrent="mla_kv_pool", rules=_latent_rules, pool_args=_latent_args),
+                  kv_quants=("fp4_mx_block16",), beside_recurrent="mla_kv_pool", rules=_mla_rules,
+                  pool_args=_latent_args),
     AttentionKind(name="dsa", summary="MLA rows and the DSA indexer's keys and scales (DSATokenToKVPool)",
                   latent=True, pools={"": "dsa_kv_pool"}, beside_recurrent="dsa_kv_pool", rules=_dsa_rules,
                   pool_args=_dsa_args),

@@ -216,7 +216,8 @@ def _validate(c: ModelConfig) -> list[str]:
 def _validate_all_swa(c: ModelConfig) -> list[str]:
     """A model without full attention: every layer sliding-window (SGLang's PureSWATokenToKVPoolAllocator,
     which asserts page size 1, and its PureSWARadixCache)."""
-    if not c.swa_layers or c.mamba_layers or c.attention != "mha" or c.kv_scale_block:
+    kind = KINDS.get(c.attention)
+    if not c.swa_layers or c.mamba_layers or kind is None or not kind.sliding_window or c.kv_scale_block:
         return ["full_layers must be >= 1 unless every layer is sliding-window (an all-SWA model: swa_layers > 0, "
                 "no mamba layers, attention 'mha', no scale blocks)"]
     problems = []
@@ -234,27 +235,21 @@ def _validate_storage(c: ModelConfig) -> list[str]:
     problems = []
     if c.attention not in ATTENTIONS:
         return [f"attention {c.attention!r} is not one of {', '.join(ATTENTIONS)}"]
-    problems += KINDS[c.attention].rules(c)
+    kind = KINDS[c.attention]
+    problems += kind.rules(c)
     if c.msa_layers and c.attention != "msa":
         problems.append(f"msa_layers is set but attention is {c.attention!r}; set attention = 'msa'")
     if c.kv_quant and (c.kv_quant not in ("cpu_fp8_e4m3", "fp4_mx_block16") or c.kv_scale_block or c.has_swa
                        or c.has_mamba):
         problems.append(f"kv_quant {c.kv_quant!r} must be 'cpu_fp8_e4m3' or 'fp4_mx_block16', with no "
                         "kv_scale_block and full-attention layers only")
-    elif c.kv_quant == "cpu_fp8_e4m3" and (c.attention != "mha" or c.kv_dtype != "fp8_e4m3"):
-        problems.append("kv_quant 'cpu_fp8_e4m3' needs attention 'mha' and kv_dtype 'fp8_e4m3'")
-    elif c.kv_quant == "fp4_mx_block16" and c.attention == "mha":
-        if c.head_dim % 2 or (c.head_num * c.head_dim) % 16 or c.head_num * c.head_dim // 16 < 12:
-            problems.append("kv_quant 'fp4_mx_block16' on MHA needs an even head_dim and head_num*head_dim a multiple "
-                            "of 16 of at least 192 values (a scale byte per 16 values of a token's K; its 12 scale "
-                            "bytes carry a tag)")
-    elif c.kv_quant == "fp4_mx_block16" and (c.attention != "mla" or c.kv_lora_rank % 32 or c.qk_rope_head_dim % 32
-                                             or (c.kv_lora_rank + c.qk_rope_head_dim) // 16 < 12):
-        problems.append("kv_quant 'fp4_mx_block16' needs attention 'mha' or 'mla'; for mla, kv_lora_rank and "
-                        "qk_rope_head_dim multiples of 32 (16-value scale blocks, two values a byte) and at least 192 "
-                        "values a row (its 12 scale bytes carry a tag)")
+    elif c.kv_quant and c.kv_quant not in kind.kv_quants:
+        takes = " or ".join(repr(k.name) for k in KINDS.values() if c.kv_quant in k.kv_quants)
+        problems.append(f"kv_quant {c.kv_quant!r} needs attention {takes}")
+    elif c.kv_quant == "cpu_fp8_e4m3" and c.kv_dtype != "fp8_e4m3":
+        problems.append("kv_quant 'cpu_fp8_e4m3' needs kv_dtype 'fp8_e4m3'")
     if c.kv_scale_block:
-        if c.attention != "mha" or not c.kv_dtype.startswith("fp8") or c.has_swa or c.has_mamba:
+        if not kind.scale_blocks or not c.kv_dtype.startswith("fp8") or c.has_swa or c.has_mamba:
             problems.append("kv_scale_block needs attention 'mha', an fp8 kv_dtype and full-attention layers only "
                             "(the built-in SWA and hybrid pools carry no scale buffers)")
         elif c.kv_scale_block < 1 or c.head_dim % c.kv_scale_block:

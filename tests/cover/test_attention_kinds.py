@@ -57,3 +57,8 @@ def test_the_kinds_own_rules_run_on_every_config():
         CONFIGS["dense"].replace(msa_layers="V")
     with pytest.raises(ConfigError, match="kv_lora_rank \\(8\\) and qk_rope_head_dim"):
         CONFIGS["mla-ssm"].replace(kv_lora_rank=8)
+    # which kinds take a KV quant method is the kinds' answer, named in the message
+    with pytest.raises(ConfigError, match="kv_quant 'fp4_mx_block16' needs attention 'mha' or 'mla'"):
+        CONFIGS["dsa"].replace(kv_quant="fp4_mx_block16")
+    with pytest.raises(ConfigError, match="kv_quant 'fp4_mx_block16' on MLA needs kv_lora_rank"):
+        CONFIGS["mla-fp4"].replace(kv_lora_rank=48)
