@@ -99,7 +99,6 @@ class AttentionKind:
     """One way of storing full-attention KV, and everything a builder or validator asks of it."""
 
     name: str  # ``ModelConfig.attention``
-    summary: str
     latent: bool = False  # one MLA latent row per token (the compressed KV, then the rope part), not per-head K and V
     # the Blueprint field of the KV pool a full-attention model of this kind is built with, per kv_quant ("" none);
     # None for the per-head MHA pool, whose class also depends on scale blocks (``Blueprint.token_kv_pool``)
@@ -116,18 +115,14 @@ class AttentionKind:
 
 
 KINDS: dict[str, AttentionKind] = {k.name: k for k in (
-    AttentionKind(name="mha", summary="per-head K and V per token (MHATokenToKVPool and its quantised forms)",
-                  kv_quants=("cpu_fp8_e4m3", "fp4_mx_block16"), scale_blocks=True, sliding_window=True,
+    AttentionKind(name="mha", kv_quants=("cpu_fp8_e4m3", "fp4_mx_block16"), scale_blocks=True, sliding_window=True,
                   rules=_mha_rules),
-    AttentionKind(name="mla", summary="one latent row per token (MLATokenToKVPool; FP4 rows with kv_quant)",
-                  latent=True, pools={"": "mla_kv_pool", "fp4_mx_block16": "mla_fp4_kv_pool"},
+    AttentionKind(name="mla", latent=True, pools={"": "mla_kv_pool", "fp4_mx_block16": "mla_fp4_kv_pool"},
                   kv_quants=("fp4_mx_block16",), beside_recurrent="mla_kv_pool", rules=_mla_rules,
                   pool_args=_latent_args),
-    AttentionKind(name="dsa", summary="MLA rows and the DSA indexer's keys and scales (DSATokenToKVPool)",
-                  latent=True, pools={"": "dsa_kv_pool"}, beside_recurrent="dsa_kv_pool", rules=_dsa_rules,
+    AttentionKind(name="dsa", latent=True, pools={"": "dsa_kv_pool"}, beside_recurrent="dsa_kv_pool", rules=_dsa_rules,
                   pool_args=_dsa_args),
-    AttentionKind(name="msa", summary="MiniMax sparse: MHA K and V and per-layer index caches (MiniMaxSparseKVPool)",
-                  pools={"": "msa_kv_pool"}, holds_token_pool=True, rules=_msa_rules, pool_args=_msa_args),
+    AttentionKind(name="msa", pools={"": "msa_kv_pool"}, holds_token_pool=True, rules=_msa_rules, pool_args=_msa_args),
 )}
 ATTENTIONS = tuple(KINDS)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from poolfuzz.pools.attention_kinds import ATTENTIONS, DSA_QUANT_BLOCK, KINDS  # noqa: F401 (re-exported)
+from poolfuzz.pools.attention_kinds import ATTENTIONS, KINDS
 from poolfuzz.pools.errors import ConfigError
 
 # Model architectures whose layers keep recurrent (conv / temporal) state besides attention KV.

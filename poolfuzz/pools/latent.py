@@ -8,7 +8,7 @@ import torch
 
 from poolfuzz.pools.allocator import _as_index
 from poolfuzz.pools.components import DTYPES, Component, zeros
-from poolfuzz.pools.config import DSA_QUANT_BLOCK
+from poolfuzz.pools.attention_kinds import DSA_QUANT_BLOCK
 from poolfuzz.pools.kv import CPU_COPY_CHUNK, KVCache
 from poolfuzz.pools.mamba import cpu_copy
 

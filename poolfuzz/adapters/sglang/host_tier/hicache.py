@@ -46,8 +46,6 @@ def hicache_problem(api, config: ModelConfig, *, pd_decode: bool) -> str | None:
         return "the SWA host tier is not driven (its SWA reclaim is not modelled by the tree reference)"
     if config.kv_scale_block:
         return "block-scaled host pools are not driven"
-    if storage_of(config).host_tier:
-        return storage_of(config).host_tier
     if config.kv_quant == "fp4_mx_block16":  # SGLang's MLAKVPoolHost raises ValueError for an FP4 device pool
         return "SGLang's MLA host cache refuses FP4 KV (its packed payload and block scales cannot be restored)"
     return host_tier_problem(api, config)
@@ -56,8 +54,8 @@ def hicache_problem(api, config: ModelConfig, *, pd_decode: bool) -> str | None:
 def host_tier_problem(api, config: ModelConfig) -> str | None:
     """Why the adapter cannot give ``config``'s tree SGLang's host tier on the CPU, or None: what SGLang itself
     refuses is its own answer, when the tree is built (the scheduler path asks only this)."""
-    if storage_of(config).host_tier:
-        return storage_of(config).host_tier
+    if why := storage_of(config).host_tier:
+        return why
     try:
         from sglang.srt.mem_cache import unified_radix_cache as urc
     except ImportError:
@@ -114,7 +112,7 @@ def host_tier(config: ModelConfig) -> tuple[str, str]:
         return ("page_first_direct", IO_BACKEND) if paged or config.spec_draft_tokens else ("page_first", KERNEL)
     if config.latent:
         return ("page_first", KERNEL) if paged else (HOST_LAYOUT, IO_BACKEND)
-    if storage_of(config).host_side_pools and paged:  # MiniMax's K-only index host pool has no page_head layout
+    if paged and not storage_of(config).host_page_head:
         return "page_first_direct", IO_BACKEND
     return ("page_head", KERNEL) if paged else ("page_first", KERNEL)
 

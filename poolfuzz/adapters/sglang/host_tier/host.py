@@ -179,8 +179,8 @@ def host_pool_problem(api, config: ModelConfig) -> str | None:
     if config.kv_quant == "fp4_mx_block16":  # 0.5.23's MHATokenToKVPoolHost raises this ValueError for it
         return ("SGLang's MHA host pool refuses an FP4 pool's per-token scales ('MHA host transfers do not support KV "
                 "scale layout token'): its decode server needs --disaggregation-decode-retraction-backup cpu_tensor")
-    if storage_of(config).host_retraction:
-        return storage_of(config).host_retraction
+    if why := storage_of(config).host_retraction:
+        return why
     if config.has_swa and not config.full_layer_ids:
         return "SGLang's host-pool retraction does not support pure-SWA models"
     if config.mamba_track_slots:

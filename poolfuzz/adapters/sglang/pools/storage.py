@@ -334,6 +334,7 @@ class SGLangStorage:
     index_cache: bool = False  # DSA's page-major index-key cache beside the latent rows (dsa.index_k)
     prefix_valid_door: bool = True  # its pool takes writes through the prefix-valid door (MiniMax's has none)
     host_side_pools: bool = False  # its host group holds pools beside the KV (index keys): the v2 store interface
+    host_page_head: bool = True  # its host pools have the page_head layout (MiniMax's K-only index pool has not)
     host_retraction: str | None = None  # why a PD decode server's host_pool retraction is not driven for it
     host_tier: str | None = None  # why SGLang's HiCache host tier is not driven for it
     unified: str | None = None  # why SGLang's unified pool is not driven for it ({version}: the release)
@@ -358,10 +359,10 @@ STORAGE: dict[str, SGLangStorage] = {k.name: k for k in (
                   unified="SGLang {version}'s unified Mamba factory (init_unified_mamba_pools) builds an MLA sub-pool "
                           "without DSA's index-key cache (it takes no index_head_dim); use --family sglang"),
     SGLangStorage(name="msa", probe=msa_problem, builds_own_pool=True,
-                  prefix_valid_door=False, host_side_pools=True,
+                  prefix_valid_door=False, host_side_pools=True, host_page_head=False,
                   host_retraction="SGLang's decode server backs a MiniMax sparse pool up as cpu_tensor "
-                                  "(resolve_decode_retraction_backup takes host_pool for MHATokenToKVPool and SWAKVPool "
-                                  "only); its host-pool retraction is not driven here"),
+                                  "(resolve_decode_retraction_backup takes host_pool for MHATokenToKVPool and "
+                                  "SWAKVPool only); its host-pool retraction is not driven here"),
 )}
 
 

@@ -154,11 +154,10 @@ class SglangDecodeDriver(SglangSchedulerDriver):
         the extra rows from the model); and the wiring's request pool where the configurator does not serve
         (``DecodeReqToTokenPool`` / ``HybridMambaDecodeReqToTokenPool``, with the rows SGLang's PD hook gives
         requests in pre-allocation and transfer by default: twice the running requests, where those are 32 or fewer,
-        ``handle_pd_disaggregation``'s ``disaggregation_decode_extra_slots``). Twice the server's
-        ``--max-running-requests`` (the config's request rows, the flag the configurator is given), not the
-        Scheduler's cap of ``max_running``: with fewer, the wiring is not the pool SGLang builds, and the family would
-        run on the wiring."""
-        return {"decode_rows": 2 * self.config.request_rows, "role_flags": ROLE_FLAGS}
+        ``handle_pd_disaggregation``'s ``disaggregation_decode_extra_slots``). ``max_running`` is the server's
+        ``--max-running-requests``, the flag the configurator is given: with other rows the wiring is not the pool
+        SGLang builds, and the family would run on the wiring."""
+        return {"decode_rows": 2 * max_running, "role_flags": ROLE_FLAGS}
 
     def _build_context_server(self, config: ModelConfig, max_running: int) -> None:
         from sglang.srt.runtime_context import get_server_args

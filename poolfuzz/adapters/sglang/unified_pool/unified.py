@@ -71,8 +71,8 @@ def unified_problem(api: SGLangAPI, config: ModelConfig) -> str | None:
     if config.spec_draft_tokens:
         return ("speculative decoding's per-draft mamba caches on the unified pool are not driven by "
                 "poolfuzz yet; use hybrid-linear, hybrid-extra-buffer, swa or swa-ssm")
-    if storage_of(config).unified:
-        return storage_of(config).unified.format(version=api.version)
+    if why := storage_of(config).unified:
+        return why.format(version=api.version)
     from poolfuzz.adapters.sglang.pools import configurator
 
     # a unified server SGLang's own validation refuses starts nowhere: declined with SGLang's words
