@@ -59,7 +59,7 @@ class ScheduledMachine(RuleBasedStateMachine):
 
     config: ClassVar[ModelConfig]
     driver_factory: ClassVar[Callable]  # (config) -> a driver (add_request, step, abort, live, propose_drafts,
-    # state_problem, drain; where its ``streaming_sessions`` is True, also session_turn and close_session; its
+    # state_problem, drain, close; where its ``streaming_sessions`` is True, also session_turn and close_session; its
     # ``backup_mode``, the retraction path it runs, is what an artifact records)
     observer: ClassVar[object | None] = None  # a harness.machine.MachineObserver (a run's counts and failures)
     backup_mode = BACKUP_MODE
@@ -179,6 +179,8 @@ class ScheduledMachine(RuleBasedStateMachine):
             if problem:
                 self._failed(invariant_failure(step=self.steps, op="drain", detail=problem, check="leak"), True)
         finally:
+            if self.driver is not None:
+                self.driver.close()  # nothing of the example's server outlives it (storage threads, files)
             if type(self).observer is not None:
                 type(self).observer.example_ended(self)
 

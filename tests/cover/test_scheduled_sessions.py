@@ -65,6 +65,9 @@ class RecordingDriver:
     def drain(self):
         return None
 
+    def close(self):
+        self.calls.append(("close",))
+
 
 def _run(sessions: bool) -> list[RecordingDriver]:
     drivers: list[RecordingDriver] = []
@@ -98,7 +101,7 @@ def test_a_program_with_session_turns_validates_and_replays():
 
     steps = list(replay(scheduled_machine(CONFIGS["dense"], driver_factory=factory), program))
     assert [s.failure for s in steps] == [None] * 4 and not any(s.cannot_run for s in steps)
-    assert drivers[0].calls == [("session_turn", 1, "000001"), ("close_session", 1)]
+    assert drivers[0].calls == [("session_turn", 1, "000001"), ("close_session", 1), ("close",)]
     no_sessions = scheduled_machine(CONFIGS["dense"], driver_factory=lambda c: RecordingDriver(sessions=False))
     first = next(iter(replay(no_sessions, program)))
     assert first.cannot_run == "this server keeps no streaming sessions"
@@ -120,5 +123,6 @@ def test_a_server_that_never_finishes_a_request_is_reported_stuck_not_leaking():
     with pytest.raises(InvariantViolation) as info:
         machine.teardown()
     assert info.value.divergence.check == "stuck"
+    assert machine.driver.calls[-1] == ("close",)  # shut down even when its drain failed
     assert signature_of(info.value, in_teardown=True) == "InvariantViolation:stuck:-"
     assert "req 000001 waiting" in str(info.value)

@@ -127,3 +127,69 @@ def test_a_model_whose_tree_has_no_host_tier_is_declined_with_the_reason(hicache
     assert reason is not None and "has no host tier" in reason, reason
     with pytest.raises(ConfigError, match="has no host tier"):
         hicache_server.build_hicache_driver(CONFIGS["swa-only"])
+
+
+def _counted_storage_loads(monkeypatch, tree_cls) -> dict:
+    """Tokens the scheduler's prefetches brought back from L3 storage (``pop_prefetch_loaded_span``)."""
+    calls = {"tokens": 0}
+    original = tree_cls.pop_prefetch_loaded_span
+
+    def counted(self, handle):
+        out = original(self, handle)
+        calls["tokens"] += int(out[0] or 0)
+        return out
+
+    monkeypatch.setattr(tree_cls, "pop_prefetch_loaded_span", counted)
+    return calls
+
+
+# file backend at page size 1, the zero-copy stand-in paged; MLA's latent pages; a hybrid tree's mamba state beside
+@pytest.mark.parametrize("name", ["dense", "dense-ps4", "mla", "hybrid-linear"])
+def test_prefixes_that_left_the_host_are_prefetched_from_storage_by_the_scheduler(hicache_server, monkeypatch, name):
+    """With an L3 tier below the host, written-through prefixes are backed up into storage; once the host has let
+    them go, a request that shares one is prefetched by the Scheduler's own ``_add_request_to_queue`` and admitted by
+    ``get_new_batch_prefill`` once the pages are host nodes: it runs on the K and V read back from storage, checked at
+    every forward, and the server drains clean."""
+    from poolfuzz.adapters.sglang.host_tier import l3
+
+    reason = hicache_server.unsupported_reason(CONFIGS[name])
+    if reason:
+        pytest.skip(reason)
+    from poolfuzz.adapters.sglang.api import load
+
+    if l3.storage_problem(load(), CONFIGS[name]):
+        pytest.skip(l3.storage_problem(load(), CONFIGS[name]))
+    driver = hicache_server.SglangHiCacheDriver(CONFIGS[name])
+    assert l3.enabled(driver.tree) and driver.server.enable_hicache_storage
+    loads = _counted_storage_loads(monkeypatch, type(driver.tree))
+    _shared_traffic(driver)
+    assert loads["tokens"] > 0, "nothing was prefetched from storage"
+    assert driver.drain() is None
+    directory = driver.storage_dir
+    driver.close()
+    import os
+
+    assert not os.path.exists(directory)
+    assert not any(t.is_alive() for t in (getattr(driver.tree.cache_controller, n, None) for n in l3.STORAGE_THREADS)
+                   if t is not None)
+
+
+def test_a_page_storage_hands_back_wrong_is_caught_and_named(hicache_server, monkeypatch):
+    """Storage that hands back a page of zeros (a backend that lost an object): the request admitted on the prefetched
+    prefix finds zeros where its own K was, and the runner says which request, component, layer and position."""
+    from poolfuzz.adapters.sglang.api import load
+    from poolfuzz.adapters.sglang.host_tier import l3
+
+    if l3.storage_problem(load(), CONFIGS["dense"]):
+        pytest.skip(l3.storage_problem(load(), CONFIGS["dense"]))
+    driver = hicache_server.SglangHiCacheDriver(CONFIGS["dense"])
+    host_cls = type(driver.tree.cache_controller.storage_host_pool)
+    original = host_cls.set_from_flat_data_page
+
+    def lost(self, index, data_page):
+        return original(self, index, torch.zeros_like(data_page))
+
+    monkeypatch.setattr(host_cls, "set_from_flat_data_page", lost)
+    with pytest.raises(LostKv, match=r"^req \d+ step \d+: full\.k layer 0 position \d+: .*holds zeros"):
+        _shared_traffic(driver)
+    driver.close()

@@ -393,6 +393,9 @@ class SchedulerDriver:
                         "a SchedulerOutput reported its blocks wrong")
         return None
 
+    def close(self) -> None:
+        """The example is over; the scheduler holds nothing that outlives it."""
+
     def drain(self) -> str | None:
         """Run the idle server until every request finished; what is wrong then (leaked, unresettable). Requests it
         never finishes raise ServerStuck."""

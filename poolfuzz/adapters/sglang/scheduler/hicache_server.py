@@ -16,12 +16,26 @@ Stood in for, besides the scheduler path's stand-ins: the host memory layout and
 the server's ``--hicache-mem-layout`` / ``--hicache-io-backend``; the TP worker's load-back layer counter is not
 waited on layer by layer (``hicache.worker_standin``): on the CPU the copies are done when ``start_loading`` returns,
 before the forward reads them.
+
+With an L3 tier (where ``l3.storage_problem`` allows one: every config but the kinds SGLang's HiCache refuses), the
+server is also started with ``--hicache-storage-backend`` (SGLang's ``file`` backend, or the zero-copy stand-in, per
+``l3.storage_backend``) and ``--hicache-storage-prefetch-policy wait_complete``, and its host tier is a staging tier a
+little larger than the device (``l3.HOST_RATIO``), so written-through prefixes leave the host within an example. What
+runs is SGLang's: the tree backs every written-through node up into storage, ``_add_request_to_queue`` prefetches what
+storage holds past a request's host hit (``Scheduler._prefetch_kvcache``), and ``get_new_batch_prefill`` admits it
+once ``check_prefetch_progress`` says the pages are host nodes, to be loaded back like any host hit. Stood in for: the
+time a server's four storage threads run between two of its steps. After every step, queued request and abort the
+adapter waits until every backup and prefetch handed to them has come back and been polled (``l3.settle``), so an
+example replays step for step; a storage operation not back within ``l3.SETTLE_SECONDS`` is reported as a hang.
 """
 
 from __future__ import annotations
 
+import weakref
+
+from poolfuzz.adapters.sglang.host_tier import l3
 from poolfuzz.adapters.sglang.scheduler.scheduling import SglangSchedulerDriver, server_arguments
-from poolfuzz.adapters.sglang.shims import one_rank_group
+from poolfuzz.adapters.sglang.shims import cpu_server, one_rank_group
 from poolfuzz.pools.config import ModelConfig
 from poolfuzz.pools.errors import ConfigError
 
@@ -51,12 +65,44 @@ class SglangHiCacheDriver(SglangSchedulerDriver):
         reason = hicache_server_problem(config)
         if reason:
             raise ConfigError(f"the sglang HiCache server cannot build {config.name!r}: {reason}")
-        super().__init__(config, backup_mode=backup_mode)
+        from poolfuzz.adapters.sglang.api import load
+
+        if l3.storage_problem(load(), config) is None:
+            self.storage_dir = l3.new_directory()
+        try:
+            super().__init__(config, backup_mode=backup_mode)
+        except BaseException:
+            l3.close(None, self.storage_dir)
+            raise
+        # the server's shutdown when the example ends (close); a backstop where nobody closes it (a test's server)
+        self._shutdown = weakref.finalize(self, l3.close, self.tree, self.storage_dir)
         if self.tree.__class__.check_hicache_events is _base_check_hicache_events():
             # the Scheduler polls check_hicache_events every step; this tree's is the base class's, which raises
             raise ConfigError(f"the sglang HiCache server cannot build {config.name!r}: SGLang's registry builds a "
                               f"{type(self.tree).__name__} for this model, which has no host tier: its "
                               "check_hicache_events raises NotImplementedError on the server's first step")
+
+    def close(self) -> None:
+        """The server shuts down: its storage threads stop, its host pools are released, its L3 files removed."""
+        self._shutdown()
+
+    def _step(self) -> None:
+        super()._step()
+        self._storage_settled()
+
+    def _queue(self, req) -> None:
+        super()._queue(req)  # with an L3 tier, _add_request_to_queue prefetches from storage
+        self._storage_settled()
+
+    def abort(self, rid: str) -> None:
+        super().abort(rid)
+        self._storage_settled()
+
+    def _storage_settled(self) -> None:
+        """With an L3 tier: the storage threads' work handed to them so far, done and polled (``l3.settle``)."""
+        if self.storage_dir is not None:
+            with cpu_server():
+                l3.settle(self.tree)
 
     def pools_built(self):
         """The process group a one-rank server runs in: the host tier all-reduces its sizes over the default group

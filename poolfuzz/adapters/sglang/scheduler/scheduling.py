@@ -51,6 +51,7 @@ from functools import lru_cache
 import torch
 
 from poolfuzz.adapters.sglang import compat
+from poolfuzz.adapters.sglang.host_tier import l3
 from poolfuzz.adapters.sglang.shims import cpu_server
 from poolfuzz.adapters.sglang.scheduler.runner import ModelRunner, deferred_cow_and_clear
 from poolfuzz.adapters.sglang.scheduler.sessions import SessionClients
@@ -225,6 +226,7 @@ class SglangSchedulerDriver:
     backup_mode = "cpu_tensor"  # the retraction path an artifact records (this server recomputes, on tensors)
     resolves_on_pools = False  # whether it resolves server flags on its built pools (pools_built)
     hierarchical = False  # whether it is started with --enable-hierarchical-cache (hicache_server.py)
+    storage_dir: str | None = None  # its L3 tier's directory (--hicache-storage-backend, hicache_server.py), or None
 
     def server_flags(self, config: ModelConfig, *, max_running_requests: int) -> dict:
         return server_arguments(config, max_running_requests=max_running_requests)
@@ -252,7 +254,7 @@ class SglangSchedulerDriver:
         worker = self.pools_built()
         try:
             self.tree = build_tree(self.family, hierarchical=self.hierarchical, server=self.server_args,
-                                   worker=worker)
+                                   worker=worker, storage_dir=self.storage_dir)
         except (AssertionError, ValueError, NotImplementedError) as exc:  # the tree's build refuses the server's flags
             raise ConfigError(f"the scheduler-driven sglang family cannot build {config.name!r}: SGLang's radix "
                               f"cache refuses a server with {self.server_args} ({exc})") from None
@@ -275,7 +277,8 @@ class SglangSchedulerDriver:
             max_req_len=longest, max_req_input_len=longest - 5,
             policy=m.SchedulePolicy(flags["schedule_policy"], self.tree, False, False, False),
             token_ratio=m.TokenRatio.from_config(),
-            processor=processor, enable_hierarchical_cache=self.hierarchical))
+            processor=processor, enable_hierarchical_cache=self.hierarchical,
+            enable_hicache_storage=l3.enabled(self.tree)))
         self.server.running_batch = _empty_batch()
         self.server.init_pool_stats_observer()  # the Scheduler's own, for SGLang's invariant checker below
         self.server.init_invariant_checker()
@@ -416,6 +419,9 @@ class SglangSchedulerDriver:
         with cpu_server():
             self.server.abort_request(self.m.AbortReq(rid=rid))
         self._forget_done()
+
+    def close(self) -> None:
+        """The example is over: nothing of this server outlives it (a HiCache server's storage threads stop)."""
 
     def _abort_sent(self, output, req) -> None:
         self.aborted.add(req.rid)
