@@ -57,11 +57,9 @@ def test_fuzzed_traffic_is_transferred_decoded_retracted_and_restored_on_its_own
             run_state_machine_as_test(machine, settings=SETTINGS)
         return
     run_state_machine_as_test(machine, settings=SETTINGS)
+    # Whether 25 drawn programs run decode short enough to retract depends on the draws, which move with any edit of
+    # the package (Hypothesis draws the literals of its modules): the pressure test below pins retraction down.
     assert sum(d.transferred for d in drivers) >= 20  # requests whose prompt KV the prefill stand-in landed
-    if all(_backs_up_a_request(d) for d in drivers):
-        assert sum(d.retracted for d in drivers) > 0  # retract_decode took running requests back, backed up
-    else:  # 0.5.20's backup-only host pool holds no request of these: a retraction is answered with an abort
-        assert sum(len(d.aborted) for d in drivers) > 0
 
 
 def _backs_up_a_request(driver) -> bool:
@@ -72,12 +70,14 @@ def _backs_up_a_request(driver) -> bool:
     return tokens is None or tokens >= driver.config.max_context // 2
 
 
-def test_decode_memory_pressure_backs_up_and_restores_the_retracted_requests(decode, monkeypatch):
+# a full-attention KV; KV beside mamba state (the state backed up and restored too)
+@pytest.mark.parametrize("name", ["dense", "hybrid-linear"])
+def test_decode_memory_pressure_backs_up_and_restores_the_retracted_requests(decode, monkeypatch, name):
     """With ``--disaggregation-decode-retraction-backup cpu_tensor``, retract_decode backs a running request's KV up
     to CPU tensors (``Req.offload_kv_cache``), the prealloc queue takes it back once there is room
-    (``resume_retracted_reqs``: ``Req.load_kv_cache``), and it runs to its length on the restored KV, checked at every
-    forward."""
-    driver, rids, reqs = _pressure(decode, backup_mode="cpu_tensor")
+    (``resume_retracted_reqs``: ``Req.load_kv_cache``), and it runs to its length on the restored KV (and recurrent
+    state), checked at every forward."""
+    driver, rids, reqs = _pressure(decode, name, backup_mode="cpu_tensor")
     assert driver.backup_mode == "cpu_tensor"
     calls = _counted(monkeypatch, type(driver.family.sg_allocator.get_kvcache()), ["get_cpu_copy", "load_cpu_copy"])
     for _ in range(60):
@@ -284,3 +284,27 @@ def test_a_dsa_request_retracted_on_a_decode_server_is_backed_up_and_resumes(dec
     assert machine.driver.retracted == 1
     assert machine.driver.drain() is None
     assert set(machine.driver.outcome.values()) == {"finished"}
+
+
+def test_a_server_that_refuses_its_resolved_backup_starts_with_the_flag_an_operator_adds(decode):
+    """An MXFP8 MHA model: SGLang resolves ``host_pool`` for its ``MHATokenToKVPool``, and its host tier refuses the
+    CPU pool's token-layout scales at startup. Unnamed, the decode family starts the server an operator would start
+    next, with ``--disaggregation-decode-retraction-backup cpu_tensor``; its retractions carry the MXFP8 scales
+    (sglang#35888), so the requests resume on their own K, V and scales. Naming ``host_pool`` is still refused with
+    SGLang's message."""
+    from poolfuzz.adapters.sglang.scheduler.servers import server_refusal
+
+    config = CONFIGS["fp8-scaled"]
+    if server_refusal(config, decode.SglangDecodeDriver, None) is None:
+        pytest.skip("this release starts the decode server with the backup it resolves")
+    assert decode.operator_backup(config) == "cpu_tensor" and decode.unsupported_reason(config) is None
+    assert "scale layout" in decode.unsupported_reason(config, backup_mode="host_pool")
+    driver = decode.build_decode_driver(config)
+    assert driver.backup_mode == "cpu_tensor"
+    for n in (10, 12, 9, 11, 8, 6):
+        driver.add_request(length=n, share=0, max_tokens=20)
+    for _ in range(40):
+        driver.step()
+    assert driver.retracted > 0, "decode never ran short: nothing was backed up"
+    assert driver.drain() is None
+    assert decode.operator_backup(CONFIGS["dense"]) is None  # a server that starts as resolved keeps SGLang's choice

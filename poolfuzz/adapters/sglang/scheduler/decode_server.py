@@ -281,15 +281,37 @@ def worker_standin(family, config: ModelConfig, spec_algorithm):
         register_hicache_layer_transfer_counter=lambda counter: None)
 
 
+def operator_backup(config: ModelConfig) -> str | None:
+    """The ``--disaggregation-decode-retraction-backup`` an operator starts this decode server with where the run names
+    none: ``cpu_tensor`` where the server SGLang resolves without the flag does not start and the one with
+    ``cpu_tensor`` does, else None (SGLang resolves it). 0.5.23 resolves ``host_pool`` for every
+    ``MHATokenToKVPool``, and on the CPU the pools of an MHA model with a KV quant method keep their scales in the
+    ``token`` layout, which the MHA host pool refuses at startup ("MHA host transfers do not support KV scale layout
+    'token'"; a GPU's MXFP8 pool interleaves them, which its host pool takes since sglang#39089): the server that
+    starts there is the one with the flag. ``--backup-mode host_pool`` still asks for the refused one, and is declined
+    with SGLang's message."""
+    from poolfuzz.adapters.sglang.scheduler.servers import server_refusal
+
+    if server_refusal(config, SglangDecodeDriver, None) and not server_refusal(config, SglangDecodeDriver, "cpu_tensor"):
+        return "cpu_tensor"
+    return None
+
+
 def unsupported_reason(config: ModelConfig, *, backup_mode: str | None = None) -> str | None:
-    """Why the decode server (with the run's ``backup_mode``; unset, SGLang's resolution) does not drive ``config``."""
+    """Why the decode server (with the run's ``backup_mode``; unset, SGLang's resolution, or the flag an operator
+    starts it with: :func:`operator_backup`) does not drive ``config``."""
     from poolfuzz.adapters.sglang.scheduler.servers import unsupported_reason as scheduler_reason
 
-    return decode_problem(config) or scheduler_reason(config, SglangDecodeDriver, backup_mode=backup_mode)
+    if problem := decode_problem(config):
+        return problem
+    return scheduler_reason(config, SglangDecodeDriver, backup_mode=backup_mode or operator_backup(config))
 
 
 def build_decode_driver(config: ModelConfig, *, device="cpu", faults=(), backup_mode=None) -> SglangDecodeDriver:
-    """The ``sglang:decode`` factory's driver (``servers.build_driver``'s checks of the run's options)."""
+    """The ``sglang:decode`` factory's driver (``servers.build_driver``'s checks of the run's options), started with
+    the run's ``backup_mode``, or where it names none with the flag an operator would add (:func:`operator_backup`)."""
     from poolfuzz.adapters.sglang.scheduler.servers import build_driver
 
+    if backup_mode is None and decode_problem(config) is None:
+        backup_mode = operator_backup(config)
     return build_driver(config, device=device, faults=faults, backup_mode=backup_mode, driver_cls=SglangDecodeDriver)
