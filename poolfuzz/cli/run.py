@@ -146,7 +146,7 @@ def plan_from_args(args):
                              "runs its own code as shipped: drop --faults or --family")
         plugin = resolve_family(args.family)
         plugin.check_engine()  # what `poolfuzz doctor` checks: an engine that changed is refused here, in its words
-        if DRAWN_NAME in names and plugin.drives_scheduler:
+        if DRAWN_NAME in names and plugin.drives_scheduler and not plugin.takes_drawn_configs:
             raise UsageError(f"family {plugin.name!r} drives the engine's own scheduler over named configs only; "
                              f"drop --config {DRAWN_NAME}" + (f" (or use --family {ENGINE_PROGRAMS_OF[plugin.name]}, "
                              "which takes drawn configs)" if plugin.name in ENGINE_PROGRAMS_OF else ""))

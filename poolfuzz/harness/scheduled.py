@@ -26,21 +26,22 @@ from typing import Callable, ClassVar, Iterator
 
 from hypothesis import reject
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from poolfuzz.harness.failures import Divergence, StateLost, invariant as invariant_failure
 from poolfuzz.harness.hypothesis_compat import set_database_identity
+from poolfuzz.harness.machine import DeclineLog
 from poolfuzz.harness.records import StepRecord
 from poolfuzz.pools.config import ModelConfig
-from poolfuzz.pools.errors import LostKv, ServerStuck
-from poolfuzz.strategies import token_unit
+from poolfuzz.pools.errors import ConfigError, LostKv, ServerStuck
+from poolfuzz.strategies import DRAWN_NAME, drawn_configs, token_unit
 
 PREFIX = "scheduler."  # the ops of a scheduler program, apart from the Engine's (harness.program.operations)
 # Each op of a scheduler program and the arguments it takes: what an artifact's program may hold.
 OPERATIONS: dict[str, tuple[str, ...]] = {f"{PREFIX}add_request": ("length", "share", "max_tokens", "priority"),
                                           f"{PREFIX}schedule": ("steps", "drafts"), f"{PREFIX}abort": ("pick",),
                                           f"{PREFIX}session_turn": ("session", "length", "max_tokens"),
-                                          f"{PREFIX}close_session": ("session",)}
+                                          f"{PREFIX}close_session": ("session",), f"{PREFIX}flush": ()}
 SESSION_OPERATIONS = ("session_turn", "close_session")  # only for a driver whose streaming_sessions is True
 # Arguments an older program may lack (each then 0).
 OPTIONAL = {f"{PREFIX}schedule": {"drafts"}, f"{PREFIX}add_request": {"priority"}}
@@ -59,26 +60,58 @@ class ScheduledMachine(RuleBasedStateMachine):
 
     config: ClassVar[ModelConfig]
     driver_factory: ClassVar[Callable]  # (config) -> a driver (add_request, step, abort, live, propose_drafts,
-    # state_problem, drain, close; where its ``streaming_sessions`` is True, also session_turn and close_session; its
+    # state_problem, drain, close; where its ``streaming_sessions`` is True, also session_turn and close_session;
+    # where its ``flushes`` is True, also flush; its
     # ``backup_mode``, the retraction path it runs, is what an artifact records)
     observer: ClassVar[object | None] = None  # a harness.machine.MachineObserver (a run's counts and failures)
     backup_mode = BACKUP_MODE
+
+    # Set (by scheduled_machine) when each example draws its config: the server is then started by start_server, an
+    # initialize rule, and a draw the family declines rejects the example (counted, never reported).
+    config_strategy: ClassVar[st.SearchStrategy[ModelConfig] | None] = None
+    decline_log: ClassVar[DeclineLog | None] = None  # drawn configs: why the family refused the last draw
 
     def __init__(self):
         super().__init__()
         cls = type(self)
         if cls.observer is not None:
             cls.observer.example_started()
+        if cls.decline_log is not None:
+            cls.decline_log.last = None
         self.steps = 0
         self.program: list[StepRecord] = []
         self.op = self.action = "init"
         self.waived: dict = {}  # what an observer reads of an engine at the example's end (nothing is waived here)
         self.passed_over: dict = {}
         self.driver = None
+        self.unit = 1
+        if cls.config_strategy is None:
+            self._start(cls.config, drawn=False)
+
+    def _start(self, config: ModelConfig, *, drawn: bool) -> None:
+        """Start the example's server on ``config`` (the instance's ``config`` from here on, which an artifact
+        records). A drawn config the family declines while building (a ConfigError) rejects the example."""
+        cls = type(self)
+        self.config = config
         # Prompts in the pool machine's units: a config of 64-token pages gets prompts that fill pages, so chunks and
         # page-granular prefix hits happen. The program records the drawn units, so a replay scales them once.
-        self.unit = token_unit(cls.config)
-        self.driver = self._guarded("init", lambda: cls.driver_factory(cls.config))
+        self.unit = token_unit(config)
+        declined: list[ConfigError] = []
+
+        def build():
+            try:
+                return cls.driver_factory(config)
+            except ConfigError as exc:
+                if not drawn:
+                    raise
+                declined.append(exc)
+                return None
+
+        self.driver = self._guarded("init", build)  # a server that crashes at startup is a failure like any other
+        if declined:
+            if cls.observer is not None:
+                cls.observer.example_declined(config, str(declined[0]))
+            reject()
         if self.driver is not None:
             self.backup_mode = self.driver.backup_mode
 
@@ -154,6 +187,16 @@ class ScheduledMachine(RuleBasedStateMachine):
         self._record("close_session", session=session)
         self._guarded("close_session", lambda: self.driver.close_session(session))
 
+    @precondition(lambda self: self.driver.flushes)
+    @rule()
+    def flush(self):
+        """An operator flushes the server's cache (SGLang's ``/flush_cache``): done only when the server is idle
+        (its tree reset, every pool and allocator cleared), else refused; either way the server goes on serving."""
+        self._record("flush")
+        done = self._guarded("flush", self.driver.flush)
+        self.program[-1] = StepRecord(op=self.program[-1].op, args={},
+                                      outcome="flushed" if done else "refused: the server is not idle")
+
     @precondition(lambda self: bool(self.driver.live()))
     @rule(pick=st.integers(0, 7))
     def abort(self, pick):
@@ -173,7 +216,12 @@ class ScheduledMachine(RuleBasedStateMachine):
 
     def teardown(self):
         try:
-            if sys.exc_info()[1] is not None or self.driver is None:  # a step failed: its report stands
+            if self.driver is None:  # never started: its failure stands, or every draw was one the family declines
+                log = type(self).decline_log
+                if log is not None and log.last is not None and type(self).observer is not None:
+                    type(self).observer.example_declined(None, log.last)
+                return
+            if sys.exc_info()[1] is not None:  # a step failed: its report stands
                 return
             problem = self._guarded("drain", self.driver.drain, in_teardown=True)
             if problem:
@@ -185,15 +233,39 @@ class ScheduledMachine(RuleBasedStateMachine):
                 type(self).observer.example_ended(self)
 
 
-def scheduled_machine(config: ModelConfig, *, driver_factory: Callable, observer=None,
-                      identity: str = "") -> type[ScheduledMachine]:
-    """A ScheduledMachine bound to one config and an engine's driver factory; ``observer`` is told what each
-    example does. Its examples are filed in Hypothesis's database under a key naming the config and ``identity``
-    (the family), apart from the Engine machine's."""
-    cls = type("ScheduledMachine", (ScheduledMachine,), dict(config=config, driver_factory=staticmethod(driver_factory),
-                                                            observer=observer))
-    set_database_identity(cls, f"poolfuzz-scheduled/1 config={config.name} family={identity}".encode())
+def scheduled_machine(config: ModelConfig | str | st.SearchStrategy, *, driver_factory: Callable, observer=None, identity: str = "",
+                      decline: Callable[[ModelConfig], str | None] | None = None) -> type[ScheduledMachine]:
+    """A ScheduledMachine bound to one config (or ``"random"``: each example draws its own, from
+    :func:`~poolfuzz.strategies.drawn_configs` filtered by ``decline``, the family's reason to decline a config; or a
+    strategy of configs, filtered the same) and
+    an engine's driver factory; ``observer`` is told what each example does. Its examples are filed in Hypothesis's
+    database under a key naming the config and ``identity`` (the family), apart from the Engine machine's."""
+    attrs = dict(driver_factory=staticmethod(driver_factory), observer=observer)
+    if isinstance(config, ModelConfig):
+        attrs["config"], name = config, config.name
+    elif config == DRAWN_NAME or isinstance(config, st.SearchStrategy):
+        log = attrs["decline_log"] = DeclineLog(decline) if decline is not None else None
+        if isinstance(config, st.SearchStrategy):  # a test's own draw (drawn_configs(where=...)), filtered the same
+            strategy = config if log is None else config.filter(log.accepts)
+        else:
+            strategy = drawn_configs(where=None if log is None else log.accepts)
+        attrs["config_strategy"] = strategy
+        attrs["start_server"] = _drawn_start(strategy)
+        name = DRAWN_NAME
+    else:
+        raise ConfigError(f"a scheduler machine runs a config, a strategy of them or {DRAWN_NAME!r}, not {config!r}")
+    cls = type("ScheduledMachine", (ScheduledMachine,), attrs)
+    set_database_identity(cls, f"poolfuzz-scheduled/1 config={name} family={identity}".encode())
     return cls
+
+
+def _drawn_start(strategy: st.SearchStrategy[ModelConfig]):
+    @initialize(config=strategy)
+    def start_server(self, config):
+        """Draw the example's config and start its server (initialize rules run before every other rule)."""
+        self._start(config, drawn=True)
+
+    return start_server
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -234,6 +306,9 @@ def replay(machine_cls: type[ScheduledMachine], program) -> Iterator[Replayed]:
             return
         if name in SESSION_OPERATIONS and not machine.driver.streaming_sessions:
             yield Replayed(index=i, step=step, cannot_run="this server keeps no streaming sessions")
+            return
+        if name == "flush" and not machine.driver.flushes:
+            yield Replayed(index=i, step=step, cannot_run="this server's cache is not flushed here")
             return
         try:
             getattr(machine, name)(**step.args)

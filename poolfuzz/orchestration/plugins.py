@@ -63,12 +63,12 @@ class FamilyPlugin:
     def unsupported_reason(self, config: ModelConfig, *, backup_mode: str | None = None) -> str | None:
         """Why the family declines ``config`` (for a run that names ``backup_mode``, where the factory's declines
         depend on it), or None."""
-        caps = factory_capabilities(self.factory)
-        if caps.unsupported_reason is None:
-            return None
-        if caps.declines_by_backup_mode:
-            return caps.unsupported_reason(config, backup_mode=backup_mode)
-        return caps.unsupported_reason(config)
+        return factory_capabilities(self.factory).decline_reason(config, backup_mode=backup_mode)
+
+    @property
+    def takes_drawn_configs(self) -> bool:
+        """A scheduler driver's factory that also builds servers for drawn configs (a pool family always does)."""
+        return factory_capabilities(self.factory).takes_drawn_configs
 
     @property
     def drives_scheduler(self) -> bool:
@@ -166,8 +166,8 @@ def resolve_recorded(spec: str, *, trusted: str | None = None) -> FamilyPlugin:
 # What the harness calls on every family; a factory whose result lacks these is not a family factory.
 FAMILY_SURFACE = ("backup_mode", "components", "free_lists", "protocol", "req_pool")
 # What the ScheduledMachine calls on the driver a factory that ``drives_scheduler`` builds.
-DRIVER_SURFACE = ("add_request", "step", "abort", "live", "propose_drafts", "state_problem", "drain",
-                  "streaming_sessions")
+DRIVER_SURFACE = ("add_request", "step", "abort", "live", "propose_drafts", "state_problem", "drain", "close",
+                  "streaming_sessions", "flushes")
 
 
 def probe_family(plugin: FamilyPlugin, config: ModelConfig, *, device="cpu", faults=(),

@@ -373,14 +373,16 @@ def _machine(config, *, device, faults, backup_mode, options, family_factory, ob
     if not factory_capabilities(family_factory).drives_scheduler:
         return machine_for(config, device=device, faults=faults, backup_mode=backup_mode, options=options,
                            family_factory=family_factory, observer=observer)
-    if not isinstance(config, ModelConfig):
-        raise ConfigError("a family that drives the engine's scheduler fuzzes named configs only, not drawn ones")
-
     def driver(model: ModelConfig):
         return family_factory(model, device=device, faults=tuple(faults), backup_mode=backup_mode)
 
+    caps = factory_capabilities(family_factory)
+    if not isinstance(config, ModelConfig) and not caps.takes_drawn_configs:
+        raise ConfigError("this family drives the engine's scheduler over named configs only, not drawn ones")
+    decline = None if caps.unsupported_reason is None else (
+        lambda model: caps.decline_reason(model, backup_mode=backup_mode))
     identity = f"{getattr(family_factory, '__module__', '')}.{getattr(family_factory, '__qualname__', '')}"
-    return scheduled_machine(config, driver_factory=driver, observer=observer, identity=identity)
+    return scheduled_machine(config, driver_factory=driver, observer=observer, identity=identity, decline=decline)
 
 
 def _api_changed_result(config, faults, backup_mode, tracker: _Tracker, started: float, device, seed) -> RunResult:

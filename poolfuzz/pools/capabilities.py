@@ -152,9 +152,21 @@ class FactoryCapabilities:
     # True: the factory builds a *scheduler driver* (harness/scheduled.py), not a pool family: a run drives the
     # engine's own scheduler with the ScheduledMachine instead of playing the scheduler with the Engine machine.
     drives_scheduler: bool = False
+    # True: a scheduler driver's factory that builds servers for drawn configs too (``--config random``: each example
+    # draws its own, filtered by its unsupported_reason; what its server refuses at startup, a ConfigError, is declined)
+    takes_drawn_configs: bool = False
     # (config) -> ServerDescription: the server a config stands for and the pools the engine's configurator builds
     # for it (``poolfuzz configs --family``)
     describe_server: Callable | None = None
+
+    def decline_reason(self, config, *, backup_mode: str | None = None) -> str | None:
+        """Why the factory declines ``config`` for a run that names ``backup_mode`` (where its declines depend on
+        it), or None."""
+        if self.unsupported_reason is None:
+            return None
+        if self.declines_by_backup_mode:
+            return self.unsupported_reason(config, backup_mode=backup_mode)
+        return self.unsupported_reason(config)
 
 
 _FACTORY_FLAGS = {f.name: f for f in dataclasses.fields(FactoryCapabilities)}

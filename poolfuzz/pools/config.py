@@ -88,6 +88,13 @@ class ModelConfig:
         """Full attention stored as MLA latent rows (MLA and DSA)."""
         return KINDS[self.attention].latent
 
+    @property
+    def traffic_unit(self) -> int:
+        """Tokens per drawn prompt or chunk length: ``max_context // 64``, so a long-context config gets prompts of
+        thousands of tokens (and 64-token pages fill) while the named configs (contexts <= 64) draw token by token.
+        A server's chunked prefill is scaled by it too (a prompt is chunked in the same few pieces)."""
+        return max(1, self.max_context // 64)
+
     def msa_layer_ids(self, kind: str) -> tuple[int, ...]:
         """The full-attention layers of one MiniMax kind: "D" dense, "V" index K and V, "K" index K only."""
         return tuple(lid for lid, k in zip(self.full_layer_ids, self.msa_layers) if k == kind)

@@ -11,9 +11,8 @@ MAX_PROMPT = 20
 
 
 def token_unit(config) -> int:
-    """Tokens per drawn prompt or chunk length: ``max_context // 64``, so a long-context config gets prompts of
-    thousands of tokens (and 64-token pages fill) while the named configs (contexts <= 64) draw token by token."""
-    return max(1, config.max_context // 64)
+    """Tokens per drawn prompt or chunk length (``ModelConfig.traffic_unit``)."""
+    return config.traffic_unit
 prompt_lengths = st.integers(min_value=1, max_value=MAX_PROMPT)
 
 # Prefill chunk sizes: 1 token up to more than a page, so chunks straddle page boundaries.

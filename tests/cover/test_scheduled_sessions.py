@@ -19,6 +19,7 @@ class RecordingDriver:
     """A server that runs every request to completion at the next step and remembers what it was told."""
 
     backup_mode = "cpu_tensor"
+    flushes = False
 
     def __init__(self, *, sessions: bool):
         self.streaming_sessions = sessions

@@ -94,3 +94,25 @@ def test_run_config_random_on_the_sglang_family(api, expect, tmp_path, monkeypat
     out = capsys.readouterr().out
     assert code == 0, out
     assert "random" in out and "1 passed, 0 failed" in out
+
+
+def test_drawn_models_run_through_sglangs_own_scheduler(scheduling):
+    """``--family sglang:scheduler --config random``: each example draws a model (its layers, storage, pages and, for
+    a long context, prompts of thousands of tokens) and starts a server on it; what SGLang refuses at startup is
+    declined, what it builds is fuzzed through its own Scheduler and passes."""
+    from poolfuzz.adapters.sglang import build_scheduler_driver
+
+    result = run_machine(drawn_configs(where=_a_pool_no_prompt_fills), family_factory=build_scheduler_driver,
+                         max_examples=25, seed=0, shrink_limit=30)
+    assert result.passed, result.failure
+    assert result.examples > 0 and result.steps > 50 and result.declined > 0
+
+
+def _a_pool_no_prompt_fills(c) -> bool:
+    """Not a judged defect (``_without_a_known_defect``), and a pool whose longest prompt (``max_req_input_len``: the
+    pool less 6, the context being at least the pool in a drawn config) leaves room for a page of overhead and a
+    token out: on a pool a prompt can fill, SGLang accepts it with max_new_tokens clipped to 0 and PrefillAdder never
+    admits it (sglang#39271, anchored in test_sglang_scheduling.py; a draw of a 1-token pool found it again)."""
+    longest = c.full_tokens - 6
+    pages = -(-longest // c.page_size) * c.page_size
+    return _without_a_known_defect(c) and longest > 0 and c.full_tokens - pages - c.page_size - 1 > 0

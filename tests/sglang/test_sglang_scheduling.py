@@ -382,3 +382,27 @@ def test_a_prompt_the_allocator_says_cannot_fit_is_answered_with_the_servers_abo
     rid = driver.add_request(length=192, share=0, max_tokens=1)
     assert driver.refused == 1 and driver.requests[rid].to_finish is not None
     assert driver.drain() is None and driver.outcome[rid] == "aborted"
+
+
+@pytest.mark.parametrize("name", ["dense", "hybrid-linear", "swa-ps4"])
+def test_an_idle_server_is_flushed_and_serves_on_its_cleared_pools(scheduling, name):
+    """An operator's ``/flush_cache`` (SGLang's ``Scheduler.flush_cache``): refused while a request is queued; on the
+    idle server the tree is reset and every pool and allocator cleared, so a later request sharing an earlier prefix
+    matches nothing and is computed afresh, checked at every forward, and the server drains clean."""
+    driver = scheduling.SglangSchedulerDriver(CONFIGS[name])
+    if not driver.flushes:
+        pytest.skip("this release's server is not flushed here")
+    first = driver.add_request(length=10, share=0, max_tokens=3)
+    assert driver.flush() is False  # a request is waiting: SGLang refuses
+    assert driver.drain() is None and driver.outcome[first] == "finished"
+    before = driver.family.sg_allocator.available_size()
+    assert driver.flush() is True and driver.state_problem() is None
+    assert driver.family.sg_allocator.available_size() >= before  # what the tree cached is free again
+    again = driver.add_request(length=4, share=4, max_tokens=3)  # the first request whole, flushed away
+    assert driver.drain() is None and driver.outcome[again] == "finished"
+    assert driver.first_prefix[again] == 0
+    unflushed = scheduling.SglangSchedulerDriver(CONFIGS[name])  # the same traffic, no flush: the prefix is a hit
+    unflushed.add_request(length=10, share=0, max_tokens=3)
+    assert unflushed.drain() is None
+    hit = unflushed.add_request(length=4, share=4, max_tokens=3)
+    assert unflushed.drain() is None and unflushed.first_prefix[hit] > 0

@@ -158,6 +158,7 @@ def scheduler_unsupported_reason(config) -> str | None:
 
 
 build_scheduler_driver.drives_scheduler = True
+build_scheduler_driver.takes_drawn_configs = True  # drawn models: SGLang's server refuses what it does not build
 build_scheduler_driver.unsupported_reason = scheduler_unsupported_reason
 build_scheduler_driver.engine_report = engine_report
 # What --coverage measures: the scheduler's batch and policy code, and the pools and caches below it.
@@ -184,6 +185,7 @@ def decode_unsupported_reason(config, *, backup_mode=None) -> str | None:
 
 
 build_decode_driver.drives_scheduler = True
+build_decode_driver.takes_drawn_configs = True  # drawn models: SGLang's server refuses what it does not build
 build_decode_driver.unsupported_reason = decode_unsupported_reason
 build_decode_driver.declines_by_backup_mode = True  # a named backup refuses what SGLang's resolution would not
 build_decode_driver.engine_report = engine_report
@@ -210,6 +212,7 @@ def hicache_unsupported_reason(config) -> str | None:
 
 
 build_hicache_driver.drives_scheduler = True
+build_hicache_driver.takes_drawn_configs = True  # drawn models: SGLang's server refuses what it does not build
 build_hicache_driver.unsupported_reason = hicache_unsupported_reason
 build_hicache_driver.engine_report = engine_report
 # What --coverage measures: the scheduler path's files (the host pools and cache controller are under mem_cache),

@@ -393,6 +393,8 @@ class SchedulerDriver:
                         "a SchedulerOutput reported its blocks wrong")
         return None
 
+    flushes = False  # no cache flush rule (vLLM's reset_prefix_cache is run by drain's checks)
+
     def close(self) -> None:
         """The example is over; the scheduler holds nothing that outlives it."""
 

@@ -61,13 +61,15 @@ def scheduler_state(*, tree, req_to_token_pool, allocator, model_config, spec_al
         _pp_microbatches_drained=lambda: True,
         # collaborators, reduced to what those methods call
         session_controller=NS(sessions={}), dllm_manager=NS(any_staging_reqs=lambda: False),
-        grammar_manager=NS(has_waiting_grammars=lambda: False, abort_requests=noop, grammar_queue=[]),
+        grammar_manager=NS(has_waiting_grammars=lambda: False, abort_requests=noop, grammar_queue=[], clear=noop),
+        cur_batch_for_debug=None, draft_worker=None,  # what flush_cache resets, and the draft worker it clears
         dp_attn_adapter=NS(maybe_prepare_mlp_sync_batch=same, maybe_convert_decode_to_extend=same),
         ngram_embedding_manager=NS(prepare_for_forward=same),
         tp_worker=NS(model_runner=NS(attn_backend=NS(), prefill_aware_swa=False)),
         beam_coordinator=NS(pending_member_rows=lambda batch: 0, retire_group=noop),
         load_inquirer=NS(_get_num_pending_tokens=lambda **kwargs: 0),
-        metrics_reporter=NS(enable_metrics=False, num_retracted_reqs=0, record_scheduler_active=noop),
+        metrics_reporter=NS(enable_metrics=False, num_retracted_reqs=0, record_scheduler_active=noop,
+                            reset_metrics=noop, is_stats_logging_rank=False),
         send_abort_output=noop, result_processor=processor,
         # read by 0.5.18's event-loop methods (later releases moved them into components)
         server_args=get_server_args(), enable_fpm=False, enable_dynamic_chunking=False, ipc_channels=NS(send_to_tokenizer=NS(send_output=noop)),

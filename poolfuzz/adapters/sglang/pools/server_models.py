@@ -52,9 +52,15 @@ def _gpt_oss_model(c: ModelConfig, dtype: str) -> dict:
             "sliding_window": c.sliding_window, "layer_types": layer_types, "num_local_experts": 1,
             "num_experts_per_tok": 1,
             # GPT-OSS's YaRN scaling, its pre-YaRN context the config's over the factor (the default 4096 against a
-            # short context made transformers warn at every build of the model)
-            "rope_scaling": {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
-                             "truncate": False, "original_max_position_embeddings": max(1, c.max_context // 32)}}
+            # short context made transformers warn at every build of the model); the factor is exactly that ratio, as
+            # transformers checks (a drawn context that is no multiple of 32 made it warn too)
+            "rope_scaling": _yarn(c.max_context)}
+
+
+def _yarn(context: int, factor: int = 32) -> dict:
+    original = max(1, context // factor)
+    return {"rope_type": "yarn", "factor": context / original, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+            "original_max_position_embeddings": original}
 
 
 def _qwen3_next_model(c: ModelConfig, dtype: str) -> dict:

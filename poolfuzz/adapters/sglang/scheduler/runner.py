@@ -46,6 +46,18 @@ def _tag_of(c, slot: int) -> int:
     return int(c.tensor[c.at(slot)].reshape(-1).view(torch.uint8)[:TAG_BYTES].clone().view(torch.int64)[0])
 
 
+def _tags_of(c, slots: torch.Tensor) -> list[int]:
+    """``_tag_of`` for many slots in one gather (a long-context request's prefix is thousands of slots)."""
+    if not len(slots):
+        return []
+    rows = c.tensor[c.at(slots)].reshape(len(slots), -1).view(torch.uint8)
+    # copied into rows of their own: a row need not be a whole number of 8 bytes (a single row's slice would keep
+    # its parent's stride, which an int64 view refuses)
+    tags = torch.empty((len(slots), TAG_BYTES), dtype=torch.uint8)
+    tags.copy_(rows[:, :TAG_BYTES])
+    return tags.view(torch.int64)[:, 0].tolist()
+
+
 def _set_tag(c, slot: int, value: int) -> None:
     row = c.tensor[c.at(slot)].reshape(-1).view(torch.uint8)
     row.zero_()
@@ -174,9 +186,8 @@ class ModelRunner:
             swa_slots = self.to_swa(swa_slots)
         for c, index in self.kv:
             first, where = (swa_from, swa_slots) if c.space == "swa" else (0, slots)
-            for p, slot in enumerate(where.tolist(), start=first):
+            for p, (slot, got) in enumerate(zip(where.tolist(), _tags_of(c, where)), start=first):
                 want = tag(tokens.chain(p), c.layer, index)
-                got = _tag_of(c, slot)
                 if got != want:
                     raise self._lost(rid, c, p, slot, want, got)
 

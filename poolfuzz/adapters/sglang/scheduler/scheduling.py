@@ -420,6 +420,18 @@ class SglangSchedulerDriver:
             self.server.abort_request(self.m.AbortReq(rid=rid))
         self._forget_done()
 
+    @property
+    def flushes(self) -> bool:
+        """Whether the machine flushes this server's cache: the runtime-context servers (0.5.18 on), whose
+        ``Scheduler.flush_cache`` runs on the state this path builds."""
+        return compat.publishes_runtime_context()
+
+    def flush(self) -> bool:
+        """An operator's ``/flush_cache``: SGLang's own ``Scheduler.flush_cache`` (only an idle server is flushed:
+        its tree reset, its request pool and allocators cleared); whether it flushed."""
+        with cpu_server():
+            return bool(self.server.flush_cache())
+
     def close(self) -> None:
         """The example is over: nothing of this server outlives it (a HiCache server's storage threads stop)."""
 
@@ -540,8 +552,10 @@ def server_arguments(config: ModelConfig, *, max_running_requests: int) -> dict:
     (``extra_buffer``: a track slot pair per request; ``no_buffer``: none)."""
     flags = dict(SERVER_FLAGS, max_running_requests=max_running_requests, page_size=config.page_size,
                  disable_overlap_schedule=True)
-    # a server refuses a chunked prefill size that is not a whole number of pages (its validation hook asserts it)
-    chunk = flags["chunked_prefill_size"]
+    # scaled by the unit prompts are drawn in (a drawn long-context model's prompts are thousands of tokens: chunked
+    # by 16 they would take more steps than an example drains in); a server refuses a chunked prefill size that is not
+    # a whole number of pages (its validation hook asserts it)
+    chunk = flags["chunked_prefill_size"] * config.traffic_unit
     flags["chunked_prefill_size"] = -(-chunk // config.page_size) * config.page_size
     if config.has_mamba:
         flags.update(mamba_radix_cache_strategy="extra_buffer" if config.mamba_track_slots else "no_buffer",
