@@ -4,7 +4,9 @@ A failure whose signature is known is counted and passed over, never reported or
 release with one unfixed bug is still fuzzed everywhere else. Files are untrusted input: an
 artifact is read as data (``artifacts.load``), a text file as one signature per line, optionally
 after the config it is known on (``swa-only ReferenceMismatch:free-count:swa``): a bug judged on one
-config stays a finding on every other.
+config stays a finding on every other; and optionally before that after the ``--family`` it is known through
+(``sglang:hicache hybrid-linear StateLost:contents:mamba@teardown``): a bug of one engine path stays a finding on
+every other path over the same config.
 """
 
 from __future__ import annotations
@@ -41,20 +43,22 @@ def load_known(path: str) -> tuple[str, ...]:
         if not line:
             continue
         fields = line.split()
-        if len(fields) > 2 or not SIGNATURE.match(fields[-1]):
+        if len(fields) > 3 or not SIGNATURE.match(fields[-1]):
             raise UsageError(f"--known {path}: line {number} is not a failure signature ({line[:60]!r}); "
                              "signatures read like StateLost:contents:mamba@resume, optionally after a config "
-                             "name (swa-only StateLost:contents:swa@resume)")
+                             "name (swa-only StateLost:contents:swa@resume), and that after a family name "
+                             "(sglang:hicache hybrid-linear StateLost:contents:mamba@teardown)")
         out.append(" ".join(fields))
     return tuple(dict.fromkeys(out))
 
 
-def known_on(known: tuple[str, ...], config: str) -> tuple[str, ...]:
-    """The signatures known on ``config``: every unqualified one, and those given for that config."""
+def known_on(known: tuple[str, ...], config: str, family: str | None = None) -> tuple[str, ...]:
+    """The signatures known on ``config`` through ``family`` (None: the builtin one): every unqualified one, those
+    given for that config, and those given for that family and config."""
     out = []
     for entry in known:
-        where, _, signature = entry.rpartition(" ")
-        if not where or where == config:
+        *where, signature = entry.split(" ")
+        if where in ([], [config], [family, config]):
             out.append(signature)
     return tuple(dict.fromkeys(out))
 

@@ -144,8 +144,8 @@ def _run_campaign(plan: Plan, lane: Lane, device: str, database, budget: float |
         left = None if budget is None else budget - (time.perf_counter() - started)
         if (left is not None and left <= 0) or (remaining is not None and remaining <= 0):
             break
-        round_options = dataclasses.replace(options, known=tuple(dict.fromkeys((*known_on(plan.known, lane.config),
-                                                                                 *found))))
+        known = known_on(plan.known, lane.config, plan.family)
+        round_options = dataclasses.replace(options, known=tuple(dict.fromkeys((*known, *found))))
         writer = _ArtifactWriter(plan, lane, device, round_options)
 
         def progress(snap, lane=lane, last=last):

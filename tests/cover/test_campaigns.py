@@ -6,6 +6,7 @@ import json
 import pytest
 
 from poolfuzz.cli import run_cli
+from poolfuzz.errors import UsageError
 from poolfuzz.harness.failures import CHECKS, SIGNATURE, WAIVABLE, bug_key, signature_from
 from poolfuzz.orchestration.artifacts import load
 from poolfuzz.orchestration.known import known_on, load_known
@@ -128,6 +129,15 @@ def test_a_signature_known_on_one_config_is_a_finding_on_every_other(tmp_path, c
     assert known == ("dense ReferenceMismatch:free-count:full", "Crash:KeyError@admit")
     assert known_on(known, "dense") == ("ReferenceMismatch:free-count:full", "Crash:KeyError@admit")
     assert known_on(known, "dense-ps4") == ("Crash:KeyError@admit",)
+    # judged through one engine path: a finding on every other path over the same config
+    f.write_text("sglang:hicache hybrid-linear StateLost:contents:mamba@teardown\n")
+    known = load_known(str(f))
+    assert known_on(known, "hybrid-linear", "sglang:hicache") == ("StateLost:contents:mamba@teardown",)
+    assert known_on(known, "hybrid-linear", "sglang") == () and known_on(known, "hybrid-linear") == ()
+    assert known_on(known, "swa-ssm", "sglang:hicache") == ()
+    f.write_text("a b c StateLost:contents:mamba@teardown\n")
+    with pytest.raises(UsageError, match="line 1 is not a failure signature"):
+        load_known(str(f))
     # slot 0 in the mamba free list fails every example at step 0: known on hybrid-linear, new on -ps4
     f.write_text("hybrid-linear InvariantViolation:reserved:mamba\n")
     common = ["run", "--faults", "mamba-slot-zero", "--examples", "10", "--seed", "1", "--db", "none", "--known", str(f)]
@@ -138,17 +148,20 @@ def test_a_signature_known_on_one_config_is_a_finding_on_every_other(tmp_path, c
 
 
 def test_the_shipped_known_defects_name_configs_that_exist():
-    """ci/known/*.txt: every line judged on one named config (a bare signature would hide it everywhere)."""
+    """ci/known/*.txt: every line judged on one named config (a bare signature would hide it everywhere), and where
+    it names a family, one that is shipped."""
     from pathlib import Path
 
+    from poolfuzz.orchestration.plugins import SHIPPED
     from poolfuzz.pools import CONFIGS
 
     files = sorted((Path(__file__).parents[2] / "ci" / "known").glob("*.txt"))
     assert files
     for f in files:
         for entry in load_known(str(f)):
-            config, _, signature = entry.rpartition(" ")
-            assert config in CONFIGS, (f.name, entry)
+            *where, signature = entry.split(" ")
+            assert where and where[-1] in CONFIGS, (f.name, entry)
+            assert len(where) == 1 or where[0] in SHIPPED, (f.name, entry)
 
 
 @pytest.mark.parametrize(("argv", "problem"), [

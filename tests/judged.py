@@ -1,0 +1,44 @@
+"""The judged defects of an installed engine release (ci/known/ENGINE-VERSION.txt), passed over as --known does."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from poolfuzz.harness.failures import bug_key, signature_of
+from poolfuzz.orchestration.known import known_on, load_known
+
+
+def known_file(engine: str, version: str) -> Path:
+    """The release's judged defects, ``ci/known/ENGINE-VERSION.txt`` (it need not exist)."""
+    return Path(__file__).resolve().parents[1] / "ci" / "known" / f"{engine}-{version}.txt"
+
+
+class PassOverJudged:
+    """The machine's observer as ``poolfuzz run --family FAMILY --known ci/known/ENGINE-VERSION.txt`` is: an example
+    that fails with a judged defect of this release on this config (through this family, where the list says) is
+    rejected and the search goes on; any other failure fails."""
+
+    def __init__(self, engine: str, version: str, config: str, *, family: str | None = None,
+                 also: tuple[str, ...] = ()):
+        path = known_file(engine, version)
+        listed = known_on(load_known(str(path)), config, family) if path.is_file() else ()
+        self.known = {bug_key(s) for s in listed}
+        self.known |= {bug_key(s) for s in also}  # a test's own: another symptom of the defect it plants
+        self.passed_over = 0
+
+    def example_started(self):
+        pass
+
+    def step_ran(self, machine):
+        pass
+
+    def example_ended(self, machine):
+        pass
+
+    def example_declined(self, config, reason):
+        pass
+
+    def example_failed(self, machine, exc, program, in_teardown) -> bool:
+        known = bug_key(signature_of(exc, in_teardown=in_teardown, op=machine.op)) in self.known
+        self.passed_over += known
+        return known
