@@ -232,13 +232,18 @@ def test_a_sliding_window_and_mamba_decode_server_with_default_flags_starts_on_c
     """The other half of #35957: with the backup unset, 0.5.18's resolution picks ``host_pool`` for a model with
     sliding-window and mamba layers (it asks only whether the KV pool is an SWA pool with full tokens), and the tree's
     build refuses it ("Host-pool retraction does not support Mamba models"), so the decode server does not start.
-    #35957 made the resolution ask whether the model keeps recurrent state: from 0.5.20 it resolves ``cpu_tensor``."""
+    #35957 made the resolution ask whether the model keeps recurrent state: from 0.5.20 it resolves ``cpu_tensor``.
+    On 0.5.18 the decode family then starts the server an operator starts next, with
+    ``--disaggregation-decode-retraction-backup cpu_tensor`` (``operator_backup``), on which #35957's state loss shows."""
+    from poolfuzz.adapters.sglang.scheduler.servers import server_refusal
+
     if expect == "35957":
-        reason = decode.unsupported_reason(CONFIGS["swa-ssm"])
-        assert reason is not None and "Host-pool retraction does not support Mamba models" in reason, reason
-        with pytest.raises(ConfigError, match="Host-pool retraction does not support Mamba models"):
-            decode.build_decode_driver(CONFIGS["swa-ssm"])
+        refusal = server_refusal(CONFIGS["swa-ssm"], decode.SglangDecodeDriver, None)
+        assert refusal is not None and "Host-pool retraction does not support Mamba models" in refusal, refusal
+        assert decode.operator_backup(CONFIGS["swa-ssm"]) == "cpu_tensor"
+        assert decode.build_decode_driver(CONFIGS["swa-ssm"]).backup_mode == "cpu_tensor"
     else:
+        assert server_refusal(CONFIGS["swa-ssm"], decode.SglangDecodeDriver, None) is None
         assert decode.SglangDecodeDriver(CONFIGS["swa-ssm"]).backup_mode == "cpu_tensor"
 
 
@@ -259,6 +264,8 @@ def test_a_prompt_whose_pages_fill_the_pool_is_accepted_but_never_pre_allocated(
     and so would every request behind it. One token shorter (two pages), it is pre-allocated and finishes."""
     from poolfuzz.pools.errors import ServerStuck
 
+    if reason := decode.unsupported_reason(CONFIGS["dsa-ssm-ps64"]):  # 0.5.18 builds no DSA sub-pool
+        pytest.skip(reason)
     fits = decode.SglangDecodeDriver(CONFIGS["dsa-ssm-ps64"])
     rid = fits.add_request(length=128, share=0, max_tokens=1)
     assert fits.drain() is None and fits.outcome[rid] == "finished"
@@ -276,6 +283,8 @@ def test_a_dsa_request_retracted_on_a_decode_server_is_backed_up_and_resumes(dec
     synchronises the device first (``torch.cuda.synchronize``, a no-op stand-in on a machine without a GPU:
     ``shims.cpu_server``). The fuzzer's shrunk program on dsa-ssm-ps64, which crashed with "Torch not compiled with
     CUDA enabled" before the stand-in covered the scheduler path's steps (an adapter gap, not the engine's)."""
+    if reason := decode.unsupported_reason(CONFIGS["dsa-ssm-ps64"]):  # 0.5.18 builds no DSA sub-pool
+        pytest.skip(reason)
     machine = scheduled_machine(CONFIGS["dsa-ssm-ps64"], driver_factory=decode.SglangDecodeDriver)()
     machine.add_request(length=20, share=0, max_tokens=1, priority=0)
     machine.add_request(length=1, share=1, max_tokens=4, priority=0)
@@ -297,6 +306,9 @@ def test_a_server_that_refuses_its_resolved_backup_starts_with_the_flag_an_opera
     config = CONFIGS["fp8-scaled"]
     if server_refusal(config, decode.SglangDecodeDriver, None) is None:
         pytest.skip("this release starts the decode server with the backup it resolves")
+    if refused := server_refusal(config, decode.SglangDecodeDriver, "cpu_tensor"):  # 0.5.18: no MXFP8 PD at all
+        assert decode.operator_backup(config) is None and decode.unsupported_reason(config) == refused
+        return
     assert decode.operator_backup(config) == "cpu_tensor" and decode.unsupported_reason(config) is None
     assert "scale layout" in decode.unsupported_reason(config, backup_mode="host_pool")
     driver = decode.build_decode_driver(config)
