@@ -67,6 +67,9 @@ def register(sub) -> None:
     run.add_argument("--coverage", metavar="DIR",
                      help="measure the reach of the run: which statements and branches of the family's engine code "
                           "every worker executed (coverage.py); prints a per-file table, writes JSON and HTML to DIR")
+    run.add_argument("--coverage-add", action="store_true",
+                     help="with --coverage DIR: add this run's reach to what DIR already holds from earlier measured "
+                          "runs (other families of the same engine install), so the table is their union")
     run.set_defaults(handler=main)
 
 
@@ -183,12 +186,15 @@ def plan_from_args(args):
         require_coverage()
         engine_code_of(resolve_family(args.family))
         check_writable_dir(args.coverage, "--coverage")
+    elif args.coverage_add:
+        raise UsageError("--coverage-add adds to the reach in a --coverage DIR: give --coverage DIR too")
     return Plan(configs=tuple(names), device=args.device, faults=tuple(faults), backup_mode=args.backup_mode,
                 known=known, waive=waive,
                 seed=args.seed if args.seed is not None else random.SystemRandom().randrange(2**32),
                 examples=args.examples, seconds=None if minutes is None else minutes * 60, steps=args.steps,
                 db=db, out=args.out, workers=args.workers, shrink_seconds=args.shrink_seconds,
-                family=args.family, custom=tuple(custom.values()), coverage=args.coverage, strict=args.strict)
+                family=args.family, custom=tuple(custom.values()), coverage=args.coverage,
+                coverage_add=args.coverage_add, strict=args.strict)
 
 
 def _file_configs(paths) -> dict:

@@ -36,6 +36,7 @@ ENGINE_CODE_ATTRIBUTE = "engine_code"
 TRACER = "pytrace"
 RC_NAME = ".poolfuzz-coveragerc"
 DATA_NAME = ".coverage"
+CODE_NAME = "reach-code.json"  # the engine code (and families) the reach in a directory is of, for --coverage-add
 INSTALL_HINT = "python -m pip install 'coverage>=7.6'"
 
 
@@ -124,13 +125,23 @@ def engine_code_of(plugin) -> EngineCode:
     return code
 
 
-def write_settings(directory: str, code: EngineCode) -> str:
-    """The coverage configuration of a run, written into ``directory``; stale data of an earlier run there goes.
-    Returns the configuration file's path (what the workers' start-up hook reads)."""
+def write_settings(directory: str, code: EngineCode, *, add: bool = False) -> str:
+    """The coverage configuration of a run, written into ``directory``; stale data of an earlier run there goes,
+    unless ``add`` (``--coverage-add``): then the earlier runs' combined data stays, to be combined with this run's
+    (``code`` is then :func:`added_code`'s, theirs and this family's together). Returns the configuration file's path
+    (what the workers' start-up hook reads)."""
     out = Path(directory).resolve()
     out.mkdir(parents=True, exist_ok=True)
+    earlier = out / DATA_NAME
     for stale in glob.glob(str(out / f"{DATA_NAME}*")):
-        os.unlink(stale)
+        if add and Path(stale) == earlier:
+            # combined with the workers' files: coverage combines every ``.coverage.*`` file it finds
+            earlier.rename(out / f"{DATA_NAME}.earlier-runs")
+            continue
+        if not (add and stale.endswith(".earlier-runs")):
+            os.unlink(stale)
+    (out / CODE_NAME).write_text(json.dumps({"root": str(code.root), "entries": list(code.entries),
+                                             "families": code.family.split(", ")}) + "\n")
     lines = ["[run]", "branch = True", "parallel = True", f"data_file = {out / DATA_NAME}", f"core = {TRACER}",
              "source =", *(f"    {d}" for d in code.source_dirs),
              "[report]", "include =", *(f"    {p}" for p in code.report_patterns),
@@ -138,6 +149,29 @@ def write_settings(directory: str, code: EngineCode) -> str:
     rc = out / RC_NAME
     rc.write_text("\n".join(lines) + "\n")
     return str(rc)
+
+
+def added_code(out: Path, code: EngineCode) -> EngineCode:
+    """The engine code of the runs whose reach ``out`` already holds (``reach-code.json``) and ``code``, together:
+    the table of an added run is the union over every family measured into the directory. A directory measured
+    against another install of the engine is a UsageError (its files are not these)."""
+    recorded = out / CODE_NAME
+    if not recorded.exists():
+        return code
+    try:
+        earlier = json.loads(recorded.read_text())
+        root, entries, families = Path(earlier["root"]), earlier["entries"], earlier["families"]
+        if not (isinstance(entries, list) and all(isinstance(e, str) for e in entries)
+                and isinstance(families, list) and all(isinstance(f, str) for f in families)):
+            raise ValueError("entries and families must be lists of strings")
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise UsageError(f"--coverage-add: {recorded} is not what an earlier measured run wrote ({exc}); measure "
+                         "into a fresh directory, or drop --coverage-add") from None
+    if root != code.root:
+        raise UsageError(f"--coverage-add: {out} holds the reach of the engine under {root}, not {code.root}; measure "
+                         "into a fresh directory, or drop --coverage-add")
+    names = ", ".join(dict.fromkeys([*families, code.family]))
+    return EngineCode(family=names, root=code.root, entries=tuple(dict.fromkeys([*entries, *code.entries])))
 
 
 @contextmanager
@@ -242,7 +276,9 @@ def run_measured(plan, run_session, *, stream: TextIO | None = None) -> int:
 
     stream = stream or sys.stdout
     code = engine_code_of(resolve_family(plan.family))
-    rc = write_settings(plan.coverage, code)
+    if plan.coverage_add:  # the union with what the directory holds: its families' code and this one's
+        code = added_code(Path(plan.coverage).resolve(), code)
+    rc = write_settings(plan.coverage, code, add=plan.coverage_add)
     def reach_table(out: TextIO) -> None:  # every worker has exited and saved its data by now
         try:
             files = combine(rc, code)
@@ -250,6 +286,8 @@ def run_measured(plan, run_session, *, stream: TextIO | None = None) -> int:
             print(f"poolfuzz: {exc}", file=sys.stderr)
             return
         print_table(files, plan.coverage, out)
+        if plan.coverage_add:
+            out.write(f"reach of {code.family}, every run added into {plan.coverage} combined\n")
 
     with measuring(rc):
         # The table comes before the closing "N passed, N failed" line, which stays the last one.

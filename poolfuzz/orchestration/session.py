@@ -49,6 +49,7 @@ class Plan:
     waive: tuple[str, ...] = ()  # checks that count their violations instead of failing (--waive)
     custom: tuple = ()  # ModelConfigs from --config-file, named in ``configs`` (they shadow built-ins)
     coverage: str | None = None  # --coverage DIR: every worker measures the engine's code (orchestration/reach.py)
+    coverage_add: bool = False  # --coverage-add: the reach DIR already holds (other families' runs) stays, added to
     strict: bool = False  # --strict: a run that tested less than it was asked exits EXIT_UNDER_TESTED
 
 

@@ -96,3 +96,48 @@ def test_missing_coverage_is_bad_usage_with_the_fix(tmp_path, monkeypatch, capsy
     err = capsys.readouterr().err.strip()
     assert "--coverage needs coverage.py" in err and "pip install" in err and "\n" not in err
     assert os.listdir(tmp_path) == []
+
+
+def _executed(reach: Path) -> dict[str, set[int]]:
+    raw = json.loads((reach / "coverage.json").read_text())["files"]
+    return {os.path.basename(k): set(v["executed_lines"]) for k, v in raw.items()}
+
+
+@pytest.mark.slow
+def test_runs_added_into_one_directory_report_the_union_of_their_reach(tmp_path, capsys):
+    """``--coverage-add``: each run's reach is added to what the directory holds (another family's runs, in real use),
+    so the table is the union; without it, a run into the same directory starts afresh."""
+    common = ["run", "--examples", "4", "--seed", "3", "--db", "none", "--out", str(tmp_path / "out")]
+    alone = {}
+    for config in ("dense", "mla"):
+        assert run_cli([*common, "--config", config, "--coverage", str(tmp_path / config)]) == 0
+        alone[config] = _executed(tmp_path / config)
+    both = tmp_path / "both"
+    assert run_cli([*common, "--config", "dense", "--coverage", str(both)]) == 0
+    assert run_cli([*common, "--config", "mla", "--coverage", str(both), "--coverage-add"]) == 0
+    added = _executed(both)
+    for name in set(alone["dense"]) | set(alone["mla"]):
+        assert added.get(name, set()) == alone["dense"].get(name, set()) | alone["mla"].get(name, set()), name
+    assert added != alone["mla"] and added != alone["dense"]  # each brought lines the other lacks
+    assert f"every run added into {both} combined" in capsys.readouterr().out
+    assert run_cli([*common, "--config", "mla", "--coverage", str(both)]) == 0  # not added: afresh
+    assert _executed(both) == alone["mla"]
+
+
+def test_adding_to_the_reach_of_another_install_is_bad_usage(tmp_path, capsys):
+    reach = tmp_path / "reach"
+    reach.mkdir()
+    (reach / "reach-code.json").write_text(json.dumps({"root": "/elsewhere", "entries": ["x/y"], "families": ["f"]}))
+    code = run_cli(["run", "--config", "dense", "--examples", "1", "--db", "none", "--out", str(tmp_path / "out"),
+                    "--coverage", str(reach), "--coverage-add"])
+    assert code == 2
+    assert "holds the reach of the engine under /elsewhere" in capsys.readouterr().err
+    (reach / "reach-code.json").write_text("not json")
+    assert run_cli(["run", "--config", "dense", "--examples", "1", "--db", "none", "--out", str(tmp_path / "out"),
+                    "--coverage", str(reach), "--coverage-add"]) == 2
+    assert "is not what an earlier measured run wrote" in capsys.readouterr().err
+
+
+def test_coverage_add_without_a_directory_is_bad_usage(capsys):
+    assert run_cli(["run", "--config", "dense", "--examples", "1", "--coverage-add"]) == 2
+    assert "give --coverage DIR too" in capsys.readouterr().err
