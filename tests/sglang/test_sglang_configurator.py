@@ -286,3 +286,28 @@ def test_the_configurator_publishes_the_callers_server_back(configurator):
     configurator.configure(CONFIGS["swa"])
     args = get_server_args()
     assert (args.model_path, args.chunked_prefill_size, args.schedule_conservativeness) == (NO_MODEL, 24, 0.1)
+
+
+@pytest.mark.parametrize("family, role, request_pool", [
+    ("sglang:scheduler", "--chunked-prefill-size 16", "ReqToTokenPool (6 rows"),
+    ("sglang:decode", "--disaggregation-mode decode --disaggregation-transfer-backend fake", "DecodeReqToTokenPool"),
+    ("sglang:hicache", "--enable-hierarchical-cache", "ReqToTokenPool (6 rows"),
+])
+def test_the_scheduler_path_servers_are_listed_with_every_flag_they_run_with(api, configurator, scheduling, capsys,
+                                                                            family, role, request_pool):
+    """``poolfuzz configs --family sglang:scheduler|decode|hicache``: per config, the flags that server runs with (its
+    pools' and its own: chunked prefill, running cap, role), what SGLang's configurator builds, and the pools the
+    server runs on; a config the server does not drive says why."""
+    from poolfuzz.adapters.sglang.scheduler.servers import unsupported_reason
+    from poolfuzz.cli import main
+
+    if unsupported_reason(CONFIGS["dense"]):
+        pytest.skip(unsupported_reason(CONFIGS["dense"]))
+    assert main(["configs", "--family", family, "--show", "dense"]) == 0
+    out = capsys.readouterr().out
+    flags = next(line for line in out.splitlines() if "server flags:" in line)
+    assert role in flags and "--max-running-requests 5" in flags and "--disable-overlap-schedule" in flags, flags
+    assert "--mamba-chunk-size" not in flags  # a model field, not a flag
+    assert request_pool in out and "MHATokenToKVPool (48 tokens" in out
+    assert main(["configs", "--family", family, "--show", "hybrid-spec"]) == 0
+    assert "family: declines" in capsys.readouterr().out

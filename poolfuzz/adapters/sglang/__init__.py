@@ -66,9 +66,10 @@ def describe_server(config):
     return _described(config, role_flags=None, build=lambda: build_sglang_family(tree_sized(load(), config)))
 
 
-def _described(config, *, role_flags, build):
+def _described(config, *, role_flags, build, server_of=None):
     """``config``'s server with ``role_flags`` beside its own flags, what SGLang's configurator builds for it here,
-    and what the family (``build()``) runs on."""
+    and what the family (``build()``) runs on. ``server_of``: where ``build()`` starts a scheduler-path server, its
+    ``(family, flags)``: the listing then names every flag that server runs with."""
     from poolfuzz.adapters.sglang.api import load
     from poolfuzz.adapters.sglang.pools.configurator import (command_line, configure, describe_pools, server_flags,
                                                              server_model)
@@ -86,6 +87,9 @@ def _described(config, *, role_flags, build):
         refused = str(exc)
     try:
         built_family = build()
+        if server_of is not None:
+            built_family, running = server_of(built_family)
+            flags = command_line(server_flags(config) | running)
         family = describe_pools(built_family.sg_req_pool, built_family.sg_kv_pool, built_family.sg_allocator)
     except ConfigError as exc:
         declines = str(exc)
@@ -141,6 +145,41 @@ build_unified_family.builds_per_node = True
 build_unified_family.engine_code = build_family.engine_code
 
 
+def _described_server(config, *, build, role_flags=None):
+    """The scheduler-path server ``build(config)`` starts: every flag it runs with (its pools' flags and its own:
+    chunked prefill, running cap, role), what SGLang's configurator builds for the config's server with
+    ``role_flags``, and the pools that server runs on (``poolfuzz configs --family sglang:scheduler|decode|hicache``).
+    The model's ``mamba_chunk_size``, which the scheduler path sets, is a field of the model's config, not a flag."""
+    def server_of(driver):
+        running = {k: v for k, v in driver.server_args.items() if k != "mamba_chunk_size"}
+        return driver.family, running
+
+    return _described(config, role_flags=role_flags, build=lambda: build(config), server_of=server_of)
+
+
+def describe_scheduler_server(config):
+    from poolfuzz.adapters.sglang.scheduler.servers import build_driver
+
+    return _described_server(config, build=build_driver)
+
+
+def describe_decode_server(config):
+    from poolfuzz.adapters.sglang.scheduler.decode_server import ROLE_FLAGS, build_decode_driver
+
+    return _described_server(config, build=build_decode_driver, role_flags=ROLE_FLAGS)
+
+
+def describe_hicache_server(config):
+    from poolfuzz.adapters.sglang.scheduler.hicache_server import build_hicache_driver
+
+    def build(c):
+        driver = build_hicache_driver(c)
+        driver.close()  # its pools are read after; its storage threads and files are not needed
+        return driver
+
+    return _described_server(config, build=build)
+
+
 def build_scheduler_driver(config, *, device="cpu", faults=(), backup_mode=None):
     """The factory registered as ``sglang:scheduler``: one example's server, SGLang's own Scheduler methods and
     result processor over the family's pools and radix tree, fed by a model-runner stand-in
@@ -159,6 +198,7 @@ def scheduler_unsupported_reason(config) -> str | None:
 
 build_scheduler_driver.drives_scheduler = True
 build_scheduler_driver.takes_drawn_configs = True  # drawn models: SGLang's server refuses what it does not build
+build_scheduler_driver.describe_server = describe_scheduler_server  # poolfuzz configs --family: the server's flags and pools
 build_scheduler_driver.unsupported_reason = scheduler_unsupported_reason
 build_scheduler_driver.engine_report = engine_report
 # What --coverage measures: the scheduler's batch and policy code, and the pools and caches below it.
@@ -186,6 +226,7 @@ def decode_unsupported_reason(config, *, backup_mode=None) -> str | None:
 
 build_decode_driver.drives_scheduler = True
 build_decode_driver.takes_drawn_configs = True  # drawn models: SGLang's server refuses what it does not build
+build_decode_driver.describe_server = describe_decode_server  # poolfuzz configs --family: the server's flags and pools
 build_decode_driver.unsupported_reason = decode_unsupported_reason
 build_decode_driver.declines_by_backup_mode = True  # a named backup refuses what SGLang's resolution would not
 build_decode_driver.engine_report = engine_report
@@ -213,6 +254,7 @@ def hicache_unsupported_reason(config) -> str | None:
 
 build_hicache_driver.drives_scheduler = True
 build_hicache_driver.takes_drawn_configs = True  # drawn models: SGLang's server refuses what it does not build
+build_hicache_driver.describe_server = describe_hicache_server  # poolfuzz configs --family: the server's flags and pools
 build_hicache_driver.unsupported_reason = hicache_unsupported_reason
 build_hicache_driver.engine_report = engine_report
 # What --coverage measures: the scheduler path's files (the host pools and cache controller are under mem_cache),
