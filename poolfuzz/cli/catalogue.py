@@ -94,6 +94,8 @@ def _print_server(d) -> None:
     indent = " " * 4
     if d.flags:
         print(f"{indent}server flags: {d.flags}")
+    for note in d.notes:
+        print(f"{indent}note: {note}")
     if d.built is None:
         print(f"{indent}configurator: {d.refused}")
     else:

@@ -157,6 +157,8 @@ class PoolMachine(RuleBasedStateMachine):
         a ConfigError while building) rejects the example: it is not a failure. A failure while
         building (an audit, a crash) is a failure at step 0, told to the observer like any other."""
         cls = type(self)
+        if drawn and cls.decline_log is not None:
+            cls.decline_log.last = None  # the filter accepted this draw: earlier refused draws are not the example's
         # A draw through the decline log was filtered by the same predicate already: ask only of other draws.
         decline = factory_capabilities(cls.family_factory).unsupported_reason
         reason = decline(config) if drawn and decline is not None and cls.decline_log is None else None

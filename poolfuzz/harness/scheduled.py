@@ -84,6 +84,7 @@ class ScheduledMachine(RuleBasedStateMachine):
         self.waived: dict = {}  # what an observer reads of an engine at the example's end (nothing is waived here)
         self.passed_over: dict = {}
         self.driver = None
+        self.server_closed = False
         self.unit = 1
         if cls.config_strategy is None:
             self._start(cls.config, drawn=False)
@@ -92,6 +93,8 @@ class ScheduledMachine(RuleBasedStateMachine):
         """Start the example's server on ``config`` (the instance's ``config`` from here on, which an artifact
         records). A drawn config the family declines while building (a ConfigError) rejects the example."""
         cls = type(self)
+        if drawn and cls.decline_log is not None:
+            cls.decline_log.last = None  # the filter accepted this draw: earlier refused draws are not the example's
         self.config = config
         # Prompts in the pool machine's units: a config of 64-token pages gets prompts that fill pages, so chunks and
         # page-granular prefix hits happen. The program records the drawn units, so a replay scales them once.
@@ -214,6 +217,12 @@ class ScheduledMachine(RuleBasedStateMachine):
             self._failed(invariant_failure(step=self.steps, op="schedule", detail=problem, check="consumer-map"),
                          False)
 
+    def close_server(self) -> None:
+        """Close the example's server once (nothing of it outlives the example: storage threads, files)."""
+        if self.driver is not None and not self.server_closed:
+            self.server_closed = True
+            self.driver.close()
+
     def teardown(self):
         try:
             if self.driver is None:  # never started: its failure stands, or every draw was one the family declines
@@ -227,8 +236,7 @@ class ScheduledMachine(RuleBasedStateMachine):
             if problem:
                 self._failed(invariant_failure(step=self.steps, op="drain", detail=problem, check="leak"), True)
         finally:
-            if self.driver is not None:
-                self.driver.close()  # nothing of the example's server outlives it (storage threads, files)
+            self.close_server()
             if type(self).observer is not None:
                 type(self).observer.example_ended(self)
 
@@ -299,6 +307,13 @@ def replay(machine_cls: type[ScheduledMachine], program) -> Iterator[Replayed]:
     except Exception as exc:
         yield Replayed(index=0, step=None, failure=exc)
         return
+    try:
+        yield from _replayed(machine, program)
+    finally:  # a replay that stops early never reaches the teardown, which closes the server otherwise
+        machine.close_server()
+
+
+def _replayed(machine: ScheduledMachine, program) -> Iterator[Replayed]:
     for i, step in enumerate(program, 1):
         name = step.op.removeprefix(PREFIX)
         if name == "abort" and not machine.driver.live():

@@ -53,8 +53,9 @@ def load_known(path: str) -> tuple[str, ...]:
 
 
 def known_on(known: tuple[str, ...], config: str, family: str | None = None) -> tuple[str, ...]:
-    """The signatures known on ``config`` through ``family`` (None: the builtin one): every unqualified one, those
-    given for that config, and those given for that family and config."""
+    """The signatures known on ``config`` through ``family`` (its ``--family`` name as given, ``builtin`` for the
+    built-in one; None matches no family-qualified entry): every unqualified one, those given for that config, and
+    those given for that family and config."""
     out = []
     for entry in known:
         *where, signature = entry.split(" ")

@@ -67,7 +67,8 @@ class FamilyPlugin:
 
     @property
     def takes_drawn_configs(self) -> bool:
-        """A scheduler driver's factory that also builds servers for drawn configs (a pool family always does)."""
+        """A scheduler driver's factory that also builds servers for drawn configs (``run`` asks it only of those: the
+        pool families always take drawn configs)."""
         return factory_capabilities(self.factory).takes_drawn_configs
 
     @property

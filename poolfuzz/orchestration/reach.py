@@ -157,6 +157,9 @@ def added_code(out: Path, code: EngineCode) -> EngineCode:
     against another install of the engine is a UsageError (its files are not these)."""
     recorded = out / CODE_NAME
     if not recorded.exists():
+        if (out / DATA_NAME).exists():  # data whose engine code nobody recorded: its files cannot be trusted as these
+            raise UsageError(f"--coverage-add: {out} holds reach data that no poolfuzz run recorded the engine code of "
+                             f"(no {CODE_NAME}); measure into a fresh directory, or drop --coverage-add")
         return code
     try:
         earlier = json.loads(recorded.read_text())

@@ -49,7 +49,7 @@ class Plan:
     waive: tuple[str, ...] = ()  # checks that count their violations instead of failing (--waive)
     custom: tuple = ()  # ModelConfigs from --config-file, named in ``configs`` (they shadow built-ins)
     coverage: str | None = None  # --coverage DIR: every worker measures the engine's code (orchestration/reach.py)
-    coverage_add: bool = False  # --coverage-add: the reach DIR already holds (other families' runs) stays, added to
+    coverage_add: bool = False  # --coverage-add: the reach DIR already holds (other families' runs) is added to
     strict: bool = False  # --strict: a run that tested less than it was asked exits EXIT_UNDER_TESTED
 
 
@@ -145,7 +145,7 @@ def _run_campaign(plan: Plan, lane: Lane, device: str, database, budget: float |
         left = None if budget is None else budget - (time.perf_counter() - started)
         if (left is not None and left <= 0) or (remaining is not None and remaining <= 0):
             break
-        known = known_on(plan.known, lane.config, plan.family)
+        known = known_on(plan.known, lane.config, plan.family or "builtin")
         round_options = dataclasses.replace(options, known=tuple(dict.fromkeys((*known, *found))))
         writer = _ArtifactWriter(plan, lane, device, round_options)
 

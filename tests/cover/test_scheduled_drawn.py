@@ -90,6 +90,8 @@ def test_a_config_the_family_declines_is_never_started_and_is_counted():
     run_state_machine_as_test(machine, settings=SETTINGS)
     assert drivers and not any(d.config.has_mamba for d in drivers)
     assert observer.declined and {reason for _, reason in observer.declined} == {"no recurrent state on this server"}
+    # at most one count an example, and none for an example whose server started on an accepted draw
+    assert len(observer.declined) + len(drivers) <= observer.started
 
 
 def test_a_config_the_server_refuses_at_startup_rejects_the_example():

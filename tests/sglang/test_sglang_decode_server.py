@@ -320,3 +320,8 @@ def test_a_server_that_refuses_its_resolved_backup_starts_with_the_flag_an_opera
     assert driver.retracted > 0, "decode never ran short: nothing was backed up"
     assert driver.drain() is None
     assert decode.operator_backup(CONFIGS["dense"]) is None  # a server that starts as resolved keeps SGLang's choice
+    from poolfuzz.adapters.sglang import describe_decode_server
+
+    (note,) = describe_decode_server(config).notes  # the listing says the flag was added, and why
+    assert note.startswith("started with --disaggregation-decode-retraction-backup cpu_tensor") and "scale layout" in note
+    assert describe_decode_server(CONFIGS["dense"]).notes == ()

@@ -231,9 +231,9 @@ def test_a_load_back_after_a_storage_requery_keeps_the_stale_mamba_copy_on_write
     """SGLang 0.5.23, hybrid model, HiCache with an L3 tier (docs/bugs/sglang-hybrid-l3-stale-mamba-cow.md): a queued
     request whose device prefix shrank before admission is matched with copy-on-write (its mamba slot, the source a
     1-token node), then ``_prefetch_after_device_hit_loss`` re-queries storage and skips it. Next step the storage
-    hit comes back through the host and ``init_load_back`` loads the 7-token node's state into that same slot, but
+    hit comes back through the host and ``init_load_back`` loads the prefetched node's state into that same slot, but
     the stale copy-on-write is still pending and runs at the forward: the request decodes on the state after token 0.
-    Without the L3 tier the same traffic passes."""
+    Without the L3 tier the same traffic passes, and so it does with the report's fix."""
     from poolfuzz.adapters.sglang.host_tier import l3
 
     if api.version != "0.5.23":
@@ -242,7 +242,29 @@ def test_a_load_back_after_a_storage_requery_keeps_the_stale_mamba_copy_on_write
     driver.close()
     assert lost is not None and re.match(r"req \d+ step \d+: mamba\.conv0 layer 1 position 6: .*holds the state after "
                                          r"req 000001's position 0 \(another prefix\)", str(lost)), lost
-    monkeypatch.setattr(l3, "storage_problem", lambda api, config: "no L3 tier")
+    with monkeypatch.context() as without_l3:
+        without_l3.setattr(l3, "storage_problem", lambda api, config: "no L3 tier")
+        driver, lost = _stale_cow_server(hicache_server)
+        driver.close()
+        assert driver.storage_dir is None and lost is None
+    # the fix the report proposes: a load-back that writes the request's state supersedes its pending copy-on-write
+    from sglang.srt.mem_cache.unified_cache.components.mamba import MambaComponent
+
+    prepare, finalize = MambaComponent.prepare_load_back, MambaComponent.finalize_load_back
+    loads_state = {}
+
+    def prepared(self, node_id, *, req=None):
+        if req is not None:
+            loads_state[id(req)] = self.tree_core.component_has_host_value_only(node_id, self.component_type)
+        return prepare(self, node_id, req=req)
+
+    def finalized(self, req, prep, success):
+        finalize(self, req, prep, success)
+        if success and req is not None and loads_state.get(id(req)):
+            self._adopt_loaded_state(req)
+
+    monkeypatch.setattr(MambaComponent, "prepare_load_back", prepared)
+    monkeypatch.setattr(MambaComponent, "finalize_load_back", finalized)
     driver, lost = _stale_cow_server(hicache_server)
     driver.close()
-    assert driver.storage_dir is None and lost is None
+    assert driver.storage_dir is not None and lost is None

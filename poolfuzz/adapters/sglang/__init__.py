@@ -66,7 +66,7 @@ def describe_server(config):
     return _described(config, role_flags=None, build=lambda: build_sglang_family(tree_sized(load(), config)))
 
 
-def _described(config, *, role_flags, build, server_of=None):
+def _described(config, *, role_flags, build, server_of=None, notes=()):
     """``config``'s server with ``role_flags`` beside its own flags, what SGLang's configurator builds for it here,
     and what the family (``build()``) runs on. ``server_of``: where ``build()`` starts a scheduler-path server, its
     ``(family, flags)``: the listing then names every flag that server runs with."""
@@ -96,7 +96,7 @@ def _described(config, *, role_flags, build, server_of=None):
     # a server with the model's shapes and random weights: the pools poolfuzz fuzzed, on a GPU
     return ServerDescription(flags=flags, built=built, refused=refused, family=family, family_declines=declines,
                              model=model, launcher="python -m sglang.launch_server --load-format dummy "
-                                                   "--skip-tokenizer-init")
+                                                   "--skip-tokenizer-init", notes=tuple(notes))
 
 
 build_family.unsupported_reason = unsupported_reason
@@ -145,7 +145,7 @@ build_unified_family.builds_per_node = True
 build_unified_family.engine_code = build_family.engine_code
 
 
-def _described_server(config, *, build, role_flags=None):
+def _described_server(config, *, build, role_flags=None, notes=()):
     """The scheduler-path server ``build(config)`` starts: every flag it runs with (its pools' flags and its own:
     chunked prefill, running cap, role), what SGLang's configurator builds for the config's server with
     ``role_flags``, and the pools that server runs on (``poolfuzz configs --family sglang:scheduler|decode|hicache``).
@@ -154,7 +154,7 @@ def _described_server(config, *, build, role_flags=None):
         running = {k: v for k, v in driver.server_args.items() if k != "mamba_chunk_size"}
         return driver.family, running
 
-    return _described(config, role_flags=role_flags, build=lambda: build(config), server_of=server_of)
+    return _described(config, role_flags=role_flags, build=lambda: build(config), server_of=server_of, notes=notes)
 
 
 def describe_scheduler_server(config):
@@ -164,17 +164,32 @@ def describe_scheduler_server(config):
 
 
 def describe_decode_server(config):
-    from poolfuzz.adapters.sglang.scheduler.decode_server import ROLE_FLAGS, build_decode_driver
+    """The decode server's listing; where it is started with the backup an operator adds after SGLang refuses the one
+    it resolves (``decode_server.operator_backup``), a note says so, with SGLang's refusal."""
+    from poolfuzz.adapters.sglang.scheduler.decode_server import (ROLE_FLAGS, SglangDecodeDriver, build_decode_driver,
+                                                                  decode_problem, operator_backup)
+    from poolfuzz.adapters.sglang.scheduler.servers import server_refusal
 
-    return _described_server(config, build=build_decode_driver, role_flags=ROLE_FLAGS)
+    notes = []
+    if decode_problem(config) is None and (added := operator_backup(config)):
+        notes.append(f"started with --disaggregation-decode-retraction-backup {added}, as an operator would: SGLang "
+                     f"refuses the server it resolves without the flag ({server_refusal(config, SglangDecodeDriver)})")
+    return _described_server(config, build=build_decode_driver, role_flags=ROLE_FLAGS, notes=notes)
 
 
 def describe_hicache_server(config):
+    """The HiCache server's listing, with the host tier's and (where it has one) the L3 tier's flags, which the
+    server's tree is built with (``hicache.hicache_flags``, ``l3.storage_flags``; the files' directory is the run's)."""
+    from poolfuzz.adapters.sglang.host_tier import hicache, l3
     from poolfuzz.adapters.sglang.scheduler.hicache_server import build_hicache_driver
 
     def build(c):
         driver = build_hicache_driver(c)
         driver.close()  # its pools are read after; its storage threads and files are not needed
+        tiers = hicache.hicache_flags(c)
+        if driver.storage_dir is not None:
+            tiers |= l3.storage_flags(c, "<storage-dir>", tiers["hicache_mem_layout"])
+        driver.server_args = driver.server_args | tiers
         return driver
 
     return _described_server(config, build=build)

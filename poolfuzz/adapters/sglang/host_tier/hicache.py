@@ -178,16 +178,21 @@ def install_cpu_stream_synchronize() -> bool:
     return True
 
 
+def hicache_flags(config: ModelConfig) -> dict:
+    """The server arguments ``--enable-hierarchical-cache`` sets for ``config``'s tree (``ServerArgs`` fields)."""
+    (layout, io_backend), _ = resolved_tier(config)
+    return dict(enable_hierarchical_cache=True, hicache_ratio=HOST_RATIO, hicache_io_backend=io_backend,
+                hicache_mem_layout=layout, hicache_write_policy=WRITE_POLICY)
+
+
 @contextmanager
 def hicache_arguments(config: ModelConfig):
-    """The server arguments ``--enable-hierarchical-cache`` sets, scoped to the tree's build."""
+    """The server arguments ``--enable-hierarchical-cache`` sets (:func:`hicache_flags`), scoped to the tree's build."""
     from sglang.srt.runtime_context import get_memory
 
-    (layout, io_backend), _ = resolved_tier(config)
+    flags = hicache_flags(config)
     install_cpu_host_tier()
-    with get_memory().override(enable_hierarchical_cache=True, hicache_ratio=HOST_RATIO,
-                               hicache_io_backend=io_backend, hicache_mem_layout=layout,
-                               hicache_write_policy=WRITE_POLICY):
+    with get_memory().override(**flags):
         yield
 
 

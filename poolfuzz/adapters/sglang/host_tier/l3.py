@@ -119,18 +119,24 @@ def _has_side_pools(config: ModelConfig) -> bool:
     return config.has_mamba or storage_of(config).host_side_pools
 
 
+def storage_flags(config: ModelConfig, directory: str, layout: str) -> dict:
+    """The server arguments of the L3 tier (``ServerArgs`` fields): ``--hicache-storage-backend`` (``file`` with its
+    files in ``directory``, or the zero-copy stand-in: :func:`storage_backend`), its extra config, the
+    ``wait_complete`` prefetch policy and the host ratio of :data:`HOST_RATIO`. The prefetch threshold is one page
+    (SGLang's default, 256 tokens, is past every context here)."""
+    backend, extra = storage_backend(config, directory, layout)
+    return dict(hicache_storage_backend=backend,
+                hicache_storage_backend_extra_config=json.dumps(dict(extra, prefetch_threshold=config.page_size)),
+                hicache_storage_prefetch_policy=PREFETCH_POLICY, hicache_ratio=HOST_RATIO)
+
+
 @contextmanager
 def storage_arguments(config: ModelConfig, directory: str, layout: str):
-    """``--hicache-storage-backend file`` with its files in ``directory``, scoped to the tree's build, and
-    the host ratio of :data:`HOST_RATIO`. The prefetch threshold is one page (SGLang's default, 256 tokens,
-    is past every context here)."""
+    """:func:`storage_flags`, scoped to the tree's build."""
     from sglang.srt.runtime_context import get_memory
 
     _single_rank()
-    backend, extra = storage_backend(config, directory, layout)
-    extra = json.dumps(dict(extra, prefetch_threshold=config.page_size))
-    with get_memory().override(hicache_storage_backend=backend, hicache_storage_backend_extra_config=extra,
-                               hicache_storage_prefetch_policy=PREFETCH_POLICY, hicache_ratio=HOST_RATIO):
+    with get_memory().override(**storage_flags(config, directory, layout)):
         yield
 
 

@@ -72,11 +72,17 @@ class ServerModel:
 
 
 def command_line(flags: dict) -> str:
-    """Server flags as ``python -m sglang.launch_server`` takes them."""
+    """Server flags as ``python -m sglang.launch_server`` takes them, each value quoted for a shell where it needs it
+    (a JSON extra config); the model-path placeholder is left as it is, for the launcher line to fill in."""
+    import shlex
+
+    from poolfuzz.pools.capabilities import MODEL_PATH
+
     out = []
     for name, value in sorted(flags.items()):
         flag = "--" + name.replace("_", "-")
-        out.append(flag if value is True else f"{flag} {value}")
+        text = str(value)
+        out.append(flag if value is True else f"{flag} {text if text == MODEL_PATH else shlex.quote(text)}")
     return " ".join(out)
 
 

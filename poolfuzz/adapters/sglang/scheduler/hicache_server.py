@@ -72,12 +72,13 @@ class SglangHiCacheDriver(SglangSchedulerDriver):
         try:
             super().__init__(config, backup_mode=backup_mode)
         except BaseException:
-            l3.close(None, self.storage_dir)
+            l3.close(getattr(self, "tree", None), self.storage_dir)  # a tree built before the failure stops too
             raise
         # the server's shutdown when the example ends (close); a backstop where nobody closes it (a test's server)
         self._shutdown = weakref.finalize(self, l3.close, self.tree, self.storage_dir)
         if self.tree.__class__.check_hicache_events is _base_check_hicache_events():
             # the Scheduler polls check_hicache_events every step; this tree's is the base class's, which raises
+            self._shutdown()
             raise ConfigError(f"the sglang HiCache server cannot build {config.name!r}: SGLang's registry builds a "
                               f"{type(self.tree).__name__} for this model, which has no host tier: its "
                               "check_hicache_events raises NotImplementedError on the server's first step")

@@ -27,11 +27,12 @@ def server_refusal(config: ModelConfig, driver_cls, backup_mode: str | None = No
     is no refusal but what a server would crash with at startup: the config is fuzzed, and each example's build
     reports it as a failure found in the engine (with an artifact), not a traceback out of the run."""
     try:
-        driver_cls(config, backup_mode=backup_mode)
+        driver = driver_cls(config, backup_mode=backup_mode)
     except ConfigError as exc:
         return str(exc).split(": ", 1)[-1]
     except Exception:  # noqa: BLE001 - reported by the examples, where the same build runs under the harness
         return None
+    driver.close()  # a server built only to ask: its storage threads and files go now, not at collection
     return None
 
 
