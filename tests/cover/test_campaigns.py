@@ -135,6 +135,10 @@ def test_a_signature_known_on_one_config_is_a_finding_on_every_other(tmp_path, c
     assert known_on(known, "hybrid-linear", "sglang:hicache") == ("StateLost:contents:mamba@teardown",)
     assert known_on(known, "hybrid-linear", "sglang") == () and known_on(known, "hybrid-linear") == ()
     assert known_on(known, "swa-ssm", "sglang:hicache") == ()
+    # the built-in family by name matches a run without --family (slot 0 in the mamba free list, as below)
+    f.write_text("builtin hybrid-linear InvariantViolation:reserved:mamba\n")
+    assert run_cli(["run", "--faults", "mamba-slot-zero", "--config", "hybrid-linear", "--examples", "5", "--seed",
+                    "1", "--db", "none", "--out", str(tmp_path / "b"), "--known", str(f)]) == 0
     f.write_text("a b c StateLost:contents:mamba@teardown\n")
     with pytest.raises(UsageError, match="line 1 is not a failure signature"):
         load_known(str(f))

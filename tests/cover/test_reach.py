@@ -136,6 +136,11 @@ def test_adding_to_the_reach_of_another_install_is_bad_usage(tmp_path, capsys):
     assert run_cli(["run", "--config", "dense", "--examples", "1", "--db", "none", "--out", str(tmp_path / "out"),
                     "--coverage", str(reach), "--coverage-add"]) == 2
     assert "is not what an earlier measured run wrote" in capsys.readouterr().err
+    (reach / "reach-code.json").unlink()
+    (reach / ".coverage").write_bytes(b"")  # data no poolfuzz run recorded the engine code of
+    assert run_cli(["run", "--config", "dense", "--examples", "1", "--db", "none", "--out", str(tmp_path / "out"),
+                    "--coverage", str(reach), "--coverage-add"]) == 2
+    assert "no poolfuzz run recorded the engine code of" in capsys.readouterr().err
 
 
 def test_coverage_add_without_a_directory_is_bad_usage(capsys):
