@@ -147,12 +147,11 @@ build_unified_family.engine_code = build_family.engine_code
 
 def _described_server(config, *, build, role_flags=None, notes=()):
     """The scheduler-path server ``build(config)`` starts: every flag it runs with (its pools' flags and its own:
-    chunked prefill, running cap, role), what SGLang's configurator builds for the config's server with
-    ``role_flags``, and the pools that server runs on (``poolfuzz configs --family sglang:scheduler|decode|hicache``).
-    The model's ``mamba_chunk_size``, which the scheduler path sets, is a field of the model's config, not a flag."""
+    chunked prefill, running cap, role; the driver's ``listed_flags``), what SGLang's configurator builds for the
+    config's server with ``role_flags``, and the pools that server runs on (``poolfuzz configs --family
+    sglang:scheduler|decode|hicache``)."""
     def server_of(driver):
-        running = {k: v for k, v in driver.server_args.items() if k != "mamba_chunk_size"}
-        return driver.family, running
+        return driver.family, driver.listed_flags
 
     return _described(config, role_flags=role_flags, build=lambda: build(config), server_of=server_of, notes=notes)
 
@@ -178,18 +177,12 @@ def describe_decode_server(config):
 
 
 def describe_hicache_server(config):
-    """The HiCache server's listing, with the host tier's and (where it has one) the L3 tier's flags, which the
-    server's tree is built with (``hicache.hicache_flags``, ``l3.storage_flags``; the files' directory is the run's)."""
-    from poolfuzz.adapters.sglang.host_tier import hicache, l3
+    """The HiCache server's listing (its tier flags among its ``listed_flags``)."""
     from poolfuzz.adapters.sglang.scheduler.hicache_server import build_hicache_driver
 
     def build(c):
         driver = build_hicache_driver(c)
         driver.close()  # its pools are read after; its storage threads and files are not needed
-        tiers = hicache.hicache_flags(c)
-        if driver.storage_dir is not None:
-            tiers |= l3.storage_flags(c, "<storage-dir>", tiers["hicache_mem_layout"])
-        driver.server_args = driver.server_args | tiers
         return driver
 
     return _described_server(config, build=build)

@@ -297,6 +297,12 @@ def operator_backup(config: ModelConfig) -> str | None:
     return None
 
 
+def started_backup(config: ModelConfig, backup_mode: str | None) -> str | None:
+    """The backup flag the decode server is started with: the run's, or where it names none the operator's
+    (:func:`operator_backup`; None: SGLang resolves it)."""
+    return backup_mode or operator_backup(config)
+
+
 def unsupported_reason(config: ModelConfig, *, backup_mode: str | None = None) -> str | None:
     """Why the decode server (with the run's ``backup_mode``; unset, SGLang's resolution, or the flag an operator
     starts it with: :func:`operator_backup`) does not drive ``config``."""
@@ -304,7 +310,7 @@ def unsupported_reason(config: ModelConfig, *, backup_mode: str | None = None) -
 
     if problem := decode_problem(config):
         return problem
-    return scheduler_reason(config, SglangDecodeDriver, backup_mode=backup_mode or operator_backup(config))
+    return scheduler_reason(config, SglangDecodeDriver, backup_mode=started_backup(config, backup_mode))
 
 
 def build_decode_driver(config: ModelConfig, *, device="cpu", faults=(), backup_mode=None) -> SglangDecodeDriver:
@@ -312,6 +318,6 @@ def build_decode_driver(config: ModelConfig, *, device="cpu", faults=(), backup_
     the run's ``backup_mode``, or where it names none with the flag an operator would add (:func:`operator_backup`)."""
     from poolfuzz.adapters.sglang.scheduler.servers import build_driver
 
-    if backup_mode is None and decode_problem(config) is None:
-        backup_mode = operator_backup(config)
+    if decode_problem(config) is None:
+        backup_mode = started_backup(config, backup_mode)
     return build_driver(config, device=device, faults=faults, backup_mode=backup_mode, driver_cls=SglangDecodeDriver)

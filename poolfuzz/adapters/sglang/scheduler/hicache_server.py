@@ -83,6 +83,17 @@ class SglangHiCacheDriver(SglangSchedulerDriver):
                               f"{type(self.tree).__name__} for this model, which has no host tier: its "
                               "check_hicache_events raises NotImplementedError on the server's first step")
 
+    @property
+    def listed_flags(self) -> dict:
+        """The scheduler path's, and the tier flags its tree is built with (``hicache.hicache_flags``, and with an L3
+        tier ``l3.storage_flags``; the files' directory is each run's own)."""
+        from poolfuzz.adapters.sglang.host_tier import hicache
+
+        tiers = hicache.hicache_flags(self.config)
+        if self.storage_dir is not None:
+            tiers |= l3.storage_flags(self.config, "<storage-dir>", tiers["hicache_mem_layout"])
+        return super().listed_flags | tiers
+
     def close(self) -> None:
         """The server shuts down: its storage threads stop, its host pools are released, its L3 files removed."""
         self._shutdown()

@@ -421,9 +421,13 @@ class SglangSchedulerDriver:
         self._forget_done()
 
     @property
+    def listed_flags(self) -> dict:
+        """Every flag this server runs with (``poolfuzz configs``): not ``mamba_chunk_size``, a model field."""
+        return {k: v for k, v in self.server_args.items() if k != "mamba_chunk_size"}
+
+    @property
     def flushes(self) -> bool:
-        """Whether the machine flushes this server's cache: the runtime-context servers (0.5.18 on), whose
-        ``Scheduler.flush_cache`` runs on the state this path builds."""
+        """Whether its cache is flushed: 0.5.18 on, whose ``flush_cache`` runs on the state this path builds."""
         return compat.publishes_runtime_context()
 
     def flush(self) -> bool:
