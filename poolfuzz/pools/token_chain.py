@@ -27,8 +27,26 @@ def tag(chain: int, layer: int, component: int) -> int:
 
 
 def sampled_token(chain: int, vocab: int) -> int:
-    """The token the stand-in model samples after a sequence: determined by the sequence alone."""
-    return chain % vocab
+    """The token the stand-in model samples after a sequence: determined by the sequence alone. Taken from the
+    chain's high bits: the next chain XORs the token into the low ones, so a token of the low bits would zero them,
+    and every later sample would be the same token."""
+    return (chain >> SAMPLE_SHIFT) % vocab
+
+
+def drafts_right(chain: int, count: int) -> int:
+    """How many of a drafter's ``count`` tokens after a sequence are the ones the model samples (0 to ``count``):
+    determined by the sequence alone, from bits the sampled token does not use."""
+    return draft_choices(chain) % (count + 1)
+
+
+def draft_choices(chain: int) -> int:
+    """Bits a drafter draws its choices from after a sequence (a draft tree's shape, which drafts are right):
+    determined by the sequence alone, from bits the sampled token does not use."""
+    return chain >> DRAFT_SHIFT
+
+
+SAMPLE_SHIFT = 32
+DRAFT_SHIFT = 48
 
 
 @dataclass(kw_only=True)

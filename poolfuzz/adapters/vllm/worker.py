@@ -54,7 +54,7 @@ import torch
 from poolfuzz.adapters.vllm.storage import copy_block, zero_blocks
 from poolfuzz.pools.components import Component
 from poolfuzz.pools.errors import LostKv
-from poolfuzz.pools.token_chain import COMPONENTS, Tokens, chain_after, sampled_token, tag
+from poolfuzz.pools.token_chain import COMPONENTS, Tokens, chain_after, drafts_right, sampled_token, tag
 
 
 class Worker:
@@ -259,7 +259,7 @@ class Worker:
         """The drafter's ``count`` tokens after the request's last token: as many right as its chain says."""
         position = len(tokens.ids) - 1
         chain = tokens.chain(position)
-        right = chain % (count + 1)
+        right = drafts_right(chain, count)
         proposal = []
         for i in range(count):
             token = sampled_token(chain, self.vocab)
