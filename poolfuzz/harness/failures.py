@@ -119,6 +119,7 @@ CHECKS: dict[str, str] = {
     "free-list": "a free list holds no unit twice and not the reserved one",
     "leak": "after every request ended, every space is whole",
     "stuck": "an engine's idle scheduler finishes every request it holds (none waits forever)",
+    "row-bounds": "a request's allocated KV fits its request row (past it, a write lands on another row's positions)",
     "flush-leak": "after an idle node's cache flush reset its pools, every space is whole",
     "engine-idle-check": "on an idle node, the engine's own idle memory check (SGLang's Scheduler.on_idle) "
                          "reports nothing",
@@ -135,6 +136,7 @@ WAIVABLE = frozenset(CHECKS) - {"outcome", "pool-error", "backup-short", "backup
 # Checks of a condition that persists once broken (a free list, a holding, a count): the operation
 # that first sees it is incidental, so two signatures that differ only there name one bug.
 STATE_CHECKS = frozenset({"reserved", "ownership", "free-list", "free-count", "leak", "flush-leak", "stuck",
+                          "row-bounds",
                           "engine-idle-check",
                           "live-requests", "ssm-predicate", "backup-mode", "carries-mamba",
                           "backed-up-twice", "shared-unit",

@@ -33,7 +33,7 @@ from poolfuzz.harness.hypothesis_compat import set_database_identity
 from poolfuzz.harness.machine import DeclineLog
 from poolfuzz.harness.records import StepRecord
 from poolfuzz.pools.config import ModelConfig
-from poolfuzz.pools.errors import ConfigError, LostKv, ServerStuck
+from poolfuzz.pools.errors import ConfigError, LostKv, RowOverflow, ServerStuck
 from poolfuzz.strategies import DRAWN_NAME, drawn_configs, token_unit
 
 PREFIX = "scheduler."  # the ops of a scheduler program, apart from the Engine's (harness.program.operations)
@@ -129,8 +129,9 @@ class ScheduledMachine(RuleBasedStateMachine):
             return action()
         except LostKv as exc:
             self._failed(_lost(exc), in_teardown)
-        except ServerStuck as exc:  # requests the idle server never finishes: its own check, apart from a leak
-            self._failed(invariant_failure(step=self.steps, op=op, detail=str(exc), check="stuck"), in_teardown)
+        except (ServerStuck, RowOverflow) as exc:  # checks of their own: a request never finished, a row overrun
+            check = "stuck" if isinstance(exc, ServerStuck) else "row-bounds"
+            self._failed(invariant_failure(step=self.steps, op=op, detail=str(exc), check=check), in_teardown)
         except Exception as exc:  # an assert or crash inside the engine, or a check of ours
             self._failed(exc, in_teardown)
 

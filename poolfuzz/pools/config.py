@@ -353,6 +353,13 @@ def _mode_configs(base: list[ModelConfig]) -> list[ModelConfig]:
             hybrid.replace(name="hybrid-spec", spec_draft_tokens=4)]
 
 
+def _spec_long(spec: ModelConfig) -> ModelConfig:
+    """A speculative hybrid with a context shorter than its pool (32 tokens against 48), so requests (prompts of up to
+    40 tokens) run up to the context boundary, where a server's per-round KV reserve for the drafts meets the end of
+    the request row: five tokens verified a round (a tree of four drafts on the scheduler path)."""
+    return spec.replace(name="hybrid-spec-long", spec_draft_tokens=5, max_context=32)
+
+
 def _paged(config: ModelConfig, page_size: int, kv_dtype: str) -> ModelConfig:
     return config.replace(
         # The full pool keeps its size in tokens (so fewer, larger pages fill up as fast); the
@@ -380,6 +387,7 @@ def _all_configs() -> dict[str, ModelConfig]:
     out["dsa-ps64"] = _dsa_ps64(out["dsa"])
     out["dsa-ssm-ps64"] = _dsa_ssm_ps64(out["mla-ssm"])
     out["swa-only"] = _swa_only()
+    out["hybrid-spec-long"] = _spec_long(out["hybrid-spec"])
     return out
 
 

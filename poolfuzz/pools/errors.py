@@ -71,6 +71,12 @@ class LostKv(AssertionError):
                            f"through position {position})")
 
 
+class RowOverflow(AssertionError):
+    """An engine's scheduler-driven driver found a request's allocated KV past the end of its request row (SGLang's
+    ``req_to_token``: the write lands on the next row's first positions). The harness reports it under its own
+    check, ``row-bounds``."""
+
+
 class ServerStuck(AssertionError):
     """An engine's scheduler-driven driver, draining: requests the idle server never finishes (the message names
     them and where each waits). The harness reports it under its own check, ``stuck``, apart from a leak."""

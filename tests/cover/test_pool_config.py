@@ -87,14 +87,14 @@ class TestCatalogue:
     def test_built_in_names(self):
         """The catalogue holds fifteen families, each at page size 1 and 4, DSA in SGLang's shape (64-token pages), alone and
         beside recurrent layers, and
-        an all-SWA model (page size 1 only)."""
+        an all-SWA model (page size 1 only), and a speculative hybrid whose context is shorter than its pool."""
         assert list(CONFIGS) == ["dense", "dense-ps4", "swa", "swa-ps4", "hybrid-linear", "hybrid-linear-ps4",
                                  "swa-ssm", "swa-ssm-ps4", "mla", "mla-ps4", "dsa", "dsa-ps4", "fp8-scaled",
                                  "fp8-scaled-ps4", "dense-cpu-fp8", "dense-cpu-fp8-ps4", "mla-fp4", "mla-fp4-ps4",
                                  "minimax-sparse", "minimax-sparse-ps4", "minimax-sparse-konly",
                                  "minimax-sparse-konly-ps4", "dense-fp4", "dense-fp4-ps4", "mla-ssm", "mla-ssm-ps4",
                                  "hybrid-extra-buffer", "hybrid-extra-buffer-ps4", "hybrid-spec", "hybrid-spec-ps4",
-                                 "dsa-ps64", "dsa-ssm-ps64", "swa-only"]
+                                 "dsa-ps64", "dsa-ssm-ps64", "swa-only", "hybrid-spec-long"]
         assert all(CONFIGS[n].name == n for n in CONFIGS)
 
     def test_get_config(self):
@@ -111,7 +111,7 @@ class TestCatalogue:
                                    "mla-fp4-ps4, minimax-sparse, minimax-sparse-ps4, minimax-sparse-konly, "
                                    "minimax-sparse-konly-ps4, dense-fp4, dense-fp4-ps4, mla-ssm, mla-ssm-ps4, "
                                    "hybrid-extra-buffer, hybrid-extra-buffer-ps4, hybrid-spec, hybrid-spec-ps4, "
-                                   "dsa-ps64, dsa-ssm-ps64, swa-only")
+                                   "dsa-ps64, dsa-ssm-ps64, swa-only, hybrid-spec-long")
 
 
 class TestUsesSsmState:

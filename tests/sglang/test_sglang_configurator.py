@@ -243,9 +243,14 @@ def test_a_family_the_configurator_cannot_serve_keeps_its_wiring_and_says_why(co
 
     from poolfuzz.adapters.sglang.lifecycle.family import build_sglang_family
 
-    family = build_sglang_family(CONFIGS[name], scheduled=True)
+    from poolfuzz.adapters.sglang.server_args import publish_server_args
+
+    c = CONFIGS[name]
+    publish_server_args(fresh=True, page_size=c.page_size)  # the scheduler path publishes its server first
+    family = build_sglang_family(c, scheduled=True)
     assert family.pools_source.startswith("the adapter's wiring (") and why in family.pools_source
-    assert family.sg_req_pool.req_to_token.shape[1] == CONFIGS[name].max_context
+    # the wiring's rows are as wide as the server's: the context and SGLang's 4 extra columns (no speculative decoding)
+    assert family.sg_req_pool.req_to_token.shape[1] == c.max_context + 4
 
 
 def test_a_decode_server_runs_on_the_request_pool_sglangs_pd_hook_sizes(configurator):
@@ -309,5 +314,11 @@ def test_the_scheduler_path_servers_are_listed_with_every_flag_they_run_with(api
     assert role in flags and "--max-running-requests 5" in flags and "--disable-overlap-schedule" in flags, flags
     assert "--mamba-chunk-size" not in flags  # a model field, not a flag
     assert request_pool in out and "MHATokenToKVPool (48 tokens" in out
-    assert main(["configs", "--family", family, "--show", "hybrid-spec"]) == 0
+    assert main(["configs", "--family", family, "--show", "hybrid-spec-ps4"]) == 0  # SGLang refuses no_buffer at ps4
     assert "family: declines" in capsys.readouterr().out
+    assert main(["configs", "--family", family, "--show", "hybrid-spec"]) == 0
+    out = capsys.readouterr().out
+    if family == "sglang:scheduler" and unsupported_reason(CONFIGS["hybrid-spec"]) is None:  # its speculative server
+        assert "--speculative-algorithm NEXTN --speculative-draft-model-path dummy --speculative-eagle-topk 2" in out
+    else:
+        assert "family: declines" in out

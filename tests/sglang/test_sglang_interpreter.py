@@ -31,7 +31,13 @@ def test_kernels_are_interpreted_and_every_paged_config_is_supported(kernel_only
     paged = {name: c for name, c in CONFIGS.items() if c.page_size > 1 and c.attention == "mha"
              and not c.kv_scale_block and not c.mamba_track_slots and not c.spec_draft_tokens and not c.kv_quant}
     assert len(paged) >= 4
-    assert {name: unsupported_reason(c) for name, c in paged.items()} == {name: None for name in paged}
+    reasons = {name: unsupported_reason(c) for name, c in paged.items()}
+    # none declined for the interpreter; a model with recurrent state may be refused by the release's own server
+    # validation (0.5.23: "no_buffer only supports page_size=1"), which is SGLang's answer, not the kernels'
+    refused = {name: why for name, why in reasons.items() if why is not None}
+    assert all(paged[name].has_mamba and why.startswith("SGLang refuses the server") for name, why in refused.items()), \
+        refused
+    assert sum(1 for name, c in paged.items() if not c.has_mamba and reasons[name] is None) >= 2
 
 
 def test_interpreted_kernels_hand_out_whole_pages_and_a_full_pool_is_refused(kernel_only):
@@ -51,3 +57,17 @@ def test_interpreted_kernels_hand_out_whole_pages_and_a_full_pool_is_refused(ker
     with pytest.raises(PoolExhausted) as info:  # more pages than are free: refused, nothing taken
         fam.protocol.extend(other, fam, fam.config.full_tokens)
     assert info.value.space == "full" and fam.free_lists()["full"].available_size() == before
+
+
+def test_a_run_on_interpreted_kernels_ends_without_the_native_modules_leak_noise(kernel_only, tmp_path):
+    """Triton's native module reports its objects as leaked while the interpreter finalizes (nanobind, a hundred
+    lines on stderr); the command line closes stderr for that last stage, after the run has reported."""
+    import os
+    import subprocess
+    import sys
+
+    run = subprocess.run([sys.executable, "-m", "poolfuzz.cli", "run", "--family", "sglang", "--config", "dense-ps4",
+                          "--examples", "2", "--seed", "1", "--db", "none", "--out", str(tmp_path)],
+                         capture_output=True, text=True, timeout=300, env=dict(os.environ, PYTHONPATH=os.getcwd()))
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "poolfuzz: 1 passed" in run.stdout and "nanobind" not in run.stderr

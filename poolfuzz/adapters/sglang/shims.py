@@ -259,7 +259,7 @@ def _no_sync(device=None) -> None:
 
 
 @contextlib.contextmanager
-def _swapped(owner, name: str, value):
+def swapped(owner, name: str, value):
     """Within the block, ``owner.name`` is ``value``; the real one is put back however the block ends."""
     real = getattr(owner, name)
     setattr(owner, name, value)
@@ -276,7 +276,7 @@ def cpu_synchronize(device):
 
     if torch.device(device).type != "cpu" or torch.cuda.is_available():
         return contextlib.nullcontext()
-    return _swapped(torch.cuda, "synchronize", _no_sync)
+    return swapped(torch.cuda, "synchronize", _no_sync)
 
 
 def _unpinned(tensor, *args, **kwargs):
@@ -294,8 +294,8 @@ def cpu_pin_memory():
     if torch.accelerator.is_available():
         return contextlib.nullcontext()
     stack = contextlib.ExitStack()
-    stack.enter_context(_swapped(torch.Tensor, "pin_memory", _unpinned))
-    stack.enter_context(_swapped(torch, "tensor", _tensor_unpinned(torch.tensor)))
+    stack.enter_context(swapped(torch.Tensor, "pin_memory", _unpinned))
+    stack.enter_context(swapped(torch, "tensor", _tensor_unpinned(torch.tensor)))
     return stack
 
 
@@ -332,3 +332,16 @@ def one_rank_group():
         store = os.path.join(tempfile.mkdtemp(prefix="poolfuzz-gloo-"), "store")
         dist.init_process_group("gloo", rank=0, world_size=1, init_method=f"file://{store}")
     return dist.new_group([0], backend="gloo")
+
+
+@contextlib.contextmanager
+def root_warnings_off():
+    """Within the block, warnings logged on the root logger are dropped (SGLang logs some there, not on its own
+    logger, e.g. ``Scheduler.flush_cache``'s refusal of a busy server, which the scheduler path asks for at random)."""
+    import logging
+
+    logging.disable(logging.WARNING)
+    try:
+        yield
+    finally:
+        logging.disable(logging.NOTSET)

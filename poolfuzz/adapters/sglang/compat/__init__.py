@@ -1,6 +1,6 @@
 """What the sglang families need of the installed SGLang, listed once, in one package: ``needs`` (where each
 class lives across releases, which are needed, the private names read), ``scheduler`` (what the scheduler path reads
-of a Scheduler built without its model) and ``scheduler_global`` (the same on releases with one global ServerArgs).
+of a Scheduler built without its model) and ``scheduler_global`` (the same on releases with one global ServerArgs), ``spec_v2`` (what a speculative round runs).
 
 Every engine-private name the adapter reads is read in this package and nowhere else; the rest of the adapter imports
 it from here, as ``compat.NAME``."""
@@ -18,6 +18,10 @@ from poolfuzz.adapters.sglang.compat.scheduler import (  # noqa: F401
     result_processor, engine_invariant_problem, deferred_mamba_cow_and_clear, mamba_track_aligned_lens,
     batches_defer_mamba_cow, batch_rows, request_row, batch_prefill_inputs, physical_mamba_slots, queue_request,
     requests_owning_rows,
+)
+from poolfuzz.adapters.sglang.compat.spec_v2 import (  # noqa: F401
+    SPEC_V2, runs_spec_v2_synchronously, spec_v2_modules, run_batch_state, verify_commit_target, verify_cache_locs,
+    torch_state_scatter,
 )
 from poolfuzz.adapters.sglang.compat.scheduler_global import (  # noqa: F401
     SCHEDULER_REPORTERS, GLOBAL_SCHEDULER_METHODS, SCHEDULER_INITS, MAMBA_STRATEGY_FLAGS,

@@ -160,7 +160,8 @@ def result_processor(cls, *, tree, req_to_token_pool, allocator, model_config, d
                   tree_cache=tree, hisparse_coordinator=None, req_to_token_pool=req_to_token_pool,
                   decode_offload_manager=None, metrics_collector=None,
                   metrics_reporter=NS(report_prefill_stats=noop, report_decode_stats=noop, num_generated_tokens=0,
-                                      forward_ct_decode=0),
+                                      forward_ct_decode=0, snapshot_spec_decode_metrics=noop,
+                                      update_spec_metrics=noop),
                   draft_worker=None, model_worker=NS(), logprob_result_processor=None,
                   output_streamer=NS(stream_output=noop), beam_coordinator=NS(commit_decode=lambda batch: set()),
                   abort_request=noop)

@@ -29,7 +29,8 @@ from poolfuzz.adapters.sglang.disaggregation.pd import SGLangPDTransfer, pd_prob
 from poolfuzz.adapters.sglang.disaggregation.prealloc import DECODE, gate_problem
 from poolfuzz.adapters.sglang.lifecycle.protocol import SGLangProtocol
 from poolfuzz.adapters.sglang.pools.reads import read_door, stored_bytes
-from poolfuzz.adapters.sglang.pools.request_pool import build_plain_request_pool, build_request_pool, check_built
+from poolfuzz.adapters.sglang.pools.request_pool import (build_plain_request_pool, build_request_pool, check_built,
+                                                       server_row_width)
 from poolfuzz.adapters.sglang.lifecycle.standin import standin_class
 from poolfuzz.adapters.sglang.pools.storage import (build_storage_pool, quant_method_kwargs, storage_of,
                                                      storage_problem)
@@ -354,9 +355,11 @@ def _build(api: SGLangAPI, config: ModelConfig, dev, sdev: str, backup_mode: str
                   enable_memory_saver=False, enable_kvcache_transpose=False)
 
     mamba_view = None
+    # a scheduled server's rows are as wide as its configurator makes them (its flags are published by then)
+    width = (lambda: server_row_width(c)) if scheduled else (lambda: None)
     if c.has_mamba:
         sg_req_pool = _take(served, "req_to_token_pool",
-                            lambda: build_request_pool(api, c, sdev, decode_rows=decode_rows))
+                            lambda: build_request_pool(api, c, sdev, decode_rows=decode_rows, width=width()))
         problem = check_built(sg_req_pool, c)
         if problem:
             raise ConfigError(f"config {c.name!r} on sglang {api.version}: {problem}")
@@ -366,7 +369,7 @@ def _build(api: SGLangAPI, config: ModelConfig, dev, sdev: str, backup_mode: str
                                                     draft_tokens=c.spec_draft_tokens)
     else:
         sg_req_pool = _take(served, "req_to_token_pool",
-                            lambda: build_plain_request_pool(api, c, sdev, decode_rows=decode_rows))
+                            lambda: build_plain_request_pool(api, c, sdev, decode_rows=decode_rows, width=width()))
 
     comps: list[Component] = []
     if not c.has_mamba and (storage_of(c).own_pool or c.kv_scale_block or c.kv_quant == "fp4_mx_block16"):

@@ -11,16 +11,18 @@ _DECODE = "sglang.srt.disaggregation.decode"
 STATE_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
-def build_request_pool(api: SGLangAPI, c: ModelConfig, sdev: str, *, decode_rows: int | None = None):
+def build_request_pool(api: SGLangAPI, c: ModelConfig, sdev: str, *, decode_rows: int | None = None,
+                       width: int | None = None):
     """SGLang's HybridReqToTokenPool for the config, in its modes (extra buffer, speculative caches); with
     ``decode_rows``, a PD decode server's ``HybridMambaDecodeReqToTokenPool`` with that many rows more for requests
-    being pre-allocated and transferred (its ``pre_alloc_size``)."""
+    being pre-allocated and transferred (its ``pre_alloc_size``). Its rows are ``width`` wide (default: the
+    context; a server's are :func:`server_row_width`)."""
     cls, extra = api.HybridReqToTokenPool, {}
     if decode_rows is not None:
         cls, extra = first_importable(f"{_DECODE}:HybridMambaDecodeReqToTokenPool"), {"pre_alloc_size": decode_rows}
     return construct(
         cls, **extra, size=c.request_rows, mamba_size=c.mamba_slots,
-        mamba_spec_state_size=c.request_rows, max_context_len=c.max_context, device=sdev,
+        mamba_spec_state_size=c.request_rows, max_context_len=width or c.max_context, device=sdev,
         enable_memory_saver=False, cache_params=mamba_cache_params(api, c), mamba_layer_ids=list(c.mamba_layer_ids),
         speculative_num_draft_tokens=c.spec_draft_tokens or None, start_layer=0, **pool_kwargs(c),
         # EAGLE tree verify (top-k 2) keeps one dense conv window per draft step, which a step's tags
@@ -28,15 +30,31 @@ def build_request_pool(api: SGLangAPI, c: ModelConfig, sdev: str, *, decode_rows
         speculative_eagle_topk=2 if c.spec_draft_tokens else None)
 
 
-def build_plain_request_pool(api: SGLangAPI, c: ModelConfig, sdev: str, *, decode_rows: int | None = None):
+def build_plain_request_pool(api: SGLangAPI, c: ModelConfig, sdev: str, *, decode_rows: int | None = None,
+                             width: int | None = None):
     """SGLang's ReqToTokenPool for a model without recurrent state; with ``decode_rows``, a PD decode server's
     ``DecodeReqToTokenPool`` (as ``build_request_pool``)."""
     if decode_rows is None:
-        return construct(api.ReqToTokenPool, size=c.request_rows, max_context_len=c.max_context, device=sdev,
+        return construct(api.ReqToTokenPool, size=c.request_rows, max_context_len=width or c.max_context, device=sdev,
                          enable_memory_saver=False)
     return construct(first_importable(f"{_DECODE}:DecodeReqToTokenPool"), size=c.request_rows,
-                     max_context_len=c.max_context,
-                     device=sdev, enable_memory_saver=False, pre_alloc_size=decode_rows)
+                     max_context_len=width or c.max_context, device=sdev, enable_memory_saver=False,
+                     pre_alloc_size=decode_rows)
+
+
+def server_row_width(c: ModelConfig) -> int:
+    """A request row's width as the published server's configurator sizes ``req_to_token``: the context, plus the
+    headroom SGLang keeps for the decode over-allocation (``get_req_to_token_extra_context_len``, of the server's
+    page size and speculative flags). The context alone on a release without that sizing, or where no server with a
+    page size is published (pools built on their own, as the adapter wired them before)."""
+    try:
+        from sglang.srt.mem_cache.allocation_sizing import get_req_to_token_extra_context_len
+        from sglang.srt.runtime_context import get_schedule
+    except ImportError:
+        return c.max_context
+    if get_schedule().page_size is None:
+        return c.max_context
+    return c.max_context + get_req_to_token_extra_context_len()
 
 
 def mamba_cache_params(api: SGLangAPI, c: ModelConfig):

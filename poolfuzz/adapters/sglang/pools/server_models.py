@@ -151,3 +151,16 @@ MODELS: dict[str, ModelKind] = {
     "kimi-linear": ModelKind(config_json=_kimi_linear_model, attention_backend="flashinfer"),
     "inkling": ModelKind(config_json=_inkling_model, attention_backend="triton"),
 }
+
+
+def hf_model_config(config: ModelConfig):
+    """The model's HF config as far as SGLang's resolution reads it: a real ``transformers`` config of a family with
+    the config's kind of layers (a Nemotron-H model, attention and mamba layers, where it keeps recurrent state, so
+    ``uses_ssm_state`` answers yes; a Llama model otherwise)."""
+    if config.has_mamba:
+        from sglang.srt.configs import NemotronHConfig
+
+        return NemotronHConfig(architectures=["NemotronHForCausalLM"])
+    from transformers import LlamaConfig
+
+    return LlamaConfig(architectures=["LlamaForCausalLM"])

@@ -32,7 +32,7 @@ Stood in for, and why:
 * the process groups of one rank: the transfer queue's all-reduce runs over a real one-rank gloo group.
 * the TpModelWorker's model facts the queues and the backup's resolution read (layer count, KV heads, KV cache dtype
   name; its HF config, a real ``transformers`` config of a model family with the config's kind of layers:
-  :func:`hf_model_config`), and its pools and load-back counter registration (:func:`worker_standin`).
+  :func:`~poolfuzz.adapters.sglang.pools.server_models.hf_model_config`), and its pools and load-back counter registration (:func:`worker_standin`).
 * the request pool's extra rows, where SGLang's own configurator does not build the pools here
   (``pools/configurator.py``, with :data:`ROLE_FLAGS`; then its PD hook sizes them): SGLang's
   ``DecodeReqToTokenPool`` (``HybridMambaDecodeReqToTokenPool`` with mamba layers) as the configurator builds it,
@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import types
 
+from poolfuzz.adapters.sglang.pools.server_models import hf_model_config
 from poolfuzz.adapters.sglang.scheduler.scheduling import ContextLoop, SglangSchedulerDriver, server_arguments
 from poolfuzz.adapters.sglang.shims import one_rank_group
 from poolfuzz.pools.config import ModelConfig
@@ -107,6 +108,7 @@ class SglangDecodeDriver(SglangSchedulerDriver):
 
     role = "DECODE"
     label = "the sglang decode server"
+    drives_speculative = False  # its own spec rounds (decode-side drafts, load-backs under a draft) are not yet
     retraction = "backs retracted requests up as SGLang resolves (host_pool, or cpu_tensor)"
     backup_modes = ("cpu_tensor", "host_pool")
     resolves_on_pools = True
@@ -251,19 +253,6 @@ class SglangDecodeDriver(SglangSchedulerDriver):
         if any(r.req is req for r in self.server.disagg_decode_transfer_queue.queue):
             return "waiting for its transfer"
         return super()._where(req)
-
-
-def hf_model_config(config: ModelConfig):
-    """The model's HF config as far as SGLang's resolution reads it: a real ``transformers`` config of a family with
-    the config's kind of layers (a Nemotron-H model, attention and mamba layers, where it keeps recurrent state, so
-    ``uses_ssm_state`` answers yes; a Llama model otherwise)."""
-    if config.has_mamba:
-        from sglang.srt.configs import NemotronHConfig
-
-        return NemotronHConfig(architectures=["NemotronHForCausalLM"])
-    from transformers import LlamaConfig
-
-    return LlamaConfig(architectures=["LlamaForCausalLM"])
 
 
 def worker_standin(family, config: ModelConfig, spec_algorithm):

@@ -59,6 +59,7 @@ class SglangHiCacheDriver(SglangSchedulerDriver):
     tier."""
 
     label = "the sglang HiCache server"
+    drives_speculative = False  # its own spec rounds (decode-side drafts, load-backs under a draft) are not yet
     hierarchical = True
 
     def __init__(self, config: ModelConfig, *, backup_mode: str | None = None):

@@ -33,7 +33,8 @@ import torch
 
 from poolfuzz.adapters.sglang import compat
 from poolfuzz.pools.errors import LostKv
-from poolfuzz.pools.token_chain import COMPONENTS, Tokens, sampled_token, tag
+from poolfuzz.pools.speculative import draft_step, state_component_of
+from poolfuzz.pools.token_chain import COMPONENTS, Tokens, chain_after, sampled_token, tag
 
 TAG_BYTES = 8
 
@@ -89,6 +90,9 @@ class ModelRunner:
         comps = family.components()
         kv = [c for c in comps if c.space in KV_SPACES]
         self.states = [c for c in comps if c.space == "mamba"]
+        # a speculative server's intermediate state caches: (state component, layer, draft step) -> its rows
+        self.scratch = {(state_component_of(c.name), c.layer, draft_step(c.name)): c for c in comps
+                        if draft_step(c.name) is not None}
         index = component_indices(kv, self.states)
         self.kv = [(c, index[c.name]) for c in kv]  # each KV component with its tag salt
         self.state_index = {c.name: index[c.name] for c in self.states}
@@ -163,6 +167,64 @@ class ModelRunner:
             sampled.append(token)  # a middle chunk's is discarded by SGLang, and not recorded here
         return sampled
 
+    def verify(self, batch, *, locs: list[int], trees: list[list[tuple[int, int]]]) -> tuple[list[int], list[list[int]]]:
+        """A target-verify forward of draft trees (EAGLE): request ``i`` of the batch, whose KV holds its first
+        ``seq_lens[i]`` tokens and whose last token (the bonus of its last round) has none yet, feeds a tree of ``D``
+        nodes: node 0 that token, node ``j`` (``trees[i][j - 1]``: its parent, an earlier node, and its token) at
+        position ``seq_lens[i]`` plus its depth. A chain is the tree whose parents are ``j - 1``. Checked first, as for
+        a decode: the request's context and the state it continues from. Written: each node's K and V at
+        ``locs[i * D + j]``, which must be the request row's slot ``seq_lens[i] + j`` (SGLang's verify window, by node),
+        derived from the tokens on the node's path, so a rejected draft's KV is not the request's; and into row ``i``
+        of the intermediate state caches (SGLang's verify scratch rows are batch positions) at step ``j``, the state
+        after node ``j``'s path. Returns what ``eagle_sample`` gives for greedy sampling: the target's token after each
+        node (``D`` per request), and per request the accepted path of nodes from the root (a child is accepted where
+        its token is the target's after its parent; the target's own token follows the last). The path's tokens then
+        join the request's."""
+        self.step += 1
+        rows = compat.batch_rows(batch).tolist()
+        seq_lens = batch.seq_lens_cpu.tolist()
+        width = 1 + len(trees[0]) if trees else 0
+        state_slots = self._state_slots(rows)
+        predict, paths = [], []
+        for i, (req, row, start) in enumerate(zip(batch.reqs, rows, seq_lens)):
+            tokens = self.tokens[req.rid]
+            self._sync(req, tokens)
+            if len(tokens.ids) != start + 1:
+                raise AssertionError(f"req {req.rid} step {self.step}: the verify starts at position {start}, but the "
+                                     f"request's last token is at {len(tokens.ids) - 1} (its KV must cover all but it)")
+            self._check_context(req.rid, row, start)
+            if state_slots and start:
+                self._check_state(req.rid, state_slots[i], start)
+            nodes = [(None, tokens.ids[-1])] + list(trees[i])
+            depth, chains, targets = [], [], []
+            for parent, token in nodes:
+                depth.append(0 if parent is None else depth[parent] + 1)
+                before = (tokens.chain(start - 1) if start else 0) if parent is None else chains[parent]
+                chains.append(chain_after(before, token, start + depth[-1]))
+                targets.append(sampled_token(chains[-1], self.vocab))
+            path = [0]
+            while child := next((j for j, (parent, token) in enumerate(nodes)
+                                 if parent == path[-1] and token == targets[path[-1]]), None):
+                path.append(child)
+            slots = locs[i * width:(i + 1) * width]
+            want = [int(self.req_to_token[row, start + j]) for j in range(width)]
+            if slots != want:
+                raise AssertionError(f"req {req.rid} step {self.step}: the verify writes its {width} nodes at slots "
+                                     f"{slots}, not the request row's {want} (positions {start}..{start + width - 1})")
+            rejected = set(range(width)) - set(path)
+            self._write([(req.rid, start + depth[j], slot) for j, slot in enumerate(slots)], chains=chains,
+                        rejected=rejected)
+            for c in self.states:
+                for j, ch in enumerate(chains):
+                    t = tag(ch, c.layer, self.state_index[c.name])
+                    self.writers.setdefault(t, (req.rid, _draft_position(start + depth[j], j in rejected)))
+                    _set_tag(self.scratch[(c.name, c.layer, j)], i, t)
+            tokens.ids += [targets[j] for j in path]
+            self.given[req.rid] = self.given.get(req.rid, 0) + len(path)
+            predict += targets
+            paths.append(path)
+        return predict, paths
+
     def _sync(self, req, tokens: Tokens) -> None:
         """SGLang's tokens for the request (prompt, then its outputs) must be exactly the prompt it was given and
         every token the model sampled for it: none dropped, duplicated or changed."""
@@ -206,16 +268,19 @@ class ModelRunner:
         self.tokens[rid].ids.append(token)
         self.given[rid] = self.given.get(rid, 0) + 1
 
-    def _write(self, writes: list[tuple[str, int, int]]) -> None:
+    def _write(self, writes: list[tuple[str, int, int]], *, chains: list[int] | None = None,
+               rejected: set[int] = frozenset()) -> None:
+        """The K and V of each ``(req id, position, slot)``, derived from the request's tokens (or from ``chains``, a
+        verify's nodes, of which the writes numbered in ``rejected`` are drafts the target rejected)."""
         if not writes:
             return
-        chains = [self.tokens[rid].chain(p) for rid, p, _ in writes]
+        chains = chains or [self.tokens[rid].chain(p) for rid, p, _ in writes]
         slots = torch.tensor([slot for _, _, slot in writes], dtype=torch.int64)
         rows = {}
         for c, index in self.kv:
             tags = [tag(chain, c.layer, index) for chain in chains]
-            for t, (rid, p, _) in zip(tags, writes):
-                self.writers.setdefault(t, (rid, p))
+            for j, (t, (rid, p, _)) in enumerate(zip(tags, writes)):
+                self.writers.setdefault(t, (rid, _draft_position(p, j in rejected)))
             rows[(c.name, c.layer)] = _tagged_rows(c, tags)
         done = self.kv_pool.write_rows(slots, rows)
         # What the pool's door does not take (a sparse index, MXFP8 scales, FP4 bytes the quantiser cannot carry a
@@ -289,6 +354,47 @@ class ModelRunner:
             why = f"a value nobody wrote ({got & ((1 << 64) - 1):#x})"
         return LostKv(rid=rid, step=self.step, space=c.space, component=c.name, layer=c.layer, position=position,
                       block=slot, slot=slot, expected=f"{want:#x}", found=f"{got & ((1 << 64) - 1):#x}", whose=why)
+
+
+class RowGuard:
+    """Instrumentation of the request pool: SGLang's kernels index ``req_to_token`` rows from the tensor's base
+    without a bound, so an allocation that outgrows its row writes the next row's first columns. Here the tensor
+    lives in a buffer one row longer, whose last row (the canary) no request owns: a write past the last row lands
+    in it and is reported, not past the allocation (a crash of the interpreter, or on a GPU an illegal address or
+    another tensor's memory). Installed before anything holds the tensor (the tree, the runner, the future map)."""
+
+    def __init__(self, req_pool):
+        rows, width = req_pool.req_to_token.shape
+        buffer = torch.zeros((rows + 1, width), dtype=req_pool.req_to_token.dtype, device=req_pool.req_to_token.device)
+        buffer[:rows] = req_pool.req_to_token
+        req_pool.req_to_token = buffer[:rows]
+        self.req_pool, self.width, self.canary = req_pool, width, buffer[rows]
+
+    def problem(self, reqs, owner_of_row, *, row_of) -> str | None:
+        """Where a request's allocated KV (``kv_allocated_len``, the slots SGLang recorded in its row) outgrows the
+        row, whose positions of which request were overwritten; or a write into the canary. None if neither."""
+        for req in reqs:
+            allocated, row = req.kv.kv_allocated_len, row_of(req)
+            if row is None or allocated <= self.width:
+                continue
+            spill = allocated - self.width
+            victim = owner_of_row(row + 1)
+            if row + 1 == len(self.req_pool.req_to_token):
+                where = "the tensor's end (the canary row after the last request row)"
+            else:
+                where = f"row {row + 1}'s positions 0..{spill - 1} (" + (f"req {victim}'s" if victim else "a free row") + ")"
+            return (f"req {req.rid}: SGLang allocated {allocated} KV slots for it (kv_allocated_len) in a request row "
+                    f"of {self.width} (req_to_token {tuple(self.req_pool.req_to_token.shape)}): the last {spill} "
+                    f"went past its row {row}, over {where}")
+        if bool(self.canary.any()):
+            return (f"SGLang wrote past the last request row of req_to_token {tuple(self.req_pool.req_to_token.shape)}"
+                    f" (columns {self.canary.nonzero().flatten().tolist()} of the row after it)")
+        return None
+
+
+def _draft_position(position: int, rejected: bool):
+    """A writer's position as a failure names it: a rejected draft's KV or state is not the request's own."""
+    return f"{position} (a rejected draft)" if rejected else position
 
 
 def deferred_cow_and_clear(req_pool):

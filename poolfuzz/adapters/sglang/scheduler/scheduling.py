@@ -38,9 +38,9 @@ The loop is ``event_loop_normal``, the one a CPU server runs, i.e. a server with
 GPU server runs ``event_loop_overlap`` by default (results a step late, a ping-pong pair of track slots), not driven
 here. Driven: every KV layout the family builds (MHA K and V, MLA's latent and rope parts, FP8 and FP4 bytes with
 their scale rows, MiniMax's and DSA's index caches) in models of full-attention, sliding-window and mamba layers, on
-one-token and paged pools (the Scheduler's ``sliding_window_size`` and per-side token counts are the pools'); not
-speculative decoding (``scheduler_problem``); on releases whose Scheduler and result processor this module builds
-(``release_problem``).
+one-token and paged pools (the Scheduler's ``sliding_window_size`` and per-side token counts are the pools'), and
+speculative decoding through ``run_batch`` (``spec_worker.py``, where ``speculative_problem`` allows); on releases
+whose Scheduler and result processor this module builds (``release_problem``).
 """
 
 from __future__ import annotations
@@ -52,9 +52,10 @@ import torch
 
 from poolfuzz.adapters.sglang import compat
 from poolfuzz.adapters.sglang.host_tier import l3
-from poolfuzz.adapters.sglang.shims import cpu_server
-from poolfuzz.adapters.sglang.scheduler.runner import ModelRunner, deferred_cow_and_clear
+from poolfuzz.adapters.sglang.shims import cpu_server, root_warnings_off
+from poolfuzz.adapters.sglang.scheduler.runner import ModelRunner, RowGuard, deferred_cow_and_clear
 from poolfuzz.adapters.sglang.scheduler.sessions import SessionClients
+from poolfuzz.adapters.sglang.scheduler.spec_worker import SpecWorker, speculative_flags, speculative_problem
 from poolfuzz.pools.config import ModelConfig
 from poolfuzz.pools.errors import ConfigError, ServerStuck
 from poolfuzz.pools.token_chain import Tokens
@@ -159,13 +160,6 @@ def _server_arguments_problem(version: str) -> str | None:
     return None
 
 
-def scheduler_problem(config: ModelConfig) -> str | None:
-    """Why the scheduler path does not drive ``config`` (yet), or None."""
-    if config.spec_draft_tokens:
-        return "speculative decoding is not driven through SGLang's scheduler"
-    return None
-
-
 class SglangSchedulerDriver:
     """One example's server: SGLang's Scheduler methods and result processor, and the model-runner stand-in."""
 
@@ -173,7 +167,7 @@ class SglangSchedulerDriver:
         from poolfuzz.adapters.sglang.api import load
 
         self.named_backup = backup_mode  # the run's --backup-mode: None, or one of backup_modes
-        reason = scheduler_problem(config) or release_problem()
+        reason = speculative_problem(config, type(self)) or release_problem()
         if reason:
             raise ConfigError(f"the scheduler-driven sglang family cannot build {config.name!r}: {reason}")
         m = scheduler_modules()
@@ -210,6 +204,7 @@ class SglangSchedulerDriver:
                               "calls for a model with recurrent state")
         self.runner = ModelRunner(family=self.family, vocab=VOCAB, cow_and_clear=cow_and_clear,
                                   aligned_lens=aligned_lens)
+        self.spec_worker = SpecWorker.attached(self, vocab=VOCAB) if config.spec_draft_tokens else None  # run_batch's
         self.requests: dict[str, object] = {}  # rid -> SGLang's Req, until it finishes
         self.next_rid = 1
         self.fresh = VOCAB
@@ -226,6 +221,7 @@ class SglangSchedulerDriver:
     backup_mode = "cpu_tensor"  # the retraction path an artifact records (this server recomputes, on tensors)
     resolves_on_pools = False  # whether it resolves server flags on its built pools (pools_built)
     hierarchical = False  # whether it is started with --enable-hierarchical-cache (hicache_server.py)
+    drives_speculative = True  # whether it drives a speculative config (spec_worker.py)
     storage_dir: str | None = None  # its L3 tier's directory (--hicache-storage-backend, hicache_server.py), or None
 
     def server_flags(self, config: ModelConfig, *, max_running_requests: int) -> dict:
@@ -251,6 +247,7 @@ class SglangSchedulerDriver:
         config = mamba_sized(config)
         self.config = config
         self.family = build_sglang_family(config, scheduled=True, **self.family_options(max_running))
+        self.row_guard = RowGuard(self.family.sg_req_pool)  # before the tree, runner or future map hold req_to_token
         worker = self.pools_built()
         try:
             self.tree = build_tree(self.family, hierarchical=self.hierarchical, server=self.server_args,
@@ -269,7 +266,8 @@ class SglangSchedulerDriver:
         self.server = object.__new__(m.Scheduler)
         self.server.__dict__.update(compat.scheduler_state(
             tree=self.tree, req_to_token_pool=req_pool, allocator=allocator, model_config=model,
-            spec_algorithm=m.SpeculativeAlgorithm.NONE, disaggregation_mode=pd, flags=flags,
+            spec_algorithm=m.SpeculativeAlgorithm.from_string(self.server_args.get("speculative_algorithm")),
+            disaggregation_mode=pd, flags=flags,
             page_size=config.page_size, is_hybrid_ssm=config.has_mamba,
             sliding_window_size=config.sliding_window if config.has_swa else None,
             swa_tokens=(config.full_tokens, config.swa_tokens) if config.has_swa else None,  # the worker's sizes
@@ -382,11 +380,11 @@ class SglangSchedulerDriver:
         self.session_clients.close(f"session-{session}", give_up=False)
 
     def propose_drafts(self, tokens: int) -> None:
-        """No speculative decoding on this server."""
+        """SGLang's drafter proposes ``speculative_num_steps`` tokens every round, whatever the harness asks."""
 
     @property
     def speculative(self) -> bool:
-        return False
+        return self.spec_worker is not None
 
     def step(self) -> None:
         """One iteration of ``Scheduler.event_loop_normal``: the next batch, its forward, its result."""
@@ -404,13 +402,15 @@ class SglangSchedulerDriver:
                 raise AssertionError(str(exc).strip() + self.session_clients.told()) from None
             self._forget_done()  # a chunked request's deferred abort is answered at the top of a step
             return
-        s.forward_ct += 1  # run_batch's counter
-        batch.forward_iter = s.forward_ct
-        extend = batch.forward_mode.is_extend()
-        if extend:
+        if batch.forward_mode.is_extend():
             for r, p in zip(batch.reqs, batch.prefix_lens):
                 self.first_prefix.setdefault(r.rid, p)  # its first batch: what the tree matched
             self.chunked += sum(1 for r in batch.reqs if r is s.chunked_req)
+        if self.spec_worker is not None:  # run_batch's own spec-v2 branch (and counters), around the worker stand-in
+            self.loop.finish(batch, s.run_batch(batch), counted=True)
+            return self._forget_done()
+        s.forward_ct += 1  # run_batch's counter
+        batch.forward_iter = s.forward_ct
         tokens = self.runner.forward(batch)
         self.loop.finish(batch, self.m.GenerationBatchResult(next_token_ids=torch.tensor(tokens, dtype=torch.int64)))
         self._forget_done()
@@ -431,9 +431,9 @@ class SglangSchedulerDriver:
         return compat.publishes_runtime_context()
 
     def flush(self) -> bool:
-        """An operator's ``/flush_cache``: SGLang's own ``Scheduler.flush_cache`` (only an idle server is flushed:
-        its tree reset, its request pool and allocators cleared); whether it flushed."""
-        with cpu_server():
+        """An operator's ``/flush_cache``: SGLang's own ``Scheduler.flush_cache`` (an idle server's tree, request pool
+        and allocators reset); whether it flushed. Its refusal goes to the root logger, so warnings are off meanwhile."""
+        with cpu_server(), root_warnings_off():
             return bool(self.server.flush_cache())
 
     def close(self) -> None:
@@ -523,9 +523,9 @@ class ContextLoop:
     def retractions(self) -> int:
         return self.server.metrics_reporter.num_retracted_reqs
 
-    def finish(self, batch, result) -> None:
+    def finish(self, batch, result, *, counted: bool = False) -> None:
         s = self.server
-        if batch.extend_num_tokens:  # run_batch's counter
+        if batch.extend_num_tokens and not counted:  # run_batch's counter (counted: by run_batch itself)
             s.processed_tokens_counter += batch.extend_num_tokens
         if batch.forward_mode.is_extend():
             self.processor.process_batch_result_prefill(batch, result)
@@ -564,7 +564,7 @@ def server_arguments(config: ModelConfig, *, max_running_requests: int) -> dict:
     if config.has_mamba:
         flags.update(mamba_radix_cache_strategy="extra_buffer" if config.mamba_track_slots else "no_buffer",
                      mamba_track_interval=MAMBA_TRACK_INTERVAL, mamba_chunk_size=MAMBA_CHUNK)
-    return flags
+    return flags | speculative_flags(config)
 
 
 def max_req_len(config: ModelConfig, pool_tokens: int) -> int:

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 from functools import lru_cache
 
-from poolfuzz.adapters.sglang.scheduler.scheduling import SglangSchedulerDriver, release_problem, scheduler_problem
+from poolfuzz.adapters.sglang.scheduler.scheduling import SglangSchedulerDriver, release_problem
+from poolfuzz.adapters.sglang.scheduler.spec_worker import speculative_problem
 from poolfuzz.pools.config import ModelConfig
 from poolfuzz.pools.errors import ConfigError
 
@@ -16,7 +17,7 @@ def unsupported_reason(config: ModelConfig, driver_cls=None, *, backup_mode: str
     ``config``, or None."""
     from poolfuzz.adapters.sglang.lifecycle.family import unsupported_reason as pools_reason
 
-    return (pools_reason(config, scheduled=True) or scheduler_problem(config) or release_problem()
+    return (pools_reason(config, scheduled=True) or speculative_problem(config, driver_cls) or release_problem()
             or server_refusal(config, driver_cls or SglangSchedulerDriver, backup_mode))
 
 

@@ -1,0 +1,123 @@
+"""SGLang's speculative (spec v2) scheduling as the scheduler path calls it (``scheduler/spec_worker.py``): the
+functions it runs, the Scheduler state ``run_batch`` reads, and the stand-in the mamba commit runs on."""
+
+from __future__ import annotations
+
+import importlib
+from contextlib import ExitStack, contextmanager
+from types import SimpleNamespace as NS
+
+# What the synchronous spec-v2 round runs, module:name (0.5.23): absent on a release, its servers are declined.
+SPEC_V2 = {
+    "spec_prepare_for_decode": "sglang.srt.speculative.spec_utils:spec_prepare_for_decode",
+    "commit_mamba_states_after_verify": "sglang.srt.speculative.spec_utils:commit_mamba_states_after_verify",
+    # the Triton kernel the target-verify prep launches on a GPU (its dispatcher returns nothing on a bare CPU)
+    "assign_extend_cache_locs": "sglang.kernels.ops.speculative.cache_locs:assign_extend_cache_locs",
+    "EagleDraftInput": "sglang.srt.speculative.eagle_info:EagleDraftInput",
+    "GenerationBatchResult": "sglang.srt.managers.utils:GenerationBatchResult",
+    # private: a draft tree's accepted path moved to the front of the window (move_kv_cache), its tokens compacted
+    "finalize_accept_tree_path": "sglang.srt.speculative.eagle_worker_common:_finalize_accept_tree_path",
+    "update_mamba_state_after_mtp_verify": "sglang.srt.layers.attention.hybrid_linear_attn_backend:"
+                                           "HybridLinearAttnBackend.update_mamba_state_after_mtp_verify",
+}
+
+
+# The commit's scatter module: its fused Triton kernels refuse CPU tensors ("only supports CUDA/XPU tensors"), where
+# the backend's own torch scatter (the one it runs for its other side states off CUDA) does the same per request:
+# ``dst[:, dst_indices[i]] = src[:, i, step_indices[i]]`` where ``step_indices[i] >= 0``.
+SCATTER_MODULE = "sglang.kernels.ops.mamba.mamba_state_scatter_triton"
+FUSED_SCATTERS = ("fused_mamba_state_scatter_with_mask", "fused_conv_window_scatter_with_mask")
+MULTI_SCATTER_GATE = "_conv_multi_eligible"  # private: whether all conv pairs go through one fused launch
+TORCH_SCATTER = ("sglang.srt.layers.attention.hybrid_linear_attn_backend:"
+                 "HybridLinearAttnBackend._scatter_speculative_state_with_mask")
+
+
+@contextmanager
+def torch_state_scatter():
+    """Within the block, the commit's fused scatter kernels are the backend's torch scatter (see ``FUSED_SCATTERS``),
+    and the conv windows go through the per-pair loop ``scatter_mamba_states_after_mtp_verify`` runs when its
+    multi-pair fusion is not eligible."""
+    from poolfuzz.adapters.sglang.shims import swapped
+
+    module = importlib.import_module(SCATTER_MODULE)
+    twin = _resolve(TORCH_SCATTER)
+    with ExitStack() as stack:
+        for name in FUSED_SCATTERS:
+            stack.enter_context(swapped(module, name, twin))
+        stack.enter_context(swapped(module, MULTI_SCATTER_GATE, lambda pairs: False))
+        yield
+
+
+def _resolve(target: str):
+    module, _, name = target.partition(":")
+    value = importlib.import_module(module)
+    for part in name.split("."):
+        value = getattr(value, part)
+    return value
+
+
+def runs_spec_v2_synchronously() -> bool:
+    """Whether this release's Scheduler runs a speculative round without the overlap schedule through the spec-v2
+    worker interface the stand-in keeps (every name of ``SPEC_V2`` present)."""
+    try:
+        for target in (*SPEC_V2.values(), TORCH_SCATTER):
+            _resolve(target)
+        module = importlib.import_module(SCATTER_MODULE)
+    except (ImportError, AttributeError):
+        return False
+    return all(hasattr(module, name) for name in (*FUSED_SCATTERS, MULTI_SCATTER_GATE))
+
+
+def spec_v2_modules() -> NS:
+    """The ``SPEC_V2`` names, resolved."""
+    return NS(**{key: _resolve(target) for key, target in SPEC_V2.items()})
+
+
+def verify_cache_locs(m: NS, *, req_pool_indices, req_to_token, start_offset, draft_token_num: int):
+    """The verify window's slots, ``req_to_token[row, start:start + draft_token_num]`` per request, gathered by the
+    kernel ``eagle_prepare_for_verify`` launches on a GPU (``assign_extend_cache_locs_uniform_func``'s GPU branch, the
+    uniform kernel's non-fused twin, launched as ``assign_extend_cache_locs_func`` launches it), here in Triton's
+    interpreter."""
+    import torch
+    import triton
+
+    bs = len(req_pool_indices)
+    out = torch.empty((bs * draft_token_num,), dtype=torch.int64)
+    m.assign_extend_cache_locs[(bs,)](req_pool_indices, req_to_token, start_offset, start_offset + draft_token_num,
+                                      out, req_to_token.shape[1], triton.next_power_of_2(bs))
+    return out
+
+
+def run_batch_state(*, model_worker, spec_algorithm, req_to_token_pool) -> dict:
+    """What ``Scheduler.run_batch`` reads of a one-rank server without the overlap schedule, beyond what
+    ``scheduler_state`` leaves: its worker (the stand-in), the future map its spec-v2 branch resolves inputs through,
+    and collaborators it only notifies (profiler, scripted hook, load reporting), as no-ops."""
+    import torch
+
+    noop = lambda *args, **kwargs: None  # noqa: E731
+    return dict(model_worker=model_worker, enable_pdmux=False, pp_group=NS(is_last_rank=True),
+                scripted_scheduler_hook=None, forward_sleep_time=None,
+                profiler_manager=NS(_profile_batch_predicate=noop), device_module=torch.cpu, attn_dp_enabled=False,
+                future_map=spec_algorithm.create_future_map("cpu", req_to_token_pool, needs_cpu_seq_lens=False,
+                                                            needs_confidence_relay=False))
+
+
+def verify_commit_target(family, hf_config):
+    """``batch -> target worker`` for ``commit_mamba_states_after_verify``: what it reads of the target worker (the
+    model config, the request pool) and, as the attention backend, SGLang's own ``update_mamba_state_after_mtp_verify``
+    bound to a stand-in holding what the method reads: the request pool and the batch's working mamba slots (its
+    forward metadata's ``mamba_cache_indices``, the physical slots of ``get_mamba_indices``)."""
+    update = _resolve(SPEC_V2["update_mamba_state_after_mtp_verify"])
+    req_pool = family.sg_req_pool
+    model_config = NS(hf_config=hf_config, linear_attn_registry_result=None, is_draft_model=False)
+
+    def target(batch):
+        slots = req_pool.translate_mamba_indices(req_pool.get_mamba_indices(batch.req_pool_indices))
+        linear = NS(forward_metadata=NS(mamba_cache_indices=slots), req_to_token_pool=req_pool,
+                    _translate_mamba_indices=req_pool.translate_mamba_indices, accept_lens_pool=None)
+        backend = NS(linear_attn_backend=linear, _update_ple_state_after_mtp_verify=lambda *a, **k: None)
+        backend.update_mamba_state_after_mtp_verify = update.__get__(backend)
+        return NS(model_runner=NS(model_config=model_config, req_to_token_pool=req_pool, attn_backend=backend,
+                                  model=None))
+
+    return target
