@@ -5,6 +5,7 @@ slots are SGLang's; the target and draft models are stood in for."""
 from __future__ import annotations
 
 import pytest
+import torch
 from hypothesis import HealthCheck, settings
 from hypothesis.stateful import run_state_machine_as_test
 
@@ -94,6 +95,30 @@ def test_an_accepted_path_off_the_windows_front_is_moved_there_by_sglang(spec_dr
     with pytest.raises(LostKv) as caught:
         _serve(spec_driver(), traffic, steps=60)
     assert caught.value.component.startswith("full.") and "a rejected draft" in caught.value.whose
+
+
+def test_sglangs_acceptance_kernel_is_checked_against_the_targets_tokens(spec_driver, monkeypatch):
+    """The accepted nodes are what SGLang's ``verify_tree_greedy`` kernel answers on the drafted trees; a kernel that
+    accepts no draft where the target agreed with one is caught, naming both answers."""
+    from poolfuzz.adapters.sglang import compat
+
+    real = compat.spec_v2_modules
+
+    def root_only():
+        m = real()
+
+        def accept_nothing(predicts, accept_index, accept_token_num, candidates, *trees, target_predict):
+            roots = torch.arange(len(candidates)) * candidates.shape[1]
+            accept_index[:, 0] = roots.to(accept_index.dtype)
+            predicts[roots] = target_predict[:, 0].to(predicts.dtype)  # the target's token after the root only
+            accept_token_num.zero_()
+
+        m.verify_tree_greedy = accept_nothing
+        return m
+
+    monkeypatch.setattr(compat, "spec_v2_modules", root_only)
+    with pytest.raises(AssertionError, match=r"verify_tree_greedy accepted nodes \[\[\d+\]"):
+        _serve(spec_driver(), [(5, 0, 8), (8, 1, 8), (11, 0, 8)], steps=60)
 
 
 def test_the_fuzzer_drives_speculative_servers(spec_driver, scheduling):

@@ -15,6 +15,9 @@ SPEC_V2 = {
     "assign_extend_cache_locs": "sglang.kernels.ops.speculative.cache_locs:assign_extend_cache_locs",
     "EagleDraftInput": "sglang.srt.speculative.eagle_info:EagleDraftInput",
     "GenerationBatchResult": "sglang.srt.managers.utils:GenerationBatchResult",
+    # eagle_sample's greedy tree acceptance: verify_tree_greedy_func rejects a bare CPU (its CPU branch is sgl_kernel's,
+    # behind SGLANG_USE_CPU_ENGINE); the Triton variant an XPU launches runs in the interpreter
+    "verify_tree_greedy": "sglang.kernels.ops.speculative.spec_tree:verify_tree_greedy_triton",
     # private: a draft tree's accepted path moved to the front of the window (move_kv_cache), its tokens compacted
     "finalize_accept_tree_path": "sglang.srt.speculative.eagle_worker_common:_finalize_accept_tree_path",
     "update_mamba_state_after_mtp_verify": "sglang.srt.layers.attention.hybrid_linear_attn_backend:"

@@ -18,9 +18,9 @@ What is stood in for, and why (``EAGLEWorkerV2`` loads a target and a draft mode
 * the target model's verify forward: :meth:`ModelRunner.verify` checks each request's context and state, writes the
   K and V of each tree node at the window's slots and the state after each into the request's intermediate-cache
   row, and gives the target's token after each node;
-* ``eagle_sample``'s greedy acceptance (``verify_tree_greedy``, which walks the retrieve arrays the draft model's
-  tree build makes, not built here): a child is accepted where its token is the target's after its parent, then the
-  target's own token follows;
+* the draft model's tree build (``build_tree_kernel_efficient``): the trees reach SGLang's greedy acceptance kernel
+  (``verify_tree_greedy``, its Triton variant, interpreted) as the retrieve arrays it makes; the runner's own reading
+  of which nodes the target accepts is checked against the kernel's;
 * the draft model: it drafts a tree of ``speculative_num_draft_tokens - 1`` nodes after the request's last token, its
   shape and which nodes are right as the sequence's chain says (the vLLM worker's drafter decides the same way); its
   own KV pool and hidden states are not built, and the draft input it hands the next round carries zero top-k scores
@@ -153,15 +153,17 @@ class SpecWorker:
                                         draft_token_num=d)
         trees = [self._draft(self.runner.tokens[req.rid]) for req in batch.reqs]
         predict, paths = self.runner.verify(batch, locs=locs.tolist(), trees=trees)
-        accept_lens = torch.tensor([len(path) for path in paths], dtype=torch.int32)
-        accept_index = torch.full((bs, self.steps + 1), -1, dtype=torch.int32)
-        for i, path in enumerate(paths):
-            accept_index[i, :len(path)] = torch.tensor([i * d + node for node in path], dtype=torch.int32)
+        predicted, accept_index, accept_lens = self._accept(batch, trees, predict)
+        want = [[i * d + node for node in path] for i, path in enumerate(paths)]
+        got = [row[:n] for row, n in zip(accept_index.tolist(), accept_lens.tolist())]
+        if got != want:  # SGLang's acceptance kernel against the target's tokens on the drafted trees
+            raise AssertionError(f"step {self.runner.step}: verify_tree_greedy accepted nodes {got}, but the target's "
+                                 f"tokens accept {want} (trees {trees})")
         if self._target is not None:
             with compat.torch_state_scatter():
                 self.m.commit_mamba_states_after_verify(self._target(batch), batch, accept_lens, accept_index, d)
         bonus = torch.tensor([predict[i * d + path[-1]] for i, path in enumerate(paths)], dtype=torch.int32)
-        predict = torch.tensor(predict, dtype=torch.int32)
+        predict = predicted
         if TOPK > 1:  # the accepted path's KV to the front of the window, its tokens with it (the verify's own code)
             batch.out_cache_loc = locs  # as eagle_prepare_for_verify leaves it (run_batch's isolation restores it)
             predict = self.m.finalize_accept_tree_path(batch, accept_index, accept_lens, predict,
@@ -175,6 +177,34 @@ class SpecWorker:
         return self.m.GenerationBatchResult(next_token_ids=predict, accept_lens=accept_lens, accept_index=accept_index,
                                             new_seq_lens=batch.seq_lens + accept_lens.to(batch.seq_lens.dtype),
                                             speculative_num_draft_tokens=d, next_draft_input=self._draft_input(bonus))
+
+    def _accept(self, batch, trees, targets: list[int]):
+        """``eagle_sample``'s greedy acceptance by SGLang's own ``verify_tree_greedy`` kernel (its Triton variant, the
+        one an XPU launches; interpreted here) over the drafted trees, given as the draft model's tree build hands
+        them: each node's token (``candidates``), first child (``retrieve_next_token``) and next sibling
+        (``retrieve_next_sibling``), and the target's token after each node. Returns the kernel's ``predict``,
+        ``accept_index`` and accept lengths (drafts accepted, plus the bonus)."""
+        bs, d = len(trees), self.draft_tokens
+        candidates = torch.zeros((bs, d), dtype=torch.int64)
+        first_child = torch.full((bs, d), -1, dtype=torch.int64)
+        next_sibling = torch.full((bs, d), -1, dtype=torch.int64)
+        for i, (req, tree) in enumerate(zip(batch.reqs, trees)):
+            candidates[i, 0] = self.runner.tokens[req.rid].ids[-1]
+            last_child: dict[int, int] = {}
+            for node, (parent, token) in enumerate(tree, start=1):
+                candidates[i, node] = token
+                if parent in last_child:
+                    next_sibling[i, last_child[parent]] = node
+                else:
+                    first_child[i, parent] = node
+                last_child[parent] = node
+        retrieve_index = torch.arange(bs * d, dtype=torch.int64).view(bs, d)
+        predict = torch.zeros(bs * d, dtype=torch.int32)
+        accept_index = torch.full((bs, self.steps + 1), -1, dtype=torch.int32)
+        correct = torch.zeros(bs, dtype=torch.int32)
+        self.m.verify_tree_greedy(predict, accept_index, correct, candidates, retrieve_index, first_child, next_sibling,
+                                  target_predict=torch.tensor(targets, dtype=torch.int64).view(bs, d))
+        return predict, accept_index, correct + 1
 
     def _draft(self, tokens) -> list[tuple[int, int]]:
         """The drafter's tree after the request's last token: ``speculative_num_draft_tokens - 1`` nodes, each
