@@ -93,7 +93,8 @@ class _PipeSafe:
 def _silence_native_teardown() -> None:
     """At exit, after the run has said everything: Triton's native module (loaded where an engine's kernels run in its
     interpreter) reports its own objects as leaked while the interpreter finalizes, a hundred lines of nanobind
-    noise on stderr that say nothing about the run. Its stderr is closed for that last stage only."""
+    noise on stderr that say nothing about the run. Its stderr is closed for that last stage only. The price: an exit
+    handler registered before the run (a library's) that fails then fails silently too."""
     if "triton._C.libtriton" not in sys.modules:
         return
     sys.stderr.flush()

@@ -35,18 +35,22 @@ def sampled_token(chain: int, vocab: int) -> int:
 
 def drafts_right(chain: int, count: int) -> int:
     """How many of a drafter's ``count`` tokens after a sequence are the ones the model samples (0 to ``count``):
-    determined by the sequence alone, from bits the sampled token does not use."""
+    determined by the sequence alone (``draft_choices``)."""
     return draft_choices(chain) % (count + 1)
 
 
-def draft_choices(chain: int) -> int:
-    """Bits a drafter draws its choices from after a sequence (a draft tree's shape, which drafts are right):
-    determined by the sequence alone, from bits the sampled token does not use."""
-    return chain >> DRAFT_SHIFT
+def draft_choices(chain: int, salt: int = 0) -> int:
+    """Bits a drafter draws its choices from after a sequence, one draw per ``salt`` (a draft tree's node): determined
+    by the sequence alone, every bit mixed (splitmix64's finaliser), so draws for neighbouring salts are unrelated
+    (the chain's own hash leaves them correlated in the high bits)."""
+    x = (chain ^ (salt * 0x9E3779B97F4A7C15)) & _WORD
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _WORD
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _WORD
+    return x ^ (x >> 31)
 
 
+_WORD = (1 << 64) - 1
 SAMPLE_SHIFT = 32
-DRAFT_SHIFT = 48
 
 
 @dataclass(kw_only=True)

@@ -37,9 +37,9 @@ def _serve(driver, requests, steps=80):
 
 
 def test_verify_rounds_accept_and_reject_drafts_and_free_what_they_over_allocated(spec_driver):
-    """Three requests on a 48-slot pool: every round SGLang tops each request's slots up to twice the draft window
-    past what it committed, the worker verifies the drafter's chain on them, and SGLang commits the accepted tokens
-    and the accepted step's recurrent state. The memory pressure makes the server retract; at the end every request
+    """Three requests on a 48-slot pool: every round SGLang tops each request's slots up to twice the round's draft
+    allocation past what it committed, the worker verifies the drafter's tree on them, and SGLang commits the accepted
+    tokens and the accepted node's recurrent state. The memory pressure makes the server retract; at the end every request
     has its tokens, and SGLang's own idle leak checks find every over-allocated slot returned."""
     driver = spec_driver()
     rids, reqs = _serve(driver, [(5, 0, 6), (8, 1, 7), (11, 0, 8)])
@@ -173,7 +173,7 @@ def _edge_of_context(driver):
 
 @pytest.mark.anchored
 def test_a_draft_trees_reserve_at_the_context_boundary_overruns_the_request_row(spec_driver, scheduling, monkeypatch):
-    """SGLang 0.5.23, spec v2 with a draft tree (top-k 2) on one-token pages (docs/bugs/sglang-spec-v2-row-overflow.md):
+    """SGLang 0.5.23, spec v2 on one-token pages, here a draft tree (top-k 2; docs/bugs/sglang-spec-v2-row-overflow.md):
     each round tops a request's KV up to 16 slots past what it committed, but its request row has 9 columns past the
     context (``get_req_to_token_extra_context_len`` sizes the row for the reserve only at page_size > 1). The
     25-token request's second round writes its allocation past its row, over the first positions of the next row,

@@ -336,12 +336,24 @@ def one_rank_group():
 
 @contextlib.contextmanager
 def root_warnings_off():
-    """Within the block, warnings logged on the root logger are dropped (SGLang logs some there, not on its own
-    logger, e.g. ``Scheduler.flush_cache``'s refusal of a busy server, which the scheduler path asks for at random)."""
+    """Within the block, warnings logged on the root logger itself are dropped (SGLang logs some there, not on its own
+    loggers, e.g. ``Scheduler.flush_cache``'s refusal of a busy server, which the scheduler path asks for at random).
+    A filter on the root logger: records of other loggers, which propagate to its handlers, do not pass it."""
     import logging
 
-    logging.disable(logging.WARNING)
+    root = logging.getLogger()
+    drop = _BelowError()
+    root.addFilter(drop)
     try:
         yield
     finally:
-        logging.disable(logging.NOTSET)
+        root.removeFilter(drop)
+
+
+class _BelowError:
+    """A logging filter that lets through only errors and worse."""
+
+    def filter(self, record) -> bool:
+        import logging
+
+        return record.levelno >= logging.ERROR

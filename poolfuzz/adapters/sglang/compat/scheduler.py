@@ -326,3 +326,17 @@ def requests_owning_rows(server) -> list:
     if not callable(getattr(type(checker), "_requests_owning_rows", None)):
         return []
     return checker._requests_owning_rows()
+
+
+def req_to_token_headroom() -> int | None:
+    """The columns a server's ``req_to_token`` rows have past the context (``get_req_to_token_extra_context_len``, of the
+    published server's page size and speculative flags), or None: a release without that sizing, or no server with a
+    page size published yet (pools built on their own)."""
+    try:
+        from sglang.srt.mem_cache.allocation_sizing import get_req_to_token_extra_context_len
+        from sglang.srt.runtime_context import get_schedule
+    except ImportError:
+        return None
+    if get_schedule().page_size is None:
+        return None
+    return get_req_to_token_extra_context_len()

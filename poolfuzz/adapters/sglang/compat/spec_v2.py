@@ -60,8 +60,8 @@ def _resolve(target: str):
 
 
 def runs_spec_v2_synchronously() -> bool:
-    """Whether this release's Scheduler runs a speculative round without the overlap schedule through the spec-v2
-    worker interface the stand-in keeps (every name of ``SPEC_V2`` present)."""
+    """Whether this release has every name the stand-in's speculative round calls (``SPEC_V2`` and the scatter's):
+    a probe of names, not of ``run_batch``'s branches (read on 0.5.23 only)."""
     try:
         for target in (*SPEC_V2.values(), TORCH_SCATTER):
             _resolve(target)

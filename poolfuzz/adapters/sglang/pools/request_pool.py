@@ -43,18 +43,13 @@ def build_plain_request_pool(api: SGLangAPI, c: ModelConfig, sdev: str, *, decod
 
 
 def server_row_width(c: ModelConfig) -> int:
-    """A request row's width as the published server's configurator sizes ``req_to_token``: the context, plus the
-    headroom SGLang keeps for the decode over-allocation (``get_req_to_token_extra_context_len``, of the server's
-    page size and speculative flags). The context alone on a release without that sizing, or where no server with a
-    page size is published (pools built on their own, as the adapter wired them before)."""
-    try:
-        from sglang.srt.mem_cache.allocation_sizing import get_req_to_token_extra_context_len
-        from sglang.srt.runtime_context import get_schedule
-    except ImportError:
-        return c.max_context
-    if get_schedule().page_size is None:
-        return c.max_context
-    return c.max_context + get_req_to_token_extra_context_len()
+    """A request row's width as the published server's configurator sizes ``req_to_token``: the context plus SGLang's
+    headroom (``compat.req_to_token_headroom``); the context alone where the release has no such sizing or no server
+    is published (the width the adapter's wiring always had)."""
+    from poolfuzz.adapters.sglang import compat
+
+    headroom = compat.req_to_token_headroom()
+    return c.max_context + (headroom or 0)
 
 
 def mamba_cache_params(api: SGLangAPI, c: ModelConfig):

@@ -380,7 +380,7 @@ class SglangSchedulerDriver:
         self.session_clients.close(f"session-{session}", give_up=False)
 
     def propose_drafts(self, tokens: int) -> None:
-        """SGLang's drafter proposes ``speculative_num_steps`` tokens every round, whatever the harness asks."""
+        """The drafter drafts a tree of ``speculative_num_draft_tokens - 1`` nodes every round, whatever is asked."""
 
     @property
     def speculative(self) -> bool:

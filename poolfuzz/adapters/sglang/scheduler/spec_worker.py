@@ -25,6 +25,10 @@ What is stood in for, and why (``EAGLEWorkerV2`` loads a target and a draft mode
   shape and which nodes are right as the sequence's chain says (the vLLM worker's drafter decides the same way); its
   own KV pool and hidden states are not built, and the draft input it hands the next round carries zero top-k scores
   beside the real bonus tokens;
+* ``run_eagle_verify`` itself, which needs a ``ForwardBatch`` of a model runner: the worker does its steps in its
+  order, calling SGLang for each where one exists (the window's slots, acceptance, the mamba commit, the tree-path
+  move), and keeps its own bookkeeping: ``new_seq_lens = seq_lens + accept_lens``, the bonus token (the target's
+  after the last accepted node), ``out_cache_loc`` set as ``eagle_prepare_for_verify`` leaves it;
 * the attention backend's ``update_mamba_state_after_mtp_verify`` runs unbound on a stand-in holding what it reads
   (the request pool, the batch's working mamba slots), and ``scatter_mamba_states_after_mtp_verify``'s fused Triton
   scatters, which refuse CPU tensors, are the backend's own torch scatter (``compat.torch_state_scatter``).
@@ -208,19 +212,24 @@ class SpecWorker:
 
     def _draft(self, tokens) -> list[tuple[int, int]]:
         """The drafter's tree after the request's last token: ``speculative_num_draft_tokens - 1`` nodes, each
-        ``(parent, token)`` with an earlier parent (node 0 is the last token; with top-k 1, node ``j - 1``), each right
-        (the token the model samples after its parent's path; at most one child of a node) or wrong as the sequence's
-        chain says, so trees of every shape and depth and every accepted length are drafted."""
+        ``(parent, token)`` with an earlier parent that has fewer than top-k children (node 0 is the last token), each
+        right (the token the model samples after its parent's path; at most one child of a node) or wrong, as the
+        sequence's chain says (a fresh hash of it per node), so trees of every shape SGLang's top-k drafter makes, and
+        every accepted length, are drafted."""
         start = len(tokens.ids) - 1
-        choices = draft_choices(tokens.chain(start))
-        chains, depths, right_child, nodes = [tokens.chain(start)], [0], set(), []
+        root = tokens.chain(start)
+        chains, depths, children, right_child, nodes = [root], [0], [0], set(), []
         for j in range(1, self.draft_tokens):
-            parent = (choices >> (3 * j)) % j if TOPK > 1 else j - 1
+            choices = draft_choices(root, j)  # the node's own draw, however many nodes there are
+            open_parents = [p for p in range(j) if children[p] < TOPK]
+            parent = open_parents[choices % len(open_parents)]
             want = sampled_token(chains[parent], self.vocab)
-            right = parent not in right_child and (choices >> (3 * j + 2)) & 1
+            right = parent not in right_child and (choices >> 8) & 1
             token = want if right else (want + j) % self.vocab
             if right:
                 right_child.add(parent)
+            children[parent] += 1
+            children.append(0)
             nodes.append((parent, token))
             depths.append(depths[parent] + 1)
             chains.append(chain_after(chains[parent], token, start + depths[-1]))
