@@ -134,6 +134,14 @@ class Engine(KnownBugTaint):
         self.touched = set()
         self.events = set()
 
+    def longer_than_context(self, seqlen: int) -> bool:
+        """Whether a new request of ``seqlen`` tokens is longer than the model's context: a server refuses it (its
+        row holds ``max_context`` positions), so it is recorded refused and nothing is allocated."""
+        if seqlen <= self.config.max_context:
+            return False
+        self._record(f"refused: {seqlen} tokens, longer than the {self.config.max_context}-token context")
+        return True
+
     def _record(self, outcome: str) -> None:
         op, args = self.pending
         self.log.append(StepRecord(op=op, args=args, outcome=outcome))
@@ -192,6 +200,8 @@ class Engine(KnownBugTaint):
         node = "prefill"
         fam, ref = self.families[node], self.refs[node]
         rid = self.next_rid
+        if self.longer_than_context(prompt_len):
+            return None
         kv = ReqKv(rid=rid, seqlen=prompt_len)
         err = self._both(node, rid, lambda: ref.admit(rid, seqlen=prompt_len), lambda: fam.protocol.admit(kv, fam))
         if err:
@@ -476,6 +486,8 @@ class Engine(KnownBugTaint):
         fam, ref = self.families[src.node], self.refs[src.node]
         rid = self.next_rid
         prefix = src.kv.kv_committed_len
+        if self.longer_than_context(prefix + extra):
+            return None
         kv = ReqKv(rid=rid, seqlen=prefix + extra)
         err = self._both(src.node, rid, lambda: ref.fork(src_rid, rid, seqlen=prefix + extra),
                          lambda: fam.protocol.fork(src.kv, kv, fam))

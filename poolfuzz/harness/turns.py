@@ -61,6 +61,8 @@ def next_turn(engine, src_rid: int, extra: int) -> int | None:
     fam, ref = engine.families[node], engine.refs[node]
     rid = engine.next_rid
     seqlen = src.tokens + extra
+    if engine.longer_than_context(seqlen):
+        return None
     kv = ReqKv(rid=rid, seqlen=seqlen)
     found = fam.protocol.begin_turn(kv, fam, src_rid=src_rid, prefix=src.tokens)
     loaded = seqlen - 1

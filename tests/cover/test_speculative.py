@@ -103,3 +103,21 @@ def test_each_speculative_fault_is_found(fault):
 @pytest.mark.parametrize("name", [NAME, f"{NAME}-ps4"])
 def test_the_correct_scratch_passes(name):
     assert run_machine(CONFIGS[name], max_examples=40, seed=0).passed
+
+
+def test_a_request_longer_than_the_context_is_refused_not_written_past_its_row():
+    """hybrid-spec-long: a 32-token context beside a 48-token pool. A fork (or a chat's next turn) whose prefix and
+    new tokens outgrow the context is refused, as a server refuses the prompt, and allocates nothing; one that fits
+    is asked of the pools. (Before, the pools wrote 34 positions into a 32-position request row and crashed.)"""
+    e, rid = _served(CONFIGS["hybrid-spec-long"])
+    for _ in range(24):  # decode to 30 tokens: 29 committed
+        assert e.decode([rid]) == [rid]
+        e.check()
+    free = {space: fl.available_size() for space, fl in e.families["prefill"].free_lists().items()}
+    assert e.fork(rid, 6) is None
+    assert e.log[-1].outcome.startswith("refused: ") and "longer than the 32-token context" in e.log[-1].outcome
+    assert {space: fl.available_size() for space, fl in e.families["prefill"].free_lists().items()} == free
+    e.check()
+    e.fork(rid, 1)  # 30 tokens: asked of the pools (this full pool has no room for it)
+    assert "longer than" not in e.log[-1].outcome
+    e.check()
