@@ -73,10 +73,10 @@ class DeclineLog:
         self.last: str | None = None
 
     def accepts(self, config: ModelConfig) -> bool:
-        reason = self.decline(config)
-        if reason:
-            self.last = reason
-        return not reason
+        """Whether the draw is accepted; the reason where not (an accepted draw clears the refusals before it: they are
+        not the example's)."""
+        self.last = self.decline(config) or None
+        return self.last is None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -157,8 +157,6 @@ class PoolMachine(RuleBasedStateMachine):
         a ConfigError while building) rejects the example: it is not a failure. A failure while
         building (an audit, a crash) is a failure at step 0, told to the observer like any other."""
         cls = type(self)
-        if drawn and cls.decline_log is not None:
-            cls.decline_log.last = None  # the filter accepted this draw: earlier refused draws are not the example's
         # A draw through the decline log was filtered by the same predicate already: ask only of other draws.
         decline = factory_capabilities(cls.family_factory).unsupported_reason
         reason = decline(config) if drawn and decline is not None and cls.decline_log is None else None

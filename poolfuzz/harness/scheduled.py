@@ -20,6 +20,7 @@ program on a fresh driver.
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from dataclasses import dataclass
 from typing import Callable, ClassVar, Iterator
@@ -93,8 +94,6 @@ class ScheduledMachine(RuleBasedStateMachine):
         """Start the example's server on ``config`` (the instance's ``config`` from here on, which an artifact
         records). A drawn config the family declines while building (a ConfigError) rejects the example."""
         cls = type(self)
-        if drawn and cls.decline_log is not None:
-            cls.decline_log.last = None  # the filter accepted this draw: earlier refused draws are not the example's
         self.config = config
         # Prompts in the pool machine's units: a config of 64-token pages gets prompts that fill pages, so chunks and
         # page-granular prefix hits happen. The program records the drawn units, so a replay scales them once.
@@ -144,6 +143,10 @@ class ScheduledMachine(RuleBasedStateMachine):
     def _record(self, op: str, **args) -> None:
         self.program.append(StepRecord(op=PREFIX + op, args=args, outcome=""))
 
+    def _outcome(self, outcome: str) -> None:
+        """What the step just recorded resolved to (the request it admitted, the flush it did or was refused)."""
+        self.program[-1] = dataclasses.replace(self.program[-1], outcome=outcome)
+
     @rule(length=st.integers(1, 24), share=st.integers(0, 4), max_tokens=st.integers(1, 8), priority=st.integers(0, 2))
     def add_request(self, length, share, max_tokens, priority=0):
         """A request arrives; ``share`` > 0 starts it with a prefix of an earlier request's tokens; ``priority``
@@ -151,8 +154,7 @@ class ScheduledMachine(RuleBasedStateMachine):
         self._record("add_request", length=length, share=share, max_tokens=max_tokens, priority=priority)
         rid = self._guarded("add_request", lambda: self.driver.add_request(
             length=length * self.unit, share=share, max_tokens=max_tokens, priority=priority))
-        self.program[-1] = StepRecord(op=self.program[-1].op, args=self.program[-1].args,
-                                      outcome=f"req {rid}{self._tokens(length)}")
+        self._outcome(f"req {rid}{self._tokens(length)}")
 
     def _tokens(self, length: int) -> str:
         """The prompt's new tokens, where a drawn length is not a token count (the program records what was drawn,
@@ -181,7 +183,7 @@ class ScheduledMachine(RuleBasedStateMachine):
         rid = self._guarded("session_turn", lambda: self.driver.session_turn(session=session, length=length * self.unit,
                                                                             max_tokens=max_tokens))
         outcome = f"req {rid}{self._tokens(length)}" if rid else "the client waits: the session's last turn is in flight"
-        self.program[-1] = StepRecord(op=self.program[-1].op, args=self.program[-1].args, outcome=outcome)
+        self._outcome(outcome)
 
     @precondition(lambda self: self.driver.streaming_sessions)
     @rule(session=st.integers(0, 1))
@@ -198,8 +200,7 @@ class ScheduledMachine(RuleBasedStateMachine):
         (its tree reset, every pool and allocator cleared), else refused; either way the server goes on serving."""
         self._record("flush")
         done = self._guarded("flush", self.driver.flush)
-        self.program[-1] = StepRecord(op=self.program[-1].op, args={},
-                                      outcome="flushed" if done else "refused: the server is not idle")
+        self._outcome("flushed" if done else "refused: the server is not idle")
 
     @precondition(lambda self: bool(self.driver.live()))
     @rule(pick=st.integers(0, 7))

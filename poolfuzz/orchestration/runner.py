@@ -370,13 +370,13 @@ def run_machine(config, *, device="cpu", faults=(), backup_mode=None, max_exampl
 def _machine(config, *, device, faults, backup_mode, options, family_factory, observer):
     """The state machine a run drives: the engine's own scheduler (a factory that ``drives_scheduler`` builds its
     driver) or the Engine machine over pool families."""
-    if not factory_capabilities(family_factory).drives_scheduler:
+    caps = factory_capabilities(family_factory)
+    if not caps.drives_scheduler:
         return machine_for(config, device=device, faults=faults, backup_mode=backup_mode, options=options,
                            family_factory=family_factory, observer=observer)
     def driver(model: ModelConfig):
         return family_factory(model, device=device, faults=tuple(faults), backup_mode=backup_mode)
 
-    caps = factory_capabilities(family_factory)
     if not isinstance(config, ModelConfig) and not caps.takes_drawn_configs:
         raise ConfigError("this family drives the engine's scheduler over named configs only, not drawn ones")
     decline = None if caps.unsupported_reason is None else (

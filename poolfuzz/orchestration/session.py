@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Callable, TextIO
 
 from poolfuzz.orchestration.display import Display, LaneState, SessionResult, summary
+from poolfuzz.orchestration.plugins import DEFAULT_FAMILY
 from poolfuzz.orchestration.stopping import Interrupts, stop_signals_blocked
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
@@ -145,7 +146,7 @@ def _run_campaign(plan: Plan, lane: Lane, device: str, database, budget: float |
         left = None if budget is None else budget - (time.perf_counter() - started)
         if (left is not None and left <= 0) or (remaining is not None and remaining <= 0):
             break
-        known = known_on(plan.known, lane.config, plan.family or "builtin")
+        known = known_on(plan.known, lane.config, plan.family or DEFAULT_FAMILY)
         round_options = dataclasses.replace(options, known=tuple(dict.fromkeys((*known, *found))))
         writer = _ArtifactWriter(plan, lane, device, round_options)
 
@@ -231,7 +232,7 @@ class _ArtifactWriter:
 
         model = varying.pop("model")
         art = artifacts.stamp(config=self.lane.config, model_config=artifacts.recorded_config(model),
-                              family=self.plan.family or "builtin", device=self.device,
+                              family=self.plan.family or DEFAULT_FAMILY, device=self.device,
                               faults=list(self.plan.faults), seed=self.lane.seed,
                               engine_options=artifacts.current_engine_options(self.options), **varying)
         self.text = artifacts.dumps(art)

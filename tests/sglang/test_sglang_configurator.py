@@ -312,7 +312,6 @@ def test_the_scheduler_path_servers_are_listed_with_every_flag_they_run_with(api
     out = capsys.readouterr().out
     flags = next(line for line in out.splitlines() if "server flags:" in line)
     assert role in flags and "--max-running-requests 5" in flags and "--disable-overlap-schedule" in flags, flags
-    assert "--mamba-chunk-size" not in flags  # a model field, not a flag
     assert request_pool in out and "MHATokenToKVPool (48 tokens" in out
     assert main(["configs", "--family", family, "--show", "hybrid-spec-ps4"]) == 0  # SGLang refuses no_buffer at ps4
     assert "family: declines" in capsys.readouterr().out
@@ -326,5 +325,7 @@ def test_the_scheduler_path_servers_are_listed_with_every_flag_they_run_with(api
     if family == "sglang:scheduler" and install()["triton"] != "stand-in" and compat.runs_spec_v2_synchronously():
         assert "--speculative-algorithm NEXTN --speculative-draft-model-path dummy --speculative-eagle-topk 2" in out
         assert "family: declines" not in out
+        # a model with recurrent state: its server's mamba flags, not the model's chunk (a model field, not a flag)
+        assert "--mamba-track-interval 8" in out and "--mamba-chunk-size" not in out
     else:
         assert "family: declines" in out

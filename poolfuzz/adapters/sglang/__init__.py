@@ -172,7 +172,7 @@ def describe_decode_server(config):
     notes = []
     if decode_problem(config) is None and (added := operator_backup(config)):
         notes.append(f"started with --disaggregation-decode-retraction-backup {added}, as an operator would: SGLang "
-                     f"refuses the server it resolves without the flag ({server_refusal(config, SglangDecodeDriver)})")
+                     f"refuses the server it resolves without the flag ({server_refusal(config, SglangDecodeDriver, None)})")
     return _described_server(config, build=build_decode_driver, role_flags=ROLE_FLAGS, notes=notes)
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 # --- the scheduler path on releases whose server arguments are one global (scheduling_global.py) ---------------
 # The Scheduler's mixin methods that only report (metrics, timers, health checks, idle sleep): no-ops on 0.5.12.
 SCHEDULER_REPORTERS = ("stream_output", "report_prefill_stats", "report_decode_stats", "log_batch_result_stats",
@@ -20,6 +22,7 @@ SCHEDULER_INITS = ("init_schedule_policy", "init_pool_stats_observer", "init_inv
 MAMBA_STRATEGY_FLAGS = ("mamba_radix_cache_strategy", "mamba_scheduler_strategy")
 
 
+@lru_cache(maxsize=1)
 def publishes_runtime_context() -> bool:
     """Whether the release keeps a server's arguments in its runtime context (0.5.23) rather than one
     ``ServerArgs`` global set with ``set_global_server_args_for_scheduler`` (0.5.12, 0.5.13)."""

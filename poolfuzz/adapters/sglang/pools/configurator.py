@@ -76,8 +76,6 @@ def command_line(flags: dict) -> str:
     (a JSON extra config); the model-path placeholder is left as it is, for the launcher line to fill in."""
     import shlex
 
-    from poolfuzz.pools.capabilities import MODEL_PATH
-
     out = []
     for name, value in sorted(flags.items()):
         flag = "--" + name.replace("_", "-")

@@ -42,13 +42,9 @@ TAG_BYTES = 8
 KV_SPACES = ("full", "swa")
 
 
-def _tag_of(c, slot: int) -> int:
-    # a copy of the bytes: a row need not start 8-byte aligned (a conv state row of 27 floats)
-    return int(c.tensor[c.at(slot)].reshape(-1).view(torch.uint8)[:TAG_BYTES].clone().view(torch.int64)[0])
-
-
 def _tags_of(c, slots: torch.Tensor) -> list[int]:
-    """``_tag_of`` for many slots in one gather (a long-context request's prefix is thousands of slots)."""
+    """The 64-bit tag each of ``slots``' rows of ``c`` holds, in one gather (a long-context request's prefix is
+    thousands of slots)."""
     if not len(slots):
         return []
     rows = c.tensor[c.at(slots)].reshape(len(slots), -1).view(torch.uint8)
@@ -133,14 +129,10 @@ class ModelRunner:
             self.cow_and_clear(batch)
         state_slots = self._state_slots(rows)
         for i, (req, row, start, end) in enumerate(zip(batch.reqs, rows, starts, seq_lens)):
-            tokens = self.tokens[req.rid]
-            self._sync(req, tokens)
+            tokens = self._checked(req, row, start, state_slots[i] if state_slots else None)
             if end > len(tokens.ids):
                 raise AssertionError(f"req {req.rid} step {self.step}: the batch computes positions up to {end - 1}, "
                                      f"but the request has {len(tokens.ids)} tokens")
-            self._check_context(req.rid, row, start)
-            if state_slots and start:
-                self._check_state(req.rid, state_slots[i], start)
             writes += [(req.rid, p, int(self.req_to_token[row, p])) for p in range(start, end)]
             fed += tokens.ids[start:end]
         if [slot for _, _, slot in writes] != loc:
@@ -187,14 +179,10 @@ class ModelRunner:
         state_slots = self._state_slots(rows)
         predict, paths = [], []
         for i, (req, row, start) in enumerate(zip(batch.reqs, rows, seq_lens)):
-            tokens = self.tokens[req.rid]
-            self._sync(req, tokens)
+            tokens = self._checked(req, row, start, state_slots[i] if state_slots else None)
             if len(tokens.ids) != start + 1:
                 raise AssertionError(f"req {req.rid} step {self.step}: the verify starts at position {start}, but the "
                                      f"request's last token is at {len(tokens.ids) - 1} (its KV must cover all but it)")
-            self._check_context(req.rid, row, start)
-            if state_slots and start:
-                self._check_state(req.rid, state_slots[i], start)
             nodes = [(None, tokens.ids[-1])] + list(trees[i])
             depth, chains, targets = [], [], []
             for parent, token in nodes:
@@ -224,6 +212,16 @@ class ModelRunner:
             predict += targets
             paths.append(path)
         return predict, paths
+
+    def _checked(self, req, row: int, start: int, state_slot: int | None) -> Tokens:
+        """Before a forward computes positions ``start`` on: the request's tokens are SGLang's, every position before
+        ``start`` holds its own KV, and its working mamba slot (where it has one) the state after them. Its tokens."""
+        tokens = self.tokens[req.rid]
+        self._sync(req, tokens)
+        self._check_context(req.rid, row, start)
+        if state_slot is not None and start:
+            self._check_state(req.rid, state_slot, start)
+        return tokens
 
     def _sync(self, req, tokens: Tokens) -> None:
         """SGLang's tokens for the request (prompt, then its outputs) must be exactly the prompt it was given and
@@ -311,7 +309,7 @@ class ModelRunner:
 
     def _check_state(self, rid: str, slot: int, tokens: int) -> None:
         for c in self.states:
-            want, got = self._state_tag(rid, c, tokens), _tag_of(c, slot)
+            want, got = self._state_tag(rid, c, tokens), _tags_of(c, torch.tensor([slot]))[0]
             if got != want:
                 raise self._lost(rid, c, tokens - 1, slot, want, got, state=True)
 
@@ -370,15 +368,16 @@ class RowGuard:
         req_pool.req_to_token = buffer[:rows]
         self.req_pool, self.width, self.canary = req_pool, width, buffer[rows]
 
-    def problem(self, reqs, owner_of_row, *, row_of) -> str | None:
+    def problem(self, reqs, owners, *, row_of) -> str | None:
         """Where a request's allocated KV (``kv_allocated_len``, the slots SGLang recorded in its row) outgrows the
-        row, whose positions of which request were overwritten; or a write into the canary. None if neither."""
+        row, whose positions of which request were overwritten (``owners()``: row -> request id, asked only then); or a
+        write into the canary. None if neither."""
         for req in reqs:
             allocated, row = req.kv.kv_allocated_len, row_of(req)
             if row is None or allocated <= self.width:
                 continue
             spill = allocated - self.width
-            victim = owner_of_row(row + 1)
+            victim = owners().get(row + 1)
             if row + 1 == len(self.req_pool.req_to_token):
                 where = "the tensor's end (the canary row after the last request row)"
             else:

@@ -137,8 +137,10 @@ class SpecWorker:
         (``runner.RowGuard``), and which request's row it overwrote, where one holds it."""
         from poolfuzz.adapters.sglang import compat
 
-        owners = {compat.request_row(req): req.rid for req in compat.requests_owning_rows(self.server)}
-        problem = self.guard.problem(batch.reqs, owners.get, row_of=compat.request_row)
+        def owners() -> dict:
+            return {compat.request_row(req): req.rid for req in compat.requests_owning_rows(self.server)}
+
+        problem = self.guard.problem(batch.reqs, owners, row_of=compat.request_row)
         if problem:
             raise RowOverflow(f"step {self.runner.step + 1}: {problem}")
 
