@@ -72,7 +72,7 @@ for engine in "${engines[@]}"; do
     table && NF == 0 { table = 0 }
     table { two = ($2 == "API");  # "API CHANGED" is the one two-word status
             printf "%-7s %-9s %-24s %s (%s examples)\n", e, v, $1, two ? "API CHANGED" : $2, two ? $4 : $3 }'
-  printf '%s\n' "$run" | grep -E '^(API CHANGED|[a-z0-9-]+: [A-Za-z]+:)' | sed "s/^/$engine $version   /" || true
+  printf '%s\n' "$run" | grep -E '^(API CHANGED|[a-z0-9:/-]+: [A-Za-z]+:)' | sed "s/^/$engine $version   /" || true
   case "$run_status" in
     0) ;;
     1) status=$(worst "$status" 1) ;;

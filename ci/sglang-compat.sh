@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Which SGLang releases the sglang family drives: install each release in turn into one shared
-# environment (the other dependencies stay; each release's own pins are re-applied) and print one
-# row per release: installs, imports, configs supported, harness verdict.
+# Which SGLang releases `--family sglang` drives (SGLang's own servers: plain, HiCache, PD decode):
+# install each release in turn into one shared environment (the other dependencies stay; each
+# release's own pins are re-applied) and print one row per release: installs, imports, configs
+# supported (by any of the servers), harness verdict (each finding with the server it came through).
 #
 #   ci/sglang-compat.sh [VENV] [VERSION ...]     (default: every release from 0.5.9 to 0.5.23,
 #                                                 the last post-release of each)
@@ -59,8 +60,10 @@ version, reach_dir, artifacts = sys.argv[1], sys.argv[2], sys.argv[3]
 def row(imports, configs, verdict, triton="-", reach="-"):
     print(f"{version:13} | {'yes':8} | {imports:7} | {configs:60} | {triton:11} | {reach:36} | {verdict}", flush=True)
 try:
-    from poolfuzz.adapters.sglang import describe, unsupported_reason, unified_unsupported_reason
+    from poolfuzz.adapters.sglang import describe, unified_unsupported_reason
+    from poolfuzz.orchestration.plugins import resolve_members
     info = describe()
+    servers = resolve_members("sglang")
 except Exception as exc:
     row("no", "-", f"{type(exc).__name__}: {str(exc)[:150]}")
     sys.exit(0)
@@ -80,6 +83,11 @@ def supported_by(reason):
             out.append(name)
     return out
 
+def unsupported_reason(config):
+    """None where one of the suite's servers runs ``config``, else every server's reason."""
+    reasons = [p.unsupported_reason(config) for p in servers]
+    return None if None in reasons else "; ".join(f"{p.name}: {r}" for p, r in zip(servers, reasons))
+
 supported = supported_by(unsupported_reason)
 
 class RunFailed(Exception):
@@ -87,7 +95,7 @@ class RunFailed(Exception):
 
 def campaign(waive, coverage=None, family="sglang", configs=None):
     """Every distinct signature per config, each shrunk once (the run keeps going past each):
-    config -> [(signature, steps of its shrunk program)]."""
+    config -> [(signature, steps of its shrunk program, the family it came through)]."""
     out = os.path.join(artifacts, family.replace(":", "-"), "+".join(waive) or "unwaived")
     shutil.rmtree(out, ignore_errors=True)
     os.makedirs(out)
@@ -104,7 +112,7 @@ def campaign(waive, coverage=None, family="sglang", configs=None):
     found = {}
     for path in sorted(glob.glob(f"{out}/*.json")):
         art = json.load(open(path))
-        found.setdefault(art["config"], []).append((art["signature"], len(art["program"])))
+        found.setdefault(art["config"], []).append((art["signature"], len(art["program"]), art["family"]))
     return found
 
 def check_of(signature):
@@ -116,7 +124,7 @@ def fails_at_step_zero_everywhere(found, waived):
     """Checks, not yet waived, that fail with a zero-step program on every supported config."""
     if len(found) < len(supported):
         return []
-    per_config = [{check_of(sig) for sig, steps in sigs if steps == 0} for sigs in found.values()]
+    per_config = [{check_of(sig) for sig, steps, _ in sigs if steps == 0} for sigs in found.values()]
     common = set.intersection(*per_config) - {None} - set(waived)
     return sorted(c for c in common if c in WAIVABLE)
 
@@ -148,7 +156,7 @@ try:
 except RunFailed as exc:
     row("yes", f"{len(supported)} supported", f"FAILED: {exc}" + (f" (waived {','.join(waived)})" if waived else ""))
     sys.exit(0)
-verdicts = [f"{name}: " + ", ".join(f"{sig} ({steps} steps)" for sig, steps in sigs)
+verdicts = [f"{name}: " + ", ".join(f"{sig} ({steps} steps, {family})" for sig, steps, family in sigs)
             for name, sigs in found.items()]
 if waived:
     verdicts.insert(0, "waived " + ",".join(waived) + " (fails at step 0 everywhere)")
@@ -167,7 +175,7 @@ if unified:
     except RunFailed as exc:
         row("yes", f"{len(unified)} supported", f"FAILED: {exc}")
         sys.exit(0)
-    verdicts = [f"{name}: " + ", ".join(f"{sig} ({steps} steps)" for sig, steps in sigs)
+    verdicts = [f"{name}: " + ", ".join(f"{sig} ({steps} steps)" for sig, steps, _ in sigs)
                 for name, sigs in found.items()]
     row("yes", f"{len(unified)}: " + ", ".join(unified), "; ".join(verdicts) if verdicts else "pass on all")
 PY

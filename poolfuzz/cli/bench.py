@@ -78,11 +78,12 @@ def print_table(results: dict) -> None:
          f"{figures.VLLM_CONFIG} on vLLM {results.get('vllm_version', '?')}'s KVCacheManager (--family vllm:manager)"),
         ("steps_per_second_vllm_scheduler", "steps/s",
          f"{figures.VLLM_CONFIG} through vLLM {results.get('vllm_version', '?')}'s own Scheduler (--family vllm)"),
-        ("steps_per_second_sglang", "steps/s",
-         f"{figures.SGLANG_CONFIG} on SGLang {results.get('sglang_version', '?')}'s pools (--family sglang)"),
+        ("steps_per_second_sglang_pools", "steps/s",
+         f"{figures.SGLANG_CONFIG} on SGLang {results.get('sglang_version', '?')}'s pools, the adapter's admission "
+         "(--family sglang:pools)"),
         ("steps_per_second_sglang_scheduler", "steps/s",
-         f"{figures.SGLANG_SCHEDULER_CONFIG} through SGLang {results.get('sglang_version', '?')}'s own Scheduler "
-         "(--family sglang:scheduler)"),
+         f"{figures.SGLANG_CONFIG} through SGLang {results.get('sglang_version', '?')}'s own Scheduler, a batch "
+         "step each (--family sglang's plain server)"),
         ("hypothesis_trivial_steps_per_second", "steps/s", "plain Hypothesis, trivial rules (machine load)"),
         ("seconds_to_first_failure", "s", f"median, #35957 ({figures.FAULT_35957})"),
     ]

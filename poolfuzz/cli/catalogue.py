@@ -64,7 +64,7 @@ def _describing_family(name: str):
     plugin = resolve_family(name)
     if factory_capabilities(plugin.factory).describe_server is None:
         raise UsageError(f"family {name!r} describes no server for its configs (drop --family, or name a family "
-                         "whose factory declares describe_server, such as sglang)")
+                         "whose factory declares describe_server, such as sglang:scheduler)")
     plugin.check_engine()
     return plugin
 

@@ -141,33 +141,12 @@ def plan_from_args(args):
         raise UsageError(f"--out {args.out!r} is a file; pass a directory for the failure artifacts")
     check_writable_dir(args.out, "--out")  # a failure found after an hour must have somewhere to go
     db = check_database(args.db)
+    lanes_of: tuple = ()
     if args.family:
-        from poolfuzz.orchestration.plugins import ENGINE_PROGRAMS_OF, probe_family, resolve_family, select_configs
-
         if faults:
             raise UsageError(f"--faults switch on catalogue faults of the builtin family; family {args.family!r} "
                              "runs its own code as shipped: drop --faults or --family")
-        plugin = resolve_family(args.family)
-        plugin.check_engine()  # what `poolfuzz doctor` checks: an engine that changed is refused here, in its words
-        if DRAWN_NAME in names and plugin.drives_scheduler and not plugin.takes_drawn_configs:
-            raise UsageError(f"family {plugin.name!r} drives the engine's own scheduler over named configs only; "
-                             f"drop --config {DRAWN_NAME}" + (f" (or use --family {ENGINE_PROGRAMS_OF[plugin.name]}, "
-                             "which takes drawn configs)" if plugin.name in ENGINE_PROGRAMS_OF else ""))
-        fixed = [config_of(n) for n in names if n != DRAWN_NAME]
-        chosen, skipped = select_configs(plugin, fixed, explicit=explicit, backup_mode=args.backup_mode)
-        for name, why in skipped:
-            print(f"poolfuzz: family {plugin.name} skips {name}: {why}")
-        # Drawn configs the family declines are rejected example by example, never reported.
-        names = [n for n in names if n == DRAWN_NAME or n in {c.name for c in chosen}]
-        if not names:
-            raise UsageError(f"family {plugin.name!r} supports none of the chosen configs")
-        # One family built here, on the CPU: a factory that raises or returns something else is bad
-        # usage (exit 2), not a failure found in the pools with an artifact and a database entry.
-        probe = chosen[0] if chosen else next((c for c in CONFIGS.values() if plugin.unsupported_reason(c) is None),
-                                              None)
-        if probe is None:
-            raise UsageError(f"family {plugin.name!r} supports none of the built-in configs; it cannot be probed")
-        probe_family(plugin, probe, backup_mode=args.backup_mode)
+        names, lanes_of = _family_lanes(args.family, names, config_of, explicit=explicit, backup_mode=args.backup_mode)
     minutes = args.minutes if args.minutes is not None else (None if args.examples else DEFAULT_MINUTES)
     from poolfuzz.harness.failures import CHECKS, WAIVABLE
     from poolfuzz.orchestration.known import load_known
@@ -180,11 +159,11 @@ def plan_from_args(args):
                 else "is not a check"
             raise UsageError(f"--waive {check!r} {why}; waivable checks: {', '.join(sorted(WAIVABLE))}")
     if args.coverage is not None:
-        from poolfuzz.orchestration.plugins import resolve_family
+        from poolfuzz.orchestration.plugins import resolve_members
         from poolfuzz.orchestration.reach import engine_code_of, require_coverage
 
         require_coverage()
-        engine_code_of(resolve_family(args.family))
+        engine_code_of(resolve_members(args.family))
         check_writable_dir(args.coverage, "--coverage")
     elif args.coverage_add:
         raise UsageError("--coverage-add adds to the reach in a --coverage DIR: give --coverage DIR too")
@@ -193,8 +172,58 @@ def plan_from_args(args):
                 seed=args.seed if args.seed is not None else random.SystemRandom().randrange(2**32),
                 examples=args.examples, seconds=None if minutes is None else minutes * 60, steps=args.steps,
                 db=db, out=args.out, workers=args.workers, shrink_seconds=args.shrink_seconds,
-                family=args.family, custom=tuple(custom.values()), coverage=args.coverage,
+                family=args.family, lane_families=lanes_of, custom=tuple(custom.values()), coverage=args.coverage,
                 coverage_add=args.coverage_add, strict=args.strict)
+
+
+def _family_lanes(family: str, names: list[str], config_of, *, explicit: bool, backup_mode: str | None):
+    """(configs, the family of each) for ``--family``: every chosen config once per family ``family`` names (one, or
+    a suite's members) that runs it; a declined config is skipped with the reason, and a named config no family
+    runs is bad usage. Each family's engine is checked and one of its servers built here first: a factory that
+    raises or returns something else is bad usage (exit 2), not a failure found in the pools."""
+    from poolfuzz.errors import UsageError
+    from poolfuzz.orchestration.plugins import (ENGINE_PROGRAMS_OF, SUITES, probe_family, resolve_members,
+                                                select_configs)
+
+    plugins = resolve_members(family)
+    suite = family in SUITES
+    fixed = [config_of(n) for n in names if n != DRAWN_NAME]
+    runs: list[tuple[str, str]] = []
+    for plugin in plugins:
+        plugin.check_engine()  # what `poolfuzz doctor` checks: an engine that changed is refused here, in its words
+        drawn = DRAWN_NAME in names and not (plugin.drives_scheduler and not plugin.takes_drawn_configs)
+        if DRAWN_NAME in names and not drawn and not suite:
+            raise UsageError(f"family {plugin.name!r} drives the engine's own scheduler over named configs only; "
+                             f"drop --config {DRAWN_NAME}" + (f" (or use --family {ENGINE_PROGRAMS_OF[plugin.name]}, "
+                             "which takes drawn configs)" if plugin.name in ENGINE_PROGRAMS_OF else ""))
+        # in a suite, a named config one member declines is another member's: only none running it is bad usage
+        chosen, skipped = select_configs(plugin, fixed, explicit=explicit and not suite, backup_mode=backup_mode)
+        for name, why in skipped:
+            print(f"poolfuzz: family {plugin.name} skips {name}: {why}")
+        # Drawn configs the family declines are rejected example by example, never reported.
+        taken = {c.name for c in chosen}
+        mine = [n for n in names if (n == DRAWN_NAME and drawn) or n in taken]
+        if not mine:
+            if not suite:
+                raise UsageError(f"family {plugin.name!r} supports none of the chosen configs")
+            continue
+        probe = chosen[0] if chosen else next((c for c in CONFIGS.values() if plugin.unsupported_reason(c) is None),
+                                              None)
+        if probe is None:
+            raise UsageError(f"family {plugin.name!r} supports none of the built-in configs; it cannot be probed")
+        probe_family(plugin, probe, backup_mode=backup_mode)
+        runs += [(n, plugin.name) for n in mine]
+    if suite:
+        run_by_none = [n for n in names if n not in {name for name, _ in runs}]
+        if explicit and run_by_none:
+            raise UsageError(f"no family of {family!r} ({', '.join(SUITES[family])}) runs config "
+                             f"{run_by_none[0]!r} here (the reasons are above); drop it from --config")
+        if not runs:
+            raise UsageError(f"no family of {family!r} supports any of the chosen configs")
+    # a lane per (family, config), grouped by config so a config's lanes sit together in the table
+    order = {n: i for i, n in enumerate(names)}
+    runs.sort(key=lambda run: order[run[0]])
+    return [n for n, _ in runs], tuple(f for _, f in runs) if suite else ()
 
 
 def _file_configs(paths) -> dict:

@@ -65,7 +65,7 @@ class SessionResult:
         most of its examples declined by the family."""
         by_config: dict[str, list[LaneState]] = {}
         for st in self.lanes:
-            by_config.setdefault(st.lane.config, []).append(st)
+            by_config.setdefault(st.lane.title, []).append(st)
         out = []
         for config, sts in by_config.items():
             if any(s.status != "PASS" for s in sts):
@@ -243,9 +243,9 @@ def summary(plan, result: SessionResult, stream: TextIO, *, before_closing=None)
 
     by_config: dict[str, list[LaneState]] = {}
     for st in result.lanes:
-        by_config.setdefault(st.lane.config, []).append(st)
+        by_config.setdefault(st.lane.title, []).append(st)
     w = max(20, *(len(c) for c in by_config))
-    thin = {line.split(":", 1)[0]: line for line in result.under_tested}
+    thin = {line.split(": ", 1)[0]: line for line in result.under_tested}  # a suite's titles hold ":"
     stream.write("\n" + f"{'config':{w}}  {'status':12} {'examples':>9} {'declined':>9} {'steps':>9} {'steps/s':>8} "
                  f"{'time':>7}  new failures\n")
     for config, sts in by_config.items():

@@ -6,7 +6,11 @@ README section "Pointing poolfuzz at your own pools"). ``--family`` selects one:
 
 * ``builtin`` (the default): poolfuzz's own pools, :func:`poolfuzz.pools.family.build_family`;
 * a name registered in the entry-point group ``poolfuzz.families`` by an installed package,
-  e.g. ``sglang`` (this package registers it for :mod:`poolfuzz.adapters.sglang`);
+  e.g. ``sglang:scheduler`` (this package registers it for :mod:`poolfuzz.adapters.sglang`);
+* a *suite* (``SUITES``): a name for several families at once. ``--family sglang`` fuzzes every
+  config through each of SGLang's servers that runs it (the plain server, the HiCache server, the PD
+  decode server), each (family, config) its own lane; a question only one family can answer (replay,
+  hunt, bench) asks for one of them by name;
 * ``package.module:factory`` (dotted attributes allowed after the colon) for a factory that
   is importable but not installed as a plug-in.
 
@@ -34,7 +38,7 @@ DEFAULT_FAMILY = "builtin"
 # install made before an entry point was added). Installed plug-ins cannot shadow them.
 SHIPPED = {
     "builtin": "poolfuzz.pools.family:build_family",
-    "sglang": "poolfuzz.adapters.sglang:build_family",
+    "sglang:pools": "poolfuzz.adapters.sglang:build_family",
     "sglang:unified": "poolfuzz.adapters.sglang:build_unified_family",
     "sglang:scheduler": "poolfuzz.adapters.sglang:build_scheduler_driver",
     "sglang:decode": "poolfuzz.adapters.sglang:build_decode_driver",
@@ -44,8 +48,14 @@ SHIPPED = {
     "vllm:manager": "poolfuzz.adapters.vllm:build_manager_family",
 }
 # Families whose engine-operation programs now replay under another name: ``vllm`` drove vLLM's manager directly
-# (the harness playing the scheduler) until it ran vLLM's own Scheduler; that path is ``vllm:manager``.
-ENGINE_PROGRAMS_OF = {"vllm": "vllm:manager"}
+# (the harness playing the scheduler) until it ran vLLM's own Scheduler; that path is ``vllm:manager``. ``sglang``
+# drove SGLang's pools with the adapter's admission (``adapters/sglang/lifecycle``) until it ran SGLang's own
+# servers; that path is ``sglang:pools``.
+ENGINE_PROGRAMS_OF = {"vllm": "vllm:manager", "sglang": "sglang:pools"}
+# Names for several families at once, in the order their lanes run: each member fuzzes the configs it drives.
+# ``sglang``: every server SGLang's own scheduler runs here (the pools path, ``sglang:pools``, is not among them:
+# its admission and frees are the adapter's, see ``adapters/sglang/lifecycle/admission.py``).
+SUITES = {"sglang": ("sglang:scheduler", "sglang:hicache", "sglang:decode")}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -96,8 +106,9 @@ class FamilyPlugin:
 
 
 def installed_families() -> dict[str, str]:
-    """Every family name that resolves here: shipped ones, then the entry-point group."""
-    out = dict(SHIPPED)
+    """Every family name that resolves here: shipped ones, the suites (as ``suite(a, b)``), then the entry-point
+    group."""
+    out = dict(SHIPPED) | {name: f"suite({', '.join(members)})" for name, members in SUITES.items()}
     for ep in _entry_points():
         out.setdefault(ep.name, ep.value)
     return out
@@ -107,9 +118,24 @@ def _entry_points():
     return list(metadata.entry_points(group=ENTRY_POINT_GROUP))
 
 
-def resolve_family(spec: str | None) -> FamilyPlugin:
-    """The plug-in ``spec`` names; a ConfigError that says what to do when it cannot load."""
+def family_members(spec: str | None) -> tuple[str, ...]:
+    """The families ``spec`` names: a suite's members, or ``spec`` alone (the default family where None)."""
     name = spec or DEFAULT_FAMILY
+    return SUITES.get(name, (name,))
+
+
+def resolve_members(spec: str | None) -> tuple[FamilyPlugin, ...]:
+    """The plug-in of every family ``spec`` names (one, or a suite's members), each resolved as ``resolve_family``."""
+    return tuple(resolve_family(name) for name in family_members(spec))
+
+
+def resolve_family(spec: str | None) -> FamilyPlugin:
+    """The plug-in ``spec`` names; a ConfigError that says what to do when it cannot load, or when ``spec`` is a
+    suite (several families: the caller needs one)."""
+    name = spec or DEFAULT_FAMILY
+    if name in SUITES:
+        raise ConfigError(f"{name!r} names several families ({', '.join(SUITES[name])}), and this needs one: "
+                          f"name one of them, e.g. --family {SUITES[name][0]}")
     if name in SHIPPED:  # first: a shipped variant's name ("sglang:unified") is no module path
         return FamilyPlugin(name=name, target=SHIPPED[name], origin="shipped", factory=_load(SHIPPED[name], name))
     if ":" in name:

@@ -99,28 +99,33 @@ def require_coverage() -> None:
                          f"({INSTALL_HINT})")
 
 
-def engine_code_of(plugin) -> EngineCode:
-    """The engine code a resolved family plug-in declares, located without importing the engine."""
-    declared = factory_capabilities(plugin.factory).engine_code
-    if not declared or isinstance(declared, str) or not all(isinstance(e, str) and e for e in declared):
-        raise UsageError(f"--coverage: family {plugin.name!r} ({plugin.target}) declares no engine code to measure; "
-                         f"give its factory an {ENGINE_CODE_ATTRIBUTE!r} attribute, a tuple of paths relative to the "
-                         "directory holding the engine's top-level package (e.g. ('mypkg/pools',))")
+def engine_code_of(plugins) -> EngineCode:
+    """The engine code the resolved family plug-ins declare (one family's, or a suite's members' together),
+    located without importing the engine."""
+    declared: dict[str, None] = {}
+    for plugin in plugins:
+        entries = factory_capabilities(plugin.factory).engine_code
+        if not entries or isinstance(entries, str) or not all(isinstance(e, str) and e for e in entries):
+            raise UsageError(f"--coverage: family {plugin.name!r} ({plugin.target}) declares no engine code to "
+                             f"measure; give its factory an {ENGINE_CODE_ATTRIBUTE!r} attribute, a tuple of paths "
+                             "relative to the directory holding the engine's top-level package (e.g. ('mypkg/pools',))")
+        declared |= dict.fromkeys(entries)
+    name = ", ".join(plugin.name for plugin in plugins)
     tops = {Path(entry).parts[0] for entry in declared}
     if len(tops) != 1:
-        raise UsageError(f"--coverage: family {plugin.name!r} declares engine code under several top-level packages "
+        raise UsageError(f"--coverage: family {name!r} declares engine code under several top-level packages "
                          f"({', '.join(sorted(tops))}); declare one package's files")
     (top,) = tops
     spec = importlib.util.find_spec(top)  # a top-level name: finds the package, imports nothing
     if spec is None or not (spec.submodule_search_locations or spec.origin):
-        raise UsageError(f"--coverage: family {plugin.name!r} measures package {top!r}, which is not installed in this "
+        raise UsageError(f"--coverage: family {name!r} measures package {top!r}, which is not installed in this "
                          "Python; install it or drop --coverage")
     location = list(spec.submodule_search_locations or [])[:1] or [os.path.dirname(spec.origin)]
     root = Path(location[0]).resolve().parent
-    code = EngineCode(family=plugin.name, root=root, entries=tuple(declared))
+    code = EngineCode(family=name, root=root, entries=tuple(declared))
     for entry, path in zip(code.entries, code.paths):
         if not path.exists():
-            raise UsageError(f"--coverage: family {plugin.name!r} declares engine code {entry!r}, which is not under "
+            raise UsageError(f"--coverage: family {name!r} declares engine code {entry!r}, which is not under "
                              f"{root}; fix the factory's {ENGINE_CODE_ATTRIBUTE!r}")
     return code
 
@@ -275,10 +280,10 @@ def run_measured(plan, run_session, *, stream: TextIO | None = None) -> int:
     verdict). The session is passed in: it imports this module in its workers."""
     import sys
 
-    from poolfuzz.orchestration.plugins import resolve_family
+    from poolfuzz.orchestration.plugins import resolve_members
 
     stream = stream or sys.stdout
-    code = engine_code_of(resolve_family(plan.family))
+    code = engine_code_of(resolve_members(plan.family))
     if plan.coverage_add:  # the union with what the directory holds: its families' code and this one's
         code = added_code(Path(plan.coverage).resolve(), code)
     rc = write_settings(plan.coverage, code, add=plan.coverage_add)

@@ -45,7 +45,10 @@ class Plan:
     out: str = "poolfuzz-failures"
     workers: int = 1
     shrink_seconds: float | None = 60.0
-    family: str | None = None  # --family: a plug-in name or module:factory (None: builtin)
+    family: str | None = None  # --family: a plug-in name, a suite or module:factory (None: builtin)
+    # Where --family names a suite: the family of each entry of ``configs`` (a config appears once per member that
+    # runs it). Empty: every config runs on ``family``.
+    lane_families: tuple[str, ...] = ()
     known: tuple[str, ...] = ()  # signatures of known bugs (--known): counted, never reported
     waive: tuple[str, ...] = ()  # checks that count their violations instead of failing (--waive)
     custom: tuple = ()  # ModelConfigs from --config-file, named in ``configs`` (they shadow built-ins)
@@ -61,16 +64,26 @@ class Lane:
     config: str
     seed: int
     examples: int | None
+    family: str = DEFAULT_FAMILY  # the one family the lane fuzzes (a suite's member)
+    suite: bool = False  # the plan's --family names several families: titles and artifacts name this one
+
+    @property
+    def title(self) -> str:
+        """What the run's tables call the lane: its config, after its family in a suite (``sglang:decode/swa``: one
+        word, as scripts read the table's first column)."""
+        return f"{self.family}/{self.config}" if self.suite else self.config
 
 
 def plan_lanes(plan: Plan) -> list[list[Lane]]:
     """The lanes of each worker."""
     configs, w = list(plan.configs), max(1, plan.workers)
+    families = list(plan.lane_families) or [plan.family or DEFAULT_FAMILY] * len(configs)
+    suite = bool(plan.lane_families)
     per_worker: list[list[Lane]] = [[] for _ in range(w)]
     if w <= len(configs):
         for i, name in enumerate(configs):
             per_worker[i % w].append(Lane(index=i, worker=i % w, config=name, seed=_lane_seed(plan.seed, i),
-                                          examples=plan.examples))
+                                          examples=plan.examples, family=families[i], suite=suite))
     else:
         owners = [[wi for wi in range(w) if wi % len(configs) == ci] for ci in range(len(configs))]
         for wi in range(w):
@@ -80,7 +93,7 @@ def plan_lanes(plan: Plan) -> list[list[Lane]]:
                 share, extra = divmod(plan.examples, len(owners[ci]))
                 examples = max(1, share + (owners[ci].index(wi) < extra))
             per_worker[wi].append(Lane(index=wi, worker=wi, config=configs[ci], seed=_lane_seed(plan.seed, wi),
-                                       examples=examples))
+                                       examples=examples, family=families[ci], suite=suite))
     return [lanes for lanes in per_worker if lanes]
 
 
@@ -146,7 +159,7 @@ def _run_campaign(plan: Plan, lane: Lane, device: str, database, budget: float |
         left = None if budget is None else budget - (time.perf_counter() - started)
         if (left is not None and left <= 0) or (remaining is not None and remaining <= 0):
             break
-        known = known_on(plan.known, lane.config, plan.family or DEFAULT_FAMILY)
+        known = known_on(plan.known, lane.config, lane.family)
         round_options = dataclasses.replace(options, known=tuple(dict.fromkeys((*known, *found))))
         writer = _ArtifactWriter(plan, lane, device, round_options)
 
@@ -173,7 +186,7 @@ def _run_campaign(plan: Plan, lane: Lane, device: str, database, budget: float |
                              else KeepingDatabase(database),
                              time_budget=left if remaining is None else None,
                              shrink_limit=plan.shrink_seconds, on_progress=progress, on_failure=failure,
-                             family_factory=_family_factory(plan), options=round_options)
+                             family_factory=_family_factory(lane.family), options=round_options)
         totals["examples"] += result.examples
         totals["steps"] += result.steps
         totals["declined"] += result.declined
@@ -223,6 +236,8 @@ class _ArtifactWriter:
         from poolfuzz.orchestration.artifacts import artifact_name
 
         tag = f"lane{self.lane.index}" if self.plan.workers > 1 else ""
+        if self.lane.suite:  # two members' lanes of one config never take each other's names
+            tag = f"{self.lane.family.replace(':', '-')}{'-' if tag else ''}{tag}"
         return artifact_name(self.lane.config, self.plan.faults, tag=tag if k == 1 else f"{tag}{'-' if tag else ''}{k}")
 
     def _write(self, **varying) -> Path | None:
@@ -232,7 +247,7 @@ class _ArtifactWriter:
 
         model = varying.pop("model")
         art = artifacts.stamp(config=self.lane.config, model_config=artifacts.recorded_config(model),
-                              family=self.plan.family or DEFAULT_FAMILY, device=self.device,
+                              family=self.lane.family, device=self.device,
                               faults=list(self.plan.faults), seed=self.lane.seed,
                               engine_options=artifacts.current_engine_options(self.options), **varying)
         self.text = artifacts.dumps(art)
@@ -314,14 +329,18 @@ def run_session(plan: Plan, *, stream: TextIO | None = None, tty: bool | None = 
     states.sort(key=lambda s: s.lane.index)
     counts: dict[str, int] = {}
     for st in states:
-        counts[st.lane.config] = counts.get(st.lane.config, 0) + 1
-        st.label = st.lane.config if plan.workers <= len(plan.configs) else f"{st.lane.config}#{counts[st.lane.config]}"
+        counts[st.lane.title] = counts.get(st.lane.title, 0) + 1
+        st.label = st.lane.title if plan.workers <= len(plan.configs) else f"{st.lane.title}#{counts[st.lane.title]}"
     display = Display(plan, states, stream, tty)
     budget = f"{plan.seconds:g}s budget" if plan.seconds is not None else f"{plan.examples} examples per config"
     from poolfuzz.pools.family import resolve_device
 
     device = str(resolve_device(plan.device))
-    stream.write(f"poolfuzz run: {len(plan.configs)} config(s) on {device}, {len(per_worker)} worker(s), "
+    what = f"{len(plan.configs)} config(s)"
+    if plan.lane_families:
+        what = (f"{len(set(plan.configs))} config(s) through {len(set(plan.lane_families))} families of "
+                f"{plan.family} ({len(plan.configs)} lanes)")
+    stream.write(f"poolfuzz run: {what} on {device}, {len(per_worker)} worker(s), "
                  f"{budget}, seed {plan.seed}" + (f", faults {', '.join(plan.faults)}" if plan.faults else "")
                  + f"; database {plan.db or 'off'}; failures to {plan.out}/\n")
     stream.flush()
@@ -438,10 +457,11 @@ def lane_config(plan: Plan, name: str):
     return DRAWN_NAME if name == DRAWN_NAME else get_config(name)
 
 
-def _family_factory(plan: Plan):
-    """The factory ``--family`` names, resolved in the worker (factories need not pickle)."""
-    if not plan.family:
+def _family_factory(family: str):
+    """The factory of the family a lane fuzzes, resolved in the worker (factories need not pickle); None for the
+    built-in one."""
+    if family == DEFAULT_FAMILY:
         return None
     from poolfuzz.orchestration.plugins import resolve_family
 
-    return resolve_family(plan.family).factory
+    return resolve_family(family).factory

@@ -146,13 +146,15 @@ def test_from_program_refuses_a_program_that_passes():
         from_program("swa-ssm", PROGRAM)
 
 
-def test_an_engine_program_recorded_on_vllm_comes_back_on_its_renamed_path(artifact_path):
-    """``vllm`` drove vLLM's manager with engine operations before it ran vLLM's Scheduler: such a file now
-    loads (for replay and emit-test alike) on ``vllm:manager``, says so, and is never written back renamed."""
-    _corrupt(artifact_path, lambda r: r.update(family="vllm", faults=[]))
+@pytest.mark.parametrize("old, path", [("vllm", "vllm:manager"), ("sglang", "sglang:pools")])
+def test_an_engine_program_recorded_on_a_renamed_family_comes_back_on_its_renamed_path(artifact_path, old, path):
+    """``vllm`` drove vLLM's manager, and ``sglang`` SGLang's pools, with engine operations before each ran its
+    engine's own scheduler: such a file now loads (for replay and emit-test alike) on the path it ran on, says so,
+    and is never written back renamed."""
+    _corrupt(artifact_path, lambda r: r.update(family=old, faults=[]))
     art = artifacts.load_checked(artifact_path)[0]
-    assert (art.family, art.renamed_from) == ("vllm:manager", "vllm")
-    assert "recorded on family 'vllm' when it took engine operations; that path is 'vllm:manager' now" in \
+    assert (art.family, art.renamed_from) == (path, old)
+    assert f"recorded on family '{old}' when it took engine operations; that path is '{path}' now" in \
         artifacts.renamed_note(art)
     assert "renamed_from" not in art.to_json()
     assert artifacts.renamed_note(load(artifact_path)) == ""  # load alone reads the file as it is

@@ -109,7 +109,7 @@ def test_configs_for_a_family_whose_engine_is_absent_says_how_to_install_it(caps
     try:
         import sglang  # noqa: F401
     except ImportError:
-        assert run_cli(["configs", "--family", "sglang"]) == 2
+        assert run_cli(["configs", "--family", "sglang:scheduler"]) == 2
         assert "SGLang is not installed" in capsys.readouterr().err
     else:
         pytest.skip("SGLang is installed here: tests/sglang lists its servers")

@@ -43,10 +43,26 @@ class TestResolve:
         assert plugins.resolve_family("toy_families:nested.factory").factory is toy_module.factory
 
     def test_sglang_is_shipped_and_lazy(self):
-        """Resolving the sglang family imports the adapter but not SGLang itself."""
-        plugin = plugins.resolve_family("sglang")
+        """Resolving an SGLang family imports the adapter but not SGLang itself."""
+        plugin = plugins.resolve_family("sglang:pools")
         assert plugin.target == "poolfuzz.adapters.sglang:build_family"
         assert callable(plugin.factory.unsupported_reason)
+
+    def test_a_suite_names_every_sglang_server_and_not_the_pools_path(self):
+        members = plugins.resolve_members("sglang")
+        assert [p.name for p in members] == ["sglang:scheduler", "sglang:hicache", "sglang:decode"]
+        assert all(p.drives_scheduler for p in members)
+        assert plugins.family_members("sglang:pools") == ("sglang:pools",)
+        assert plugins.family_members(None) == (plugins.DEFAULT_FAMILY,)
+        assert plugins.installed_families()["sglang"] == "suite(sglang:scheduler, sglang:hicache, sglang:decode)"
+
+    def test_a_question_for_one_family_asked_of_a_suite_names_its_members(self):
+        with pytest.raises(ConfigError, match=r"'sglang' names several families \(sglang:scheduler, sglang:hicache, "
+                                              r"sglang:decode\).*--family sglang:scheduler"):
+            plugins.resolve_family("sglang")
+
+    def test_the_pools_paths_old_name_replays_its_engine_programs(self):
+        assert plugins.ENGINE_PROGRAMS_OF["sglang"] == "sglang:pools"
 
     def test_entry_point_group(self, toy_module, monkeypatch):
         ep = metadata.EntryPoint(name="toy", value="toy_families:factory", group=plugins.ENTRY_POINT_GROUP)
@@ -117,3 +133,79 @@ def test_a_factory_that_builds_no_family_is_bad_usage_not_a_found_failure(factor
     err = captured.err.strip()
     assert "\n" not in err and "family 'broken_families:factory'" in err and words in err
     assert "FAIL" not in captured.out and os.listdir(tmp_path) == []
+
+
+@pytest.fixture
+def toy_suite(toy_module, monkeypatch):
+    """A suite of two toy families: ``toy_families:factory`` (no sliding window) and ``toy_families:leaky``, whose
+    backup drops a request's last token on dense."""
+
+    def leaky(config, *, device="cpu", faults=(), backup_mode=None):
+        mine = ("backup-drops-last-token",) if config.name == "dense" else ()
+        return build_family(config, device=device, faults=mine, backup_mode=backup_mode)
+
+    toy_module.leaky = leaky
+    monkeypatch.setitem(plugins.SUITES, "toy", ("toy_families:factory", "toy_families:leaky"))
+    return toy_module
+
+
+def _suite_run(tmp_path, *extra):
+    from poolfuzz.cli import run_cli
+
+    return run_cli(["run", "--family", "toy", "--config", "dense", "swa", "--examples", "40", "--seed", "1",
+                    "--db", "none", "--out", str(tmp_path / "out"), "--shrink-seconds", "5", *extra])
+
+
+def test_a_suite_runs_each_config_through_every_member_that_takes_it(toy_suite, tmp_path, capsys):
+    from poolfuzz.orchestration.artifacts import load
+
+    assert _suite_run(tmp_path) == 1
+    out = capsys.readouterr().out
+    assert "poolfuzz: family toy_families:factory skips swa: toy pools have no sliding window" in out
+    assert "2 config(s) through 2 families of toy (3 lanes)" in out
+    table = {line.split()[0]: line.split()[1] for line in out.splitlines()
+             if line.startswith("toy_families:") and "/" in line.split()[0] and len(line.split()) > 2}
+    assert table == {"toy_families:factory/dense": "PASS", "toy_families:leaky/dense": "FAIL",
+                     "toy_families:leaky/swa": "PASS"}
+    (path,) = (tmp_path / "out").glob("*.json")
+    art = load(path)
+    assert "toy_families-leaky" in path.name and art.family == "toy_families:leaky" and art.config == "dense"
+
+
+def test_a_suites_known_list_names_the_member_a_bug_is_known_through(toy_suite, tmp_path, capsys):
+    assert _suite_run(tmp_path) == 1
+    from poolfuzz.orchestration.artifacts import load
+
+    (path,) = (tmp_path / "out").glob("*.json")
+    signature = load(path).signature
+    capsys.readouterr()
+    known = tmp_path / "known.txt"
+    known.write_text(f"toy_families:factory dense {signature}\n")  # another member: still a finding
+    assert _suite_run(tmp_path / "again", "--known", str(known)) == 1
+    capsys.readouterr()
+    known.write_text(f"toy_families:leaky dense {signature}\n")
+    assert _suite_run(tmp_path / "third", "--known", str(known)) == 0
+    out = capsys.readouterr().out
+    assert "known failures passed over" in out and signature in out
+
+
+def test_a_named_config_no_member_runs_is_bad_usage(toy_suite, monkeypatch, capsys):
+    from poolfuzz.cli import run_cli
+
+    monkeypatch.setitem(plugins.SUITES, "toy", ("toy_families:factory",))
+    assert run_cli(["run", "--family", "toy", "--config", "swa", "--examples", "1", "--db", "none"]) == 2
+    assert "no family of 'toy' (toy_families:factory) runs config 'swa' here" in capsys.readouterr().err
+
+
+def test_doctor_on_a_suite_says_which_member_runs_each_config(toy_suite, capsys):
+    from poolfuzz.cli import run_cli
+
+    assert run_cli(["doctor", "--family", "toy"]) == 0
+    out = capsys.readouterr().out
+    assert "family: toy_families:factory (toy_families:factory, module path)" in out
+    assert "family: toy_families:leaky (toy_families:leaky, module path)" in out
+    assert out.count("engine: none") == 1  # one report for members over one engine (here: none)
+    lines = {line.split()[0]: line for line in out.splitlines() if line.startswith("  ")}
+    assert lines["swa"].endswith("runs on toy_families:leaky")
+    assert lines["dense"].endswith("runs on toy_families:factory, toy_families:leaky")
+    assert "verdict: OK" in out

@@ -37,7 +37,7 @@ def test_an_engine_api_change_is_not_a_finding(api, change, tmp_path):
         if why:  # the trigger is read only where a decode evicts SWA through SGLang's tree
             pytest.skip(f"{config} runs without SGLang's tree on {api.version}: {why}")
     shims = ["from poolfuzz.adapters.sglang import shims", "shims.install()"]  # SGLang imports behind them
-    run = run_on_changed_engine([*shims, edit], family="sglang", config=config, out=tmp_path / "out")
+    run = run_on_changed_engine([*shims, edit], family="sglang:pools", config=config, out=tmp_path / "out")
     assert_api_changed(run, words.format(v=api.version), tmp_path)
 
 

@@ -197,7 +197,7 @@ def test_the_pools_path_declines_a_server_sglang_refuses(configurator):
 def test_the_configs_listing_names_each_servers_flags_and_pools(api, configurator, capsys):
     from poolfuzz.cli import main
 
-    assert main(["configs", "--family", "sglang"]) == 0
+    assert main(["configs", "--family", "sglang:pools"]) == 0
     out = capsys.readouterr().out
     out = "\n" + out
     dense = out[out.index("\ndense "):out.index("\ndense-ps4 ")]
@@ -212,7 +212,7 @@ def test_a_configs_server_is_written_out_to_launch_on_a_gpu(api, configurator, c
 
     from poolfuzz.cli import main
 
-    assert main(["configs", "--family", "sglang", "--show", "swa", "--server-dir", str(tmp_path)]) == 0
+    assert main(["configs", "--family", "sglang:pools", "--show", "swa", "--server-dir", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     model = json.loads((tmp_path / "config.json").read_text())
     assert model["architectures"] == ["GptOssForCausalLM"] and model["sliding_window"] == CONFIGS["swa"].sliding_window

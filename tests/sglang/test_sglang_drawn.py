@@ -1,4 +1,4 @@
-"""``--family sglang --config random``: drawn configs over the installed SGLang's own pools.
+"""``--family sglang:pools --config random``: drawn configs over the installed SGLang's own pools.
 
 The installed release's constructors decide what can be built: a config they refuse is declined
 (the example is rejected), never reported as a failure.
@@ -89,7 +89,7 @@ def test_run_config_random_on_the_sglang_family(api, expect, tmp_path, monkeypat
     if expect != "pass":
         pytest.skip("a release before the #35957 fix fails SWA+SSM configs")
     monkeypatch.chdir(tmp_path)
-    code = run_cli(["run", "--family", "sglang", "--config", "random", "--examples", "20", "--seed", "1",
+    code = run_cli(["run", "--family", "sglang:pools", "--config", "random", "--examples", "20", "--seed", "1",
                     "--db", "none", "--device", "cpu"])
     out = capsys.readouterr().out
     assert code == 0, out

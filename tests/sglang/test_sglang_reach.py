@@ -1,4 +1,4 @@
-"""``poolfuzz run --family sglang --coverage DIR``: the reach over SGLang's own memory code, measured in the worker."""
+"""``poolfuzz run --family sglang[:pools] --coverage DIR``: the reach over SGLang's own code, measured in the worker."""
 
 import json
 
@@ -11,7 +11,7 @@ pytest.importorskip("coverage", reason="coverage.py is a dependency of poolfuzz 
 
 def test_reach_covers_sglangs_memory_code_and_the_retraction_path(api, tmp_path, capsys):
     reach = tmp_path / "reach"
-    code = run_cli(["run", "--family", "sglang", "--config", "hybrid-linear", "--examples", "4", "--seed", "1",
+    code = run_cli(["run", "--family", "sglang:pools", "--config", "hybrid-linear", "--examples", "4", "--seed", "1",
                     "--db", "none", "--out", str(tmp_path / "out"), "--coverage", str(reach)])
     out = capsys.readouterr().out
     assert code in (0, 1), out  # the verdict is the release's; the reach is measured either way
@@ -26,3 +26,18 @@ def test_reach_covers_sglangs_memory_code_and_the_retraction_path(api, tmp_path,
     # Files of the tree that a run never imports are reported at 0%, not left out.
     assert any(f["executed"] == 0 for f in files.values())
     assert "sglang/srt/mem_cache/memory_pool.py" in out
+
+
+def test_the_suites_reach_is_every_servers_code_in_one_table(api, tmp_path, capsys):
+    """``--family sglang`` measures what each of its servers declares, together: the scheduler's batch and policy
+    code, the decode server's queues and the HiCache server's controller, beside the pools."""
+    reach = tmp_path / "reach"
+    code = run_cli(["run", "--family", "sglang", "--config", "dense", "--examples", "2", "--seed", "1",
+                    "--db", "none", "--out", str(tmp_path / "out"), "--coverage", str(reach)])
+    out = capsys.readouterr().out
+    assert code in (0, 1), out
+    files = json.loads((reach / "reach.json").read_text())["files"]
+    for name in ("sglang/srt/managers/schedule_policy.py", "sglang/srt/disaggregation/decode.py",
+                 "sglang/srt/managers/cache_controller.py", "sglang/srt/mem_cache/memory_pool.py"):
+        assert files[name]["executed"] > 0, name
+    assert "sglang:scheduler/dense" in out and "sglang:decode/dense" in out and "sglang:hicache/dense" in out

@@ -1,16 +1,17 @@
-"""Drive SGLang's real memory pools, installed from PyPI, with the poolfuzz harness.
+"""Drive SGLang's real memory pools and scheduler, installed from PyPI, with the poolfuzz harness.
 
-``poolfuzz run --family sglang`` builds SGLang's own pools for a config (``dense``, ``swa``,
-``hybrid-linear``, ``swa-ssm`` and their paged variants where the release can allocate pages
-on the device) and runs SGLang's own retraction code on them. Importing this module does not
-import SGLang; building a family does (behind the CPU import shims in :mod:`.shims`).
+``poolfuzz run --family sglang`` (a suite, ``orchestration/plugins.SUITES``) runs each config through SGLang's own
+servers: ``sglang:scheduler``, ``sglang:hicache`` and ``sglang:decode`` (``scheduler/``). ``sglang:pools`` builds
+SGLang's own pools for a config and calls them one request at a time, with SGLang's capacity checks where the
+adapter borrows them (``lifecycle/``); ``sglang:unified`` drives the unified memory pool. Importing this module
+does not import SGLang; building a family does (behind the CPU import shims in :mod:`.shims`).
 """
 
 from __future__ import annotations
 
 
 def build_family(config, *, device="cpu", faults=(), backup_mode=None, node=None):
-    """The family factory registered as ``sglang`` in the ``poolfuzz.families`` entry points. ``node``: the
+    """The family factory registered as ``sglang:pools`` in the ``poolfuzz.families`` entry points. ``node``: the
     engine's node it serves; "decode" builds SGLang's PD decode server (see ``SGLangFamily.pd_decode``)."""
     from poolfuzz.adapters.sglang.api import load
     from poolfuzz.adapters.sglang.lifecycle.family import build_sglang_family
@@ -58,7 +59,7 @@ def engine_report():
 def describe_server(config):
     """The server ``config`` stands for (its flags), the pools SGLang's own KV cache configurator builds for that
     server here, and the pools the family builds for the config, as ``build_family`` sizes them for its tree
-    (``poolfuzz configs --family sglang``)."""
+    (``poolfuzz configs --family sglang:pools``)."""
     from poolfuzz.adapters.sglang.api import load
     from poolfuzz.adapters.sglang.lifecycle.family import build_sglang_family
     from poolfuzz.adapters.sglang.tree.trees import tree_sized

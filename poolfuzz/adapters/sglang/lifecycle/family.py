@@ -279,7 +279,7 @@ _SERVES: dict[tuple, str | None] = {}
 
 
 def served_or_wired(build, config: ModelConfig, sdev: str, *, pd_decode: bool, role_flags: dict | None,
-                    same=None, listing: str = "sglang"):
+                    same=None, listing: str = "sglang:pools"):
     """The family over the pools SGLang's configurator builds for the config's server where they are the config's
     (``_server_pools``; ``same``: how the two builds' descriptions must agree, ``configurator.same_pools`` by
     default), else over the adapter's wiring (``build``: the family's builder with all but ``served`` given).
@@ -315,7 +315,7 @@ def _server_pools(config: ModelConfig, family: SGLangFamily, sdev: str, *, pd_de
     """The pools SGLang's own KV cache configurator builds for the config's server (``pools/configurator.py``), where
     it builds them here and they are the pools the config describes: the classes, sizes, mamba shapes and layers of
     the family's own wiring, the request rows' width aside. None otherwise, and ``family.pools_source`` says why the
-    family keeps its wiring (``poolfuzz configs --family sglang`` shows how the two differ)."""
+    family keeps its wiring (``poolfuzz configs --family sglang:pools`` shows how the two differ)."""
     from poolfuzz.adapters.sglang.pools import configurator
 
     if pd_decode and not role_flags:
