@@ -93,13 +93,13 @@ supported = supported_by(unsupported_reason)
 class RunFailed(Exception):
     """The campaign's poolfuzz run neither passed nor failed a check: its verdict is not "pass"."""
 
-def campaign(waive, coverage=None, family="sglang", configs=None):
+def campaign(waive, coverage=None, family="sglang", configs=()):
     """Every distinct signature per config, each shrunk once (the run keeps going past each):
     config -> [(signature, steps of its shrunk program, the family it came through)]."""
     out = os.path.join(artifacts, family.replace(":", "-"), "+".join(waive) or "unwaived")
     shutil.rmtree(out, ignore_errors=True)
     os.makedirs(out)
-    cmd = [sys.executable, "-m", "poolfuzz.cli", "run", "--family", family, "--config", *(configs or supported),
+    cmd = [sys.executable, "-m", "poolfuzz.cli", "run", "--family", family, "--config", *configs,
            "--examples", examples, "--seed", "1", "--db", "none", "--out", out, "--shrink-seconds", "20"]
     if waive:
         cmd += ["--waive", *waive]
@@ -120,9 +120,9 @@ def check_of(signature):
     parts = signature.split("@")[0].split(":")
     return parts[1] if len(parts) == 3 else None
 
-def fails_at_step_zero_everywhere(found, waived):
-    """Checks, not yet waived, that fail with a zero-step program on every supported config."""
-    if len(found) < len(supported):
+def fails_at_step_zero_everywhere(found, waived, configs):
+    """Checks, not yet waived, that fail with a zero-step program on every one of ``configs``."""
+    if len(found) < len(configs):
         return []
     per_config = [{check_of(sig) for sig, steps, _ in sigs if steps == 0} for sigs in found.values()]
     common = set.intersection(*per_config) - {None} - set(waived)
@@ -144,39 +144,46 @@ def reach_of(directory):
     return f"{pct(pool)} / {pct(allocators)} / {pct(tree)}"
 
 measure = os.environ.get("POOLFUZZ_COMPAT_REACH", "1") != "0"
-waived = []
-reach = reach_dir if measure else None  # each campaign overwrites it: the table shows the last
-try:
-    found = campaign(waived, coverage=reach)
-    # A check that fails at step 0 on every config hides everything behind it: waive it and look
-    # again, until no such check is left (a few rounds: each round waives at least one more check).
-    while step_zero := fails_at_step_zero_everywhere(found, waived):
-        waived += step_zero
-        found = campaign(waived, coverage=reach)
-except RunFailed as exc:
-    row("yes", f"{len(supported)} supported", f"FAILED: {exc}" + (f" (waived {','.join(waived)})" if waived else ""))
-    sys.exit(0)
-verdicts = [f"{name}: " + ", ".join(f"{sig} ({steps} steps, {family})" for sig, steps, family in sigs)
-            for name, sigs in found.items()]
-if waived:
-    verdicts.insert(0, "waived " + ",".join(waived) + " (fails at step 0 everywhere)")
-paged = [n for n in CONFIGS if n.endswith("-ps4")]
-configs = f"{len(supported)}: " + ("all" if len(supported) == len(CONFIGS) else
-                                   ", ".join(supported) if len(supported) < len(CONFIGS) else "")
 triton = "interpreted" if info.get("kernels_interpreted") and info.get("paged_kernels") else "-"
-row("yes", configs, "; ".join(verdicts) if verdicts else "pass on all", triton,
-    reach_of(reach_dir) if measure else "not measured")
+
+def fuzzed_row(label, family, configs, *, measured):
+    """Fuzz ``configs`` through ``family`` and print its row under ``label`` (a check that fails at step 0 on every
+    config is waived and the configs fuzzed again behind it)."""
+    global version
+    version = label
+    waived = []
+    reach = reach_dir if measured else None  # each campaign overwrites it: the table shows the last
+    try:
+        found = campaign(waived, coverage=reach, family=family, configs=configs)
+        # A check that fails at step 0 on every config hides everything behind it: waive it and look
+        # again, until no such check is left (a few rounds: each round waives at least one more check).
+        while step_zero := fails_at_step_zero_everywhere(found, waived, configs):
+            waived += step_zero
+            found = campaign(waived, coverage=reach, family=family, configs=configs)
+    except RunFailed as exc:
+        row("yes", f"{len(configs)} supported", f"FAILED: {exc}" + (f" (waived {','.join(waived)})" if waived else ""))
+        return
+    verdicts = [f"{name}: " + ", ".join(f"{sig} ({steps} steps" + (f", {fam})" if fam != family else ")")
+                                        for sig, steps, fam in sigs) for name, sigs in found.items()]
+    if waived:
+        verdicts.insert(0, "waived " + ",".join(waived) + " (fails at step 0 everywhere)")
+    listed = f"{len(configs)}: " + ("all" if len(configs) == len(CONFIGS) else ", ".join(configs))
+    row("yes", listed, "; ".join(verdicts) if verdicts else "pass on all", triton,
+        reach_of(reach_dir) if measured else "not measured")
+
+release = version
+if supported:
+    fuzzed_row(release, "sglang", supported, measured=measure)
+else:  # no server of the suite starts on this release: say why, and fuzz its pools (the adapter's admission) instead
+    why = unsupported_reason(CONFIGS["dense"]) or "-"
+    row("yes", "0 (no server starts)", f"DECLINED: {why[:300]}")
+    from poolfuzz.orchestration.plugins import resolve_family
+    pools = supported_by(resolve_family("sglang:pools").unsupported_reason)
+    if pools:
+        fuzzed_row(release + " pools", "sglang:pools", pools, measured=measure)
 # The unified memory pool (--enable-unified-memory), where the release has it: its own row.
 unified = supported_by(unified_unsupported_reason)
 if unified:
-    version += " unified"
-    try:
-        found = campaign([], family="sglang:unified", configs=unified)
-    except RunFailed as exc:
-        row("yes", f"{len(unified)} supported", f"FAILED: {exc}")
-        sys.exit(0)
-    verdicts = [f"{name}: " + ", ".join(f"{sig} ({steps} steps)" for sig, steps, _ in sigs)
-                for name, sigs in found.items()]
-    row("yes", f"{len(unified)}: " + ", ".join(unified), "; ".join(verdicts) if verdicts else "pass on all")
+    fuzzed_row(release + " unified", "sglang:unified", unified, measured=False)
 PY
 done

@@ -325,3 +325,32 @@ def test_a_server_that_refuses_its_resolved_backup_starts_with_the_flag_an_opera
     (note,) = describe_decode_server(config).notes  # the listing says the flag was added, and why
     assert note.startswith("started with --disaggregation-decode-retraction-backup cpu_tensor") and "scale layout" in note
     assert describe_decode_server(CONFIGS["dense"]).notes == ()
+
+
+def test_sglangs_page_check_calls_a_pure_swa_requests_evicted_window_a_use_after_free(decode):
+    """SGLang 0.5.23's KV page check (``InvariantChecker._check_kv_page_invariants``, check A, behind
+    ``SGLANG_CHECK_KV_PAGE_INVARIANTS``) takes the allocator's first sub-allocator for the full pool; a pure-SWA
+    model's allocator has no full pool (``full_attn_allocator is swa_attn_allocator``). A decode that slides the window
+    frees the request's out-of-window slots, by design (``free_swa_out_of_window_slots``), and the check then finds the
+    request's row still naming them: a false alarm, not a lost page. The fuzzer's shrunk program on ``swa-only``
+    (window 6, eviction interval 6: ``tree_swa.server_environment``); known, and written up in
+    docs/bugs/sglang-pure-swa-page-check.md."""
+    from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
+
+    if reason := decode.unsupported_reason(CONFIGS["swa-only"]):
+        pytest.skip(reason)
+    driver = decode.SglangDecodeDriver(CONFIGS["swa-only"])
+    if not hasattr(compat.invariant_checker(driver.server), "_check_kv_page_invariants"):
+        pytest.skip("this release's invariant checker has no KV page check")
+    assert driver.environment == {"SGLANG_SWA_EVICTION_INTERVAL": "6"}
+    rid = driver.add_request(length=11, share=0, max_tokens=4)
+    driver.step()
+    driver.step()
+    req = driver.requests[rid]
+    evicted = int(req.kv.get_evicted_seqlen(ComponentType.SWA))
+    row = driver.family.sg_req_pool.req_to_token[req.kv.req_pool_idx]
+    freed = row[:evicted].tolist()
+    assert evicted == 6 and all(driver.family.free_lists()["swa"].is_free_page(slot) for slot in freed)
+    problem = driver.state_problem()
+    assert problem is not None and f"KV page use-after-free: {evicted} owner page refs are in the free pool" in problem
+    assert driver.drain() is None and driver.outcome[rid] == "finished"  # its window's K and V were its own throughout

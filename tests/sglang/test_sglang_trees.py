@@ -232,9 +232,9 @@ def test_the_eviction_interval_is_one_window_unless_the_environment_sets_it(tree
 
     fam = _engine("swa-ps4").families["prefill"]
     monkeypatch.delenv("SGLANG_SWA_EVICTION_INTERVAL", raising=False)
-    assert tree_swa.eviction_interval(fam) == CONFIGS["swa-ps4"].sliding_window
+    assert tree_swa.eviction_interval(fam.config) == CONFIGS["swa-ps4"].sliding_window
     monkeypatch.setenv("SGLANG_SWA_EVICTION_INTERVAL", "128")
-    assert tree_swa.eviction_interval(fam) == 128
+    assert tree_swa.eviction_interval(fam.config) == 128
 
 
 def test_a_fork_whose_hit_is_all_the_tree_could_evict_waits(tree_api):

@@ -114,7 +114,7 @@ class SglangHiCacheDriver(SglangSchedulerDriver):
     def _storage_settled(self) -> None:
         """With an L3 tier: the storage threads' work handed to them so far, done and polled (``l3.settle``)."""
         if self.storage_dir is not None:
-            with cpu_server():
+            with cpu_server(self.environment):
                 l3.settle(self.tree)
 
     def pools_built(self):

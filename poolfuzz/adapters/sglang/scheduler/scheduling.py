@@ -56,6 +56,7 @@ from poolfuzz.adapters.sglang.shims import cpu_server, root_warnings_off
 from poolfuzz.adapters.sglang.scheduler.runner import ModelRunner, RowGuard, deferred_cow_and_clear
 from poolfuzz.adapters.sglang.scheduler.sessions import SessionClients
 from poolfuzz.adapters.sglang.scheduler.spec_worker import SpecWorker, speculative_flags, speculative_problem
+from poolfuzz.adapters.sglang.tree.tree_swa import server_environment
 from poolfuzz.pools.config import ModelConfig
 from poolfuzz.pools.errors import ConfigError, ServerStuck
 from poolfuzz.pools.token_chain import Tokens
@@ -68,10 +69,9 @@ STALLED_STEPS = 3  # idle steps with requests waiting after which a session's cl
 # server admits on a smaller estimate of the tokens running requests will still take, and under load decode runs
 # out of slots and retract_decode takes requests back.
 SERVER_FLAGS = {"chunked_prefill_size": 16, "schedule_conservativeness": 0.1}
-# A model with recurrent state: its HF config's mamba_chunk_size (the kernels' chunk; the checkpoint grid is this or
-# the page size, the larger), and --mamba-track-interval a multiple of it, so that prompts of a few dozen tokens
-# cross track boundaries where the extra buffer snapshots a state for the radix tree (the defaults, 64 and 256, need
-# thousands).
+# A model with recurrent state: its HF config's mamba_chunk_size (the kernels' chunk; the checkpoint grid is this or the
+# page size, the larger), and --mamba-track-interval a multiple of it, so that prompts of a few dozen tokens cross
+# track boundaries where the extra buffer snapshots a state for the radix tree (the defaults, 64 and 256, need 1000s).
 MAMBA_CHUNK = 4
 MAMBA_TRACK_INTERVAL = 8
 
@@ -176,14 +176,15 @@ class SglangSchedulerDriver:
         max_running = config.request_rows  # the server's --max-running-requests, the flag its pools are built with
         self.server_args = self.server_flags(config, max_running_requests=max_running)
         self.aborted: set[str] = set()  # requests the server answered with an abort (no longer its to run)
-        # streaming sessions: driven where the server is built with --enable-streaming-session (0.5.12, 0.5.13)
-        self.streaming_sessions = False
+        self.streaming_sessions = False  # driven where it is built with --enable-streaming-session (0.5.12, 0.5.13)
         self.session_clients = SessionClients(self)
         self.outcome: dict[str, str] = {}  # request id -> "finished" / "aborted", once the server is done with it
-        if compat.publishes_runtime_context():
-            self._build_context_server(config, max_running)
-        else:
-            self._build_global_server(config, max_running)
+        self.environment = server_environment(config)
+        with cpu_server(self.environment):  # the environment it runs in, while it builds and at every step
+            if compat.publishes_runtime_context():
+                self._build_context_server(config, max_running)
+            else:
+                self._build_global_server(config, max_running)
         config = self.config
         # a server without a radix cache (a PD decode server's) makes no prefix hits: its cache needs no state
         if config.has_mamba and not self.tree.supports_mamba() and not self.server_args.get("disable_radix_cache"):
@@ -388,7 +389,7 @@ class SglangSchedulerDriver:
 
     def step(self) -> None:
         """One iteration of ``Scheduler.event_loop_normal``: the next batch, its forward, its result."""
-        with cpu_server():
+        with cpu_server(self.environment):
             self._step()
 
     def _step(self) -> None:
@@ -416,7 +417,7 @@ class SglangSchedulerDriver:
         self._forget_done()
 
     def abort(self, rid: str) -> None:
-        with cpu_server():
+        with cpu_server(self.environment):
             self.server.abort_request(self.m.AbortReq(rid=rid))
         self._forget_done()
 
@@ -433,7 +434,7 @@ class SglangSchedulerDriver:
     def flush(self) -> bool:
         """An operator's ``/flush_cache``: SGLang's own ``Scheduler.flush_cache`` (an idle server's tree, request pool
         and allocators reset); whether it flushed. Its refusal goes to the root logger, so warnings are off meanwhile."""
-        with cpu_server(), root_warnings_off():
+        with cpu_server(self.environment), root_warnings_off():
             return bool(self.server.flush_cache())
 
     def close(self) -> None:
@@ -592,7 +593,6 @@ def _aborted(req) -> bool:
 
 def _schedule_batch_class():
     from sglang.srt.managers.schedule_batch import ScheduleBatch
-
     return ScheduleBatch
 
 

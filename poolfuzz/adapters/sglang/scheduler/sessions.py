@@ -41,7 +41,7 @@ class SessionClients:
         d.next_rid += 1
         params = d.m.SamplingParams(max_new_tokens=max_tokens)
         params.normalize(None)
-        with cpu_server():
+        with cpu_server(d.environment):
             d.server.handle_generate_request(session_turn_request(rid=rid, ids=ids, sampling_params=params,
                                                                          session_id=sid))
         self.open[sid].append(rid)
@@ -64,7 +64,7 @@ class SessionClients:
             self.driver.abort(self.open[sid][-1])
             if self.in_flight(sid):  # the abort is answered at the next step
                 return
-        with cpu_server():
+        with cpu_server(self.driver.environment):
             self.driver.server.close_session(close_session_request(sid))
         self.closed[sid] = self.open.pop(sid)
 
