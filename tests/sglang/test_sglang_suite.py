@@ -1,0 +1,39 @@
+"""``poolfuzz run --family sglang``: a config runs through each of SGLang's servers that takes it, and a failure found
+through one of them is that server's artifact, replayed on that server."""
+
+from __future__ import annotations
+
+import pytest
+
+from poolfuzz.cli import run_cli
+from poolfuzz.pools.config import CONFIGS
+
+
+def test_a_failure_found_through_one_server_replays_on_that_server(scheduling, tmp_path, capsys):
+    """``swa-only``'s decode server trips SGLang's own KV page check (docs/bugs/sglang-pure-swa-page-check.md); the
+    plain server passes. The run reports the one lane, its artifact names the decode server, and ``replay`` rebuilds
+    that server and reproduces it."""
+    from poolfuzz.adapters.sglang import compat
+    from poolfuzz.adapters.sglang.scheduler import decode_server
+    from poolfuzz.orchestration.artifacts import load
+
+    if reason := decode_server.unsupported_reason(CONFIGS["swa-only"]):
+        pytest.skip(reason)
+    if not hasattr(compat.invariant_checker(decode_server.SglangDecodeDriver(CONFIGS["swa-only"]).server),
+                   "_check_kv_page_invariants"):
+        pytest.skip("this release's invariant checker has no KV page check")
+    out = tmp_path / "out"
+    assert run_cli(["run", "--family", "sglang", "--config", "swa-only", "--examples", "40", "--seed", "1",
+                    "--db", "none", "--out", str(out), "--shrink-seconds", "10"]) == 1
+    printed = capsys.readouterr().out
+    table = {line.split()[0]: line.split()[1] for line in printed.splitlines() if line.startswith("sglang:")
+             and "/" in line.split()[0] and len(line.split()) > 2 and not line.split()[1].endswith(":")}
+    assert table == {"sglang:scheduler/swa-only": "PASS", "sglang:decode/swa-only": "FAIL"}, printed
+    assert "family sglang:hicache skips swa-only" in printed
+    (path,) = out.glob("*.json")
+    art = load(path)
+    assert (art.family, art.config, art.signature) == ("sglang:decode", "swa-only", "InvariantViolation:consumer-map:-")
+    assert "sglang-decode" in path.name
+    assert run_cli(["replay", str(path)]) == 1  # it reproduces
+    replayed = capsys.readouterr().out
+    assert "family sglang:decode, config swa-only" in replayed and "KV page use-after-free" in replayed
