@@ -268,3 +268,25 @@ def test_a_load_back_after_a_storage_requery_keeps_the_stale_mamba_copy_on_write
     driver, lost = _stale_cow_server(hicache_server)
     driver.close()
     assert driver.storage_dir is not None and lost is None
+
+
+@pytest.mark.anchored
+def test_the_host_and_device_pools_are_addressable_by_the_kernel_copies_without_pd_registration(hicache_server):
+    """The ``kernel`` copies' stand-in reads only registered buffers. 0.5.18's tree has no ``host_pool_group``: its
+    pools were registered only where PD registration happened to list them, and an MXFP8 pool it cannot list
+    (``get_contiguous_buf_infos`` raises) made every copy an IllegalAddress of the stand-in's own making. With the
+    cache controller's pools registered, the fuzzer finds what 0.5.18 really does there: a load-back restores the KV
+    with stale scales (sglang PR #39089, "Back up MXFP8 KV scales in the host pool", fixed later; 0.5.23 refuses the
+    server)."""
+    from poolfuzz.adapters.sglang.host_tier import kernel_io
+
+    config = CONFIGS["fp8-scaled"]
+    if reason := hicache_server.unsupported_reason(config):
+        pytest.skip(reason)
+    driver = hicache_server.build_hicache_driver(config)
+    try:
+        device = driver.family.sg_kv_pool
+        for buffer in (device.k_buffer[0], device.v_buffer[-1]):
+            assert buffer.untyped_storage().data_ptr() in kernel_io.REGISTRY.spans
+    finally:
+        driver.close()
