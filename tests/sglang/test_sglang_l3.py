@@ -283,3 +283,15 @@ def test_a_page_meta_past_the_host_buffer_is_an_illegal_address(l3_api, monkeypa
     with pytest.raises(IllegalAddress, match="past the end of its buffer"):
         _stored_evicted_continued(e)
     e.close()
+
+
+@pytest.mark.parametrize("name", ["swa-ps4", "swa", "hybrid-linear"])
+def test_a_tree_with_pools_beside_the_kv_stores_through_sglangs_file_backend(l3_api, name, tmp_path):
+    """A sliding window's host pool (or mamba state's) sits beside the KV: SGLang's hybrid controller then queries
+    the store with ``batch_exists_v2``, which the zero-copy stand-in lacks. 0.5.22 and 0.5.23 log that and count 0
+    hits, so a SWA config's L3 tier never hit (0.5.21's prefetch thread died of it: StorageHang); such a tree takes
+    SGLang's file backend."""
+    from poolfuzz.adapters.sglang.host_tier import l3
+
+    backend, extra = l3.storage_backend(CONFIGS[name], str(tmp_path), "page_first")
+    assert (backend, extra) == (l3.BACKEND, {"file_storage_path": str(tmp_path)})

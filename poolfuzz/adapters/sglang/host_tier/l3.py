@@ -112,11 +112,11 @@ def storage_backend(config: ModelConfig, directory: str, layout: str) -> tuple[s
 
 
 def _has_side_pools(config: ModelConfig) -> bool:
-    """Whether the host group holds pools beside the KV (mamba state, MiniMax's sparse index keys): SGLang's
-    hybrid controller then stores and queries through the v2 pool interface (``batch_set_v2`` /
-    ``batch_exists_v2``), which the zero-copy stand-in does not offer; SGLang logs the
-    ``NotImplementedError`` and stores nothing, so such a tree takes the file backend."""
-    return config.has_mamba or storage_of(config).host_side_pools
+    """Whether the host group holds pools beside the KV (mamba state, the sliding window's, MiniMax's sparse index
+    keys): SGLang's hybrid controller then stores and queries through the v2 pool interface (``batch_set_v2`` /
+    ``batch_exists_v2``), which the zero-copy stand-in does not offer; SGLang logs the ``NotImplementedError`` and
+    stores nothing (0.5.21's prefetch thread dies of it), so such a tree takes the file backend."""
+    return config.has_mamba or config.has_swa or storage_of(config).host_side_pools
 
 
 def storage_flags(config: ModelConfig, directory: str, layout: str) -> dict:
