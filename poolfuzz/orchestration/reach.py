@@ -31,6 +31,7 @@ from typing import TextIO
 
 from poolfuzz.errors import UsageError
 from poolfuzz.pools.capabilities import factory_capabilities
+from poolfuzz.pools.environment import environment_set
 
 ENGINE_CODE_ATTRIBUTE = "engine_code"
 TRACER = "pytrace"
@@ -186,17 +187,8 @@ def added_code(out: Path, code: EngineCode) -> EngineCode:
 def measuring(rc: str):
     """While inside: every Python process started from this one measures with ``rc`` from its first line
     (coverage's process-start hook reads these variables); this process itself is not measured."""
-    saved = {k: os.environ.get(k) for k in ("COVERAGE_PROCESS_START", "COVERAGE_CORE")}
-    os.environ["COVERAGE_PROCESS_START"] = rc
-    os.environ["COVERAGE_CORE"] = TRACER
-    try:
+    with environment_set({"COVERAGE_PROCESS_START": rc, "COVERAGE_CORE": TRACER}):
         yield
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
 
 
 def start_in_worker() -> None:

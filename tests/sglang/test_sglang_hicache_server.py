@@ -275,7 +275,7 @@ def test_the_host_and_device_pools_are_addressable_by_the_kernel_copies_without_
     """The ``kernel`` copies' stand-in reads only registered buffers. 0.5.18's tree has no ``host_pool_group``: its
     pools were registered only where PD registration happened to list them, and an MXFP8 pool it cannot list
     (``get_contiguous_buf_infos`` raises) made every copy an IllegalAddress of the stand-in's own making. With the
-    cache controller's pools registered, the fuzzer finds what 0.5.18 really does there: a load-back restores the KV
+    tree's host pool and the device pool it mirrors registered (``compat.host_tier_pools``), the fuzzer finds what 0.5.18 really does there: a load-back restores the KV
     with stale scales (sglang PR #39089, "Back up MXFP8 KV scales in the host pool", fixed later; 0.5.23 refuses the
     server)."""
     from poolfuzz.adapters.sglang.host_tier import kernel_io

@@ -41,6 +41,8 @@ import tempfile
 import types
 from functools import lru_cache
 
+from poolfuzz.pools.environment import environment_set
+
 _INSTALLED: dict[str, str] = {}
 
 
@@ -304,30 +306,15 @@ def cpu_server(environment: dict[str, str] | None = None):
     """Within the block, a server's step runs on a machine without a GPU as far as its pools are on the CPU: pinned
     memory is plain memory (:func:`cpu_pin_memory`) and ``torch.cuda.synchronize()`` a no-op
     (:func:`cpu_synchronize`; SGLang's DSA index cache synchronises the device before the CPU copy a decode server's
-    retraction backs up); and the process has the server's ``environment`` (:func:`process_environment`)."""
+    retraction backs up); and the process has the server's ``environment`` (``pools.environment``)."""
     import torch
 
     stack = contextlib.ExitStack()
     stack.enter_context(cpu_pin_memory())
     stack.enter_context(cpu_synchronize(torch.device("cpu")))
-    stack.enter_context(process_environment(environment or {}))
+    stack.enter_context(environment_set(environment or {}))
     return stack
 
-
-@contextlib.contextmanager
-def process_environment(variables: dict[str, str]):
-    """Within the block, ``os.environ`` holds ``variables`` (what the server was started with: SGLang reads its
-    ``envs`` when called, and servers of other configs run in this process between two of this one's steps)."""
-    before = {name: os.environ.get(name) for name in variables}
-    os.environ.update(variables)
-    try:
-        yield
-    finally:
-        for name, value in before.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
 
 def _tensor_unpinned(real):
     """``torch.tensor`` that builds in ordinary memory what it was asked to pin (no accelerator to pin it for)."""

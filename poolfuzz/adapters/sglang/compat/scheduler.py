@@ -88,13 +88,19 @@ def published_extra_buffer() -> bool:
         return runtime_context.get_server_args().enable_mamba_extra_buffer()
 
 
-def host_pools(tree) -> list:
-    """The host pools of a tree with a host tier: a ``UnifiedRadixCache``'s pool group (0.5.20 on), or the one host
-    pool of 0.5.18's ``HiRadixCache``."""
+def host_tier_pools(tree) -> list[tuple]:
+    """``(host pool, the device pool it mirrors)`` for each host pool of ``tree``: a ``UnifiedRadixCache``'s pool
+    group (0.5.20 on), or the one host pool of 0.5.18's ``HiRadixCache``; none for a tree without a host tier."""
     group = tree.__dict__.get("host_pool_group")
     if group is not None:
-        return [entry.host_pool for entry in group.entries]
-    return [tree.token_to_kv_pool_host]
+        return [(entry.host_pool, entry.device_pool) for entry in group.entries]
+    host = tree.__dict__.get("token_to_kv_pool_host")
+    return [] if host is None else [(host, host.device_pool)]
+
+
+def host_pools(tree) -> list:
+    """The host pools of a tree with a host tier (:func:`host_tier_pools`)."""
+    return [host for host, _ in host_tier_pools(tree)]
 
 
 def published_host_pool_backup() -> bool:

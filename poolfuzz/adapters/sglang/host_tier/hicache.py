@@ -24,7 +24,7 @@ from contextlib import contextmanager
 
 import torch
 
-from poolfuzz.adapters.sglang.compat import has_private, private, private_name
+from poolfuzz.adapters.sglang.compat import has_private, host_tier_pools, private, private_name
 
 from poolfuzz.adapters.sglang.host_tier import l3
 from poolfuzz.adapters.sglang.host_tier.host import HOST_LAYOUT, IO_BACKEND, install_cpu_transfer_ops
@@ -201,15 +201,7 @@ def register_kernel_buffers(tree) -> None:
     machine without CUDA, also unpin them: a host pool allocates each L3 page's bounce buffer
     (``get_dummy_flat_data_page``) with its ``pin_memory``, which CPU-only torch refuses, as it has no
     pinned memory to give (the register stand-in above is the same fact at build time)."""
-    group = getattr(tree, "host_pool_group", None)
-    pairs = [(entry.host_pool, entry.device_pool) for entry in getattr(group, "entries", ()) or ()]
-    if group is None and getattr(tree, "cache_controller", None) is not None:
-        # 0.5.18's HiRadixCache: one host pool, its cache controller's. Without this the pools were addressable only
-        # where PD registration happened to list them, and a pool it cannot list (MXFP8's get_contiguous_buf_infos
-        # raises) made every copy an IllegalAddress of the stand-in's own making.
-        controller = tree.cache_controller
-        pairs = [(controller.mem_pool_host, controller.mem_pool_device)]
-    for host_pool, device_pool in pairs:
+    for host_pool, device_pool in host_tier_pools(tree):
         register_buffers(host_pool, device_pool)
         if not torch.cuda.is_available() and getattr(host_pool, "pin_memory", False):
             host_pool.pin_memory = False
