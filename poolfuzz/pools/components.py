@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import mmap
 
@@ -30,9 +31,15 @@ class Component:
     # pages hold all their keys, then all their scales): ``tensor`` is ``[pages, N, *row]`` and the
     # slot's row is ``tensor[slot // N, slot % N]``. Read and write rows through ``at``.
     page_size: int = 0
+    # None: ``slots`` index ``tensor`` as they are. Otherwise the engine's own map from the slot ids it hands out to the
+    # rows that hold them (a unified memory pool's virtual -> physical ids, which compaction rebinds): read through
+    # ``at``, a component is addressed as the engine's kernels address it, wherever its rows have moved.
+    translate: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def at(self, slots):
         """The index of ``slots``' rows in ``tensor`` (an index tensor, or a (page, offset) pair)."""
+        if self.translate is not None:
+            slots = self.translate(torch.as_tensor(slots, dtype=torch.int64))
         if not self.page_size:
             return slots
         return slots // self.page_size, slots % self.page_size

@@ -53,6 +53,21 @@ def test_a_page_major_reader_checksums_the_slot_rows():
     assert torch.equal(got, row_checksums(torch.stack([keys.tensor[int(s) // 4, int(s) % 4] for s in slots])))
 
 
+def test_a_translated_component_is_addressed_where_the_engines_table_puts_each_slot():
+    """A unified memory pool hands out virtual ids and moves their rows (compaction): a component with the engine's
+    table reads and writes each slot's row where the table points now, for a tensor of ids and for one id."""
+    table = torch.tensor([0, 7, 3, 5, 1, 2, 4, 6])  # virtual id -> physical row, as the engine binds it
+    rows = torch.zeros(8, 2, dtype=torch.int64)
+    comp = Component(name="full.k", layer=0, space="full", tensor=rows, translate=lambda ids: table[ids])
+    comp.tensor[comp.at(torch.tensor([1, 3]))] = torch.tensor([[11, 11], [33, 33]])
+    assert rows[7].tolist() == [11, 11] and rows[5].tolist() == [33, 33] and rows[1].tolist() == [0, 0]
+    assert comp.tensor[comp.at(3)].tolist() == [33, 33]
+    table[3] = 6  # compaction moved virtual id 3's row, and the engine rebound it
+    rows[6] = rows[5]
+    rows[5] = 0
+    assert comp.tensor[comp.at(torch.tensor([3]))].tolist() == [[33, 33]]
+
+
 def test_impossible_storage_configs_are_refused():
     base = dict(name="x", architecture="llama", full_tokens=48, max_context=48)
     with pytest.raises(ConfigError, match="attention 'mla' is built for full-attention-only models"):

@@ -83,7 +83,7 @@ class ModelRunner:
     """The forward of a model of full-attention and (optionally) mamba layers over SGLang's pools (see the module)."""
 
     def __init__(self, *, family, vocab: int, cow_and_clear=None, aligned_lens=None):
-        comps = family.components()
+        comps = family.kernel_components()
         kv = [c for c in comps if c.space in KV_SPACES]
         self.states = [c for c in comps if c.space == "mamba"]
         # a speculative server's intermediate state caches: (state component, layer, draft step) -> its rows
@@ -350,8 +350,10 @@ class ModelRunner:
             why = what + (" (another prefix)" if owner != rid else "")
         else:
             why = f"a value nobody wrote ({got & ((1 << 64) - 1):#x})"
+        # the block is where the row lives: on the unified pool the physical row SGLang's table maps the slot to
+        block = int(c.at(slot)) if c.translate is not None else slot
         return LostKv(rid=rid, step=self.step, space=c.space, component=c.name, layer=c.layer, position=position,
-                      block=slot, slot=slot, expected=f"{want:#x}", found=f"{got & ((1 << 64) - 1):#x}", whose=why)
+                      block=block, slot=slot, expected=f"{want:#x}", found=f"{got & ((1 << 64) - 1):#x}", whose=why)
 
 
 class RowGuard:

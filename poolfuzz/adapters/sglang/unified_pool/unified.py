@@ -220,7 +220,7 @@ def _mamba_family(api: SGLangAPI, c: ModelConfig, dev, bundle) -> UnifiedFamily:
     prewarm_compaction(alloc)
     full, mamba = alloc.full_attn_allocator, alloc.mamba_allocator
 
-    kv_mirrors, comps = mirrored_kv(kv_pool.full_kv_pool, c.full_layer_ids, "full", full,
+    kv_mirrors, comps, kernel = mirrored_kv(kv_pool.full_kv_pool, c.full_layer_ids, "full", full,
                                     held=functools.partial(held_slots, full),
                                     latent_rank=c.kv_lora_rank if c.latent else None)
     mamba_view, state_mirrors = mirrored_state(req_pool, c.mamba_layer_ids, mamba)
@@ -262,6 +262,7 @@ def _mamba_family(api: SGLangAPI, c: ModelConfig, dev, bundle) -> UnifiedFamily:
         standin_cls=standin_class(api), admission=SchedulerAdmission(api))
     family.mirrors = tuple(kv_mirrors + state_mirrors)
     family.kv_mirrors = tuple(kv_mirrors)
+    family.kernel_comps = tuple(kernel + mamba_view.kernel)
     family.unified_buffer = bundle.unified_memory_pool
     family._free_views = views
     family.pd_decode = False

@@ -35,10 +35,15 @@ class UnifiedFamily(SGLangFamily):
     supports_tree_drafts = False
     mirrors: tuple = ()
     kv_mirrors: tuple = ()
+    kernel_comps: tuple = ()  # the components as the kernels address them (mirrored_component)
     unified_buffer: object = None
 
     def __repr__(self) -> str:
         return f"UnifiedFamily({self.config.name}, sglang {self.api.version}, {self.device})"
+
+    def kernel_components(self) -> list[Component]:
+        """SGLang's physical views, addressed through its tables: what a forward reads and writes on a server."""
+        return list(self.kernel_comps)
 
     def physical_buffers(self) -> list[torch.Tensor]:
         """SGLang's own views the mirrors stand for (one shared byte buffer under them all)."""
@@ -121,39 +126,59 @@ class _UnifiedServing(SGLangProtocol):
 UnifiedProtocol = _pushing(_UnifiedServing)
 
 
+def mirrored_component(m: Mirror, *, name: str, layer: int, space: str, cut=None,
+                       translated: bool = True) -> tuple[Component, Component]:
+    """A component as the harness's pools path reads it (``m``'s virtual-id mirror) and as the kernels address it
+    (SGLang's physical view, its slot ids translated through SGLang's table where ``translated``; a mamba state's
+    kernels are handed ids translated already, ``translate_mamba_indices``). ``cut``: the part of each row it is."""
+    cut = cut or (lambda t: t)
+    return (Component(name=name, layer=layer, space=space, tensor=cut(m.shadow)),
+            Component(name=name, layer=layer, space=space, tensor=cut(m.physical),
+                      translate=m.translate if translated else None))
+
+
 def mirrored_kv(pool, layer_ids, space: str, allocator, *, held,
-                latent_rank: int | None = None) -> tuple[list[Mirror], list[Component]]:
-    """K and V of each layer of a unified MHA sub-pool, as virtual-id mirrors of its physical views. With
-    ``latent_rank``, the sub-pool is MLA's: one latent row a layer, whose first ``latent_rank`` values are
-    the compressed KV (``mla.latent``) and the rest the rope part (``mla.rope``)."""
-    mirrors, comps = [], []
+                latent_rank: int | None = None) -> tuple[list[Mirror], list[Component], list[Component]]:
+    """K and V of each layer of a unified MHA sub-pool, as virtual-id mirrors of its physical views, the mirrored
+    components and their kernel twins (``mirrored_component``). With ``latent_rank``, the sub-pool is MLA's: one
+    latent row a layer, whose first ``latent_rank`` values are the compressed KV (``mla.latent``) and the rest the
+    rope part (``mla.rope``)."""
+    mirrors, comps, kernel = [], [], []
     slots = allocator.num_virtual_ids * allocator.pool_page_size
     if latent_rank is not None:
         for local, layer_id in enumerate(layer_ids):
             m = Mirror(shadow=shadow_like(pool.kv_buffer[local], slots), physical=pool.kv_buffer[local],
                        translate=token_translate(allocator), held=held)
             mirrors.append(m)
-            comps.append(Component(name="mla.latent", layer=layer_id, space=space, tensor=m.shadow[:, 0, :latent_rank]))
-            comps.append(Component(name="mla.rope", layer=layer_id, space=space, tensor=m.shadow[:, 0, latent_rank:]))
-        return mirrors, comps
+            for name, cut in (("mla.latent", lambda t: t[:, 0, :latent_rank]),
+                              ("mla.rope", lambda t: t[:, 0, latent_rank:])):
+                shadow, twin = mirrored_component(m, name=name, layer=layer_id, space=space, cut=cut)
+                comps.append(shadow)
+                kernel.append(twin)
+        return mirrors, comps, kernel
     for local, layer_id in enumerate(layer_ids):
         for part, buffers in (("k", pool.k_buffer), ("v", pool.v_buffer)):
             m = Mirror(shadow=shadow_like(buffers[local], slots), physical=buffers[local],
                        translate=token_translate(allocator), held=held)
             mirrors.append(m)
-            comps.append(Component(name=f"{space}.{part}", layer=layer_id, space=space, tensor=m.shadow))
-    return mirrors, comps
+            shadow, twin = mirrored_component(m, name=f"{space}.{part}", layer=layer_id, space=space)
+            comps.append(shadow)
+            kernel.append(twin)
+    return mirrors, comps, kernel
 
 
 def mirrored_state(req_pool, layer_ids, allocator) -> tuple[MambaPoolView, list[Mirror]]:
-    """The unified Mamba pool's state tensors as virtual-id mirrors, each layer of each tensor."""
+    """The unified Mamba pool's state tensors as virtual-id mirrors, each layer of each tensor (the view's
+    ``kernel`` holds their kernel twins)."""
     view, mirrors = _MirroredMambaView(req_pool.mamba_pool, layer_ids), []
     for name, tensor in view.physical_tensors():
         for local, layer_id in enumerate(layer_ids):
             m = Mirror(shadow=shadow_like(tensor[local], allocator.num_virtual_ids), physical=tensor[local],
                        translate=req_pool.mamba_allocator.translate, held=functools.partial(held_slots, allocator))
             mirrors.append(m)
-            view.comps.append(Component(name=name, layer=layer_id, space="mamba", tensor=m.shadow))
+            shadow, twin = mirrored_component(m, name=name, layer=layer_id, space="mamba", translated=False)
+            view.comps.append(shadow)
+            view.kernel.append(twin)
     return view, mirrors
 
 
@@ -163,6 +188,7 @@ class _MirroredMambaView(MambaPoolView):
     def __init__(self, pool, layer_ids):
         super().__init__(pool, layer_ids)
         self.comps: list[Component] = []
+        self.kernel: list[Component] = []
 
     def physical_tensors(self):
         return self.state_tensors()

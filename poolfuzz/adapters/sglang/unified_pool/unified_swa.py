@@ -19,12 +19,11 @@ from poolfuzz.adapters.sglang.lifecycle.family import KV_DTYPES
 from poolfuzz.adapters.sglang.lifecycle.standin import standin_class
 from poolfuzz.adapters.sglang.pools.request_pool import mamba_cache_params, pool_kwargs
 from poolfuzz.adapters.sglang.unified_pool.unified_family import (
-    UnifiedFamily, UnifiedProtocol, kv_pool_view, mirrored_kv, mirrored_state, prewarm_compaction, served_bundle,
+    UnifiedFamily, UnifiedProtocol, kv_pool_view, mirrored_component, mirrored_kv, mirrored_state, prewarm_compaction, served_bundle,
 )
 from poolfuzz.adapters.sglang.unified_pool.unified_mirror import Mirror, held_slots, shadow_like
 from poolfuzz.adapters.sglang.pools.views import FreeListView, ReqPoolView, as_ints
 from poolfuzz.adapters.sglang.pools.writes import as_pool_dtype, RadixAttentionFields
-from poolfuzz.pools.components import Component
 from poolfuzz.pools.config import ModelConfig, uses_ssm_state
 
 
@@ -104,7 +103,7 @@ def _swa_family(api: SGLangAPI, c: ModelConfig, dev, bundle, req_pool) -> Unifie
     full, swa = alloc.full_attn_allocator, alloc.swa_attn_allocator
     prewarm_compaction(alloc)
 
-    kv_mirrors, comps = mirrored_kv(kv_pool.full_kv_pool, c.full_layer_ids, "full", full,
+    kv_mirrors, comps, kernel = mirrored_kv(kv_pool.full_kv_pool, c.full_layer_ids, "full", full,
                                     held=functools.partial(held_slots, full))
     slots = full.num_virtual_ids * full.pool_page_size
     for local, layer_id in enumerate(c.swa_layer_ids):
@@ -113,7 +112,9 @@ def _swa_family(api: SGLangAPI, c: ModelConfig, dev, bundle, req_pool) -> Unifie
                        translate=lambda ids: swa.translate_kv_loc(ids).to(torch.int64),
                        held=functools.partial(swa_bound_slots, swa))
             kv_mirrors.append(m)
-            comps.append(Component(name=f"swa.{part}", layer=layer_id, space="swa", tensor=m.shadow))
+            shadow, twin = mirrored_component(m, name=f"swa.{part}", layer=layer_id, space="swa")
+            comps.append(shadow)
+            kernel.append(twin)
     mamba_view, state_mirrors = (None, [])
     if c.has_mamba:
         mamba_view, state_mirrors = mirrored_state(req_pool, c.mamba_layer_ids, alloc.mamba_allocator)
@@ -162,6 +163,7 @@ def _swa_family(api: SGLangAPI, c: ModelConfig, dev, bundle, req_pool) -> Unifie
         standin_cls=standin_class(api), admission=SchedulerAdmission(api))
     family.mirrors = tuple(kv_mirrors + state_mirrors)
     family.kv_mirrors = tuple(kv_mirrors)
+    family.kernel_comps = tuple(kernel + (mamba_view.kernel if mamba_view is not None else []))
     family.unified_buffer = bundle.unified_memory_pool
     family._free_views = views
     family.resume_swa_tail_only = hasattr(alloc, "alloc_extend_swa_tail")
