@@ -115,6 +115,30 @@ build_family.supports_next_turn = True
 build_family.engine_code = ("sglang/srt/mem_cache", "sglang/srt/managers/schedule_batch.py")
 
 
+def build_unified_server(config, *, device="cpu", faults=(), backup_mode=None):
+    """The factory registered as ``sglang:unified``: one example's server started with ``--enable-unified-memory``,
+    SGLang's Scheduler over the unified memory pool its configurator builds, fed by the model-runner stand-in
+    (``scheduler/unified_server.UnifiedServerDriver``)."""
+    from poolfuzz.adapters.sglang.scheduler.unified_server import build_unified_driver
+
+    return build_unified_driver(config, device=device, faults=faults, backup_mode=backup_mode)
+
+
+def unified_server_unsupported_reason(config) -> str | None:
+    """Why the unified-memory server does not drive ``config`` with the installed SGLang, or None."""
+    from poolfuzz.adapters.sglang.scheduler.unified_server import unsupported_reason as probe
+
+    return probe(config)
+
+
+def describe_unified_driver(config):
+    """The unified-memory server's listing: its flags, what SGLang's configurator builds, the pools it runs on."""
+    from poolfuzz.adapters.sglang.scheduler.unified_server import build_unified_driver
+    from poolfuzz.adapters.sglang.unified_pool.unified import SERVER_FLAGS
+
+    return _described_server(config, build=build_unified_driver, role_flags=SERVER_FLAGS)
+
+
 def build_unified_family(config, *, device="cpu", faults=(), backup_mode=None, node=None):
     """The family factory registered as ``sglang:unified``: SGLang's unified memory pool
     (``--enable-unified-memory``), see :mod:`poolfuzz.adapters.sglang.unified_pool.unified`."""
@@ -269,3 +293,11 @@ build_hicache_driver.engine_report = engine_report
 # What --coverage measures: the scheduler path's files (the host pools and cache controller are under mem_cache),
 # and the legacy controller the unified one builds on.
 build_hicache_driver.engine_code = build_scheduler_driver.engine_code + ("sglang/srt/managers/cache_controller.py",)
+
+
+build_unified_server.drives_scheduler = True
+build_unified_server.takes_drawn_configs = True  # drawn models: SGLang's server refuses what it does not build
+build_unified_server.describe_server = describe_unified_driver
+build_unified_server.unsupported_reason = unified_server_unsupported_reason
+build_unified_server.engine_report = engine_report
+build_unified_server.engine_code = build_scheduler_driver.engine_code

@@ -20,11 +20,12 @@ def scheduler_state(*, tree, req_to_token_pool, allocator, model_config, spec_al
                     flags: dict, page_size: int, is_hybrid_ssm: bool, sliding_window_size: int | None,
                     swa_tokens: tuple[int, int] | None, max_running_requests: int, max_total_num_tokens: int,
                     max_req_len: int, max_req_input_len: int, policy, token_ratio, processor,
-                    enable_hierarchical_cache: bool = False, enable_hicache_storage: bool = False) -> dict:
+                    enable_hierarchical_cache: bool = False, enable_hicache_storage: bool = False,
+                    enable_unified_memory: bool = False) -> dict:
     """What ``Scheduler.__init__`` leaves on a server with the published ``flags`` (``publish_scheduler_context``), a
     radix cache and no model, for the event-loop methods the scheduler path calls (its ``__init__`` builds a
     TpModelWorker, which loads a model on a GPU). Every feature flag is the server's default (off) but
-    ``enable_hierarchical_cache``, a HiCache server's, and ``enable_hicache_storage``, which ``__init__`` reads off the
+    ``enable_hierarchical_cache``, a HiCache server's, ``enable_unified_memory``, a unified-memory server's, and ``enable_hicache_storage``, which ``__init__`` reads off the
     published ``--hicache-storage-backend`` (the tree's build has one where it built an L3 tier); collaborators the methods only notify are no-ops."""
     from collections import deque
     from types import SimpleNamespace as NS
@@ -52,7 +53,7 @@ def scheduler_state(*, tree, req_to_token_pool, allocator, model_config, spec_al
         enable_priority_scheduling=False, schedule_low_priority_values_first=False,
         abort_on_priority_when_disabled=False, max_queued_requests=None, is_hybrid_swa=sliding_window_size is not None, enable_lora=False,
         enable_hierarchical_cache=enable_hierarchical_cache, enable_hicache_storage=enable_hicache_storage, enable_lmcache=False,
-        enable_unified_cache_external_linker=False, enable_hisparse=False, hisparse_coordinator=None,
+        enable_unified_memory=enable_unified_memory, enable_unified_cache_external_linker=False, enable_hisparse=False, hisparse_coordinator=None,
         require_mlp_sync=False, prefill_decode_interval=0, _prefill_decode_interval_remaining=0,
         prefill_decode_interval_min_bs=0, disaggregation_mode=disaggregation_mode, decode_offload_manager=None,
         scheduler_stage_metrics=None, mm_receiver=None, is_hybrid_ssm=is_hybrid_ssm,

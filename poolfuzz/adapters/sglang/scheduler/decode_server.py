@@ -36,7 +36,7 @@ Stood in for, and why:
 * the request pool's extra rows, where SGLang's own configurator does not build the pools here
   (``pools/configurator.py``, with :data:`ROLE_FLAGS`; then its PD hook sizes them): SGLang's
   ``DecodeReqToTokenPool`` (``HybridMambaDecodeReqToTokenPool`` with mamba layers) as the configurator builds it,
-  with the PD hook's default extra rows (:meth:`family_options`).
+  with the PD hook's default extra rows (:meth:`build_family`).
 
 Server flags besides the scheduler path's: ``--disaggregation-mode decode``, ``--disaggregation-transfer-backend
 fake`` and ``--num-reserved-decode-tokens 1``: the headroom
@@ -151,7 +151,7 @@ class SglangDecodeDriver(SglangSchedulerDriver):
         self.hf_config = worker.model_runner.model_config.hf_config
         return worker
 
-    def family_options(self, max_running: int) -> dict:
+    def build_family(self, config: ModelConfig, max_running: int):
         """The decode server's role flags, with which SGLang's configurator builds its pools (its PD hook resolving
         the extra rows from the model); and the wiring's request pool where the configurator does not serve
         (``DecodeReqToTokenPool`` / ``HybridMambaDecodeReqToTokenPool``, with the rows SGLang's PD hook gives
@@ -159,7 +159,9 @@ class SglangDecodeDriver(SglangSchedulerDriver):
         ``handle_pd_disaggregation``'s ``disaggregation_decode_extra_slots``). ``max_running`` is the server's
         ``--max-running-requests``, the flag the configurator is given: with other rows the wiring is not the pool
         SGLang builds, and the family would run on the wiring."""
-        return {"decode_rows": 2 * max_running, "role_flags": ROLE_FLAGS}
+        from poolfuzz.adapters.sglang.lifecycle.family import build_sglang_family
+
+        return build_sglang_family(config, scheduled=True, decode_rows=2 * max_running, role_flags=ROLE_FLAGS)
 
     def _build_context_server(self, config: ModelConfig, max_running: int) -> None:
         from sglang.srt.runtime_context import get_server_args

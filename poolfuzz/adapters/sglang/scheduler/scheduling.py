@@ -40,7 +40,7 @@ here. Driven: every KV layout the family builds (MHA K and V, MLA's latent and r
 their scale rows, MiniMax's and DSA's index caches) in models of full-attention, sliding-window and mamba layers, on
 one-token and paged pools (the Scheduler's ``sliding_window_size`` and per-side token counts are the pools'), and
 speculative decoding through ``run_batch`` (``spec_worker.py``, where ``speculative_problem`` allows); on releases
-whose Scheduler and result processor this module builds (``release_problem``).
+whose Scheduler and result processor this module builds (``release_problem``). Servers with other flags: ``servers.py``.
 """
 
 from __future__ import annotations
@@ -52,6 +52,7 @@ import torch
 
 from poolfuzz.adapters.sglang import compat
 from poolfuzz.adapters.sglang.host_tier import l3
+from poolfuzz.adapters.sglang.lifecycle.family import build_sglang_family
 from poolfuzz.adapters.sglang.shims import cpu_server, root_warnings_off
 from poolfuzz.adapters.sglang.scheduler.runner import ModelRunner, RowGuard, deferred_cow_and_clear
 from poolfuzz.adapters.sglang.scheduler.sessions import SessionClients
@@ -207,8 +208,7 @@ class SglangSchedulerDriver:
                                   aligned_lens=aligned_lens)
         self.spec_worker = SpecWorker.attached(self, vocab=VOCAB) if config.spec_draft_tokens else None  # run_batch's
         self.requests: dict[str, object] = {}  # rid -> SGLang's Req, until it finishes
-        self.next_rid = 1
-        self.fresh = VOCAB
+        self.next_rid, self.fresh = 1, VOCAB  # the next request id; the next prompt token (above the sampled ones)
         self.retracted = 0  # requests retract_decode took back (each is recomputed and checked again)
         self.first_prefix: dict[str, int] = {}  # rid -> the prefix the tree matched for its first batch
         self.chunked = 0  # prefill forwards of a chunk that was not a prompt's last
@@ -221,15 +221,17 @@ class SglangSchedulerDriver:
     backup_modes: tuple[str, ...] = ("cpu_tensor",)  # the --backup-mode values it takes
     backup_mode = "cpu_tensor"  # the retraction path an artifact records (this server recomputes, on tensors)
     resolves_on_pools = False  # whether it resolves server flags on its built pools (pools_built)
-    hierarchical = False  # whether it is started with --enable-hierarchical-cache (hicache_server.py)
+    # started with --enable-hierarchical-cache (hicache_server.py) / --enable-unified-memory (unified_server.py)
+    hierarchical = unified = False
     drives_speculative = True  # whether it drives a speculative config (spec_worker.py)
     storage_dir: str | None = None  # its L3 tier's directory (--hicache-storage-backend, hicache_server.py), or None
 
     def server_flags(self, config: ModelConfig, *, max_running_requests: int) -> dict:
         return server_arguments(config, max_running_requests=max_running_requests)
 
-    def family_options(self, max_running: int) -> dict:
-        return {}
+    def build_family(self, config: ModelConfig, max_running: int):
+        """The family over the pools SGLang's configurator builds for this server's flags."""
+        return build_sglang_family(config, scheduled=True)
 
     def pools_built(self):
         """What a server resolves once its pools exist and before its tree is built; the TP worker stand-in the tree
@@ -238,7 +240,6 @@ class SglangSchedulerDriver:
 
     def _build_context_server(self, config: ModelConfig, max_running: int) -> None:
         """0.5.23's server: its arguments in the runtime context, the tree its registry picks, its components."""
-        from poolfuzz.adapters.sglang.lifecycle.family import build_sglang_family
         from poolfuzz.adapters.sglang.server_args import publish_server_args
         from poolfuzz.adapters.sglang.tree.tree_build import build_tree, mamba_sized
 
@@ -247,7 +248,7 @@ class SglangSchedulerDriver:
         publish_server_args(fresh=self.resolves_on_pools, **self.server_args)
         config = mamba_sized(config)
         self.config = config
-        self.family = build_sglang_family(config, scheduled=True, **self.family_options(max_running))
+        self.family = self.build_family(config, max_running)
         self.row_guard = RowGuard(self.family.sg_req_pool)  # before the tree, runner or future map hold req_to_token
         worker = self.pools_built()
         try:
@@ -277,7 +278,7 @@ class SglangSchedulerDriver:
             policy=m.SchedulePolicy(flags["schedule_policy"], self.tree, False, False, False),
             token_ratio=m.TokenRatio.from_config(),
             processor=processor, enable_hierarchical_cache=self.hierarchical,
-            enable_hicache_storage=l3.enabled(self.tree)))
+            enable_hicache_storage=l3.enabled(self.tree), enable_unified_memory=self.unified))
         self.server.running_batch = _empty_batch()
         self.server.init_pool_stats_observer()  # the Scheduler's own, for SGLang's invariant checker below
         self.server.init_invariant_checker()
@@ -289,7 +290,6 @@ class SglangSchedulerDriver:
     def _build_global_server(self, config: ModelConfig, max_running: int) -> None:
         """A 0.5.12 / 0.5.13 server (``scheduling_global``): one global ServerArgs, the tree its Scheduler builds."""
         from poolfuzz.adapters.sglang.scheduler import scheduling_global as legacy
-        from poolfuzz.adapters.sglang.lifecycle.family import build_sglang_family
 
         m = self.m
         self.server_args = dict(self.server_args, enable_streaming_session=True)

@@ -1,0 +1,134 @@
+"""SGLang's own Scheduler on a server with ``--enable-unified-memory`` (adapters/sglang/scheduler/unified_server.py,
+issue 31): the prefill adder's joint budget, the unified radix tree and the idle-time compaction are SGLang's; the
+model-runner stand-in reads and writes the pool through SGLang's virtual -> physical tables.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import HealthCheck, settings
+from hypothesis.stateful import run_state_machine_as_test
+
+from poolfuzz.harness.scheduled import scheduled_machine
+from poolfuzz.pools.config import CONFIGS
+from poolfuzz.pools.errors import ConfigError, LostKv
+
+SETTINGS = settings(max_examples=10, stateful_step_count=30, deadline=None, derandomize=True,
+                    suppress_health_check=list(HealthCheck), database=None)
+
+
+@pytest.fixture(scope="module")
+def unified(scheduling):
+    """The unified-memory server's module, where this release has the unified pool SGLang's scheduler runs on."""
+    from poolfuzz.adapters.sglang.scheduler import unified_server
+
+    reason = unified_server.unsupported_reason(CONFIGS["hybrid-linear"])
+    if reason:
+        pytest.skip(reason)
+    return unified_server
+
+
+@pytest.mark.parametrize("name", ["swa", "swa-ps4", "hybrid-linear", "hybrid-extra-buffer"])
+def test_fuzzed_traffic_runs_on_its_own_kv_and_state_through_the_unified_pool(unified, api, name):
+    """Hypothesis's traffic through SGLang's scheduler on the unified pool: every forward attends to its own K and V
+    and continues from its own state, read where SGLang's tables point after every compaction."""
+    reason = unified.unsupported_reason(CONFIGS[name])
+    if reason:
+        pytest.skip(reason)
+    from tests.judged import PassOverJudged
+
+    drivers = []
+
+    def factory(config):
+        drivers.append(unified.UnifiedServerDriver(config))
+        return drivers[-1]
+
+    judged = PassOverJudged("sglang", api.version, name, family="sglang:unified-server")
+    run_state_machine_as_test(scheduled_machine(CONFIGS[name], driver_factory=factory, observer=judged),
+                              settings=SETTINGS)
+    assert drivers and all(d.server.enable_unified_memory for d in drivers)
+    assert all(type(d.tree).__name__ == "UnifiedRadixCache" for d in drivers)
+    assert all(c.translate is not None for c in drivers[0].runner.kv for c in [c[0]])
+
+
+def test_a_row_lost_at_its_physical_location_is_caught_and_named(unified):
+    """The KV of a running request zeroed where SGLang's table puts it (not at its virtual id): the next forward
+    finds zeros where the request's own K was, and the runner names the request, component, layer and position."""
+    from poolfuzz.adapters.sglang import compat
+
+    driver = unified.build_unified_driver(CONFIGS["hybrid-linear"])
+    rid = driver.add_request(length=6, share=0, max_tokens=8)
+    driver.step()  # the prefill
+    k = next(c for c, _ in driver.runner.kv if c.name == "full.k")
+    row = int(compat.request_row(driver.requests[rid]))
+    virtual = driver.family.sg_req_pool.req_to_token[row, 2:3].to(torch.int64)
+    k.tensor[k.at(virtual)] = 0
+    physical = int(k.at(virtual))
+    with pytest.raises(LostKv, match=rf"^req {rid} step \d+: full\.k layer {k.layer} position 2: "
+                                     rf"block {physical} slot {int(virtual)} holds zeros"):
+        for _ in range(4):
+            driver.step()
+
+
+def test_a_model_without_hybrid_layers_is_declined_with_sglangs_reason(unified):
+    """SGLang builds the unified pool only for hybrid mamba and sliding-window models: a dense model is declined."""
+    reason = unified.unsupported_reason(CONFIGS["dense"])
+    assert reason is not None and "only for hybrid Mamba and hybrid SWA models" in reason
+    with pytest.raises(ConfigError, match="only for hybrid Mamba and hybrid SWA models"):
+        unified.build_unified_driver(CONFIGS["dense"])
+
+
+# Shrunk by `poolfuzz run --family sglang:unified-server --config mla-ssm --seed 1` on 0.5.23.
+STALLED = [(1, 0, 1), (1, 0, 1), (21, 0, 3), (1, 0, 2), (22, 2, 7)] + [(1, 0, 1)] * 7
+
+
+def test_sglangs_unified_admission_stalls_on_mamba_states_its_tree_could_evict(unified, api):
+    """SGLang 0.5.23's prefill adder on the unified mamba pool (judged an engine defect,
+    docs/bugs/sglang-unified-mamba-admission-stall.md): the full side's budget is its free tokens and the tree's
+    full-evictable tokens, but not the shared bytes held by the mamba states the radix tree caches, which evicting
+    them would give back. An idle server whose head-of-queue request needs those bytes refuses it every step
+    (``NO_TOKEN``), nothing evicts the states, and every request queued behind it waits forever. Evicting the tree's
+    mamba states by hand (SGLang's own ``evict``) lets all of them run: room was there."""
+    from sglang.srt.mem_cache.base_prefix_cache import EvictParams
+
+    driver = unified.build_unified_driver(CONFIGS["mla-ssm"])
+    for length, share, max_tokens in STALLED:
+        driver.add_request(length=length, share=share, max_tokens=max_tokens)
+    for _ in range(60):
+        driver.step()
+    waiting = [req.rid for req in driver.server.waiting_queue]
+    assert waiting and not driver.server.running_batch.reqs, "the server did not stall"
+    tree = driver.tree
+    assert tree.mamba_evictable_size() > 0
+    tree.evict(EvictParams(mamba_num=tree.mamba_evictable_size()))
+    for _ in range(60):
+        driver.step()
+    assert all(driver.outcome.get(rid) == "finished" for rid in waiting), driver.outcome
+    assert driver.drain() is None
+
+
+def test_sglangs_unified_admission_over_commits_the_extra_buffers_track_slots(unified):
+    """SGLang 0.5.23's prefill adder on the unified mamba pool reserves the shared bytes of one state slot per new
+    request (``_mamba_gap_budget_for_req``: "tracking buffers and radix CoW headroom are not included"); with the
+    extra buffer each request's track slots take shared bytes too, so a batch the adder admitted finds the full side
+    short at ``alloc_for_extend``, and the scheduler dies with SGLang's own out-of-memory error (judged an engine
+    defect, docs/bugs/sglang-unified-mamba-admission-stall.md). The same program on the no-buffer server (hybrid-linear,
+    whose pools also differ in size) runs to the end."""
+    def shrunk(driver):  # `poolfuzz run --family sglang:unified-server --config hybrid-extra-buffer --seed 3`, shrunk
+        driver.add_request(length=20, share=0, max_tokens=5)
+        driver.add_request(length=3, share=1, max_tokens=6)
+        driver.flush()
+        driver.add_request(length=16, share=0, max_tokens=3)
+        driver.add_request(length=4, share=4, max_tokens=4)
+        for _ in range(3):
+            driver.step()
+        driver.add_request(length=22, share=1, max_tokens=1)
+        for _ in range(3):
+            driver.step()
+
+    with pytest.raises(RuntimeError, match=r"Out of memory\. Try to lower your batch size"):
+        shrunk(unified.build_unified_driver(CONFIGS["hybrid-extra-buffer"]))
+    plain = unified.build_unified_driver(CONFIGS["hybrid-linear"])
+    shrunk(plain)
+    assert plain.drain() is None
