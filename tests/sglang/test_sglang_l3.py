@@ -295,3 +295,28 @@ def test_a_tree_with_pools_beside_the_kv_stores_through_sglangs_file_backend(l3_
 
     backend, extra = l3.storage_backend(CONFIGS[name], str(tmp_path), "page_first")
     assert (backend, extra) == (l3.BACKEND, {"file_storage_path": str(tmp_path)})
+
+
+def test_sglangs_file_backend_keeps_its_pages_in_the_servers_own_directory(api, monkeypatch):
+    """Each server's L3 files live in its own directory, on every release: 0.5.21's ``HiCacheFile`` reads only
+    ``SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR`` (sglang#33883 added ``file_storage_path`` in 0.5.22), and without
+    it every server on the machine shared ``/tmp/hicache``: an example prefetched pages another had stored (another
+    config's, of another size), which read as lost KV and made Hypothesis's replays flaky."""
+    from poolfuzz.adapters.sglang.host_tier import l3
+    from poolfuzz.adapters.sglang.scheduler.hicache_server import build_hicache_driver, unsupported_reason
+
+    if unsupported_reason(CONFIGS["hybrid-linear"]):
+        pytest.skip(unsupported_reason(CONFIGS["hybrid-linear"]))
+    monkeypatch.delenv(l3.FILE_DIRECTORY_VARIABLE, raising=False)
+    drivers = [build_hicache_driver(CONFIGS["hybrid-linear"]) for _ in range(2)]
+    try:
+        paths = [d.tree.cache_controller.storage_backend.file_path for d in drivers]
+        assert paths == [d.storage_dir for d in drivers] and paths[0] != paths[1]
+        assert l3.FILE_DIRECTORY_VARIABLE not in os.environ  # set for the build only
+        for d in drivers:
+            d.add_request(length=12, share=0, max_tokens=1)
+            d.drain()
+        assert all(os.listdir(d.storage_dir) for d in drivers)  # each stored its own pages, where it was told
+    finally:
+        for d in drivers:
+            d.close()

@@ -38,8 +38,10 @@ from poolfuzz.adapters.sglang.host_tier import zero_copy
 from poolfuzz.adapters.sglang.compat import has_private, private, registered_storage_backends
 from poolfuzz.adapters.sglang.pools.storage import storage_of
 from poolfuzz.pools.config import ModelConfig
+from poolfuzz.pools.environment import environment_set
 
 BACKEND = "file"  # the storage backend SGLang ships that needs no network
+FILE_DIRECTORY_VARIABLE = "SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR"  # where HiCacheFile keeps its files (its __init__)
 PREFETCH_POLICY = "wait_complete"  # a prefetch completes whole before its request is admitted
 # --hicache-ratio with an L3 tier below the host: the host is a staging tier a little larger than the device
 # (SGLang warns at or below 1), so written-through prefixes leave it, and come back through storage, within
@@ -136,7 +138,10 @@ def storage_arguments(config: ModelConfig, directory: str, layout: str):
     from sglang.srt.runtime_context import get_memory
 
     _single_rank()
-    with get_memory().override(**storage_flags(config, directory, layout)):
+    # the file backend's directory also as its variable: releases before 0.5.22 (sglang#33883) read only the variable
+    # (else /tmp/hicache, shared by every server on the machine: a run's examples hit each other's pages)
+    with get_memory().override(**storage_flags(config, directory, layout)), \
+            environment_set({FILE_DIRECTORY_VARIABLE: directory}):
         yield
 
 
