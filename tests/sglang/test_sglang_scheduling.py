@@ -146,7 +146,7 @@ def test_a_slot_freed_while_its_request_runs_is_caught_after_the_step(scheduling
     # SGLang's own checker: one slot more than the pool holds is accounted (its use-after-free check comes next)
     assert problem.startswith("Full Pool Mem Leak Detected! [full] total=48, available=45"), problem
     if compat.requests_owning_rows(driver.server):  # the release's checker lists who holds rows (0.5.23): named
-        assert problem.endswith(f"; req {a} holds slot {slot} at position 2, which the allocator lists free"), problem
+        assert problem.endswith(f"; req {a} holds slot {slot} (page {slot}) at position 2, listed free"), problem
     else:  # before 0.5.23 the checker keeps no such list, and the message names no holder
         assert "holds slot" not in problem, problem
 

@@ -468,8 +468,8 @@ class SglangSchedulerDriver:
             if full is None:
                 continue
             for position, slot in enumerate(req_to_token[compat.request_row(req), :kv.kv_allocated_len].tolist()):
-                if full.is_free_page(slot):
-                    out.append(f"req {req.rid} holds slot {slot} at position {position}, which the allocator lists free")
+                if full.is_free_page(page := slot // full.page_size):  # a free list of pages, on a paged pool
+                    out.append(f"req {req.rid} holds slot {slot} (page {page}) at position {position}, listed free")
         return out
 
     def drain(self) -> str | None:
