@@ -44,6 +44,7 @@ SHIPPED = {
     "sglang:decode": "poolfuzz.adapters.sglang:build_decode_driver",
     "sglang:hicache": "poolfuzz.adapters.sglang:build_hicache_driver",
     "sglang:unified-server": "poolfuzz.adapters.sglang:build_unified_server",
+    "sglang:unified-decode": "poolfuzz.adapters.sglang:build_unified_decode",
     "vllm": "poolfuzz.adapters.vllm:build_scheduler_driver",
     "vllm:scheduler": "poolfuzz.adapters.vllm:build_scheduler_driver",  # its name for one release: artifacts say it
     "vllm:manager": "poolfuzz.adapters.vllm:build_manager_family",
@@ -56,7 +57,8 @@ ENGINE_PROGRAMS_OF = {"vllm": "vllm:manager", "sglang": "sglang:pools"}
 # Names for several families at once, in the order their lanes run: each member fuzzes the configs it drives.
 # ``sglang``: every server SGLang's own scheduler runs here (the pools paths, ``sglang:pools`` and ``sglang:unified``,
 # are not among them: their admission and frees are the adapter's, see ``adapters/sglang/lifecycle/admission.py``).
-SUITES = {"sglang": ("sglang:scheduler", "sglang:hicache", "sglang:decode", "sglang:unified-server")}
+SUITES = {"sglang": ("sglang:scheduler", "sglang:hicache", "sglang:decode", "sglang:unified-server",
+                    "sglang:unified-decode")}
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -51,16 +51,17 @@ class TestResolve:
     def test_a_suite_names_every_sglang_server_and_not_the_pools_path(self):
         members = plugins.resolve_members("sglang")
         assert [p.name for p in members] == ["sglang:scheduler", "sglang:hicache", "sglang:decode",
-                                             "sglang:unified-server"]
+                                             "sglang:unified-server", "sglang:unified-decode"]
         assert all(p.drives_scheduler for p in members)
         assert plugins.family_members("sglang:pools") == ("sglang:pools",)
         assert plugins.family_members(None) == (plugins.DEFAULT_FAMILY,)
         assert plugins.installed_families()["sglang"] == ("suite(sglang:scheduler, sglang:hicache, sglang:decode, "
-                                                                "sglang:unified-server)")
+                                                                "sglang:unified-server, sglang:unified-decode)")
 
     def test_a_question_for_one_family_asked_of_a_suite_names_its_members(self):
         with pytest.raises(ConfigError, match=r"'sglang' names several families \(sglang:scheduler, sglang:hicache, "
-                                              r"sglang:decode, sglang:unified-server\).*--family sglang:scheduler"):
+                                              r"sglang:decode, sglang:unified-server, sglang:unified-decode\)"
+                                              r".*--family sglang:scheduler"):
             plugins.resolve_family("sglang")
 
     def test_the_pools_paths_old_name_replays_its_engine_programs(self):

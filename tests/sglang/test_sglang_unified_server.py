@@ -132,3 +132,87 @@ def test_sglangs_unified_admission_over_commits_the_extra_buffers_track_slots(un
     plain = unified.build_unified_driver(CONFIGS["hybrid-linear"])
     shrunk(plain)
     assert plain.drain() is None
+
+
+# --- the PD decode server with --enable-unified-memory ------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def unified_decode(unified):
+    """The unified-memory decode server, where this release's decode queues run here (else the test skips)."""
+    reason = unified.decode_unsupported_reason(CONFIGS["swa"])
+    if reason:
+        pytest.skip(reason)
+    return unified
+
+
+@pytest.mark.parametrize("name", ["swa", "swa-ps4", "hybrid-linear"])
+def test_transferred_kv_lands_where_the_decode_side_named_physical_rows(unified_decode, api, name):
+    """SGLang's decode side names physical rows for a transfer (``translate_kv_indices_for_transfer``, the window's
+    ``translate_swa_indices_for_transfer``, ``translate_mamba_indices``); the prefill stand-in lands the bytes there,
+    and every decode step then reads its own K and V (and state) through the tables, compaction included."""
+    reason = unified_decode.decode_unsupported_reason(CONFIGS[name])
+    if reason:
+        pytest.skip(reason)
+    from tests.judged import PassOverJudged
+
+    drivers = []
+
+    def factory(config):
+        drivers.append(unified_decode.UnifiedDecodeDriver(config))
+        return drivers[-1]
+
+    judged = PassOverJudged("sglang", api.version, name, family="sglang:unified-decode")
+    run_state_machine_as_test(scheduled_machine(CONFIGS[name], driver_factory=factory, observer=judged),
+                              settings=SETTINGS)
+    assert drivers and all(d.runner.lands_physically and d.server.enable_unified_memory for d in drivers)
+    assert sum(d.transferred for d in drivers) > 0
+
+
+def _run(driver, program) -> None:
+    for op, *args in program:
+        if op == "add":
+            driver.add_request(length=args[0], share=args[1], max_tokens=args[2])
+        else:
+            for _ in range(args[0]):
+                driver.step()
+
+
+def test_the_tri_pool_loses_a_retracted_requests_state_through_sglangs_own_decode_server(unified_decode, monkeypatch):
+    """The tri-pool retraction defect of SGLang 0.5.23 (``test_sglang_unified.py`` found it on the pools path, README
+    "the tri-pool loses a retracted request's recurrent state"), now through SGLang's own decode server: its
+    retraction backs the state up with ``UnifiedMambaPool.get_cpu_copy`` and restores it with ``load_cpu_copy``,
+    which index physical rows by the request's virtual slot. Two requests suffice: the retracted one resumes on the
+    other's final state. With the two methods translating (``host_transfer_translate``), the same program runs."""
+    from poolfuzz.pools.errors import LostKv
+
+    program = [("add", 14, 0, 3), ("add", 17, 2, 3)]
+    driver = unified_decode.build_unified_decode_driver(CONFIGS["swa-ssm"])
+    with pytest.raises(LostKv, match=r"^req 000002 step \d+: mamba\.conv0 layer \d+ position 25: .*holds the state "
+                                     r"after req 000001's position 15"):
+        _run(driver, program)
+        driver.drain()
+    assert driver.retracted == 1
+
+    from sglang.srt.mem_cache.memory_pool import MambaPool
+    from sglang.srt.mem_cache.unified_memory_pool import UnifiedMambaPool
+
+    monkeypatch.setattr(UnifiedMambaPool, "get_cpu_copy",
+                        lambda self, idx: MambaPool.get_cpu_copy(self, self.host_transfer_translate(idx)))
+    monkeypatch.setattr(UnifiedMambaPool, "load_cpu_copy",
+                        lambda self, cpu, idx: MambaPool.load_cpu_copy(self, cpu, self.host_transfer_translate(idx)))
+    fixed = unified_decode.build_unified_decode_driver(CONFIGS["swa-ssm"])
+    _run(fixed, program)
+    assert fixed.drain() is None and fixed.retracted == 1
+
+
+def test_sglangs_decode_pre_allocation_budget_omits_the_unified_mamba_slots_cost(unified_decode):
+    """SGLang 0.5.23's decode pre-allocation on the unified mamba pool admits a transfer its budget says fits, then
+    ``alloc`` finds the full side one token short, and the decode server dies of its own assertion ("KV cache is
+    full! Bug in memory estimation"): the budget (``_allocatable_token_budgets``) has no term for the shared bytes
+    the request's new mamba slot takes, which the prefill adder charges (``mamba_slot_full_token_cost``) and the
+    decode side does not (docs/bugs/sglang-unified-mamba-admission-stall.md)."""
+    driver = unified_decode.build_unified_decode_driver(CONFIGS["hybrid-linear"])
+    with pytest.raises(AssertionError, match=r"KV cache is full! Bug in memory estimation\. available=18, .*"
+                                             r"required_alloc=19"):
+        _run(driver, [("add", 1, 0, 1), ("add", 3, 1, 1), ("add", 20, 1, 1), ("add", 11, 2, 1)])
+        driver.drain()

@@ -295,9 +295,40 @@ build_hicache_driver.engine_report = engine_report
 build_hicache_driver.engine_code = build_scheduler_driver.engine_code + ("sglang/srt/managers/cache_controller.py",)
 
 
+def build_unified_decode(config, *, device="cpu", faults=(), backup_mode=None):
+    """The factory registered as ``sglang:unified-decode``: one example's PD decode server started with
+    ``--enable-unified-memory`` (``scheduler/unified_server.UnifiedDecodeDriver``)."""
+    from poolfuzz.adapters.sglang.scheduler.unified_server import build_unified_decode_driver
+
+    return build_unified_decode_driver(config, device=device, faults=faults, backup_mode=backup_mode)
+
+
+def unified_decode_unsupported_reason(config) -> str | None:
+    """Why the unified-memory decode server does not drive ``config`` with the installed SGLang, or None."""
+    from poolfuzz.adapters.sglang.scheduler.unified_server import decode_unsupported_reason as probe
+
+    return probe(config)
+
+
+def describe_unified_decode(config):
+    """The unified-memory decode server's listing: its flags, what SGLang's configurator builds, its pools."""
+    from poolfuzz.adapters.sglang.scheduler.decode_server import ROLE_FLAGS
+    from poolfuzz.adapters.sglang.scheduler.unified_server import build_unified_decode_driver
+    from poolfuzz.adapters.sglang.unified_pool.unified import SERVER_FLAGS
+
+    return _described_server(config, build=build_unified_decode_driver, role_flags=ROLE_FLAGS | SERVER_FLAGS)
+
+
 build_unified_server.drives_scheduler = True
 build_unified_server.takes_drawn_configs = True  # drawn models: SGLang's server refuses what it does not build
 build_unified_server.describe_server = describe_unified_driver
 build_unified_server.unsupported_reason = unified_server_unsupported_reason
 build_unified_server.engine_report = engine_report
 build_unified_server.engine_code = build_scheduler_driver.engine_code
+
+build_unified_decode.drives_scheduler = True
+build_unified_decode.takes_drawn_configs = True
+build_unified_decode.describe_server = describe_unified_decode
+build_unified_decode.unsupported_reason = unified_decode_unsupported_reason
+build_unified_decode.engine_report = engine_report
+build_unified_decode.engine_code = build_decode_driver.engine_code

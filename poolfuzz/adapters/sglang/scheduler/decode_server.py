@@ -182,7 +182,7 @@ class SglangDecodeDriver(SglangSchedulerDriver):
         s.output_streamer = types.SimpleNamespace(stream_output=self._streamed)
         s.ps.gpu_id = None  # no GPU: 0.5.20 reads the rank's device off its placement (0.5.23: get_device())
         s.__dict__.update(attn_tp_cpu_group=group,  # 0.5.20 hands the queues the group itself
-                          draft_worker=None, random_seed=1, enable_unified_memory=False, enable_decode_hicache=False,
+                          draft_worker=None, random_seed=1, enable_unified_memory=self.unified, enable_decode_hicache=False,
                           batch_result_processor=self.loop.processor, server_args=get_server_args())
         try:
             s.init_disaggregation()
@@ -213,9 +213,14 @@ class SglangDecodeDriver(SglangSchedulerDriver):
             page = self.config.page_size
             start, length = decode_prefix_len or 0, len(req.origin_input_ids)
             slots = [int(p) * page + j for p in kv_indices for j in range(page)]
-            self.runner.receive_prefill(req.rid, start=start, slots=slots[:length - start])
-            # the recurrent state after the prompt, into the mamba slot the MAMBA state item names
             state_types = self.server.disagg_decode_prealloc_queue.kv_manager.kv_args.state_types or []
+            swa_rows = None  # the SWA window's rows, where the SWA state item names them (from the page its start is on)
+            for state_type, items in zip(state_types, state_indices or []):
+                if state_type.name == "SWA" and items is not None:
+                    rows = [int(p) * page + j for p in items.reshape(-1).tolist() for j in range(page)]
+                    swa_rows = (-(-length // page) * page - len(rows), rows)
+            self.runner.receive_prefill(req.rid, start=start, slots=slots[:length - start], swa_rows=swa_rows)
+            # the recurrent state after the prompt, into the mamba slot the MAMBA state item names
             for state_type, items in zip(state_types, state_indices or []):
                 if state_type.name == "MAMBA" and items is not None:
                     for slot in items[0].reshape(-1).tolist():

@@ -93,6 +93,8 @@ class ModelRunner:
         self.kv = [(c, index[c.name]) for c in kv]  # each KV component with its tag salt
         self.state_index = {c.name: index[c.name] for c in self.states}
         self.kv_pool = family.kv_pool  # the write door
+        # whether a transfer names physical rows, which only the kernels' translation maps slot ids to (unified pool)
+        self.lands_physically = any(c.translate is not None for c, _ in self.kv)
         # a sliding-window layer's rows live at SWA slots: a full slot translates through the allocator's mapping, the
         # one the pool's translate_loc_from_full_to_swa reads (an all-SWA pool hands out SWA slots itself)
         config = family.config
@@ -251,10 +253,33 @@ class ModelRunner:
                 if got != want:
                     raise self._lost(rid, c, p, slot, want, got)
 
-    def receive_prefill(self, rid: str, *, start: int, slots: list[int]) -> None:
+    def receive_prefill(self, rid: str, *, start: int, slots: list[int],
+                        swa_rows: tuple[int, list[int]] | None = None) -> None:
         """What a prefill node's KV transfer lands on a PD decode server: the K and V of the request's prompt from
-        ``start`` on, in the ``slots`` the decode side named (in position order)."""
-        self._write([(rid, start + i, slot) for i, slot in enumerate(slots)])
+        ``start`` on, in the ``slots`` the decode side named (in position order). On a pool whose kernels translate
+        slot ids (the unified memory pool) the decode side names physical rows (``translate_kv_indices_for_transfer``)
+        and the transfer's bytes land there, the sliding-window layers' at ``swa_rows`` (the first position they hold,
+        and the physical SWA rows its window payload named)."""
+        if not self.lands_physically:
+            self._write([(rid, start + i, slot) for i, slot in enumerate(slots)])
+            return
+        self._land(rid, range(start, start + len(slots)), slots, space="full")
+        if swa_rows is not None:
+            first, rows = swa_rows
+            positions = range(first, min(first + len(rows), len(self.tokens[rid].ids)))
+            self._land(rid, positions, rows[:len(positions)], space="swa")
+
+    def _land(self, rid: str, positions: range, rows: list[int], *, space: str) -> None:
+        """The K and V of ``positions`` written as a transfer writes them: bytes at the physical ``rows``."""
+        chains = [self.tokens[rid].chain(p) for p in positions]
+        where = torch.tensor(rows, dtype=torch.int64)
+        for c, index in self.kv:
+            if c.space != space:
+                continue
+            tags = [tag(chain, c.layer, index) for chain in chains]
+            for t, p in zip(tags, positions):
+                self.writers.setdefault(t, (rid, p))
+            c.tensor[where] = _tagged_rows(c, tags)
 
     def receive_prefill_state(self, rid: str, *, slot: int, tokens: int) -> None:
         """The recurrent state a prefill node transfers: every mamba layer's state after the first ``tokens`` tokens,

@@ -1,4 +1,5 @@
-"""``--family sglang:unified``: SGLang's scheduler on a server with ``--enable-unified-memory``.
+"""``--family sglang:unified-server`` and ``sglang:unified-decode``: SGLang's scheduler on a server, and on a PD decode
+server, with ``--enable-unified-memory``.
 
 The server of ``scheduling.py`` with the flag: SGLang's configurator builds the unified memory pool for the model (one
 byte buffer whose sub-pools hand out virtual ids, ``unified_pool/``), and SGLang's own scheduler runs on it: the
@@ -11,10 +12,18 @@ pool's own door with the physical write location (``KVWriteLoc(translate_write_l
 Stood in for, beyond ``scheduling.py``'s: nothing; ``Scheduler.__init__``'s ``prewarm_compaction`` runs where the
 family is built. A model the configurator builds no unified pool for (neither mamba nor sliding-window layers), and
 what ``unified.unified_problem`` names (a speculative draft's caches), is declined with the reason.
+
+The PD decode server (:class:`UnifiedDecodeDriver`) is ``decode_server.py``'s with the flag, over the unified family's
+decode wiring (``unified.build_unified(node="decode")``: the configurator's decode pools are not compared). SGLang's
+decode side names *physical* rows for the transfer (``translate_kv_indices_for_transfer``, the SWA window's
+``translate_swa_indices_for_transfer``, ``translate_mamba_indices``), and the prefill stand-in lands the bytes there
+(``runner.receive_prefill``), as the connector writes into the registered page envelopes. Its retraction is SGLang's
+own, with the backup SGLang resolves for the pools.
 """
 
 from __future__ import annotations
 
+from poolfuzz.adapters.sglang.scheduler.decode_server import SglangDecodeDriver, decode_problem
 from poolfuzz.adapters.sglang.scheduler.scheduling import SglangSchedulerDriver, server_arguments
 from poolfuzz.adapters.sglang.unified_pool.unified import SERVER_FLAGS, build_unified
 from poolfuzz.pools.config import ModelConfig
@@ -49,3 +58,35 @@ def build_unified_driver(config: ModelConfig, *, device="cpu", faults=(), backup
     from poolfuzz.adapters.sglang.scheduler.servers import build_driver
 
     return build_driver(config, device=device, faults=faults, backup_mode=backup_mode, driver_cls=UnifiedServerDriver)
+
+
+class UnifiedDecodeDriver(SglangDecodeDriver):
+    """One example's PD decode server with ``--enable-unified-memory`` (see the module)."""
+
+    label = "the sglang unified-memory decode server"
+    unified = True
+    drives_speculative = False
+
+    def server_flags(self, config: ModelConfig, *, max_running_requests: int) -> dict:
+        return super().server_flags(config, max_running_requests=max_running_requests) | SERVER_FLAGS
+
+    def build_family(self, config: ModelConfig, max_running: int):
+        return build_unified(config, node="decode")
+
+
+def decode_unsupported_reason(config: ModelConfig, *, backup_mode: str | None = None) -> str | None:
+    """Why the unified-memory decode server does not drive ``config``, or None."""
+    from poolfuzz.adapters.sglang.api import load
+    from poolfuzz.adapters.sglang.scheduler.servers import unsupported_reason as scheduler_reason
+    from poolfuzz.adapters.sglang.unified_pool.unified import unified_problem
+
+    return (decode_problem(config) or unified_problem(load(), config)
+            or scheduler_reason(config, UnifiedDecodeDriver, backup_mode=backup_mode))
+
+
+def build_unified_decode_driver(config: ModelConfig, *, device="cpu", faults=(),
+                                backup_mode=None) -> UnifiedDecodeDriver:
+    """The unified-memory decode server's driver (``servers.build_driver``'s checks of the run's options)."""
+    from poolfuzz.adapters.sglang.scheduler.servers import build_driver
+
+    return build_driver(config, device=device, faults=faults, backup_mode=backup_mode, driver_cls=UnifiedDecodeDriver)
