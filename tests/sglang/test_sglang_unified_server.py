@@ -216,3 +216,52 @@ def test_sglangs_decode_pre_allocation_budget_omits_the_unified_mamba_slots_cost
                                              r"required_alloc=19"):
         _run(driver, [("add", 1, 0, 1), ("add", 3, 1, 1), ("add", 20, 1, 1), ("add", 11, 2, 1)])
         driver.drain()
+
+
+def _pressing(driver, seed: int, steps: int = 80) -> None:
+    """A request every fourth step, some sharing an earlier prefix, more than the pool holds: the tree evicts, the
+    allocator leaves holes, and SGLang compacts (urgently, and when the server is idle, ``on_idle``)."""
+    import random
+
+    draw = random.Random(seed)
+    for i in range(steps):
+        if i % 4 == 0:
+            driver.add_request(length=draw.randint(2, 14), share=draw.randint(0, 3), max_tokens=draw.randint(1, 4))
+        driver.step()
+
+
+def _counted_moves(monkeypatch, driver, *, copy: bool) -> list[int]:
+    """Pages SGLang's compaction moved (``MultiEndedAllocator._move_pages``); with ``copy`` False it rebinds the
+    tables but moves no data, a planted defect."""
+    cls = type(driver.family.sg_allocator.full_attn_allocator)
+    if not hasattr(cls, "_move_pages"):
+        pytest.skip(f"{cls.__name__} has no _move_pages (its compaction moves pages another way)")
+    moves, real = [], cls._move_pages
+
+    def move(self, src, dst):
+        moves.append(src.numel())
+        if copy:
+            real(self, src, dst)
+
+    monkeypatch.setattr(cls, "_move_pages", move)
+    return moves
+
+
+def test_rows_compaction_moves_are_read_where_the_tables_point(unified, monkeypatch):
+    """Under pressure SGLang compacts the unified pool while requests and cached prefixes hold rows; every forward
+    still finds its own K, V and state, read through the rebound tables."""
+    driver = unified.build_unified_driver(CONFIGS["hybrid-linear"])
+    moves = _counted_moves(monkeypatch, driver, copy=True)
+    _pressing(driver, seed=2)
+    assert sum(moves) > 0 and driver.drain() is None
+
+
+def test_a_compaction_that_moves_no_data_is_caught_as_another_requests_kv(unified, monkeypatch):
+    """The same traffic with a compaction that rebinds the tables but copies nothing: a request reads another
+    request's K where its own should have moved, and the runner names both."""
+    driver = unified.build_unified_driver(CONFIGS["hybrid-linear"])
+    _counted_moves(monkeypatch, driver, copy=False)
+    with pytest.raises(LostKv, match=r"^req \d+ step \d+: .* holds (req \d+'s position \d+|the state after req \d+'s "
+                                     r"position \d+) \(another prefix\)"):
+        _pressing(driver, seed=2)
+        driver.drain()

@@ -78,6 +78,16 @@ def scheduler_state(*, tree, req_to_token_pool, allocator, model_config, spec_al
               attn_tp_rank=0, attn_dp_rank=0))
 
 
+def idle_compaction(server) -> None:
+    """``on_idle``'s lazy compaction of a fully idle server's unified memory pool (``flush_opportunistic``, which moves
+    rows between physical pages and rebinds the tables; the Scheduler swallows its errors, and so does this)."""
+    if server.enable_unified_memory:
+        try:
+            server.token_to_kv_pool_allocator.flush_opportunistic()
+        except Exception:  # noqa: BLE001 - on_idle's own ``except Exception: pass``
+            pass
+
+
 def published_extra_buffer() -> bool:
     """Whether the published server keeps mamba extra buffers: the derived ``exec.mamba`` leaf (0.5.23), else the
     published ``ServerArgs``' own ``enable_mamba_extra_buffer()`` (0.5.18's context has no such leaf)."""

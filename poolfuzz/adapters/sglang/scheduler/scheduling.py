@@ -536,9 +536,9 @@ class ContextLoop:
         s.last_batch = batch
 
     def idle(self) -> None:
-        s = self.server
-        s.last_batch = None
-        if s.is_fully_idle():  # on_idle: a fully idle server resets the new-token ratio
+        s, s.last_batch = self.server, None
+        if s.is_fully_idle():  # on_idle: a fully idle server compacts a unified pool, resets the new-token ratio
+            compat.idle_compaction(s)
             s.new_token_ratio_tracker.reset()
 
 
