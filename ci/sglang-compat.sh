@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Which SGLang releases `--family sglang` drives (SGLang's own servers: plain, HiCache, PD decode, and the last two with unified memory):
+# Which SGLang releases `--family sglang` drives (SGLang's own servers: plain, HiCache, PD decode, and the plain and
+# PD decode servers with unified memory):
 # install each release in turn into one shared environment (the other dependencies stay; each
 # release's own pins are re-applied) and print one row per release: installs, imports, configs
 # supported (by any of the servers), harness verdict (each finding with the server it came through).
