@@ -18,7 +18,10 @@ decode wiring (``unified.build_unified(node="decode")``: the configurator's deco
 decode side names *physical* rows for the transfer (``translate_kv_indices_for_transfer``, the SWA window's
 ``translate_swa_indices_for_transfer``, ``translate_mamba_indices``), and the prefill stand-in lands the bytes there
 (``runner.receive_prefill``), as the connector writes into the registered page envelopes. Its retraction is SGLang's
-own, with the backup SGLang resolves for the pools.
+own, with the backup SGLang resolves for the pools. The server it stands for transfers with Mooncake (SGLang refuses
+``--enable-unified-memory`` with PD disaggregation over any other backend; :data:`REAL_TRANSFER`, which its listing
+and its refusal check use); the driver starts SGLang's ``fake`` backend in its place, as ``decode_server.py`` does,
+since the transfer is the prefill stand-in's.
 """
 
 from __future__ import annotations
@@ -60,6 +63,10 @@ def build_unified_driver(config: ModelConfig, *, device="cpu", faults=(), backup
     return build_driver(config, device=device, faults=faults, backup_mode=backup_mode, driver_cls=UnifiedServerDriver)
 
 
+# The transfer backend of the unified decode server a user runs (the driver's is SGLang's fake one, see the module).
+REAL_TRANSFER = {"disaggregation_transfer_backend": "mooncake"}
+
+
 class UnifiedDecodeDriver(SglangDecodeDriver):
     """One example's PD decode server with ``--enable-unified-memory`` (see the module)."""
 
@@ -73,6 +80,11 @@ class UnifiedDecodeDriver(SglangDecodeDriver):
     def build_family(self, config: ModelConfig, max_running: int):
         return build_unified(config, node="decode")
 
+    @property
+    def listed_flags(self) -> dict:
+        """The server it stands for: the decode server's flags with the transfer backend a unified one runs."""
+        return super().listed_flags | REAL_TRANSFER
+
 
 def decode_unsupported_reason(config: ModelConfig, *, backup_mode: str | None = None) -> str | None:
     """Why the unified-memory decode server does not drive ``config``, or None."""
@@ -80,7 +92,11 @@ def decode_unsupported_reason(config: ModelConfig, *, backup_mode: str | None = 
     from poolfuzz.adapters.sglang.scheduler.servers import unsupported_reason as scheduler_reason
     from poolfuzz.adapters.sglang.unified_pool.unified import unified_problem
 
+    from poolfuzz.adapters.sglang.pools import configurator
+    from poolfuzz.adapters.sglang.scheduler.decode_server import ROLE_FLAGS
+
     return (decode_problem(config) or unified_problem(load(), config)
+            or configurator.refusal(config, role_flags=ROLE_FLAGS | SERVER_FLAGS | REAL_TRANSFER)
             or scheduler_reason(config, UnifiedDecodeDriver, backup_mode=backup_mode))
 
 
