@@ -29,11 +29,9 @@ def unified(scheduling):
     return unified_server
 
 
-@pytest.mark.parametrize("name", ["swa", "swa-ps4", "hybrid-linear", "hybrid-extra-buffer"])
-def test_fuzzed_traffic_runs_on_its_own_kv_and_state_through_the_unified_pool(unified, api, name):
-    """Hypothesis's traffic through SGLang's scheduler on the unified pool: every forward attends to its own K and V
-    and continues from its own state, read where SGLang's tables point after every compaction."""
-    reason = unified.unsupported_reason(CONFIGS[name])
+def _fuzzed(api, name: str, driver_cls, *, reason: str | None, family: str) -> list:
+    """Hypothesis's traffic through a fresh ``driver_cls`` server an example, the release's judged defects through
+    ``family`` passed over (skipped where the server declines ``name``, with ``reason``); the servers built."""
     if reason:
         pytest.skip(reason)
     from tests.judged import PassOverJudged
@@ -41,15 +39,24 @@ def test_fuzzed_traffic_runs_on_its_own_kv_and_state_through_the_unified_pool(un
     drivers = []
 
     def factory(config):
-        drivers.append(unified.UnifiedServerDriver(config))
+        drivers.append(driver_cls(config))
         return drivers[-1]
 
-    judged = PassOverJudged("sglang", api.version, name, family="sglang:unified-server")
+    judged = PassOverJudged("sglang", api.version, name, family=family)
     run_state_machine_as_test(scheduled_machine(CONFIGS[name], driver_factory=factory, observer=judged),
                               settings=SETTINGS)
+    return drivers
+
+
+@pytest.mark.parametrize("name", ["swa", "swa-ps4", "hybrid-linear", "hybrid-extra-buffer"])
+def test_fuzzed_traffic_runs_on_its_own_kv_and_state_through_the_unified_pool(unified, api, name):
+    """Hypothesis's traffic through SGLang's scheduler on the unified pool: every forward attends to its own K and V
+    and continues from its own state, read where SGLang's tables point after every compaction."""
+    drivers = _fuzzed(api, name, unified.UnifiedServerDriver, reason=unified.unsupported_reason(CONFIGS[name]),
+                      family="sglang:unified-server")
     assert drivers and all(d.server.enable_unified_memory for d in drivers)
     assert all(type(d.tree).__name__ == "UnifiedRadixCache" for d in drivers)
-    assert all(c.translate is not None for c in drivers[0].runner.kv for c in [c[0]])
+    assert all(c.translate is not None for c, _ in drivers[0].runner.kv)
 
 
 def test_a_row_lost_at_its_physical_location_is_caught_and_named(unified):
@@ -150,20 +157,8 @@ def test_transferred_kv_lands_where_the_decode_side_named_physical_rows(unified_
     """SGLang's decode side names physical rows for a transfer (``translate_kv_indices_for_transfer``, the window's
     ``translate_swa_indices_for_transfer``, ``translate_mamba_indices``); the prefill stand-in lands the bytes there,
     and every decode step then reads its own K and V (and state) through the tables, compaction included."""
-    reason = unified_decode.decode_unsupported_reason(CONFIGS[name])
-    if reason:
-        pytest.skip(reason)
-    from tests.judged import PassOverJudged
-
-    drivers = []
-
-    def factory(config):
-        drivers.append(unified_decode.UnifiedDecodeDriver(config))
-        return drivers[-1]
-
-    judged = PassOverJudged("sglang", api.version, name, family="sglang:unified-decode")
-    run_state_machine_as_test(scheduled_machine(CONFIGS[name], driver_factory=factory, observer=judged),
-                              settings=SETTINGS)
+    drivers = _fuzzed(api, name, unified_decode.UnifiedDecodeDriver,
+                      reason=unified_decode.decode_unsupported_reason(CONFIGS[name]), family="sglang:unified-decode")
     assert drivers and all(d.runner.lands_physically and d.server.enable_unified_memory for d in drivers)
     assert sum(d.transferred for d in drivers) > 0
 

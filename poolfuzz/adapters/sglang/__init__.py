@@ -116,9 +116,9 @@ build_family.engine_code = ("sglang/srt/mem_cache", "sglang/srt/managers/schedul
 
 
 def build_unified_server(config, *, device="cpu", faults=(), backup_mode=None):
-    """The factory registered as ``sglang:unified``: one example's server started with ``--enable-unified-memory``,
-    SGLang's Scheduler over the unified memory pool its configurator builds, fed by the model-runner stand-in
-    (``scheduler/unified_server.UnifiedServerDriver``)."""
+    """The factory registered as ``sglang:unified-server``: one example's server started with
+    ``--enable-unified-memory``, SGLang's Scheduler over the unified memory pool its configurator builds, fed by the
+    model-runner stand-in (``scheduler/unified_server.UnifiedServerDriver``)."""
     from poolfuzz.adapters.sglang.scheduler.unified_server import build_unified_driver
 
     return build_unified_driver(config, device=device, faults=faults, backup_mode=backup_mode)

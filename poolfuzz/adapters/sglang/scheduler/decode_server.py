@@ -214,17 +214,15 @@ class SglangDecodeDriver(SglangSchedulerDriver):
             start, length = decode_prefix_len or 0, len(req.origin_input_ids)
             slots = [int(p) * page + j for p in kv_indices for j in range(page)]
             state_types = self.server.disagg_decode_prealloc_queue.kv_manager.kv_args.state_types or []
+            named = {t.name: items for t, items in zip(state_types, state_indices or []) if items is not None}
             swa_rows = None  # the SWA window's rows, where the SWA state item names them (from the page its start is on)
-            for state_type, items in zip(state_types, state_indices or []):
-                if state_type.name == "SWA" and items is not None:
-                    rows = [int(p) * page + j for p in items.reshape(-1).tolist() for j in range(page)]
-                    swa_rows = (-(-length // page) * page - len(rows), rows)
+            if "SWA" in named:
+                rows = [int(p) * page + j for p in named["SWA"].reshape(-1).tolist() for j in range(page)]
+                swa_rows = (-(-length // page) * page - len(rows), rows)
             self.runner.receive_prefill(req.rid, start=start, slots=slots[:length - start], swa_rows=swa_rows)
             # the recurrent state after the prompt, into the mamba slot the MAMBA state item names
-            for state_type, items in zip(state_types, state_indices or []):
-                if state_type.name == "MAMBA" and items is not None:
-                    for slot in items[0].reshape(-1).tolist():
-                        self.runner.receive_prefill_state(req.rid, slot=int(slot), tokens=length)
+            for slot in named["MAMBA"][0].reshape(-1).tolist() if "MAMBA" in named else []:
+                self.runner.receive_prefill_state(req.rid, slot=int(slot), tokens=length)
             return send(kv_indices, aux_index, state_indices, decode_prefix_len, **kwargs)
 
         receiver.send_metadata = send_metadata

@@ -271,15 +271,27 @@ class ModelRunner:
 
     def _land(self, rid: str, positions: range, rows: list[int], *, space: str) -> None:
         """The K and V of ``positions`` written as a transfer writes them: bytes at the physical ``rows``."""
-        chains = [self.tokens[rid].chain(p) for p in positions]
+        tagged = self._kv_rows([(rid, p, row) for p, row in zip(positions, rows)], space=space)
         where = torch.tensor(rows, dtype=torch.int64)
+        for c, _ in self.kv:
+            if c.space == space:
+                c.tensor[where] = tagged[(c.name, c.layer)]
+
+    def _kv_rows(self, writes: list[tuple[str, int, int]], *, chains: list[int] | None = None,
+                 rejected: set[int] = frozenset(), space: str | None = None) -> dict:
+        """Each KV component's rows (of ``space``'s, or all) for ``writes``, ``(name, layer) -> rows``, their tags
+        derived from the requests' tokens (or ``chains``); every tag's writer recorded, to name whose data a slot
+        holds (a draft the target rejected, numbered in ``rejected``, as such)."""
+        chains = chains or [self.tokens[rid].chain(p) for rid, p, _ in writes]
+        rows = {}
         for c, index in self.kv:
-            if c.space != space:
+            if space is not None and c.space != space:
                 continue
             tags = [tag(chain, c.layer, index) for chain in chains]
-            for t, p in zip(tags, positions):
-                self.writers.setdefault(t, (rid, p))
-            c.tensor[where] = _tagged_rows(c, tags)
+            for j, (t, (rid, p, _)) in enumerate(zip(tags, writes)):
+                self.writers.setdefault(t, (rid, _draft_position(p, j in rejected)))
+            rows[(c.name, c.layer)] = _tagged_rows(c, tags)
+        return rows
 
     def receive_prefill_state(self, rid: str, *, slot: int, tokens: int) -> None:
         """The recurrent state a prefill node transfers: every mamba layer's state after the first ``tokens`` tokens,
@@ -297,14 +309,8 @@ class ModelRunner:
         verify's nodes, of which the writes numbered in ``rejected`` are drafts the target rejected)."""
         if not writes:
             return
-        chains = chains or [self.tokens[rid].chain(p) for rid, p, _ in writes]
         slots = torch.tensor([slot for _, _, slot in writes], dtype=torch.int64)
-        rows = {}
-        for c, index in self.kv:
-            tags = [tag(chain, c.layer, index) for chain in chains]
-            for j, (t, (rid, p, _)) in enumerate(zip(tags, writes)):
-                self.writers.setdefault(t, (rid, _draft_position(p, j in rejected)))
-            rows[(c.name, c.layer)] = _tagged_rows(c, tags)
+        rows = self._kv_rows(writes, chains=chains, rejected=rejected)
         done = self.kv_pool.write_rows(slots, rows)
         # What the pool's door does not take (a sparse index, MXFP8 scales, FP4 bytes the quantiser cannot carry a
         # tag through) is stored where the pool keeps it, as the pools path stores it (``harness.forward``)

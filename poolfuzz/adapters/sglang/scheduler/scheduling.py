@@ -463,11 +463,8 @@ class SglangSchedulerDriver:
         full = self.family.free_lists().get("full")
         req_to_token = self.family.sg_req_pool.req_to_token
         out = []
-        for req in compat.requests_owning_rows(self.server):
-            kv = req.kv
-            if full is None:
-                continue
-            for position, slot in enumerate(req_to_token[compat.request_row(req), :kv.kv_allocated_len].tolist()):
+        for req in compat.requests_owning_rows(self.server) if full is not None else []:
+            for position, slot in enumerate(req_to_token[compat.request_row(req), :req.kv.kv_allocated_len].tolist()):
                 if full.is_free_page(page := slot // full.page_size):  # a free list of pages, on a paged pool
                     out.append(f"req {req.rid} holds slot {slot} (page {page}) at position {position}, listed free")
         return out
@@ -536,7 +533,8 @@ class ContextLoop:
         s.last_batch = batch
 
     def idle(self) -> None:
-        s, s.last_batch = self.server, None
+        s = self.server
+        s.last_batch = None
         if s.is_fully_idle():  # on_idle: a fully idle server compacts a unified pool, resets the new-token ratio
             compat.idle_compaction(s)
             s.new_token_ratio_tracker.reset()

@@ -26,25 +26,49 @@ since the transfer is the prefill stand-in's.
 
 from __future__ import annotations
 
-from poolfuzz.adapters.sglang.scheduler.decode_server import SglangDecodeDriver, decode_problem
-from poolfuzz.adapters.sglang.scheduler.scheduling import SglangSchedulerDriver, server_arguments
+from poolfuzz.adapters.sglang.scheduler.decode_server import ROLE_FLAGS, SglangDecodeDriver, decode_problem
+from poolfuzz.adapters.sglang.scheduler.scheduling import SglangSchedulerDriver
 from poolfuzz.adapters.sglang.unified_pool.unified import SERVER_FLAGS, build_unified
 from poolfuzz.pools.config import ModelConfig
 
+# The transfer backend of the unified decode server a user runs (the driver's is SGLang's fake one, see the module).
+REAL_TRANSFER = {"disaggregation_transfer_backend": "mooncake"}
 
-class UnifiedServerDriver(SglangSchedulerDriver):
+
+class UnifiedMemory:
+    """What a server started with ``--enable-unified-memory`` adds to the driver it is mixed into: the flag, and
+    the Scheduler's ``enable_unified_memory``; no speculative config (the unified pool's per-draft caches are
+    declined, ``unified.unified_problem``)."""
+
+    unified = True
+    drives_speculative = False
+
+    def server_flags(self, config: ModelConfig, *, max_running_requests: int) -> dict:
+        return super().server_flags(config, max_running_requests=max_running_requests) | SERVER_FLAGS
+
+
+class UnifiedServerDriver(UnifiedMemory, SglangSchedulerDriver):
     """One example's server with ``--enable-unified-memory`` (see the module)."""
 
     label = "the sglang unified-memory server"
-    unified = True
-    drives_speculative = False  # the unified pool's per-draft caches are declined (unified.unified_problem)
-
-    def server_flags(self, config: ModelConfig, *, max_running_requests: int) -> dict:
-        return server_arguments(config, max_running_requests=max_running_requests) | SERVER_FLAGS
 
     def build_family(self, config: ModelConfig, max_running: int):
         """The unified family over the pools SGLang's configurator builds for the server's flags."""
         return build_unified(config)
+
+
+class UnifiedDecodeDriver(UnifiedMemory, SglangDecodeDriver):
+    """One example's PD decode server with ``--enable-unified-memory`` (see the module)."""
+
+    label = "the sglang unified-memory decode server"
+
+    def build_family(self, config: ModelConfig, max_running: int):
+        return build_unified(config, node="decode")
+
+    @property
+    def listed_flags(self) -> dict:
+        """The server it stands for: the decode server's flags with the transfer backend a unified one runs."""
+        return super().listed_flags | REAL_TRANSFER
 
 
 def unsupported_reason(config: ModelConfig) -> str | None:
@@ -56,53 +80,29 @@ def unsupported_reason(config: ModelConfig) -> str | None:
     return unified_problem(load(), config) or scheduler_reason(config, UnifiedServerDriver)
 
 
-def build_unified_driver(config: ModelConfig, *, device="cpu", faults=(), backup_mode=None) -> UnifiedServerDriver:
-    """The unified-memory server's driver (``servers.build_driver``'s checks of the run's options)."""
-    from poolfuzz.adapters.sglang.scheduler.servers import build_driver
-
-    return build_driver(config, device=device, faults=faults, backup_mode=backup_mode, driver_cls=UnifiedServerDriver)
-
-
-# The transfer backend of the unified decode server a user runs (the driver's is SGLang's fake one, see the module).
-REAL_TRANSFER = {"disaggregation_transfer_backend": "mooncake"}
-
-
-class UnifiedDecodeDriver(SglangDecodeDriver):
-    """One example's PD decode server with ``--enable-unified-memory`` (see the module)."""
-
-    label = "the sglang unified-memory decode server"
-    unified = True
-    drives_speculative = False
-
-    def server_flags(self, config: ModelConfig, *, max_running_requests: int) -> dict:
-        return super().server_flags(config, max_running_requests=max_running_requests) | SERVER_FLAGS
-
-    def build_family(self, config: ModelConfig, max_running: int):
-        return build_unified(config, node="decode")
-
-    @property
-    def listed_flags(self) -> dict:
-        """The server it stands for: the decode server's flags with the transfer backend a unified one runs."""
-        return super().listed_flags | REAL_TRANSFER
-
-
 def decode_unsupported_reason(config: ModelConfig, *, backup_mode: str | None = None) -> str | None:
-    """Why the unified-memory decode server does not drive ``config``, or None."""
+    """Why the unified-memory decode server does not drive ``config``, or None: the decode server's reasons, the
+    unified pool's, then SGLang's refusal of the Mooncake server it stands for."""
     from poolfuzz.adapters.sglang.api import load
+    from poolfuzz.adapters.sglang.pools import configurator
     from poolfuzz.adapters.sglang.scheduler.servers import unsupported_reason as scheduler_reason
     from poolfuzz.adapters.sglang.unified_pool.unified import unified_problem
-
-    from poolfuzz.adapters.sglang.pools import configurator
-    from poolfuzz.adapters.sglang.scheduler.decode_server import ROLE_FLAGS
 
     return (decode_problem(config) or unified_problem(load(), config)
             or configurator.refusal(config, role_flags=ROLE_FLAGS | SERVER_FLAGS | REAL_TRANSFER)
             or scheduler_reason(config, UnifiedDecodeDriver, backup_mode=backup_mode))
 
 
-def build_unified_decode_driver(config: ModelConfig, *, device="cpu", faults=(),
-                                backup_mode=None) -> UnifiedDecodeDriver:
-    """The unified-memory decode server's driver (``servers.build_driver``'s checks of the run's options)."""
+def build_unified_driver(config: ModelConfig, *, device="cpu", faults=(), backup_mode=None,
+                         driver_cls=UnifiedServerDriver):
+    """A unified-memory server's driver, ``driver_cls`` (``servers.build_driver``'s checks of the run's options)."""
     from poolfuzz.adapters.sglang.scheduler.servers import build_driver
 
-    return build_driver(config, device=device, faults=faults, backup_mode=backup_mode, driver_cls=UnifiedDecodeDriver)
+    return build_driver(config, device=device, faults=faults, backup_mode=backup_mode, driver_cls=driver_cls)
+
+
+def build_unified_decode_driver(config: ModelConfig, *, device="cpu", faults=(),
+                                backup_mode=None) -> UnifiedDecodeDriver:
+    """The unified-memory decode server's driver."""
+    return build_unified_driver(config, device=device, faults=faults, backup_mode=backup_mode,
+                                driver_cls=UnifiedDecodeDriver)
