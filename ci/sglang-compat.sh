@@ -61,7 +61,7 @@ version, reach_dir, artifacts = sys.argv[1], sys.argv[2], sys.argv[3]
 def row(imports, configs, verdict, triton="-", reach="-"):
     print(f"{version:13} | {'yes':8} | {imports:7} | {configs:60} | {triton:11} | {reach:36} | {verdict}", flush=True)
 try:
-    from poolfuzz.adapters.sglang import describe, unified_unsupported_reason
+    from poolfuzz.adapters.sglang import describe
     from poolfuzz.orchestration.plugins import resolve_members
     info = describe()
     servers = resolve_members("sglang")
@@ -182,9 +182,5 @@ else:  # no server of the suite starts on this release: say why, and fuzz its po
     pools = supported_by(resolve_family("sglang:pools").unsupported_reason)
     if pools:
         fuzzed_row(release + " pools", "sglang:pools", pools, measured=measure)
-# The unified memory pool (--enable-unified-memory), where the release has it: its own row.
-unified = supported_by(unified_unsupported_reason)
-if unified:
-    fuzzed_row(release + " unified", "sglang:unified", unified, measured=False)
 PY
 done

@@ -39,7 +39,6 @@ DEFAULT_FAMILY = "builtin"
 SHIPPED = {
     "builtin": "poolfuzz.pools.family:build_family",
     "sglang:pools": "poolfuzz.adapters.sglang:build_family",
-    "sglang:unified": "poolfuzz.adapters.sglang:build_unified_family",
     "sglang:scheduler": "poolfuzz.adapters.sglang:build_scheduler_driver",
     "sglang:decode": "poolfuzz.adapters.sglang:build_decode_driver",
     "sglang:hicache": "poolfuzz.adapters.sglang:build_hicache_driver",
@@ -54,9 +53,12 @@ SHIPPED = {
 # drove SGLang's pools with the adapter's admission (``adapters/sglang/lifecycle``) until it ran SGLang's own
 # servers; that path is ``sglang:pools``.
 ENGINE_PROGRAMS_OF = {"vllm": "vllm:manager", "sglang": "sglang:pools"}
+# Families deleted once the engine's own code drove their path: the name, and what runs that path now.
+RETIRED = {"sglang:unified": "sglang:unified-server or sglang:unified-decode (SGLang's own scheduler on the unified "
+                             "memory pool, where the pools path restated its admission)"}
 # Names for several families at once, in the order their lanes run: each member fuzzes the configs it drives.
-# ``sglang``: every server SGLang's own scheduler runs here (the pools paths, ``sglang:pools`` and ``sglang:unified``,
-# are not among them: their admission and frees are the adapter's, see ``adapters/sglang/lifecycle/admission.py``).
+# ``sglang``: every server SGLang's own scheduler runs here (the pools path, ``sglang:pools``, is not among them: its
+# admission and frees are the adapter's, see ``adapters/sglang/lifecycle/admission.py``).
 SUITES = {"sglang": ("sglang:scheduler", "sglang:hicache", "sglang:decode", "sglang:unified-server",
                     "sglang:unified-decode")}
 
@@ -113,7 +115,8 @@ def installed_families() -> dict[str, str]:
     group."""
     out = dict(SHIPPED) | {name: f"suite({', '.join(members)})" for name, members in SUITES.items()}
     for ep in _entry_points():
-        out.setdefault(ep.name, ep.value)
+        if ep.name not in RETIRED:  # an install older than its retirement still lists it
+            out.setdefault(ep.name, ep.value)
     return out
 
 
@@ -139,7 +142,9 @@ def resolve_family(spec: str | None) -> FamilyPlugin:
     if name in SUITES:
         raise ConfigError(f"{name!r} names several families ({', '.join(SUITES[name])}), and this needs one: "
                           f"name one of them, e.g. --family {SUITES[name][0]}")
-    if name in SHIPPED:  # first: a shipped variant's name ("sglang:unified") is no module path
+    if name in RETIRED:
+        raise ConfigError(f"the family {name!r} was retired; its path now runs as --family {RETIRED[name]}")
+    if name in SHIPPED:  # first: a shipped variant's name ("sglang:pools") is no module path
         return FamilyPlugin(name=name, target=SHIPPED[name], origin="shipped", factory=_load(SHIPPED[name], name))
     if ":" in name:
         return FamilyPlugin(name=name, target=name, origin="module path", factory=_load(name, name))
@@ -183,6 +188,9 @@ def resolve_recorded(spec: str, *, trusted: str | None = None) -> FamilyPlugin:
     group) resolve on their own; any other name must equal ``trusted``, the ``--family`` the user
     typed. Names are checked before anything is imported. A ConfigError says what to pass.
     """
+    if spec in RETIRED:
+        raise ConfigError(f"recorded on pool family {spec!r}, which was retired: its path now runs as --family "
+                          f"{RETIRED[spec]}; fuzz that family to find the failure again")
     if trusted is not None and spec != trusted:
         raise ConfigError(f"recorded on pool family {spec!r}, but --family names {trusted!r}; pass "
                           f"--family {spec} to trust the family it was recorded on")

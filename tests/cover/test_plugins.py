@@ -64,6 +64,19 @@ class TestResolve:
                                               r".*--family sglang:scheduler"):
             plugins.resolve_family("sglang")
 
+    def test_a_retired_family_names_what_runs_its_path_now(self):
+        """``sglang:unified`` (the pools path's restated unified admission) was deleted once SGLang's own scheduler
+        ran that pool: typing it, or replaying an artifact recorded on it, names the servers, and it is not listed."""
+        with pytest.raises(ConfigError, match=r"'sglang:unified' was retired; .*--family sglang:unified-server"):
+            plugins.resolve_family("sglang:unified")
+        with pytest.raises(ConfigError, match=r"recorded on pool family 'sglang:unified', which was retired"):
+            plugins.resolve_recorded("sglang:unified", trusted="sglang:unified")
+        stale = metadata.EntryPoint(name="sglang:unified", value="poolfuzz.adapters.sglang:build_unified_family",
+                                    group=plugins.ENTRY_POINT_GROUP)
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(plugins, "_entry_points", lambda: [stale])
+            assert "sglang:unified" not in plugins.installed_families()
+
     def test_the_pools_paths_old_name_replays_its_engine_programs(self):
         assert plugins.ENGINE_PROGRAMS_OF["sglang"] == "sglang:pools"
 

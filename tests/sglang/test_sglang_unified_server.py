@@ -173,8 +173,8 @@ def _run(driver, program) -> None:
 
 
 def test_the_tri_pool_loses_a_retracted_requests_state_through_sglangs_own_decode_server(unified_decode, monkeypatch):
-    """The tri-pool retraction defect of SGLang 0.5.23 (``test_sglang_unified.py`` found it on the pools path, README
-    "the tri-pool loses a retracted request's recurrent state"), now through SGLang's own decode server: its
+    """The tri-pool retraction defect of SGLang 0.5.23 (the since retired pools-path family ``sglang:unified`` found it
+    first, docs/bugs/sglang-unified-tri-pool-retraction.md), through SGLang's own decode server: its
     retraction backs the state up with ``UnifiedMambaPool.get_cpu_copy`` and restores it with ``load_cpu_copy``,
     which index physical rows by the request's virtual slot. Two requests suffice: the retracted one resumes on the
     other's final state. With the two methods translating (``host_transfer_translate``), the same program runs."""

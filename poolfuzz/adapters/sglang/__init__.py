@@ -1,9 +1,10 @@
 """Drive SGLang's real memory pools and scheduler, installed from PyPI, with the poolfuzz harness.
 
 ``poolfuzz run --family sglang`` (a suite, ``orchestration/plugins.SUITES``) runs each config through SGLang's own
-servers: ``sglang:scheduler``, ``sglang:hicache`` and ``sglang:decode`` (``scheduler/``). ``sglang:pools`` builds
+servers: ``sglang:scheduler``, ``sglang:hicache``, ``sglang:decode``, and ``sglang:unified-server`` and
+``sglang:unified-decode`` on the unified memory pool (``scheduler/``, ``unified_pool/``). ``sglang:pools`` builds
 SGLang's own pools for a config and calls them one request at a time, with SGLang's capacity checks where the
-adapter borrows them (``lifecycle/``); ``sglang:unified`` drives the unified memory pool. Importing this module
+adapter borrows them (``lifecycle/``), for releases on which no server starts. Importing this module
 does not import SGLang; building a family does (behind the CPU import shims in :mod:`.shims`).
 """
 
@@ -137,37 +138,6 @@ def describe_unified_driver(config):
     from poolfuzz.adapters.sglang.unified_pool.unified import SERVER_FLAGS
 
     return _described_server(config, build=build_unified_driver, role_flags=SERVER_FLAGS)
-
-
-def build_unified_family(config, *, device="cpu", faults=(), backup_mode=None, node=None):
-    """The family factory registered as ``sglang:unified``: SGLang's unified memory pool
-    (``--enable-unified-memory``), see :mod:`poolfuzz.adapters.sglang.unified_pool.unified`."""
-    from poolfuzz.adapters.sglang.unified_pool.unified import build_unified
-
-    return build_unified(config, device=device, faults=faults, backup_mode=backup_mode, node=node)
-
-
-def unified_unsupported_reason(config) -> str | None:
-    """Why the installed SGLang's unified pool is not driven for ``config`` here, or None."""
-    from poolfuzz.adapters.sglang.api import load
-    from poolfuzz.adapters.sglang.unified_pool.unified import unified_problem
-
-    return unified_problem(load(), config)
-
-
-def describe_unified_server(config):
-    """The unified-memory server ``config`` stands for (its flags and ``--enable-unified-memory``), the pools SGLang's
-    configurator builds for it here, and those the family runs on (``poolfuzz configs --family sglang:unified``)."""
-    from poolfuzz.adapters.sglang.unified_pool.unified import SERVER_FLAGS, build_unified
-
-    return _described(config, role_flags=SERVER_FLAGS, build=lambda: build_unified(config))
-
-
-build_unified_family.unsupported_reason = unified_unsupported_reason
-build_unified_family.describe_server = describe_unified_server
-build_unified_family.engine_report = engine_report
-build_unified_family.builds_per_node = True
-build_unified_family.engine_code = build_family.engine_code
 
 
 def _described_server(config, *, build, role_flags=None, notes=()):

@@ -123,11 +123,6 @@ class SGLangFamily:
                 out += self.req_pool.mamba_pool.spec_scratch.components()
         return out
 
-    def kernel_components(self) -> list[Component]:
-        """The components as a server's forward addresses them (its kernels): these same buffers, but for a family on
-        the unified memory pool (``UnifiedFamily``), whose harness components are virtual-id mirrors."""
-        return self.components()
-
     def host_components(self) -> list[Component]:
         return [c for view in self.host_pools.values() for c in view.components()]
 

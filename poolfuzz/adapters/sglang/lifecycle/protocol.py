@@ -391,8 +391,7 @@ class SGLangProtocol(ServingProtocol):
 
     def _unalias_backup(self, sg, family, req: ReqKv) -> None:
         """Copy backup tensors that share storage with a live pool buffer (the CPU trap)."""
-        # the buffers SGLang reads: the components, or what they mirror (``UnifiedFamily.physical_buffers``)
-        buffers = getattr(family, "physical_buffers", lambda: [c.tensor for c in family.components()])()
+        buffers = [c.tensor for c in family.components()]  # the buffers SGLang reads
         live = {_storage_ptr(t) for t in buffers}
         hits: list[str] = []
 

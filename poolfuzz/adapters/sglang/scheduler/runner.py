@@ -22,7 +22,7 @@ into the request's slot, a fresh slot zeroed) run as the GPU model runner runs t
 
 A slot's K (or V, or state) row holds its 64-bit tag in its first eight bytes; the checks read the pools' buffers
 in place, as the kernels get them (``family.components()``: the KV through the pool's read door, each mamba layer's
-state through ``mamba2_layer_cache``).
+state through ``mamba2_layer_cache``; on the unified memory pool, through SGLang's virtual -> physical tables).
 """
 
 from __future__ import annotations
@@ -83,7 +83,7 @@ class ModelRunner:
     """The forward of a model of full-attention and (optionally) mamba layers over SGLang's pools (see the module)."""
 
     def __init__(self, *, family, vocab: int, cow_and_clear=None, aligned_lens=None):
-        comps = family.kernel_components()
+        comps = family.components()
         kv = [c for c in comps if c.space in KV_SPACES]
         self.states = [c for c in comps if c.space == "mamba"]
         # a speculative server's intermediate state caches: (state component, layer, draft step) -> its rows

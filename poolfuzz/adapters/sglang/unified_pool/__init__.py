@@ -1,1 +1,1 @@
-"""SGLang's unified memory pool (``--enable-unified-memory``, ``--family sglang:unified``)."""
+"""SGLang's unified memory pool (``--enable-unified-memory``), as the unified servers run on it."""

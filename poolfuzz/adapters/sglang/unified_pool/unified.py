@@ -1,4 +1,5 @@
-"""``poolfuzz run --family sglang:unified``: SGLang's unified memory pool (``--enable-unified-memory``).
+"""SGLang's unified memory pool (``--enable-unified-memory``), built as its servers run on it
+(``scheduler/unified_server.py``).
 
 SGLang's KV cache configurator builds, for a hybrid model with the flag, one byte buffer shared by its
 sub-pools, each with a ``MultiEndedAllocator`` over virtual ids: for a hybrid Mamba model the full-attention
@@ -7,15 +8,9 @@ and ``UnifiedHybridReqToTokenPool`` (``init_unified_mamba_pools``, built here); 
 full and sliding-window KV, and with Mamba layers too the tri-pool (``unified_swa.py``). The family runs on the
 pools SGLang's configurator builds for the config's server with ``--enable-unified-memory``
 (``pools/configurator.py``) where they are the config's pools, their sizes aside (SGLang sizes the sub-pools
-from one byte envelope; what fits is the engine's answer anyway); elsewhere on the adapter's wiring of the
-unified factory with the configurator's arguments, and ``pools_source`` says why (``poolfuzz configs --family
-sglang:unified`` shows both). Either stack is wrapped in the same family the ``sglang`` option drives, so
-every operation and check runs unchanged. What differs is said by the family's capabilities:
-  * the harness's components are virtual-id mirrors of SGLang's physical views (``unified_mirror``);
-  * the free lists are the sub-allocators' virtual ids; whether an allocation fits is the engine's own
-    answer (``unified_reference``);
-  * after every operation the scheduler's sync-boundary ``flush_opportunistic`` runs (lazy compaction,
-    SGLang's default), so rows move between physical pages as they do when serving.
+from one byte envelope); elsewhere on the adapter's wiring of the unified factory with the configurator's
+arguments, and ``pools_source`` says why (``poolfuzz configs --family sglang:unified-server`` shows both). Its
+components are SGLang's physical views read through SGLang's tables (``unified_family.UnifiedFamily``).
 """
 
 from __future__ import annotations
@@ -24,17 +19,14 @@ import functools
 
 import torch
 
-from poolfuzz.adapters.sglang.lifecycle.admission import SchedulerAdmission
 from poolfuzz.adapters.sglang.pools.calls import paged_alloc_extend
 from poolfuzz.adapters.sglang.api import SGLangAPI, first_importable, call_with, load
 from poolfuzz.adapters.sglang.lifecycle.family import KV_DTYPES, served_or_wired
-from poolfuzz.adapters.sglang.lifecycle.standin import standin_class
 from poolfuzz.adapters.sglang.pools.storage import single_rank, storage_of, what_failed
 from poolfuzz.adapters.sglang.pools.request_pool import check_built, mamba_cache_params, pool_kwargs
 from poolfuzz.adapters.sglang.unified_pool.unified_family import (
-    UnifiedFamily, UnifiedProtocol, kv_pool_view, mirrored_kv, mirrored_state, prewarm_compaction, served_bundle,
+    UnifiedFamily, kv_pool_view, prewarm_compaction, served_bundle, state_view, token_translate, translated_kv,
 )
-from poolfuzz.adapters.sglang.unified_pool.unified_mirror import held_slots
 from poolfuzz.adapters.sglang.unified_pool.unified_swa import build_swa, swa_factory, tri_factory
 from poolfuzz.adapters.sglang.pools.views import AllocatorView, FreeListView, ReqPoolView, as_ints
 from poolfuzz.adapters.sglang.pools.writes import as_pool_dtype, RadixAttentionFields, latent_row
@@ -139,27 +131,22 @@ def unified_mamba_factory():
     return first_importable("sglang.srt.mem_cache.unified_memory_pool:init_unified_mamba_pools", required=False)
 
 
-def build_unified(config: ModelConfig, *, device="cpu", faults=(), backup_mode=None, node=None) -> UnifiedFamily:
-    """The family factory registered as ``sglang:unified``."""
-    if tuple(faults):
-        raise ConfigError(f"the sglang:unified family runs SGLang's own code; catalogue faults {list(faults)} "
-                          "only apply to the builtin family (drop --faults, or use --family builtin)")
-    if backup_mode not in (None, "cpu_tensor"):
-        raise ConfigError(f"the sglang:unified family retracts through the KV pool's CPU copy; backup mode "
-                          f"{backup_mode!r} is not driven on the unified pool (use cpu_tensor, or leave it unset)")
+def build_unified(config: ModelConfig, *, node: str | None = None) -> UnifiedFamily:
+    """The unified pools of the config's server, on the CPU where the scheduler runs; ``node="decode"``: a PD decode
+    server's, on the adapter's wiring built with ``need_sort`` (its role flags are not the unified server's)."""
     api = load()
     problem = unified_problem(api, config)
     if problem:
         raise ConfigError(f"config {config.name!r} on sglang {api.version}: {problem}")
-    dev = resolve_device(device)
-    sdev = str(dev) if dev.type == "cpu" else f"cuda:{dev.index or 0}"
+    dev = resolve_device("cpu")
     try:
-        if node == "decode":  # a PD decode node's server flags are not the unified server's: the wiring
-            return _build(api, config, dev, sdev, need_sort=True)
+        if node == "decode":
+            return _build(api, config, dev, "cpu", need_sort=True)
         from poolfuzz.adapters.sglang.pools.configurator import same_layout
 
-        return served_or_wired(functools.partial(_build, api, config, dev, sdev, need_sort=False), config, sdev,
-                               pd_decode=False, role_flags=SERVER_FLAGS, same=same_layout, listing="sglang:unified")
+        return served_or_wired(functools.partial(_build, api, config, dev, "cpu", need_sort=False), config, "cpu",
+                               pd_decode=False, role_flags=SERVER_FLAGS, same=same_layout,
+                               listing="sglang:unified-server")
     except (AssertionError, ValueError, RuntimeError) as exc:
         first = str(exc).splitlines()[0] if str(exc) else ""
         raise ConfigError(f"config {config.name!r} on sglang {api.version}: SGLang's unified pool factory "
@@ -219,11 +206,9 @@ def _mamba_family(api: SGLangAPI, c: ModelConfig, dev, bundle) -> UnifiedFamily:
         raise ConfigError(f"config {c.name!r} on sglang {api.version}: {problem}")
     prewarm_compaction(alloc)
     full, mamba = alloc.full_attn_allocator, alloc.mamba_allocator
-
-    kv_mirrors, comps, kernel = mirrored_kv(kv_pool.full_kv_pool, c.full_layer_ids, "full", full,
-                                    held=functools.partial(held_slots, full),
-                                    latent_rank=c.kv_lora_rank if c.latent else None)
-    mamba_view, state_mirrors = mirrored_state(req_pool, c.mamba_layer_ids, mamba)
+    comps = translated_kv(kv_pool.full_kv_pool, c.full_layer_ids, "full", token_translate(full),
+                          latent_rank=c.kv_lora_rank if c.latent else None)
+    mamba_view = state_view(req_pool, c.mamba_layer_ids)
     write_loc = first_importable("sglang.srt.mem_cache.memory_pool:KVWriteLoc")
 
     def door(*, slots, rows):
@@ -243,8 +228,6 @@ def _mamba_family(api: SGLangAPI, c: ModelConfig, dev, bundle) -> UnifiedFamily:
                 kv_pool.set_kv_buffer(RadixAttentionFields(layer_id), physical, latent_row(rows, layer_id, kv_pool),
                                       None)
                 done |= {nope, rope}
-        for m in kv_mirrors:  # every held row: a write that landed on another id's row shows there now
-            m.pull()
         return done
 
     views = {"rows": FreeListView(space="rows", owner=req_pool, read=lambda: as_ints(req_pool.free_slots),
@@ -258,13 +241,8 @@ def _mamba_family(api: SGLangAPI, c: ModelConfig, dev, bundle) -> UnifiedFamily:
         api=api, config=c, device=dev, uses_ssm_state=uses_ssm_state(c), sg_req_pool=req_pool, sg_kv_pool=kv_pool,
         sg_allocator=alloc, req_pool=ReqPoolView(req_pool, mamba=mamba_view, rows=views["rows"],
                                                  mamba_free=views["mamba"]),
-        kv_pool=kv_pool_view(api, kv_pool, comps, door=door), allocator=AllocatorView(alloc, swa=False), protocol=UnifiedProtocol(),
-        standin_cls=standin_class(api), admission=SchedulerAdmission(api))
-    family.mirrors = tuple(kv_mirrors + state_mirrors)
-    family.kv_mirrors = tuple(kv_mirrors)
-    family.kernel_comps = tuple(kernel + mamba_view.kernel)
+        kv_pool=kv_pool_view(api, kv_pool, comps, door=door), allocator=AllocatorView(alloc, swa=False))
     family.unified_buffer = bundle.unified_memory_pool
     family._free_views = views
-    family.pd_decode = False
     family.snapshot_free_lists()
     return family

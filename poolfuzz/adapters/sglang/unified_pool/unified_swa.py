@@ -4,24 +4,20 @@ SGLang builds one byte buffer shared by the full-attention KV sub-pool (growing 
 KV sub-pool (growing up), under ``UnifiedSWATokenToKVPoolAllocator``: one virtual id space, owned by the full
 side; the SWA side binds the same virtual pages to its own physical pages and unbinds them when the window
 moves past them (``free_swa``). A full slot's SWA slot is therefore the same virtual id while the SWA side
-holds it, and none (0) after: that is the translation the harness reads (``UnifiedSWAView.translate``).
+holds it, and none (0) after: that is the translation the model-runner stand-in reads (``UnifiedSWAView.translate``),
+before the SWA side's own table maps the id to its physical row.
 """
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
-from poolfuzz.adapters.sglang.lifecycle.admission import SchedulerAdmission
 from poolfuzz.adapters.sglang.api import SGLangAPI, first_importable, call_with, construct
 from poolfuzz.adapters.sglang.lifecycle.family import KV_DTYPES
-from poolfuzz.adapters.sglang.lifecycle.standin import standin_class
 from poolfuzz.adapters.sglang.pools.request_pool import mamba_cache_params, pool_kwargs
 from poolfuzz.adapters.sglang.unified_pool.unified_family import (
-    UnifiedFamily, UnifiedProtocol, kv_pool_view, mirrored_component, mirrored_kv, mirrored_state, prewarm_compaction, served_bundle,
+    UnifiedFamily, kv_pool_view, prewarm_compaction, served_bundle, state_view, token_translate, translated_kv,
 )
-from poolfuzz.adapters.sglang.unified_pool.unified_mirror import Mirror, held_slots, shadow_like
 from poolfuzz.adapters.sglang.pools.views import FreeListView, ReqPoolView, as_ints
 from poolfuzz.adapters.sglang.pools.writes import as_pool_dtype, RadixAttentionFields
 from poolfuzz.pools.config import ModelConfig, uses_ssm_state
@@ -46,14 +42,6 @@ class UnifiedSWAView:
         idx = torch.as_tensor(indices, dtype=torch.int64).reshape(-1)
         bound = swa.virtual_to_physical[idx // swa.pool_page_size] >= 0
         return torch.where(bound & (idx > 0), idx, torch.zeros_like(idx))
-
-
-def swa_bound_slots(swa) -> torch.Tensor:
-    """Virtual token ids whose page the SWA side binds now, with the padding page 0."""
-    v2p = swa.virtual_to_physical[:-1]  # the trailing -1 sentinel is no page
-    pages = torch.cat([torch.zeros(1, dtype=torch.int64), (v2p >= 0).nonzero().reshape(-1)[1:]])
-    ps = swa.pool_page_size
-    return (pages[:, None] * ps + torch.arange(ps)).reshape(-1)
 
 
 def tri_factory():
@@ -103,21 +91,9 @@ def _swa_family(api: SGLangAPI, c: ModelConfig, dev, bundle, req_pool) -> Unifie
     full, swa = alloc.full_attn_allocator, alloc.swa_attn_allocator
     prewarm_compaction(alloc)
 
-    kv_mirrors, comps, kernel = mirrored_kv(kv_pool.full_kv_pool, c.full_layer_ids, "full", full,
-                                    held=functools.partial(held_slots, full))
-    slots = full.num_virtual_ids * full.pool_page_size
-    for local, layer_id in enumerate(c.swa_layer_ids):
-        for part, buffers in (("k", kv_pool.swa_kv_pool.k_buffer), ("v", kv_pool.swa_kv_pool.v_buffer)):
-            m = Mirror(shadow=shadow_like(buffers[local], slots), physical=buffers[local],
-                       translate=lambda ids: swa.translate_kv_loc(ids).to(torch.int64),
-                       held=functools.partial(swa_bound_slots, swa))
-            kv_mirrors.append(m)
-            shadow, twin = mirrored_component(m, name=f"swa.{part}", layer=layer_id, space="swa")
-            comps.append(shadow)
-            kernel.append(twin)
-    mamba_view, state_mirrors = (None, [])
-    if c.has_mamba:
-        mamba_view, state_mirrors = mirrored_state(req_pool, c.mamba_layer_ids, alloc.mamba_allocator)
+    comps = translated_kv(kv_pool.full_kv_pool, c.full_layer_ids, "full", token_translate(full))
+    comps += translated_kv(kv_pool.swa_kv_pool, c.swa_layer_ids, "swa", token_translate(swa))
+    mamba_view = state_view(req_pool, c.mamba_layer_ids) if c.has_mamba else None
     write_loc = first_importable("sglang.srt.mem_cache.memory_pool:KVWriteLoc")
 
     def door(*, slots, rows):
@@ -132,8 +108,6 @@ def _swa_family(api: SGLangAPI, c: ModelConfig, dev, bundle, req_pool) -> Unifie
                 kv_pool.set_kv_buffer(RadixAttentionFields(layer_id), physical, as_pool_dtype(rows[k], kv_pool),
                                       as_pool_dtype(rows[v], kv_pool))
                 done |= {k, v}
-        for m in kv_mirrors:
-            m.pull()
         return done
 
     ps = c.page_size
@@ -159,14 +133,8 @@ def _swa_family(api: SGLangAPI, c: ModelConfig, dev, bundle, req_pool) -> Unifie
         api=api, config=c, device=dev, uses_ssm_state=uses_ssm_state(c), sg_req_pool=req_pool, sg_kv_pool=kv_pool,
         sg_allocator=alloc, req_pool=ReqPoolView(req_pool, mamba=mamba_view, rows=views["rows"],
                                                  mamba_free=views.get("mamba")),
-        kv_pool=kv_pool_view(api, kv_pool, comps, door=door), allocator=UnifiedSWAView(alloc), protocol=UnifiedProtocol(),
-        standin_cls=standin_class(api), admission=SchedulerAdmission(api))
-    family.mirrors = tuple(kv_mirrors + state_mirrors)
-    family.kv_mirrors = tuple(kv_mirrors)
-    family.kernel_comps = tuple(kernel + (mamba_view.kernel if mamba_view is not None else []))
+        kv_pool=kv_pool_view(api, kv_pool, comps, door=door), allocator=UnifiedSWAView(alloc))
     family.unified_buffer = bundle.unified_memory_pool
     family._free_views = views
-    family.resume_swa_tail_only = hasattr(alloc, "alloc_extend_swa_tail")
-    family.pd_decode = False
     family.snapshot_free_lists()
     return family
