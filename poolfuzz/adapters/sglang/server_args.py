@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 
-from poolfuzz.adapters.sglang.compat import seed_mamba_chunk_size
+from poolfuzz.adapters.sglang.compat import namespace_published, seed_mamba_chunk_size
 
 # "flags": the key of the server flags this process last published here (None: another server was published since);
 # "call": those flags and the model's mamba chunk, to publish them again
@@ -32,7 +32,7 @@ def publish_server_args(*, mamba_chunk_size: int = 64, fresh: bool = False, **fl
     if _PUBLISHED.get("flags") == key and not fresh:
         return
     context = runtime_context.get_context()
-    if key or "flags" in _PUBLISHED or not context.is_config_namespace_published("memory"):
+    if key or "flags" in _PUBLISHED or not namespace_published(context, "memory"):
         context.set_server_args(ServerArgs(model_path=NO_MODEL, device="cpu", **flags))
         # The server's widths now come from the arguments; the rank a launcher would write is the
         # single rank of a CPU run (MLA's pools and their retraction read it).

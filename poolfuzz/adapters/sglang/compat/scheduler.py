@@ -101,11 +101,14 @@ def published_extra_buffer() -> bool:
 
 def host_tier_pools(tree) -> list[tuple]:
     """``(host pool, the device pool it mirrors)`` for each host pool of ``tree``: a ``UnifiedRadixCache``'s pool
-    group (0.5.20 on), or the one host pool of 0.5.18's ``HiRadixCache``; none for a tree without a host tier."""
+    group (0.5.20 on; 0.5.17's in its ``token_to_kv_pool_host``), or the one host pool of 0.5.18's ``HiRadixCache``;
+    none for a tree without a host tier."""
     group = tree.__dict__.get("host_pool_group")
+    host = tree.__dict__.get("token_to_kv_pool_host")
+    if group is None and hasattr(host, "entries"):  # 0.5.17 keeps its HostPoolGroup as the tree's host pool
+        group = host
     if group is not None:
         return [(entry.host_pool, entry.device_pool) for entry in group.entries]
-    host = tree.__dict__.get("token_to_kv_pool_host")
     return [] if host is None else [(host, host.device_pool)]
 
 
@@ -117,9 +120,28 @@ def host_pools(tree) -> list:
 def published_host_pool_backup() -> bool:
     """Whether the published server backs retracted decode requests up into a host pool (its resolved
     ``--disaggregation-decode-retraction-backup``)."""
+    return published_retraction_backup() == "host_pool"
+
+
+def published_retraction_backup() -> str | None:
+    """The published server's ``--disaggregation-decode-retraction-backup`` (None: unset, or a release before the
+    flag, 0.5.17 and earlier, whose decode retraction backs requests up as per-request CPU tensors)."""
     from sglang.srt.runtime_context import get_disagg
 
-    return get_disagg().disaggregation_decode_retraction_backup == "host_pool"
+    try:
+        return get_disagg().disaggregation_decode_retraction_backup
+    except AttributeError:  # the namespace has no such leaf
+        return None
+
+
+def has_retraction_backup_flag() -> bool:
+    """Whether the release's ServerArgs has ``--disaggregation-decode-retraction-backup`` (0.5.18 on); before it a
+    decode server backs every retracted request up as per-request CPU tensors, with nothing to choose."""
+    import inspect
+
+    from sglang.srt.server_args import ServerArgs
+
+    return "disaggregation_decode_retraction_backup" in inspect.signature(ServerArgs).parameters
 
 
 def resolve_decode_retraction_backup(worker) -> str:
@@ -127,12 +149,10 @@ def resolve_decode_retraction_backup(worker) -> str:
     (``kv_cache_builder.resolve_decode_retraction_backup``, which lands it in the runtime context with the host pool's
     ratio); on a release without that resolution, the published flag, unset meaning per-request CPU tensors (the path
     before host-pool retraction, sglang#34801)."""
-    from sglang.srt.runtime_context import get_disagg
-
     try:
         from sglang.srt.mem_cache.kv_cache_builder import resolve_decode_retraction_backup as resolve
     except ImportError:
-        return get_disagg().disaggregation_decode_retraction_backup or "cpu_tensor"
+        return published_retraction_backup() or "cpu_tensor"
     return resolve(tp_worker=worker)
 
 
@@ -159,6 +179,16 @@ def publish_scheduler_context(*, max_running_requests: int) -> dict:
         get_context().override("scheduler.pp_max_micro_batch_size_default",
                                pp_max_micro_batch_size=max(max_running_requests // get_parallel().pp_size, 1))
     return published
+
+
+def token_ratio(cls):
+    """The Scheduler's ``NewTokenRatioTracker`` for the published server: ``from_config`` (0.5.18 on reads the
+    context), ``from_server_args`` of the published arguments on 0.5.17."""
+    if hasattr(cls, "from_config"):
+        return cls.from_config()
+    from sglang.srt.runtime_context import get_server_args
+
+    return cls.from_server_args(get_server_args())
 
 
 # The published scheduling flags the Scheduler copies onto itself (its __init__ reads get_schedule()).
@@ -348,12 +378,17 @@ def requests_owning_rows(server) -> list:
 def req_to_token_headroom() -> int | None:
     """The columns a server's ``req_to_token`` rows have past the context (``get_req_to_token_extra_context_len``, of the
     published server's page size and speculative flags), or None: a release without that sizing, or no server with a
-    page size published yet (pools built on their own)."""
+    page size published yet (pools built on their own). 0.5.17 sizes it from the ServerArgs it is
+    handed, the published one; 0.5.18 on read the published server themselves."""
+    import inspect
+
     try:
         from sglang.srt.mem_cache.allocation_sizing import get_req_to_token_extra_context_len
-        from sglang.srt.runtime_context import get_schedule
+        from sglang.srt.runtime_context import get_schedule, get_server_args
     except ImportError:
         return None
     if get_schedule().page_size is None:
         return None
+    if inspect.signature(get_req_to_token_extra_context_len).parameters:
+        return get_req_to_token_extra_context_len(get_server_args())
     return get_req_to_token_extra_context_len()

@@ -31,6 +31,20 @@ def publishes_runtime_context() -> bool:
     return importlib.util.find_spec("sglang.srt.runtime_context") is not None
 
 
+def namespace_published(context, name: str) -> bool:
+    """Whether SGLang's runtime context has projected the config namespace ``name`` from a published ServerArgs:
+    ``is_config_namespace_published`` (0.5.18 on); 0.5.17 has the namespaces but not that question,
+    and its ``config_bag`` fails closed (ValueError) until they are projected."""
+    probe = getattr(context, "is_config_namespace_published", None)
+    if probe is not None:
+        return probe(name)
+    try:
+        context.config_bag(name)
+    except ValueError:
+        return False
+    return True
+
+
 def server_flags(server_args_cls, flags: dict) -> dict:
     """``flags`` under the names the release's ``ServerArgs`` has (the mamba strategy flag was renamed)."""
     fields = getattr(server_args_cls, "__dataclass_fields__", {})

@@ -135,7 +135,15 @@ class SglangDecodeDriver(SglangSchedulerDriver):
     def server_flags(self, config: ModelConfig, *, max_running_requests: int) -> dict:
         """The scheduler path's flags and :data:`DECODE_FLAGS`; ``--disaggregation-decode-retraction-backup`` only
         where the run names one (unset, SGLang resolves it on the built pools: :meth:`pools_built`)."""
+        from poolfuzz.adapters.sglang import compat
+
         chosen = {"disaggregation_decode_retraction_backup": self.named_backup} if self.named_backup else {}
+        if chosen and not compat.has_retraction_backup_flag():  # the release's one path is per-request CPU tensors
+            if self.named_backup != "cpu_tensor":
+                raise ConfigError(f"SGLang {compat.release()} has no --disaggregation-decode-retraction-backup: its "
+                                  "decode server backs retracted requests up as per-request CPU tensors (leave "
+                                  "--backup-mode unset, or name cpu_tensor)")
+            chosen = {}
         return server_arguments(config, max_running_requests=max_running_requests) | DECODE_FLAGS | chosen
 
     def pools_built(self):
@@ -284,8 +292,11 @@ def operator_backup(config: ModelConfig) -> str | None:
     'token'"; a GPU's MXFP8 pool interleaves them, which its host pool takes since sglang#39089): the server that
     starts there is the one with the flag. ``--backup-mode host_pool`` still asks for the refused one, and is declined
     with SGLang's message."""
+    from poolfuzz.adapters.sglang import compat
     from poolfuzz.adapters.sglang.scheduler.servers import server_refusal
 
+    if not compat.has_retraction_backup_flag():  # before 0.5.18 there is no flag to add
+        return None
     if server_refusal(config, SglangDecodeDriver, None) and not server_refusal(config, SglangDecodeDriver, "cpu_tensor"):
         return "cpu_tensor"
     return None

@@ -156,7 +156,7 @@ def _server_arguments_problem(version: str) -> str | None:
                 f"({str(exc).splitlines()[0][:80]}); the scheduler path drives releases that publish them so")
     except AttributeError as exc:  # 0.5.15: an early runtime context, without config namespaces
         return (f"SGLang {version}'s runtime context cannot publish a server's arguments ({exc}); the scheduler path "
-                "drives releases whose runtime context has config namespaces (0.5.18 on) or that keep one global "
+                "drives releases whose runtime context has config namespaces (0.5.17 on) or that keep one global "
                 "ServerArgs (0.5.12, 0.5.13)")
     return None
 
@@ -276,7 +276,7 @@ class SglangSchedulerDriver:
             max_running_requests=max_running, max_total_num_tokens=self.total,
             max_req_len=longest, max_req_input_len=longest - 5,
             policy=m.SchedulePolicy(flags["schedule_policy"], self.tree, False, False, False),
-            token_ratio=m.TokenRatio.from_config(),
+            token_ratio=compat.token_ratio(m.TokenRatio),
             processor=processor, enable_hierarchical_cache=self.hierarchical,
             enable_hicache_storage=l3.enabled(self.tree), enable_unified_memory=self.unified))
         self.server.running_batch = _empty_batch()
@@ -428,7 +428,7 @@ class SglangSchedulerDriver:
 
     @property
     def flushes(self) -> bool:
-        """Whether its cache is flushed: 0.5.18 on, whose ``flush_cache`` runs on the state this path builds."""
+        """Whether its cache is flushed: 0.5.17 on, whose ``flush_cache`` runs on the state this path builds."""
         return compat.publishes_runtime_context()
 
     def flush(self) -> bool:

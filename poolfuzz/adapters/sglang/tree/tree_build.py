@@ -16,7 +16,13 @@ def mamba_sized(config):
     configurator's rule: sized as given."""
     if not config.has_mamba or not has_private("calculate_mamba_ratio"):
         return config
-    ratio = private("calculate_mamba_ratio")(None)  # KVCacheConfigurator's, unbound: reads the published flags
+    from types import SimpleNamespace
+
+    from sglang.srt.runtime_context import get_server_args
+
+    # KVCacheConfigurator's, unbound: it reads the published flags, and 0.5.17 reads the ServerArgs off the
+    # configurator, which stands in here with the published ones
+    ratio = private("calculate_mamba_ratio")(SimpleNamespace(server_args=get_server_args()))
     return config.replace(mamba_slots=max(config.mamba_slots, ratio * config.request_rows))
 
 
@@ -86,7 +92,8 @@ def build_context(family, *, hierarchical: bool, disabled: bool, server: dict | 
     # registry asks only whether a size is set)
     chunked = {"effective_chunked_prefill_size": CHUNKED_PREFILL_SIZE} if "effective_chunked_prefill_size" in fields else {}
     return registry.TreeCacheBuildContext(
-        server_args=get_server_args() if hierarchical or worker is not None else None, params=params, is_hybrid_swa=c.has_swa,
+        # the published server's arguments, as the scheduler hands its own (0.5.17 reads its flags there)
+        server_args=get_server_args(), params=params, is_hybrid_swa=c.has_swa,
         is_hybrid_ssm=c.has_mamba, enable_hierarchical_cache=hierarchical, disable_radix_cache=disabled,
         tp_worker=worker or (hicache.worker_standin() if hierarchical else None), model_config=None,
         tp_size=1, tp_rank=0, tp_group=None, full_tokens_per_layer=c.full_tokens, **chunked)
