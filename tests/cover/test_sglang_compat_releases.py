@@ -1,4 +1,4 @@
-"""What the scheduler path asks of a release where SGLang 0.5.17 answers otherwise than 0.5.18 on
+"""What the scheduler path asks of a release where SGLang 0.5.16 and 0.5.17 answer otherwise than 0.5.18 on
 (``adapters/sglang/compat/``): stand-ins shaped as each release's objects, no SGLang needed."""
 
 from __future__ import annotations
@@ -26,6 +26,24 @@ class _Context0517:
 class _Context0518(_Context0517):
     def is_config_namespace_published(self, name):
         return bool(self._bags) and name in self._bags
+
+
+class _Context0516:
+    """0.5.16's RuntimeContext: no config namespaces at all; ``server_args`` raises ValueError until one is set."""
+
+    def __init__(self, bags=None):
+        self._args = None if bags is None else SimpleNamespace(**bags)
+
+    @property
+    def server_args(self):
+        if self._args is None:
+            raise ValueError("Global server args is not set yet!")
+        return self._args
+
+
+def test_on_0_5_16_the_published_server_args_are_every_namespace():
+    assert not compat.namespace_published(_Context0516(), "memory")
+    assert compat.namespace_published(_Context0516({"page_size": 1}), "memory")
 
 
 @pytest.mark.parametrize("context_cls", [_Context0517, _Context0518])

@@ -3,6 +3,8 @@ server built without its model; every name read here is checked, and an ``Engine
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 from poolfuzz.adapters.sglang.compat.needs import ENGINE, has_private, private, release
 from poolfuzz.adapters.sglang.compat.scheduler_global import invariant_checker, pool_stats, single_tensor_parallel_rank
 from poolfuzz.errors import EngineApiChanged
@@ -126,12 +128,38 @@ def published_host_pool_backup() -> bool:
 def published_retraction_backup() -> str | None:
     """The published server's ``--disaggregation-decode-retraction-backup`` (None: unset, or a release before the
     flag, 0.5.17 and earlier, whose decode retraction backs requests up as per-request CPU tensors)."""
-    from sglang.srt.runtime_context import get_disagg
-
     try:
-        return get_disagg().disaggregation_decode_retraction_backup
-    except AttributeError:  # the namespace has no such leaf
+        return _published("disagg").disaggregation_decode_retraction_backup
+    except AttributeError:  # the namespace (or, on 0.5.16, the ServerArgs) has no such leaf
         return None
+
+
+def _published(namespace: str):
+    """The published server's config namespace ``namespace`` (``get_<namespace>()``, 0.5.17 on), or on 0.5.16, whose
+    context has no namespaces, the published ServerArgs, which holds the same flags under the same names."""
+    from sglang.srt import runtime_context
+
+    getter = getattr(runtime_context, f"get_{namespace}", None)
+    return getter() if getter is not None else runtime_context.get_server_args()
+
+
+@contextmanager
+def memory_flags(**flags):
+    """The published server's memory flags set to ``flags`` for the span of a tree's build: the ``memory`` namespace's
+    scoped override (0.5.17 on), or on 0.5.16 the ServerArgs' own ``override``, and the old values back after."""
+    from sglang.srt import runtime_context
+
+    if hasattr(runtime_context, "get_memory"):
+        with runtime_context.get_memory().override(**flags):
+            yield
+        return
+    args = runtime_context.get_server_args()
+    before = {name: getattr(args, name) for name in flags}
+    args.override("poolfuzz.tree_build", **flags)
+    try:
+        yield
+    finally:
+        args.override("poolfuzz.tree_build", **before)
 
 
 def has_retraction_backup_flag() -> bool:
@@ -161,7 +189,8 @@ def publish_scheduler_context(*, max_running_requests: int) -> dict:
     (published with the tree, ``server_args.publish_server_args``): the single tensor-parallel rank of a CPU run and,
     with no micro-batch size set, one pipeline stage's worth of running requests
     (``scheduler.pp_max_micro_batch_size_default``). Returns the scheduling flags the Scheduler keeps, as published."""
-    from sglang.srt.runtime_context import get_context, get_parallel, get_schedule
+    from sglang.srt import runtime_context
+    from sglang.srt.runtime_context import get_parallel, get_server_args
 
     parallel = get_parallel()
     try:
@@ -173,17 +202,36 @@ def publish_scheduler_context(*, max_running_requests: int) -> dict:
             parallel.tp_rank
         except (RuntimeError, ValueError, AssertionError):  # 0.5.18's context has no override at all
             single_tensor_parallel_rank()
-    schedule = get_schedule()
+    # 0.5.16's context has no config namespaces: its ServerArgs holds the flags and takes the override itself
+    namespaced = hasattr(runtime_context, "get_schedule")
+    schedule = runtime_context.get_schedule() if namespaced else get_server_args()
     published = {name: getattr(schedule, name) for name in SCHEDULE_FLAGS}
-    if not get_parallel().pp_max_micro_batch_size:
-        get_context().override("scheduler.pp_max_micro_batch_size_default",
-                               pp_max_micro_batch_size=max(max_running_requests // get_parallel().pp_size, 1))
+    micro_batch = (get_parallel() if namespaced else get_server_args()).pp_max_micro_batch_size
+    if not micro_batch:
+        default = {"pp_max_micro_batch_size": max(max_running_requests // get_parallel().pp_size, 1)}
+        if namespaced:
+            runtime_context.get_context().override("scheduler.pp_max_micro_batch_size_default", **default)
+        else:  # 0.5.16's ServerArgs guards bare writes: its own override, as its Scheduler.__init__ calls it
+            get_server_args().override("scheduler.pp_max_micro_batch_size_default", **default)
     return published
+
+
+def context_loop_problem(scheduler_cls) -> str | None:
+    """Why the scheduler path's context event loop (``ContextLoop``: ``get_next_batch_to_run(running_batch,
+    last_batch)``, 0.5.16 on) is not this release's, or None: 0.5.15 keeps a runtime context but plans its batches
+    with the argument-less ``get_next_batch_to_run()`` of the global-ServerArgs releases, which neither loop drives."""
+    import inspect
+
+    if len(inspect.signature(scheduler_cls.get_next_batch_to_run).parameters) >= 3:
+        return None
+    return (f"SGLang {release()}'s Scheduler plans a batch with get_next_batch_to_run() and no arguments over a "
+            "runtime context without config namespaces: an event loop between 0.5.13's and 0.5.16's that the "
+            "scheduler path does not drive; use --family sglang:pools")
 
 
 def token_ratio(cls):
     """The Scheduler's ``NewTokenRatioTracker`` for the published server: ``from_config`` (0.5.18 on reads the
-    context), ``from_server_args`` of the published arguments on 0.5.17."""
+    context), ``from_server_args`` of the published arguments on 0.5.16 and 0.5.17."""
     if hasattr(cls, "from_config"):
         return cls.from_config()
     from sglang.srt.runtime_context import get_server_args
@@ -378,16 +426,16 @@ def requests_owning_rows(server) -> list:
 def req_to_token_headroom() -> int | None:
     """The columns a server's ``req_to_token`` rows have past the context (``get_req_to_token_extra_context_len``, of the
     published server's page size and speculative flags), or None: a release without that sizing, or no server with a
-    page size published yet (pools built on their own). 0.5.17 sizes it from the ServerArgs it is
+    page size published yet (pools built on their own). 0.5.16 and 0.5.17 size it from the ServerArgs they are
     handed, the published one; 0.5.18 on read the published server themselves."""
     import inspect
 
     try:
         from sglang.srt.mem_cache.allocation_sizing import get_req_to_token_extra_context_len
-        from sglang.srt.runtime_context import get_schedule, get_server_args
+        from sglang.srt.runtime_context import get_server_args
     except ImportError:
         return None
-    if get_schedule().page_size is None:
+    if _published("schedule").page_size is None:
         return None
     if inspect.signature(get_req_to_token_extra_context_len).parameters:
         return get_req_to_token_extra_context_len(get_server_args())

@@ -33,13 +33,17 @@ def publishes_runtime_context() -> bool:
 
 def namespace_published(context, name: str) -> bool:
     """Whether SGLang's runtime context has projected the config namespace ``name`` from a published ServerArgs:
-    ``is_config_namespace_published`` (0.5.18 on); 0.5.17 has the namespaces but not that question,
-    and its ``config_bag`` fails closed (ValueError) until they are projected."""
+    ``is_config_namespace_published`` (0.5.18 on); 0.5.17 has the namespaces but not that question, and its
+    ``config_bag`` fails closed (ValueError) until they are projected; 0.5.16 has no namespaces, and its published
+    ServerArgs stands for all of them (``server_args`` fails closed the same way)."""
     probe = getattr(context, "is_config_namespace_published", None)
     if probe is not None:
         return probe(name)
     try:
-        context.config_bag(name)
+        if hasattr(context, "config_bag"):
+            context.config_bag(name)
+        else:  # 0.5.16: no namespaces, the published ServerArgs is the whole configuration
+            context.server_args
     except ValueError:
         return False
     return True

@@ -188,11 +188,11 @@ def hicache_flags(config: ModelConfig) -> dict:
 @contextmanager
 def hicache_arguments(config: ModelConfig):
     """The server arguments ``--enable-hierarchical-cache`` sets (:func:`hicache_flags`), scoped to the tree's build."""
-    from sglang.srt.runtime_context import get_memory
+    from poolfuzz.adapters.sglang.compat import memory_flags
 
     flags = hicache_flags(config)
     install_cpu_host_tier()
-    with get_memory().override(**flags):
+    with memory_flags(**flags):
         yield
 
 

@@ -135,12 +135,12 @@ def storage_flags(config: ModelConfig, directory: str, layout: str) -> dict:
 @contextmanager
 def storage_arguments(config: ModelConfig, directory: str, layout: str):
     """:func:`storage_flags`, scoped to the tree's build."""
-    from sglang.srt.runtime_context import get_memory
+    from poolfuzz.adapters.sglang.compat import memory_flags
 
     _single_rank()
     # the file backend's directory also as its variable: releases before 0.5.22 (sglang#33883) read only the variable
     # (else /tmp/hicache, shared by every server on the machine: a run's examples hit each other's pages)
-    with get_memory().override(**storage_flags(config, directory, layout)), \
+    with memory_flags(**storage_flags(config, directory, layout)), \
             environment_set({FILE_DIRECTORY_VARIABLE: directory}):
         yield
 

@@ -138,7 +138,8 @@ def release_problem() -> str | None:
     lacking = [name for name in methods if not callable(getattr(m.Scheduler, name, None))]
     if lacking:
         return f"SGLang {api.version}'s Scheduler has no {', '.join(lacking)}: the scheduler path calls them"
-    return _server_arguments_problem(api.version) if compat.publishes_runtime_context() else None
+    context = compat.publishes_runtime_context()
+    return (compat.context_loop_problem(m.Scheduler) or _server_arguments_problem(api.version)) if context else None
 
 
 @lru_cache(maxsize=1)
@@ -154,9 +155,9 @@ def _server_arguments_problem(version: str) -> str | None:
     except (OSError, ImportError) as exc:
         return (f"SGLang {version}'s server arguments cannot be published without a model "
                 f"({str(exc).splitlines()[0][:80]}); the scheduler path drives releases that publish them so")
-    except AttributeError as exc:  # 0.5.15: an early runtime context, without config namespaces
+    except AttributeError as exc:  # a runtime context this path cannot publish into
         return (f"SGLang {version}'s runtime context cannot publish a server's arguments ({exc}); the scheduler path "
-                "drives releases whose runtime context has config namespaces (0.5.17 on) or that keep one global "
+                "drives releases from 0.5.16 on, or those that keep one global "
                 "ServerArgs (0.5.12, 0.5.13)")
     return None
 
@@ -428,7 +429,7 @@ class SglangSchedulerDriver:
 
     @property
     def flushes(self) -> bool:
-        """Whether its cache is flushed: 0.5.17 on, whose ``flush_cache`` runs on the state this path builds."""
+        """Whether its cache is flushed: 0.5.16 on, whose ``flush_cache`` runs on the state this path builds."""
         return compat.publishes_runtime_context()
 
     def flush(self) -> bool:

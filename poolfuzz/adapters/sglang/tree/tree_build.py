@@ -20,7 +20,7 @@ def mamba_sized(config):
 
     from sglang.srt.runtime_context import get_server_args
 
-    # KVCacheConfigurator's, unbound: it reads the published flags, and 0.5.17 reads the ServerArgs off the
+    # KVCacheConfigurator's, unbound: it reads the published flags, and 0.5.16 and 0.5.17 read the ServerArgs off the
     # configurator, which stands in here with the published ones
     ratio = private("calculate_mamba_ratio")(SimpleNamespace(server_args=get_server_args()))
     return config.replace(mamba_slots=max(config.mamba_slots, ratio * config.request_rows))
@@ -92,7 +92,7 @@ def build_context(family, *, hierarchical: bool, disabled: bool, server: dict | 
     # registry asks only whether a size is set)
     chunked = {"effective_chunked_prefill_size": CHUNKED_PREFILL_SIZE} if "effective_chunked_prefill_size" in fields else {}
     return registry.TreeCacheBuildContext(
-        # the published server's arguments, as the scheduler hands its own (0.5.17 reads its flags there)
+        # the published server's arguments, as the scheduler hands its own (0.5.16 and 0.5.17 read its flags there)
         server_args=get_server_args(), params=params, is_hybrid_swa=c.has_swa,
         is_hybrid_ssm=c.has_mamba, enable_hierarchical_cache=hierarchical, disable_radix_cache=disabled,
         tp_worker=worker or (hicache.worker_standin() if hierarchical else None), model_config=None,
