@@ -61,3 +61,15 @@ def scheduling(api):
     if reason:
         pytest.skip(reason)
     return scheduling
+
+
+@pytest.fixture(scope="module")
+def unified(scheduling):
+    """The unified-memory server's module, where this release has the unified pool SGLang's scheduler runs on."""
+    from poolfuzz.adapters.sglang.scheduler import unified_server
+    from poolfuzz.pools.config import CONFIGS
+
+    reason = unified_server.unsupported_reason(CONFIGS["hybrid-linear"])
+    if reason:
+        pytest.skip(reason)
+    return unified_server

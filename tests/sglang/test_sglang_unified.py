@@ -10,17 +10,6 @@ from poolfuzz.pools.config import CONFIGS
 from poolfuzz.pools.errors import ConfigError, LostKv
 
 
-@pytest.fixture(scope="module")
-def unified(scheduling):
-    """The unified-memory server's module, where this release has the unified pool SGLang's scheduler runs on."""
-    from poolfuzz.adapters.sglang.scheduler import unified_server
-
-    reason = unified_server.unsupported_reason(CONFIGS["hybrid-linear"])
-    if reason:
-        pytest.skip(reason)
-    return unified_server
-
-
 def test_a_release_without_the_unified_pool_is_refused_by_name(api, scheduling):
     from poolfuzz.adapters.sglang.scheduler.unified_server import unsupported_reason
     from poolfuzz.adapters.sglang.unified_pool.unified import unified_mamba_factory

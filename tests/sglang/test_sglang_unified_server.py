@@ -18,17 +18,6 @@ SETTINGS = settings(max_examples=10, stateful_step_count=30, deadline=None, dera
                     suppress_health_check=list(HealthCheck), database=None)
 
 
-@pytest.fixture(scope="module")
-def unified(scheduling):
-    """The unified-memory server's module, where this release has the unified pool SGLang's scheduler runs on."""
-    from poolfuzz.adapters.sglang.scheduler import unified_server
-
-    reason = unified_server.unsupported_reason(CONFIGS["hybrid-linear"])
-    if reason:
-        pytest.skip(reason)
-    return unified_server
-
-
 def _fuzzed(api, name: str, driver_cls, *, reason: str | None, family: str) -> list:
     """Hypothesis's traffic through a fresh ``driver_cls`` server an example, the release's judged defects through
     ``family`` passed over (skipped where the server declines ``name``, with ``reason``); the servers built."""

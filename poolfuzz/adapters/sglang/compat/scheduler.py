@@ -134,6 +134,24 @@ def published_retraction_backup() -> str | None:
         return None
 
 
+def namespace_published(context, name: str) -> bool:
+    """Whether SGLang's runtime context has projected the config namespace ``name`` from a published ServerArgs:
+    ``is_config_namespace_published`` (0.5.18 on); 0.5.17 has the namespaces but not that question, and its
+    ``config_bag`` fails closed (ValueError) until they are projected; 0.5.16 has no namespaces, and its published
+    ServerArgs stands for all of them (``server_args`` fails closed the same way)."""
+    probe = getattr(context, "is_config_namespace_published", None)
+    if probe is not None:
+        return probe(name)
+    try:
+        if hasattr(context, "config_bag"):
+            context.config_bag(name)
+        else:  # 0.5.16: no namespaces, the published ServerArgs is the whole configuration
+            context.server_args
+    except ValueError:
+        return False
+    return True
+
+
 def _published(namespace: str):
     """The published server's config namespace ``namespace`` (``get_<namespace>()``, 0.5.17 on), or on 0.5.16, whose
     context has no namespaces, the published ServerArgs, which holds the same flags under the same names."""
@@ -202,17 +220,13 @@ def publish_scheduler_context(*, max_running_requests: int) -> dict:
             parallel.tp_rank
         except (RuntimeError, ValueError, AssertionError):  # 0.5.18's context has no override at all
             single_tensor_parallel_rank()
-    # 0.5.16's context has no config namespaces: its ServerArgs holds the flags and takes the override itself
+    published = {name: getattr(_published("schedule"), name) for name in SCHEDULE_FLAGS}
+    # 0.5.16's context has no namespaces: its ServerArgs holds the micro-batch size and takes the override itself
     namespaced = hasattr(runtime_context, "get_schedule")
-    schedule = runtime_context.get_schedule() if namespaced else get_server_args()
-    published = {name: getattr(schedule, name) for name in SCHEDULE_FLAGS}
-    micro_batch = (get_parallel() if namespaced else get_server_args()).pp_max_micro_batch_size
-    if not micro_batch:
-        default = {"pp_max_micro_batch_size": max(max_running_requests // get_parallel().pp_size, 1)}
-        if namespaced:
-            runtime_context.get_context().override("scheduler.pp_max_micro_batch_size_default", **default)
-        else:  # 0.5.16's ServerArgs guards bare writes: its own override, as its Scheduler.__init__ calls it
-            get_server_args().override("scheduler.pp_max_micro_batch_size_default", **default)
+    holder, writer = (parallel, runtime_context.get_context()) if namespaced else (get_server_args(),) * 2
+    if not holder.pp_max_micro_batch_size:
+        writer.override("scheduler.pp_max_micro_batch_size_default",
+                        pp_max_micro_batch_size=max(max_running_requests // parallel.pp_size, 1))
     return published
 
 

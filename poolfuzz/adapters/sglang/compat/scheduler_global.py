@@ -31,24 +31,6 @@ def publishes_runtime_context() -> bool:
     return importlib.util.find_spec("sglang.srt.runtime_context") is not None
 
 
-def namespace_published(context, name: str) -> bool:
-    """Whether SGLang's runtime context has projected the config namespace ``name`` from a published ServerArgs:
-    ``is_config_namespace_published`` (0.5.18 on); 0.5.17 has the namespaces but not that question, and its
-    ``config_bag`` fails closed (ValueError) until they are projected; 0.5.16 has no namespaces, and its published
-    ServerArgs stands for all of them (``server_args`` fails closed the same way)."""
-    probe = getattr(context, "is_config_namespace_published", None)
-    if probe is not None:
-        return probe(name)
-    try:
-        if hasattr(context, "config_bag"):
-            context.config_bag(name)
-        else:  # 0.5.16: no namespaces, the published ServerArgs is the whole configuration
-            context.server_args
-    except ValueError:
-        return False
-    return True
-
-
 def server_flags(server_args_cls, flags: dict) -> dict:
     """``flags`` under the names the release's ``ServerArgs`` has (the mamba strategy flag was renamed)."""
     fields = getattr(server_args_cls, "__dataclass_fields__", {})

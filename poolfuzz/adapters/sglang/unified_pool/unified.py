@@ -25,10 +25,10 @@ from poolfuzz.adapters.sglang.lifecycle.family import KV_DTYPES, served_or_wired
 from poolfuzz.adapters.sglang.pools.storage import single_rank, storage_of, what_failed
 from poolfuzz.adapters.sglang.pools.request_pool import check_built, mamba_cache_params, pool_kwargs
 from poolfuzz.adapters.sglang.unified_pool.unified_family import (
-    UnifiedFamily, kv_pool_view, prewarm_compaction, served_bundle, state_view, token_translate, translated_kv,
+    UnifiedFamily, prewarm_compaction, served_bundle, state_view, token_translate, translated_kv,
 )
 from poolfuzz.adapters.sglang.unified_pool.unified_swa import build_swa, swa_factory, tri_factory
-from poolfuzz.adapters.sglang.pools.views import AllocatorView, FreeListView, ReqPoolView, as_ints
+from poolfuzz.adapters.sglang.pools.views import AllocatorView, FreeListView, KVPoolView, ReqPoolView, as_ints
 from poolfuzz.adapters.sglang.pools.writes import as_pool_dtype, RadixAttentionFields, latent_row
 from poolfuzz.pools.config import ModelConfig, uses_ssm_state
 from poolfuzz.pools.errors import ConfigError
@@ -241,8 +241,7 @@ def _mamba_family(api: SGLangAPI, c: ModelConfig, dev, bundle) -> UnifiedFamily:
         api=api, config=c, device=dev, uses_ssm_state=uses_ssm_state(c), sg_req_pool=req_pool, sg_kv_pool=kv_pool,
         sg_allocator=alloc, req_pool=ReqPoolView(req_pool, mamba=mamba_view, rows=views["rows"],
                                                  mamba_free=views["mamba"]),
-        kv_pool=kv_pool_view(api, kv_pool, comps, door=door), allocator=AllocatorView(alloc, swa=False))
+        kv_pool=KVPoolView(kv_pool, comps, door=door), allocator=AllocatorView(alloc, swa=False))
     family.unified_buffer = bundle.unified_memory_pool
     family._free_views = views
-    family.snapshot_free_lists()
     return family

@@ -8,8 +8,8 @@ from typing import Callable
 
 import torch
 
-from poolfuzz.adapters.sglang.lifecycle.family import SGLangFamily, carries_mamba
-from poolfuzz.adapters.sglang.pools.views import KVPoolView, MambaPoolView
+from poolfuzz.adapters.sglang.lifecycle.family import SGLangFamily
+from poolfuzz.adapters.sglang.pools.views import MambaPoolView
 from poolfuzz.pools.components import Component
 
 
@@ -64,14 +64,6 @@ def prewarm_compaction(allocator) -> None:
     prewarm = getattr(allocator, "prewarm_compaction", None)
     if prewarm is not None:
         prewarm()
-
-
-def kv_pool_view(api, kv_pool, comps, *, door) -> KVPoolView:
-    """The view of a unified KV pool, with the capabilities its CPU copy declares."""
-    carries, declared = carries_mamba(api, kv_pool)
-    view_cls = type(type(kv_pool).__name__, (KVPoolView,), {"cpu_copy_carries_mamba": carries,
-                                                            "declared": declared, "__module__": __name__})
-    return view_cls(kv_pool, comps, door=door)
 
 
 def served_bundle(served):

@@ -16,9 +16,9 @@ from poolfuzz.adapters.sglang.api import SGLangAPI, first_importable, call_with,
 from poolfuzz.adapters.sglang.lifecycle.family import KV_DTYPES
 from poolfuzz.adapters.sglang.pools.request_pool import mamba_cache_params, pool_kwargs
 from poolfuzz.adapters.sglang.unified_pool.unified_family import (
-    UnifiedFamily, kv_pool_view, prewarm_compaction, served_bundle, state_view, token_translate, translated_kv,
+    UnifiedFamily, prewarm_compaction, served_bundle, state_view, token_translate, translated_kv,
 )
-from poolfuzz.adapters.sglang.pools.views import FreeListView, ReqPoolView, as_ints
+from poolfuzz.adapters.sglang.pools.views import FreeListView, KVPoolView, ReqPoolView, as_ints
 from poolfuzz.adapters.sglang.pools.writes import as_pool_dtype, RadixAttentionFields
 from poolfuzz.pools.config import ModelConfig, uses_ssm_state
 
@@ -31,11 +31,10 @@ def swa_factory():
 class UnifiedSWAView:
     """The composite allocator; ``translate`` maps a full (virtual) slot to its SWA slot: itself while the
     SWA side binds its page, 0 once the window left it (SGLang's ``translate_loc_from_full_to_swa`` gives the
-    physical row; the harness tracks virtual ids)."""
+    physical row; the runner's SWA components translate the virtual id themselves)."""
 
     def __init__(self, allocator):
         self.allocator = allocator
-        self.swa = True
 
     def translate(self, indices) -> torch.Tensor:
         swa = self.allocator.swa_attn_allocator
@@ -133,8 +132,7 @@ def _swa_family(api: SGLangAPI, c: ModelConfig, dev, bundle, req_pool) -> Unifie
         api=api, config=c, device=dev, uses_ssm_state=uses_ssm_state(c), sg_req_pool=req_pool, sg_kv_pool=kv_pool,
         sg_allocator=alloc, req_pool=ReqPoolView(req_pool, mamba=mamba_view, rows=views["rows"],
                                                  mamba_free=views.get("mamba")),
-        kv_pool=kv_pool_view(api, kv_pool, comps, door=door), allocator=UnifiedSWAView(alloc))
+        kv_pool=KVPoolView(kv_pool, comps, door=door), allocator=UnifiedSWAView(alloc))
     family.unified_buffer = bundle.unified_memory_pool
     family._free_views = views
-    family.snapshot_free_lists()
     return family
