@@ -288,10 +288,13 @@ def _base_configs() -> list[ModelConfig]:
         name="swa", architecture="gpt-oss", full_layers=1, swa_layers=2, sliding_window=6,
         full_tokens=64, swa_tokens=32, request_rows=5, max_context=64, kv_dtype="float16",
     )
+    # Shaped as SGLang builds a Qwen3-Next (server_models): its full-attention layer the last of its interval, one
+    # short conv a recurrent layer over the query and key widths (4 each) and the value width (8), so that its servers run on
+    # the pools SGLang's own configurator builds (issue 35)
     hybrid = ModelConfig(
         name="hybrid-linear", architecture="qwen3-next", full_layers=1, mamba_layers=2,
         mamba_slots=4, full_tokens=48, request_rows=5, max_context=48, kv_dtype="bfloat16",
-        state_dtype="float32", conv_shapes=((6, 3), (4, 3)),
+        state_dtype="float32", layer_pattern="MMF", conv_shapes=((16, 3),),
     )
     swa_ssm = ModelConfig(
         name="swa-ssm", architecture="inkling", full_layers=1, swa_layers=1, mamba_layers=2,

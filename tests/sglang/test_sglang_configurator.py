@@ -126,7 +126,7 @@ def test_the_listed_flags_are_the_servers_own_command_line(configurator, name, t
 
 @pytest.mark.parametrize("name", ["dense", "dense-ps4", "swa", "swa-ps4", "swa-only", "mla", "mla-ps4", "minimax-sparse",
                                   "minimax-sparse-ps4", "minimax-sparse-konly", "dense-fp4", "dense-fp4-ps4",
-                                  "fp8-scaled", "mla-fp4", "mla-fp4-ps4"])
+                                  "fp8-scaled", "mla-fp4", "mla-fp4-ps4", "dense-cpu-fp8"])
 def test_the_adapters_own_wiring_builds_the_pools_the_server_builds(configurator, name, monkeypatch):
     """The family's wiring (what it falls back to where the configurator cannot serve) beside the configurator's
     pools: a class, size, shape or layer of its own is a drift of the adapter from the release."""
@@ -172,12 +172,35 @@ def test_a_gpu_server_is_stood_in_for_only_while_its_pools_are_built(configurato
     assert (common.is_cuda(), get_platform().is_cuda, torch.cuda.get_device_capability) == before
 
 
-def test_a_cpu_server_is_built_without_the_gpu_stand_in(configurator):
-    """SGLang's CPU FP8 KV cache stands for its CPU server: no GPU is stood in for, and the flags say ``--device
-    cpu``."""
+def test_a_cpu_server_is_built_on_sglangs_cpu_engine_on_an_amx_xeon(configurator):
+    """SGLang's CPU FP8 KV cache stands for its CPU server: no GPU is stood in for, the flags say ``--device cpu``,
+    and the machine is SGLang's CPU engine on a Xeon with AMX, as that KV cache requires: the configurator's own CPU
+    FP8 checks pass and it gives the pool SGLang's CPU FP8 quant method, so the family runs on that pool. Afterwards
+    the configurator's platform and every probe answer for this machine again."""
+    import sglang.srt.mem_cache.kv_cache_configurator as module
+    from sglang.srt.runtime_context import get_platform
+
+    from poolfuzz.adapters.sglang.scheduler.servers import build_driver
+
     c = CONFIGS["dense-cpu-fp8"]
     assert configurator.server_gpu(c) is None and configurator.server_flags(c)["device"] == "cpu"
-    assert configurator.configure(c).server.gpu is None
+    before = (module.current_platform, module.cpu_has_amx_support, get_platform().has_amx)
+    built = configurator.configure(c)
+    assert built.server.gpu is None
+    assert type(built.token_to_kv_pool.quant_method).__name__ == "CPUFP8KVCacheMethod"
+    assert (module.current_platform, module.cpu_has_amx_support, get_platform().has_amx) == before
+    family = build_driver(c).family
+    assert family.pools_source.startswith("SGLang's KV cache configurator (--device cpu "), family.pools_source
+
+
+def test_a_cpu_server_on_a_machine_without_amx_is_refused_in_sglangs_words(configurator, monkeypatch):
+    """The same server on a Xeon without AMX: SGLang resolves its attention backend to ``torch_native`` and its
+    configurator refuses the CPU FP8 KV cache."""
+    from poolfuzz.adapters.sglang.compat import platform
+
+    monkeypatch.setattr(configurator, "XEON", platform.CPU(name="Xeon (no AMX)", amx=False))
+    with pytest.raises(ConfigError, match="CPU FP8 KV cache requires"):
+        configurator.configure(CONFIGS["dense-cpu-fp8"].replace(name="dense-cpu-fp8-no-amx"))
 
 
 def test_the_pools_path_declines_a_server_sglang_refuses(configurator):
@@ -235,22 +258,50 @@ def test_the_family_runs_on_the_pools_sglangs_configurator_built_for_its_server(
 
 
 @pytest.mark.parametrize("name, why", [
-    ("hybrid-linear", "SGLang's configurator builds other pools for the config's server"),
-    ("hybrid-extra-buffer", "SGLang's configurator builds other pools for the config's server"),
+    # Kimi-Linear's KDA keeps one short-conv state of q, k and v together, kernel-major; the config keeps three
+    ("mla-ssm", "SGLang's configurator builds other pools for the config's server"),
+    # an Inkling keeps short-conv states in every layer and no temporal state (see the Inkling test above)
+    ("swa-ssm", "SGLang's configurator builds other pools for the config's server"),
 ])
 def test_a_family_the_configurator_cannot_serve_keeps_its_wiring_and_says_why(configurator, name, why):
-    import torch
+    from poolfuzz.adapters.sglang.scheduler.servers import build_driver
 
-    from poolfuzz.adapters.sglang.lifecycle.family import build_sglang_family
-
-    from poolfuzz.adapters.sglang.server_args import publish_server_args
-
-    c = CONFIGS[name]
-    publish_server_args(fresh=True, page_size=c.page_size)  # the scheduler path publishes its server first
-    family = build_sglang_family(c, scheduled=True)
+    family = build_driver(CONFIGS[name]).family  # the server a fuzz run starts, its mamba cache sized for its requests
     assert family.pools_source.startswith("the adapter's wiring (") and why in family.pools_source
     # the wiring's rows are as wide as the server's: the context and SGLang's 4 extra columns (no speculative decoding)
-    assert family.sg_req_pool.req_to_token.shape[1] == c.max_context + 4
+    assert family.sg_req_pool.req_to_token.shape[1] == family.config.max_context + 4
+
+
+@pytest.mark.parametrize("family_name", ["sglang:scheduler", "sglang:hicache", "sglang:decode", "sglang:unified-server"])
+@pytest.mark.parametrize("name", ["hybrid-linear", "hybrid-extra-buffer", "hybrid-extra-buffer-ps4", "hybrid-spec"])
+def test_a_qwen3_next_server_runs_on_the_recurrent_pools_sglangs_configurator_built(configurator, family_name, name):
+    """The Qwen3-Next configs are shaped as the model SGLang builds them for (one short conv over the query, key and
+    value widths; the full-attention layer last in its interval; a float32 checkpoint named by ``--dtype``), so every
+    server a run starts on them drives the request, mamba and KV pools SGLang's configurator built, not the
+    adapter's wiring of them."""
+    from poolfuzz.orchestration.plugins import resolve_family
+
+    plugin = resolve_family(family_name)
+    if plugin.unsupported_reason(CONFIGS[name]):
+        pytest.skip(plugin.unsupported_reason(CONFIGS[name]))
+    driver = plugin.factory(CONFIGS[name], device="cpu", faults=(), backup_mode=None)
+    source = driver.family.pools_source
+    assert source.startswith("SGLang's KV cache configurator ("), source
+    mamba = driver.family.sg_req_pool.mamba_pool
+    assert "Unified" in type(mamba).__name__ or type(mamba).__name__ == "MambaPool"
+    assert [tuple(t.shape[2:]) for t in mamba.mamba_cache.conv] == [(16, 3)]
+
+
+def test_a_decode_server_leaves_its_mamba_cache_to_sglang(configurator):
+    """A decode server is launched without ``--max-mamba-cache-size``: with its radix cache off, SGLang's configurator
+    gives each running request a state slot (``_handle_max_mamba_cache``), and the family runs on what it built."""
+    from poolfuzz.adapters.sglang.scheduler.decode_server import ROLE_FLAGS, SglangDecodeDriver
+
+    c = CONFIGS["hybrid-linear"]
+    assert "max-mamba-cache-size" not in configurator.command_line(configurator.server_flags(c) | ROLE_FLAGS)
+    family = SglangDecodeDriver(c).family
+    assert "--max-mamba-cache-size" not in family.pools_source and "--disaggregation-mode decode" in family.pools_source
+    assert family.pools_source.startswith("SGLang's KV cache configurator ("), family.pools_source
 
 
 def test_a_decode_server_runs_on_the_request_pool_sglangs_pd_hook_sizes(configurator):

@@ -240,7 +240,7 @@ def test_a_load_back_after_a_storage_requery_keeps_the_stale_mamba_copy_on_write
         pytest.skip("judged on SGLang 0.5.23")
     driver, lost = _stale_cow_server(hicache_server)
     driver.close()
-    assert lost is not None and re.match(r"req \d+ step \d+: mamba\.conv0 layer 1 position 6: .*holds the state after "
+    assert lost is not None and re.match(r"req \d+ step \d+: mamba\.conv0 layer 0 position 6: .*holds the state after "
                                          r"req 000001's position 0 \(another prefix\)", str(lost)), lost
     with monkeypatch.context() as without_l3:
         without_l3.setattr(l3, "storage_problem", lambda api, config: "no L3 tier")

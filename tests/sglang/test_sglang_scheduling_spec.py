@@ -199,9 +199,16 @@ def test_a_draft_trees_reserve_at_the_context_boundary_overruns_the_request_row(
             _edge_of_context(scheduling.SglangSchedulerDriver(long_spec))
     assert (lost.value.rid, lost.value.position, lost.value.component) == ("000001", 0, "full.k")
 
+    import sglang.srt.mem_cache.kv_cache_configurator as configurator_module
+
     real = sizing.get_req_to_token_extra_context_len
-    monkeypatch.setattr(sizing, "get_req_to_token_extra_context_len",
-                        lambda: max(real(), sizing.get_alloc_reserve_per_decode() + sizing.get_alloc_page_size() - 1))
+
+    def reserve_sized():
+        return max(real(), sizing.get_alloc_reserve_per_decode() + sizing.get_alloc_page_size() - 1)
+
+    # read where SGLang's configurator sizes the rows of the pools the server runs on, and where the scheduler reads it
+    monkeypatch.setattr(sizing, "get_req_to_token_extra_context_len", reserve_sized)
+    monkeypatch.setattr(configurator_module, "get_req_to_token_extra_context_len", reserve_sized)
     driver = scheduling.SglangSchedulerDriver(long_spec)
     _edge_of_context(driver)
     assert driver.family.sg_req_pool.req_to_token.shape[1] == 32 + 16

@@ -111,8 +111,9 @@ def test_an_mla_hybrid_is_built_with_the_mla_sub_pool(unified):
 def test_the_server_runs_on_the_pools_sglangs_configurator_builds(api, unified):
     """``swa`` with ``--enable-unified-memory``: SGLang's configurator builds the same sub-pool classes and layers as
     the adapter's wiring, and sizes the sliding-window side from the unified byte envelope (where the wiring named
-    the config's 32): the server runs on its own pools. A model whose recurrent state is another model's (the
-    config's two conv tensors, a Qwen3-Next's one) keeps the wiring and says why."""
+    the config's 32): the server runs on its own pools. So does the Qwen3-Next config, shaped as its model (one
+    short conv over the query, key and value widths); a model whose recurrent state is another model's (an Inkling's
+    short convs in every layer, where the config keeps recurrent layers of its own) keeps the wiring and says why."""
     from poolfuzz.adapters.sglang.pools import configurator
 
     if configurator.problem():
@@ -124,7 +125,9 @@ def test_the_server_runs_on_the_pools_sglangs_configurator_builds(api, unified):
     assert family.sg_allocator.swa_attn_allocator is not None and family.sg_allocator.size == server.allocator.size
     assert family.sg_allocator.size != CONFIGS["swa"].swa_tokens  # the server's sizing, not the config's number
     hybrid = unified.build_unified_driver(CONFIGS["hybrid-linear"]).family
-    assert hybrid.pools_source.startswith("the adapter's wiring (SGLang's configurator builds other pools")
+    assert hybrid.pools_source.startswith("SGLang's KV cache configurator (")
+    inkling = unified.build_unified_driver(CONFIGS["swa-ssm"]).family
+    assert inkling.pools_source.startswith("the adapter's wiring (SGLang's configurator builds other pools")
 
 
 # --- planted defects, caught through SGLang's own scheduler ---------------------------------------------------------

@@ -81,20 +81,22 @@ def _described(config, *, role_flags, build, server_of=None, notes=()):
     load()
     flags = command_line(server_flags(config) | (role_flags or {}))
     built, refused, family, declines, model = None, None, None, None, None
-    try:
-        server = server_model(config)
-        model = server.hf_config
-        built = configure(config, role_flags=role_flags).parts()
-    except ConfigError as exc:
-        refused = str(exc)
+    served = config  # the config as the family sizes its server (a scheduler path's mamba cache among it)
     try:
         built_family = build()
         if server_of is not None:
             built_family, running = server_of(built_family)
-            flags = command_line(server_flags(config) | running)
+            served = built_family.config
+            flags = command_line(server_flags(served) | running | (role_flags or {}))
         family = describe_pools(built_family.sg_req_pool, built_family.sg_kv_pool, built_family.sg_allocator)
     except ConfigError as exc:
         declines = str(exc)
+    try:
+        server = server_model(served)
+        model = server.hf_config
+        built = configure(served, role_flags=role_flags).parts()
+    except ConfigError as exc:
+        refused = str(exc)
     # a server with the model's shapes and random weights: the pools poolfuzz fuzzed, on a GPU
     return ServerDescription(flags=flags, built=built, refused=refused, family=family, family_declines=declines,
                              model=model, launcher="python -m sglang.launch_server --load-format dummy "

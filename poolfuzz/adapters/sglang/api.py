@@ -117,6 +117,7 @@ class SGLangAPI:
     Mamba2CacheParams: type
     Mamba2StateShape: type
     Mamba2StateDType: type | None
+    mamba2_state_dtype: object | None
     Req: type
     ReqKvInfo: type | None  # None: the request's KV fields are flat on the Req
     RetractionBackup: type | None  # None: the Req keeps its CPU copy in a field of its own

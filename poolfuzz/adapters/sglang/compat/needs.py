@@ -41,6 +41,9 @@ NEEDS: dict[str, Need] = {
     "Mamba2StateShape": Need(target="sglang.srt.configs.mamba_utils:Mamba2StateShape", used_for="mamba shapes"),
     "Mamba2StateDType": Need(target="sglang.srt.configs.mamba_utils:Mamba2StateDType", required=False,
                              used_for="mamba state dtypes"),
+    "mamba2_state_dtype": Need(target="sglang.srt.configs.mamba_utils:mamba2_state_dtype", required=False,
+                               used_for="a model's conv and temporal state dtypes, as its config class asks them "
+                                        "(the conv's SGLang's default, the temporal the model's mamba_ssm_dtype)"),
     "Req": Need(target=f"{_SB}:Req", used_for="every request, and its retraction path"),
     "ReqKvInfo": Need(target=f"{_SB}:ReqKvInfo", required=False,
                       used_for="a request's KV fields on req.kv (absent: flat on the Req)"),
@@ -119,6 +122,16 @@ PRIVATE: dict[str, Need] = {
                                      required=False,
                                      used_for="private: the free GPU memory the configurator's budget starts from, "
                                               "stood in for by a fixed budget"),
+    "configurator_platform": Need(target="sglang.srt.mem_cache.kv_cache_configurator:current_platform",
+                                  required=False,
+                                  used_for="private: the platform the configurator asks whether the server is a CPU "
+                                           "one (its CPU FP8 KV cache), answered as SGLang's CPU engine for a CPU "
+                                           "server"),
+    "configurator_amx_probe": Need(target="sglang.srt.mem_cache.kv_cache_configurator:cpu_has_amx_support",
+                                   required=False,
+                                   used_for="private: the configurator's AMX probe, answered for a CPU server's Xeon"),
+    "cpu_platform": Need(target="sglang.srt.platforms.cpu:CpuSRTPlatform", required=False,
+                         used_for="the platform SGLang's CPU engine runs on (SGLANG_USE_CPU_ENGINE=1)"),
     "configurator_gc": Need(target="sglang.srt.mem_cache.kv_cache_configurator:gc", required=False,
                             used_for="private: the collection before the free-memory probe (0.3 s a build), which "
                                      "frees no GPU memory here"),

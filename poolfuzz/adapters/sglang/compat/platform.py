@@ -1,4 +1,5 @@
-"""The GPU a config's server runs on, stood in for while SGLang resolves its flags and builds its pools on the CPU.
+"""The machine a config's server runs on (a GPU, or a CPU server's Xeon), stood in for while SGLang resolves its flags
+and builds its pools here.
 
 A server's flags are resolved against its machine: FP4 KV, ``mxfp8`` and the mamba extra buffer need a CUDA GPU
 (``mxfp8`` a Blackwell one), and DeepSeek DSA's model hook asks the GPU's compute capability. On a machine without
@@ -13,8 +14,16 @@ runs. ``gpu_server`` answers those questions as the GPU would, for the span of o
   caps and the configurator's fixed budget, not from it).
 
 Names bound at import (``_is_cuda = is_cuda()`` in the kernels' modules) keep the CPU's answer: the kernels that run
-are the CPU's, the decisions are the GPU server's. Every name read here is private to SGLang and listed in
-``compat.needs.PRIVATE``.
+are the CPU's, the decisions are the GPU server's.
+
+A CPU server (SGLang's CPU FP8 KV cache is one's) runs SGLang's CPU engine (``SGLANG_USE_CPU_ENGINE=1``) on an x86
+Xeon with AMX, which that KV cache requires. ``cpu_server`` answers as that machine, for the span of one build: the
+platform facts (``has_amx``: the flags resolve to its ``intel_amx`` attention backend, as ``handle_cpu_backends``
+picks it), and the KV cache configurator's own platform (SGLang's ``CpuSRTPlatform``, which this process did not
+resolve at import) and AMX probe, which decide its CPU FP8 checks and quant method. The kernels that run are this
+machine's.
+
+Every name read here is private to SGLang and listed in ``compat.needs.PRIVATE``.
 """
 
 from __future__ import annotations
@@ -23,7 +32,7 @@ import contextlib
 from dataclasses import dataclass
 from unittest import mock
 
-from poolfuzz.adapters.sglang.compat.needs import has_private, private, private_name
+from poolfuzz.adapters.sglang.compat.needs import has_private, private, private_module, private_name
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -52,8 +61,23 @@ _NEEDS = ("override_platform", "cuda_probe", "gpu_memory_capacity")
 
 def platform_problem() -> str | None:
     """Why a GPU server cannot be stood in for on this release, or None."""
-    missing = [k for k in _NEEDS if not has_private(k)]
+    return _lacking(_NEEDS)
+
+
+def _lacking(needs: tuple[str, ...]) -> str | None:
+    missing = [k for k in needs if not has_private(k)]
     return f"this release lacks {', '.join(missing)}" if missing else None
+
+
+@contextlib.contextmanager
+def _stated(facts: dict):
+    """SGLang's platform facts stated for every reader through its own ``override_platform``, restored after."""
+    override = private("override_platform")(**facts)
+    override.install()
+    try:
+        yield
+    finally:
+        override.restore()
 
 
 @contextlib.contextmanager
@@ -63,12 +87,40 @@ def gpu_server(gpu: GPU):
 
     probe = private("cuda_probe")
     common = __import__(probe.__module__, fromlist=["_"])
-    override = private("override_platform")(**gpu.facts())
-    override.install()
-    try:
-        with mock.patch.object(common, private_name("cuda_probe"), lambda: True), \
-                mock.patch.object(common, private_name("gpu_memory_capacity"), lambda: gpu.memory_mib), \
-                mock.patch.object(torch.cuda, "get_device_capability", lambda device=None: gpu.capability):
-            yield gpu
-    finally:
-        override.restore()
+    with _stated(gpu.facts()), mock.patch.object(common, private_name("cuda_probe"), lambda: True), \
+            mock.patch.object(common, private_name("gpu_memory_capacity"), lambda: gpu.memory_mib), \
+            mock.patch.object(torch.cuda, "get_device_capability", lambda device=None: gpu.capability):
+        yield gpu
+
+
+@dataclass(frozen=True, kw_only=True)
+class CPU:
+    """A CPU server's machine as SGLang's platform facts name it."""
+
+    name: str
+    amx: bool
+
+    def facts(self) -> dict:
+        """SGLang's platform facts for this CPU (no accelerator)."""
+        return {"is_cuda": False, "is_hip": False, "is_npu": False, "is_xpu": False, "is_musa": False,
+                "is_mps": False, "has_amx": self.amx}
+
+
+# The CPU servers stand on: a Sapphire Rapids Xeon, whose AMX tiles SGLang's CPU FP8 KV cache requires.
+XEON = CPU(name="Xeon (Sapphire Rapids)", amx=True)
+_CPU_NEEDS = ("override_platform", "configurator_platform", "configurator_amx_probe", "cpu_platform")
+
+
+def cpu_platform_problem() -> str | None:
+    """Why a CPU server's machine cannot be stood in for on this release, or None."""
+    return _lacking(_CPU_NEEDS)
+
+
+@contextlib.contextmanager
+def cpu_server(cpu: CPU):
+    """SGLang answering as a CPU server on ``cpu`` for the span of the ``with`` (see the module docstring)."""
+    configurator = private_module("configurator_platform")
+    with _stated(cpu.facts()), \
+            mock.patch.object(configurator, private_name("configurator_platform"), private("cpu_platform")()), \
+            mock.patch.object(configurator, private_name("configurator_amx_probe"), lambda: cpu.amx):
+        yield cpu

@@ -13,9 +13,9 @@ Stood in for: the model, which a configurator reads only for its quantisation an
 weights and none of those hooks (so SGLang takes its defaults from the model config); the free GPU memory the
 configurator's budget starts from (``get_available_gpu_memory`` in ``_profile_available_bytes``, after a
 ``gc.collect`` of 0.3 s a build), answered with a fixed ``MEMORY_BUDGET`` so the flags' caps decide every size, the
-same on every machine, while the rest of that method (its mamba budget) is SGLang's; and the GPU a server runs on
-(``compat.platform``: a B200 for every config but the CPU server's), so that the flags are resolved and the pools
-built as that GPU's server resolves and builds them (without CUDA, SGLang's base platform refuses FP4 KV, ``mxfp8``
+same on every machine, while the rest of that method (its mamba budget) is SGLang's; and the machine a server runs on
+(``compat.platform``: a B200 for every config but the CPU server's, which runs SGLang's CPU engine on an AMX Xeon), so
+that the flags are resolved and the pools built as that machine's server resolves and builds them (without CUDA, SGLang's base platform refuses FP4 KV, ``mxfp8``
 and the mamba extra buffer, and DSA's model hook asks the GPU's compute capability); and, for a speculative server
 (``--speculative-algorithm NEXTN``: the target worker's pools, with a state row per draft token), the one launch of
 SGLang's tiled KV copy kernel its pools make when built, over dummy locations (it moves nothing; a real move called
@@ -46,7 +46,8 @@ from unittest import mock
 from dataclasses import dataclass, field
 
 from poolfuzz.adapters.sglang.compat import has_private, private, private_module, private_name
-from poolfuzz.adapters.sglang.compat.platform import B200, GPU, gpu_server, platform_problem
+from poolfuzz.adapters.sglang.compat.platform import (B200, GPU, XEON, cpu_platform_problem, cpu_server, gpu_server,
+                                                      platform_problem)
 from poolfuzz.adapters.sglang.pools.calls import native_kv_move
 from poolfuzz.adapters.sglang.pools.server_models import MODELS, dtype_flags
 from poolfuzz.errors import ConfigError
@@ -77,11 +78,17 @@ def command_line(flags: dict) -> str:
     import shlex
 
     out = []
-    for name, value in sorted(flags.items()):
+    for name, value in sorted(unset_dropped(flags).items()):
         flag = "--" + name.replace("_", "-")
         text = str(value)
         out.append(flag if value is True else f"{flag} {text if text == MODEL_PATH else shlex.quote(text)}")
     return " ".join(out)
+
+
+def unset_dropped(flags: dict) -> dict:
+    """``flags`` without those a role leaves unset (named ``None``: the server's operator does not pass the flag, and
+    SGLang resolves it, as a role's ``--max-mamba-cache-size`` in ``decode_server.ROLE_FLAGS``)."""
+    return {name: value for name, value in flags.items() if value is not None}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -96,6 +103,7 @@ class ConfiguredPools:
     unified_buffer: object = None  # --enable-unified-memory: the byte buffer the sub-pools share
     # a speculative server's draft worker's KV pool (over the same allocator); no family writes a draft model's KV
     draft_kv_pool: object = None
+    configurator: object = None  # the target worker's KVCacheConfigurator, which its model runner keeps and asks
 
     def parts(self) -> dict[str, str]:
         """Each pool (and each part of a hybrid one) with its class and size, in a listing's words; a speculative
@@ -118,7 +126,7 @@ def describe_pools(req_to_token_pool, token_to_kv_pool, allocator) -> dict[str, 
     mamba = getattr(req_to_token_pool, "mamba_pool", None)
     if mamba is not None:
         cache = mamba.mamba_cache
-        conv = ", ".join(str(tuple(t.shape[2:])) for t in cache.conv)
+        conv = ", ".join(str(tuple(t.shape[2:])) for t in cache.conv) + f" {cache.conv[0].dtype}"
         spec = getattr(cache, "intermediate_ssm", None)  # a speculative server's per-draft-token states
         out["mamba pool"] = (f"{type(mamba).__name__} ({mamba.size} slots; conv {conv}; "
                              f"temporal {tuple(cache.temporal.shape[2:])} {cache.temporal.dtype}"
@@ -180,6 +188,8 @@ def server_flags(c: ModelConfig) -> dict:
         flags["device"] = "cpu"
     elif c.architecture in MODELS:
         flags["attention_backend"] = MODELS[c.architecture].attention_backend
+    if model_dtype == "float32":  # named: left to "auto", SGLang serves a float32 checkpoint in float16
+        flags["dtype"] = model_dtype
     flags.update(page_size=c.page_size, max_total_tokens=c.full_tokens or c.swa_tokens,
                  max_running_requests=c.request_rows)
     if c.has_swa and c.has_full:
@@ -250,10 +260,13 @@ def configure(c: ModelConfig, *, device: str = "cpu", role_flags: dict | None = 
         raise ConfigError(f"config {c.name!r}: {reason}")
     server = server_model(c)
     if role_flags:
-        server = dataclasses.replace(server, flags=server.flags | role_flags)
+        server = dataclasses.replace(server, flags=unset_dropped(server.flags | role_flags))
     if server.gpu is not None and platform_problem():
         raise ConfigError(f"config {c.name!r}: its server runs on a GPU, which cannot be stood in for on this "
                           f"release ({platform_problem()})")
+    if server.gpu is None and cpu_platform_problem():
+        raise ConfigError(f"config {c.name!r}: its server runs on SGLang's CPU engine, which cannot be stood in for "
+                          f"on this release ({cpu_platform_problem()})")
     model_dir = _model_dir(server.hf_config)
     from poolfuzz.adapters.sglang.server_args import another_server
 
@@ -268,7 +281,7 @@ def configure(c: ModelConfig, *, device: str = "cpu", role_flags: dict | None = 
     except Exception as exc:  # noqa: BLE001 -- whatever SGLang (or transformers, parsing the model) refuses it with
         raise ConfigError(f"config {c.name!r}: SGLang cannot build the server {server.command_line()!r} here: "
                           f"{type(exc).__name__}: {_first_line(exc)}") from None
-    result, draft = result
+    (result, built_by), draft = result
     sizes = {"max_total_num_tokens": result.max_total_num_tokens,
              "max_running_requests": result.max_running_requests,
              "full_max_total_num_tokens": result.full_max_total_num_tokens,
@@ -276,7 +289,8 @@ def configure(c: ModelConfig, *, device: str = "cpu", role_flags: dict | None = 
     return ConfiguredPools(server=server, req_to_token_pool=result.req_to_token_pool,
                            token_to_kv_pool=result.token_to_kv_pool, allocator=result.token_to_kv_pool_allocator,
                            sizes=sizes, unified_buffer=getattr(result, "unified_memory_pool", None),
-                           draft_kv_pool=None if draft is None else draft.token_to_kv_pool)
+                           draft_kv_pool=None if draft is None else draft[0].token_to_kv_pool,
+                           configurator=built_by)
 
 
 @contextlib.contextmanager
@@ -325,8 +339,8 @@ def _raised_by_sglang(exc: BaseException) -> bool:
 
 
 def _on_server_machine(server: ServerModel):
-    """The server's machine as SGLang sees it: its GPU stood in for (``compat.platform``), or this CPU."""
-    return gpu_server(server.gpu) if server.gpu is not None else contextlib.nullcontext()
+    """The server's machine as SGLang sees it: its GPU, or a CPU server's Xeon, stood in for (``compat.platform``)."""
+    return gpu_server(server.gpu) if server.gpu is not None else cpu_server(XEON)
 
 
 def _configured(server: ServerModel, model_dir: str, device: str):
@@ -354,7 +368,8 @@ def _configured(server: ServerModel, model_dir: str, device: str):
 
 def _built(args, model_dir: str, device: str):
     """The configurator's result for the published ``args`` (the model runner's leaves give its inputs): the target
-    worker's, and with it, for a speculative server, the draft worker's (``(target, draft or None)``)."""
+    worker's, and with it, for a speculative server, the draft worker's (``(target, draft or None)``, each a
+    ``(result, configurator)`` pair)."""
     from sglang.srt.runtime_context import get_spec
     from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 
@@ -364,21 +379,24 @@ def _built(args, model_dir: str, device: str):
         return target, None
     # the draft worker's model runner, as an EAGLE worker builds it: its own model config (the MTP layers of the draft
     # checkpoint) and KV pool, over the target's request pool and allocator, sized by the target's memory config
-    return target, _worker_pools(args, spec.speculative_draft_model_path, device, target=target)
+    return target, _worker_pools(args, spec.speculative_draft_model_path, device, target=target[0])
 
 
 def _worker_pools(args, model_dir: str, device: str, *, target=None):
     """One model runner's ``KVCacheConfigurator.configure``: the target worker's, or with ``target`` (the target's
     result) the draft worker's, each argument as ``ModelRunner.init_kv_cache_configurator`` passes it, from what the
     runner holds: the published server's page size (a model hook may have reset it), its groups, SGLang's own answers
-    for the KV dtype, the layers and the post-capture state."""
+    for the KV dtype, the layers and the post-capture state. ``(result, the configurator)``: the runner keeps the
+    configurator, and its token capacities ask it (``compat.worker_token_capacity``)."""
     from sglang.srt.configs.model_config import AttentionArch
     from sglang.srt.configs.model_config import ModelConfig as SGLangModelConfig
     from sglang.srt.runtime_context import get_model, get_parallel, get_schedule, get_spec
     from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 
     draft = target is not None
-    model_config = SGLangModelConfig(model_path=model_dir, is_draft_model=draft)
+    # as the TP worker builds it (``TpModelWorker._init_model_config``): the server's --dtype, context length and
+    # quantisation flags are read into it
+    model_config = SGLangModelConfig.from_server_args(args, model_path=model_dir, is_draft_model=draft)
     model = types.SimpleNamespace()  # no weights, no quantisation, no layer hooks: the model config decides
     spec = get_spec()
     spec_algorithm = SpeculativeAlgorithm.from_string(spec.speculative_algorithm)
@@ -408,7 +426,7 @@ def _worker_pools(args, model_dir: str, device: str, *, target=None):
         token_to_kv_pool_allocator=target.token_to_kv_pool_allocator if draft else None,
         memory_pool_config=target.memory_pool_config if draft else None)
     with _fixed_free_memory(), _kv_copy_warmup_skipped(), native_kv_move():
-        return configurator.configure(pre_model_load_memory=0)
+        return configurator.configure(pre_model_load_memory=0), configurator
 
 
 @contextlib.contextmanager

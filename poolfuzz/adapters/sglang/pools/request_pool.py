@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import torch
 
 from poolfuzz.adapters.sglang.api import SGLangAPI, SGLangUnavailable, first_importable, construct
@@ -62,7 +64,11 @@ def mamba_cache_params(api: SGLangAPI, c: ModelConfig):
                       intermediate_size=heads * head_dim, conv_dim=conv[0][0], ssm_state_size=state,
                       num_heads=heads, head_dim=head_dim, state_size=state, conv_kernel=conv_kernel)
     kwargs = dict(shape=shape, layers=list(c.mamba_layer_ids))
-    if api.Mamba2StateDType is not None:
+    if api.mamba2_state_dtype is not None:
+        # as a model's config class asks them: the conv state in SGLang's own dtype (bfloat16 unless the server's
+        # SGLANG_MAMBA_CONV_DTYPE names another), the temporal state in the model's mamba_ssm_dtype
+        kwargs["dtype"] = api.mamba2_state_dtype(SimpleNamespace(mamba_ssm_dtype=c.state_dtype))
+    elif api.Mamba2StateDType is not None:
         kwargs["dtype"] = construct(api.Mamba2StateDType, conv=dtype, temporal=dtype)
     try:
         return construct(api.Mamba2CacheParams, **kwargs)
