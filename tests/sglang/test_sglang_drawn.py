@@ -99,7 +99,8 @@ def test_run_config_random_on_the_sglang_family(api, expect, tmp_path, monkeypat
 def test_drawn_models_run_through_sglangs_own_scheduler(scheduling):
     """``--family sglang:scheduler --config random``: each example draws a model (its layers, storage, pages and, for
     a long context, prompts of thousands of tokens) and starts a server on it; what SGLang refuses at startup is
-    declined, what it builds is fuzzed through its own Scheduler and passes, but for sglang#39271 (below)."""
+    declined, what it builds is fuzzed through its own Scheduler and passes, but for sglang#39271 and the parked SWA
+    chunk (below)."""
     import re
 
     from hypothesis import HealthCheck, settings
@@ -125,8 +126,18 @@ def test_drawn_models_run_through_sglangs_own_scheduler(scheduling):
         def example_failed(self, machine, exc, program, in_teardown) -> bool:
             listed = re.findall(r"with (\d+) of (\d+) tokens out", str(exc))
             clipped = "still unfinished" in str(exc) and listed and all(want == "0" for _, want in listed)
-            self.passed_over += bool(clipped)
-            return bool(clipped)
+            # A sliding-window server whose SWA pool holds at most two windows and a page, stuck on SWA its waiting
+            # or chunked request pins itself: a chunk PrefillAdder parks on its budget's page of headroom while the
+            # window lock holds the request's own out-of-window node, or a request whose locked prefix hit takes the
+            # SWA its admission check then finds short (two judged engine defects, docs/bugs/sglang-swa-parked-chunk.md,
+            # each tested in test_sglang_scheduling.py; draws of 3- and 4-token window pools found them)
+            c = machine.driver.config
+            states = re.findall(r"req \d+ ([a-z-]+ ?\(?[a-z]*\)?) with", str(exc))
+            parked = ("still unfinished" in str(exc) and c.has_swa and states
+                      and c.swa_tokens <= 2 * c.sliding_window + c.page_size
+                      and set(states) <= {"mid-prefill (chunked)", "waiting"})
+            self.passed_over += bool(clipped or parked)
+            return bool(clipped or parked)
 
     drivers, judged = [], PassOverClippedPrompts()
 

@@ -290,3 +290,27 @@ def test_the_host_and_device_pools_are_addressable_by_the_kernel_copies_without_
             assert buffer.untyped_storage().data_ptr() in kernel_io.REGISTRY.spans
     finally:
         driver.close()
+
+
+# shrunk from poolfuzz run --family sglang --examples 60 --seed 1 (sglang:hicache swa), then by hand: 15 requests
+OVER_COMMITTED = [(23, 0, 2), (17, 4, 4), (4, 4, 8), (4, 3, 1), (16, 2, 7), (4, 0, 7), (18, 1, 2), (24, 0, 3),
+                  (24, 0, 3), (11, 2, 2), (2, 3, 4), (21, 2, 6), (6, 1, 7), (14, 4, 4), (16, 0, 6)]
+
+
+def test_a_host_hit_loaded_back_leaves_the_admitted_sliding_window_chunk_short(hicache_server, scheduling, api):
+    """SGLang 0.5.23, a sliding-window model on a HiCache server (judged an engine defect; ci/known/sglang-0.5.23.txt,
+    close to open sglang#31771): PrefillAdder admits a prompt whose prefix is matched on the host tier against SWA
+    evictable space that still counts the matched path; ``init_load_back`` then pins that path, and
+    ``alloc_for_extend`` finds the SWA side a token short: SGLang's own out-of-memory error kills the scheduler
+    (``SWAPrefillBudget`` does not re-price after load-back). The same traffic passes without the host tier."""
+    if api.version != "0.5.23":
+        pytest.skip("judged on SGLang 0.5.23")
+
+    def run(driver):
+        for length, share, max_tokens in OVER_COMMITTED:
+            driver.add_request(length=length, share=share, max_tokens=max_tokens)
+        return driver.drain()
+
+    with pytest.raises(RuntimeError, match=r"Out of memory\. Try to lower your batch size\.(.|\n)*Available swa"):
+        run(hicache_server.build_hicache_driver(CONFIGS["swa"]))
+    assert run(scheduling.SglangSchedulerDriver(CONFIGS["swa"])) is None

@@ -384,6 +384,73 @@ def test_a_prompt_the_allocator_says_cannot_fit_is_answered_with_the_servers_abo
     assert driver.drain() is None and driver.outcome[rid] == "aborted"
 
 
+def test_the_scheduler_is_told_the_capacity_its_tp_worker_reports(scheduling):
+    """The Scheduler's ``max_total_num_tokens`` and ``max_req_len`` are what ``TpModelWorker.get_worker_info``
+    reports from its model runner (its logical and effective capacities, which ask SGLang's configurator), not the
+    allocator's free count: a hybrid SWA server reports its full pool, though its allocator counts only the smaller
+    window side free, so a prompt longer than the window side is admitted, as a real server admits it."""
+    c = CONFIGS["swa"]
+    driver = scheduling.SglangSchedulerDriver(c)
+    if driver.family.served is None:
+        pytest.skip(f"the family runs on the adapter's wiring here ({driver.family.pools_source})")
+    assert driver.family.sg_allocator.available_size() == c.swa_tokens < c.full_tokens
+    assert (driver.total, driver.server.max_req_len) == (c.full_tokens, min(c.max_context, c.full_tokens) - 1)
+    rid = driver.add_request(length=c.swa_tokens + 8, share=0, max_tokens=2)
+    assert driver.refused == 0 and driver.drain() is None and driver.outcome[rid] == "finished"
+
+
+def test_a_chunk_parked_on_the_swa_budget_stalls_a_small_window_pool_for_good(scheduling, api):
+    """SGLang 0.5.23 (judged an engine defect, docs/bugs/sglang-swa-parked-chunk.md): a GPT-OSS server whose SWA pool
+    (4 tokens) cannot hold a 4-token prompt and its output token cuts the prompt to chunks; after two, PrefillAdder's
+    ``available_chunk_tokens`` keeps a page of headroom (1 - 1 = 0 tokens) and parks the last chunk, while the window
+    lock holds the request's own out-of-window first node, so nothing ever frees a slot: the request waits forever
+    on an idle server, with no error. With two output tokens the chunks are cut smaller and the request finishes."""
+    from poolfuzz.pools.config import ModelConfig
+
+    if api.version != "0.5.23":
+        pytest.skip("judged on SGLang 0.5.23")
+    c = ModelConfig(name="swa-window-pool-4", architecture="gpt-oss", full_layers=1, swa_layers=1, sliding_window=2,
+                    head_num=1, head_dim=12, kv_dtype="bfloat16", full_tokens=11, swa_tokens=4, request_rows=1,
+                    max_context=11)
+    driver = scheduling.SglangSchedulerDriver(c)
+    rid = driver.add_request(length=4, share=0, max_tokens=1)
+    allocator = driver.family.sg_allocator
+    for _ in range(20):
+        driver.step()
+    assert driver.server.chunked_req is not None and driver.server.chunked_req.rid == rid
+    assert allocator.swa_available_size() == 1 and not driver.server.running_batch.reqs
+    assert rid not in driver.outcome
+    finishing = scheduling.SglangSchedulerDriver(c.replace(name="swa-window-pool-4-two-out"))
+    other = finishing.add_request(length=4, share=0, max_tokens=2)
+    assert finishing.drain() is None and finishing.outcome[other] == "finished"
+
+
+def test_a_prefix_hit_whose_pinned_window_leaves_the_swa_check_short_waits_for_good(scheduling, api):
+    """SGLang 0.5.23 (judged an engine defect, docs/bugs/sglang-swa-parked-chunk.md): on a sliding-window server whose
+    SWA pool holds about two windows, a request that hits a cached prefix locks that node while PrefillAdder checks its
+    budget, so the prefix's SWA tokens are not evictable to it, and ``check_prefill`` (``needed < remaining_swa``)
+    refuses it every pass as if the pressure were passing; the escape hatch serves only requests that could never fit
+    the pool. On an idle server it waits forever. The same request without the prefix hit is admitted."""
+    from poolfuzz.pools.config import ModelConfig
+    from poolfuzz.pools.errors import ServerStuck
+
+    if api.version != "0.5.23":
+        pytest.skip("judged on SGLang 0.5.23")
+    c = ModelConfig(name="swa-window-pool-4-hit", architecture="gpt-oss", full_layers=1, swa_layers=1,
+                    sliding_window=2, head_num=1, head_dim=12, kv_dtype="bfloat16", full_tokens=11, swa_tokens=4,
+                    request_rows=1, max_context=11)
+    driver = scheduling.SglangSchedulerDriver(c)
+    first = driver.add_request(length=1, share=0, max_tokens=1)
+    second = driver.add_request(length=1, share=1, max_tokens=1)  # the first prompt and one token more
+    with pytest.raises(ServerStuck, match=r"req 000002 waiting with 0 of 1 tokens out"):
+        driver.drain()
+    assert driver.outcome[first] == "finished" and second not in driver.outcome
+    fresh = scheduling.SglangSchedulerDriver(c.replace(name="swa-window-pool-4-no-hit"))
+    fresh.add_request(length=1, share=0, max_tokens=1)
+    alone = fresh.add_request(length=2, share=0, max_tokens=1)
+    assert fresh.drain() is None and fresh.outcome[alone] == "finished"
+
+
 @pytest.mark.parametrize("name", ["dense", "hybrid-linear", "swa-ps4"])
 def test_an_idle_server_is_flushed_and_serves_on_its_cleared_pools(scheduling, name):
     """An operator's ``/flush_cache`` (SGLang's ``Scheduler.flush_cache``): refused while a request is queued; on the

@@ -171,6 +171,17 @@ PRIVATE: dict[str, Need] = {
                                                 "ModelRunner._maybe_execute_deferred_mamba_cow_and_clear",
                                          required=False,
                                          used_for="private: the model runner's mamba copy-on-write, run unbound"),
+    "runner_logical_tokens": Need(target="sglang.srt.model_executor.model_runner:ModelRunner."
+                                         "logical_max_total_num_tokens", required=False,
+                                  used_for="private: the KV capacity the TP worker reports to its scheduler (its "
+                                           "max_total_num_tokens), asked of the runner's configurator"),
+    "runner_effective_tokens": Need(target="sglang.srt.model_executor.model_runner:ModelRunner."
+                                           "effective_max_total_num_tokens", required=False,
+                                    used_for="private: the runner's token capacity, a hybrid SWA server's from its "
+                                             "configurator's two pools"),
+    "runner_effective_logical_tokens": Need(target="sglang.srt.model_executor.model_runner:ModelRunner."
+                                                   "effective_logical_max_total_num_tokens", required=False,
+                                            used_for="private: the capacity the TP worker bounds max_req_len by"),
     "runner_mamba_ratio": Need(target="sglang.srt.model_executor.model_runner_kv_cache_mixin:"
                                       "ModelRunnerKVCacheMixin._calculate_mamba_ratio", required=False,
                                used_for="private: mamba slots per request, before the configurator (0.5.12, "

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 
-from poolfuzz.adapters.sglang.compat.needs import ENGINE, has_private, private, release
+from poolfuzz.adapters.sglang.compat.needs import ENGINE, has_private, private, private_name, release
 from poolfuzz.adapters.sglang.compat.scheduler_global import invariant_checker, pool_stats, single_tensor_parallel_rank
 from poolfuzz.errors import EngineApiChanged
 
@@ -454,3 +454,29 @@ def req_to_token_headroom() -> int | None:
     if inspect.signature(get_req_to_token_extra_context_len).parameters:
         return get_req_to_token_extra_context_len(get_server_args())
     return get_req_to_token_extra_context_len()
+
+
+_RUNNER_TOKENS = ("runner_logical_tokens", "runner_effective_tokens", "runner_effective_logical_tokens")
+
+
+def worker_token_capacity(family) -> tuple[int, int]:
+    """``(max_total_num_tokens, the capacity max_req_len is bounded by)`` as ``TpModelWorker.get_worker_info`` hands
+    them to its scheduler: its model runner's ``logical_max_total_num_tokens`` and
+    ``effective_logical_max_total_num_tokens``, run on a runner stand-in that holds what the runner holds after
+    ``init_memory_pool`` (the pools SGLang's configurator built, the sizes it chose, the configurator itself, which
+    the capacities ask). A family on the adapter's wiring, or a release without those properties: the allocator's
+    free tokens, for both."""
+    served = family.served
+    if served is None or served.configurator is None or not has_private(*_RUNNER_TOKENS):
+        total = family.sg_allocator.available_size()
+        return total, total
+    properties = {private_name(key): property(private(key).fget) for key in _RUNNER_TOKENS}
+    runner = type("ModelRunnerStandIn", (), properties)()
+    runner.__dict__.update(
+        req_to_token_pool=served.req_to_token_pool, token_to_kv_pool_allocator=served.allocator,
+        kv_cache_configurator=served.configurator, is_hybrid_swa=served.configurator.is_hybrid_swa,
+        max_total_num_tokens=served.sizes["max_total_num_tokens"],
+        full_max_total_num_tokens=served.sizes["full_max_total_num_tokens"],
+        swa_max_total_num_tokens=served.sizes["swa_max_total_num_tokens"])
+    return (getattr(runner, private_name("runner_logical_tokens")),
+            getattr(runner, private_name("runner_effective_logical_tokens")))

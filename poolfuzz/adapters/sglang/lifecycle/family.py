@@ -108,6 +108,8 @@ class SGLangFamily:
     declined: dict = field(default_factory=dict)  # operation -> the engine's reason it is not driven
     # who built the pools: SGLang's KV cache configurator for the config's server, or the adapter's wiring and why
     pools_source: str = "the adapter's wiring"
+    # what SGLang's configurator built and sized, where the family runs on it (``configurator.ConfiguredPools``)
+    served: object = None
     _free_views: dict = field(default_factory=dict)
     _last_free: dict = field(default_factory=dict)
 
@@ -307,6 +309,7 @@ def served_or_wired(build, config: ModelConfig, sdev: str, *, pd_decode: bool, r
             return family
     family = build(served=served)
     family.pools_source = "SGLang's KV cache configurator (" + served.server.command_line() + ")"
+    family.served = served
     return family
 
 

@@ -259,13 +259,13 @@ class SglangSchedulerDriver:
             raise ConfigError(f"the scheduler-driven sglang family cannot build {config.name!r}: SGLang's radix "
                               f"cache refuses a server with {self.server_args} ({exc})") from None
         req_pool, allocator = self.family.sg_req_pool, self.family.sg_allocator
-        self.total = allocator.available_size()
+        self.total, capacity = compat.worker_token_capacity(self.family)  # the TP worker's report to its scheduler
         model = _model_config(config)
         pd = getattr(m.DisaggregationMode, self.role)
         processor = compat.result_processor(m.ResultProcessor, tree=self.tree, req_to_token_pool=req_pool,
                                             allocator=allocator, model_config=model, disaggregation_mode=pd)
         flags = compat.publish_scheduler_context(max_running_requests=max_running)
-        longest = max_req_len(config, self.total)
+        longest = max_req_len(config, capacity)
         self.server = object.__new__(m.Scheduler)
         self.server.__dict__.update(compat.scheduler_state(
             tree=self.tree, req_to_token_pool=req_pool, allocator=allocator, model_config=model,
