@@ -238,7 +238,8 @@ def test_a_configs_server_is_written_out_to_launch_on_a_gpu(api, configurator, c
     assert main(["configs", "--family", "sglang:pools", "--show", "swa", "--server-dir", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     model = json.loads((tmp_path / "config.json").read_text())
-    assert model["architectures"] == ["GptOssForCausalLM"] and model["sliding_window"] == CONFIGS["swa"].sliding_window
+    # HF's window counts the current token; SGLang's GPT-OSS serves one less, the config's
+    assert model["architectures"] == ["GptOssForCausalLM"] and model["sliding_window"] == CONFIGS["swa"].sliding_window + 1
     assert (f"python -m sglang.launch_server --load-format dummy --skip-tokenizer-init --model-path {tmp_path} "
             "--attention-backend triton --max-running-requests 5 --max-total-tokens 64 --page-size 1 "
             "--swa-full-tokens-ratio 0.5") in out
@@ -380,3 +381,14 @@ def test_the_scheduler_path_servers_are_listed_with_every_flag_they_run_with(api
         assert "--mamba-track-interval 8" in out and "--mamba-chunk-size" not in out
     else:
         assert "family: declines" in out
+
+
+def test_a_gpt_oss_server_serves_the_configs_window(configurator):
+    """A GPT-OSS checkpoint's ``sliding_window`` counts the current token (HF's way) and SGLang's model serves one
+    less (``get_attention_sliding_window_size``); the model runner asks the model before its config. The written
+    checkpoint names the config's window plus one, and the configurator sizes with the config's window, the one the
+    family's tree runs."""
+    c = CONFIGS["swa"]
+    built = configurator.configure(c)
+    assert built.server.hf_config["sliding_window"] == c.sliding_window + 1
+    assert built.configurator.sliding_window_size == c.sliding_window

@@ -132,6 +132,10 @@ PRIVATE: dict[str, Need] = {
                                    used_for="private: the configurator's AMX probe, answered for a CPU server's Xeon"),
     "cpu_platform": Need(target="sglang.srt.platforms.cpu:CpuSRTPlatform", required=False,
                          used_for="the platform SGLang's CPU engine runs on (SGLANG_USE_CPU_ENGINE=1)"),
+    "gpt_oss_window": Need(target="sglang.srt.models.gpt_oss:GptOssForCausalLM.get_attention_sliding_window_size",
+                           required=False,
+                           used_for="the window a GPT-OSS model serves (its checkpoint's sliding_window, HF's inclusive "
+                                    "count, less one), which the model runner asks its model for"),
     "configurator_gc": Need(target="sglang.srt.mem_cache.kv_cache_configurator:gc", required=False,
                             used_for="private: the collection before the free-memory probe (0.3 s a build), which "
                                      "frees no GPU memory here"),

@@ -363,26 +363,26 @@ def _configured(server: ServerModel, model_dir: str, device: str):
             raise
     _parallel_groups(args)
     with _on_server_machine(server):
-        return _built(args, model_dir, device)
+        return _built(args, model_dir, device, kind=server.kind)
 
 
-def _built(args, model_dir: str, device: str):
+def _built(args, model_dir: str, device: str, *, kind: str):
     """The configurator's result for the published ``args`` (the model runner's leaves give its inputs): the target
     worker's, and with it, for a speculative server, the draft worker's (``(target, draft or None)``, each a
     ``(result, configurator)`` pair)."""
     from sglang.srt.runtime_context import get_spec
     from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 
-    target = _worker_pools(args, model_dir, device)
+    target = _worker_pools(args, model_dir, device, kind=kind)
     spec = get_spec()
     if SpeculativeAlgorithm.from_string(spec.speculative_algorithm).is_none():
         return target, None
     # the draft worker's model runner, as an EAGLE worker builds it: its own model config (the MTP layers of the draft
     # checkpoint) and KV pool, over the target's request pool and allocator, sized by the target's memory config
-    return target, _worker_pools(args, spec.speculative_draft_model_path, device, target=target[0])
+    return target, _worker_pools(args, spec.speculative_draft_model_path, device, kind=kind, target=target[0])
 
 
-def _worker_pools(args, model_dir: str, device: str, *, target=None):
+def _worker_pools(args, model_dir: str, device: str, *, kind: str, target=None):
     """One model runner's ``KVCacheConfigurator.configure``: the target worker's, or with ``target`` (the target's
     result) the draft worker's, each argument as ``ModelRunner.init_kv_cache_configurator`` passes it, from what the
     runner holds: the published server's page size (a model hook may have reset it), its groups, SGLang's own answers
@@ -397,7 +397,7 @@ def _worker_pools(args, model_dir: str, device: str, *, target=None):
     # as the TP worker builds it (``TpModelWorker._init_model_config``): the server's --dtype, context length and
     # quantisation flags are read into it
     model_config = SGLangModelConfig.from_server_args(args, model_path=model_dir, is_draft_model=draft)
-    model = types.SimpleNamespace()  # no weights, no quantisation, no layer hooks: the model config decides
+    model = _model_standin(kind, model_config)
     spec = get_spec()
     spec_algorithm = SpeculativeAlgorithm.from_string(spec.speculative_algorithm)
     kv_name, kv_dtype = private("configure_kv_cache_dtype")(
@@ -427,6 +427,18 @@ def _worker_pools(args, model_dir: str, device: str, *, target=None):
         memory_pool_config=target.memory_pool_config if draft else None)
     with _fixed_free_memory(), _kv_copy_warmup_skipped(), native_kv_move():
         return configurator.configure(pre_model_load_memory=0), configurator
+
+
+def _model_standin(kind: str, model_config):
+    """The model a runner holds, as far as the configurator's inputs ask it: no weights, no quantisation and no layer
+    hooks (the model config decides), but the model class's window hook where it has one (GPT-OSS serves its
+    checkpoint's window less one), run on the model config as the model would run it."""
+    model = types.SimpleNamespace()
+    hook = MODELS[kind].window_hook
+    if hook is not None and has_private(hook):
+        model.get_attention_sliding_window_size = types.MethodType(
+            private(hook), types.SimpleNamespace(config=model_config.hf_config))
+    return model
 
 
 @contextlib.contextmanager

@@ -46,10 +46,12 @@ def _dense_model(c: ModelConfig, dtype: str) -> dict:
 
 def _gpt_oss_model(c: ModelConfig, dtype: str) -> dict:
     """GPT-OSS: sliding-window and full-attention layers as its ``layer_types`` name them (SGLang's
-    ``get_hybrid_layer_ids`` reads them), with one expert per layer."""
+    ``get_hybrid_layer_ids`` reads them), with one expert per layer. Its ``sliding_window`` counts HF's way, the
+    current token included: SGLang serves one less (``get_attention_sliding_window_size``), so the checkpoint names
+    the config's window plus one, and the server's window is the config's."""
     layer_types = ["sliding_attention" if i in c.swa_layer_ids else "full_attention" for i in range(_layer_count(c))]
     return {"architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", **_attention(c, dtype),
-            "sliding_window": c.sliding_window, "layer_types": layer_types, "num_local_experts": 1,
+            "sliding_window": c.sliding_window + 1, "layer_types": layer_types, "num_local_experts": 1,
             "num_experts_per_tok": 1,
             # GPT-OSS's YaRN scaling, its pre-YaRN context the config's over the factor (the default 4096 against a
             # short context made transformers warn at every build of the model); the factor is exactly that ratio, as
@@ -136,13 +138,15 @@ class ModelKind:
     # the server names its KV dtype where it is the model's: left to "auto", DeepSeek DSA's hook stores the KV as
     # fp8_e4m3 on a Hopper or Blackwell GPU
     names_model_kv_dtype: bool = False
+    # the model class's window hook (a compat need), which the model runner asks before the model config's window
+    window_hook: str | None = None
 
 
 # A config's architecture -> the model that stands for it. An architecture without an entry is not built through the
 # configurator (the family keeps its wiring, and says so).
 MODELS: dict[str, ModelKind] = {
     "llama": ModelKind(config_json=_dense_model, attention_backend="triton"),
-    "gpt-oss": ModelKind(config_json=_gpt_oss_model, attention_backend="triton"),
+    "gpt-oss": ModelKind(config_json=_gpt_oss_model, attention_backend="triton", window_hook="gpt_oss_window"),
     "qwen3-next": ModelKind(config_json=_qwen3_next_model, attention_backend="triton"),
     "deepseek-v3": ModelKind(config_json=_deepseek_v3_model, attention_backend="flashinfer"),
     "deepseek-v3.2": ModelKind(config_json=_deepseek_v32_model, attention_backend="flashinfer",
