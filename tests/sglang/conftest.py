@@ -13,6 +13,7 @@ import os
 import pytest
 
 from tests.engine_fuzz import Outcome, fuzz_family
+from tests.sglang.servers import server_module
 
 
 EXPECT = os.environ.get("POOLFUZZ_SGLANG_EXPECT")
@@ -66,10 +67,4 @@ def scheduling(api):
 @pytest.fixture(scope="module")
 def unified(scheduling):
     """The unified-memory server's module, where this release has the unified pool SGLang's scheduler runs on."""
-    from poolfuzz.adapters.sglang.scheduler import unified_server
-    from poolfuzz.pools.config import CONFIGS
-
-    reason = unified_server.unsupported_reason(CONFIGS["hybrid-linear"])
-    if reason:
-        pytest.skip(reason)
-    return unified_server
+    return server_module("unified_server", "hybrid-linear")

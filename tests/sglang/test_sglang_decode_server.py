@@ -17,6 +17,7 @@ from poolfuzz.harness.failures import StateLost
 from poolfuzz.harness.scheduled import scheduled_machine
 from poolfuzz.pools.config import CONFIGS
 from poolfuzz.pools.errors import ConfigError, LostKv
+from tests.sglang.servers import server_module
 
 SETTINGS = settings(max_examples=25, stateful_step_count=30, deadline=None, derandomize=True,
                     suppress_health_check=list(HealthCheck), database=None)
@@ -25,12 +26,7 @@ SETTINGS = settings(max_examples=25, stateful_step_count=30, deadline=None, dera
 @pytest.fixture(scope="module")
 def decode(scheduling):
     """The decode server's module, where this release's decode queues can be driven (else the test skips)."""
-    from poolfuzz.adapters.sglang.scheduler import decode_server
-
-    reason = decode_server.unsupported_reason(CONFIGS["dense"])
-    if reason:
-        pytest.skip(reason)
-    return decode_server
+    return server_module("decode_server", "dense")
 
 
 def _pressure(decode, name="dense", backup_mode=None):

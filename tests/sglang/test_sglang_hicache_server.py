@@ -17,6 +17,7 @@ from hypothesis.stateful import run_state_machine_as_test
 from poolfuzz.harness.scheduled import scheduled_machine
 from poolfuzz.pools.config import CONFIGS
 from poolfuzz.pools.errors import ConfigError, LostKv
+from tests.sglang.servers import server_module
 
 SETTINGS = settings(max_examples=25, stateful_step_count=30, deadline=None, derandomize=True,
                     suppress_health_check=list(HealthCheck), database=None)
@@ -25,12 +26,7 @@ SETTINGS = settings(max_examples=25, stateful_step_count=30, deadline=None, dera
 @pytest.fixture(scope="module")
 def hicache_server(scheduling):
     """The HiCache server's module, where this release's tree can be given a host tier here (else the test skips)."""
-    from poolfuzz.adapters.sglang.scheduler import hicache_server
-
-    reason = hicache_server.unsupported_reason(CONFIGS["dense"])
-    if reason:
-        pytest.skip(reason)
-    return hicache_server
+    return server_module("hicache_server", "dense")
 
 
 def _counted_load_backs(monkeypatch, tree_cls) -> dict:

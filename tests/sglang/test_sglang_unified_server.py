@@ -13,6 +13,7 @@ from hypothesis.stateful import run_state_machine_as_test
 from poolfuzz.harness.scheduled import scheduled_machine
 from poolfuzz.pools.config import CONFIGS
 from poolfuzz.pools.errors import ConfigError, LostKv
+from tests.sglang.servers import server_module
 
 SETTINGS = settings(max_examples=10, stateful_step_count=30, deadline=None, derandomize=True,
                     suppress_health_check=list(HealthCheck), database=None)
@@ -137,10 +138,7 @@ def test_sglangs_unified_admission_over_commits_the_extra_buffers_track_slots(un
 @pytest.fixture(scope="module")
 def unified_decode(unified):
     """The unified-memory decode server, where this release's decode queues run here (else the test skips)."""
-    reason = unified.decode_unsupported_reason(CONFIGS["swa"])
-    if reason:
-        pytest.skip(reason)
-    return unified
+    return server_module("unified_server", "swa", probe="decode_unsupported_reason")
 
 
 @pytest.mark.parametrize("name", ["swa", "swa-ps4", "hybrid-linear"])

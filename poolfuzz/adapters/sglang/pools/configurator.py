@@ -15,8 +15,9 @@ configurator's budget starts from (``get_available_gpu_memory`` in ``_profile_av
 ``gc.collect`` of 0.3 s a build), answered with a fixed ``MEMORY_BUDGET`` so the flags' caps decide every size, the
 same on every machine, while the rest of that method (its mamba budget) is SGLang's; and the machine a server runs on
 (``compat.platform``: a B200 for every config but the CPU server's, which runs SGLang's CPU engine on an AMX Xeon), so
-that the flags are resolved and the pools built as that machine's server resolves and builds them (without CUDA, SGLang's base platform refuses FP4 KV, ``mxfp8``
-and the mamba extra buffer, and DSA's model hook asks the GPU's compute capability); and, for a speculative server
+that the flags are resolved and the pools built as that machine's server resolves and builds them (without CUDA,
+SGLang's base platform refuses FP4 KV, ``mxfp8`` and the mamba extra buffer, and DSA's model hook asks the GPU's
+compute capability); and, for a speculative server
 (``--speculative-algorithm NEXTN``: the target worker's pools, with a state row per draft token), the one launch of
 SGLang's tiled KV copy kernel its pools make when built, over dummy locations (it moves nothing; a real move called
 then is refused): the pools move rows with SGLang's native torch move (``SGLANG_NATIVE_MOVE_KV_CACHE``). Its draft
@@ -78,17 +79,13 @@ def command_line(flags: dict) -> str:
     import shlex
 
     out = []
-    for name, value in sorted(unset_dropped(flags).items()):
+    for name, value in sorted(flags.items()):
+        if value is None:  # left unset (SGLang's default): a role's --max-mamba-cache-size, decode_server.ROLE_FLAGS
+            continue
         flag = "--" + name.replace("_", "-")
         text = str(value)
         out.append(flag if value is True else f"{flag} {text if text == MODEL_PATH else shlex.quote(text)}")
     return " ".join(out)
-
-
-def unset_dropped(flags: dict) -> dict:
-    """``flags`` without those a role leaves unset (named ``None``: the server's operator does not pass the flag, and
-    SGLang resolves it, as a role's ``--max-mamba-cache-size`` in ``decode_server.ROLE_FLAGS``)."""
-    return {name: value for name, value in flags.items() if value is not None}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -260,7 +257,7 @@ def configure(c: ModelConfig, *, device: str = "cpu", role_flags: dict | None = 
         raise ConfigError(f"config {c.name!r}: {reason}")
     server = server_model(c)
     if role_flags:
-        server = dataclasses.replace(server, flags=unset_dropped(server.flags | role_flags))
+        server = dataclasses.replace(server, flags=server.flags | role_flags)
     if server.gpu is not None and platform_problem():
         raise ConfigError(f"config {c.name!r}: its server runs on a GPU, which cannot be stood in for on this "
                           f"release ({platform_problem()})")

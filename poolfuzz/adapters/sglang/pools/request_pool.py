@@ -56,7 +56,6 @@ def server_row_width(c: ModelConfig) -> int:
 
 def mamba_cache_params(api: SGLangAPI, c: ModelConfig):
     """SGLang's Mamba2 cache params for the config's conv and temporal shapes and dtype."""
-    dtype = STATE_DTYPES[c.state_dtype]
     conv = [tuple(s) for s in c.conv_shapes]
     heads, head_dim, state = c.temporal_shape
     conv_kernel = conv[0][-1] + 1
@@ -69,6 +68,7 @@ def mamba_cache_params(api: SGLangAPI, c: ModelConfig):
         # SGLANG_MAMBA_CONV_DTYPE names another), the temporal state in the model's mamba_ssm_dtype
         kwargs["dtype"] = api.mamba2_state_dtype(SimpleNamespace(mamba_ssm_dtype=c.state_dtype))
     elif api.Mamba2StateDType is not None:
+        dtype = STATE_DTYPES[c.state_dtype]
         kwargs["dtype"] = construct(api.Mamba2StateDType, conv=dtype, temporal=dtype)
     try:
         return construct(api.Mamba2CacheParams, **kwargs)

@@ -61,8 +61,9 @@ from poolfuzz.pools.config import ModelConfig
 from poolfuzz.pools.errors import ConfigError
 
 # What makes the server a decode server, for SGLang's configurator (whose resolution, with a model, derives the rest).
-# Its mamba cache is left to SGLang (no --max-mamba-cache-size): without a radix cache, the configurator gives it a
-# state slot per running request (``_handle_max_mamba_cache``), as it does for a decode server an operator launches.
+# Its mamba cache is left to SGLang (None: ServerArgs' default, no --max-mamba-cache-size): without a radix cache, the
+# configurator gives it a state slot per running request (``_handle_max_mamba_cache``), as for a server an operator
+# launches.
 ROLE_FLAGS = {"disaggregation_mode": "decode", "disaggregation_transfer_backend": "fake", "max_mamba_cache_size": None}
 DECODE_FLAGS = {"disaggregation_mode": "decode", "disaggregation_transfer_backend": "fake", "num_reserved_decode_tokens": 1,
                 # what SGLang's PD hook resolves for a decode server without --disaggregation-decode-enable-radix-cache

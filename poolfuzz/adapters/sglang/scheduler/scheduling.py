@@ -303,12 +303,12 @@ class SglangSchedulerDriver:
         config = legacy.mamba_sized(config, server_args)
         self.config = config
         self.family = build_sglang_family(config, scheduled=True)
-        self.total = self.family.sg_allocator.available_size()
+        self.total, capacity = compat.worker_token_capacity(self.family)
         self.server = object.__new__(m.Scheduler)
         self.server.__dict__.update(legacy.server_state(
             server_args=server_args, model_config=_model_config(config), spec_algorithm=m.SpeculativeAlgorithm.NONE,
             disaggregation_mode=m.DisaggregationMode.NULL, config=config, total=self.total, max_running=max_running,
-            max_req_len=max_req_len(config, self.total), sent=self._sent))
+            max_req_len=max_req_len(config, capacity), sent=self._sent))
         try:
             self.tree = legacy.build_tree(self.server, self.family, server_args)
         except AssertionError as exc:
