@@ -154,8 +154,10 @@ class TestHarness:
     @pytest.mark.parametrize("name", anchoring(PAGED))
     def test_paged_configs(self, api, expect, fuzz, name):
         _family(api, name)
-        outcome = fuzz(CONFIGS[name], examples=10)
-        if expect == "35957" and name == "swa-ssm-ps4":
+        carries_35957 = expect == "35957" and name == "swa-ssm-ps4"
+        # test_swa_ssm shows #35957 shrunk; here finding it is enough, and shrinking it again was 269 s of CI
+        outcome = fuzz(CONFIGS[name], examples=10, shrink=not carries_35957)
+        if carries_35957:
             assert outcome.failure is not None
         elif CONFIGS[name].kv_dtype.startswith("fp8") and casts_fp8_twice(api):
             # a real defect of 0.5.18-0.5.21 (sglang#40785): a verify's fp8 rows committed as garbage
