@@ -43,7 +43,8 @@ class ModelConfig:
     request_rows: int = 6
     max_context: int = 64
     mamba_slots: int = 0
-    conv_shapes: tuple[tuple[int, ...], ...] = ((6, 3),)  # per conv tensor: (conv_dim, kernel-1)
+    # per conv tensor, as the model's pool lays it out: (conv_dim, kernel-1), or kernel-major for Kimi-Linear
+    conv_shapes: tuple[tuple[int, ...], ...] = ((6, 3),)
     temporal_shape: tuple[int, int, int] = (2, 4, 4)  # (heads, head_dim, state_size)
     state_dtype: str = "float32"
     host_tokens: int = 0  # host (CPU) pool slots for host_pool retraction backup; 0 = derived
@@ -54,7 +55,7 @@ class ModelConfig:
     kv_lora_rank: int = 16  # MLA / DSA: the compressed-KV part of a latent row
     qk_rope_head_dim: int = 16  # MLA / DSA: the rope part of a latent row
     index_head_dim: int = 48  # DSA: index-key bytes per token (fp8), with a float32 scale per DSA_QUANT_BLOCK
-    # MHA with an fp8 kv_dtype: 0 for none, else one UE8M0 scale byte per this many values of K and
+    # MHA with kv_dtype fp8_e4m3: 0 for none, else one UE8M0 scale byte per this many values of K and
     # of V, kept in scale buffers beside them (SGLang's MHATokenToKVPoolMXFP8: 32)
     kv_scale_block: int = 0
     # Mamba extra-buffer mode: track slots each request holds beside its state slot, from the same
@@ -256,9 +257,10 @@ def _validate_storage(c: ModelConfig) -> list[str]:
     elif c.kv_quant == "cpu_fp8_e4m3" and c.kv_dtype != "fp8_e4m3":
         problems.append("kv_quant 'cpu_fp8_e4m3' needs kv_dtype 'fp8_e4m3'")
     if c.kv_scale_block:
-        if not kind.scale_blocks or not c.kv_dtype.startswith("fp8") or c.has_swa or c.has_mamba:
-            problems.append("kv_scale_block needs attention 'mha', an fp8 kv_dtype and full-attention layers only "
-                            "(the built-in SWA and hybrid pools carry no scale buffers)")
+        if not kind.scale_blocks or c.kv_dtype != "fp8_e4m3" or c.has_swa or c.has_mamba:
+            problems.append("kv_scale_block needs attention 'mha', kv_dtype 'fp8_e4m3' (MX FP8's element type: "
+                            "SGLang's --kv-cache-dtype mxfp8 builds e4m3 whatever else is asked) and full-attention "
+                            "layers only (the built-in SWA and hybrid pools carry no scale buffers)")
         elif c.kv_scale_block < 1 or c.head_dim % c.kv_scale_block:
             problems.append(f"kv_scale_block ({c.kv_scale_block}) must divide head_dim ({c.head_dim})")
         elif c.head_num * c.head_dim // c.kv_scale_block < 12:
@@ -333,10 +335,12 @@ def _hybrid_storage_configs() -> list[ModelConfig]:
     """Recurrent models whose full-attention KV is stored other than as K and V rows: Kimi-Linear's MLA
     layers between its KDA (linear-attention) layers, SGLang's HybridLinearKVPool with an MLA sub-pool.
     The full layers are not the first ones, so the pool maps model layer ids to its sub-pool's. Blocked, as every
-    named config is (Kimi-Linear interleaves three KDA layers a MLA one: drawn layouts reach that)."""
+    named config is (Kimi-Linear interleaves three KDA layers a MLA one: drawn layouts reach that). The KDA conv state
+    is the one SGLang's ``KimiLinearStateShape`` lays out: kernel-major, the query, key and value widths (8 each, the
+    temporal state's 2 heads of 4) side by side, so that its servers run on the configurator's pools (issue 35)."""
     return [ModelConfig(name="mla-ssm", architecture="kimi-linear", attention="mla", full_layers=2, mamba_layers=2,
                         layer_pattern="MMFF", mamba_slots=4, full_tokens=48, request_rows=5, max_context=48,
-                        kv_dtype="bfloat16", state_dtype="float32", conv_shapes=((6, 3), (6, 3), (6, 3)))]
+                        kv_dtype="bfloat16", state_dtype="float32", conv_shapes=((3, 24),))]
 
 
 def _dsa_ssm_ps64(mla_ssm: ModelConfig) -> ModelConfig:
@@ -378,7 +382,7 @@ def _paged(config: ModelConfig, page_size: int, kv_dtype: str) -> ModelConfig:
 def _all_configs() -> dict[str, ModelConfig]:
     out = {}
     paged_dtypes = {"dense": "fp8_e4m3", "swa": "bfloat16", "hybrid-linear": "float32",
-                    "swa-ssm": "float16", "mla": "bfloat16", "dsa": "bfloat16", "fp8-scaled": "fp8_e5m2",
+                    "swa-ssm": "float16", "mla": "bfloat16", "dsa": "bfloat16", "fp8-scaled": "fp8_e4m3",
                     "hybrid-extra-buffer": "float32", "hybrid-spec": "bfloat16",
                     "dense-cpu-fp8": "fp8_e4m3", "mla-fp4": "bfloat16",
                     "minimax-sparse": "fp8_e4m3", "minimax-sparse-konly": "bfloat16", "mla-ssm": "bfloat16",

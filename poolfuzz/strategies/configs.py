@@ -157,7 +157,7 @@ def _storage_fields(storage: str, f: dict) -> dict:
                     index_head_dim=max(12, head_dim))
     if storage == "fp8-scaled":  # the smallest block that leaves a tag's 12 scales a row
         block = max(b for b in range(1, head_dim + 1) if head_dim % b == 0 and heads * head_dim // b >= 12)
-        return dict(kv_dtype=f["kv_dtype"] if f["kv_dtype"].startswith("fp8") else "fp8_e4m3", kv_scale_block=block)
+        return dict(kv_dtype="fp8_e4m3", kv_scale_block=block)  # MX FP8 elements are e4m3 (SGLang's mxfp8)
     if storage == "cpu-fp8":
         return dict(kv_dtype="fp8_e4m3", kv_quant="cpu_fp8_e4m3")
     if storage == "fp4-mha":  # packed pairs, a scale byte per 16 values, at least 12 scale bytes a token

@@ -97,6 +97,25 @@ def test_an_inkling_server_keeps_conv_states_in_every_layer_and_its_family_keeps
     assert "other pools" in build_sglang_family(c).pools_source
 
 
+@pytest.mark.parametrize("family_name", ["sglang:scheduler", "sglang:hicache", "sglang:decode", "sglang:unified-server"])
+def test_a_kimi_linear_server_runs_on_the_one_kernel_major_conv_state_sglang_builds(configurator, family_name):
+    """``mla-ssm`` stands for a Kimi-Linear: its KDA layers keep one short-conv state, the kernel's 3 steps by the query,
+    key and value widths side by side (2 heads of 4 each: 24), and MLA KV in its full layers. Every server a run starts
+    on it drives the pools SGLang's configurator built."""
+    from poolfuzz.orchestration.plugins import resolve_family
+
+    c = CONFIGS["mla-ssm"]
+    parts = configurator.configure(c).parts()
+    assert "conv (3, 24) torch.bfloat16; temporal (2, 4, 4) torch.float32" in parts["mamba pool"], parts["mamba pool"]
+    assert parts["full kv pool"].startswith("MLATokenToKVPool")
+    plugin = resolve_family(family_name)
+    if plugin.unsupported_reason(c):
+        pytest.skip(plugin.unsupported_reason(c))
+    family = plugin.factory(c, device="cpu", faults=(), backup_mode=None).family
+    assert family.pools_source.startswith("SGLang's KV cache configurator ("), family.pools_source
+    assert [tuple(t.shape[2:]) for t in family.sg_req_pool.mamba_pool.mamba_cache.conv] == [(3, 24)]
+
+
 @pytest.mark.parametrize("name, words", [
     ("hybrid-linear-ps4", "no_buffer only supports page_size=1"),
     ("hybrid-spec-ps4", "no_buffer only supports page_size=1"),
@@ -126,7 +145,7 @@ def test_the_listed_flags_are_the_servers_own_command_line(configurator, name, t
 
 @pytest.mark.parametrize("name", ["dense", "dense-ps4", "swa", "swa-ps4", "swa-only", "mla", "mla-ps4", "minimax-sparse",
                                   "minimax-sparse-ps4", "minimax-sparse-konly", "dense-fp4", "dense-fp4-ps4",
-                                  "fp8-scaled", "mla-fp4", "mla-fp4-ps4", "dense-cpu-fp8"])
+                                  "fp8-scaled", "fp8-scaled-ps4", "mla-fp4", "mla-fp4-ps4", "dense-cpu-fp8"])
 def test_the_adapters_own_wiring_builds_the_pools_the_server_builds(configurator, name, monkeypatch):
     """The family's wiring (what it falls back to where the configurator cannot serve) beside the configurator's
     pools: a class, size, shape or layer of its own is a drift of the adapter from the release."""
@@ -246,7 +265,7 @@ def test_a_configs_server_is_written_out_to_launch_on_a_gpu(api, configurator, c
 
 
 @pytest.mark.parametrize("name", ["dense", "swa-ps4", "swa-only", "mla-ps4", "minimax-sparse-konly-ps4", "dense-fp4",
-                                  "fp8-scaled", "mla-fp4-ps4", "dsa-ps64"])
+                                  "fp8-scaled", "fp8-scaled-ps4", "mla-fp4-ps4", "dsa-ps64"])
 def test_the_family_runs_on_the_pools_sglangs_configurator_built_for_its_server(configurator, name):
     """Where the configurator builds the pools the config describes, the family drives those very objects: its
     request rows are as wide as SGLang makes them (the model's context and SGLang's extra columns)."""
@@ -259,8 +278,6 @@ def test_the_family_runs_on_the_pools_sglangs_configurator_built_for_its_server(
 
 
 @pytest.mark.parametrize("name, why", [
-    # Kimi-Linear's KDA keeps one short-conv state of q, k and v together, kernel-major; the config keeps three
-    ("mla-ssm", "SGLang's configurator builds other pools for the config's server"),
     # an Inkling keeps short-conv states in every layer and no temporal state (see the Inkling test above)
     ("swa-ssm", "SGLang's configurator builds other pools for the config's server"),
 ])

@@ -95,14 +95,15 @@ def _deepseek_v32_model(c: ModelConfig, dtype: str) -> dict:
 
 def _kimi_linear_model(c: ModelConfig, dtype: str) -> dict:
     """Kimi-Linear: MLA layers between KDA (recurrent) ones, as its ``linear_attn_config`` names them (layers counted
-    from 1); the KDA state is heads x head_dim x head_dim, with a short conv per q, k and v."""
+    from 1); the KDA state is heads x head_dim x head_dim, and its conv state one kernel-major tensor, (kernel - 1)
+    x the query, key and value widths."""
     heads, head_dim, _ = c.temporal_shape
     return {"architectures": ["KimiLinearForCausalLM"], "model_type": "kimi_linear", **_attention(c, dtype),
             "kv_lora_rank": c.kv_lora_rank, "q_lora_rank": None, "qk_rope_head_dim": c.qk_rope_head_dim,
             "qk_nope_head_dim": c.head_dim, "v_head_dim": c.head_dim, "num_experts": None,
             "linear_attn_config": {"kda_layers": [i + 1 for i in c.mamba_layer_ids],
                                    "full_attn_layers": [i + 1 for i in c.full_layer_ids], "num_heads": heads,
-                                   "head_dim": head_dim, "short_conv_kernel_size": c.conv_shapes[0][1] + 1}}
+                                   "head_dim": head_dim, "short_conv_kernel_size": c.conv_shapes[0][0] + 1}}
 
 
 def _inkling_model(c: ModelConfig, dtype: str) -> dict:
