@@ -123,4 +123,8 @@ class HybridMLATransferItemOfHeadWidth(HybridLinearKVPool):
 
     def get_contiguous_buf_infos(self):
         width = self.head_num * self.head_dim
-        return [b.view(-1).view(-1, width) for b in self.full_kv_pool.get_contiguous_buf_infos()]
+        # a registration is a base pointer and an item length: the buffer read as whole items of that width, the
+        # bytes past the last whole one never addressed (a reshape of the whole buffer would fail loudly on shapes
+        # where the widths do not divide, which no registration does)
+        items = [b.view(-1) for b in self.full_kv_pool.get_contiguous_buf_infos()]
+        return [flat[:flat.numel() // width * width].view(-1, width) for flat in items]
