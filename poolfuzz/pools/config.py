@@ -22,6 +22,10 @@ KV_DTYPES = ("bfloat16", "float16", "float32", "fp8_e4m3", "fp8_e5m2")
 # cache of their own (SGLang's DSATokenToKVPool, earlier NSATokenToKVPool); MiniMax sparse attention (SGLang's
 # MiniMaxSparseKVPool). What each kind needs and is built with: ``attention_kinds.KINDS``.
 STATE_DTYPES = ("bfloat16", "float16", "float32")
+# A scheduler-path server's --schedule-policy: SGLang's policies that every release it drives has and that decide
+# without a clock or a random draw (``hrrn`` ages requests by wall time, ``random`` shuffles): FCFS and LOF order the
+# waiting queue by arrival and by output length; LPM and DFS-weight match every waiting prompt in the radix tree.
+SCHEDULE_POLICIES = ("fcfs", "lpm", "dfs-weight", "lof")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -78,6 +82,13 @@ class ModelConfig:
     # V sparse with an index key and value per token (SGLang's index_kv_pool), K sparse with an index key
     # only (its index_k_pool: the layers of ``sparse_disable_index_value``). Index rows: index_head_dim values.
     msa_layers: str = ""
+    # The scheduling flags of the server a scheduler-path family runs (the pools path has no scheduler and ignores
+    # them; the pool sizes above are that server's size flags): --schedule-policy; --chunked-prefill-size in tokens
+    # per ``traffic_unit``, rounded up to whole pages (0: --chunked-prefill-size -1, prompts prefilled whole); and
+    # --schedule-conservativeness in hundredths, below SGLang's 1.0 so that decode runs out of slots and retracts.
+    schedule_policy: str = "fcfs"
+    chunked_prefill: int = 16
+    conservativeness_pct: int = 10
 
     def __post_init__(self) -> None:
         problems = _validate(self)
@@ -192,6 +203,13 @@ def _validate(c: ModelConfig) -> list[str]:
     if c.spec_draft_tokens and (not c.mamba_layers or c.spec_draft_tokens < 2):
         problems.append(f"spec_draft_tokens ({c.spec_draft_tokens}) must be at least 2 (the last token and one "
                         "draft) and needs mamba_layers > 0 (the intermediate state caches are the MambaPool's)")
+    if c.schedule_policy not in SCHEDULE_POLICIES:
+        problems.append(f"schedule_policy {c.schedule_policy!r} is not one of {', '.join(SCHEDULE_POLICIES)}")
+    if c.chunked_prefill < 0:
+        problems.append(f"chunked_prefill ({c.chunked_prefill}) must be >= 0 (0: prompts are not chunked)")
+    if not 1 <= c.conservativeness_pct <= 1000:
+        problems.append(f"conservativeness_pct ({c.conservativeness_pct}) must be from 1 to 1000 (hundredths of "
+                        "--schedule-conservativeness)")
     if c.mamba_layers and c.mamba_slots < 1:
         problems.append("mamba_layers > 0 needs mamba_slots >= 1")
     if not c.mamba_layers and c.mamba_slots:

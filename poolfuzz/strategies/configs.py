@@ -3,7 +3,8 @@
 A drawn config covers what the named ones cannot: page sizes up to 64, windows from 1 to past the
 pool, pools from one page up, long contexts past the 8192-token chunking of the backup and reload
 paths, up to four layers of each kind in any interleaving, every KV and state dtype, state shapes,
-host pools of any size, and every way the full-attention KV is stored (``STORAGES``). Every choice
+host pools of any size, every way the full-attention KV is stored (``STORAGES``), and the scheduling flags of the
+server a scheduler-path family runs (policy, chunk size, conservativeness). Every choice
 shrinks toward the simplest config (page size 1, the smallest sizes, the fewest layers, the blocked
 layout), so a failure is reported on the smallest config that still fails. Faults that need a storage
 kind steer the draw to it (``drawn_configs``).
@@ -16,7 +17,7 @@ from typing import Callable
 
 from hypothesis import strategies as st
 
-from poolfuzz.pools.config import CONFIGS, KV_DTYPES, STATE_DTYPES, ModelConfig
+from poolfuzz.pools.config import CONFIGS, KV_DTYPES, SCHEDULE_POLICIES, STATE_DTYPES, ModelConfig
 from poolfuzz.pools.errors import ConfigError
 
 DRAWN_NAME = "random"  # the name every drawn config carries (and --config random asks for)
@@ -89,6 +90,12 @@ def _drawn(draw, storages: tuple[str, ...] = STORAGES, storage_decides_layers: b
         track_slots=draw(st.sampled_from((0, 1, 2))),
         spec_tokens=draw(st.one_of(st.just(0), st.integers(2, 5))),
         storage=draw(st.sampled_from(storages)),
+        # A scheduler-path server's scheduling flags (the pools path ignores them): its policy, its chunk size in
+        # tokens a traffic unit (0: prompts are not chunked) and its conservativeness in hundredths; each shrinks to
+        # the named configs' fcfs, 16 and 0.1
+        policy=draw(st.sampled_from(SCHEDULE_POLICIES)),
+        chunked=draw(st.sampled_from((16, 0, 4, 32))),
+        conservativeness=draw(st.sampled_from((10, 30, 100))),
     )
     if storage_decides_layers:  # drop the layers the kind cannot sit beside, rather than the kind
         d.update(_layers_for(d["storage"], d["swa"], d["mamba"]))
@@ -124,6 +131,7 @@ def _config_from(d: dict, pattern: str) -> ModelConfig:
         full_tokens=full_tokens, max_context=max_context, request_rows=d["rows"], host_tokens=d["host_pages"] * ps,
         # The architecture is what uses_ssm_state reads: it must agree with the layers built.
         architecture="qwen3-next" if mamba else ("gpt-oss" if swa else "llama"),
+        schedule_policy=d["policy"], chunked_prefill=d["chunked"], conservativeness_pct=d["conservativeness"],
     )
     if swa:
         window = d["window"]
@@ -185,7 +193,7 @@ def drawn_configs(*, faults=(), where: Callable[[ModelConfig], bool] | None = No
 # Small configs, one per mix of layer kinds, that tell which storage kinds a set of checks can accept.
 _PROBE = dict(ps=1, long=False, full_pages=16, extra_context=0, swa_pages=16, window=4, head_num=1, head_dim=12,
               kv_dtype=KV_DTYPES[0], rows=2, host_pages=0, mamba_slots=2, state_shapes=(((12, 1),), (1, 2, 6)),
-              state_dtype=STATE_DTYPES[0], track_slots=0, spec_tokens=0)
+              state_dtype=STATE_DTYPES[0], track_slots=0, spec_tokens=0, policy="fcfs", chunked=16, conservativeness=10)
 
 
 def _steering(checks: list[Callable[[ModelConfig], bool]]) -> tuple[str, ...]:

@@ -27,6 +27,8 @@ def test_drawn_configs_shrink_to_the_simplest():
     simplest = find(drawn_configs(), lambda c: True, settings=settings(database=None))
     assert (simplest.page_size, simplest.full_layers, simplest.swa_layers, simplest.mamba_layers) == (1, 1, 0, 0)
     assert simplest.layer_pattern == "" and simplest.full_tokens == 1 and simplest.request_rows == 1
+    # the server's scheduling flags shrink to the named configs'
+    assert (simplest.schedule_policy, simplest.chunked_prefill, simplest.conservativeness_pct) == ("fcfs", 16, 10)
     paged_mamba = find(drawn_configs(), lambda c: c.page_size > 4 and c.has_mamba, settings=settings(database=None))
     assert (paged_mamba.page_size, paged_mamba.mamba_layers, paged_mamba.swa_layers) == (8, 1, 0)
 
@@ -39,6 +41,9 @@ def test_the_strategy_reaches_off_grid_shapes():
     find(drawn_configs(), lambda c: c.has_swa and c.sliding_window == 1, settings=s)
     find(drawn_configs(), lambda c: c.has_swa and c.sliding_window > c.swa_tokens, settings=s)
     find(drawn_configs(), lambda c: c.kv_dtype == "fp8_e5m2" and c.page_size == 2, settings=s)
+    # server flags nobody wrote down: a cache-aware policy with prompts prefilled whole, a full conservativeness
+    find(drawn_configs(), lambda c: c.schedule_policy == "dfs-weight" and c.chunked_prefill == 0
+         and c.conservativeness_pct == 100 and c.has_mamba, settings=s)
 
 
 @pytest.mark.parametrize("storage", [

@@ -31,6 +31,10 @@ class TestModelConfigValidation:
         ({"mamba_layers": 1, "mamba_slots": 1, "conv_shapes": ((2, 3),)}, "conv shape (2, 3) holds fewer than 12 values"),
         ({"mamba_layers": 1, "mamba_slots": 1, "temporal_shape": (1, 2, 4)},
          "temporal shape (1, 2, 4) holds fewer than 12 values"),
+        ({"schedule_policy": "random"}, "schedule_policy 'random' is not one of fcfs, lpm, dfs-weight, lof"),
+        ({"chunked_prefill": -1}, "chunked_prefill (-1) must be >= 0 (0: prompts are not chunked)"),
+        ({"conservativeness_pct": 0}, "conservativeness_pct (0) must be from 1 to 1000"),
+        ({"kv_dtype": "fp8_e5m2", "kv_scale_block": 4}, "kv_scale_block needs attention 'mha', kv_dtype 'fp8_e4m3'"),
     ])
     def test_impossible_config_names_the_problem(self, changes, problem):
         """Each impossible setting raises ConfigError that names the config and the problem."""

@@ -70,6 +70,23 @@ def test_a_chunked_prompt_is_shared_before_it_finishes(scheduling):
     assert driver.drain() is None
 
 
+@pytest.mark.parametrize("policy, chunk, size", [("lpm", 0, None), ("dfs-weight", 4, 4), ("lof", 32, 32)])
+def test_a_configs_scheduling_flags_are_the_servers(scheduling, policy, chunk, size):
+    """A config's scheduling flags (drawn configs draw them) are the server's: SGLang's SchedulePolicy runs its policy,
+    and its Scheduler's own init_chunked_prefill reads the chunk size, where --chunked-prefill-size -1 (the config's 0)
+    leaves a 20-token prompt unchunked; the server serves on the policy and checks pass."""
+    c = CONFIGS["dense"].replace(schedule_policy=policy, chunked_prefill=chunk, conservativeness_pct=100)
+    driver = scheduling.SglangSchedulerDriver(c)
+    assert driver.server.policy.policy.value == policy and driver.server.chunked_prefill_size == size
+    assert driver.server_args["schedule_conservativeness"] == 1.0
+    a = driver.add_request(length=20, share=0, max_tokens=3)
+    driver.step()
+    assert (driver.server.chunked_req is driver.requests[a]) == (size is not None and size < 20)
+    driver.add_request(length=2, share=4, max_tokens=3)
+    driver.add_request(length=5, share=0, max_tokens=4)
+    assert driver.drain() is None
+
+
 def test_an_aborted_request_leaves_nothing_behind(scheduling):
     """A waiting request is popped and answered at once; a running one finishes with an abort at its next forward,
     short of its max_tokens, and its row and slots go back (SGLang's idle leak checks pass)."""

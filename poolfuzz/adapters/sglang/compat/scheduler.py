@@ -37,19 +37,19 @@ def scheduler_state(*, tree, req_to_token_pool, allocator, model_config, spec_al
     noop = lambda *args, **kwargs: None  # noqa: E731
     same = lambda batch, **kwargs: batch  # noqa: E731
     return dict(
-        # queues and running state (init_running_status, init_chunked_prefill)
-        waiting_queue=[], last_batch=None, chunked_req=None, _pending_chunked_abort_req=None, result_queue=deque(),
+        # queues and running state (init_running_status; the chunk state is compat.init_chunked_prefill's)
+        waiting_queue=[], last_batch=None, result_queue=deque(),
         forward_ct=0, processed_tokens_counter=0, enable_skip_finishing_decode=False, _sched_idled=False,
         enable_continuous_input_polling=False,
         # pools, model and policy
         tree_cache=tree, req_to_token_pool=req_to_token_pool, token_to_kv_pool_allocator=allocator,
         page_size=page_size, device="cpu", model_config=model_config, spec_algorithm=spec_algorithm, enable_overlap=False,
         dllm_config=None, policy=policy, new_token_ratio_tracker=token_ratio, is_generation=True,
-        chunked_prefill_size=flags["chunked_prefill_size"], max_prefill_tokens=flags["max_prefill_tokens"],
+        max_prefill_tokens=flags["max_prefill_tokens"],  # the chunk size: init_chunked_prefill's
         max_running_requests=max_running_requests, max_req_input_len=max_req_input_len, max_prefill_bs=0,
         max_total_num_tokens=max_total_num_tokens, max_req_len=max_req_len, kv_shard_widening=1,
         max_new_tokens_limit=None, sliding_window_size=sliding_window_size,
-        is_mixed_chunk=False, truncation_align_size=None, dynamic_chunk_sizer=None, prefill_delayer=None,
+        truncation_align_size=None, dynamic_chunk_sizer=None, prefill_delayer=None,
         min_free_slots_delayer=None, priority_scheduling_preemption_threshold=flags["priority_scheduling_preemption_threshold"],
         enable_priority_preemption=False,
         enable_priority_scheduling=False, schedule_low_priority_values_first=False,
@@ -228,6 +228,17 @@ def publish_scheduler_context(*, max_running_requests: int) -> dict:
         writer.override("scheduler.pp_max_micro_batch_size_default",
                         pp_max_micro_batch_size=max(max_running_requests // parallel.pp_size, 1))
     return published
+
+
+def init_chunked_prefill(server) -> None:
+    """The Scheduler's own ``init_chunked_prefill`` on the stand-in ``server``: its chunk size from the published
+    ``--chunked-prefill-size`` (one <= 0 is no chunking), its mixed-chunk and chunk state. The model is resolved to
+    one of SGLang's own implementations (``_resolved_model_impl``, the cache ``get_resolved_model_impl`` reads), not
+    the Transformers backend, under which a multimodal model's prompts are not chunked."""
+    from sglang.srt.configs.model_config import ModelImpl
+
+    server.model_config._resolved_model_impl = ModelImpl.SGLANG
+    type(server).init_chunked_prefill(server)
 
 
 def context_loop_problem(scheduler_cls) -> str | None:

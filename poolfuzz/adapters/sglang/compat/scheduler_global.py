@@ -16,7 +16,7 @@ GLOBAL_SCHEDULER_METHODS = ("get_next_batch_to_run", "update_running_batch", "pr
                             "init_schedule_policy")
 # The Scheduler's init methods that build what its event loop reads over a built tree, in __init__'s order; a
 # release runs those it has (the components arrived in 0.5.13).
-SCHEDULER_INITS = ("init_schedule_policy", "init_pool_stats_observer", "init_invariant_checker",
+SCHEDULER_INITS = ("init_chunked_prefill", "init_schedule_policy", "init_pool_stats_observer", "init_invariant_checker",
                    "init_batch_result_processor")
 # The mamba radix cache's strategy flag, by the ServerArgs field each release names it with.
 MAMBA_STRATEGY_FLAGS = ("mamba_radix_cache_strategy", "mamba_scheduler_strategy")

@@ -65,11 +65,6 @@ from poolfuzz.pools.token_chain import Tokens
 VOCAB = 1 << 15  # sampled tokens are below it; prompt tokens above it, so prompts share only the prefixes drawn
 DRAIN_STEPS = 400
 STALLED_STEPS = 3  # idle steps with requests waiting after which a session's client gives up its turn
-# The server's flags, the rest at their defaults (fcfs policy, --max-prefill-tokens 16384, ...):
-# --chunked-prefill-size small, so prompts are chunked; --schedule-conservativeness below the default 1.0, so the
-# server admits on a smaller estimate of the tokens running requests will still take, and under load decode runs
-# out of slots and retract_decode takes requests back.
-SERVER_FLAGS = {"chunked_prefill_size": 16, "schedule_conservativeness": 0.1}
 # A model with recurrent state: its HF config's mamba_chunk_size (the kernels' chunk; the checkpoint grid is this or the
 # page size, the larger), and --mamba-track-interval a multiple of it, so that prompts of a few dozen tokens cross
 # track boundaries where the extra buffer snapshots a state for the radix tree (the defaults, 64 and 256, need 1000s).
@@ -280,6 +275,7 @@ class SglangSchedulerDriver:
             token_ratio=compat.token_ratio(m.TokenRatio),
             processor=processor, enable_hierarchical_cache=self.hierarchical,
             enable_hicache_storage=l3.enabled(self.tree), enable_unified_memory=self.unified))
+        compat.init_chunked_prefill(self.server)
         self.server.running_batch = _empty_batch()
         self.server.init_pool_stats_observer()  # the Scheduler's own, for SGLang's invariant checker below
         self.server.init_invariant_checker()
@@ -551,16 +547,19 @@ def served(config: ModelConfig) -> ModelConfig:
 
 
 def server_arguments(config: ModelConfig, *, max_running_requests: int) -> dict:
-    """The flags of the server this path runs (``ServerArgs`` fields; the rest at their defaults): the scheduling
-    flags above, and for a model with recurrent state the mamba radix cache's strategy its pools were built for
+    """The flags of the server this path runs (``ServerArgs`` fields; the rest at their defaults, --max-prefill-tokens
+    16384 among them): the config's scheduling flags (named configs: fcfs, chunks of 16 tokens so that prompts are
+    chunked, a conservativeness of 0.1 so that the server admits on a small estimate of what running requests will
+    still take, and under load decode runs out of slots and retract_decode takes requests back; drawn configs draw
+    them), and for a model with recurrent state the mamba radix cache's strategy its pools were built for
     (``extra_buffer``: a track slot pair per request; ``no_buffer``: none)."""
-    flags = dict(SERVER_FLAGS, max_running_requests=max_running_requests, page_size=config.page_size,
-                 disable_overlap_schedule=True)
+    flags = dict(schedule_policy=config.schedule_policy, schedule_conservativeness=config.conservativeness_pct / 100,
+                 max_running_requests=max_running_requests, page_size=config.page_size, disable_overlap_schedule=True)
     # scaled by the unit prompts are drawn in (a drawn long-context model's prompts are thousands of tokens: chunked
     # by 16 they would take more steps than an example drains in); a server refuses a chunked prefill size that is not
     # a whole number of pages (its validation hook asserts it)
-    chunk = flags["chunked_prefill_size"] * config.traffic_unit
-    flags["chunked_prefill_size"] = -(-chunk // config.page_size) * config.page_size
+    chunk = config.chunked_prefill * config.traffic_unit
+    flags["chunked_prefill_size"] = -(-chunk // config.page_size) * config.page_size if chunk else -1
     if config.has_mamba:
         flags.update(mamba_radix_cache_strategy="extra_buffer" if config.mamba_track_slots else "no_buffer",
                      mamba_track_interval=MAMBA_TRACK_INTERVAL, mamba_chunk_size=MAMBA_CHUNK)

@@ -151,8 +151,9 @@ def server_state(*, server_args, model_config, spec_algorithm, disaggregation_mo
 
 def finish_building(server) -> None:
     """The Scheduler's own ``init_*`` methods that build what its event loop reads over the tree, where the release
-    has them (``compat.SCHEDULER_INITS``: the policy and new-token ratio, the pool stats observer, the invariant
-    checker, the batch result processor), and ``init_running_status``'s session controller."""
+    has them (``compat.SCHEDULER_INITS``: the chunk size, where one <= 0 is no chunking; the policy and new-token
+    ratio; the pool stats observer; the invariant checker; the batch result processor), and
+    ``init_running_status``'s session controller."""
     from sglang.srt.session.session_controller import SessionController
 
     server.session_controller = SessionController(server.tree_cache)
