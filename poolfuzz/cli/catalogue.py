@@ -110,7 +110,7 @@ def _print_server(d) -> None:
             print(f"{indent}  {part:14} {what}")
     else:
         differs = {p: w for p, w in d.family.items() if d.built.get(p) != w}
-        extra = [p for p in d.built if p not in d.family]
+        extra = [p for p in d.built if p not in d.family and p not in d.unfuzzed]
         if not differs and not extra:
             print(f"{indent}family builds the same")
         for part, what in differs.items():

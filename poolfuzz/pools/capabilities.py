@@ -128,6 +128,8 @@ class ServerDescription:
     model: dict | None = None  # the model's config.json the server reads (None: no model stands for the config yet)
     launcher: str = ""  # the engine's own launch command for that server, without its model path and flags
     notes: tuple[str, ...] = ()  # what else a reader of the listing must know (a flag added after a refusal)
+    # parts of ``built`` no family runs on (a speculative server's draft KV pool): listed, not compared
+    unfuzzed: tuple[str, ...] = ()
 
     def command(self, model_path: str) -> str:
         """The command that launches the server on the model at ``model_path`` (already quoted for a shell)."""

@@ -249,6 +249,17 @@ def test_the_configs_listing_names_each_servers_flags_and_pools(api, configurato
     assert dense.count("family builds the same") == 1
 
 
+def test_a_speculative_servers_draft_pool_is_listed_but_not_called_a_difference(api, configurator, capsys):
+    """The draft worker's KV pool of a speculative server is listed (no family runs a draft model), and the family that
+    runs on every other pool SGLang built is listed as building the same."""
+    from poolfuzz.cli import main
+
+    assert main(["configs", "--family", "sglang:scheduler", "--show", "hybrid-spec"]) == 0
+    out = capsys.readouterr().out
+    assert "draft KV pool  HybridLinearKVPool" in out and "(not fuzzed: no family runs a draft model)" in out
+    assert "family builds the same" in out and "family differs" not in out
+
+
 def test_a_configs_server_is_written_out_to_launch_on_a_gpu(api, configurator, capsys, tmp_path):
     import json
 

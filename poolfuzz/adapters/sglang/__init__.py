@@ -73,8 +73,8 @@ def _described(config, *, role_flags, build, server_of=None, notes=()):
     and what the family (``build()``) runs on. ``server_of``: where ``build()`` starts a scheduler-path server, its
     ``(family, flags)``: the listing then names every flag that server runs with."""
     from poolfuzz.adapters.sglang.api import load
-    from poolfuzz.adapters.sglang.pools.configurator import (command_line, configure, describe_pools, server_flags,
-                                                             server_model)
+    from poolfuzz.adapters.sglang.pools.configurator import (DRAFT, command_line, configure, describe_pools,
+                                                             server_flags, server_model)
     from poolfuzz.errors import ConfigError
     from poolfuzz.pools.capabilities import ServerDescription
 
@@ -100,7 +100,8 @@ def _described(config, *, role_flags, build, server_of=None, notes=()):
     # a server with the model's shapes and random weights: the pools poolfuzz fuzzed, on a GPU
     return ServerDescription(flags=flags, built=built, refused=refused, family=family, family_declines=declines,
                              model=model, launcher="python -m sglang.launch_server --load-format dummy "
-                                                   "--skip-tokenizer-init", notes=tuple(notes))
+                                                   "--skip-tokenizer-init", notes=tuple(notes),
+                             unfuzzed=(DRAFT,) if built and DRAFT in built else ())
 
 
 build_family.unsupported_reason = unsupported_reason
