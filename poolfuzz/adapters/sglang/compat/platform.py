@@ -14,7 +14,9 @@ runs. ``gpu_server`` answers those questions as the GPU would, for the span of o
   caps and the configurator's fixed budget, not from it).
 
 Names bound at import (``_is_cuda = is_cuda()`` in the kernels' modules) keep the CPU's answer: the kernels that run
-are the CPU's, the decisions are the GPU server's.
+are the CPU's, the decisions are the GPU server's. So that a module a build imports first does not bind the GPU's
+answer, the modules that bind the device module at import (``DEVICE_BOUND_MODULES``: a host tier's events and
+streams come from it) are imported on this machine before a GPU is stood in for.
 
 A CPU server (SGLang's CPU FP8 KV cache is one's) runs SGLang's CPU engine (``SGLANG_USE_CPU_ENGINE=1``) on an x86
 Xeon with AMX, which that KV cache requires. ``cpu_server`` answers as that machine, for the span of one build: the
@@ -33,6 +35,24 @@ from dataclasses import dataclass
 from unittest import mock
 
 from poolfuzz.adapters.sglang.compat.needs import has_private, private, private_module, private_name
+
+
+# SGLang modules that bind ``device_module = get_device_module()`` at import. A PD decode server's pools, built under
+# the GPU's stand-in, import the HiCache controller; bound to torch.cuda there, a later CPU host tier in the process
+# asked CUDA for its events ("Tried to instantiate dummy base class Event").
+DEVICE_BOUND_MODULES = ("sglang.srt.managers.cache_controller", "sglang.srt.mem_cache.l2_transfer",
+                        "sglang.srt.mem_cache.unified_cache.unified_cache_linker")
+
+
+def _bound_on_this_machine() -> None:
+    """Import ``DEVICE_BOUND_MODULES`` (those this release has) while SGLang still answers as this machine."""
+    import importlib
+
+    for name in DEVICE_BOUND_MODULES:
+        try:
+            importlib.import_module(name)
+        except ImportError:  # a release without the module
+            pass
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -85,6 +105,7 @@ def gpu_server(gpu: GPU):
     """SGLang answering as a server on ``gpu`` for the span of the ``with`` (see the module docstring)."""
     import torch
 
+    _bound_on_this_machine()
     probe = private("cuda_probe")
     common = __import__(probe.__module__, fromlist=["_"])
     with _stated(gpu.facts()), mock.patch.object(common, private_name("cuda_probe"), lambda: True), \
