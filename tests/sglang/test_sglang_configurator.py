@@ -347,16 +347,38 @@ def test_a_decode_server_runs_on_the_request_pool_sglangs_pd_hook_sizes(configur
 
 def test_a_radix_disabled_decode_server_sizes_its_window_pool_from_its_requests(configurator):
     """Not from ``--swa-full-tokens-ratio``: SGLang's configurator sizes a radix-disabled SWA server's window pool for
-    its running and pre-allocated requests' windows, so the family (whose config asks for half the full pool) keeps
-    its wiring and says so."""
+    its running and pre-allocated requests' windows (here the whole 64 tokens, where the config asks for 32). The
+    decode server reads that size back into its config and runs on the pools SGLang built; a family built from the
+    config as given keeps its wiring and says why."""
+    from poolfuzz.adapters.sglang import build_decode_driver
     from poolfuzz.adapters.sglang.lifecycle.family import build_sglang_family
     from poolfuzz.adapters.sglang.scheduler.decode_server import ROLE_FLAGS
 
     c = CONFIGS["swa"]
-    server = configurator.configure(c, role_flags=ROLE_FLAGS).parts()
-    assert server["swa kv pool"] != f"MHATokenToKVPool ({c.swa_tokens} tokens)"
+    built = configurator.configure(c, role_flags=ROLE_FLAGS)
+    assert built.sizes["swa_max_total_num_tokens"] == 64 != c.swa_tokens
     family = build_sglang_family(c, scheduled=True, decode_rows=2 * c.request_rows, role_flags=ROLE_FLAGS)
     assert "builds other pools for the config's server" in family.pools_source
+    assert configurator.window_sized(c, role_flags=ROLE_FLAGS) == c.replace(swa_tokens=64)
+    driver = build_decode_driver(c)  # the decode server a fuzz run starts (its host_pool backup's host tier too)
+    assert driver.config.swa_tokens == 64 and driver.family.pools_source.startswith("SGLang's KV cache configurator (")
+    assert configurator.window_sized(CONFIGS["swa"]) == c  # a plain server's window pool is the flag's
+
+
+def test_a_gpu_servers_build_leaves_this_machines_device_module_bound(configurator):
+    """A PD decode server's pools, built while a GPU is stood in for, import the HiCache controller: it binds its device
+    module at import, and bound to CUDA's, a later host tier in the process asked CUDA for its events. The modules
+    that bind it are imported on this machine first, so a decode server with a host_pool backup starts after it."""
+    import sys
+
+    import torch
+
+    from poolfuzz.adapters.sglang.compat.platform import DEVICE_BOUND_MODULES
+    from poolfuzz.adapters.sglang.scheduler.decode_server import ROLE_FLAGS
+
+    configurator.configure(CONFIGS["swa"], role_flags=ROLE_FLAGS)
+    bound = {name: sys.modules[name].device_module for name in DEVICE_BOUND_MODULES if name in sys.modules}
+    assert bound and all(module is not torch.cuda for module in bound.values()), bound
 
 
 def test_the_configurator_publishes_the_callers_server_back(configurator):

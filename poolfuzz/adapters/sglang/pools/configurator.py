@@ -233,6 +233,27 @@ def refusal(c: ModelConfig, *, role_flags: dict | None = None) -> str | None:
     return _REFUSALS[key]
 
 
+_WINDOW_SIZED: dict[tuple, ModelConfig] = {}
+
+
+def window_sized(c: ModelConfig, *, role_flags: dict | None = None) -> ModelConfig:
+    """``c`` with the sliding-window pool SGLang's configurator gives its server (with ``role_flags``), where SGLang
+    sizes that pool itself: a server without a radix cache (a PD decode server's) takes it from its requests' windows
+    (``SWARequestCapPoolConfigurator``), not from ``--swa-full-tokens-ratio``, so that the config's window pool is not
+    the one its server runs on. ``c`` as given where the model has no window beside full attention, or where the
+    configurator does not build here (the family then says why). Read back once per config and role per process."""
+    if not (c.has_swa and c.has_full):
+        return c
+    key = (c, tuple(sorted((role_flags or {}).items())))
+    if key not in _WINDOW_SIZED:
+        try:
+            window = configure(c, role_flags=role_flags).sizes.get("swa_max_total_num_tokens")
+        except ConfigError:
+            window = None
+        _WINDOW_SIZED[key] = c.replace(swa_tokens=window) if window and window != c.swa_tokens else c
+    return _WINDOW_SIZED[key]
+
+
 def problem() -> str | None:
     """Why this release cannot build pools through its configurator here, or None."""
     missing = [k for k in ("kv_cache_configurator", "configurator_free_memory", "configurator_gc", "spawn_ranks", "init_parallel_groups",

@@ -179,7 +179,10 @@ class SglangDecodeDriver(SglangSchedulerDriver):
 
         from poolfuzz.adapters.sglang import compat
 
-        super()._build_context_server(config, max_running)
+        from poolfuzz.adapters.sglang.pools.configurator import window_sized
+
+        # the window pool a decode server runs on is the one SGLang sizes from its requests' windows
+        super()._build_context_server(window_sized(config, role_flags=ROLE_FLAGS), max_running)
         s, config, group = self.server, self.config, one_rank_group()
         compat.publish_single_rank(group)
         # what the TpModelWorker knows of the model, as far as the decode queues read it
