@@ -174,15 +174,19 @@ class SglangDecodeDriver(SglangSchedulerDriver):
 
         return build_sglang_family(config, scheduled=True, decode_rows=2 * max_running, role_flags=ROLE_FLAGS)
 
+    def sized(self, config: ModelConfig) -> ModelConfig:
+        """The config as this server's pools are sized: the window pool SGLang sizes from its requests' windows
+        (``configurator.window_sized``), not the ratio's."""
+        from poolfuzz.adapters.sglang.pools.configurator import window_sized
+
+        return window_sized(config, role_flags=ROLE_FLAGS)
+
     def _build_context_server(self, config: ModelConfig, max_running: int) -> None:
         from sglang.srt.runtime_context import get_server_args
 
         from poolfuzz.adapters.sglang import compat
 
-        from poolfuzz.adapters.sglang.pools.configurator import window_sized
-
-        # the window pool a decode server runs on is the one SGLang sizes from its requests' windows
-        super()._build_context_server(window_sized(config, role_flags=ROLE_FLAGS), max_running)
+        super()._build_context_server(self.sized(config), max_running)
         s, config, group = self.server, self.config, one_rank_group()
         compat.publish_single_rank(group)
         # what the TpModelWorker knows of the model, as far as the decode queues read it

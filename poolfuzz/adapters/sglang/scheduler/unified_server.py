@@ -65,6 +65,11 @@ class UnifiedDecodeDriver(UnifiedMemory, SglangDecodeDriver):
     def build_family(self, config: ModelConfig, max_running: int):
         return build_unified(config, node="decode")
 
+    def sized(self, config: ModelConfig) -> ModelConfig:
+        """As the config says: its pools are the adapter's wiring of the unified factory, sized by the config (a plain
+        decode server's window sizing is another server's)."""
+        return config
+
     @property
     def listed_flags(self) -> dict:
         """The server it stands for: the decode server's flags with the transfer backend a unified one runs."""
