@@ -77,9 +77,11 @@ class Engine(KnownBugTaint):
         self.backup_mode: str = first.backup_mode  # the retraction path the families run
         # A family whose engine counts capacity its own way (vLLM's shared block pool, SGLang's
         # prefix tree) names the reference model of it, each node its own: ``reference_factory(config,
-        # backup_mode=..., **capabilities)`` (the family's capabilities the reference follows).
+        # backup_mode=..., **capabilities)`` (the family's capabilities the reference follows). The
+        # config is the family's: where the engine sized a pool otherwise than the config asked (the
+        # state slots a release's servers give the rows), the reference counts what was built.
         self.refs = {n: (self.caps[n].reference_factory or ReferenceFamily)(
-                         config, backup_mode=f.backup_mode, resume_swa_tail_only=self.caps[n].resume_swa_tail_only)
+                         f.config, backup_mode=f.backup_mode, resume_swa_tail_only=self.caps[n].resume_swa_tail_only)
                      for n, f in self.families.items()}
         self.ledger = row_cache.shared_ledger()  # expected checksums: pure caches shared across examples
         # What the checks need of each component (no tensors), and the rules of each index space.

@@ -29,7 +29,7 @@ from poolfuzz.adapters.sglang.disaggregation.pd import SGLangPDTransfer, pd_prob
 from poolfuzz.adapters.sglang.disaggregation.prealloc import DECODE, gate_problem
 from poolfuzz.adapters.sglang.lifecycle.protocol import SGLangProtocol
 from poolfuzz.adapters.sglang.pools.reads import read_door, stored_bytes
-from poolfuzz.adapters.sglang.pools.request_pool import (build_plain_request_pool, build_request_pool, check_built,
+from poolfuzz.adapters.sglang.pools.request_pool import (build_plain_request_pool, build_request_pool, check_built, rows_over_slots,
                                                        server_row_width)
 from poolfuzz.adapters.sglang.lifecycle.standin import standin_class
 from poolfuzz.adapters.sglang.pools.storage import (build_storage_pool, quant_method_kwargs, storage_of,
@@ -263,7 +263,13 @@ def build_sglang_family(config: ModelConfig, *, device="cpu", faults=(), backup_
             pd_decode = node == DECODE or decode_rows is not None
             build = functools.partial(_build, api, config, dev, sdev, backup_mode, pd_decode=pd_decode,
                                       scheduled=scheduled, decode_rows=decode_rows)
-            return served_or_wired(build, config, sdev, pd_decode=pd_decode, role_flags=role_flags)
+            family = served_or_wired(build, config, sdev, pd_decode=pd_decode, role_flags=role_flags)
+            rows = rows_over_slots(family.sg_req_pool)
+            if rows:  # as the release's servers size it: a state slot for every row
+                return build_sglang_family(config.replace(mamba_slots=rows), device=device, faults=faults,
+                                           backup_mode=backup_mode, node=node, scheduled=scheduled,
+                                           decode_rows=decode_rows, role_flags=role_flags)
+            return family
     except ConfigError:
         raise  # declined already, with its reason (a server SGLang refuses among them)
     except (AssertionError, ValueError) as exc:

@@ -83,6 +83,15 @@ def pool_kwargs(config) -> dict:
                 enable_overlap_schedule=config.mamba_track_slots == 2)
 
 
+def rows_over_slots(pool) -> int:
+    """The rows of a built request pool whose row -> state-slot table is shorter than its rows, else 0. 0.5.9 and
+    0.5.10 size that table by the state slots, and their servers never build more rows than slots (the model runner
+    caps the rows at ``max_mamba_cache_size // _calculate_mamba_ratio()``, a ratio of at least 1); a pool with more
+    rows indexes past the table at its first admission, a state no server reaches."""
+    mapping = getattr(pool, "req_index_to_mamba_index_mapping", None)
+    return pool.size if mapping is not None and mapping.shape[0] < pool.size else 0
+
+
 def check_built(pool, config) -> str | None:
     """The built pool allocates as many track slots per request as the config holds, or a reason."""
     if not config.mamba_track_slots:
