@@ -230,14 +230,20 @@ def publish_scheduler_context(*, max_running_requests: int) -> dict:
     return published
 
 
-def init_chunked_prefill(server) -> None:
-    """The Scheduler's own ``init_chunked_prefill`` on the stand-in ``server``: its chunk size from the published
-    ``--chunked-prefill-size`` (one <= 0 is no chunking), its mixed-chunk and chunk state. The model is resolved to
-    one of SGLang's own implementations (``_resolved_model_impl``, the cache ``get_resolved_model_impl`` reads), not
-    the Transformers backend, under which a multimodal model's prompts are not chunked."""
+def resolved_to_sglangs_own_model(model_config) -> None:
+    """The model resolved to one of SGLang's own implementations, not the Transformers backend (under which the tree
+    and chunking differ): ``_resolved_model_impl``, the cache ``get_resolved_model_impl`` reads before it would look
+    the model's architecture up."""
     from sglang.srt.configs.model_config import ModelImpl
 
-    server.model_config._resolved_model_impl = ModelImpl.SGLANG
+    model_config._resolved_model_impl = ModelImpl.SGLANG
+
+
+def init_chunked_prefill(server) -> None:
+    """The Scheduler's own ``init_chunked_prefill`` on the stand-in ``server``: its chunk size from the published
+    ``--chunked-prefill-size`` (one <= 0 is no chunking), its mixed-chunk and chunk state, for a model of SGLang's
+    own implementations."""
+    resolved_to_sglangs_own_model(server.model_config)
     type(server).init_chunked_prefill(server)
 
 

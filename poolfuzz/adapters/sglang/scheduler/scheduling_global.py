@@ -75,11 +75,8 @@ def build_tree(server, family, server_args):
             enable_hierarchical_cache=False, disable_radix_cache=False,
             effective_chunked_prefill_size=server_args.chunked_prefill_size, tp_worker=None, model_config=None,
             tp_size=1, tp_rank=0, tp_group=None))
-    # 0.5.12: the Scheduler's own init_cache_with_memory_pool, over a worker that serves this model's pools; the
-    # model is one of SGLang's own implementations (not the Transformers backend, which changes the tree)
-    from sglang.srt.configs.model_config import ModelImpl
-
-    server.model_config._resolved_model_impl = ModelImpl.SGLANG
+    # 0.5.12: the Scheduler's own init_cache_with_memory_pool, over a worker that serves this model's pools
+    compat.resolved_to_sglangs_own_model(server.model_config)
     server.__dict__.update(tp_worker=_worker(family), server_args=server_args)
     server.init_cache_with_memory_pool()
     return server.tree_cache
