@@ -142,9 +142,10 @@ PRIVATE: dict[str, Need] = {
     "kv_copy_kernel": Need(target="sglang.srt.mem_cache.memory_pool:copy_all_layer_kv_cache_func", required=False,
                            used_for="private: the tiled KV row copy (a Triton kernel) a speculative server's pool "
                                     "launches once when built, over dummy locations, to warm it up"),
-    "post_capture_kv_active": Need(target="sglang.srt.model_executor.model_runner_components.kv_pool_runtime:"
-                                          "is_post_capture_kv_active", required=False,
-                                   used_for="the model runner's answer for the configurator's post-capture KV flag"),
+    "init_kv_cache_configurator": Need(target="sglang.srt.model_executor.model_runner:"
+                                              "ModelRunner.init_kv_cache_configurator", required=False,
+                                       used_for="the model runner's own construction of its KV cache configurator, "
+                                                "run on a runner stand-in (0.5.16 on)"),
     "init_parallel_groups": Need(target="sglang.srt.distributed.bootstrap:_init_parallel_groups", required=False,
                                  used_for="private: a one-rank server's parallel groups, built on gloo"),
     "resolve_layer_indices": Need(target="sglang.srt.model_executor.model_runner_components.layer_setup:"

@@ -256,9 +256,9 @@ def window_sized(c: ModelConfig, *, role_flags: dict | None = None) -> ModelConf
 
 def problem() -> str | None:
     """Why this release cannot build pools through its configurator here, or None."""
-    missing = [k for k in ("kv_cache_configurator", "configurator_free_memory", "configurator_gc", "spawn_ranks", "init_parallel_groups",
-                           "post_capture_kv_active", "resolve_layer_indices", "configure_kv_cache_dtype",
-                           "resolve_sliding_window_size", "spec_aux_config")
+    missing = [k for k in ("kv_cache_configurator", "configurator_free_memory", "configurator_gc", "spawn_ranks",
+                           "init_parallel_groups", "init_kv_cache_configurator", "resolve_layer_indices",
+                           "configure_kv_cache_dtype", "resolve_sliding_window_size", "spec_aux_config")
                if not has_private(k)]
     if not missing:
         return None
@@ -402,9 +402,10 @@ def _built(args, model_dir: str, device: str, *, kind: str):
 
 def _worker_pools(args, model_dir: str, device: str, *, kind: str, target=None):
     """One model runner's ``KVCacheConfigurator.configure``: the target worker's, or with ``target`` (the target's
-    result) the draft worker's, each argument as ``ModelRunner.init_kv_cache_configurator`` passes it, from what the
-    runner holds: the published server's page size (a model hook may have reset it), its groups, SGLang's own answers
-    for the KV dtype, the layers and the post-capture state. ``(result, the configurator)``: the runner keeps the
+    result) the draft worker's. The configurator is made by the runner's own ``init_kv_cache_configurator``, run
+    unbound on a stand-in holding what the runner holds when it calls it: the published server's page size (a model
+    hook may have reset it), its groups, and SGLang's own answers for the KV dtype, the layers, the window and the
+    speculative hidden-state record (the runner's other inits). ``(result, the configurator)``: the runner keeps the
     configurator, and its token capacities ask it (``compat.worker_token_capacity``)."""
     from sglang.srt.configs.model_config import AttentionArch
     from sglang.srt.configs.model_config import ModelConfig as SGLangModelConfig
@@ -423,26 +424,23 @@ def _worker_pools(args, model_dir: str, device: str, *, kind: str, target=None):
         is_draft_worker=draft, is_dflash=False,
         speculative_draft_attention_backend=spec.speculative_draft_attention_backend if draft else None,
         speculative_draft_kv_cache_dtype=spec.speculative_draft_kv_cache_dtype if draft else None)
-    pp_group = get_parallel().pp_group
-    configurator = private("kv_cache_configurator")(
-        device=device, gpu_id=0, attn_dp_size=get_parallel().attn_dp_size, pp_size=pp_group.world_size,
-        pp_group=pp_group, model=model, model_config=model_config, server_args=args, kv_cache_dtype=kv_dtype,
+    runner = types.SimpleNamespace(
+        device=device, gpu_id=0, pp_group=get_parallel().pp_group, model=model, model_config=model_config,
+        server_args=args, kv_cache_dtype=kv_dtype,
         kv_cache_dtype_str=kv_name if kv_name is not None else get_model().kv_cache_dtype,
-        model_dtype=model_config.dtype, page_size=get_schedule().page_size,
+        dtype=model_config.dtype, page_size=get_schedule().page_size,
         sliding_window_size=private("resolve_sliding_window_size")(model, model_config),
-        spec_algorithm=spec_algorithm, is_draft_worker=draft,
-        post_capture_kv_active=private("post_capture_kv_active")(
-            server_args=args, is_draft_worker=draft, spec_algorithm=spec_algorithm,
-            token_to_kv_pool_allocator=target.token_to_kv_pool_allocator if draft else None),
+        spec_algorithm=spec_algorithm, is_draft_worker=draft, draft_model_idx=None,
         spec_aux_config=private("spec_aux_config")(server_args=args, model_config=model_config,
                                                    spec_algorithm=spec_algorithm, is_draft_worker=draft),
-        is_hybrid_swa=model_config.is_hybrid_swa,
-        is_hybrid_swa_compress=model_config.is_hybrid_swa_compress,
+        is_hybrid_swa=model_config.is_hybrid_swa, is_hybrid_swa_compress=model_config.is_hybrid_swa_compress,
         use_mla_backend=model_config.attention_arch == AttentionArch.MLA,
         layer_info=private("resolve_layer_indices")(model=model, model_config=model_config, is_draft_worker=draft),
         forward_stream=None, req_to_token_pool=target.req_to_token_pool if draft else None,
         token_to_kv_pool_allocator=target.token_to_kv_pool_allocator if draft else None,
         memory_pool_config=target.memory_pool_config if draft else None)
+    private("init_kv_cache_configurator")(runner)
+    configurator = runner.kv_cache_configurator
     with _fixed_free_memory(), _kv_copy_warmup_skipped(), native_kv_move():
         return configurator.configure(pre_model_load_memory=0), configurator
 
