@@ -25,8 +25,8 @@ def session_driver_or_skip(scheduling, name):
     """A scheduler-path driver of the named config whose server keeps streaming sessions, or the test skipped."""
     driver = scheduling.SglangSchedulerDriver(CONFIGS[name])
     if not driver.streaming_sessions:
-        pytest.skip("the scheduler path drives streaming sessions on releases with one global ServerArgs (0.5.12, "
-                    "0.5.13)")
+        pytest.skip("the scheduler path drives streaming sessions on releases with one global ServerArgs (0.5.9 "
+                    "to 0.5.15)")
     return driver
 
 

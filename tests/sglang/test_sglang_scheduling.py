@@ -16,6 +16,7 @@ from hypothesis.stateful import run_state_machine_as_test
 from poolfuzz.adapters.sglang import compat
 from poolfuzz.harness.scheduled import scheduled_machine
 from poolfuzz.pools.config import CONFIGS
+from tests.sglang.families import release as _release
 
 SETTINGS = settings(max_examples=25, stateful_step_count=30, deadline=None, derandomize=True,
                     suppress_health_check=list(HealthCheck), database=None)
@@ -253,9 +254,9 @@ def test_a_paged_mamba_server_without_the_extra_buffer_is_refused_with_sglangs_r
     from poolfuzz.errors import ConfigError
 
     # SGLang's validation of the flags refuses it where its configurator builds the pools (0.5.22 on), its tree's
-    # MambaComponent where not
+    # MambaComponent where not, and the MambaRadixCache itself before that component (0.5.15 and earlier)
     with pytest.raises(ConfigError, match="no_buffer only supports page_size=1|MambaComponent requires page_size=1 "
-                                          "when mamba_extra_buffer is disabled"):
+                                          "when mamba_extra_buffer is disabled|Page size must be 1 for MambaRadixCache"):
         scheduling.SglangSchedulerDriver(CONFIGS["hybrid-linear-ps4"])
 
 
@@ -367,7 +368,7 @@ def test_a_prompt_within_a_page_of_the_pool_is_accepted_but_never_admitted(sched
     Scheduler answers with an abort). PrefillAdder then wants prompt + 0 + one page strictly below the free pool
     (192 + 0 + 64 < 256) and never admits it: the request waits forever on an idle server (every prompt of 192 to 249
     tokens here). One token shorter, it is admitted and finishes. Before 0.5.22 the refusal also leaves the empty running
-    batch marked full (sglang#22518)."""
+    batch marked full (sglang#22518). 0.5.10 has no such clip: the prompt is given its one new token and finishes."""
     from packaging.version import Version
 
     from poolfuzz.pools.errors import ServerStuck
@@ -378,6 +379,10 @@ def test_a_prompt_within_a_page_of_the_pool_is_accepted_but_never_admitted(sched
 
     driver = scheduling.SglangSchedulerDriver(CONFIGS["dsa-ps64"])
     rid = driver.add_request(length=192, share=0, max_tokens=1)
+    if _release(api) < Version("0.5.11"):
+        assert driver.requests[rid].sampling_params.max_new_tokens == 1
+        assert driver.drain() is None and driver.outcome[rid] == "finished"
+        return
     assert driver.requests[rid].sampling_params.max_new_tokens == 0  # accepted, clipped, not aborted
     where = "waiting" if Version(api.version) >= Version("0.5.22") else (
         "waiting (the running batch is empty but marked full, so the scheduler admits nothing)")

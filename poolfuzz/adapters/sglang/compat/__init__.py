@@ -18,15 +18,18 @@ from poolfuzz.adapters.sglang.compat.scheduler import (  # noqa: F401
     result_processor, engine_invariant_problem, deferred_mamba_cow_and_clear, mamba_track_aligned_lens,
     batches_defer_mamba_cow, batch_rows, request_row, batch_prefill_inputs, physical_mamba_slots, queue_request,
     requests_owning_rows, req_to_token_headroom, token_ratio, has_retraction_backup_flag,
-    memory_flags, context_loop_problem, namespace_published, worker_token_capacity, init_chunked_prefill, resolved_to_sglangs_own_model,
+    memory_flags, namespace_published, worker_token_capacity, init_chunked_prefill, resolved_to_sglangs_own_model,
 )
 from poolfuzz.adapters.sglang.compat.spec_v2 import (  # noqa: F401
     SPEC_V2, runs_spec_v2_synchronously, spec_v2_modules, run_batch_state, verify_commit_target, verify_cache_locs,
     torch_state_scatter,
 )
 from poolfuzz.adapters.sglang.compat.scheduler_global import (  # noqa: F401
-    SCHEDULER_REPORTERS, GLOBAL_SCHEDULER_METHODS, SCHEDULER_INITS, MAMBA_STRATEGY_FLAGS,
-    publishes_runtime_context, server_flags, single_tensor_parallel_rank, has_tree_registry, scheduler_inits,
+    SCHEDULER_REPORTERS, GLOBAL_SCHEDULER_METHODS, SCHEDULER_INITS, MAMBA_STRATEGY_FLAGS, IDLE_METHODS, idle_method,
+    IDLE_QUESTIONS, idle_question, fully_idle, idle_lacking, has_streaming_sessions,
+    session_state,
+    SESSION_CONTROLLER,
+    plans_with_context, server_flags, single_tensor_parallel_rank, has_tree_registry, scheduler_inits,
     retractions_reset, retractions_counted, invariant_checker, pool_stats, new_request, flush_pending_backups,
     publish_single_rank,
 )

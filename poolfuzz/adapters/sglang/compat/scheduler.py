@@ -6,7 +6,8 @@ from __future__ import annotations
 from contextlib import contextmanager
 
 from poolfuzz.adapters.sglang.compat.needs import ENGINE, has_private, private, private_name, release
-from poolfuzz.adapters.sglang.compat.scheduler_global import invariant_checker, pool_stats, single_tensor_parallel_rank
+from poolfuzz.adapters.sglang.compat.scheduler_global import (idle_leak_problem, invariant_checker, pool_stats,
+                                                            single_tensor_parallel_rank, tree_sanity_check)
 from poolfuzz.errors import EngineApiChanged
 
 # --- the scheduler path (adapters/sglang/scheduler/scheduling.py): a server's Scheduler without its model -------------
@@ -247,19 +248,6 @@ def init_chunked_prefill(server) -> None:
     type(server).init_chunked_prefill(server)
 
 
-def context_loop_problem(scheduler_cls) -> str | None:
-    """Why the scheduler path's context event loop (``ContextLoop``: ``get_next_batch_to_run(running_batch,
-    last_batch)``, 0.5.16 on) is not this release's, or None: 0.5.15 keeps a runtime context but plans its batches
-    with the argument-less ``get_next_batch_to_run()`` of the global-ServerArgs releases, which neither loop drives."""
-    import inspect
-
-    if len(inspect.signature(scheduler_cls.get_next_batch_to_run).parameters) >= 3:
-        return None
-    return (f"SGLang {release()}'s Scheduler plans a batch with get_next_batch_to_run() and no arguments over a "
-            "runtime context without config namespaces: an event loop between 0.5.13's and 0.5.16's that the "
-            "scheduler path does not drive; use --family sglang:pools")
-
-
 def token_ratio(cls):
     """The Scheduler's ``NewTokenRatioTracker`` for the published server: ``from_config`` (0.5.18 on reads the
     context), ``from_server_args`` of the published arguments on 0.5.16 and 0.5.17."""
@@ -326,13 +314,10 @@ def engine_invariant_problem(server, *, idle: bool, conservation: bool = True) -
     try:
         with envs.SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE.override(True):
             if idle:
-                has_leak, messages = checker._check_all_pools(pool_stats(server))
-                if has_leak:
-                    checker._report_leak("pool", "\n".join(messages))
-                checker._check_req_pool()
+                idle_leak_problem(checker, lambda: pool_stats(server))
                 sanity = getattr(envs, "SGLANG_ENABLE_TREE_CACHE_SANITY_CHECK", None)  # 0.5.23 gates it
                 with sanity.override(True) if sanity is not None else nullcontext():
-                    checker._check_tree_cache()  # the tree's sanity check, where the server runs one for the model
+                    tree_sanity_check(checker)  # the tree's sanity check, where the server runs one for the model
             else:
                 if conservation:
                     checker.self_check_during_busy()

@@ -1,8 +1,6 @@
-"""The scheduler path on releases that keep one global ``ServerArgs`` (0.5.12, 0.5.13; ``scheduling_global.py``)."""
+"""The scheduler path on releases that keep one global ``ServerArgs`` (0.5.9 to 0.5.15; ``scheduling_global.py``)."""
 
 from __future__ import annotations
-
-from functools import lru_cache
 
 # --- the scheduler path on releases whose server arguments are one global (scheduling_global.py) ---------------
 # The Scheduler's mixin methods that only report (metrics, timers, health checks, idle sleep): no-ops on 0.5.12.
@@ -11,24 +9,42 @@ SCHEDULER_REPORTERS = ("stream_output", "report_prefill_stats", "report_decode_s
                        "reset_device_timer_window", "maybe_sleep_on_idle", "_publish_kv_events",
                        "_maybe_log_idle_metrics")
 # The Scheduler's own methods the driver calls on a release with one global ServerArgs.
-GLOBAL_SCHEDULER_METHODS = ("get_next_batch_to_run", "update_running_batch", "process_batch_result", "on_idle",
-                            "abort_request", "init_req_max_new_tokens", "_add_request_to_queue", "is_fully_idle",
-                            "init_schedule_policy")
+GLOBAL_SCHEDULER_METHODS = ("get_next_batch_to_run", "update_running_batch", "process_batch_result",
+                            "abort_request", "init_req_max_new_tokens", "_add_request_to_queue", "init_schedule_policy")
+# What ``event_loop_normal`` runs on a step without a batch, by the name each release gives it: ``on_idle`` (0.5.11
+# on: leak checks, the tree's sanity check, the token-ratio reset) or ``self_check_during_idle`` (0.5.9, 0.5.10:
+# ``check_memory``, ``check_tree_cache`` and the same reset).
+IDLE_METHODS = ("on_idle", "self_check_during_idle")
+# What the Scheduler answers when asked whether it runs nothing: ``is_fully_idle`` (0.5.10 on), or before it the
+# question ``flush_cache`` asks, ``_is_no_request`` (no batch running, last or current; 0.5.9).
+IDLE_QUESTIONS = ("is_fully_idle", "_is_no_request")
 # The Scheduler's init methods that build what its event loop reads over a built tree, in __init__'s order; a
 # release runs those it has (the components arrived in 0.5.13).
 SCHEDULER_INITS = ("init_chunked_prefill", "init_schedule_policy", "init_pool_stats_observer", "init_invariant_checker",
                    "init_batch_result_processor")
+# Where the Scheduler's SessionController lives (0.5.11 on: its own package; before, beside the Scheduler).
+SESSION_CONTROLLER = ("sglang.srt.session.session_controller:SessionController",
+                      "sglang.srt.managers.session_controller:SessionController")
 # The mamba radix cache's strategy flag, by the ServerArgs field each release names it with.
 MAMBA_STRATEGY_FLAGS = ("mamba_radix_cache_strategy", "mamba_scheduler_strategy")
 
 
-@lru_cache(maxsize=1)
-def publishes_runtime_context() -> bool:
-    """Whether the release keeps a server's arguments in its runtime context (0.5.23) rather than one
-    ``ServerArgs`` global set with ``set_global_server_args_for_scheduler`` (0.5.12, 0.5.13)."""
-    import importlib.util
+def plans_with_context(scheduler_cls) -> bool:
+    """Whether the release's Scheduler runs the event loop of a runtime-context server (0.5.16 on, ``ContextLoop``):
+    its arguments published in the runtime context (``get_server_args``) and its batches planned over the running and
+    last batches it is handed (``get_next_batch_to_run(running_batch, last_batch)``). 0.5.12 to 0.5.15 keep one global
+    ``ServerArgs`` (``set_global_server_args_for_scheduler``; on 0.5.15 a shim into a runtime context holding only it
+    and the ranks, on 0.5.14 a context of ranks only) and plan with an argument-less ``get_next_batch_to_run()``:
+    ``scheduling_global``'s loop."""
+    import importlib
+    import inspect
 
-    return importlib.util.find_spec("sglang.srt.runtime_context") is not None
+    try:
+        context = importlib.import_module("sglang.srt.runtime_context")
+    except ImportError:
+        return False
+    return (callable(getattr(context, "get_server_args", None))
+            and len(inspect.signature(scheduler_cls.get_next_batch_to_run).parameters) >= 3)
 
 
 def server_flags(server_args_cls, flags: dict) -> dict:
@@ -68,6 +84,63 @@ def has_tree_registry() -> bool:
 def scheduler_inits(scheduler_cls) -> tuple[str, ...]:
     """The :data:`SCHEDULER_INITS` this release's Scheduler has."""
     return tuple(name for name in SCHEDULER_INITS if callable(vars(scheduler_cls).get(name)))
+
+
+def session_state(tree) -> dict:
+    """What ``init_running_status`` leaves on the Scheduler for its sessions: a ``SessionController`` over the tree
+    (0.5.10 on), or 0.5.9's dict of sessions by id."""
+    from poolfuzz.adapters.sglang.api import first_importable
+
+    controller = first_importable(*SESSION_CONTROLLER, required=False)
+    return {"session_controller": controller(tree)} if controller is not None else {"sessions": {}}
+
+
+def has_streaming_sessions() -> bool:
+    """Whether the release's ServerArgs has ``--enable-streaming-session`` (0.5.10 on; 0.5.9 keeps no sessions)."""
+    from sglang.srt.server_args import ServerArgs
+
+    return "enable_streaming_session" in getattr(ServerArgs, "__dataclass_fields__", {})
+
+
+def idle_method(scheduler_cls) -> str | None:
+    """The first of :data:`IDLE_METHODS` the release's Scheduler has, or None."""
+    return next((name for name in IDLE_METHODS if callable(getattr(scheduler_cls, name, None))), None)
+
+
+def idle_question(scheduler_cls) -> str | None:
+    """The first of :data:`IDLE_QUESTIONS` the release's Scheduler has, or None."""
+    return next((name for name in IDLE_QUESTIONS if callable(getattr(scheduler_cls, name, None))), None)
+
+
+def idle_lacking(scheduler_cls) -> list[str]:
+    """What an idle step of the global loop needs and the release's Scheduler lacks: one of :data:`IDLE_METHODS`, one
+    of :data:`IDLE_QUESTIONS`."""
+    return [" or ".join(names) for names, have in ((IDLE_METHODS, idle_method(scheduler_cls)),
+                                                   (IDLE_QUESTIONS, idle_question(scheduler_cls))) if have is None]
+
+
+def fully_idle(server) -> bool:
+    """Whether the Scheduler says it runs nothing, in the words of :func:`idle_question` (the driver asks once every
+    request is answered, so no request waits either)."""
+    return getattr(server, idle_question(type(server)))()
+
+
+def idle_leak_problem(checker, stats) -> None:
+    """A strict idle server's pool and request-row leak checks (raising where one fails): ``_check_all_pools`` over
+    the pool stats and ``_check_req_pool`` (0.5.11 on), or ``check_memory`` (0.5.9, 0.5.10, which counts the pools
+    itself and then checks the rows); the tree's sanity check is the caller's."""
+    if callable(getattr(checker, "_check_all_pools", None)):
+        has_leak, messages = checker._check_all_pools(stats())
+        if has_leak:
+            checker._report_leak("pool", "\n".join(messages))
+        checker._check_req_pool()
+    else:
+        checker.check_memory()
+
+
+def tree_sanity_check(checker) -> None:
+    """The idle server's own tree check: ``_check_tree_cache`` (0.5.11 on), ``check_tree_cache`` before."""
+    (getattr(checker, "_check_tree_cache", None) or checker.check_tree_cache)()
 
 
 def retractions_reset(server) -> None:

@@ -55,7 +55,8 @@ from __future__ import annotations
 import types
 
 from poolfuzz.adapters.sglang.pools.server_models import hf_model_config
-from poolfuzz.adapters.sglang.scheduler.scheduling import ContextLoop, SglangSchedulerDriver, server_arguments
+from poolfuzz.adapters.sglang.scheduler.scheduling import (ContextLoop, SglangSchedulerDriver, scheduler_modules,
+                                                         server_arguments)
 from poolfuzz.adapters.sglang.shims import one_rank_group
 from poolfuzz.pools.config import ModelConfig
 from poolfuzz.pools.errors import ConfigError
@@ -80,9 +81,9 @@ def decode_problem(config: ModelConfig) -> str | None:
     if config.mamba_track_slots:
         return ("a decode server runs without a radix cache (the fake backend refuses "
                 "--disaggregation-decode-enable-radix-cache), so it keeps no extra-buffer track slots for it")
-    if not compat.publishes_runtime_context():
-        return (f"SGLang {api.version} keeps one global ServerArgs: the decode server is driven on releases with a "
-                "runtime context")
+    if not compat.plans_with_context(scheduler_modules().Scheduler):
+        return (f"SGLang {api.version} keeps one global ServerArgs: the decode server is driven on releases whose "
+                "Scheduler runs a runtime-context event loop (0.5.16 on)")
     if first_importable("sglang.srt.disaggregation.fake.conn:FakeKVReceiver", required=False) is None:
         return (f"SGLang {api.version} has no fake transfer backend (FakeKVReceiver), whose receiver the decode "
                 "server runs")

@@ -34,7 +34,7 @@ from __future__ import annotations
 import weakref
 
 from poolfuzz.adapters.sglang.host_tier import l3
-from poolfuzz.adapters.sglang.scheduler.scheduling import SglangSchedulerDriver, server_arguments
+from poolfuzz.adapters.sglang.scheduler.scheduling import SglangSchedulerDriver, scheduler_modules, server_arguments
 from poolfuzz.adapters.sglang.shims import cpu_server, one_rank_group
 from poolfuzz.pools.config import ModelConfig
 from poolfuzz.pools.errors import ConfigError
@@ -48,9 +48,9 @@ def hicache_server_problem(config: ModelConfig) -> str | None:
     from poolfuzz.adapters.sglang.api import load
 
     api = load()  # the CPU shims go in before any sglang import
-    if not compat.publishes_runtime_context():
-        return (f"SGLang {api.version} keeps one global ServerArgs: the HiCache server is driven on releases with a "
-                "runtime context")
+    if not compat.plans_with_context(scheduler_modules().Scheduler):
+        return (f"SGLang {api.version} keeps one global ServerArgs: the HiCache server is driven on releases whose "
+                "Scheduler runs a runtime-context event loop (0.5.16 on)")
     return hicache.host_tier_problem(api, config)
 
 

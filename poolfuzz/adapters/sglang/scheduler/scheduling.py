@@ -120,7 +120,8 @@ def release_problem() -> str | None:
         m = scheduler_modules()
     except ImportError as exc:
         return f"SGLang's scheduler cannot be imported here ({exc}); ci/sglang-install.sh installs what it needs"
-    if compat.publishes_runtime_context():
+    context = compat.plans_with_context(m.Scheduler)
+    if context:
         missing = [t for t in (compat.RESULT_PROCESSOR, compat.TOKEN_RATIO)
                    if first_importable(t, required=False) is None]
         if missing:
@@ -131,10 +132,10 @@ def release_problem() -> str | None:
         methods = compat.GLOBAL_SCHEDULER_METHODS + (() if compat.has_tree_registry()
                                                      else ("init_cache_with_memory_pool",))
     lacking = [name for name in methods if not callable(getattr(m.Scheduler, name, None))]
+    lacking += [] if context else compat.idle_lacking(m.Scheduler)
     if lacking:
         return f"SGLang {api.version}'s Scheduler has no {', '.join(lacking)}: the scheduler path calls them"
-    context = compat.publishes_runtime_context()
-    return (compat.context_loop_problem(m.Scheduler) or _server_arguments_problem(api.version)) if context else None
+    return _server_arguments_problem(api.version) if context else None
 
 
 @lru_cache(maxsize=1)
@@ -153,7 +154,7 @@ def _server_arguments_problem(version: str) -> str | None:
     except AttributeError as exc:  # a runtime context this path cannot publish into
         return (f"SGLang {version}'s runtime context cannot publish a server's arguments ({exc}); the scheduler path "
                 "drives releases from 0.5.16 on, or those that keep one global "
-                "ServerArgs (0.5.12, 0.5.13)")
+                "ServerArgs (0.5.9 to 0.5.15)")
     return None
 
 
@@ -173,12 +174,12 @@ class SglangSchedulerDriver:
         max_running = config.request_rows  # the server's --max-running-requests, the flag its pools are built with
         self.server_args = self.server_flags(config, max_running_requests=max_running)
         self.aborted: set[str] = set()  # requests the server answered with an abort (no longer its to run)
-        self.streaming_sessions = False  # driven where it is built with --enable-streaming-session (0.5.12, 0.5.13)
+        self.streaming_sessions = False  # driven where it is built with --enable-streaming-session (0.5.10-0.5.15)
         self.session_clients = SessionClients(self)
         self.outcome: dict[str, str] = {}  # request id -> "finished" / "aborted", once the server is done with it
         self.environment = server_environment(config)
         with cpu_server(self.environment):  # the environment it runs in, while it builds and at every step
-            if compat.publishes_runtime_context():
+            if compat.plans_with_context(m.Scheduler):
                 self._build_context_server(config, max_running)
             else:
                 self._build_global_server(config, max_running)
@@ -285,12 +286,12 @@ class SglangSchedulerDriver:
         self.loop = ContextLoop(self.server, processor)
 
     def _build_global_server(self, config: ModelConfig, max_running: int) -> None:
-        """A 0.5.12 / 0.5.13 server (``scheduling_global``): one global ServerArgs, the tree its Scheduler builds."""
+        """A 0.5.9-0.5.15 server (``scheduling_global``): one global ServerArgs, the tree its Scheduler builds."""
         from poolfuzz.adapters.sglang.scheduler import scheduling_global as legacy
 
         m = self.m
-        self.server_args = dict(self.server_args, enable_streaming_session=True)
-        self.streaming_sessions = True
+        self.streaming_sessions = compat.has_streaming_sessions()  # --enable-streaming-session: 0.5.10 on
+        self.server_args = dict(self.server_args, enable_streaming_session=True) if self.streaming_sessions else self.server_args
         try:
             server_args = legacy.publish(self.server_args, max_running_requests=max_running)
         except (AssertionError, ValueError) as exc:  # ServerArgs' own validation: no server starts with these
@@ -426,7 +427,7 @@ class SglangSchedulerDriver:
     @property
     def flushes(self) -> bool:
         """Whether its cache is flushed: 0.5.16 on, whose ``flush_cache`` runs on the state this path builds."""
-        return compat.publishes_runtime_context()
+        return compat.plans_with_context(self.m.Scheduler)
 
     def flush(self) -> bool:
         """An operator's ``/flush_cache``: SGLang's own ``Scheduler.flush_cache`` (an idle server's tree, request pool
@@ -485,7 +486,7 @@ class SglangSchedulerDriver:
                               "tokens out" for rid, r in list(self.requests.items())[:4])
             raise ServerStuck(f"{len(self.requests)} request(s) still unfinished after {DRAIN_STEPS} idle steps "
                               f"({stuck})")
-        if not self.server.is_fully_idle():
+        if not compat.fully_idle(self.server):
             return "every request finished, but the server is not idle"
         problem = compat.engine_invariant_problem(self.server, idle=True)  # on_idle's leak checks, strict
         return problem and problem + self.session_clients.told()

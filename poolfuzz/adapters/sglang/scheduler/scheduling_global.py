@@ -1,4 +1,4 @@
-"""SGLang's Scheduler on releases whose server arguments are one process global (0.5.12, 0.5.13): built and stepped.
+"""SGLang's Scheduler on releases whose server arguments are one process global (0.5.9 to 0.5.15): built and stepped.
 
 ``scheduling.py`` drives the Scheduler the same way on every release; what differs before 0.5.23's runtime context
 is here (every engine-private name it reads is in ``compat``):
@@ -6,15 +6,17 @@ is here (every engine-private name it reads is in ``compat``):
 * The server's arguments: ``ServerArgs`` of the path's flags, published with ``set_global_server_args_for_scheduler``
   as ``Scheduler.__init__`` publishes them, with the micro-batch size ``init_model_worker`` derives. The model path
   is ``dummy``, SGLang's own name for a server without weights (its model-dependent validation is skipped).
-* The prefix tree: the release's own choice, made by the code the Scheduler runs (0.5.13: its registry's
+* The prefix tree: the release's own choice, made by the code the Scheduler runs (0.5.13 on: its registry's
   ``create_tree_cache``, which wraps the cache in a ``StreamingSession`` where ``--enable-streaming-session`` asks;
-  0.5.12: ``Scheduler.init_cache_with_memory_pool`` itself, run on the server with a ``TpModelWorker`` stand-in
+  0.5.9 to 0.5.12: ``Scheduler.init_cache_with_memory_pool`` itself, run on the server with a ``TpModelWorker`` stand-in
   that hands it the family's pools and says what kind of model it serves).
 * The event loop: ``get_next_batch_to_run()`` on the Scheduler's own state, ``process_batch_result`` (0.5.13 hands
   it to its ``SchedulerBatchResultProcessor``, built by the Scheduler's ``init_batch_result_processor``; 0.5.12
   runs its output-processor mixin), and an idle step's ``on_idle`` (a strict server's pool and request-row leak
   checks, the tree's sanity check, the new-token ratio reset), as ``event_loop_normal`` runs them; after each
-  step the strict busy check (``self_check_during_busy``; 0.5.12's is a mixin method, 0.5.13's a component's).
+  step the strict busy check (``self_check_during_busy``; 0.5.12's is a mixin method, 0.5.13's a component's). An
+  idle step's housekeeping is ``self_check_during_idle`` on 0.5.9 and 0.5.10, and 0.5.9 keeps no streaming sessions
+  (no ``--enable-streaming-session``).
 * ``run_batch``: the model-runner stand-in forwards; the sampled ids become ``batch.output_ids`` as ``run_batch``
   sets them (0.5.12's ``prepare_for_decode`` feeds them to the next decode).
 
@@ -70,11 +72,15 @@ def build_tree(server, family, server_args):
                                  enable_mamba_extra_buffer=server_args.enable_mamba_extra_buffer(),
                                  chunked_prefill_size=server_args.chunked_prefill_size,
                                  sliding_window_size=c.sliding_window if c.has_swa else None)
+        # the worker's full-attention tokens, by which the registry tells an all-SWA model (0: PureSWARadixCache,
+        # 0.5.15 on) from a hybrid one
+        fields = getattr(registry.TreeCacheBuildContext, "__dataclass_fields__", {})
+        full = {"full_tokens_per_layer": c.full_tokens} if "full_tokens_per_layer" in fields else {}
         return registry.create_tree_cache(registry.TreeCacheBuildContext(
             server_args=server_args, params=params, is_hybrid_swa=c.has_swa, is_hybrid_ssm=c.has_mamba,
             enable_hierarchical_cache=False, disable_radix_cache=False,
             effective_chunked_prefill_size=server_args.chunked_prefill_size, tp_worker=None, model_config=None,
-            tp_size=1, tp_rank=0, tp_group=None))
+            tp_size=1, tp_rank=0, tp_group=None, **full))
     # 0.5.12: the Scheduler's own init_cache_with_memory_pool, over a worker that serves this model's pools
     compat.resolved_to_sglangs_own_model(server.model_config)
     server.__dict__.update(tp_worker=_worker(family), server_args=server_args)
@@ -85,7 +91,8 @@ def build_tree(server, family, server_args):
 def _worker(family):
     """What ``init_cache_with_memory_pool`` asks the TpModelWorker: the model's kind and its pools."""
     c = family.config
-    runner = NS(linear_attn_model_spec=None, hybrid_gdn_config=NS() if c.has_mamba else None, mamba2_config=None)
+    runner = NS(linear_attn_model_spec=None, hybrid_gdn_config=NS() if c.has_mamba else None, mamba2_config=None,
+                prefill_aware_swa=False)
     return NS(is_hybrid_swa=c.has_swa, model_runner=runner, sliding_window_size=c.sliding_window,
               get_tokens_per_layer_info=lambda: (c.full_tokens, c.swa_tokens),
               get_memory_pool=lambda: (family.sg_req_pool, family.sg_allocator))
@@ -120,10 +127,13 @@ def server_state(*, server_args, model_config, spec_algorithm, disaggregation_mo
         _pending_flush=None, num_retracted_reqs=0, num_paused_reqs=0, forward_sleep_time=None, _engine_paused=False,
         chunked_prefill_size=server_args.chunked_prefill_size, chunked_req=None,
         _chunked_req_scheduled_last_iter=False, is_mixed_chunk=False, enable_dynamic_chunking=False,
-        prefill_delayer=None, max_prefill_bs=0, enable_priority_preemption=False,
+        prefill_delayer=None, min_free_slots_delayer=None, max_prefill_bs=0, enable_priority_preemption=False,
         disaggregation_mode=disaggregation_mode, decode_offload_manager=None, dllm_config=None, enable_fpm=False,
         require_mlp_sync=False, truncation_align_size=None, use_ngram_embedding=False, num_generated_tokens=0,
         forward_ct_decode=0, metrics_collector=None, draft_worker=None, model_worker=NS(),
+        # the TpModelWorker, as far as prefill asks it (0.5.15: the runner's prefill-aware SWA flag, off by default);
+        # 0.5.12's build_tree replaces it with the worker its tree is built from
+        tp_worker=NS(model_runner=NS(prefill_aware_swa=False)),
         # collaborators the event-loop methods only notify
         send_to_tokenizer=tokenizer, ipc_channels=NS(send_to_tokenizer=tokenizer),
         grammar_manager=NS(has_waiting_grammars=lambda: False, abort_requests=noop, grammar_queue=[],
@@ -150,16 +160,15 @@ def finish_building(server) -> None:
     """The Scheduler's own ``init_*`` methods that build what its event loop reads over the tree, where the release
     has them (``compat.SCHEDULER_INITS``: the chunk size, where one <= 0 is no chunking; the policy and new-token
     ratio; the pool stats observer; the invariant checker; the batch result processor), and
-    ``init_running_status``'s session controller."""
-    from sglang.srt.session.session_controller import SessionController
-
-    server.session_controller = SessionController(server.tree_cache)
+    ``init_running_status``'s session state."""
+    server.__dict__.update(compat.session_state(server.tree_cache))
+    compat.resolved_to_sglangs_own_model(server.model_config)  # init_chunked_prefill asks (0.5.14 on)
     for init in compat.scheduler_inits(type(server)):
         getattr(server, init)()
 
 
 class GlobalLoop:
-    """One step of 0.5.12's / 0.5.13's ``event_loop_normal`` over a built server (see the module)."""
+    """One step of a global-ServerArgs release's ``event_loop_normal`` over a built server (see the module)."""
 
     def __init__(self, server):
         self.server = server
@@ -185,5 +194,5 @@ class GlobalLoop:
 
         s = self.server
         with envs.SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE.override(True):
-            s.on_idle()
+            getattr(s, compat.idle_method(type(s)))()
         s.last_batch = None

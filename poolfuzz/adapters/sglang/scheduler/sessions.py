@@ -89,10 +89,10 @@ def _message(cls, values: dict):
     if dataclasses.is_dataclass(cls):
         fields = {f.name: f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
                   for f in dataclasses.fields(cls) if f.init}
-    else:  # msgspec: the last len(__struct_defaults__) fields have defaults
-        names = cls.__struct_fields__
-        optional = len(cls.__struct_defaults__)
-        fields = {name: i < len(names) - optional for i, name in enumerate(names)}
+    else:  # msgspec (a keyword-only struct's defaulted fields may come before required ones: 0.5.15)
+        import msgspec
+
+        fields = {f.name: f.required for f in msgspec.structs.fields(cls)}
     kwargs = {name: values.get(name) for name, required in fields.items() if name in values or required}
     return cls(**kwargs)
 
