@@ -30,6 +30,7 @@ from types import SimpleNamespace as NS
 
 from poolfuzz.adapters.sglang import compat
 from poolfuzz.adapters.sglang.server_args import NO_MODEL
+from poolfuzz.pools.errors import ConfigError
 
 
 
@@ -53,9 +54,19 @@ def publish(flags: dict, *, max_running_requests: int):
 def mamba_sized(config, server_args):
     """Mamba slots as the release's model runner sizes them for the server (``_calculate_mamba_ratio``, run on a
     runner stand-in holding the server's arguments: a state, a checkpoint and a copy-on-write a request, plus the
-    extra buffer's track slots) times the request rows, where the config has fewer."""
-    if not config.has_mamba or not compat.has_private("runner_mamba_ratio"):
+    extra buffer's track slots) times the request rows, where the config has fewer. A release without that method
+    (0.5.9 sizes both inline in ``init_memory_pool``, rows clamped to a third of ``--max-mamba-cache-size``) is
+    refused for a mamba model: sizing it here would restate the runner, and rows beyond the state slots a server
+    keeps run its mamba pool dry (``Can not alloc mamba cache``), which no server of those flags does."""
+    if not config.has_mamba:
         return config
+    if not compat.has_private("runner_mamba_ratio"):
+        from poolfuzz.adapters.sglang.api import load
+
+        raise ConfigError(f"the scheduler-driven sglang family cannot build {config.name!r}: SGLang {load().version} "
+                          "sizes a mamba model's state slots and request rows inline in ModelRunner.init_memory_pool "
+                          "(no _calculate_mamba_ratio, 0.5.10 on), which the scheduler path cannot run without a "
+                          "model; use --family sglang:pools")
     ratio = compat.private("runner_mamba_ratio")(NS(server_args=server_args))
     return config.replace(mamba_slots=max(config.mamba_slots, ratio * config.request_rows))
 
