@@ -214,7 +214,9 @@ class ScheduledMachine(RuleBasedStateMachine):
 
     @invariant()
     def server_state_agrees(self):
-        problem = self.driver.state_problem()
+        # guarded: where the engine's own checker crashes (0.5.10's busy check asks MambaRadixCache.evictable_size,
+        # which raises NotImplementedError), that is this example's failure, recorded as the others are
+        problem = self._guarded("schedule", self.driver.state_problem)
         if problem:
             self._failed(invariant_failure(step=self.steps, op="schedule", detail=problem, check="consumer-map"),
                          False)

@@ -127,3 +127,53 @@ def test_a_server_that_never_finishes_a_request_is_reported_stuck_not_leaking():
     assert machine.driver.calls[-1] == ("close",)  # shut down even when its drain failed
     assert signature_of(info.value, in_teardown=True) == "InvariantViolation:stuck:-"
     assert "req 000001 waiting" in str(info.value)
+
+
+class _CheckerCrashes(RecordingDriver):
+    """A server whose own invariant checker cannot run once a step has run (SGLang 0.5.10's busy check asks a mamba
+    radix cache for ``evictable_size``, which raises NotImplementedError)."""
+
+    def state_problem(self):
+        if any(call[0] == "add_request" for call in self.calls):
+            raise NotImplementedError
+        return None
+
+
+class _Failures:
+    """An observer that records the failures the machine tells it of (and reports them all)."""
+
+    def __init__(self):
+        self.signatures: list[str] = []
+
+    def example_started(self):
+        pass
+
+    def step_ran(self, engine):
+        pass
+
+    def example_failed(self, engine, exc, steps, in_teardown):
+        from poolfuzz.harness.failures import signature_of
+
+        self.signatures.append(signature_of(exc, in_teardown=in_teardown, op=engine.action))
+        return False
+
+    def example_ended(self, engine):
+        pass
+
+    def example_declined(self, config, reason):
+        pass
+
+
+def test_a_crash_of_the_servers_own_checker_is_the_examples_recorded_failure():
+    """The machine's invariant runs the driver's ``state_problem`` (the engine's own checker) like a step: where the
+    checker itself crashes, the observer is told, so the finding's signature and the failure Hypothesis reports are
+    the same crash (before, it escaped the observer, and a run reported another example's failure under its text)."""
+    import pytest
+
+    observer = _Failures()
+    machine = scheduled_machine(CONFIGS["dense"], driver_factory=lambda config: _CheckerCrashes(sessions=False),
+                                observer=observer)
+    with pytest.raises(NotImplementedError):
+        run_state_machine_as_test(machine, settings=SETTINGS)
+    assert observer.signatures and set(observer.signatures) == {"Crash:NotImplementedError@schedule"}, \
+        observer.signatures
