@@ -89,10 +89,17 @@ def scheduler_inits(scheduler_cls) -> tuple[str, ...]:
 def session_state(tree) -> dict:
     """What ``init_running_status`` leaves on the Scheduler for its sessions: a ``SessionController`` over the tree
     (0.5.10 on), or 0.5.9's dict of sessions by id."""
-    from poolfuzz.adapters.sglang.api import first_importable
+    import importlib
 
-    controller = first_importable(*SESSION_CONTROLLER, required=False)
-    return {"session_controller": controller(tree)} if controller is not None else {"sessions": {}}
+    for target in SESSION_CONTROLLER:
+        module, _, name = target.partition(":")
+        try:
+            controller = getattr(importlib.import_module(module), name, None)
+        except ImportError:
+            continue
+        if controller is not None:
+            return {"session_controller": controller(tree)}
+    return {"sessions": {}}
 
 
 def has_streaming_sessions() -> bool:
