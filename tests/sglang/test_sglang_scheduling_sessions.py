@@ -6,6 +6,9 @@ run on the installed release, with the verdict that release must give.
 * sgl-project/sglang#29352 (0.5.12 to 0.5.14, fixed in 0.5.15): ``SWARadixCache._insert_helper`` revives a tombstoned node by
   freeing its full KV even while a running request holds it (``full_lock_ref > 0``); the slot is handed out again
   and the request decodes on another request's KV.
+* SGLang 0.5.15 (0.5.18's code is the same; 0.5.23 refuses the combination; no report found): closing a streaming
+  session of an all-SWA model frees its out-of-window slots a second time (``StreamingSession.release_session``
+  starts at ``cache_protected_len``, not at the window's eviction frontier).
 * sgl-project/sglang#22518 (fixed by 0.5.23): once the running batch is marked full, only a request leaving it clears
   the flag; where the batch empties first (the rows were held by streaming sessions), admission stays shut.
 """
@@ -115,3 +118,30 @@ class _no_raise:
 
     def __exit__(self, *exc):
         return False
+
+
+@pytest.mark.anchored
+def test_closing_a_session_of_an_all_swa_model_frees_its_out_of_window_slots_twice(scheduling, api):
+    """0.5.15 (the first release with all-SWA pools; judged by replay and by instrumenting the allocator): a session
+    of a model whose every layer is sliding-window decodes past its window, so ``maybe_evict_swa`` frees the
+    out-of-window slot (``free_swa_out_of_window_slots``); closing the session, ``StreamingSession.release_session``
+    frees ``req_to_token[row, protected:allocated]`` from ``cache_protected_len``, not from the slot's
+    ``swa_evicted_seqlen``, so that slot is freed again. A hybrid SWA allocator skips it (its full-to-SWA mapping
+    was zeroed); the all-SWA allocator has one pool and no mapping, and its own guard trips (with other requests
+    live, the slot would sit twice in the free list). 0.5.18's ``release_session`` is the same; 0.5.23 refuses
+    ``--enable-streaming-session`` for an all-SWA model."""
+    import traceback
+
+    from poolfuzz.errors import ConfigError
+
+    try:
+        driver = _sessions(scheduling, "swa-only")
+    except ConfigError as exc:
+        pytest.skip(str(exc))
+    driver.session_turn(session=0, length=1, max_tokens=1)
+    driver.step()
+    driver.session_turn(session=0, length=1, max_tokens=6)
+    with pytest.raises(AssertionError) as freed:
+        driver.drain()
+    frames = [frame.name for frame in traceback.extract_tb(freed.value.__traceback__)]
+    assert "release_session" in frames and frames[-1] == "free", frames
