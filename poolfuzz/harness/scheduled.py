@@ -27,6 +27,7 @@ from typing import Callable, ClassVar, Iterator
 
 from hypothesis import reject
 from hypothesis import strategies as st
+from hypothesis.errors import HypothesisException
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from poolfuzz.harness.failures import Divergence, StateLost, invariant as invariant_failure
@@ -86,6 +87,7 @@ class ScheduledMachine(RuleBasedStateMachine):
         self.passed_over: dict = {}
         self.driver = None
         self.server_closed = False
+        self.told_failure = False  # whether this example's failure reached the observer
         self.unit = 1
         if cls.config_strategy is None:
             self._start(cls.config, drawn=False)
@@ -135,12 +137,14 @@ class ScheduledMachine(RuleBasedStateMachine):
             self._failed(exc, in_teardown)
 
     def _failed(self, exc: BaseException, in_teardown: bool):
+        self.told_failure = True
         observer = type(self).observer
         if observer is not None and observer.example_failed(self, exc, tuple(self.program), in_teardown):
             reject()  # a known bug: neither reported nor shrunk
         raise exc
 
     def _record(self, op: str, **args) -> None:
+        self.op = self.action = op  # the rule now running (what a failure raised outside its guards names)
         self.program.append(StepRecord(op=PREFIX + op, args=args, outcome=""))
 
     def _outcome(self, outcome: str) -> None:
@@ -234,7 +238,11 @@ class ScheduledMachine(RuleBasedStateMachine):
                 if log is not None and log.last is not None and type(self).observer is not None:
                     type(self).observer.example_declined(None, log.last)
                 return
-            if sys.exc_info()[1] is not None:  # a step failed: its report stands
+            failure = sys.exc_info()[1]
+            if failure is not None:  # a step failed: its report stands, told to the observer whatever raised it
+                if (isinstance(failure, Exception) and not isinstance(failure, HypothesisException)
+                        and not self.told_failure):
+                    self._failed(failure, False)  # a failure the observer never heard of would pass unseen
                 return
             problem = self._guarded("drain", self.driver.drain, in_teardown=True)
             if problem:

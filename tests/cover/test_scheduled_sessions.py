@@ -177,3 +177,27 @@ def test_a_crash_of_the_servers_own_checker_is_the_examples_recorded_failure():
         run_state_machine_as_test(machine, settings=SETTINGS)
     assert observer.signatures and set(observer.signatures) == {"Crash:NotImplementedError@schedule"}, \
         observer.signatures
+
+
+class _StepRaisesOutsideTheGuard(RecordingDriver):
+    """A server whose ``live()`` (read by the abort rule's precondition, outside every guard) raises once a request
+    is in."""
+
+    def live(self):
+        if self.running:
+            raise RuntimeError("the server's request list is gone")
+        return []
+
+
+def test_a_failure_raised_outside_the_guards_still_reaches_the_observer():
+    """Whatever raises in a step, the observer hears of it at teardown (a failure it never heard of was cut off by
+    the run's example budget as if the run had passed)."""
+    import pytest
+
+    observer = _Failures()
+    machine = scheduled_machine(CONFIGS["dense"], driver_factory=lambda config: _StepRaisesOutsideTheGuard(
+        sessions=False), observer=observer)
+    with pytest.raises(RuntimeError):
+        run_state_machine_as_test(machine, settings=SETTINGS)
+    assert observer.signatures and all(s.startswith("Crash:RuntimeError@") for s in observer.signatures), \
+        observer.signatures
