@@ -144,7 +144,6 @@ class ScheduledMachine(RuleBasedStateMachine):
         raise exc
 
     def _record(self, op: str, **args) -> None:
-        self.op = self.action = op  # the rule now running (what a failure raised outside its guards names)
         self.program.append(StepRecord(op=PREFIX + op, args=args, outcome=""))
 
     def _outcome(self, outcome: str) -> None:
