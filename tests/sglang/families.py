@@ -22,11 +22,17 @@ def release(api):
 
 
 def session_driver_or_skip(scheduling, name):
-    """A scheduler-path driver of the named config whose server keeps streaming sessions, or the test skipped."""
-    driver = scheduling.SglangSchedulerDriver(CONFIGS[name])
+    """A scheduler-path driver of the named config whose server keeps streaming sessions, or the test skipped (the
+    release's server refuses the config, with its reason, or keeps no sessions)."""
+    from poolfuzz.errors import ConfigError
+
+    try:
+        driver = scheduling.SglangSchedulerDriver(CONFIGS[name])
+    except ConfigError as exc:
+        pytest.skip(str(exc))
     if not driver.streaming_sessions:
-        pytest.skip("the scheduler path drives streaming sessions on releases with one global ServerArgs (0.5.9 "
-                    "to 0.5.15)")
+        pytest.skip("the scheduler path drives streaming sessions on releases with one global ServerArgs and "
+                    "--enable-streaming-session (0.5.10 to 0.5.15)")
     return driver
 
 

@@ -132,12 +132,7 @@ def test_closing_a_session_of_an_all_swa_model_frees_its_out_of_window_slots_twi
     ``--enable-streaming-session`` for an all-SWA model."""
     import traceback
 
-    from poolfuzz.errors import ConfigError
-
-    try:
-        driver = _sessions(scheduling, "swa-only")
-    except ConfigError as exc:
-        pytest.skip(str(exc))
+    driver = _sessions(scheduling, "swa-only")
     driver.session_turn(session=0, length=1, max_tokens=1)
     driver.step()
     driver.session_turn(session=0, length=1, max_tokens=6)

@@ -194,6 +194,12 @@ PRIVATE: dict[str, Need] = {
     "backend_mamba_cow_and_clear": Need(target=f"{_MAMBA_BACKEND}._execute_deferred_mamba_cow_and_clear",
                                         required=False, used_for="private: the attention backend's mamba "
                                                                  "copy-on-write (0.5.13), run unbound"),
+    # the global-ServerArgs loop's sessions (0.5.9 to 0.5.15, scheduling_global.py)
+    "session_controller": Need(target="sglang.srt.session.session_controller:SessionController",
+                               also=("sglang.srt.managers.session_controller:SessionController",), required=False,
+                               used_for="the Scheduler's streaming sessions (0.5.10 on; 0.5.9 keeps a dict)"),
+    "streaming_session_flag": Need(target="sglang.srt.server_args:ServerArgs", fields=("enable_streaming_session",),
+                                   required=False, used_for="--enable-streaming-session (0.5.10 on)"),
     "track_ssm_indices": Need(target=f"{_MAMBA_BACKEND}._init_track_ssm_indices", required=False,
                               used_for="private: where the kernels snapshot a tracked state (before 0.5.23's "
                                        "ForwardBatch.mamba_track_aligned_lens), run unbound"),

@@ -6,7 +6,7 @@ from __future__ import annotations
 from contextlib import contextmanager
 
 from poolfuzz.adapters.sglang.compat.needs import ENGINE, has_private, private, private_name, release
-from poolfuzz.adapters.sglang.compat.scheduler_global import (idle_leak_problem, invariant_checker, pool_stats,
+from poolfuzz.adapters.sglang.compat.scheduler_global import (check_idle_leaks, invariant_checker, pool_stats,
                                                             single_tensor_parallel_rank, tree_sanity_check)
 from poolfuzz.errors import EngineApiChanged
 
@@ -314,7 +314,7 @@ def engine_invariant_problem(server, *, idle: bool, conservation: bool = True) -
     try:
         with envs.SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE.override(True):
             if idle:
-                idle_leak_problem(checker, lambda: pool_stats(server))
+                check_idle_leaks(checker, lambda: pool_stats(server))
                 sanity = getattr(envs, "SGLANG_ENABLE_TREE_CACHE_SANITY_CHECK", None)  # 0.5.23 gates it
                 with sanity.override(True) if sanity is not None else nullcontext():
                     tree_sanity_check(checker)  # the tree's sanity check, where the server runs one for the model

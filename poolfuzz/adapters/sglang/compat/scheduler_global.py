@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+from functools import lru_cache
+
+from poolfuzz.adapters.sglang.compat.needs import has_private, private
+
 # --- the scheduler path on releases whose server arguments are one global (scheduling_global.py) ---------------
 # The Scheduler's mixin methods that only report (metrics, timers, health checks, idle sleep): no-ops on 0.5.12.
 SCHEDULER_REPORTERS = ("stream_output", "report_prefill_stats", "report_decode_stats", "log_batch_result_stats",
@@ -22,17 +26,15 @@ IDLE_QUESTIONS = ("is_fully_idle", "_is_no_request")
 # release runs those it has (the components arrived in 0.5.13).
 SCHEDULER_INITS = ("init_chunked_prefill", "init_schedule_policy", "init_pool_stats_observer", "init_invariant_checker",
                    "init_batch_result_processor")
-# Where the Scheduler's SessionController lives (0.5.11 on: its own package; before, beside the Scheduler).
-SESSION_CONTROLLER = ("sglang.srt.session.session_controller:SessionController",
-                      "sglang.srt.managers.session_controller:SessionController")
 # The mamba radix cache's strategy flag, by the ServerArgs field each release names it with.
 MAMBA_STRATEGY_FLAGS = ("mamba_radix_cache_strategy", "mamba_scheduler_strategy")
 
 
+@lru_cache(maxsize=None)  # asked once per class: a flush rule's precondition asks it before every step
 def plans_with_context(scheduler_cls) -> bool:
     """Whether the release's Scheduler runs the event loop of a runtime-context server (0.5.16 on, ``ContextLoop``):
     its arguments published in the runtime context (``get_server_args``) and its batches planned over the running and
-    last batches it is handed (``get_next_batch_to_run(running_batch, last_batch)``). 0.5.12 to 0.5.15 keep one global
+    last batches it is handed (``get_next_batch_to_run(running_batch, last_batch)``). 0.5.9 to 0.5.15 keep one global
     ``ServerArgs`` (``set_global_server_args_for_scheduler``; on 0.5.15 a shim into a runtime context holding only it
     and the ranks, on 0.5.14 a context of ranks only) and plan with an argument-less ``get_next_batch_to_run()``:
     ``scheduling_global``'s loop."""
@@ -89,24 +91,14 @@ def scheduler_inits(scheduler_cls) -> tuple[str, ...]:
 def session_state(tree) -> dict:
     """What ``init_running_status`` leaves on the Scheduler for its sessions: a ``SessionController`` over the tree
     (0.5.10 on), or 0.5.9's dict of sessions by id."""
-    import importlib
-
-    for target in SESSION_CONTROLLER:
-        module, _, name = target.partition(":")
-        try:
-            controller = getattr(importlib.import_module(module), name, None)
-        except ImportError:
-            continue
-        if controller is not None:
-            return {"session_controller": controller(tree)}
+    if has_private("session_controller"):
+        return {"session_controller": private("session_controller")(tree)}
     return {"sessions": {}}
 
 
 def has_streaming_sessions() -> bool:
     """Whether the release's ServerArgs has ``--enable-streaming-session`` (0.5.10 on; 0.5.9 keeps no sessions)."""
-    from sglang.srt.server_args import ServerArgs
-
-    return "enable_streaming_session" in getattr(ServerArgs, "__dataclass_fields__", {})
+    return has_private("streaming_session_flag")
 
 
 def idle_method(scheduler_cls) -> str | None:
@@ -132,7 +124,7 @@ def fully_idle(server) -> bool:
     return getattr(server, idle_question(type(server)))()
 
 
-def idle_leak_problem(checker, stats) -> None:
+def check_idle_leaks(checker, stats) -> None:
     """A strict idle server's pool and request-row leak checks (raising where one fails): ``_check_all_pools`` over
     the pool stats and ``_check_req_pool`` (0.5.11 on), or ``check_memory`` (0.5.9, 0.5.10, which counts the pools
     itself and then checks the rows); the tree's sanity check is the caller's."""

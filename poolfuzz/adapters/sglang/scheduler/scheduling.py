@@ -291,7 +291,8 @@ class SglangSchedulerDriver:
 
         m = self.m
         self.streaming_sessions = compat.has_streaming_sessions()  # --enable-streaming-session: 0.5.10 on
-        self.server_args = dict(self.server_args, enable_streaming_session=True) if self.streaming_sessions else self.server_args
+        if self.streaming_sessions:
+            self.server_args = dict(self.server_args, enable_streaming_session=True)
         try:
             server_args = legacy.publish(self.server_args, max_running_requests=max_running)
         except (AssertionError, ValueError) as exc:  # ServerArgs' own validation: no server starts with these

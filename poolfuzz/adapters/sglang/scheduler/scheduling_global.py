@@ -183,6 +183,7 @@ class GlobalLoop:
 
     def __init__(self, server):
         self.server = server
+        self.housekeeping = getattr(server, compat.idle_method(type(server)))  # on_idle, or 0.5.9/0.5.10's name
 
     def next_batch(self):
         s = self.server
@@ -205,5 +206,5 @@ class GlobalLoop:
 
         s = self.server
         with envs.SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE.override(True):
-            getattr(s, compat.idle_method(type(s)))()
+            self.housekeeping()
         s.last_batch = None
