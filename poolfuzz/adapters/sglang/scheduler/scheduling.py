@@ -303,7 +303,7 @@ class SglangSchedulerDriver:
         self.family = build_sglang_family(config, scheduled=True)
         self.total, capacity = compat.worker_token_capacity(self.family)
         self.server = object.__new__(m.Scheduler)
-        self.server.__dict__.update(legacy.server_state(
+        self.server.__dict__.update(compat.global_scheduler_state(
             server_args=server_args, model_config=_model_config(config), spec_algorithm=m.SpeculativeAlgorithm.NONE,
             disaggregation_mode=m.DisaggregationMode.NULL, config=config, total=self.total, max_running=max_running,
             max_req_len=max_req_len(config, capacity), sent=self._sent))

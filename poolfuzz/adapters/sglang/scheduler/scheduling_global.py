@@ -109,64 +109,6 @@ def _worker(family):
               get_memory_pool=lambda: (family.sg_req_pool, family.sg_allocator))
 
 
-def server_state(*, server_args, model_config, spec_algorithm, disaggregation_mode, config, total: int,
-                 max_running: int, max_req_len: int, sent) -> dict:
-    """What ``Scheduler.__init__`` leaves on a server with ``server_args`` and no model, for the event-loop methods
-    (the pools and tree are set by :func:`build_tree`); ``sent(output, req)``: what the tokenizer is sent."""
-    noop = lambda *args, **kwargs: None  # noqa: E731
-    same = lambda batch, **kwargs: batch  # noqa: E731
-    ranks = dict(tp_rank=0, pp_rank=0, dp_rank=None, tp_size=1, pp_size=1, dp_size=1, attn_tp_rank=0, attn_tp_size=1,
-                 attn_dp_rank=0, attn_cp_size=1, attn_cp_rank=0, moe_ep_rank=0, moe_dp_rank=0)
-    tokenizer = NS(send_output=sent)
-    state = dict(
-        ranks, server_args=server_args, schedule_policy=server_args.schedule_policy,
-        enable_priority_scheduling=False, abort_on_priority_when_disabled=False,
-        schedule_low_priority_values_first=False,
-        priority_scheduling_preemption_threshold=server_args.priority_scheduling_preemption_threshold,
-        enable_lora=False, enable_lora_overlap_loading=False, enable_overlap=False, enable_overlap_mlx=False,
-        enable_pdmux=False, skip_tokenizer_init=True, tokenizer=None, stream_interval=1,
-        spec_algorithm=spec_algorithm, page_size=config.page_size, enable_hierarchical_cache=False,
-        enable_hicache_storage=False, enable_hisparse=False, hisparse_coordinator=None, model_config=model_config,
-        is_generation=True, attn_tp_cpu_group=None, tp_cpu_group=None, attn_cp_cpu_group=None, tp_group=None,
-        enable_metrics=False, enable_kv_cache_events=False, current_scheduler_metrics_enabled=False,
-        # init_model_worker: the TpModelWorker's sizes
-        max_total_num_tokens=total, max_prefill_tokens=server_args.max_prefill_tokens,
-        max_running_requests=max_running, max_queued_requests=None, max_req_len=max_req_len,
-        max_req_input_len=max_req_len - 5, device="cpu",
-        # init_running_status, init_chunked_prefill, init_schedule_policy, init_disaggregation
-        waiting_queue=[], cur_batch=None, last_batch=None, forward_ct=0, return_health_check_ipcs=[],
-        _pending_flush=None, num_retracted_reqs=0, num_paused_reqs=0, forward_sleep_time=None, _engine_paused=False,
-        chunked_prefill_size=server_args.chunked_prefill_size, chunked_req=None,
-        _chunked_req_scheduled_last_iter=False, is_mixed_chunk=False, enable_dynamic_chunking=False,
-        prefill_delayer=None, min_free_slots_delayer=None, max_prefill_bs=0, enable_priority_preemption=False,
-        disaggregation_mode=disaggregation_mode, decode_offload_manager=None, dllm_config=None, enable_fpm=False,
-        require_mlp_sync=False, truncation_align_size=None, use_ngram_embedding=False, num_generated_tokens=0,
-        forward_ct_decode=0, metrics_collector=None, draft_worker=None, model_worker=NS(),
-        # the TpModelWorker, as far as prefill asks it (0.5.15: the runner's prefill-aware SWA flag, off by default);
-        # 0.5.12's build_tree replaces it with the worker its tree is built from
-        tp_worker=NS(model_runner=NS(prefill_aware_swa=False)),
-        # collaborators the event-loop methods only notify
-        send_to_tokenizer=tokenizer, ipc_channels=NS(send_to_tokenizer=tokenizer),
-        grammar_manager=NS(has_waiting_grammars=lambda: False, abort_requests=noop, grammar_queue=[],
-                           get_ready_grammar_requests=lambda: [], process_req_with_grammar=lambda req: False,
-                           __len__=lambda: 0),
-        dllm_manager=NS(any_staging_reqs=lambda: False),
-        metrics_reporter=NS(enable_metrics=False, num_retracted_reqs=0, report_prefill_stats=noop,
-                            report_decode_stats=noop, num_generated_tokens=0, forward_ct_decode=0,
-                            log_batch_result_stats=noop, update_device_timer=noop, _maybe_log_idle_metrics=noop,
-                            reset_device_timer_window=noop, increment_retracted_reqs=noop, stats=NS()),
-        kv_events_publisher=NS(publish_kv_events=noop), publish_load_snapshot=noop,
-        output_streamer=NS(stream_output=noop), dp_attn_adapter=NS(maybe_prepare_mlp_sync_batch=same),
-        load_inquirer=NS(_get_num_pending_tokens=lambda **kwargs: 0),
-        ps=NS(**ranks),
-    )
-    # the Scheduler's own mixin methods that only report: metrics, health checks, sleeping (0.5.12)
-    for name in compat.SCHEDULER_REPORTERS:
-        state[name] = noop
-    state["_get_num_pending_tokens"] = lambda **kwargs: 0
-    return state
-
-
 def finish_building(server) -> None:
     """The Scheduler's own ``init_*`` methods that build what its event loop reads over the tree, where the release
     has them (``compat.SCHEDULER_INITS``: the chunk size, where one <= 0 is no chunking; the policy and new-token
