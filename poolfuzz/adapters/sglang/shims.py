@@ -241,6 +241,10 @@ def install() -> dict[str, str]:
     if not _INSTALLED:
         _INSTALLED["torchvision"] = _install_torchvision()
         _INSTALLED["triton"] = _install_triton()
+        if _INSTALLED["triton"] == "interpreter":  # a kernel's stray access is a GPU's fault, not a SIGSEGV here
+            from poolfuzz.adapters.sglang import interpreter_bounds
+
+            interpreter_bounds.install()
     return dict(_INSTALLED)
 
 
