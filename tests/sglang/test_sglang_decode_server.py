@@ -87,6 +87,14 @@ def test_decode_memory_pressure_backs_up_and_restores_the_retracted_requests(dec
     assert driver.drain() is None
 
 
+def _host_pool_release():
+    """Skip where the release's decode server has no host-pool retraction: before 0.5.18 it backs every retracted
+    request up as per-request CPU tensors, with no flag to choose another."""
+    if not compat.has_retraction_backup_flag():
+        pytest.skip(f"SGLang {compat.release()}'s decode server backs retracted requests up as per-request CPU tensors "
+                    "only (no --disaggregation-decode-retraction-backup, no host-pool retraction: 0.5.18 on)")
+
+
 def _host_pool_methods(tree) -> tuple[str, str]:
     """The tree's host-pool backup and restore methods (0.5.18 named them ``retraction_backup`` / ``_restore``)."""
     pairs = [("backup_kv_cache", "restore_kv_cache"), ("retraction_backup", "retraction_restore")]
@@ -114,6 +122,7 @@ def test_sglang_resolves_a_host_pool_backup_and_the_retracted_requests_resume_fr
     queue restores it (``restore_kv_cache``), and it continues on its own K and V, checked at every forward. A
     request the host pool cannot hold is answered with an abort (0.5.20's backup-only pool is a fifth of the device
     pool; 0.5.22 on give it room for one request): never resumed on another's KV."""
+    _host_pool_release()
     driver, rids, reqs = _pressure(decode, name)
     assert driver.backup_mode == "host_pool" and driver.tree.cache_controller is not None
     backup, restore = _host_pool_methods(driver.tree)
@@ -136,6 +145,7 @@ def test_sglang_resolves_a_host_pool_backup_and_the_retracted_requests_resume_fr
 def test_a_host_pool_restore_that_loses_a_layer_is_caught_and_named(decode, monkeypatch):
     """A host-pool restore that lands every layer but layer 0's V: the resumed request's next forward finds zeros
     where its own V was, and says which request, component, layer and position."""
+    _host_pool_release()
     driver, _, _ = _pressure(decode)
     assert driver.backup_mode == "host_pool"
     tree_cls, kv = type(driver.tree), driver.family.sg_allocator.get_kvcache()
@@ -155,8 +165,13 @@ def test_a_host_pool_restore_that_loses_a_layer_is_caught_and_named(decode, monk
 
 def test_a_model_with_recurrent_state_resolves_to_cpu_tensor_and_refuses_a_named_host_pool(decode):
     """SGLang's resolution keeps a model with mamba layers on ``cpu_tensor`` (a host pool has no recurrent-state
-    sidecar); naming ``host_pool`` for one is refused with SGLang's own message, not fuzzed."""
+    sidecar); naming ``host_pool`` for one is refused with SGLang's own message, not fuzzed. Before 0.5.18 there is
+    nothing to resolve or name: the refusal names the missing flag."""
     assert decode.SglangDecodeDriver(CONFIGS["hybrid-linear"]).backup_mode == "cpu_tensor"
+    if not compat.has_retraction_backup_flag():
+        with pytest.raises(ConfigError, match="has no --disaggregation-decode-retraction-backup"):
+            decode.build_decode_driver(CONFIGS["hybrid-linear"], backup_mode="host_pool")
+        return
     with pytest.raises(ConfigError, match="(?i)host-pool retraction does not support mamba|host_pool"):
         decode.build_decode_driver(CONFIGS["hybrid-linear"], backup_mode="host_pool")
 
@@ -233,6 +248,10 @@ def test_a_sliding_window_and_mamba_decode_server_with_default_flags_starts_on_c
     ``--disaggregation-decode-retraction-backup cpu_tensor`` (``operator_backup``), on which #35957's state loss shows."""
     from poolfuzz.adapters.sglang.scheduler.servers import server_refusal
 
+    if not compat.has_retraction_backup_flag():  # before 0.5.18: per-request CPU tensors, the only backup there is
+        assert server_refusal(CONFIGS["swa-ssm"], decode.SglangDecodeDriver, None) is None
+        assert decode.build_decode_driver(CONFIGS["swa-ssm"]).backup_mode == "cpu_tensor"
+        return
     if expect == "35957":
         refusal = server_refusal(CONFIGS["swa-ssm"], decode.SglangDecodeDriver, None)
         assert refusal is not None and "Host-pool retraction does not support Mamba models" in refusal, refusal
@@ -331,22 +350,84 @@ def test_sglangs_page_check_calls_a_pure_swa_requests_evicted_window_a_use_after
     request's row still naming them: a false alarm, not a lost page. The fuzzer's shrunk program on ``swa-only``
     (window 6, eviction interval 6: ``tree_swa.server_environment``); known, and written up in
     docs/bugs/sglang-pure-swa-page-check.md."""
-    from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
-
     if reason := decode.unsupported_reason(CONFIGS["swa-only"]):
         pytest.skip(reason)
     driver = decode.SglangDecodeDriver(CONFIGS["swa-only"])
     if not hasattr(compat.invariant_checker(driver.server), "_check_kv_page_invariants"):
         pytest.skip("this release's invariant checker has no KV page check")
     assert driver.environment == {"SGLANG_SWA_EVICTION_INTERVAL": "6"}
-    rid = driver.add_request(length=11, share=0, max_tokens=4)
-    driver.step()
-    driver.step()
+    rid = driver.add_request(length=11, share=0, max_tokens=16)
     req = driver.requests[rid]
-    evicted = int(req.kv.get_evicted_seqlen(ComponentType.SWA))
-    row = driver.family.sg_req_pool.req_to_token[req.kv.req_pool_idx]
+    # the window slides at a decode whose forward count is a multiple of the interval: 0.5.23 at the first decode,
+    # 0.5.15 (which counts before the step's forward) after six forwards
+    for _ in range(7):
+        driver.step()
+        if _swa_frontier(req):
+            break
+    evicted = _swa_frontier(req)
+    row = driver.family.sg_req_pool.req_to_token[int(compat.request_row(req))]
     freed = row[:evicted].tolist()
-    assert evicted == 6 and all(driver.family.free_lists()["swa"].is_free_page(slot) for slot in freed)
+    assert evicted > 0 and all(driver.family.free_lists()["swa"].is_free_page(slot) for slot in freed)
     problem = driver.state_problem()
     assert problem is not None and f"KV page use-after-free: {evicted} owner page refs are in the free pool" in problem
     assert driver.drain() is None and driver.outcome[rid] == "finished"  # its window's K and V were its own throughout
+
+
+
+@pytest.mark.anchored
+def test_a_dsa_request_retracted_on_a_decode_server_is_offloaded_by_the_pools_own_copy(decode, api):
+    """sgl-project/sglang#25828 (0.5.12 and 0.5.13; fixed in 0.5.14 by #27645): ``Req.offload_kv_cache`` hands every
+    KV pool ``get_cpu_copy(indices, mamba_indices=...)`` (#22493), and the DSA pool's own override (#23346) takes no
+    ``mamba_indices``, so a PD decode server of a DeepSeek-V3.2-style model crashes at its first retraction. The
+    fuzzer's shrunk program on 0.5.12's decode server (dsa-ps64: 64-token pages): one request, then two that run decode
+    short."""
+    from tests.sglang.families import release
+
+    if reason := decode.unsupported_reason(CONFIGS["dsa-ps64"]):
+        pytest.skip(reason)
+    machine = scheduled_machine(CONFIGS["dsa-ps64"], driver_factory=decode.SglangDecodeDriver)()
+    machine.schedule(steps=1, drafts=0)
+    machine.add_request(length=1, share=0, max_tokens=1, priority=0)
+    machine.schedule(steps=1, drafts=0)
+    machine.add_request(length=14, share=1, max_tokens=5, priority=0)
+    machine.add_request(length=16, share=1, max_tokens=5, priority=0)
+    machine.schedule(steps=1, drafts=0)
+    v = release(api)
+    if v.release[:3] in ((0, 5, 12), (0, 5, 13)):
+        with pytest.raises(TypeError, match=r"get_cpu_copy\(\) got an unexpected keyword argument 'mamba_indices'"):
+            machine.schedule(steps=3, drafts=0)
+        return
+    machine.schedule(steps=3, drafts=0)
+    assert machine.driver.retracted >= 1
+    assert machine.driver.drain() is None
+    assert set(machine.driver.outcome.values()) == {"finished"}
+
+
+@pytest.mark.anchored
+def test_an_fp4_decode_server_starts_and_registers_its_kv_buffers(decode, api):
+    """sglang#21954 renamed ``KVFP4QuantizeUtil`` (0.5.11) and left ``MHATokenToKVPoolFP4``'s buffer getters importing
+    the old name until #28013 (0.5.14): on 0.5.11 to 0.5.13 a PD decode server with FP4 KV raises ImportError at
+    startup, when its KV manager asks the pool for its buffers (``get_contiguous_buf_infos``). On the releases before
+    and after, the server starts and its requests are transferred and decoded on their own K, V and scales."""
+    from tests.sglang.families import release
+
+    if reason := decode.unsupported_reason(CONFIGS["dense-fp4"]):
+        pytest.skip(reason)
+    v = release(api)
+    if (0, 5, 11) <= v.release[:3] <= (0, 5, 13):
+        with pytest.raises(ImportError, match="KVFP4QuantizeUtil"):
+            decode.build_decode_driver(CONFIGS["dense-fp4"])
+        return
+    driver = decode.build_decode_driver(CONFIGS["dense-fp4"])  # started as an operator would (0.5.23: cpu_tensor)
+    rid = driver.add_request(length=6, share=0, max_tokens=3)
+    assert driver.drain() is None and driver.outcome[rid] == "finished" and driver.transferred == 1
+
+def _swa_frontier(req) -> int:
+    """How far the request's window has slid: per component on ``req.kv`` (0.5.20 on), a field of ``req.kv`` (0.5.18)
+    or of the request (before)."""
+    kv = vars(req).get("kv")
+    if hasattr(kv, "get_evicted_seqlen"):
+        from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
+
+        return int(kv.get_evicted_seqlen(ComponentType.SWA))
+    return int((kv if hasattr(kv, "swa_evicted_seqlen") else req).swa_evicted_seqlen)

@@ -19,6 +19,7 @@ from poolfuzz.adapters.sglang.compat.scheduler import (  # noqa: F401
     batches_defer_mamba_cow, batch_rows, request_row, batch_prefill_inputs, physical_mamba_slots, queue_request,
     requests_owning_rows, req_to_token_headroom, token_ratio, has_retraction_backup_flag,
     memory_flags, namespace_published, worker_token_capacity, init_chunked_prefill, resolved_to_sglangs_own_model,
+    relay_future_map,
 )
 from poolfuzz.adapters.sglang.compat.spec_v2 import (  # noqa: F401
     SPEC_V2, runs_spec_v2_synchronously, spec_v2_modules, run_batch_state, verify_commit_target, verify_cache_locs,
@@ -29,5 +30,5 @@ from poolfuzz.adapters.sglang.compat.scheduler_global import (  # noqa: F401
     IDLE_QUESTIONS, idle_question, fully_idle, idle_lacking, has_streaming_sessions, session_state, plans_with_context,
     global_scheduler_state, server_flags, single_tensor_parallel_rank, has_tree_registry, scheduler_inits,
     retractions_reset, retractions_counted, invariant_checker, pool_stats, new_request, flush_pending_backups,
-    publish_single_rank,
+    publish_single_rank, RECEIVER_METADATA_METHODS, receiver_metadata_method, typed_state_items,
 )

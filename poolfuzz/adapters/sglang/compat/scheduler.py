@@ -199,7 +199,7 @@ def resolve_decode_retraction_backup(worker) -> str:
     try:
         from sglang.srt.mem_cache.kv_cache_builder import resolve_decode_retraction_backup as resolve
     except ImportError:
-        return published_retraction_backup() or "cpu_tensor"
+        return (has_retraction_backup_flag() and published_retraction_backup()) or "cpu_tensor"
     return resolve(tp_worker=worker)
 
 
@@ -229,6 +229,21 @@ def publish_scheduler_context(*, max_running_requests: int) -> dict:
         writer.override("scheduler.pp_max_micro_batch_size_default",
                         pp_max_micro_batch_size=max(max_running_requests // parallel.pp_size, 1))
     return published
+
+
+def relay_future_map(spec_algorithm, req_to_token_pool):
+    """The FutureMap ``Scheduler.init_overlap`` leaves a server without the overlap schedule: the speculative
+    algorithm's (0.5.14 on, where the input-id relay is always on), without the CPU copy of the sequence lengths (which
+    only some GPU attention backends ask) or a confidence relay; None before 0.5.14 (no map without overlap)."""
+    import inspect
+
+    create = getattr(type(spec_algorithm), "create_future_map", None)
+    if create is None:
+        return None
+    wanted = {"needs_cpu_seq_lens": False, "needs_confidence_relay": False}
+    accepted = inspect.signature(create).parameters
+    return spec_algorithm.create_future_map("cpu", req_to_token_pool,
+                                            **{k: v for k, v in wanted.items() if k in accepted})
 
 
 def resolved_to_sglangs_own_model(model_config) -> None:

@@ -27,6 +27,9 @@ IDLE_QUESTIONS = ("is_fully_idle", "_is_no_request")
 # release runs those it has (the components arrived in 0.5.13).
 SCHEDULER_INITS = ("init_chunked_prefill", "init_schedule_policy", "init_pool_stats_observer", "init_invariant_checker",
                    "init_batch_result_processor")
+# The call by which a PD decode server names a request's pages to its KV receiver: ``send_metadata`` (0.5.10 on;
+# 0.5.10 keeps ``init`` too, for the bootstrap) or 0.5.9's ``init``.
+RECEIVER_METADATA_METHODS = ("send_metadata", "init")
 # The mamba radix cache's strategy flag, by the ServerArgs field each release names it with.
 MAMBA_STRATEGY_FLAGS = ("mamba_radix_cache_strategy", "mamba_scheduler_strategy")
 
@@ -247,13 +250,16 @@ def flush_pending_backups(tree) -> None:
 
 def publish_single_rank(cpu_group) -> None:
     """A one-rank CPU server's ranks and attention group, as PD decode queues read them: the runtime context's override
-    (0.5.20 on), else (0.5.18, ranks off the Scheduler's ``ps``) ``parallel_state``'s global where none is set."""
+    (0.5.20 on), else (0.5.18 and the global-ServerArgs releases, ranks off the Scheduler's ``ps``) ``parallel_state``'s
+    global where none is set."""
+    import importlib
     from types import SimpleNamespace
 
-    from sglang.srt.runtime_context import get_parallel
-
     group = SimpleNamespace(cpu_group=cpu_group, rank_in_group=0, world_size=1)
-    parallel = get_parallel()
+    try:
+        parallel = importlib.import_module("sglang.srt.runtime_context").get_parallel()
+    except (ImportError, AttributeError):  # no runtime context (0.5.12), or one without ranks to override
+        parallel = None
     if hasattr(type(parallel), "override_permanently"):
         parallel.override_permanently(attn_tp_group=group, pp_rank=0, dp_rank=None, attn_tp_rank=0)
         return
@@ -261,3 +267,18 @@ def publish_single_rank(cpu_group) -> None:
 
     if getattr(parallel_state, "_ATTN_TP", None) is None:
         parallel_state._ATTN_TP = group
+
+
+def receiver_metadata_method(receiver) -> str:
+    """The first of :data:`RECEIVER_METADATA_METHODS` the decode side's KV receiver has."""
+    return next(name for name in RECEIVER_METADATA_METHODS if callable(getattr(receiver, name, None)))
+
+
+def typed_state_items(kv_manager, state_indices, *, untyped: str) -> dict:
+    """The state items a decode server names beside a request's pages, by type name (``MAMBA``, ``SWA``, ``NSA``):
+    zipped with its KV manager's ``kv_args.state_types`` (0.5.12 on); before, the one untyped item the decode pool's
+    kind chose, which a prefill node of the same model reads as ``untyped``."""
+    if "kv_args" in vars(kv_manager):
+        names = [t.name for t in kv_manager.kv_args.state_types or []]
+        return {name: items for name, items in zip(names, state_indices or []) if items is not None}
+    return {} if state_indices is None else {untyped: state_indices}

@@ -7,6 +7,8 @@ import importlib
 from contextlib import ExitStack, contextmanager
 from types import SimpleNamespace as NS
 
+from poolfuzz.adapters.sglang.compat.scheduler import relay_future_map
+
 # What the synchronous spec-v2 round runs, module:name (0.5.23): absent on a release, its servers are declined.
 SPEC_V2 = {
     "spec_prepare_for_decode": "sglang.srt.speculative.spec_utils:spec_prepare_for_decode",
@@ -101,8 +103,7 @@ def run_batch_state(*, model_worker, spec_algorithm, req_to_token_pool) -> dict:
     return dict(model_worker=model_worker, enable_pdmux=False, pp_group=NS(is_last_rank=True),
                 scripted_scheduler_hook=None, forward_sleep_time=None,
                 profiler_manager=NS(_profile_batch_predicate=noop), device_module=torch.cpu, attn_dp_enabled=False,
-                future_map=spec_algorithm.create_future_map("cpu", req_to_token_pool, needs_cpu_seq_lens=False,
-                                                            needs_confidence_relay=False))
+                future_map=relay_future_map(spec_algorithm, req_to_token_pool))
 
 
 def verify_commit_target(family, hf_config):

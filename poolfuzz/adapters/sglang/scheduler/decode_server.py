@@ -44,6 +44,16 @@ each active request keeps for decode steps, scaled to these pools (the default, 
 GPU's pool; here it would exceed the pool, so nothing would ever be pre-allocated). With it the pre-allocation budget
 admits on what running requests could give back, and decode runs short and retracts, as a loaded server does.
 
+On the releases that keep one global ServerArgs (0.5.9 to 0.5.15) the server is ``scheduling_global``'s, made a
+decode server the same way: the same ``init_disaggregation``, stepped as that release's
+``event_loop_normal_disagg_decode`` (:class:`GlobalDecodeLoop`; 0.5.9 plans the prebuilt batch as a batch of its own,
+which ``run_batch`` answers with ``_run_batch_prebuilt``). Those releases back every retracted request up as
+per-request CPU tensors (``Req.offload_kv_cache``: no flag, no host pool); their pools are the family's wiring (no
+configurator), with SGLang's ``DecodeReqToTokenPool`` / ``HybridMambaDecodeReqToTokenPool``; before 0.5.12 the
+decode side names its one state item untyped (the prefill stand-in, serving the same model, knows its kind:
+``compat.typed_state_items``), and 0.5.9 names a request's pages with ``init``, not ``send_metadata``. A decode server
+takes no streaming sessions (their turns are the prefill node's).
+
 A model with mamba layers gets its recurrent state from the prefill stand-in too (the state after the prompt, into
 the mamba slot the ``MAMBA`` state item of ``send_metadata`` names), and the runner checks the state each request
 continues from, after a restore too. Its extra-buffer configs are declined: a decode server keeps no radix cache, so
@@ -54,9 +64,11 @@ from __future__ import annotations
 
 import types
 
+from poolfuzz.adapters.sglang import compat
 from poolfuzz.adapters.sglang.pools.server_models import hf_model_config
 from poolfuzz.adapters.sglang.scheduler.scheduling import (ContextLoop, SglangSchedulerDriver, scheduler_modules,
                                                          server_arguments)
+from poolfuzz.adapters.sglang.scheduler.scheduling_global import GlobalLoop
 from poolfuzz.adapters.sglang.shims import one_rank_group
 from poolfuzz.pools.config import ModelConfig
 from poolfuzz.pools.errors import ConfigError
@@ -81,9 +93,6 @@ def decode_problem(config: ModelConfig) -> str | None:
     if config.mamba_track_slots:
         return ("a decode server runs without a radix cache (the fake backend refuses "
                 "--disaggregation-decode-enable-radix-cache), so it keeps no extra-buffer track slots for it")
-    if not compat.plans_with_context(scheduler_modules().Scheduler):
-        return (f"SGLang {api.version} keeps one global ServerArgs: the decode server is driven on releases whose "
-                "Scheduler runs a runtime-context event loop (0.5.16 on)")
     if first_importable("sglang.srt.disaggregation.fake.conn:FakeKVReceiver", required=False) is None:
         return (f"SGLang {api.version} has no fake transfer backend (FakeKVReceiver), whose receiver the decode "
                 "server runs")
@@ -107,12 +116,33 @@ class DecodeLoop(ContextLoop):
         return plan.batch_to_run
 
 
+class GlobalDecodeLoop(GlobalLoop):
+    """One step of a global-ServerArgs release's ``event_loop_normal_disagg_decode``: the decode queues, then the
+    batch plan; its result through ``process_batch_result`` (a decode server's prebuilt batch is processed while
+    planned)."""
+
+    def __init__(self, server, on_transferred):
+        super().__init__(server)
+        self.on_transferred = on_transferred
+
+    def next_batch(self):
+        s = self.server
+        s.num_retracted_reqs = 0
+        compat.retractions_reset(s)
+        s.process_decode_queue()
+        self.on_transferred(s.waiting_queue)
+        batch = s.get_next_disagg_decode_batch_to_run()
+        s.cur_batch = batch
+        return batch
+
+
 class SglangDecodeDriver(SglangSchedulerDriver):
     """One example's PD decode server: SGLang's decode queues and Scheduler, a prefill stand-in, the model runner."""
 
     role = "DECODE"
     label = "the sglang decode server"
     drives_speculative = False  # its own spec rounds (decode-side drafts, load-backs under a draft) are not yet
+    takes_sessions = False  # a session's turns are prefilled, and its prefix kept, on the prefill node
     retraction = "backs retracted requests up as SGLang resolves (host_pool, or cpu_tensor)"
     backup_modes = ("cpu_tensor", "host_pool")
     resolves_on_pools = True
@@ -185,11 +215,25 @@ class SglangDecodeDriver(SglangSchedulerDriver):
     def _build_context_server(self, config: ModelConfig, max_running: int) -> None:
         from sglang.srt.runtime_context import get_server_args
 
-        from poolfuzz.adapters.sglang import compat
-
         super()._build_context_server(self.sized(config), max_running)
-        s, config, group = self.server, self.config, one_rank_group()
+        group = one_rank_group()
         compat.publish_single_rank(group)
+        self._decode_side(get_server_args(), group, batch_result_processor=self.loop.processor)
+        self.loop = DecodeLoop(self.server, self.loop.processor, self._take_handoffs)
+
+    def _build_global_server(self, config: ModelConfig, max_running: int) -> None:
+        """A 0.5.9-0.5.15 decode server: the global-ServerArgs Scheduler (``scheduling_global``) with the decode
+        queues its ``init_disaggregation`` builds, stepped as that release's ``event_loop_normal_disagg_decode``."""
+        super()._build_global_server(self.sized(config), max_running)
+        group = one_rank_group()
+        compat.publish_single_rank(group)
+        self._decode_side(self.server.server_args, group)
+        self.loop = GlobalDecodeLoop(self.server, self._take_handoffs)
+
+    def _decode_side(self, server_args, group, **state) -> None:
+        """What ``Scheduler.__init__`` leaves for ``init_disaggregation`` on a one-rank decode server beside the
+        scheduler path's state (and ``state``), its CPU ``group`` among it; the decode queues that builds."""
+        s, config = self.server, self.config
         # what the TpModelWorker knows of the model, as far as the decode queues read it
         s.model_config.num_hidden_layers = config.full_layers + config.swa_layers + config.mamba_layers
         s.model_config.get_total_num_kv_heads = lambda: 1
@@ -199,18 +243,17 @@ class SglangDecodeDriver(SglangSchedulerDriver):
         s.tp_worker.is_hybrid_swa = config.has_swa
         # the decode queues answer a request they cannot take (an abort) through the output streamer
         s.output_streamer = types.SimpleNamespace(stream_output=self._streamed)
-        s.ps.gpu_id = None  # no GPU: 0.5.20 reads the rank's device off its placement (0.5.23: get_device())
-        s.__dict__.update(attn_tp_cpu_group=group,  # 0.5.20 hands the queues the group itself
+        # no GPU: 0.5.20 reads the rank's device off its placement (0.5.23: get_device()), 0.5.12 off the Scheduler
+        s.ps.gpu_id = None
+        s.__dict__.update(gpu_id=None, attn_tp_cpu_group=group,  # 0.5.20 hands the queues the group itself
                           draft_worker=None, random_seed=1, enable_unified_memory=self.unified, enable_decode_hicache=False,
-                          batch_result_processor=self.loop.processor, server_args=get_server_args())
+                          server_args=server_args, **state)
         try:
             s.init_disaggregation()
         except (AssertionError, ValueError, NotImplementedError) as exc:  # what a decode server refuses to start with
             raise ConfigError(f"the sglang decode server cannot build {config.name!r}: SGLang's decode queues refuse "
                               f"it ({exc})") from None
-        s.future_map = s.spec_algorithm.create_future_map("cpu", s.req_to_token_pool, needs_cpu_seq_lens=False,
-                                                          needs_confidence_relay=False)
-        self.loop = DecodeLoop(s, self.loop.processor, self._take_handoffs)
+        s.future_map = compat.relay_future_map(s.spec_algorithm, s.req_to_token_pool)  # init_overlap's
 
     # --- the prefill node ------------------------------------------------------------------------
     def _queue(self, req) -> None:
@@ -226,14 +269,18 @@ class SglangDecodeDriver(SglangSchedulerDriver):
 
     def _listen(self, decode_req) -> None:
         receiver, req = decode_req.kv_receiver, decode_req.req
-        send = receiver.send_metadata
+        method = compat.receiver_metadata_method(receiver)
+        send = getattr(receiver, method)
+        c = self.config  # the prefill node serves the same model: before 0.5.12 it knows the one state item's kind
+        untyped = "MAMBA" if c.has_mamba else "SWA" if c.has_swa and c.has_full else "NSA"
 
-        def send_metadata(kv_indices, aux_index=None, state_indices=None, decode_prefix_len=None, **kwargs):
-            page = self.config.page_size
+        def send_metadata(kv_indices, aux_index=None, state_indices=None, *rest, **kwargs):
+            decode_prefix_len = rest[0] if rest else kwargs.get("decode_prefix_len")  # 0.5.16 on
+            page = c.page_size
             start, length = decode_prefix_len or 0, len(req.origin_input_ids)
             slots = [int(p) * page + j for p in kv_indices for j in range(page)]
-            state_types = self.server.disagg_decode_prealloc_queue.kv_manager.kv_args.state_types or []
-            named = {t.name: items for t, items in zip(state_types, state_indices or []) if items is not None}
+            named = compat.typed_state_items(self.server.disagg_decode_prealloc_queue.kv_manager, state_indices,
+                                             untyped=untyped)
             swa_rows = None  # the SWA window's rows, where the SWA state item names them (from the page its start is on)
             if "SWA" in named:
                 rows = [int(p) * page + j for p in named["SWA"].reshape(-1).tolist() for j in range(page)]
@@ -242,9 +289,9 @@ class SglangDecodeDriver(SglangSchedulerDriver):
             # the recurrent state after the prompt, into the mamba slot the MAMBA state item names
             for slot in named["MAMBA"][0].reshape(-1).tolist() if "MAMBA" in named else []:
                 self.runner.receive_prefill_state(req.rid, slot=int(slot), tokens=length)
-            return send(kv_indices, aux_index, state_indices, decode_prefix_len, **kwargs)
+            return send(kv_indices, aux_index, state_indices, *rest, **kwargs)
 
-        receiver.send_metadata = send_metadata
+        setattr(receiver, method, send_metadata)
 
     def _streamed(self, reqs, *args, **kwargs) -> None:
         """What the server streams to the tokenizer manager: an abort answers the request."""

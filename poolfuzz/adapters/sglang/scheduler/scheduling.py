@@ -55,6 +55,8 @@ from poolfuzz.adapters.sglang.host_tier import l3
 from poolfuzz.adapters.sglang.lifecycle.family import build_sglang_family
 from poolfuzz.adapters.sglang.shims import cpu_server, root_warnings_off
 from poolfuzz.adapters.sglang.scheduler.runner import ModelRunner, RowGuard, deferred_cow_and_clear
+from poolfuzz.adapters.sglang.scheduler.model_facts import (MAMBA_CHUNK, VOCAB, empty_batch, max_req_len,
+                                                            model_config_standin, schedule_batch_class)
 from poolfuzz.adapters.sglang.scheduler.sessions import SessionClients
 from poolfuzz.adapters.sglang.scheduler.spec_worker import SpecWorker, speculative_flags, speculative_problem
 from poolfuzz.adapters.sglang.tree.tree_swa import server_environment
@@ -62,13 +64,11 @@ from poolfuzz.pools.config import ModelConfig
 from poolfuzz.pools.errors import ConfigError, ServerStuck
 from poolfuzz.pools.token_chain import Tokens
 
-VOCAB = 1 << 15  # sampled tokens are below it; prompt tokens above it, so prompts share only the prefixes drawn
 DRAIN_STEPS = 400
 STALLED_STEPS = 3  # idle steps with requests waiting after which a session's client gives up its turn
-# A model with recurrent state: its HF config's mamba_chunk_size (the kernels' chunk; the checkpoint grid is this or the
-# page size, the larger), and --mamba-track-interval a multiple of it, so that prompts of a few dozen tokens cross
-# track boundaries where the extra buffer snapshots a state for the radix tree (the defaults, 64 and 256, need 1000s).
-MAMBA_CHUNK = 4
+# A model with recurrent state: --mamba-track-interval a multiple of its chunk (``model_facts.MAMBA_CHUNK``), so that
+# prompts of a few dozen tokens cross track boundaries where the extra buffer snapshots a state for the radix tree (the
+# defaults, 64 and 256, need 1000s).
 MAMBA_TRACK_INTERVAL = 8
 
 
@@ -194,7 +194,7 @@ class SglangSchedulerDriver:
         cow_and_clear, aligned_lens = deferred_cow_and_clear(req_pool), compat.mamba_track_aligned_lens(MAMBA_CHUNK)
         lacking = [name for name, missing in (
             ("a deferred mamba copy-on-write (ModelRunner._maybe_execute_deferred_mamba_cow_and_clear)",
-             cow_and_clear is None and compat.batches_defer_mamba_cow(_schedule_batch_class())),
+             cow_and_clear is None and compat.batches_defer_mamba_cow(schedule_batch_class())),
             ("ForwardBatch.mamba_track_aligned_lens or MambaAttnBackendBase._init_track_ssm_indices",
              aligned_lens is None)) if missing]
         if config.has_mamba and lacking:
@@ -221,6 +221,7 @@ class SglangSchedulerDriver:
     # started with --enable-hierarchical-cache (hicache_server.py) / --enable-unified-memory (unified_server.py)
     hierarchical = unified = False
     drives_speculative = True  # whether it drives a speculative config (spec_worker.py)
+    takes_sessions = True  # whether it is started with --enable-streaming-session where the release has it
     storage_dir: str | None = None  # its L3 tier's directory (--hicache-storage-backend, hicache_server.py), or None
 
     def server_flags(self, config: ModelConfig, *, max_running_requests: int) -> dict:
@@ -256,7 +257,7 @@ class SglangSchedulerDriver:
                               f"cache refuses a server with {self.server_args} ({exc})") from None
         req_pool, allocator = self.family.sg_req_pool, self.family.sg_allocator
         self.total, capacity = compat.worker_token_capacity(self.family)  # the TP worker's report to its scheduler
-        model = _model_config(config)
+        model = model_config_standin(config)
         pd = getattr(m.DisaggregationMode, self.role)
         processor = compat.result_processor(m.ResultProcessor, tree=self.tree, req_to_token_pool=req_pool,
                                             allocator=allocator, model_config=model, disaggregation_mode=pd)
@@ -277,7 +278,7 @@ class SglangSchedulerDriver:
             processor=processor, enable_hierarchical_cache=self.hierarchical,
             enable_hicache_storage=l3.enabled(self.tree), enable_unified_memory=self.unified))
         compat.init_chunked_prefill(self.server)
-        self.server.running_batch = _empty_batch()
+        self.server.running_batch = empty_batch()
         self.server.init_pool_stats_observer()  # the Scheduler's own, for SGLang's invariant checker below
         self.server.init_invariant_checker()
         # what the tokenizer manager would be told (0.5.23: send_abort_output; 0.5.18: its IPC channel)
@@ -286,41 +287,10 @@ class SglangSchedulerDriver:
         self.loop = ContextLoop(self.server, processor)
 
     def _build_global_server(self, config: ModelConfig, max_running: int) -> None:
-        """A 0.5.9-0.5.15 server (``scheduling_global``): one global ServerArgs, the tree its Scheduler builds."""
+        """A 0.5.9-0.5.15 server: one global ServerArgs, the tree its Scheduler builds (``scheduling_global``)."""
         from poolfuzz.adapters.sglang.scheduler import scheduling_global as legacy
 
-        m = self.m
-        self.streaming_sessions = compat.has_streaming_sessions()  # --enable-streaming-session: 0.5.10 on
-        if self.streaming_sessions:
-            self.server_args = dict(self.server_args, enable_streaming_session=True)
-        try:
-            server_args = legacy.publish(self.server_args, max_running_requests=max_running)
-        except (AssertionError, ValueError) as exc:  # ServerArgs' own validation: no server starts with these
-            raise ConfigError(f"the scheduler-driven sglang family cannot build {config.name!r}: SGLang refuses a "
-                              f"server with {self.server_args} ({exc})") from None
-        config = legacy.mamba_sized(config, server_args)
-        self.config = config
-        self.family = build_sglang_family(config, scheduled=True)
-        self.total, capacity = compat.worker_token_capacity(self.family)
-        self.server = object.__new__(m.Scheduler)
-        self.server.__dict__.update(compat.global_scheduler_state(
-            server_args=server_args, model_config=_model_config(config), spec_algorithm=m.SpeculativeAlgorithm.NONE,
-            disaggregation_mode=m.DisaggregationMode.NULL, config=config, total=self.total, max_running=max_running,
-            max_req_len=max_req_len(config, capacity), sent=self._sent))
-        try:
-            self.tree = legacy.build_tree(self.server, self.family, server_args)
-        except AssertionError as exc:
-            raise ConfigError(f"the scheduler-driven sglang family cannot build {config.name!r}: SGLang's radix "
-                              f"cache refuses a server with {self.server_args} ({exc})") from None
-        self.server.__dict__.update(tree_cache=self.tree, req_to_token_pool=self.family.sg_req_pool,
-                                    token_to_kv_pool_allocator=self.family.sg_allocator, is_hybrid_swa=config.has_swa,
-                                    is_hybrid_ssm=config.has_mamba,
-                                    sliding_window_size=config.sliding_window if config.has_swa else None,
-                                    full_tokens_per_layer=config.full_tokens if config.has_swa else None,
-                                    swa_tokens_per_layer=config.swa_tokens if config.has_swa else None,
-                                    disable_radix_cache=False, running_batch=_empty_batch())
-        legacy.finish_building(self.server)
-        self.loop = legacy.GlobalLoop(self.server)
+        self.loop = legacy.build_server(self, config, max_running)
 
     def _sent(self, output, req=None) -> None:
         """What the server sends the tokenizer manager: an abort answers a request (it is no longer the server's)."""
@@ -402,6 +372,9 @@ class SglangSchedulerDriver:
                 raise AssertionError(str(exc).strip() + self.session_clients.told()) from None
             self._forget_done()  # a chunked request's deferred abort is answered at the top of a step
             return
+        if batch.forward_mode.is_prebuilt():  # a PD decode server's transferred requests, planned alone (0.5.9)
+            self.loop.run_placeholder(batch)
+            return self._forget_done()
         if batch.forward_mode.is_extend():
             for r, p in zip(batch.reqs, batch.prefix_lens):
                 self.first_prefix.setdefault(r.rid, p)  # its first batch: what the tree matched
@@ -568,33 +541,6 @@ def server_arguments(config: ModelConfig, *, max_running_requests: int) -> dict:
     return flags | speculative_flags(config)
 
 
-def max_req_len(config: ModelConfig, pool_tokens: int) -> int:
-    """The TpModelWorker's ``max_req_len``: ``min(context length, KV pool) - 1`` (its ``max_req_input_len`` is 5
-    less)."""
-    return min(config.max_context, pool_tokens) - 1
-
-
-def _model_config(config: ModelConfig):
-    """The model config fields the scheduling methods read (the real one is built from a model's HF config)."""
-    from types import SimpleNamespace
-
-    # hf_text_config: the model's HF config, as far as the scheduler reads it
-    return SimpleNamespace(vocab_size=VOCAB, is_encoder_decoder=False, context_len=config.max_context,
-                           self_opened_think_start_ids=None, think_end_ids=None, think_end_id=None,
-                           is_multimodal=False, hf_eos_token_id=set(), is_hybrid_swa=config.has_swa,
-                           is_matryoshka=False, is_generation=True, use_ngram_embedding=False,
-                           hf_text_config=SimpleNamespace(mamba_chunk_size=MAMBA_CHUNK))
-
-
 def _aborted(req) -> bool:
     """Whether the server finished ``req`` with an abort (``FINISH_ABORT``), not a stop or length."""
     return type(req.finished_reason).__name__ == "FINISH_ABORT"
-
-
-def _schedule_batch_class():
-    from sglang.srt.managers.schedule_batch import ScheduleBatch
-    return ScheduleBatch
-
-
-def _empty_batch():
-    return _schedule_batch_class()(reqs=[], batch_is_full=False)

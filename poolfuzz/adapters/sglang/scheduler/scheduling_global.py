@@ -29,9 +29,52 @@ from __future__ import annotations
 from types import SimpleNamespace as NS
 
 from poolfuzz.adapters.sglang import compat
+from poolfuzz.adapters.sglang.scheduler.model_facts import empty_batch, max_req_len, model_config_standin
 from poolfuzz.adapters.sglang.server_args import NO_MODEL
 from poolfuzz.pools.errors import ConfigError
 
+
+
+def build_server(driver, config, max_running: int) -> "GlobalLoop":
+    """``driver``'s server on a global-ServerArgs release: its flags published (``driver.server_args``, with
+    ``--enable-streaming-session`` where the release has it), its pools (``driver.build_family``), what the server
+    resolves on them (``driver.pools_built``), a Scheduler of ``driver.role`` over the tree the release builds, and its
+    own ``init_*`` methods; sets ``driver.config``, ``family``, ``tree``, ``server`` and ``total``, and returns the
+    event loop."""
+    m = driver.m
+    # --enable-streaming-session: 0.5.10 on, on a server that takes sessions' turns itself (not a PD decode server)
+    driver.streaming_sessions = driver.takes_sessions and compat.has_streaming_sessions()
+    if driver.streaming_sessions:
+        driver.server_args = dict(driver.server_args, enable_streaming_session=True)
+    try:
+        server_args = publish(driver.server_args, max_running_requests=max_running)
+    except (AssertionError, ValueError) as exc:  # ServerArgs' own validation: no server starts with these
+        raise ConfigError(f"the scheduler-driven sglang family cannot build {config.name!r}: SGLang refuses a "
+                          f"server with {driver.server_args} ({exc})") from None
+    config = mamba_sized(config, server_args)
+    driver.config = config
+    driver.family = driver.build_family(config, max_running)
+    driver.pools_built()
+    driver.total, capacity = compat.worker_token_capacity(driver.family)
+    server = driver.server = object.__new__(m.Scheduler)
+    server.__dict__.update(compat.global_scheduler_state(
+        server_args=server_args, model_config=model_config_standin(config), spec_algorithm=m.SpeculativeAlgorithm.NONE,
+        disaggregation_mode=getattr(m.DisaggregationMode, driver.role), config=config, total=driver.total,
+        max_running=max_running, max_req_len=max_req_len(config, capacity), sent=driver._sent))
+    try:
+        driver.tree = build_tree(server, driver.family, server_args)
+    except AssertionError as exc:
+        raise ConfigError(f"the scheduler-driven sglang family cannot build {config.name!r}: SGLang's radix "
+                          f"cache refuses a server with {driver.server_args} ({exc})") from None
+    server.__dict__.update(tree_cache=driver.tree, req_to_token_pool=driver.family.sg_req_pool,
+                           token_to_kv_pool_allocator=driver.family.sg_allocator, is_hybrid_swa=config.has_swa,
+                           is_hybrid_ssm=config.has_mamba,
+                           sliding_window_size=config.sliding_window if config.has_swa else None,
+                           full_tokens_per_layer=config.full_tokens if config.has_swa else None,
+                           swa_tokens_per_layer=config.swa_tokens if config.has_swa else None,
+                           disable_radix_cache=server_args.disable_radix_cache, running_batch=empty_batch())
+    finish_building(server)
+    return GlobalLoop(server)
 
 
 def publish(flags: dict, *, max_running_requests: int):
@@ -89,7 +132,7 @@ def build_tree(server, family, server_args):
         full = {"full_tokens_per_layer": c.full_tokens} if "full_tokens_per_layer" in fields else {}
         return registry.create_tree_cache(registry.TreeCacheBuildContext(
             server_args=server_args, params=params, is_hybrid_swa=c.has_swa, is_hybrid_ssm=c.has_mamba,
-            enable_hierarchical_cache=False, disable_radix_cache=False,
+            enable_hierarchical_cache=False, disable_radix_cache=server_args.disable_radix_cache,
             effective_chunked_prefill_size=server_args.chunked_prefill_size, tp_worker=None, model_config=None,
             tp_size=1, tp_rank=0, tp_group=None, **full))
     # 0.5.12: the Scheduler's own init_cache_with_memory_pool, over a worker that serves this model's pools
@@ -142,6 +185,14 @@ class GlobalLoop:
         batch.output_ids = result.next_token_ids  # run_batch's relay of the sampled ids to the next decode
         self.server.process_batch_result(batch, result)
         self.server.last_batch = batch
+
+    def run_placeholder(self, batch) -> None:
+        """``run_batch`` on a PD decode server's prebuilt batch, where the plan returns it as a batch to run (0.5.9):
+        its ``_run_batch_prebuilt`` (no forward), the result processed, the batch the last one (the next plan merges
+        it into the running batch)."""
+        s = self.server
+        s.process_batch_result(batch, s._run_batch_prebuilt(batch))
+        s.last_batch = batch
 
     def idle(self) -> None:
         from sglang.srt.environ import envs
