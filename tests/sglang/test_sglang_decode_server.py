@@ -11,12 +11,14 @@ import pytest
 import torch
 from hypothesis import HealthCheck, settings
 from hypothesis.stateful import run_state_machine_as_test
+from packaging.version import Version
 
 from poolfuzz.adapters.sglang import compat
 from poolfuzz.harness.failures import StateLost
 from poolfuzz.harness.scheduled import scheduled_machine
 from poolfuzz.pools.config import CONFIGS
 from poolfuzz.pools.errors import ConfigError, LostKv
+from tests.sglang.families import release
 from tests.sglang.servers import server_module
 
 SETTINGS = settings(max_examples=25, stateful_step_count=30, deadline=None, derandomize=True,
@@ -214,13 +216,17 @@ def test_a_restore_that_loses_the_recurrent_state_is_caught_and_named(decode, mo
 
 
 @pytest.mark.anchored
-def test_a_retracted_sliding_window_and_mamba_request_resumes_on_its_own_state(decode, expect):
+def test_a_retracted_sliding_window_and_mamba_request_resumes_on_its_own_state(decode, expect, api):
     """#35957 through SGLang's own decode server (swa-ssm, sliding-window and mamba layers): under decode memory
     pressure ``retract_decode`` backs each retracted request up with the KV pool's ``get_cpu_copy``. Before the fix
     (0.5.18) that pool's copy ignores the mamba indices and nothing else backs the state up, so the resumed request
     continues from a state that is not its own, and the runner names it; from 0.5.19 the pool declares
     ``cpu_copy_carries_mamba`` and the state is backed up and restored. The server is started with
     ``--disaggregation-decode-retraction-backup cpu_tensor``: on 0.5.18 one without it does not start (the next test)."""
+    if release(api) < Version("0.5.11"):
+        pytest.skip("before 0.5.11 a decode server of a mamba model fails before a retraction can lose its state: "
+                    "0.5.9 sizes its mamba slots inline (refused here), 0.5.10 gives its pre-allocation rows no mamba "
+                    "slots (fixed by #22462 and #24244; ci/known/sglang-0.5.9-0.5.15.txt)")
     driver, rids, reqs = _pressure(decode, "swa-ssm", backup_mode="cpu_tensor")
     if expect == "35957":
         with pytest.raises(LostKv, match=r"^req \d+ step \d+: mamba\.\w+ layer \d+ position \d+: block \d+ slot \d+ "
@@ -249,6 +255,8 @@ def test_a_sliding_window_and_mamba_decode_server_with_default_flags_starts_on_c
     from poolfuzz.adapters.sglang.scheduler.servers import server_refusal
 
     if not compat.has_retraction_backup_flag():  # before 0.5.18: per-request CPU tensors, the only backup there is
+        if reason := decode.unsupported_reason(CONFIGS["swa-ssm"]):  # 0.5.9: mamba models refused on this path
+            pytest.skip(reason)
         assert server_refusal(CONFIGS["swa-ssm"], decode.SglangDecodeDriver, None) is None
         assert decode.build_decode_driver(CONFIGS["swa-ssm"]).backup_mode == "cpu_tensor"
         return
@@ -381,10 +389,11 @@ def test_a_dsa_request_retracted_on_a_decode_server_is_offloaded_by_the_pools_ow
     ``mamba_indices``, so a PD decode server of a DeepSeek-V3.2-style model crashes at its first retraction. The
     fuzzer's shrunk program on 0.5.12's decode server (dsa-ps64: 64-token pages): one request, then two that run decode
     short."""
-    from tests.sglang.families import release
-
     if reason := decode.unsupported_reason(CONFIGS["dsa-ps64"]):
         pytest.skip(reason)
+    if release(api) < Version("0.5.11"):
+        pytest.skip("before 0.5.11 the DSA pool inherits MLA's CPU copy, which leaves the indexer keys behind, and the "
+                    "pre-allocation budget overruns paged pools: other judged defects (ci/known/sglang-0.5.9-0.5.15.txt)")
     machine = scheduled_machine(CONFIGS["dsa-ps64"], driver_factory=decode.SglangDecodeDriver)()
     machine.schedule(steps=1, drafts=0)
     machine.add_request(length=1, share=0, max_tokens=1, priority=0)
@@ -392,8 +401,7 @@ def test_a_dsa_request_retracted_on_a_decode_server_is_offloaded_by_the_pools_ow
     machine.add_request(length=14, share=1, max_tokens=5, priority=0)
     machine.add_request(length=16, share=1, max_tokens=5, priority=0)
     machine.schedule(steps=1, drafts=0)
-    v = release(api)
-    if v.release[:3] in ((0, 5, 12), (0, 5, 13)):
+    if Version("0.5.12") <= release(api) < Version("0.5.14"):
         with pytest.raises(TypeError, match=r"get_cpu_copy\(\) got an unexpected keyword argument 'mamba_indices'"):
             machine.schedule(steps=3, drafts=0)
         return
@@ -409,12 +417,9 @@ def test_an_fp4_decode_server_starts_and_registers_its_kv_buffers(decode, api):
     the old name until #28013 (0.5.14): on 0.5.11 to 0.5.13 a PD decode server with FP4 KV raises ImportError at
     startup, when its KV manager asks the pool for its buffers (``get_contiguous_buf_infos``). On the releases before
     and after, the server starts and its requests are transferred and decoded on their own K, V and scales."""
-    from tests.sglang.families import release
-
     if reason := decode.unsupported_reason(CONFIGS["dense-fp4"]):
         pytest.skip(reason)
-    v = release(api)
-    if (0, 5, 11) <= v.release[:3] <= (0, 5, 13):
+    if Version("0.5.11") <= release(api) < Version("0.5.14"):
         with pytest.raises(ImportError, match="KVFP4QuantizeUtil"):
             decode.build_decode_driver(CONFIGS["dense-fp4"])
         return

@@ -1,15 +1,16 @@
-"""Triton's interpreter addressing memory as a GPU's kernel does: a lane that reads outside the tensors its launch was
-given reads nothing this process owns, and a lane that writes there raises ``IllegalAddress`` naming the kernel.
+"""Triton's interpreter with a GPU's view of a stray address: a kernel lane that reads memory this process has not
+mapped reads as masked off, one that writes there raises ``IllegalAddress`` naming the kernel, instead of SIGSEGV.
 
 Triton's interpreter (``TRITON_INTERPRET=1``: every kernel on a machine without a GPU,
-``shims._interpret_kernels_without_gpu``) dereferences a kernel's raw addresses on the CPU, so a stray lane reads or
-writes this process's memory, or kills it with SIGSEGV, and with it the run and every finding it held. SGLang 0.5.10's
-paged ``alloc_extend`` launches its kernel for more pages than the free list holds and only then checks the count and
+``shims._interpret_kernels_without_gpu``) dereferences a kernel's raw addresses on the CPU. SGLang 0.5.10's paged
+``alloc_extend`` launches its kernel for more pages than its free list holds and only then checks the count and
 answers None, discarding what the kernel read: on a GPU that read lands in the caching allocator's memory and is
-harmless; interpreted, it crashed the run. So every address a load or store touches (the lanes its mask leaves on) is
-checked against the storages of the launch's tensor arguments (the interpreter's host copies), before the access: a
-read outside them is a masked-off lane (its ``other`` value, zeros by default: what a discarded read may hold), a
-write outside them raises (on a GPU it corrupts another allocation, or faults). The kernels are SGLang's, unchanged.
+harmless; interpreted, it reached an unmapped page and the SIGSEGV killed the run and every finding it held. So each
+lane a load or store leaves on is checked before the access: inside a storage of the launch's tensor arguments (the
+interpreter's host copies), or else inside memory this process has mapped with the access's permission (a kernel that
+reads through a table of raw pointers, as ``write_req_to_token_pool_triton`` reads prefix rows, reaches tensors it was
+not given), and it goes ahead as the interpreter runs it; only an address in no mapping, which would have killed the
+process, is stood in for as a GPU's stray access. The kernels are SGLang's, unchanged.
 """
 
 from __future__ import annotations
@@ -49,13 +50,13 @@ def install() -> bool:
             del _LAUNCHES[depth:]
 
     def masked_load(self, ptrs, mask, *args, **kwargs):
-        inside = _inside(ptrs, mask, interpreter)
-        if inside is not None:  # the lanes outside read as masked off
+        inside = _inside(ptrs, mask, interpreter, permission="r")
+        if inside is not None:  # the lanes in no mapping read as masked off
             mask = interpreter.TensorHandle(np.asarray(mask.data, dtype=bool) & inside, mask.dtype)
         return load(self, ptrs, mask, *args, **kwargs)
 
     def masked_store(self, ptrs, value, mask, *args, **kwargs):
-        inside = _inside(ptrs, mask, interpreter)
+        inside = _inside(ptrs, mask, interpreter, permission="w")
         if inside is not None:
             _raise_outside(ptrs, mask, inside, interpreter)
         return store(self, ptrs, value, mask, *args, **kwargs)
@@ -78,9 +79,9 @@ def _spans(args) -> list[tuple[int, int]]:
     return out
 
 
-def _inside(ptrs, mask, interpreter):
-    """Where any lane the mask leaves on addresses bytes outside the running launch's tensors: a boolean array of the
-    lanes' shape (True: inside); None where every lane is inside (or no launch is running)."""
+def _inside(ptrs, mask, interpreter, *, permission: str):
+    """Where any lane the mask leaves on addresses bytes in no argument storage and no mapping with ``permission``
+    (``r`` or ``w``): a boolean array of the lanes' shape (True: addressable); None where every lane is."""
     if not _LAUNCHES:
         return None
     spans = _LAUNCHES[-1][1]
@@ -90,7 +91,51 @@ def _inside(ptrs, mask, interpreter):
     inside = np.zeros(addresses.shape, dtype=bool)
     for lo, hi in spans:
         inside |= (addresses >= lo) & (addresses + size <= hi)
+    rest = on & ~inside
+    if not rest.any():
+        return None
+    inside[rest] = _MAPPED.covers(addresses[rest], size, permission)
     return None if bool((inside | ~on).all()) else inside
+
+
+class _Mappings:
+    """This process's memory mappings (``/proc/self/maps``), read again when an address is in none of them (memory
+    mapped since); where the process cannot list them, every address counts as mapped (the interpreter as shipped)."""
+
+    def __init__(self):
+        self.starts = self.ends = None
+        self.perms: list[str] = []
+
+    def covers(self, addresses, size: int, permission: str):
+        found = self._lookup(addresses, size, permission)
+        if not found.all() and self._read():
+            found = self._lookup(addresses, size, permission)
+        return found
+
+    def _lookup(self, addresses, size: int, permission: str):
+        if self.starts is None and not self._read():
+            return np.ones(addresses.shape, dtype=bool)
+        at = np.searchsorted(self.starts, addresses, side="right") - 1
+        ok = at >= 0
+        at = np.where(ok, at, 0)
+        allowed = np.array([permission in p for p in self.perms], dtype=bool)
+        return ok & (addresses + np.uint64(size) <= self.ends[at]) & allowed[at]
+
+    def _read(self) -> bool:
+        try:
+            with open("/proc/self/maps") as maps:
+                rows = [line.split()[:2] for line in maps]
+        except OSError:
+            return False
+        spans = sorted((int(lo, 16), int(hi, 16), perms) for (lo, hi), perms in
+                       ((row[0].split("-"), row[1]) for row in rows))
+        self.starts = np.array([lo for lo, _, _ in spans], dtype=np.uint64)
+        self.ends = np.array([hi for _, hi, _ in spans], dtype=np.uint64)
+        self.perms = [perms for _, _, perms in spans]
+        return True
+
+
+_MAPPED = _Mappings()
 
 
 def _raise_outside(ptrs, mask, inside, interpreter) -> None:
@@ -99,6 +144,6 @@ def _raise_outside(ptrs, mask, inside, interpreter) -> None:
     addresses = np.asarray(ptrs.data, dtype=np.uint64)
     on = np.broadcast_to(np.asarray(mask.data, dtype=bool), addresses.shape)
     outside = addresses[on & ~inside]
-    raise IllegalAddress(f"Triton kernel {name} writes {size} bytes at {int(outside[0]):#x}, outside every tensor it "
-                         f"was launched with ({outside.size} of {int(on.sum())} lanes): an illegal memory access on a "
+    raise IllegalAddress(f"Triton kernel {name} writes {size} bytes at {int(outside[0]):#x}, in no memory this process "
+                         f"has mapped writable ({outside.size} of {int(on.sum())} lanes): an illegal memory access on a "
                          "GPU")
