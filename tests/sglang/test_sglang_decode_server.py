@@ -216,17 +216,15 @@ def test_a_restore_that_loses_the_recurrent_state_is_caught_and_named(decode, mo
 
 
 @pytest.mark.anchored
-def test_a_retracted_sliding_window_and_mamba_request_resumes_on_its_own_state(decode, expect, api):
+def test_a_retracted_sliding_window_and_mamba_request_resumes_on_its_own_state(decode, expect):
     """#35957 through SGLang's own decode server (swa-ssm, sliding-window and mamba layers): under decode memory
     pressure ``retract_decode`` backs each retracted request up with the KV pool's ``get_cpu_copy``. Before the fix
     (0.5.18) that pool's copy ignores the mamba indices and nothing else backs the state up, so the resumed request
     continues from a state that is not its own, and the runner names it; from 0.5.19 the pool declares
     ``cpu_copy_carries_mamba`` and the state is backed up and restored. The server is started with
     ``--disaggregation-decode-retraction-backup cpu_tensor``: on 0.5.18 one without it does not start (the next test)."""
-    if release(api) < Version("0.5.11"):
-        pytest.skip("before 0.5.11 a decode server of a mamba model fails before a retraction can lose its state: "
-                    "0.5.9 sizes its mamba slots inline (refused here), 0.5.10 gives its pre-allocation rows no mamba "
-                    "slots (fixed by #22462 and #24244; ci/known/sglang-0.5.9-0.5.15.txt)")
+    if reason := decode.unsupported_reason(CONFIGS["swa-ssm"]):  # 0.5.9, 0.5.10: no such decode server
+        pytest.skip(reason)
     driver, rids, reqs = _pressure(decode, "swa-ssm", backup_mode="cpu_tensor")
     if expect == "35957":
         with pytest.raises(LostKv, match=r"^req \d+ step \d+: mamba\.\w+ layer \d+ position \d+: block \d+ slot \d+ "
@@ -255,7 +253,7 @@ def test_a_sliding_window_and_mamba_decode_server_with_default_flags_starts_on_c
     from poolfuzz.adapters.sglang.scheduler.servers import server_refusal
 
     if not compat.has_retraction_backup_flag():  # before 0.5.18: per-request CPU tensors, the only backup there is
-        if reason := decode.unsupported_reason(CONFIGS["swa-ssm"]):  # 0.5.9: mamba models refused on this path
+        if reason := decode.unsupported_reason(CONFIGS["swa-ssm"]):  # 0.5.9, 0.5.10: no such decode server
             pytest.skip(reason)
         assert server_refusal(CONFIGS["swa-ssm"], decode.SglangDecodeDriver, None) is None
         assert decode.build_decode_driver(CONFIGS["swa-ssm"]).backup_mode == "cpu_tensor"

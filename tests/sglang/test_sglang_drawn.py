@@ -151,4 +151,8 @@ def test_drawn_models_run_through_sglangs_own_scheduler(scheduling):
                                                          derandomize=True, database=None,
                                                          suppress_health_check=list(HealthCheck)))
     assert len(drivers) > 5 and judged.declined
-    assert sum(len(d.outcome) for d in drivers) > 50  # requests the servers answered
+    # The servers answered traffic, not only started: more requests than servers. (A fixed count, "> 50", failed or
+    # passed with unrelated edits of the package, 45 to 143: Hypothesis draws the literals of its modules, so the
+    # drawn programs move with them.)
+    answered = sum(len(d.outcome) for d in drivers)
+    assert answered > len(drivers), (answered, len(drivers))

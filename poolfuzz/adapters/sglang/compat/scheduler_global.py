@@ -282,3 +282,12 @@ def typed_state_items(kv_manager, state_indices, *, untyped: str) -> dict:
         names = [t.name for t in kv_manager.kv_args.state_types or []]
         return {name: items for name, items in zip(names, state_indices or []) if items is not None}
     return {} if state_indices is None else {untyped: state_indices}
+
+
+def decode_names_one_state_item() -> bool:
+    """Whether the release's PD transfer arguments carry one ``state_type`` (0.5.9, 0.5.10: the decode side names one
+    state item per request, chosen by its KV pool's kind) rather than a list of ``state_types`` (0.5.12 on)."""
+    from sglang.srt.disaggregation.base.conn import KVArgs
+
+    fields = vars(KVArgs).get("__annotations__", {})
+    return "state_type" in fields and "state_types" not in fields

@@ -93,6 +93,10 @@ def decode_problem(config: ModelConfig) -> str | None:
     if config.mamba_track_slots:
         return ("a decode server runs without a radix cache (the fake backend refuses "
                 "--disaggregation-decode-enable-radix-cache), so it keeps no extra-buffer track slots for it")
+    if config.has_mamba and config.has_swa and compat.decode_names_one_state_item():
+        return (f"SGLang {api.version}'s decode side names one state item per request, chosen by its KV pool's kind "
+                "(KVArgs.state_type): for a model with sliding-window and mamba layers that is the window, so no "
+                "recurrent state would reach the decode server (no model of this release has both kinds of layer)")
     if first_importable("sglang.srt.disaggregation.fake.conn:FakeKVReceiver", required=False) is None:
         return (f"SGLang {api.version} has no fake transfer backend (FakeKVReceiver), whose receiver the decode "
                 "server runs")
@@ -271,7 +275,9 @@ class SglangDecodeDriver(SglangSchedulerDriver):
         receiver, req = decode_req.kv_receiver, decode_req.req
         method = compat.receiver_metadata_method(receiver)
         send = getattr(receiver, method)
-        c = self.config  # the prefill node serves the same model: before 0.5.12 it knows the one state item's kind
+        # the prefill node serves the same model: before 0.5.12 it knows the one state item's kind, which the decode
+        # pool's kind chose (a model with both SWA and mamba layers is declined there: decode_problem)
+        c = self.config
         untyped = "MAMBA" if c.has_mamba else "SWA" if c.has_swa and c.has_full else "NSA"
 
         def send_metadata(kv_indices, aux_index=None, state_indices=None, *rest, **kwargs):
