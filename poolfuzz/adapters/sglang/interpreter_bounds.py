@@ -15,6 +15,8 @@ process, is stood in for as a GPU's stray access. The kernels are SGLang's, unch
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
 from poolfuzz.adapters.sglang.host_tier.kernel_io import IllegalAddress
@@ -50,15 +52,17 @@ def install() -> bool:
             del _LAUNCHES[depth:]
 
     def masked_load(self, ptrs, mask, *args, **kwargs):
-        inside = _inside(ptrs, mask, interpreter, permission="r")
-        if inside is not None:  # the lanes in no mapping read as masked off
-            mask = interpreter.TensorHandle(np.asarray(mask.data, dtype=bool) & inside, mask.dtype)
+        stray = _stray(ptrs, mask, interpreter, permission="r")
+        if stray is not None:  # the lanes in no mapping read as masked off
+            mask = interpreter.TensorHandle(np.asarray(mask.data, dtype=bool) & ~stray.lanes, mask.dtype)
         return load(self, ptrs, mask, *args, **kwargs)
 
     def masked_store(self, ptrs, value, mask, *args, **kwargs):
-        inside = _inside(ptrs, mask, interpreter, permission="w")
-        if inside is not None:
-            _raise_outside(ptrs, mask, inside, interpreter)
+        stray = _stray(ptrs, mask, interpreter, permission="w")
+        if stray is not None:
+            raise IllegalAddress(f"Triton kernel {_LAUNCHES[-1][0]} writes {stray.size} bytes at {stray.first:#x}, in "
+                                 f"no memory this process has mapped writable ({stray.count} of {stray.on} lanes): an "
+                                 "illegal memory access on a GPU")
         return store(self, ptrs, value, mask, *args, **kwargs)
 
     executor._init_args_hst, executor.__call__ = init_args_hst, launch
@@ -79,23 +83,32 @@ def _spans(args) -> list[tuple[int, int]]:
     return out
 
 
-def _inside(ptrs, mask, interpreter, *, permission: str):
-    """Where any lane the mask leaves on addresses bytes in no argument storage and no mapping with ``permission``
-    (``r`` or ``w``): a boolean array of the lanes' shape (True: addressable); None where every lane is."""
+@dataclass(frozen=True, kw_only=True)
+class _Stray:
+    """The lanes of one load or store that address no argument storage and no mapping with the access's permission."""
+
+    lanes: np.ndarray  # of the pointers' shape, True where stray
+    size: int  # bytes a lane accesses
+    first: int  # the first stray address
+    count: int  # stray lanes
+    on: int  # lanes the mask leaves on
+
+
+def _stray(ptrs, mask, interpreter, *, permission: str) -> _Stray | None:
+    """The stray lanes of a load or store in the running launch (``permission``: ``r`` or ``w``), or None."""
     if not _LAUNCHES:
         return None
-    spans = _LAUNCHES[-1][1]
     size = np.dtype(interpreter._get_np_dtype(ptrs.get_element_ty())).itemsize
     addresses = np.asarray(ptrs.data, dtype=np.uint64)
     on = np.broadcast_to(np.asarray(mask.data, dtype=bool), addresses.shape)
-    inside = np.zeros(addresses.shape, dtype=bool)
-    for lo, hi in spans:
-        inside |= (addresses >= lo) & (addresses + size <= hi)
-    rest = on & ~inside
-    if not rest.any():
+    stray = on.copy()
+    for lo, hi in _LAUNCHES[-1][1]:
+        stray &= ~((addresses >= lo) & (addresses + size <= hi))
+    if stray.any():
+        stray[stray] = ~_MAPPED.covers(addresses[stray], size, permission)
+    if not stray.any():
         return None
-    inside[rest] = _MAPPED.covers(addresses[rest], size, permission)
-    return None if bool((inside | ~on).all()) else inside
+    return _Stray(lanes=stray, size=size, first=int(addresses[stray][0]), count=int(stray.sum()), on=int(on.sum()))
 
 
 class _Mappings:
@@ -104,7 +117,7 @@ class _Mappings:
 
     def __init__(self):
         self.starts = self.ends = None
-        self.perms: list[str] = []
+        self.allowed: dict[str, np.ndarray] = {}  # permission ("r", "w") -> whether each mapping grants it
 
     def covers(self, addresses, size: int, permission: str):
         found = self._lookup(addresses, size, permission)
@@ -118,32 +131,19 @@ class _Mappings:
         at = np.searchsorted(self.starts, addresses, side="right") - 1
         ok = at >= 0
         at = np.where(ok, at, 0)
-        allowed = np.array([permission in p for p in self.perms], dtype=bool)
-        return ok & (addresses + np.uint64(size) <= self.ends[at]) & allowed[at]
+        return ok & (addresses + np.uint64(size) <= self.ends[at]) & self.allowed[permission][at]
 
     def _read(self) -> bool:
         try:
             with open("/proc/self/maps") as maps:
-                rows = [line.split()[:2] for line in maps]
+                rows = sorted((int(lo, 16), int(hi, 16), perms) for (lo, hi), perms in
+                              ((line.split()[0].split("-"), line.split()[1]) for line in maps))
         except OSError:
             return False
-        spans = sorted((int(lo, 16), int(hi, 16), perms) for (lo, hi), perms in
-                       ((row[0].split("-"), row[1]) for row in rows))
-        self.starts = np.array([lo for lo, _, _ in spans], dtype=np.uint64)
-        self.ends = np.array([hi for _, hi, _ in spans], dtype=np.uint64)
-        self.perms = [perms for _, _, perms in spans]
+        self.starts = np.array([lo for lo, _, _ in rows], dtype=np.uint64)
+        self.ends = np.array([hi for _, hi, _ in rows], dtype=np.uint64)
+        self.allowed = {p: np.array([p in perms for _, _, perms in rows], dtype=bool) for p in "rw"}
         return True
 
 
 _MAPPED = _Mappings()
-
-
-def _raise_outside(ptrs, mask, inside, interpreter) -> None:
-    name = _LAUNCHES[-1][0]
-    size = np.dtype(interpreter._get_np_dtype(ptrs.get_element_ty())).itemsize
-    addresses = np.asarray(ptrs.data, dtype=np.uint64)
-    on = np.broadcast_to(np.asarray(mask.data, dtype=bool), addresses.shape)
-    outside = addresses[on & ~inside]
-    raise IllegalAddress(f"Triton kernel {name} writes {size} bytes at {int(outside[0]):#x}, in no memory this process "
-                         f"has mapped writable ({outside.size} of {int(on.sum())} lanes): an illegal memory access on a "
-                         "GPU")

@@ -31,5 +31,6 @@ from poolfuzz.adapters.sglang.compat.scheduler_global import (  # noqa: F401
     global_scheduler_state, server_flags, single_tensor_parallel_rank, has_tree_registry, scheduler_inits,
     retractions_reset, retractions_counted, invariant_checker, pool_stats, new_request, flush_pending_backups,
     publish_single_rank, RECEIVER_METADATA_METHODS, receiver_metadata_method, typed_state_items,
+    transfer_args_kept,
     decode_names_one_state_item,
 )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from functools import lru_cache
 from types import SimpleNamespace as NS
 
@@ -274,14 +275,34 @@ def receiver_metadata_method(receiver) -> str:
     return next(name for name in RECEIVER_METADATA_METHODS if callable(getattr(receiver, name, None)))
 
 
-def typed_state_items(kv_manager, state_indices, *, untyped: str) -> dict:
-    """The state items a decode server names beside a request's pages, by type name (``MAMBA``, ``SWA``, ``NSA``):
-    zipped with its KV manager's ``kv_args.state_types`` (0.5.12 on); before, the one untyped item the decode pool's
-    kind chose, which a prefill node of the same model reads as ``untyped``."""
-    if "kv_args" in vars(kv_manager):
-        names = [t.name for t in kv_manager.kv_args.state_types or []]
+@contextmanager
+def transfer_args_kept():
+    """For the span of building the decode queues: the fake transfer backend's KV manager keeps the ``KVArgs`` it is
+    given (0.5.12 on it keeps them itself; 0.5.9/0.5.10's drops them), so the prefill stand-in reads the state kind
+    SGLang chose for the pool (``KVArgs.state_type``) instead of working it out."""
+    from unittest import mock
+
+    from sglang.srt.disaggregation.fake.conn import FakeKVManager
+
+    init = FakeKVManager.__init__
+
+    def keeping(self, args, *rest, **kwargs):
+        init(self, args, *rest, **kwargs)
+        vars(self).setdefault("kv_args", args)
+
+    with mock.patch.object(FakeKVManager, "__init__", keeping):
+        yield
+
+
+def typed_state_items(kv_manager, state_indices) -> dict:
+    """The state items a decode server names beside a request's pages, by type name (``MAMBA``, ``SWA``, ``NSA``), as
+    its KV manager's ``KVArgs`` type them: a list zipped with ``state_types`` (0.5.12 on), or the one item of
+    ``state_type`` (0.5.9, 0.5.10; see :func:`transfer_args_kept`)."""
+    kv_args = kv_manager.kv_args
+    if "state_types" in vars(kv_args):
+        names = [t.name for t in kv_args.state_types or []]
         return {name: items for name, items in zip(names, state_indices or []) if items is not None}
-    return {} if state_indices is None else {untyped: state_indices}
+    return {} if state_indices is None else {kv_args.state_type.upper(): state_indices}
 
 
 def decode_names_one_state_item() -> bool:

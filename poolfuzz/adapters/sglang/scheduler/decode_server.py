@@ -50,8 +50,8 @@ decode server the same way: the same ``init_disaggregation``, stepped as that re
 which ``run_batch`` answers with ``_run_batch_prebuilt``). Those releases back every retracted request up as
 per-request CPU tensors (``Req.offload_kv_cache``: no flag, no host pool); their pools are the family's wiring (no
 configurator), with SGLang's ``DecodeReqToTokenPool`` / ``HybridMambaDecodeReqToTokenPool``; before 0.5.12 the
-decode side names its one state item untyped (the prefill stand-in, serving the same model, knows its kind:
-``compat.typed_state_items``), and 0.5.9 names a request's pages with ``init``, not ``send_metadata``. A decode server
+decode side names one state item, of the kind its ``KVArgs.state_type`` says (the fake backend's KV manager is made
+to keep them: ``compat.transfer_args_kept``), and 0.5.9 names a request's pages with ``init``, not ``send_metadata``. A decode server
 takes no streaming sessions (their turns are the prefill node's).
 
 A model with mamba layers gets its recurrent state from the prefill stand-in too (the state after the prompt, into
@@ -220,24 +220,21 @@ class SglangDecodeDriver(SglangSchedulerDriver):
         from sglang.srt.runtime_context import get_server_args
 
         super()._build_context_server(self.sized(config), max_running)
-        group = one_rank_group()
-        compat.publish_single_rank(group)
-        self._decode_side(get_server_args(), group, batch_result_processor=self.loop.processor)
+        self._decode_side(get_server_args(), batch_result_processor=self.loop.processor)
         self.loop = DecodeLoop(self.server, self.loop.processor, self._take_handoffs)
 
     def _build_global_server(self, config: ModelConfig, max_running: int) -> None:
         """A 0.5.9-0.5.15 decode server: the global-ServerArgs Scheduler (``scheduling_global``) with the decode
         queues its ``init_disaggregation`` builds, stepped as that release's ``event_loop_normal_disagg_decode``."""
         super()._build_global_server(self.sized(config), max_running)
-        group = one_rank_group()
-        compat.publish_single_rank(group)
-        self._decode_side(self.server.server_args, group)
+        self._decode_side(self.server.server_args)
         self.loop = GlobalDecodeLoop(self.server, self._take_handoffs)
 
-    def _decode_side(self, server_args, group, **state) -> None:
+    def _decode_side(self, server_args, **state) -> None:
         """What ``Scheduler.__init__`` leaves for ``init_disaggregation`` on a one-rank decode server beside the
-        scheduler path's state (and ``state``), its CPU ``group`` among it; the decode queues that builds."""
-        s, config = self.server, self.config
+        scheduler path's state (and ``state``): its ranks and CPU group published; the decode queues that builds."""
+        s, config, group = self.server, self.config, one_rank_group()
+        compat.publish_single_rank(group)
         # what the TpModelWorker knows of the model, as far as the decode queues read it
         s.model_config.num_hidden_layers = config.full_layers + config.swa_layers + config.mamba_layers
         s.model_config.get_total_num_kv_heads = lambda: 1
@@ -253,7 +250,8 @@ class SglangDecodeDriver(SglangSchedulerDriver):
                           draft_worker=None, random_seed=1, enable_unified_memory=self.unified, enable_decode_hicache=False,
                           server_args=server_args, **state)
         try:
-            s.init_disaggregation()
+            with compat.transfer_args_kept():
+                s.init_disaggregation()
         except (AssertionError, ValueError, NotImplementedError) as exc:  # what a decode server refuses to start with
             raise ConfigError(f"the sglang decode server cannot build {config.name!r}: SGLang's decode queues refuse "
                               f"it ({exc})") from None
@@ -275,18 +273,14 @@ class SglangDecodeDriver(SglangSchedulerDriver):
         receiver, req = decode_req.kv_receiver, decode_req.req
         method = compat.receiver_metadata_method(receiver)
         send = getattr(receiver, method)
-        # the prefill node serves the same model: before 0.5.12 it knows the one state item's kind, which the decode
-        # pool's kind chose (a model with both SWA and mamba layers is declined there: decode_problem)
         c = self.config
-        untyped = "MAMBA" if c.has_mamba else "SWA" if c.has_swa and c.has_full else "NSA"
 
         def send_metadata(kv_indices, aux_index=None, state_indices=None, *rest, **kwargs):
             decode_prefix_len = rest[0] if rest else kwargs.get("decode_prefix_len")  # 0.5.16 on
             page = c.page_size
             start, length = decode_prefix_len or 0, len(req.origin_input_ids)
             slots = [int(p) * page + j for p in kv_indices for j in range(page)]
-            named = compat.typed_state_items(self.server.disagg_decode_prealloc_queue.kv_manager, state_indices,
-                                             untyped=untyped)
+            named = compat.typed_state_items(self.server.disagg_decode_prealloc_queue.kv_manager, state_indices)
             swa_rows = None  # the SWA window's rows, where the SWA state item names them (from the page its start is on)
             if "SWA" in named:
                 rows = [int(p) * page + j for p in named["SWA"].reshape(-1).tolist() for j in range(page)]
