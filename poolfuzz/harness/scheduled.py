@@ -131,8 +131,9 @@ class ScheduledMachine(RuleBasedStateMachine):
         except LostKv as exc:
             self._failed(_lost(exc), in_teardown)
         except (ServerStuck, RowOverflow) as exc:  # checks of their own: a request never finished, a row overrun
-            check = "stuck" if isinstance(exc, ServerStuck) else "row-bounds"
-            self._failed(invariant_failure(step=self.steps, op=op, detail=str(exc), check=check), in_teardown)
+            check, held = ("stuck", exc.held) if isinstance(exc, ServerStuck) else ("row-bounds", None)
+            self._failed(invariant_failure(step=self.steps, op=op, detail=str(exc), check=check, space=held),
+                         in_teardown)
         except Exception as exc:  # an assert or crash inside the engine, or a check of ours
             self._failed(exc, in_teardown)
 

@@ -79,4 +79,10 @@ class RowOverflow(AssertionError):
 
 class ServerStuck(AssertionError):
     """An engine's scheduler-driven driver, draining: requests the idle server never finishes (the message names
-    them and where each waits). The harness reports it under its own check, ``stuck``, apart from a leak."""
+    them and where each waits). The harness reports it under its own check, ``stuck``, apart from a leak; ``held``
+    names what holds the space they wait for where the driver can tell (``session``: a streaming session its client
+    closed), and becomes the signature's space, so each cause is its own bug."""
+
+    def __init__(self, message: str, *, held: str | None = None):
+        super().__init__(message)
+        self.held = held

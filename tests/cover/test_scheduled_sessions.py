@@ -129,6 +129,28 @@ def test_a_server_that_never_finishes_a_request_is_reported_stuck_not_leaking():
     assert "req 000001 waiting" in str(info.value)
 
 
+def test_a_request_stuck_behind_a_session_the_server_still_holds_is_its_own_bug():
+    """Where the driver can tell what holds the space a stuck request waits for (a streaming session its client closed,
+    sglang#31765), that names the signature's space: --known can pass over that cause and still catch another stuck
+    admission on the same config."""
+    import pytest
+
+    from poolfuzz.harness.failures import InvariantViolation, signature_of
+    from poolfuzz.pools.errors import ServerStuck
+
+    class HeldBySession(RecordingDriver):
+        def drain(self):
+            raise ServerStuck("1 request(s) still unfinished (req 000002 waiting); the server still holds session(s) "
+                              "session-0", held="session")
+
+    machine = scheduled_machine(CONFIGS["dense"], driver_factory=lambda c: HeldBySession(sessions=True))()
+    with pytest.raises(InvariantViolation) as info:
+        machine.teardown()
+    assert info.value.divergence.check == "stuck" and info.value.divergence.space == "session"
+    assert signature_of(info.value, in_teardown=True) == "InvariantViolation:stuck:session"
+    assert "still holds session(s) session-0" in str(info.value)
+
+
 class _CheckerCrashes(RecordingDriver):
     """A server whose own invariant checker cannot run once a step has run (SGLang 0.5.10's busy check asks a mamba
     radix cache for ``evictable_size``, which raises NotImplementedError)."""

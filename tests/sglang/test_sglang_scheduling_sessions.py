@@ -9,6 +9,8 @@ run on the installed release, with the verdict that release must give.
 * SGLang 0.5.15 (0.5.18's code is the same; 0.5.23 refuses the combination; no report found): closing a streaming
   session of an all-SWA model frees its out-of-window slots a second time (``StreamingSession.release_session``
   starts at ``cache_protected_len``, not at the window's eviction frontier).
+* sgl-project/sglang#31765 (0.5.11 to 0.5.18; not in 0.5.23): a queued session turn its client aborts leaves the
+  session marked in flight, so closing the session is deferred for ever and its KV and row are never released.
 * sgl-project/sglang#22518 (fixed by 0.5.23): once the running batch is marked full, only a request leaving it clears
   the flag; where the batch empties first (the rows were held by streaming sessions), admission stays shut.
 """
@@ -108,6 +110,73 @@ def test_admission_reopens_once_closed_sessions_give_back_their_rows(scheduling,
             driver.drain()
     else:
         assert driver.drain() is None
+
+
+@pytest.mark.anchored
+def test_a_session_whose_queued_turn_was_aborted_is_released_when_its_client_closes_it(scheduling, api):
+    """sglang#31765 (0.5.11 to 0.5.18; 0.5.23 releases it): a session's second turn is queued (``Session.create_req``
+    marks the session ``_inflight``), its client aborts it while it waits, and ``abort_request`` pops it from the
+    waiting queue without telling the session; the client closes the session, and the close is deferred for ever
+    (``close_on_finish``, a turn in flight that no longer exists). The session's 12 tokens of KV and its row stay
+    held: a 40-token request on the 48-token pool is never admitted, and the report names the held session (its own
+    signature, ``stuck:session``). Found by the HiCache server on 0.5.12 and 0.5.15 (mla, hybrid-extra-buffer-ps4,
+    minimax-sparse-konly), shrunk to one session by hand. 0.5.10 has no in-flight mark: the session closes."""
+    from packaging.version import Version
+
+    from poolfuzz.pools.errors import ServerStuck
+
+    driver = _sessions(scheduling, "dense")
+    driver.session_turn(session=0, length=11, max_tokens=1)
+    driver.step()
+    driver.step()
+    queued = driver.session_turn(session=0, length=1, max_tokens=1)
+    driver.abort(queued)
+    driver.step()
+    driver.session_clients.close("session-0", give_up=True)
+    driver.step()
+    assert driver.outcome[queued] == "aborted"
+    driver.add_request(length=40, share=0, max_tokens=2)
+    if _release(api) < Version("0.5.11"):
+        assert driver.session_clients.held_after_close() == []
+        assert driver.drain() is None
+        return
+    assert driver.session_clients.held_after_close() == ["session-0"]
+    with pytest.raises(ServerStuck, match=r"the server still holds session\(s\) session-0, closed by their clients") \
+            as stuck:
+        driver.drain()
+    assert stuck.value.held == "session"
+
+
+@pytest.mark.anchored
+def test_a_mamba_session_whose_queued_turn_was_aborted_is_released_when_its_client_closes_it(scheduling, api):
+    """sglang#31765's second variant (0.5.11 to 0.5.18; open PR #31767): on a mamba model a queued session turn that
+    admission already tried carries the session's restored row and mamba slot, so ``abort_request`` releases it
+    through ``cache_finished_req``, which, seeing no abort reason, commits the never-run turn as the session's last.
+    The client's close then waits for that turn for ever, and the session's KV, row and state stay held: a 38-token
+    request never gets in. Shrunk by a helper from the HiCache server's mla-ssm run on 0.5.12 to this program (the
+    same on the plain server, and on 0.5.14 and 0.5.15)."""
+    from packaging.version import Version
+
+    from poolfuzz.pools.errors import ServerStuck
+
+    if _release(api) < Version("0.5.11"):
+        pytest.skip("0.5.10 keeps no in-flight mark, and loses a closed session's mamba slots instead (sglang#23496, "
+                    "test_admission_reopens_once_closed_sessions_give_back_their_rows)")
+    driver = _sessions(scheduling, "mla-ssm")
+    driver.session_turn(session=1, length=13, max_tokens=1)
+    driver.step()
+    driver.step()
+    driver.add_request(length=20, share=0, max_tokens=8)
+    driver.step()
+    queued = driver.session_turn(session=1, length=20, max_tokens=1)
+    driver.step()  # admission tries the turn, and restores the session's slot onto it
+    assert queued in driver.live() and driver.requests[queued] in driver.server.waiting_queue
+    driver.abort(queued)
+    driver.add_request(length=38, share=0, max_tokens=1)
+    with pytest.raises(ServerStuck, match=r"the server still holds session\(s\) session-1, closed by their clients") \
+            as stuck:
+        driver.drain()
+    assert stuck.value.held == "session"
 
 
 class _no_raise:

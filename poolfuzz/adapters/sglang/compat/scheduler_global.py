@@ -160,6 +160,19 @@ def session_state(tree) -> dict:
     return {"sessions": {}}
 
 
+def closed_sessions_deferred(server) -> list[str]:
+    """The streaming sessions whose close the server deferred and still holds (``close_on_finish``: 0.5.11 on), by
+    id, for a turn it counts in flight (``_inflight``, sglang#31765) or for a last turn (``req_nodes``) that is not
+    finished (a queued turn of a hybrid-mamba model aborted after its slot was restored: the abort's
+    ``release_kv_cache`` commits it as the session's last turn, sglang#31765's second variant); none on a release
+    without sessions or that deferral."""
+    controller = vars(server).get("session_controller")
+    sessions = vars(controller).get("sessions", {}) if controller is not None else {}
+    return sorted(sid for sid, session in sessions.items() if vars(session).get("close_on_finish") and (
+        vars(session).get("_inflight")
+        or not all(node.req.finished() for node in (vars(session).get("req_nodes") or {}).values())))
+
+
 def has_streaming_sessions() -> bool:
     """Whether the release's ServerArgs has ``--enable-streaming-session`` (0.5.10 on; 0.5.9 keeps no sessions)."""
     return has_private("streaming_session_flag")

@@ -458,8 +458,11 @@ class SglangSchedulerDriver:
         if self.requests:
             stuck = ", ".join(f"req {rid} {self._where(r)} with {len(r.output_ids)} of {r.sampling_params.max_new_tokens} "
                               "tokens out" for rid, r in list(self.requests.items())[:4])
+            held = self.session_clients.held_after_close()
+            because = (f"; the server still holds session(s) {', '.join(held)}, closed by their clients with no turn "
+                       "left, their close deferred for a turn it counts in flight or never finished") if held else ""
             raise ServerStuck(f"{len(self.requests)} request(s) still unfinished after {DRAIN_STEPS} idle steps "
-                              f"({stuck})")
+                              f"({stuck}){because}", held="session" if held else None)
         if not compat.fully_idle(self.server):
             return "every request finished, but the server is not idle"
         problem = compat.engine_invariant_problem(self.server, idle=True)  # on_idle's leak checks, strict

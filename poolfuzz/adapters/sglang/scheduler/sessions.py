@@ -10,6 +10,7 @@ context) and ``close_session``; the messages are the release's own ``io_struct``
 
 from __future__ import annotations
 
+from poolfuzz.adapters.sglang import compat
 from poolfuzz.adapters.sglang.shims import cpu_server
 from poolfuzz.pools.token_chain import Tokens
 
@@ -52,6 +53,13 @@ class SessionClients:
         d.runner.tokens[rid] = Tokens(ids=list(req.origin_input_ids))  # the session's context, then the new ids
         d.requests[rid] = req
         return rid
+
+    def held_after_close(self) -> list[str]:
+        """Sessions their clients closed, none of whose turns the server still has to answer, that the server has
+        not released (``compat.closed_sessions_deferred``: its close waits for a turn it counts in flight)."""
+        live = set(self.driver.requests)
+        return [sid for sid in compat.closed_sessions_deferred(self.driver.server)
+                if sid in self.closed and not live.intersection(self.closed[sid])]
 
     def close(self, sid: str, *, give_up: bool) -> None:
         """Close ``sid`` once its last turn is answered; with ``give_up``, the client first cancels the turn it waits
