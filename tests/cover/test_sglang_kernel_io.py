@@ -79,23 +79,23 @@ def test_an_address_outside_every_registered_buffer_is_an_illegal_access():
         k.transfer_kv_per_layer_mla_pf_lf(host, dev_k[0], torch.tensor([SLOTS]), torch.tensor([0]), 0, ITEM, ITEM)
 
 
-def test_ops_are_given_only_where_a_module_lacks_them():
+def test_ops_are_given_only_where_a_module_lacks_them(monkeypatch):
+    import sys
     import types
+
+    from poolfuzz.adapters.sglang.shims import _CallRaises
 
     module = types.ModuleType("fake")
     real = object()
     module.transfer_kv_per_layer = real
-    k._MODULES, saved = ("fake",), k._MODULES
-    import sys
-
-    sys.modules["fake"] = module
-    try:
-        done = k.install_cpu_kernel_ops()
-    finally:
-        k._MODULES = saved
-        del sys.modules["fake"]
+    # what 0.5.12's host pool module holds on a machine without sgl_kernel: the import-only stand-in's name
+    module.transfer_kv_per_layer_mla = _CallRaises("sgl_kernel.kvcacheio.transfer_kv_per_layer_mla")
+    monkeypatch.setattr(k, "HOST_POOL_MODULES", ("fake",))
+    monkeypatch.setitem(sys.modules, "fake", module)
+    done = k.install_cpu_kernel_ops()
     assert module.transfer_kv_per_layer is real and "fake.transfer_kv_per_layer" not in done
     assert module.transfer_kv_all_layer is k.transfer_kv_all_layer
+    assert module.transfer_kv_per_layer_mla is k.transfer_kv_per_layer_mla and "fake.transfer_kv_per_layer_mla" in done
 
 
 def test_an_address_resolves_to_its_own_buffer_among_many():

@@ -13,10 +13,12 @@ import pytest
 import torch
 from hypothesis import HealthCheck, settings
 from hypothesis.stateful import run_state_machine_as_test
+from packaging.version import Version
 
 from poolfuzz.harness.scheduled import scheduled_machine
 from poolfuzz.pools.config import CONFIGS
 from poolfuzz.pools.errors import ConfigError, LostKv
+from tests.sglang.families import release
 from tests.sglang.servers import server_module
 
 SETTINGS = settings(max_examples=25, stateful_step_count=30, deadline=None, derandomize=True,
@@ -34,8 +36,8 @@ def _counted_load_backs(monkeypatch, tree_cls) -> dict:
     calls = {"loaded": 0}
     original = tree_cls.init_load_back
 
-    def counted(self, params):
-        out = original(self, params)
+    def counted(self, *args, **kwargs):  # (params), or before 0.5.10 its fields one by one
+        out = original(self, *args, **kwargs)
         if out is not None:  # (tokens loaded, node); 0.5.20 answers the loaded device indices instead of a count
             loaded = out[0]
             calls["loaded"] += (loaded.numel() if torch.is_tensor(loaded) and loaded.dim() else int(loaded)) > 0
@@ -127,6 +129,10 @@ def test_the_host_tier_holds_written_through_prefixes_and_drains_clean(hicache_s
 def test_a_model_whose_tree_has_no_host_tier_is_declined_with_the_reason(hicache_server):
     """A model of only sliding-window layers: SGLang's registry builds it a tree without a host tier, whose
     ``check_hicache_events`` (polled by the Scheduler every step) raises; the server is declined saying so."""
+    from poolfuzz.adapters.sglang.scheduler.servers import unsupported_reason as plain_server_reason
+
+    if why := plain_server_reason(CONFIGS["swa-only"]):  # a release that builds no pools for it (before 0.5.15)
+        pytest.skip(f"no server of this release runs an all-SWA model: {why}")
     reason = hicache_server.unsupported_reason(CONFIGS["swa-only"])
     assert reason is not None and "has no host tier" in reason, reason
     with pytest.raises(ConfigError, match="has no host tier"):
@@ -159,10 +165,8 @@ def test_prefixes_that_left_the_host_are_prefetched_from_storage_by_the_schedule
     reason = hicache_server.unsupported_reason(CONFIGS[name])
     if reason:
         pytest.skip(reason)
-    from poolfuzz.adapters.sglang.api import load
-
-    if l3.storage_problem(load(), CONFIGS[name]):
-        pytest.skip(l3.storage_problem(load(), CONFIGS[name]))
+    if why := hicache_server.storage_problem(CONFIGS[name]):
+        pytest.skip(why)
     driver = hicache_server.SglangHiCacheDriver(CONFIGS[name])
     assert l3.enabled(driver.tree) and driver.server.enable_hicache_storage
     loads = _counted_storage_loads(monkeypatch, type(driver.tree))
@@ -181,11 +185,8 @@ def test_prefixes_that_left_the_host_are_prefetched_from_storage_by_the_schedule
 def test_a_page_storage_hands_back_wrong_is_caught_and_named(hicache_server, monkeypatch):
     """Storage that hands back a page of zeros (a backend that lost an object): the request admitted on the prefetched
     prefix finds zeros where its own K was, and the runner says which request, component, layer and position."""
-    from poolfuzz.adapters.sglang.api import load
-    from poolfuzz.adapters.sglang.host_tier import l3
-
-    if l3.storage_problem(load(), CONFIGS["dense"]):
-        pytest.skip(l3.storage_problem(load(), CONFIGS["dense"]))
+    if why := hicache_server.storage_problem(CONFIGS["dense"]):
+        pytest.skip(why)
     driver = hicache_server.SglangHiCacheDriver(CONFIGS["dense"])
     host_cls = type(driver.tree.cache_controller.storage_host_pool)
     original = host_cls.set_from_flat_data_page
@@ -310,3 +311,35 @@ def test_a_host_hit_loaded_back_leaves_the_admitted_sliding_window_chunk_short(h
     with pytest.raises(RuntimeError, match=r"Out of memory\. Try to lower your batch size\.(.|\n)*Available swa"):
         run(hicache_server.build_hicache_driver(CONFIGS["swa"]))
     assert run(scheduling.SglangSchedulerDriver(CONFIGS["swa"])) is None
+
+
+@pytest.mark.anchored
+@pytest.mark.parametrize("name", ["hybrid-linear", "mla-ssm"])
+def test_a_mamba_prefix_loaded_back_from_the_host_is_copied_only_once_its_state_has_landed(hicache_server, api, name):
+    """SGLang 0.5.12's ``HiMambaRadixCache`` (a mamba model's HiCache tree before the unified tree served them; 0.5.10
+    too): a 12-token prompt is cached and written through to the host, two 40-token prompts evict it from the device,
+    and two requests sharing it arrive together. The first one's match ends on the host-backed mamba node: its
+    load-back queues the node's state into a fresh device slot and marks the node as on the device at once
+    (``mamba_restore_commit``), but the copy runs only when the batch's forward starts the load
+    (``ready_to_load_host_cache``). The second request, matched in the same admission round, copies that slot on
+    write (``_match_post_processor``'s ``copy_from``) before it is filled, and continues from zeros (on a GPU: from
+    whatever the slot held). sglang#24954 moved the copy-on-write into the forward (``mamba_cow_src_index``; 0.5.14
+    has it, where the unified tree serves mamba models): both requests run on the prefix's state. Found by the
+    fuzzer's traffic (the 35th request of 100), shrunk to this by hand."""
+    if reason := hicache_server.unsupported_reason(CONFIGS[name]):
+        pytest.skip(reason)
+    driver = hicache_server.SglangHiCacheDriver(CONFIGS[name])
+    driver.add_request(length=12, share=0, max_tokens=1)
+    assert driver.drain() is None
+    for _ in range(2):
+        driver.add_request(length=40, share=0, max_tokens=1)
+        assert driver.drain() is None
+    assert driver.host_tokens > 0
+    first = driver.add_request(length=2, share=3, max_tokens=2)  # both after the first prompt's 12 tokens
+    second = driver.add_request(length=3, share=3, max_tokens=2)
+    if release(api) < Version("0.5.13"):
+        with pytest.raises(LostKv, match=rf"^req {second} step \d+: mamba\.conv0 layer 0 position 11: .* holds zeros"):
+            driver.drain()
+        return
+    assert driver.drain() is None
+    assert driver.first_prefix[first] == driver.first_prefix[second] == 12

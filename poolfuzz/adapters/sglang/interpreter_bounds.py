@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from poolfuzz.adapters.sglang.host_tier.kernel_io import IllegalAddress
+from poolfuzz.adapters.sglang.illegal_address import IllegalAddress
 
 # The launches running now, innermost last: (the kernel's name, the [lo, hi) byte spans of its arguments' storages).
 _LAUNCHES: list[tuple[str, list[tuple[int, int]]]] = []

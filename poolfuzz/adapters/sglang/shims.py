@@ -102,6 +102,11 @@ class _CallRaises(_Permissive):
                            "(the real kernel library is not installed or does not import here)")
 
 
+def import_only(obj) -> bool:
+    """Whether ``obj`` is a name of an import-only stand-in library (its call raises): a CPU copy may replace it."""
+    return isinstance(obj, _CallRaises)
+
+
 class _StandInBase:
     """Base for stand-in classes: accepts any construction, any attribute is a stand-in."""
 
@@ -258,6 +263,17 @@ def install_on_demand(missing: str | None) -> bool:
         return False
     _INSTALLED[root] = ON_DEMAND[root]()
     return _INSTALLED[root] == "stand-in"
+
+
+def import_module(name: str):
+    """``importlib.import_module(name)``, putting in an on-demand stand-in (:func:`install_on_demand`) each time the
+    import fails for want of one (0.5.12's host pools reach ``sgl_kernel`` on every chain)."""
+    while True:
+        try:
+            return importlib.import_module(name)
+        except ModuleNotFoundError as exc:
+            if not install_on_demand(exc.name):
+                raise
 
 
 def _no_sync(device=None) -> None:

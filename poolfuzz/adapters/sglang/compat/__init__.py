@@ -14,7 +14,7 @@ from poolfuzz.adapters.sglang.compat.needs import (  # noqa: F401
 )
 from poolfuzz.adapters.sglang.compat.scheduler import (  # noqa: F401
     SCHEDULER_MODULE, RESULT_PROCESSOR, TOKEN_RATIO, SCHEDULER_METHODS, scheduler_state, idle_compaction, published_extra_buffer,
-    published_host_pool_backup, host_pools, host_tier_pools, resolve_decode_retraction_backup, publish_scheduler_context, SCHEDULE_FLAGS,
+    published_host_pool_backup, host_pools, host_tier_pools, wrapped_tree, resolve_decode_retraction_backup, publish_scheduler_context, SCHEDULE_FLAGS,
     result_processor, engine_invariant_problem, deferred_mamba_cow_and_clear, mamba_track_aligned_lens,
     batches_defer_mamba_cow, batch_rows, request_row, batch_prefill_inputs, physical_mamba_slots, queue_request,
     requests_owning_rows, req_to_token_headroom, token_ratio, has_retraction_backup_flag,

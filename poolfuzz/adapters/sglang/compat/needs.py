@@ -100,6 +100,9 @@ PRIVATE: dict[str, Need] = {
                            used_for="private: the scheduler's idle request-row leak check"),
     "cuda_host_register": Need(target="sglang.srt.mem_cache.pool_host.common:_cuda_host_register", required=False,
                                used_for="private: replaced by a no-op on a machine without CUDA"),
+    "inline_host_register": Need(target="sglang.srt.mem_cache.memory_pool_host:alloc_with_host_register",
+                                 required=False, used_for="private: 0.5.12's host pools call the CUDA runtime inline "
+                                 "(a CPU runtime stand-in answers them on a machine without CUDA)"),
     "cuda_host_ranges_attr": Need(target="sglang.srt.mem_cache.pool_host.common:_CUDA_HOST_REGISTERED_RANGES_ATTR",
                                   required=False, used_for="private: what the no-op register records"),
     "retraction_device_transfers": Need(target=f"{_UNIFIED}._retraction_device_transfers", required=False,

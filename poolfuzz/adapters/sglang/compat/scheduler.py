@@ -105,7 +105,9 @@ def published_extra_buffer() -> bool:
 def host_tier_pools(tree) -> list[tuple]:
     """``(host pool, the device pool it mirrors)`` for each host pool of ``tree``: a ``UnifiedRadixCache``'s pool
     group (0.5.20 on; 0.5.17's in its ``token_to_kv_pool_host``), or the one host pool of 0.5.18's ``HiRadixCache``;
-    none for a tree without a host tier."""
+    none for a tree without a host tier. A tree a ``StreamingSession`` wraps (``--enable-streaming-session``) is asked
+    through the wrapper."""
+    tree = wrapped_tree(tree)
     group = tree.__dict__.get("host_pool_group")
     host = tree.__dict__.get("token_to_kv_pool_host")
     if group is None and hasattr(host, "entries"):  # 0.5.17 keeps its HostPoolGroup as the tree's host pool
@@ -113,6 +115,12 @@ def host_tier_pools(tree) -> list[tuple]:
     if group is not None:
         return [(entry.host_pool, entry.device_pool) for entry in group.entries]
     return [] if host is None else [(host, host.device_pool)]
+
+
+def wrapped_tree(tree):
+    """The prefix cache a ``StreamingSession`` wraps (its ``inner``: a global-ServerArgs server started with
+    ``--enable-streaming-session`` whose tree keeps no session slots itself), or ``tree`` itself."""
+    return tree.__dict__.get("inner", tree)
 
 
 def host_pools(tree) -> list:

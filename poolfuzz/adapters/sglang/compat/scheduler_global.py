@@ -110,8 +110,9 @@ def global_scheduler_state(*, server_args, model_config, spec_algorithm, disaggr
         priority_scheduling_preemption_threshold=server_args.priority_scheduling_preemption_threshold,
         enable_lora=False, enable_lora_overlap_loading=False, enable_overlap=False, enable_overlap_mlx=False,
         enable_pdmux=False, skip_tokenizer_init=True, tokenizer=None, stream_interval=1,
-        spec_algorithm=spec_algorithm, page_size=config.page_size, enable_hierarchical_cache=False,
-        enable_hicache_storage=False, enable_hisparse=False, hisparse_coordinator=None, model_config=model_config,
+        spec_algorithm=spec_algorithm, page_size=config.page_size,
+        enable_hierarchical_cache=server_args.enable_hierarchical_cache,
+        enable_hicache_storage=server_args.hicache_storage_backend is not None, enable_hisparse=False, hisparse_coordinator=None, model_config=model_config,
         is_generation=True, attn_tp_cpu_group=None, tp_cpu_group=None, attn_cp_cpu_group=None, tp_group=None,
         enable_metrics=False, enable_kv_cache_events=False, current_scheduler_metrics_enabled=False,
         # init_model_worker: the TpModelWorker's sizes

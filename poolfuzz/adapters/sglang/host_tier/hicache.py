@@ -19,6 +19,7 @@ exists. The copies themselves are ``host.install_cpu_transfer_ops``'s.
 
 from __future__ import annotations
 
+import re
 import types
 from contextlib import contextmanager
 
@@ -54,7 +55,7 @@ def hicache_problem(api, config: ModelConfig, *, pd_decode: bool) -> str | None:
 def host_tier_problem(api, config: ModelConfig) -> str | None:
     """Why the adapter cannot give ``config``'s tree SGLang's host tier on the CPU, or None: what SGLang itself
     refuses is its own answer, when the tree is built (the scheduler path asks only this)."""
-    if why := storage_of(config).host_tier:
+    if why := host_standin_problem(config):
         return why
     try:
         from sglang.srt.mem_cache import unified_radix_cache as urc
@@ -65,10 +66,22 @@ def host_tier_problem(api, config: ModelConfig) -> str | None:
     return None
 
 
+def host_standin_problem(config: ModelConfig) -> str | None:
+    """Why the adapter has no CPU stand-in for ``config``'s host pools (its storage's ``host_tier``), or None."""
+    return storage_of(config).host_tier
+
+
 def install_cpu_host_register() -> bool:
-    """A no-op ``cudaHostRegister`` for host pools on a machine without CUDA (see the module docstring)."""
-    if torch.cuda.is_available() or not has_private("cuda_host_register"):
-        return False  # CUDA registers for real; a release without the register has nothing to replace
+    """A no-op ``cudaHostRegister`` for host pools on a machine without CUDA (see the module docstring): the
+    release's own register function, or where its host pools call the CUDA runtime inline (0.5.12's
+    ``alloc_with_host_register``), a runtime for them whose host (un)register succeeds and pins nothing."""
+    if torch.cuda.is_available():
+        return False  # CUDA registers for real
+    if not has_private("cuda_host_register"):
+        if not has_private("inline_host_register"):
+            return False  # a release without the register has nothing to replace
+        torch.cuda.cudart = _HostRegistrationOnly
+        return True
     from sglang.srt.mem_cache.pool_host import common
 
     # where the release records what it registered (0.5.23), the record says nothing was, so destroy() unregisters
@@ -81,6 +94,24 @@ def install_cpu_host_register() -> bool:
 
     setattr(common, private_name("cuda_host_register"), register_nothing)
     return True
+
+
+class _HostRegistrationOnly:
+    """``torch.cuda.cudart()`` on a machine without CUDA, as far as a host pool asks it: registering a buffer for
+    DMA succeeds and pins nothing (there is no device to copy to); anything else it is asked is absent."""
+
+    cudaSuccess = 0
+
+    def __new__(cls):
+        return cls  # torch.cuda.cudart() returns the runtime module: this class stands in for it
+
+    @staticmethod
+    def cudaHostRegister(ptr, size, flags):
+        return _HostRegistrationOnly.cudaSuccess
+
+    @staticmethod
+    def cudaHostUnregister(ptr):
+        return _HostRegistrationOnly.cudaSuccess
 
 
 # The ``kernel`` backend's layouts (``--hicache-mem-layout``) per host pool kind. SGLang's own resolution
@@ -126,20 +157,29 @@ def tier_problem(config: ModelConfig, tier: tuple[str, str]) -> str | None:
     """Why this release's host pools would not run ``tier`` for ``config``, or None: probed in the host
     pool classes' own source (the layout in the buffer allocation, the backend in the load method)."""
     import inspect
-    import importlib
+
+    from poolfuzz.adapters.sglang.shims import import_module
 
     layout, io_backend = tier
     kinds = [("mla", "MLATokenToKVPoolHost") if config.latent else ("mha", "MHATokenToKVPoolHost")]
     if config.has_mamba:
         kinds.append(("mamba", "MambaPoolHost"))
     for module_name, cls_name in kinds:
-        try:
-            cls = getattr(importlib.import_module(f"sglang.srt.mem_cache.pool_host.{module_name}"), cls_name)
-            source = inspect.getsource(cls)
-        except (ImportError, AttributeError, OSError, TypeError) as exc:
-            return f"this SGLang has no pool_host.{module_name}.{cls_name} to probe ({exc})"
+        # pool_host.<kind> from 0.5.16; one memory_pool_host module before
+        for where in (f"sglang.srt.mem_cache.pool_host.{module_name}", "sglang.srt.mem_cache.memory_pool_host"):
+            try:
+                source = inspect.getsource(getattr(import_module(where), cls_name))
+                break
+            except (ImportError, AttributeError, OSError, TypeError) as exc:
+                missing = exc
+        else:
+            return f"this SGLang has no {cls_name} in pool_host.{module_name} or memory_pool_host to probe ({missing})"
         if f'"{layout}"' not in source:
             return f"this SGLang's {cls_name} has no {layout!r} host memory layout"
+        # a class naming the layout but refusing it (0.5.14 and 0.5.15's MambaPoolHost: page_first_direct only)
+        only = re.search(r"only supports layout='(\w+)'", source)
+        if only and only.group(1) != layout:
+            return f"this SGLang's {cls_name} only supports the {only.group(1)!r} host memory layout"
         if io_backend != IO_BACKEND and f'io_backend == "{io_backend}"' not in source:
             return f"this SGLang's {cls_name} has no {io_backend!r} I/O backend"
     return None
@@ -207,10 +247,11 @@ def register_kernel_buffers(tree) -> None:
             host_pool.pin_memory = False
 
 
-def worker_standin():
+def worker_standin(**asked):
     """The one call the tree makes on the TP worker: registering the load-back layer counter, which
-    the model's attention layers wait on; the adapter's forward waits for the whole load instead."""
-    return types.SimpleNamespace(register_hicache_layer_transfer_counter=lambda counter: None)
+    the model's attention layers wait on; the adapter's forward waits for the whole load instead. ``asked``: what
+    else the caller's tree build reads of the worker (0.5.12's ``init_cache_with_memory_pool``)."""
+    return types.SimpleNamespace(register_hicache_layer_transfer_counter=lambda counter: None, **asked)
 
 
 # =============================================================================================

@@ -34,7 +34,7 @@ from functools import lru_cache
 
 import torch
 
-from poolfuzz.adapters.sglang.host_tier.kernel_io import install_cpu_kernel_ops, register_buffers
+from poolfuzz.adapters.sglang.host_tier.kernel_io import install_cpu_kernel_ops, install_missing_copies, register_buffers
 from poolfuzz.adapters.sglang.compat import private, private_name
 from poolfuzz.adapters.sglang.pools.reads import stored_bytes
 from poolfuzz.adapters.sglang.pools.storage import storage_of
@@ -54,8 +54,6 @@ def retraction_io_backend(config: ModelConfig) -> str:
     (layer-first: ``transfer_kv_per_layer`` / ``transfer_kv_all_layer`` over pointer tables, ``kernel_io``'s
     copies on a CPU), at page size 1; paged configs keep the ``direct`` copies, so both run."""
     return IO_BACKEND if config.page_size > 1 else "kernel"
-HOST_POOL_MODULES = ("sglang.srt.mem_cache.pool_host.mha", "sglang.srt.mem_cache.pool_host.mla",
-                     "sglang.srt.mem_cache.pool_host.mamba", "sglang.srt.mem_cache.memory_pool_host")
 # The tree methods a host_pool retraction runs, borrowed unchanged onto the stand-in tree (three of them
 # UnifiedRadixCache keeps private: compat.PRIVATE names them).
 TREE_METHODS = ("backup_kv_cache", "restore_kv_cache", "discard_kv_cache_backup",
@@ -122,17 +120,7 @@ CPU_TRANSFER_OPS = {"transfer_kv_direct": cpu_transfer_kv_direct,
 
 def install_cpu_transfer_ops() -> list[str]:
     """Give the host pool modules the ``direct`` copies where their CUDA-only import left them out."""
-    done = []
-    for name in HOST_POOL_MODULES:
-        try:
-            module = importlib.import_module(name)
-        except Exception:  # not in this release (or not importable here): nothing to give it
-            continue
-        for op, cpu_op in CPU_TRANSFER_OPS.items():
-            if getattr(module, op, None) is None:  # absent, or None where a CUDA-only import left it unset
-                setattr(module, op, cpu_op)
-                done.append(f"{name}.{op}")
-    return done
+    return install_missing_copies(CPU_TRANSFER_OPS)
 
 
 # =============================================================================================

@@ -24,13 +24,12 @@ import weakref
 
 import torch
 
-# The host pool modules and the kernel ops each calls (by the name it calls them under).
-_MODULES = ("sglang.srt.mem_cache.pool_host.mha", "sglang.srt.mem_cache.pool_host.mla",
-            "sglang.srt.mem_cache.pool_host.mamba")
+from poolfuzz.adapters.sglang.illegal_address import IllegalAddress
 
-
-class IllegalAddress(RuntimeError):
-    """A kernel copy touched bytes outside every registered buffer (a CUDA illegal memory access)."""
+# The modules SGLang's host pool classes live in (``pool_host.<kind>`` on the releases that have them; one
+# ``memory_pool_host`` before), each calling the copies by the name it imported them under.
+HOST_POOL_MODULES = ("sglang.srt.mem_cache.pool_host.mha", "sglang.srt.mem_cache.pool_host.mla",
+                     "sglang.srt.mem_cache.pool_host.mamba", "sglang.srt.mem_cache.memory_pool_host")
 
 
 class _Registry:
@@ -254,14 +253,24 @@ CPU_KERNEL_OPS = {f.__name__: f for f in (
 
 def install_cpu_kernel_ops() -> list[str]:
     """Give the host pool modules the ``kernel`` copies where their CUDA-only import left them out."""
+    return install_missing_copies(CPU_KERNEL_OPS)
+
+
+def install_missing_copies(copies: dict) -> list[str]:
+    """Give each host pool module the CPU ``copies`` (name -> function) it lacks: where its CUDA-only import left
+    the name unset, or bound it to the import-only ``sgl_kernel`` stand-in (0.5.12 imports ``sgl_kernel.kvcacheio``
+    on every non-NPU machine), whose call would raise. A real kernel is never replaced. Returns what was given."""
+    from poolfuzz.adapters.sglang.shims import import_only
+
     done = []
-    for name in _MODULES:
+    for name in HOST_POOL_MODULES:
         try:
             module = importlib.import_module(name)
         except Exception:  # not in this release, or not importable here: nothing to give it
             continue
-        for op, cpu_op in CPU_KERNEL_OPS.items():
-            if getattr(module, op, None) is None:
+        for op, cpu_op in copies.items():
+            current = getattr(module, op, None)
+            if current is None or import_only(current):
                 setattr(module, op, cpu_op)
                 done.append(f"{name}.{op}")
     return done

@@ -17,6 +17,12 @@ the server's ``--hicache-mem-layout`` / ``--hicache-io-backend``; the TP worker'
 waited on layer by layer (``hicache.worker_standin``): on the CPU the copies are done when ``start_loading`` returns,
 before the forward reads them.
 
+On the global-ServerArgs releases (0.5.9 to 0.5.15, ``scheduling_global``) the tree is the one that release's
+Scheduler builds for ``--enable-hierarchical-cache`` (``HiRadixCache`` / ``HiMambaRadixCache`` from
+``init_cache_with_memory_pool``, or the registry's), wrapped in a ``StreamingSession`` as the rest of that path's
+trees are; the host tier's CPU stand-ins are the same, and 0.5.12's inline CUDA host register is answered by a runtime
+that pins nothing (``hicache.install_cpu_host_register``). They get no L3 tier (:func:`storage_problem`).
+
 With an L3 tier (where ``l3.storage_problem`` allows one: every config but the kinds SGLang's HiCache refuses), the
 server is also started with ``--hicache-storage-backend`` (SGLang's ``file`` backend, or the zero-copy stand-in, per
 ``l3.storage_backend``) and ``--hicache-storage-prefetch-policy wait_complete``, and its host tier is a staging tier a
@@ -42,16 +48,30 @@ from poolfuzz.pools.errors import ConfigError
 
 def hicache_server_problem(config: ModelConfig) -> str | None:
     """Why the HiCache server does not drive ``config`` with the installed SGLang, or None (the adapter's host-tier
-    stand-ins, ``hicache.host_tier_problem``; what SGLang itself refuses shows when the tree is built)."""
+    stand-ins, ``hicache.host_tier_problem``; on a global-ServerArgs release, whose Scheduler builds its own HiCache
+    tree, the stand-ins alone; what SGLang itself refuses shows when the tree is built)."""
     from poolfuzz.adapters.sglang import compat
     from poolfuzz.adapters.sglang.host_tier import hicache
     from poolfuzz.adapters.sglang.api import load
 
     api = load()  # the CPU shims go in before any sglang import
     if not compat.plans_with_context(scheduler_modules().Scheduler):
-        return (f"SGLang {api.version} keeps one global ServerArgs: the HiCache server is driven on releases whose "
-                "Scheduler runs a runtime-context event loop (0.5.16 on)")
+        # a global-ServerArgs release builds its own HiCache tree (HiRadixCache, HiMambaRadixCache, or 0.5.14's
+        # UnifiedRadixCache for hybrid models): only the adapter's host-tier stand-ins are asked here
+        return hicache.host_standin_problem(config)
     return hicache.host_tier_problem(api, config)
+
+
+def storage_problem(config: ModelConfig) -> str | None:
+    """Why the HiCache server runs ``config`` without an L3 tier, or None (``l3.storage_problem``)."""
+    from poolfuzz.adapters.sglang import compat
+    from poolfuzz.adapters.sglang.api import load
+
+    api = load()
+    if not compat.plans_with_context(scheduler_modules().Scheduler):
+        # the storage controller keys its files by the rank it reads from the runtime context (l3._single_rank)
+        return f"SGLang {api.version} keeps one global ServerArgs and no runtime context to read the rank from"
+    return l3.storage_problem(api, config)
 
 
 class SglangHiCacheDriver(SglangSchedulerDriver):
@@ -68,7 +88,7 @@ class SglangHiCacheDriver(SglangSchedulerDriver):
             raise ConfigError(f"the sglang HiCache server cannot build {config.name!r}: {reason}")
         from poolfuzz.adapters.sglang.api import load
 
-        if l3.storage_problem(load(), config) is None:
+        if storage_problem(config) is None:
             self.storage_dir = l3.new_directory()
         try:
             super().__init__(config, backup_mode=backup_mode)

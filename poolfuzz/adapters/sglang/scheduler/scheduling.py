@@ -75,26 +75,20 @@ MAMBA_TRACK_INTERVAL = 8
 @lru_cache(maxsize=1)
 def scheduler_modules():
     """SGLang's scheduler and what it hands its methods, imported once (after the pools' import shims)."""
-    import importlib
     import types
     import warnings
 
     from poolfuzz.adapters.sglang.api import first_importable, load
 
-    from poolfuzz.adapters.sglang.shims import install_on_demand
+    from poolfuzz.adapters.sglang.shims import import_module
 
     load()  # the CPU shims go in before any sglang import
     # ERROR too: a refused prompt is logged as an error by the server (Req.set_finish_with_abort), and is traffic
     logging.getLogger("sglang").setLevel(logging.CRITICAL)
     with warnings.catch_warnings():  # its import chain warns that Triton falls back to the CPU: not ours to fail on
         warnings.simplefilter("ignore")
-        while True:  # 0.5.12's chain reaches sgl_kernel (the host pools): its stand-in goes in on demand
-            try:
-                module = importlib.import_module(compat.SCHEDULER_MODULE)
-                break
-            except ModuleNotFoundError as exc:
-                if not install_on_demand(exc.name):
-                    raise
+        # 0.5.12's chain reaches sgl_kernel (the host pools): its stand-in goes in on demand
+        module = import_module(compat.SCHEDULER_MODULE)
     from sglang.srt.disaggregation.utils import DisaggregationMode
     from sglang.srt.managers.io_struct import AbortReq
     from sglang.srt.managers.schedule_batch import Req

@@ -9,7 +9,8 @@ is here (every engine-private name it reads is in ``compat``):
 * The prefix tree: the release's own choice, made by the code the Scheduler runs (0.5.13 on: its registry's
   ``create_tree_cache``, which wraps the cache in a ``StreamingSession`` where ``--enable-streaming-session`` asks;
   0.5.9 to 0.5.12: ``Scheduler.init_cache_with_memory_pool`` itself, run on the server with a ``TpModelWorker`` stand-in
-  that hands it the family's pools and says what kind of model it serves).
+  that hands it the family's pools and says what kind of model it serves); with ``--enable-hierarchical-cache`` (the
+  HiCache server) its host tier, on ``hicache``'s CPU stand-ins, the worker taking the load-back layer counter.
 * The event loop: ``get_next_batch_to_run()`` on the Scheduler's own state, ``process_batch_result`` (0.5.13 hands
   it to its ``SchedulerBatchResultProcessor``, built by the Scheduler's ``init_batch_result_processor``; 0.5.12
   runs its output-processor mixin), and an idle step's ``on_idle`` (a strict server's pool and request-row leak
@@ -29,6 +30,7 @@ from __future__ import annotations
 from types import SimpleNamespace as NS
 
 from poolfuzz.adapters.sglang import compat
+from poolfuzz.adapters.sglang.host_tier import hicache
 from poolfuzz.adapters.sglang.scheduler.model_facts import empty_batch, max_req_len, model_config_standin
 from poolfuzz.adapters.sglang.server_args import NO_MODEL
 from poolfuzz.pools.errors import ConfigError
@@ -63,7 +65,7 @@ def build_server(driver, config, max_running: int) -> "GlobalLoop":
         max_running=max_running, max_req_len=max_req_len(config, capacity), sent=driver._sent))
     try:
         driver.tree = build_tree(server, driver.family, server_args)
-    except AssertionError as exc:
+    except (AssertionError, ValueError) as exc:  # the tree's (or its host tier's) own refusal
         raise ConfigError(f"the scheduler-driven sglang family cannot build {config.name!r}: SGLang's radix "
                           f"cache refuses a server with {driver.server_args} ({exc})") from None
     server.__dict__.update(tree_cache=driver.tree, req_to_token_pool=driver.family.sg_req_pool,
@@ -115,7 +117,19 @@ def mamba_sized(config, server_args):
 
 
 def build_tree(server, family, server_args):
-    """The prefix tree the release's Scheduler builds over the family's pools (see the module)."""
+    """The prefix tree the release's Scheduler builds over the family's pools (see the module); with
+    ``--enable-hierarchical-cache`` its host tier too, on the CPU stand-ins of ``hicache.install_cpu_host_tier``, the
+    TP worker stand-in taking the load-back layer counter (``hicache.worker_standin``)."""
+    hierarchical = server_args.enable_hierarchical_cache
+    if hierarchical:
+        hicache.install_cpu_host_tier()
+    tree = _release_tree(server, family, server_args)
+    if hierarchical:
+        hicache.register_kernel_buffers(tree)
+    return tree
+
+
+def _release_tree(server, family, server_args):
     c = family.config
     if compat.has_tree_registry():
         from sglang.srt.mem_cache import registry
@@ -132,8 +146,10 @@ def build_tree(server, family, server_args):
         full = {"full_tokens_per_layer": c.full_tokens} if "full_tokens_per_layer" in fields else {}
         return registry.create_tree_cache(registry.TreeCacheBuildContext(
             server_args=server_args, params=params, is_hybrid_swa=c.has_swa, is_hybrid_ssm=c.has_mamba,
-            enable_hierarchical_cache=False, disable_radix_cache=server_args.disable_radix_cache,
-            effective_chunked_prefill_size=server_args.chunked_prefill_size, tp_worker=None, model_config=None,
+            enable_hierarchical_cache=server_args.enable_hierarchical_cache,
+            disable_radix_cache=server_args.disable_radix_cache,
+            effective_chunked_prefill_size=server_args.chunked_prefill_size, tp_worker=hicache.worker_standin(),
+            model_config=None,
             tp_size=1, tp_rank=0, tp_group=None, **full))
     # 0.5.12: the Scheduler's own init_cache_with_memory_pool, over a worker that serves this model's pools
     compat.resolved_to_sglangs_own_model(server.model_config)
@@ -147,9 +163,10 @@ def _worker(family):
     c = family.config
     runner = NS(linear_attn_model_spec=None, hybrid_gdn_config=NS() if c.has_mamba else None, mamba2_config=None,
                 prefill_aware_swa=False)
-    return NS(is_hybrid_swa=c.has_swa, model_runner=runner, sliding_window_size=c.sliding_window,
-              get_tokens_per_layer_info=lambda: (c.full_tokens, c.swa_tokens),
-              get_memory_pool=lambda: (family.sg_req_pool, family.sg_allocator))
+    return hicache.worker_standin(
+        is_hybrid_swa=c.has_swa, model_runner=runner, sliding_window_size=c.sliding_window,
+        get_tokens_per_layer_info=lambda: (c.full_tokens, c.swa_tokens),
+        get_memory_pool=lambda: (family.sg_req_pool, family.sg_allocator))
 
 
 def finish_building(server) -> None:
