@@ -119,8 +119,9 @@ def test_a_session_whose_queued_turn_was_aborted_is_released_when_its_client_clo
     waiting queue without telling the session; the client closes the session, and the close is deferred for ever
     (``close_on_finish``, a turn in flight that no longer exists). The session's 12 tokens of KV and its row stay
     held: a 40-token request on the 48-token pool is never admitted, and the report names the held session (its own
-    signature, ``stuck:session``). Found by the HiCache server on 0.5.12 and 0.5.15 (mla, hybrid-extra-buffer-ps4,
-    minimax-sparse-konly), shrunk to one session by hand. 0.5.10 has no in-flight mark: the session closes."""
+    signature, ``stuck:session``), and its client cannot open the session again (the server refuses the id it still
+    holds). Found by the HiCache server on 0.5.12 and 0.5.15 (mla, hybrid-extra-buffer-ps4, minimax-sparse-konly),
+    shrunk to one session by hand. 0.5.10 has no in-flight mark: the session closes."""
     from packaging.version import Version
 
     from poolfuzz.pools.errors import ServerStuck
@@ -141,6 +142,9 @@ def test_a_session_whose_queued_turn_was_aborted_is_released_when_its_client_clo
         assert driver.drain() is None
         return
     assert driver.session_clients.held_after_close() == ["session-0"]
+    # the client cannot open the session again: the server refuses the id it still holds, and nothing is sent
+    again = driver.session_turn(session=0, length=1, max_tokens=1)
+    assert driver.outcome[again] == "refused" and again not in driver.requests
     with pytest.raises(ServerStuck, match=r"the server still holds session\(s\) session-0, closed by their clients") \
             as stuck:
         driver.drain()

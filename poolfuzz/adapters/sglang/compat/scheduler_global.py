@@ -174,6 +174,12 @@ def closed_sessions_deferred(server) -> list[str]:
         or not all(node.req.finished() for node in (vars(session).get("req_nodes") or {}).values())))
 
 
+def session_opened(output) -> bool:
+    """Whether the Scheduler's answer to an ``OpenSessionReqInput`` opened the session (``success``: an id it still
+    holds, or a capacity it refuses, is answered False)."""
+    return bool(output.success)
+
+
 def has_streaming_sessions() -> bool:
     """Whether the release's ServerArgs has ``--enable-streaming-session`` (0.5.10 on; 0.5.9 keeps no sessions)."""
     return has_private("streaming_session_flag")

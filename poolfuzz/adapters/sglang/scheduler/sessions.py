@@ -29,17 +29,20 @@ class SessionClients:
 
     def turn(self, sid: str, *, length: int, max_tokens: int) -> str | None:
         """The next turn of session ``sid`` (opened first where it is not open): ``length`` fresh tokens after the
-        session's context. None while the last turn is in flight (the client waits for its answer)."""
+        session's context. None while the last turn is in flight (the client waits for its answer); a turn the server
+        answered at once, or whose session it would not open, is ``refused``."""
         d = self.driver
         if self.in_flight(sid):
             return None
-        if sid not in self.open:
-            d.server.open_session(open_session_request(sid))
-            self.open[sid] = []
+        opened = sid in self.open or compat.session_opened(d.server.open_session(open_session_request(sid)))
         ids = list(range(d.fresh, d.fresh + length))
         d.fresh += length
         rid = f"{d.next_rid:06d}"
         d.next_rid += 1
+        if not opened:  # the server refuses the id (it still holds a session of that id): the client sends nothing
+            d.outcome[rid] = "refused"
+            return rid
+        self.open.setdefault(sid, [])
         params = d.m.SamplingParams(max_new_tokens=max_tokens)
         params.normalize(None)
         with cpu_server(d.environment):
