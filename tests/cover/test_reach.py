@@ -146,3 +146,23 @@ def test_adding_to_the_reach_of_another_install_is_bad_usage(tmp_path, capsys):
 def test_coverage_add_without_a_directory_is_bad_usage(capsys):
     assert run_cli(["run", "--config", "dense", "--examples", "1", "--coverage-add"]) == 2
     assert "give --coverage DIR too" in capsys.readouterr().err
+
+
+def test_engine_code_the_installed_release_lacks_is_left_out_and_named():
+    """A family declares its engine's code for every release it drives; an entry this install lacks (SGLang's
+    ``scheduler_components`` before 0.5.13) is left out of the measurement and named, where a family none of whose
+    entries is here has declared the wrong code."""
+    from types import SimpleNamespace
+
+    from poolfuzz.errors import UsageError
+    from poolfuzz.orchestration.reach import engine_code_of
+
+    def factory(config, **options):
+        raise AssertionError("engine_code_of locates code without building a family")
+
+    factory.engine_code = (ENGINE, "poolfuzz/no_such_subsystem")
+    code = engine_code_of([SimpleNamespace(name="fake", target="tests:fake", factory=factory)])
+    assert code.entries == (ENGINE,) and code.absent == ("poolfuzz/no_such_subsystem",)
+    factory.engine_code = ("poolfuzz/no_such_subsystem",)
+    with pytest.raises(UsageError, match="none of which is under"):
+        engine_code_of([SimpleNamespace(name="fake", target="tests:fake", factory=factory)])
