@@ -101,7 +101,7 @@ def _replay_steps(w, engine, art, device, verbose: bool) -> int:
 def _replay_scheduled(w, art, config, device, factory) -> int:
     """A scheduler program (``--family vllm``) on a fresh server: the engine's scheduler decides again."""
     from poolfuzz.errors import reraise_api_change
-    from poolfuzz.harness.scheduled import replay, scheduled_machine
+    from poolfuzz.harness.scheduled import INIT_OP, replay, scheduled_machine
 
     # the retraction path the failing server ran (a decode server's resolved backup, or the one its run named)
     machine = scheduled_machine(config, driver_factory=lambda model: factory(model, device=device, faults=(),
@@ -120,7 +120,9 @@ def _replay_scheduled(w, art, config, device, factory) -> int:
             where = ("building the server" if ev.index == 0 else "the teardown checks" if ev.step is None
                      else f"step {ev.index} ({ev.step.op})")
             w(f"\nREPRODUCED at {where}:\n")
-            _report(w, ev.failure, art, op=None if ev.step is None else ev.step.op.removeprefix("scheduler."))
+            # the build's failure is judged at the operation a run records it under (the server's start, "init")
+            op = INIT_OP if ev.index == 0 else None if ev.step is None else ev.step.op.removeprefix("scheduler.")
+            _report(w, ev.failure, art, op=op)
             return 1
     w(f"\ndid not reproduce: the bug may be fixed (all {len(art.program)} steps and the teardown checks passed "
       f"on {device})\n")

@@ -39,6 +39,7 @@ from poolfuzz.pools.errors import ConfigError, LostKv, RowOverflow, ServerStuck
 from poolfuzz.strategies import DRAWN_NAME, drawn_configs, token_unit
 
 PREFIX = "scheduler."  # the ops of a scheduler program, apart from the Engine's (harness.program.operations)
+INIT_OP = "init"  # the operation a server that crashes while it starts is recorded at
 # Each op of a scheduler program and the arguments it takes: what an artifact's program may hold.
 OPERATIONS: dict[str, tuple[str, ...]] = {f"{PREFIX}add_request": ("length", "share", "max_tokens", "priority"),
                                           f"{PREFIX}schedule": ("steps", "drafts"), f"{PREFIX}abort": ("pick",),
@@ -82,7 +83,7 @@ class ScheduledMachine(RuleBasedStateMachine):
             cls.decline_log.last = None
         self.steps = 0
         self.program: list[StepRecord] = []
-        self.op = self.action = "init"
+        self.op = self.action = INIT_OP
         self.waived: dict = {}  # what an observer reads of an engine at the example's end (nothing is waived here)
         self.passed_over: dict = {}
         self.driver = None
@@ -111,7 +112,7 @@ class ScheduledMachine(RuleBasedStateMachine):
                 declined.append(exc)
                 return None
 
-        self.driver = self._guarded("init", build)  # a server that crashes at startup is a failure like any other
+        self.driver = self._guarded(INIT_OP, build)  # a server that crashes at startup is a failure like any other
         if declined:
             if cls.observer is not None:
                 cls.observer.example_declined(config, str(declined[0]))

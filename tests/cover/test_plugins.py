@@ -225,3 +225,43 @@ def test_doctor_on_a_suite_says_which_member_runs_each_config(toy_suite, capsys)
     assert lines["swa"].endswith("runs on toy_families:leaky")
     assert lines["dense"].endswith("runs on toy_families:factory, toy_families:leaky")
     assert "verdict: OK" in out
+
+
+def test_a_shipped_familys_build_that_crashes_is_the_engines_failure_not_bad_usage():
+    """A shipped family drives an engine: its build raising is the engine crashing at startup (SGLang 0.5.12's FP4
+    decode server), which the examples report and a replay reproduces; the same raise from a plug-in's factory is
+    still bad usage naming the factory. A shipped family's own refusal (ConfigError) still stops the run."""
+    def crashes(config, *, device="cpu", faults=(), backup_mode=None):
+        raise OSError(22, "Invalid argument")
+
+    def refuses(config, *, device="cpu", faults=(), backup_mode=None):
+        raise ConfigError("the server refuses it")
+
+    shipped = plugins.FamilyPlugin(name="sglang:hicache", target="x:crashes", origin=plugins.SHIPPED_ORIGIN,
+                                   factory=crashes)
+    assert plugins.probe_family(shipped, CONFIGS["dense"]) is None
+    plug_in = plugins.FamilyPlugin(name="mine", target="mine:crashes", origin="module path", factory=crashes)
+    with pytest.raises(ConfigError, match=r"cannot build config 'dense' on cpu: OSError.*pass a factory"):
+        plugins.probe_family(plug_in, CONFIGS["dense"])
+    refused = plugins.FamilyPlugin(name="sglang:hicache", target="x:refuses", origin=plugins.SHIPPED_ORIGIN,
+                                   factory=refuses)
+    with pytest.raises(ConfigError, match="the server refuses it"):
+        plugins.probe_family(refused, CONFIGS["dense"])
+
+
+def test_a_replayed_server_that_crashes_while_it_starts_is_the_recorded_failure():
+    """A scheduler-program artifact recorded at the server's start (``Crash:OSError@init``) replays to the same
+    failure, judged at the operation the run recorded it under (before: "@teardown", a different failure)."""
+    import io
+
+    from poolfuzz.cli.replay import _replay_scheduled
+
+    def crashes(config, *, device="cpu", faults=(), backup_mode=None):
+        raise OSError(22, "Invalid argument")
+
+    art = types.SimpleNamespace(program=[], backup_mode=None, failure="OSError: [Errno 22] Invalid argument",
+                                signature="Crash:OSError@init", error_type="OSError", divergence=None)
+    out = io.StringIO()
+    assert _replay_scheduled(out.write, art, CONFIGS["dense"], "cpu", crashes) == 1
+    assert "REPRODUCED at building the server" in out.getvalue()
+    assert out.getvalue().rstrip().endswith("the same failure as recorded"), out.getvalue()
