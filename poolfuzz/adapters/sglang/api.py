@@ -245,13 +245,10 @@ def _import_with_on_demand_shims(shims) -> None:
     """Import the entry modules; where one fails for want of a module that has an on-demand stand-in
     (``sgl_kernel``), put that in and retry (Python drops the modules whose import failed)."""
     for module in _ENTRY_MODULES:
-        while True:
-            try:
-                importlib.import_module(module)
-                break
-            except ImportError as exc:
-                if not (isinstance(exc, ModuleNotFoundError) and shims.install_on_demand(exc.name)):
-                    break  # _probe names what is missing
+        try:
+            shims.import_module(module)
+        except ImportError:
+            pass  # _probe names what is missing
 
 
 def _probe(sglang_version: str, installed: dict) -> SGLangAPI:

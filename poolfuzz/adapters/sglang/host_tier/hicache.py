@@ -77,11 +77,11 @@ def install_cpu_host_register() -> bool:
     ``alloc_with_host_register``), a runtime for them whose host (un)register succeeds and pins nothing."""
     if torch.cuda.is_available():
         return False  # CUDA registers for real
-    if not has_private("cuda_host_register"):
-        if not has_private("inline_host_register"):
-            return False  # a release without the register has nothing to replace
-        torch.cuda.cudart = _HostRegistrationOnly
+    if has_private("inline_host_register") and not has_private("cuda_host_register"):
+        torch.cuda.cudart = lambda: _HOST_REGISTRATION_ONLY
         return True
+    if not has_private("cuda_host_register"):
+        return False  # a release without the register has nothing to replace
     from sglang.srt.mem_cache.pool_host import common
 
     # where the release records what it registered (0.5.23), the record says nothing was, so destroy() unregisters
@@ -96,22 +96,10 @@ def install_cpu_host_register() -> bool:
     return True
 
 
-class _HostRegistrationOnly:
-    """``torch.cuda.cudart()`` on a machine without CUDA, as far as a host pool asks it: registering a buffer for
-    DMA succeeds and pins nothing (there is no device to copy to); anything else it is asked is absent."""
-
-    cudaSuccess = 0
-
-    def __new__(cls):
-        return cls  # torch.cuda.cudart() returns the runtime module: this class stands in for it
-
-    @staticmethod
-    def cudaHostRegister(ptr, size, flags):
-        return _HostRegistrationOnly.cudaSuccess
-
-    @staticmethod
-    def cudaHostUnregister(ptr):
-        return _HostRegistrationOnly.cudaSuccess
+# ``torch.cuda.cudart()`` on a machine without CUDA, as far as a host pool asks it: registering a buffer for DMA
+# succeeds (cudaSuccess, 0) and pins nothing (there is no device to copy to); anything else it is asked is absent.
+_HOST_REGISTRATION_ONLY = types.SimpleNamespace(cudaHostRegister=lambda ptr, size, flags: 0,
+                                                cudaHostUnregister=lambda ptr: 0)
 
 
 # The ``kernel`` backend's layouts (``--hicache-mem-layout``) per host pool kind. SGLang's own resolution

@@ -86,8 +86,6 @@ class SglangHiCacheDriver(SglangSchedulerDriver):
         reason = hicache_server_problem(config)
         if reason:
             raise ConfigError(f"the sglang HiCache server cannot build {config.name!r}: {reason}")
-        from poolfuzz.adapters.sglang.api import load
-
         if storage_problem(config) is None:
             self.storage_dir = l3.new_directory()
         try:
@@ -97,11 +95,14 @@ class SglangHiCacheDriver(SglangSchedulerDriver):
             raise
         # the server's shutdown when the example ends (close); a backstop where nobody closes it (a test's server)
         self._shutdown = weakref.finalize(self, l3.close, self.tree, self.storage_dir)
-        if self.tree.__class__.check_hicache_events is _base_check_hicache_events():
+        from poolfuzz.adapters.sglang import compat
+
+        tree = compat.wrapped_tree(self.tree)  # a StreamingSession forwards the poll to the tree it wraps
+        if type(tree).check_hicache_events is _base_check_hicache_events():
             # the Scheduler polls check_hicache_events every step; this tree's is the base class's, which raises
             self._shutdown()
             raise ConfigError(f"the sglang HiCache server cannot build {config.name!r}: SGLang's registry builds a "
-                              f"{type(self.tree).__name__} for this model, which has no host tier: its "
+                              f"{type(tree).__name__} for this model, which has no host tier: its "
                               "check_hicache_events raises NotImplementedError on the server's first step")
 
     @property
