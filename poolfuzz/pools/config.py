@@ -89,6 +89,13 @@ class ModelConfig:
     schedule_policy: str = "fcfs"
     chunked_prefill: int = 16
     conservativeness_pct: int = 10
+    # A server sized by its memory, as most are launched: the device memory (KiB) its KV cache configurator finds
+    # free once the weights are loaded, from which SGLang itself decides the token slots, the window pool's share
+    # (at its default --swa-full-tokens-ratio), the mamba slots and the running requests it can hold, no cap named
+    # but --max-running-requests (``request_rows``). The sizes above are then read back from what it built (the
+    # sglang family's ``configurator.server_sized``; a family that sizes nothing itself takes them as given).
+    # 0: the server names the sizes above as its caps.
+    free_memory_kib: int = 0
 
     def __post_init__(self) -> None:
         problems = _validate(self)
@@ -205,6 +212,8 @@ def _validate(c: ModelConfig) -> list[str]:
                         "draft) and needs mamba_layers > 0 (the intermediate state caches are the MambaPool's)")
     if c.schedule_policy not in SCHEDULE_POLICIES:
         problems.append(f"schedule_policy {c.schedule_policy!r} is not one of {', '.join(SCHEDULE_POLICIES)}")
+    if c.free_memory_kib < 0:
+        problems.append(f"free_memory_kib ({c.free_memory_kib}) must be >= 0 (0: the sizes are the server's caps)")
     if c.chunked_prefill < 0:
         problems.append(f"chunked_prefill ({c.chunked_prefill}) must be >= 0 (0: prompts are not chunked)")
     if not 1 <= c.conservativeness_pct <= 1000:
@@ -385,6 +394,17 @@ def _spec_long(spec: ModelConfig) -> ModelConfig:
     return spec.replace(name="hybrid-spec-long", spec_draft_tokens=5, max_context=32)
 
 
+def _memory_configs(base: list[ModelConfig]) -> list[ModelConfig]:
+    """Servers sized by their memory, as most are launched (no --max-total-tokens, --max-mamba-cache-size or
+    --swa-full-tokens-ratio): SGLang's configurator splits 8 KiB between the full-attention and window pools at its
+    default ratio (on 0.5.23: 49 and 39 tokens), and between the KV and the mamba state (72 tokens and 7 state slots,
+    which cap the running requests at 2: three slots a request). Their sizes above are the caps of the server they
+    were copied from, unused."""
+    named = {c.name: c for c in base}
+    return [named["swa"].replace(name="swa-mem", free_memory_kib=8),
+            named["hybrid-linear"].replace(name="hybrid-linear-mem", free_memory_kib=8)]
+
+
 def _paged(config: ModelConfig, page_size: int, kv_dtype: str) -> ModelConfig:
     return config.replace(
         # The full pool keeps its size in tokens (so fewer, larger pages fill up as fast); the
@@ -413,6 +433,7 @@ def _all_configs() -> dict[str, ModelConfig]:
     out["dsa-ssm-ps64"] = _dsa_ssm_ps64(out["mla-ssm"])
     out["swa-only"] = _swa_only()
     out["hybrid-spec-long"] = _spec_long(out["hybrid-spec"])
+    out.update((c.name, c) for c in _memory_configs(_base_configs()))
     return out
 
 

@@ -4,7 +4,8 @@ A drawn config covers what the named ones cannot: page sizes up to 64, windows f
 pool, pools from one page up, long contexts past the 8192-token chunking of the backup and reload
 paths, up to four layers of each kind in any interleaving, every KV and state dtype, state shapes,
 host pools of any size, every way the full-attention KV is stored (``STORAGES``), and the scheduling flags of the
-server a scheduler-path family runs (policy, chunk size, conservativeness). Every choice
+server a scheduler-path family runs (policy, chunk size, conservativeness), and whether that server is sized by its
+memory (SGLang then decides the sizes). Every choice
 shrinks toward the simplest config (page size 1, the smallest sizes, the fewest layers, the blocked
 layout), so a failure is reported on the smallest config that still fails. Faults that need a storage
 kind steer the draw to it (``drawn_configs``).
@@ -96,6 +97,10 @@ def _drawn(draw, storages: tuple[str, ...] = STORAGES, storage_decides_layers: b
         policy=draw(st.sampled_from(SCHEDULE_POLICIES)),
         chunked=draw(st.sampled_from((16, 0, 4, 32))),
         conservativeness=draw(st.sampled_from((10, 30, 100))),
+        # One server in four sized by its memory (4 to 64 KiB free once its weights are loaded: from a token to a few
+        # thousand): SGLang decides its sizes, the drawn ones aside (``ModelConfig.free_memory_kib``); shrinks to caps
+        sized_by_memory=draw(st.integers(0, 3)) == 3,
+        memory_kib=draw(st.integers(4, 64)),
     )
     if storage_decides_layers:  # drop the layers the kind cannot sit beside, rather than the kind
         d.update(_layers_for(d["storage"], d["swa"], d["mamba"]))
@@ -132,6 +137,8 @@ def _config_from(d: dict, pattern: str) -> ModelConfig:
         # The architecture is what uses_ssm_state reads: it must agree with the layers built.
         architecture="qwen3-next" if mamba else ("gpt-oss" if swa else "llama"),
         schedule_policy=d["policy"], chunked_prefill=d["chunked"], conservativeness_pct=d["conservativeness"],
+        # a long context's pool sized by memory would give it thousands of request rows' worth of tokens: named
+        free_memory_kib=d["memory_kib"] if d["sized_by_memory"] and not d["long"] else 0,
     )
     if swa:
         window = d["window"]
@@ -193,7 +200,8 @@ def drawn_configs(*, faults=(), where: Callable[[ModelConfig], bool] | None = No
 # Small configs, one per mix of layer kinds, that tell which storage kinds a set of checks can accept.
 _PROBE = dict(ps=1, long=False, full_pages=16, extra_context=0, swa_pages=16, window=4, head_num=1, head_dim=12,
               kv_dtype=KV_DTYPES[0], rows=2, host_pages=0, mamba_slots=2, state_shapes=(((12, 1),), (1, 2, 6)),
-              state_dtype=STATE_DTYPES[0], track_slots=0, spec_tokens=0, policy="fcfs", chunked=16, conservativeness=10)
+              state_dtype=STATE_DTYPES[0], track_slots=0, spec_tokens=0, policy="fcfs", chunked=16, conservativeness=10,
+              sized_by_memory=False, memory_kib=4)
 
 
 def _steering(checks: list[Callable[[ModelConfig], bool]]) -> tuple[str, ...]:

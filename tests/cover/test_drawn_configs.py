@@ -2,6 +2,7 @@
 
 import pytest
 from hypothesis import HealthCheck, find, given, seed, settings
+from hypothesis.errors import NoSuchExample
 
 from poolfuzz.orchestration.runner import run_machine
 from poolfuzz.pools.config import CONFIGS, ModelConfig
@@ -29,6 +30,7 @@ def test_drawn_configs_shrink_to_the_simplest():
     assert simplest.layer_pattern == "" and simplest.full_tokens == 1 and simplest.request_rows == 1
     # the server's scheduling flags shrink to the named configs'
     assert (simplest.schedule_policy, simplest.chunked_prefill, simplest.conservativeness_pct) == ("fcfs", 16, 10)
+    assert simplest.free_memory_kib == 0  # a server of named sizes, not one sized by its memory
     paged_mamba = find(drawn_configs(), lambda c: c.page_size > 4 and c.has_mamba, settings=settings(database=None))
     assert (paged_mamba.page_size, paged_mamba.mamba_layers, paged_mamba.swa_layers) == (8, 1, 0)
 
@@ -44,6 +46,11 @@ def test_the_strategy_reaches_off_grid_shapes():
     # server flags nobody wrote down: a cache-aware policy with prompts prefilled whole, a full conservativeness
     find(drawn_configs(), lambda c: c.schedule_policy == "dfs-weight" and c.chunked_prefill == 0
          and c.conservativeness_pct == 100 and c.has_mamba, settings=s)
+    # a recurrent server sized by its memory, SGLang deciding its slots; never a long context's (rows of 64K tokens)
+    find(drawn_configs(), lambda c: c.free_memory_kib > 32 and c.has_mamba and c.has_swa, settings=s)
+    with pytest.raises(NoSuchExample):
+        find(drawn_configs(), lambda c: c.free_memory_kib and c.max_context > 8192, settings=settings(database=None,
+                                                                                                   max_examples=300))
 
 
 @pytest.mark.parametrize("storage", [

@@ -34,6 +34,7 @@ class TestModelConfigValidation:
         ({"schedule_policy": "random"}, "schedule_policy 'random' is not one of fcfs, lpm, dfs-weight, lof"),
         ({"chunked_prefill": -1}, "chunked_prefill (-1) must be >= 0 (0: prompts are not chunked)"),
         ({"conservativeness_pct": 0}, "conservativeness_pct (0) must be from 1 to 1000"),
+        ({"free_memory_kib": -1}, "free_memory_kib (-1) must be >= 0"),
         ({"kv_dtype": "fp8_e5m2", "kv_scale_block": 4}, "kv_scale_block needs attention 'mha', kv_dtype 'fp8_e4m3'"),
     ])
     def test_impossible_config_names_the_problem(self, changes, problem):
@@ -91,14 +92,16 @@ class TestCatalogue:
     def test_built_in_names(self):
         """The catalogue holds fifteen families, each at page size 1 and 4, DSA in SGLang's shape (64-token pages), alone and
         beside recurrent layers, and
-        an all-SWA model (page size 1 only), and a speculative hybrid whose context is shorter than its pool."""
+        an all-SWA model (page size 1 only), a speculative hybrid whose context is shorter than its pool, and two servers
+        sized by their memory."""
         assert list(CONFIGS) == ["dense", "dense-ps4", "swa", "swa-ps4", "hybrid-linear", "hybrid-linear-ps4",
                                  "swa-ssm", "swa-ssm-ps4", "mla", "mla-ps4", "dsa", "dsa-ps4", "fp8-scaled",
                                  "fp8-scaled-ps4", "dense-cpu-fp8", "dense-cpu-fp8-ps4", "mla-fp4", "mla-fp4-ps4",
                                  "minimax-sparse", "minimax-sparse-ps4", "minimax-sparse-konly",
                                  "minimax-sparse-konly-ps4", "dense-fp4", "dense-fp4-ps4", "mla-ssm", "mla-ssm-ps4",
                                  "hybrid-extra-buffer", "hybrid-extra-buffer-ps4", "hybrid-spec", "hybrid-spec-ps4",
-                                 "dsa-ps64", "dsa-ssm-ps64", "swa-only", "hybrid-spec-long"]
+                                 "dsa-ps64", "dsa-ssm-ps64", "swa-only", "hybrid-spec-long", "swa-mem",
+                                 "hybrid-linear-mem"]
         assert all(CONFIGS[n].name == n for n in CONFIGS)
 
     def test_get_config(self):
@@ -115,7 +118,7 @@ class TestCatalogue:
                                    "mla-fp4-ps4, minimax-sparse, minimax-sparse-ps4, minimax-sparse-konly, "
                                    "minimax-sparse-konly-ps4, dense-fp4, dense-fp4-ps4, mla-ssm, mla-ssm-ps4, "
                                    "hybrid-extra-buffer, hybrid-extra-buffer-ps4, hybrid-spec, hybrid-spec-ps4, "
-                                   "dsa-ps64, dsa-ssm-ps64, swa-only, hybrid-spec-long")
+                                   "dsa-ps64, dsa-ssm-ps64, swa-only, hybrid-spec-long, swa-mem, hybrid-linear-mem")
 
 
 class TestUsesSsmState:

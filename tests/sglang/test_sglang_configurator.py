@@ -359,10 +359,10 @@ def test_a_radix_disabled_decode_server_sizes_its_window_pool_from_its_requests(
     assert built.sizes["swa_max_total_num_tokens"] == 64 != c.swa_tokens
     family = build_sglang_family(c, scheduled=True, decode_rows=2 * c.request_rows, role_flags=ROLE_FLAGS)
     assert "builds other pools for the config's server" in family.pools_source
-    assert configurator.window_sized(c, role_flags=ROLE_FLAGS) == c.replace(swa_tokens=64)
+    assert configurator.server_sized(c, role_flags=ROLE_FLAGS) == c.replace(swa_tokens=64)
     driver = build_decode_driver(c)  # the decode server a fuzz run starts (its host_pool backup's host tier too)
     assert driver.config.swa_tokens == 64 and driver.family.pools_source.startswith("SGLang's KV cache configurator (")
-    assert configurator.window_sized(CONFIGS["swa"]) == c  # a plain server's window pool is the flag's
+    assert configurator.server_sized(CONFIGS["swa"]) == c  # a plain server's window pool is the flag's
 
 
 def test_a_gpu_servers_build_leaves_this_machines_device_module_bound(configurator):
@@ -441,3 +441,70 @@ def test_a_gpt_oss_server_serves_the_configs_window(configurator):
     built = configurator.configure(c)
     assert built.server.hf_config["sliding_window"] == c.sliding_window + 1
     assert built.configurator.sliding_window_size == c.sliding_window
+
+
+@pytest.mark.parametrize("family_name", ["sglang:scheduler", "sglang:hicache", "sglang:decode", "sglang:unified-server"])
+@pytest.mark.parametrize("name", ["swa-mem", "hybrid-linear-mem"])
+def test_a_server_sized_by_its_memory_runs_on_the_sizes_sglang_gives_it(configurator, family_name, name):
+    """Issue 35 item 2's memory branch: a server launched with no size cap but its running requests. SGLang's
+    configurator decides the token slots, the window pool's share, the mamba slots and how many requests those
+    hold, from the memory it finds free; every server a run starts reads those sizes back and runs on the very
+    pools SGLang built, none of the caps of the config it was copied from."""
+    from poolfuzz.orchestration.plugins import resolve_family
+
+    plugin, c = resolve_family(family_name), CONFIGS[name]
+    if plugin.unsupported_reason(c):
+        pytest.skip(plugin.unsupported_reason(c))
+    driver = plugin.factory(c, device="cpu", faults=(), backup_mode=None)
+    family, sized = driver.family, driver.config
+    assert family.pools_source.startswith("SGLang's KV cache configurator ("), family.pools_source
+    assert "--max-total-tokens" not in family.pools_source and "--max-mamba-cache-size" not in family.pools_source
+    assert family.served.sizes["max_running_requests"] == sized.request_rows
+    assert sized.full_tokens != c.full_tokens  # SGLang's answer to 8 KiB, not the caps of the config copied
+    if c.has_mamba:
+        assert family.sg_req_pool.mamba_pool.size == sized.mamba_slots != c.mamba_slots
+
+
+def test_sglang_splits_a_servers_memory_its_own_way(configurator):
+    """What SGLang makes of 8 KiB, read back: the window pool takes the share SGLang resolves for the model
+    (``--swa-full-tokens-ratio`` unnamed), and a recurrent server admits only the requests its state slots hold
+    (``resolve_max_num_reqs``: the mamba slots over the slots a request takes), fewer than ``--max-running-requests``."""
+    from types import SimpleNamespace
+
+    from sglang.srt.runtime_context import get_server_args
+
+    from poolfuzz.adapters.sglang.compat import private
+    from poolfuzz.adapters.sglang.server_args import publish_server_args
+
+    swa, capped = configurator.server_sized(CONFIGS["swa-mem"]), CONFIGS["swa"]
+    assert 0 < swa.swa_tokens < swa.full_tokens  # SGLang's own share, not the 1:2 the capped server names
+    assert swa.swa_tokens * capped.full_tokens != swa.full_tokens * capped.swa_tokens
+    c = CONFIGS["hybrid-linear-mem"]
+    hybrid = configurator.server_sized(c)
+    publish_server_args(**{k: v for k, v in configurator.server_flags(c).items() if k != "attention_backend"})
+    per_request = private("calculate_mamba_ratio")(SimpleNamespace(server_args=get_server_args()))
+    assert hybrid.request_rows == hybrid.mamba_slots // per_request < c.request_rows
+    # named back, the sizes are the same server's (a config that stands for it replays it)
+    assert configurator.server_sized(hybrid) == hybrid
+
+
+@pytest.mark.parametrize("config, words", [
+    # too little memory for the state a request needs: SGLang refuses to start
+    (CONFIGS["hybrid-linear"].replace(free_memory_kib=2), "state cache is too small to serve any requests"),
+    # sliding-window layers in a model SGLang serves as full attention (Qwen3-Next): no window pool to read back
+    (CONFIGS["hybrid-linear"].replace(swa_layers=1, sliding_window=4, swa_tokens=16, layer_pattern="",
+                                      free_memory_kib=16), "sized no full_tokens, swa_tokens"),
+], ids=["too-little-memory", "no-window-pool"])
+def test_a_server_sized_by_its_memory_that_sglang_cannot_size_is_refused_with_the_reason(configurator, config, words):
+    with pytest.raises(ConfigError, match=words):
+        configurator.server_sized(config)
+
+
+def test_a_server_sized_by_its_memory_is_refused_where_no_configurator_sizes_it(configurator, monkeypatch):
+    """A release (or machine) whose configurator does not build: the adapter has no sizes of its own to stand in
+    for SGLang's answer, so the config is refused, saying how to run it with named sizes."""
+    monkeypatch.setattr(configurator, "problem", lambda: "this release has no KV cache configurator")
+    monkeypatch.setattr(configurator, "_SIZED", {})
+    with pytest.raises(ConfigError, match="no KV cache configurator.*name the sizes: free_memory_kib=0"):
+        configurator.server_sized(CONFIGS["swa-mem"])
+    assert configurator.server_sized(CONFIGS["swa"]) == CONFIGS["swa"]  # a server of named sizes needs none

@@ -97,6 +97,10 @@ def _described(config, *, role_flags, build, server_of=None, notes=()):
         built = configure(served, role_flags=role_flags).parts()
     except ConfigError as exc:
         refused = str(exc)
+    if config.free_memory_kib:  # what no flag says: the sizes above are SGLang's answer to this much memory
+        notes = (*notes, f"sized by SGLang's configurator from {config.free_memory_kib} KiB of device memory free once "
+                         "the weights are loaded (no --max-total-tokens, --max-mamba-cache-size or "
+                         "--swa-full-tokens-ratio named)")
     # a server with the model's shapes and random weights: the pools poolfuzz fuzzed, on a GPU
     return ServerDescription(flags=flags, built=built, refused=refused, family=family, family_declines=declines,
                              model=model, launcher="python -m sglang.launch_server --load-format dummy "

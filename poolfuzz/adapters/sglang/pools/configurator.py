@@ -13,7 +13,9 @@ Stood in for: the model, which a configurator reads only for its quantisation an
 weights and none of those hooks (so SGLang takes its defaults from the model config); the free GPU memory the
 configurator's budget starts from (``get_available_gpu_memory`` in ``_profile_available_bytes``, after a
 ``gc.collect`` of 0.3 s a build), answered with a fixed ``MEMORY_BUDGET`` so the flags' caps decide every size, the
-same on every machine, while the rest of that method (its mamba budget) is SGLang's; and the machine a server runs on
+same on every machine (a server sized by its memory, ``ModelConfig.free_memory_kib``, is answered with that memory and
+named no caps: SGLang decides its sizes, ``server_sized`` reads them back), while the rest of that method (its mamba
+budget) is SGLang's; and the machine a server runs on
 (``compat.platform``: a B200 for every config but the CPU server's, which runs SGLang's CPU engine on an AMX Xeon), so
 that the flags are resolved and the pools built as that machine's server resolves and builds them (without CUDA,
 SGLang's base platform refuses FP4 KV, ``mxfp8`` and the mamba extra buffer, and DSA's model hook asks the GPU's
@@ -67,6 +69,8 @@ class ServerModel:
     flags: dict
     hf_config: dict
     gpu: GPU | None = None  # the GPU it runs on (stood in for while its pools are built); None: a CPU server
+    # the device memory (bytes) its configurator finds free once the weights are loaded (``_fixed_free_memory``)
+    free_memory: int = MEMORY_BUDGET
 
     def command_line(self) -> str:
         """The flags as ``python -m sglang.launch_server`` takes them (the model path left out)."""
@@ -187,13 +191,18 @@ def server_flags(c: ModelConfig) -> dict:
         flags["attention_backend"] = MODELS[c.architecture].attention_backend
     if model_dtype == "float32":  # named: left to "auto", SGLang serves a float32 checkpoint in float16
         flags["dtype"] = model_dtype
-    flags.update(page_size=c.page_size, max_total_tokens=c.full_tokens or c.swa_tokens,
-                 max_running_requests=c.request_rows)
-    if c.has_swa and c.has_full:
+    # the sizes as caps, or (a server sized by its memory) none but the running requests: SGLang sizes the rest
+    capped = not c.free_memory_kib
+    flags.update(page_size=c.page_size, max_running_requests=c.request_rows)
+    if capped:
+        flags["max_total_tokens"] = c.full_tokens or c.swa_tokens
+    if capped and c.has_swa and c.has_full:
         flags["swa_full_tokens_ratio"] = c.swa_tokens / c.full_tokens
     if c.has_mamba:
-        flags.update(max_mamba_cache_size=c.mamba_slots, disable_overlap_schedule=True,
+        flags.update(disable_overlap_schedule=True,
                      mamba_radix_cache_strategy="extra_buffer" if c.mamba_track_slots else "no_buffer")
+    if c.has_mamba and capped:
+        flags["max_mamba_cache_size"] = c.mamba_slots
     if c.spec_draft_tokens:
         # the model's own MTP layers draft (NEXTN, which SGLang runs as EAGLE), a tree of top-k 2 verified in one
         # forward of the config's draft tokens: the target's pools keep one state row per draft token
@@ -211,7 +220,7 @@ def server_model(c: ModelConfig) -> ServerModel:
         raise ConfigError(f"config {c.name!r}: no model stands for architecture {kind!r} on the configurator path "
                           f"yet (it has models for: {', '.join(MODELS)})")
     return ServerModel(kind=kind, flags=server_flags(c), hf_config=MODELS[kind].config_json(c, dtype_flags(c)[0]),
-                       gpu=server_gpu(c))
+                       gpu=server_gpu(c), free_memory=c.free_memory_kib << 10 or MEMORY_BUDGET)
 
 
 _REFUSALS: dict[tuple, str | None] = {}
@@ -233,25 +242,73 @@ def refusal(c: ModelConfig, *, role_flags: dict | None = None) -> str | None:
     return _REFUSALS[key]
 
 
-_WINDOW_SIZED: dict[tuple, ModelConfig] = {}
+_SIZED: dict[tuple, ModelConfig] = {}
 
 
-def window_sized(c: ModelConfig, *, role_flags: dict | None = None) -> ModelConfig:
-    """``c`` with the sliding-window pool SGLang's configurator gives its server (with ``role_flags``), where SGLang
-    sizes that pool itself: a server without a radix cache (a PD decode server's) takes it from its requests' windows
-    (``SWARequestCapPoolConfigurator``), not from ``--swa-full-tokens-ratio``, so that the config's window pool is not
-    the one its server runs on. ``c`` as given where the model has no window beside full attention, or where the
-    configurator does not build here (the family then says why). Read back once per config and role per process."""
-    if not (c.has_swa and c.has_full):
-        return c
+def server_sized(c: ModelConfig, *, role_flags: dict | None = None) -> ModelConfig:
+    """``c`` with the sizes SGLang's configurator gives its server (with ``role_flags``) where SGLang sizes the pools
+    itself, so that the family, the reference and the scheduler's caps are the server's:
+
+    - a server sized by its memory (``free_memory_kib``): its token slots (full and window), mamba slots and running
+      requests, all read back from what the configurator built;
+    - a server with ``role_flags`` whose window pool SGLang sizes otherwise (a PD decode server's, without a radix
+      cache, from its requests' windows, ``SWARequestCapPoolConfigurator``, not ``--swa-full-tokens-ratio``): that pool.
+
+    ``c`` as given otherwise, or where the configurator does not build here (the family then says why; a server sized
+    by its memory is then refused, with a ConfigError). A server sized by memory whose sizes, named back to it, size
+    it otherwise is refused too (no config would stand for it). Read back once per config and role per process."""
+    if not c.free_memory_kib and not (role_flags and c.has_swa and c.has_full):
+        return c  # a plain server's window pool is the ratio's: the config's
     key = (c, tuple(sorted((role_flags or {}).items())))
-    if key not in _WINDOW_SIZED:
+    if key not in _SIZED:
         try:
-            window = configure(c, role_flags=role_flags).sizes.get("swa_max_total_num_tokens")
-        except ConfigError:
-            window = None
-        _WINDOW_SIZED[key] = c.replace(swa_tokens=window) if window and window != c.swa_tokens else c
-    return _WINDOW_SIZED[key]
+            sizes = configure(c, role_flags=role_flags).sizes
+        except ServerRefused:
+            raise
+        except ConfigError as exc:
+            if c.free_memory_kib:  # only SGLang knows what its memory holds: no sizes of the adapter's stand in
+                raise ConfigError(f"{exc} (a server sized by its free memory is sized by SGLang's KV cache "
+                                  "configurator alone; or name the sizes: free_memory_kib=0)") from None
+            sizes = None
+        _SIZED[key] = _read_back(c, sizes) if sizes else c
+        if c.free_memory_kib and sizes:
+            _fixed_point(c, _SIZED[key], role_flags)
+    return _SIZED[key]
+
+
+def _read_back(c: ModelConfig, sizes: dict) -> ModelConfig:
+    """``c`` with the sizes the configurator reported: every one for a server sized by its memory, the window pool
+    only otherwise."""
+    window = sizes.get("swa_max_total_num_tokens")
+    if not c.free_memory_kib:
+        return c.replace(swa_tokens=window) if c.has_swa and c.has_full and window else c
+    changes = {"request_rows": sizes["max_running_requests"]}
+    if c.has_swa and c.has_full:
+        changes.update(full_tokens=sizes["full_max_total_num_tokens"], swa_tokens=window)
+    elif c.has_swa:  # all SWA: its token slots are the window's
+        changes.update(swa_tokens=window or sizes["max_total_num_tokens"])
+    else:
+        changes.update(full_tokens=sizes["max_total_num_tokens"])
+    if c.has_mamba:
+        changes.update(mamba_slots=sizes["mamba_slots"])
+    unsized = sorted(k for k, v in changes.items() if v is None)
+    if unsized:  # the model as SGLang reads it has no such pool (sliding-window layers in a model it serves as full)
+        raise ConfigError(f"config {c.name!r}: SGLang's configurator sized no {', '.join(unsized)} for its server "
+                          f"from {c.free_memory_kib} KiB (its model config keeps no such pool): no server of that "
+                          "memory has the config's layers")
+    return c.replace(**changes)
+
+
+def _fixed_point(c: ModelConfig, sized: ModelConfig, role_flags: dict | None) -> None:
+    """Refuse a memory-sized server that SGLang sizes otherwise once its own answer is named back (a speculative
+    server's state reserve follows its running requests): the sized config would stand for another server."""
+    again = _read_back(sized, configure(sized, role_flags=role_flags).sizes)
+    if again != sized:
+        differ = {f: (getattr(sized, f), getattr(again, f)) for f in ("full_tokens", "swa_tokens", "mamba_slots",
+                                                                      "request_rows")
+                  if getattr(sized, f) != getattr(again, f)}
+        raise ConfigError(f"config {c.name!r}: SGLang sizes its server from {c.free_memory_kib} KiB otherwise once "
+                          f"its own sizes are named back ({differ}): no config stands for that server")
 
 
 def problem() -> str | None:
@@ -300,10 +357,12 @@ def configure(c: ModelConfig, *, device: str = "cpu", role_flags: dict | None = 
         raise ConfigError(f"config {c.name!r}: SGLang cannot build the server {server.command_line()!r} here: "
                           f"{type(exc).__name__}: {_first_line(exc)}") from None
     (result, built_by), draft = result
+    mamba = getattr(result.req_to_token_pool, "mamba_pool", None)
     sizes = {"max_total_num_tokens": result.max_total_num_tokens,
              "max_running_requests": result.max_running_requests,
              "full_max_total_num_tokens": result.full_max_total_num_tokens,
-             "swa_max_total_num_tokens": result.swa_max_total_num_tokens}
+             "swa_max_total_num_tokens": result.swa_max_total_num_tokens,
+             "mamba_slots": None if mamba is None else mamba.size}
     return ConfiguredPools(server=server, req_to_token_pool=result.req_to_token_pool,
                            token_to_kv_pool=result.token_to_kv_pool, allocator=result.token_to_kv_pool_allocator,
                            sizes=sizes, unified_buffer=getattr(result, "unified_memory_pool", None),
@@ -380,7 +439,7 @@ def _configured(server: ServerModel, model_dir: str, device: str):
                 raise _Refused() from exc
             raise
     _parallel_groups(args)
-    with _on_server_machine(server):
+    with _on_server_machine(server), _fixed_free_memory(server.free_memory):
         return _built(args, model_dir, device, kind=server.kind)
 
 
@@ -441,7 +500,7 @@ def _worker_pools(args, model_dir: str, device: str, *, kind: str, target=None):
         memory_pool_config=target.memory_pool_config if draft else None)
     private("init_kv_cache_configurator")(runner)
     configurator = runner.kv_cache_configurator
-    with _fixed_free_memory(), _kv_copy_warmup_skipped(), native_kv_move():
+    with _kv_copy_warmup_skipped(), native_kv_move():
         return configurator.configure(pre_model_load_memory=0), configurator
 
 
@@ -477,13 +536,13 @@ def _kv_copy_warmup_skipped():
 
 
 @contextlib.contextmanager
-def _fixed_free_memory():
-    """The configurator's free-memory probe answered with ``MEMORY_BUDGET`` (and its ``gc.collect`` before it
-    skipped) for the span of one build: the rest of ``_profile_available_bytes`` is SGLang's, its mamba budget among it
-    (``_handle_max_mamba_cache``: the mamba slots a server gets, from ``--max-mamba-cache-size``, its running requests
-    or its memory)."""
+def _fixed_free_memory(free_bytes: int):
+    """The configurator's free-memory probe answered with ``free_bytes`` (``MEMORY_BUDGET`` where the flags' caps size
+    the server; a memory-sized server's own) and its ``gc.collect`` before it skipped, for the span of one build: the
+    rest of ``_profile_available_bytes`` is SGLang's, its mamba budget among it (``_handle_max_mamba_cache``: the
+    mamba slots a server gets, from ``--max-mamba-cache-size``, its running requests or its memory)."""
     module = private_module("configurator_free_memory")
-    budget_gb = MEMORY_BUDGET / (1 << 30)
+    budget_gb = free_bytes / (1 << 30)
     with mock.patch.object(module, private_name("configurator_free_memory"), lambda *a, **k: budget_gb), \
             mock.patch.object(module, private_name("configurator_gc"), types.SimpleNamespace(collect=lambda: 0)):
         yield

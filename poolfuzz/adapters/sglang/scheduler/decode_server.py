@@ -209,24 +209,20 @@ class SglangDecodeDriver(SglangSchedulerDriver):
 
         return build_sglang_family(config, scheduled=True, decode_rows=2 * max_running, role_flags=ROLE_FLAGS)
 
-    def sized(self, config: ModelConfig) -> ModelConfig:
-        """The config as this server's pools are sized: the window pool SGLang sizes from its requests' windows
-        (``configurator.window_sized``), not the ratio's."""
-        from poolfuzz.adapters.sglang.pools.configurator import window_sized
-
-        return window_sized(config, role_flags=ROLE_FLAGS)
+    # SGLang sizes this server's window pool from its requests' windows, not the ratio's (``server_sized``)
+    pool_flags = ROLE_FLAGS
 
     def _build_context_server(self, config: ModelConfig, max_running: int) -> None:
         from sglang.srt.runtime_context import get_server_args
 
-        super()._build_context_server(self.sized(config), max_running)
+        super()._build_context_server(config, max_running)
         self._decode_side(get_server_args(), batch_result_processor=self.loop.processor)
         self.loop = DecodeLoop(self.server, self.loop.processor, self._take_handoffs)
 
     def _build_global_server(self, config: ModelConfig, max_running: int) -> None:
         """A 0.5.9-0.5.15 decode server: the global-ServerArgs Scheduler (``scheduling_global``) with the decode
         queues its ``init_disaggregation`` builds, stepped as that release's ``event_loop_normal_disagg_decode``."""
-        super()._build_global_server(self.sized(config), max_running)
+        super()._build_global_server(config, max_running)
         self._decode_side(self.server.server_args)
         self.loop = GlobalDecodeLoop(self.server, self._take_handoffs)
 

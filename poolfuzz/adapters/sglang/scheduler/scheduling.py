@@ -164,7 +164,7 @@ class SglangSchedulerDriver:
             raise ConfigError(f"the scheduler-driven sglang family cannot build {config.name!r}: {reason}")
         m = scheduler_modules()
         self.m = m
-        config = served(config)
+        config = self.sized(served(config))
         max_running = config.request_rows  # the server's --max-running-requests, the flag its pools are built with
         self.server_args = self.server_flags(config, max_running_requests=max_running)
         self.aborted: set[str] = set()  # requests the server answered with an abort (no longer its to run)
@@ -224,6 +224,16 @@ class SglangSchedulerDriver:
     def build_family(self, config: ModelConfig, max_running: int):
         """The family over the pools SGLang's configurator builds for this server's flags."""
         return build_sglang_family(config, scheduled=True)
+
+    pool_flags: dict | None = None  # the role flags its pools are built with beside the config's (build_family)
+
+    def sized(self, config: ModelConfig) -> ModelConfig:
+        """The config as this server's pools are sized where SGLang sizes them itself (``configurator.server_sized``:
+        a server sized by its memory; a role's window pool), so that its caps, its family and its checks are the
+        server's."""
+        from poolfuzz.adapters.sglang.pools.configurator import server_sized
+
+        return server_sized(config, role_flags=self.pool_flags)
 
     def pools_built(self):
         """What a server resolves once its pools exist and before its tree is built; the TP worker stand-in the tree

@@ -30,6 +30,7 @@ from poolfuzz.adapters.sglang.scheduler.decode_server import ROLE_FLAGS, SglangD
 from poolfuzz.adapters.sglang.scheduler.scheduling import SglangSchedulerDriver
 from poolfuzz.adapters.sglang.unified_pool.unified import SERVER_FLAGS, build_unified
 from poolfuzz.pools.config import ModelConfig
+from poolfuzz.pools.errors import ConfigError
 
 # The transfer backend of the unified decode server a user runs (the driver's is SGLang's fake one, see the module).
 REAL_TRANSFER = {"disaggregation_transfer_backend": "mooncake"}
@@ -51,6 +52,7 @@ class UnifiedServerDriver(UnifiedMemory, SglangSchedulerDriver):
     """One example's server with ``--enable-unified-memory`` (see the module)."""
 
     label = "the sglang unified-memory server"
+    pool_flags = SERVER_FLAGS  # a server sized by its memory: the unified envelope's answer (``server_sized``)
 
     def build_family(self, config: ModelConfig, max_running: int):
         """The unified family over the pools SGLang's configurator builds for the server's flags."""
@@ -67,13 +69,23 @@ class UnifiedDecodeDriver(UnifiedMemory, SglangDecodeDriver):
 
     def sized(self, config: ModelConfig) -> ModelConfig:
         """As the config says: its pools are the adapter's wiring of the unified factory, sized by the config (a plain
-        decode server's window sizing is another server's)."""
+        decode server's window sizing is another server's); so no server sized by its memory is this one."""
+        if problem := _memory_sized_problem(config):
+            raise ConfigError(f"the sglang unified-memory decode server cannot build {config.name!r}: {problem}")
         return config
 
     @property
     def listed_flags(self) -> dict:
         """The server it stands for: the decode server's flags with the transfer backend a unified one runs."""
         return super().listed_flags | REAL_TRANSFER
+
+
+def _memory_sized_problem(config: ModelConfig) -> str | None:
+    """Why the unified decode server does not drive a server sized by its memory, or None."""
+    if config.free_memory_kib:
+        return ("its pools are the adapter's wiring of the unified factory, sized by the config's caps, so a server "
+                "sized by its free memory is not one it builds (use sglang:unified-server)")
+    return None
 
 
 def unsupported_reason(config: ModelConfig) -> str | None:
@@ -93,7 +105,7 @@ def decode_unsupported_reason(config: ModelConfig, *, backup_mode: str | None = 
     from poolfuzz.adapters.sglang.scheduler.servers import unsupported_reason as scheduler_reason
     from poolfuzz.adapters.sglang.unified_pool.unified import unified_problem
 
-    return (decode_problem(config) or unified_problem(load(), config)
+    return (decode_problem(config) or _memory_sized_problem(config) or unified_problem(load(), config)
             or configurator.refusal(config, role_flags=ROLE_FLAGS | SERVER_FLAGS | REAL_TRANSFER)
             or scheduler_reason(config, UnifiedDecodeDriver, backup_mode=backup_mode))
 
