@@ -491,10 +491,14 @@ def test_sglang_splits_a_servers_memory_its_own_way(configurator):
 @pytest.mark.parametrize("config, words", [
     # too little memory for the state a request needs: SGLang refuses to start
     (CONFIGS["hybrid-linear"].replace(free_memory_kib=2), "state cache is too small to serve any requests"),
-    # sliding-window layers in a model SGLang serves as full attention (Qwen3-Next): no window pool to read back
+    # layers no Qwen3-Next has: a sliding window, or two full-attention layers among three
     (CONFIGS["hybrid-linear"].replace(swa_layers=1, sliding_window=4, swa_tokens=16, layer_pattern="",
-                                      free_memory_kib=16), "sized no full_tokens, swa_tokens"),
-], ids=["too-little-memory", "no-window-pool"])
+                                      free_memory_kib=16), "a Qwen3-Next has no sliding-window layers"),
+    (CONFIGS["hybrid-linear"].replace(full_layers=2, mamba_layers=1, layer_pattern="", free_memory_kib=16),
+     "a Qwen3-Next keeps one full-attention layer in every 1: 2 among 3 layers"),
+    # a GPT-OSS of odd head width: transformers' own validation, named past its introducing line
+    (CONFIGS["swa"].replace(head_num=2, head_dim=7, free_memory_kib=16), "RoPE requires an even rotary dimension"),
+], ids=["too-little-memory", "no-window-pool", "interval", "odd-rope"])
 def test_a_server_sized_by_its_memory_that_sglang_cannot_size_is_refused_with_the_reason(configurator, config, words):
     with pytest.raises(ConfigError, match=words):
         configurator.server_sized(config)

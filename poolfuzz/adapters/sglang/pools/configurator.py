@@ -219,6 +219,8 @@ def server_model(c: ModelConfig) -> ServerModel:
     if kind not in MODELS:
         raise ConfigError(f"config {c.name!r}: no model stands for architecture {kind!r} on the configurator path "
                           f"yet (it has models for: {', '.join(MODELS)})")
+    if why := MODELS[kind].layers_problem(c):
+        raise ConfigError(f"config {c.name!r}: no {kind} model stands for its layers ({why})")
     return ServerModel(kind=kind, flags=server_flags(c), hf_config=MODELS[kind].config_json(c, dtype_flags(c)[0]),
                        gpu=server_gpu(c), free_memory=c.free_memory_kib << 10 or MEMORY_BUDGET)
 
@@ -403,7 +405,12 @@ class _Refused(Exception):
 
 
 def _first_line(exc: BaseException) -> str:
-    return str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    """The line of ``exc`` that says what is wrong: its first, or where that only introduces the next (a validator's
+    "Class validation error for validator 'validate_rope':"), the two."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    if not lines:
+        return type(exc).__name__
+    return " ".join(lines[:2]) if lines[0].endswith(":") and len(lines) > 1 else lines[0]
 
 
 def _raised_by_sglang(exc: BaseException) -> bool:

@@ -128,6 +128,20 @@ def _minimax_m3_model(c: ModelConfig, dtype: str) -> dict:
             "num_local_experts": 1, "num_experts_per_tok": 1}
 
 
+def _qwen3_next_layers(c: ModelConfig) -> str | None:
+    """Why no Qwen3-Next has ``c``'s layers, or None: MHA attention layers, one in every ``full_attention_interval``,
+    the rest gated delta-net; no sliding window."""
+    n, interval = _layer_count(c), _layer_count(c) // max(c.full_layers, 1)
+    if c.has_swa:
+        return "a Qwen3-Next has no sliding-window layers"
+    if c.attention != "mha":
+        return f"a Qwen3-Next's attention layers are MHA, not {c.attention}"
+    if n // interval != c.full_layers:
+        return (f"a Qwen3-Next keeps one full-attention layer in every {interval}: {c.full_layers} among {n} layers "
+                "is no Qwen3-Next's")
+    return None
+
+
 @dataclass(frozen=True, kw_only=True)
 class ModelKind:
     """A model that stands for a config's architecture: its ``config.json``, and the attention backend its GPU server
@@ -141,6 +155,8 @@ class ModelKind:
     names_model_kv_dtype: bool = False
     # the model class's window hook (a compat need), which the model runner asks before the model config's window
     window_hook: str | None = None
+    # why no such model has a config's layers (a drawn mix its config.json cannot name), or None: no model stands for it
+    layers_problem: Callable[[ModelConfig], str | None] = lambda c: None
 
 
 # A config's architecture -> the model that stands for it. An architecture without an entry is not built through the
@@ -148,7 +164,7 @@ class ModelKind:
 MODELS: dict[str, ModelKind] = {
     "llama": ModelKind(config_json=_dense_model, attention_backend="triton"),
     "gpt-oss": ModelKind(config_json=_gpt_oss_model, attention_backend="triton", window_hook="gpt_oss_window"),
-    "qwen3-next": ModelKind(config_json=_qwen3_next_model, attention_backend="triton"),
+    "qwen3-next": ModelKind(config_json=_qwen3_next_model, attention_backend="triton", layers_problem=_qwen3_next_layers),
     "deepseek-v3": ModelKind(config_json=_deepseek_v3_model, attention_backend="flashinfer"),
     "deepseek-v3.2": ModelKind(config_json=_deepseek_v32_model, attention_backend="flashinfer",
                                names_model_kv_dtype=True),
