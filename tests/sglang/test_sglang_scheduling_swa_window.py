@@ -16,6 +16,14 @@ the installed release, with the verdict that release must give.
   frees the recovered slot: the tree offers a prefix whose SWA slot is free and unmapped, and the next request that
   hits it reads zeros (its old slot leaks: the drain's "pool memory leak detected" of #36081). 0.5.20 resolves the
   SWA slot when the free is queued.
+* SGLang 0.5.18 (all-SWA models; not in 0.5.23, where ``insert_req`` and ``free_kv_row`` free each range once; upstream
+  sglang#31486 describes it, closed unmerged; sglang#38349, merged, rewrote the branch): ``retract_decode`` releases a
+  request through ``PureSWARadixCache.cache_finished_req`` without inserting it, and with no prefill-aware window
+  floor that branch frees ``[cache_protected_len, len)`` and then ``[max(swa_evicted_seqlen, cache_protected_len),
+  len)``: once the decode's window eviction has moved ``swa_evicted_seqlen`` (``free_swa_out_of_window_slots``), the
+  request's in-window tail is freed twice. ``PureSWATokenToKVPoolAllocator.free`` keeps duplicates, so one slot goes
+  to two requests and a prefill overwrites KV a running request still attends to. 0.5.15 has the same branch, but
+  evicts the window by forward count, so this program does not reach it there.
 * SGLang 0.5.12 and 0.5.13 (streaming sessions are driven there only): a streaming session's turn that
   ``retract_decode`` aborts ("Out of memory even after retracting all other requests") keeps ``to_finish`` and never
   becomes ``finished()``, so ``close_session`` defers the release forever (``close_on_finish``) and the session keeps
@@ -166,3 +174,50 @@ def test_the_busy_check_counts_a_chunked_request_left_out_of_the_batch(schedulin
     assert problem is not None and problem.startswith(
         "Full Pool Mem Leak Detected! [full] total=64, available=32, evictable=16, protected=0, session_held=0, "
         "uncached=0"), problem
+
+
+@pytest.mark.anchored
+def test_an_all_swa_request_retracted_after_its_window_slid_frees_its_tail_once(scheduling, api):
+    """0.5.18 (swa-only: two sliding-window layers, window 6, 40 slots, five rows): requests 3 and 4 finish, request
+    5 (11 tokens) decodes, request 6 (20 tokens) joins; three more arrive and the decode runs out of slots:
+    ``retract_decode`` takes request 6 back after its window slid (protected 20, evicted 20), and its release frees
+    its tail slots 8 to 11 twice. Slot 8 goes to request 5 and again to request 7, whose prefill overwrites it: request
+    5 reads request 7's position 3 at position 9. 0.5.23 frees the tail once and serves all seven."""
+    from packaging.version import Version
+
+    from poolfuzz.pools.errors import LostKv
+
+    from poolfuzz.adapters.sglang import compat
+
+    from poolfuzz.errors import ConfigError
+
+    try:
+        driver = scheduling.SglangSchedulerDriver(CONFIGS["swa-only"])
+    except ConfigError as exc:  # before 0.5.15 no all-SWA pools
+        pytest.skip(str(exc))
+    tree = type(compat.wrapped_tree(driver.tree)).__name__  # 0.5.15 wraps it in its streaming sessions
+    if tree != "PureSWARadixCache":
+        pytest.skip(f"the double free is PureSWARadixCache's; this release's Scheduler builds {tree}")
+    if _release(api) < Version("0.5.16"):
+        pytest.skip("0.5.15 evicts the window by forward count (its branch is the same): this program does not reach it")
+
+    def traffic():
+        for length, share, out in ((1, 0, 1), (1, 0, 1), (11, 1, 5)):
+            driver.add_request(length=length, share=share, max_tokens=out)
+        for _ in range(4):
+            driver.step()
+        driver.add_request(length=20, share=0, max_tokens=4)
+        for _ in range(2):
+            driver.step()
+        for length, share, out in ((7, 0, 5), (4, 1, 4), (4, 1, 2)):
+            driver.add_request(length=length, share=share, max_tokens=out)
+        for _ in range(7):
+            driver.step()
+
+    if _release(api) < Version("0.5.23"):
+        with pytest.raises(LostKv, match=r"swa\.k layer 0 position 9: block 8 slot 8 holds req 0+7's position 3"):
+            traffic()
+    else:
+        traffic()
+        assert driver.state_problem() is None
+        assert driver.drain() is None
