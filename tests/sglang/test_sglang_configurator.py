@@ -512,3 +512,18 @@ def test_a_server_sized_by_its_memory_is_refused_where_no_configurator_sizes_it(
     with pytest.raises(ConfigError, match="no KV cache configurator.*name the sizes: free_memory_kib=0"):
         configurator.server_sized(CONFIGS["swa-mem"])
     assert configurator.server_sized(CONFIGS["swa"]) == CONFIGS["swa"]  # a server of named sizes needs none
+
+
+def test_a_servers_resolution_leaves_the_process_environment_as_it_was(configurator):
+    """SGLang's argument hooks set environment variables for the server they resolve (0.5.23's DSA hook a prefill
+    threshold; 0.5.18's Inkling hook the unified radix tree, after which the next all-SWA server's registry built a
+    unified tree): none reaches the next server the process builds."""
+    import os
+
+    for name in ("dense", "swa", "swa-ssm", "dsa", "dsa-ps64"):
+        before = dict(os.environ)
+        try:
+            configurator.configure(CONFIGS[name])
+        except ConfigError:
+            pass  # refused or not built here: its resolution ran all the same
+        assert dict(os.environ) == before, name

@@ -40,7 +40,6 @@ import dataclasses
 import json
 import logging
 import os
-import re
 import tempfile
 import traceback
 import types
@@ -52,6 +51,8 @@ from poolfuzz.adapters.sglang.compat import has_private, private, private_module
 from poolfuzz.adapters.sglang.compat.platform import (B200, GPU, XEON, cpu_platform_problem, cpu_server, gpu_server,
                                                       platform_problem)
 from poolfuzz.adapters.sglang.pools.calls import native_kv_move
+from poolfuzz.adapters.sglang.pools.descriptions import (DRAFT, describe_pools, kv_pool_words, same_layout,  # noqa: F401
+                                                         same_pools)  # same_*: asked of this module by the families
 from poolfuzz.adapters.sglang.pools.server_models import MODELS, dtype_flags
 from poolfuzz.errors import ConfigError
 from poolfuzz.pools.capabilities import MODEL_PATH
@@ -111,68 +112,8 @@ class ConfiguredPools:
         server's draft KV pool last, which the families' pools are not compared with (they run no draft model)."""
         out = describe_pools(self.req_to_token_pool, self.token_to_kv_pool, self.allocator)
         if self.draft_kv_pool is not None:
-            out[DRAFT] = _kv_pool_words(self.draft_kv_pool) + " (not fuzzed: no family runs a draft model)"
+            out[DRAFT] = kv_pool_words(self.draft_kv_pool) + " (not fuzzed: no family runs a draft model)"
         return out
-
-
-DRAFT = "draft KV pool"
-
-
-def describe_pools(req_to_token_pool, token_to_kv_pool, allocator) -> dict[str, str]:
-    """Each pool and each part of a hybrid one: its class, size, and the shapes and layers that tell two builds apart
-    (the configurator's and the family's alike)."""
-    rows = getattr(req_to_token_pool, "req_to_token", None)
-    out = {"request pool": type(req_to_token_pool).__name__ + (f" ({rows.shape[0]} rows of {rows.shape[1]} tokens)"
-                                                                if rows is not None else "")}
-    mamba = getattr(req_to_token_pool, "mamba_pool", None)
-    if mamba is not None:
-        cache = mamba.mamba_cache
-        conv = ", ".join(str(tuple(t.shape[2:])) for t in cache.conv) + f" {cache.conv[0].dtype}"
-        spec = getattr(cache, "intermediate_ssm", None)  # a speculative server's per-draft-token states
-        out["mamba pool"] = (f"{type(mamba).__name__} ({mamba.size} slots; conv {conv}; "
-                             f"temporal {tuple(cache.temporal.shape[2:])} {cache.temporal.dtype}"
-                             + (f"; {spec.shape[2]} draft-token states for {spec.shape[1]} requests"
-                                if spec is not None else "") + ")")
-    out["KV pool"] = _kv_pool_words(token_to_kv_pool)
-    for part in ("full_kv_pool", "swa_kv_pool", "main_pool", "index_kv_pool", "index_k_pool"):
-        sub = getattr(token_to_kv_pool, part, None)
-        if sub is not None:
-            out[part.replace("_", " ")] = f"{type(sub).__name__} ({sub.size} tokens, {getattr(sub, 'dtype', '?')})"
-    out["allocator"] = f"{type(allocator).__name__} ({allocator.size} tokens)"
-    return out
-
-
-def _kv_pool_words(pool) -> str:
-    """A KV pool's class, size, dtype, quantisation and (for a hybrid one) its layers, in a listing's words."""
-    quant = type(getattr(pool, "quant_method", None)).__name__
-    layers = ""
-    mapping = getattr(pool, "layers_mapping", None)
-    if isinstance(mapping, dict) and mapping:
-        layers = "; sliding-window layers " + str(sorted(i for i, (_, swa) in mapping.items() if swa))
-    full_ids = getattr(pool, "full_attention_layer_id_mapping", None)  # a hybrid linear pool's
-    if not layers and isinstance(full_ids, dict):
-        layers = f"; attention layers {sorted(full_ids)}"
-    return (f"{type(pool).__name__} ({pool.size} tokens, {getattr(pool, 'dtype', '?')}"
-            + (f", {quant}" if quant not in ("NoneType", "UnquantizedKVCacheMethod") else "") + layers + ")")
-
-
-def same_pools(built: dict[str, str], family: dict[str, str]) -> bool:
-    """Whether two descriptions name the same pools, the request rows' width aside (SGLang adds columns past the
-    context that no request of the config reaches)."""
-    def rows_only(d):
-        return {k: (v.split(" of ")[0] if k == "request pool" else v) for k, v in d.items() if k != DRAFT}
-    return rows_only(built) == rows_only(family)
-
-
-_SIZE = re.compile(r"\b\d+ (tokens|slots|rows)\b")
-
-
-def same_layout(built: dict[str, str], family: dict[str, str]) -> bool:
-    """Whether two descriptions name the same pool classes, shapes, dtypes and layers, whatever their sizes: a unified
-    memory pool's sub-pools are sized by SGLang from one byte envelope, and what fits is the engine's own answer."""
-    def shapes_only(d):
-        return {k: _SIZE.sub(r"N \1", v) for k, v in d.items() if k != DRAFT}
-    return shapes_only(built) == shapes_only(family)
 
 
 def server_gpu(c: ModelConfig) -> GPU | None:
@@ -348,7 +289,8 @@ def configure(c: ModelConfig, *, device: str = "cpu", role_flags: dict | None = 
     from poolfuzz.adapters.sglang.server_args import another_server
 
     try:
-        with another_server(), _sglang_quiet():  # the caller's server published again once these pools are built
+        # the caller's server published again once these pools are built, and its environment put back
+        with another_server(), _environment_kept(), _sglang_quiet():
             result = _configured(server, model_dir, device)
     except _Refused as refused:
         exc = refused.__cause__
@@ -370,6 +312,18 @@ def configure(c: ModelConfig, *, device: str = "cpu", role_flags: dict | None = 
                            sizes=sizes, unified_buffer=getattr(result, "unified_memory_pool", None),
                            draft_kv_pool=None if draft is None else draft[0].token_to_kv_pool,
                            configurator=built_by)
+
+
+@contextlib.contextmanager
+def _environment_kept():
+    """The environment put back once a server is resolved: SGLang's argument hooks set variables for their server
+    (0.5.18's Inkling hook ``SGLANG_ENABLE_UNIFIED_RADIX_TREE``), which must not reach the next server built here."""
+    kept = dict(os.environ)
+    try:
+        yield
+    finally:
+        os.environ.clear()
+        os.environ.update(kept)
 
 
 @contextlib.contextmanager
@@ -544,10 +498,9 @@ def _kv_copy_warmup_skipped():
 
 @contextlib.contextmanager
 def _fixed_free_memory(free_bytes: int):
-    """The configurator's free-memory probe answered with ``free_bytes`` (``MEMORY_BUDGET`` where the flags' caps size
-    the server; a memory-sized server's own) and its ``gc.collect`` before it skipped, for the span of one build: the
-    rest of ``_profile_available_bytes`` is SGLang's, its mamba budget among it (``_handle_max_mamba_cache``: the
-    mamba slots a server gets, from ``--max-mamba-cache-size``, its running requests or its memory)."""
+    """The configurator's free-memory probe answered with ``free_bytes`` (``MEMORY_BUDGET``, or a memory-sized server's
+    own) and its ``gc.collect`` skipped, for one build: the rest of ``_profile_available_bytes`` is SGLang's (its mamba
+    budget, ``_handle_max_mamba_cache``, among it)."""
     module = private_module("configurator_free_memory")
     budget_gb = free_bytes / (1 << 30)
     with mock.patch.object(module, private_name("configurator_free_memory"), lambda *a, **k: budget_gb), \
