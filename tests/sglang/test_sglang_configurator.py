@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from packaging.version import Version
 
 from poolfuzz.errors import ConfigError
 from poolfuzz.pools.config import CONFIGS
@@ -17,6 +18,23 @@ def configurator(api):
     if configurator.problem():
         pytest.skip(f"sglang {api.version}: {configurator.problem()}")
     return configurator
+
+
+@pytest.fixture(scope="module")
+def cpu_engine(configurator):
+    """A release whose CPU server's machine is stood in for here (0.5.18's configurator has no CPU FP8 KV cache)."""
+    if configurator.cpu_platform_problem():
+        pytest.skip(f"no CPU server is stood in for on this release ({configurator.cpu_platform_problem()})")
+
+
+@pytest.fixture(scope="module")
+def speculative(configurator):
+    """A release whose speculative server's pools build on this machine (0.5.18's ``MambaPool`` allocates its
+    draft-token states on ``cuda`` whatever its device: a GPU server's pools, which no CPU builds)."""
+    try:
+        configurator.configure(CONFIGS["hybrid-spec"])
+    except ConfigError as exc:
+        pytest.skip(str(exc))
 
 
 def _extra_columns(page_size: int = 1) -> int:
@@ -64,7 +82,7 @@ def test_a_recurrent_server_caps_its_requests_by_its_mamba_slots(configurator):
     assert built.req_to_token_pool.req_to_token.shape[0] == built.sizes["max_running_requests"] + 1
 
 
-def test_a_speculative_server_builds_one_recurrent_state_per_draft_token(configurator):
+def test_a_speculative_server_builds_one_recurrent_state_per_draft_token(configurator, speculative):
     """``--speculative-algorithm NEXTN`` (the model's MTP layers draft, run as EAGLE): the target's mamba pool keeps
     the verify's intermediate states, one per draft token for every request row (its KV pool, built to move rows,
     warms SGLang's copy kernel up over dummy locations: the one launch stood in for); the draft worker builds its own
@@ -126,7 +144,7 @@ def test_a_server_sglang_refuses_is_refused_in_its_words(configurator, name, wor
 
 
 @pytest.mark.parametrize("name", sorted(CONFIGS))
-def test_the_listed_flags_are_the_servers_own_command_line(configurator, name, tmp_path):
+def test_the_listed_flags_are_the_servers_own_command_line(api, configurator, name, tmp_path):
     """Every config's flags, as the listing prints them, parse with SGLang's own argument parser into those
     values (the models aside: a flag SGLang does not know, or a value it does not take, fails here)."""
     import argparse
@@ -134,6 +152,9 @@ def test_the_listed_flags_are_the_servers_own_command_line(configurator, name, t
 
     from sglang.srt.server_args import ServerArgs
 
+    if Version(api.version) < Version("0.5.22"):
+        pytest.skip("before 0.5.22 a parsed command line is resolved on this machine (its hooks run on the model and "
+                    "the platform), so what it holds is the resolution's, not the flags'")
     flags = configurator.server_flags(CONFIGS[name])
     parser = argparse.ArgumentParser()
     ServerArgs.add_cli_args(parser)
@@ -146,12 +167,17 @@ def test_the_listed_flags_are_the_servers_own_command_line(configurator, name, t
 @pytest.mark.parametrize("name", ["dense", "dense-ps4", "swa", "swa-ps4", "swa-only", "mla", "mla-ps4", "minimax-sparse",
                                   "minimax-sparse-ps4", "minimax-sparse-konly", "dense-fp4", "dense-fp4-ps4",
                                   "fp8-scaled", "fp8-scaled-ps4", "mla-fp4", "mla-fp4-ps4", "dense-cpu-fp8"])
-def test_the_adapters_own_wiring_builds_the_pools_the_server_builds(configurator, name, monkeypatch):
+def test_the_adapters_own_wiring_builds_the_pools_the_server_builds(api, configurator, name, monkeypatch):
     """The family's wiring (what it falls back to where the configurator cannot serve) beside the configurator's
     pools: a class, size, shape or layer of its own is a drift of the adapter from the release."""
     from poolfuzz.adapters.sglang.lifecycle.family import build_sglang_family
 
     c = CONFIGS[name]
+    if configurator.server_gpu(c) is None and configurator.cpu_platform_problem():
+        pytest.skip(f"no CPU server is stood in for here ({configurator.cpu_platform_problem()})")
+    if name == "minimax-sparse-ps4" and Version(api.version) < Version("0.5.22"):
+        pytest.xfail("the wiring's drift, left: 0.5.18's configurator keeps the MiniMax index rows of an fp8 KV cache "
+                     "in float16, the wiring in the KV dtype (the family then runs on the wiring, and says so)")
     server = configurator.configure(c).parts()
 
     def refused(config, **kwargs):
@@ -181,17 +207,22 @@ def test_a_sparse_attention_server_on_a_blackwell_gpu_keeps_its_kv_in_the_dtype_
 def test_a_gpu_server_is_stood_in_for_only_while_its_pools_are_built(configurator):
     """A Blackwell server's FP4 KV cache gets its quant method (``is_float4_e2m1fn_x2`` asks SGLang's CUDA probe);
     afterwards every probe answers for this machine again."""
-    from sglang.srt.runtime_context import get_platform
+    from sglang.srt import runtime_context, server_args
     from sglang.srt.utils import common
 
-    before = (common.is_cuda(), get_platform().is_cuda, torch.cuda.get_device_capability)
+    def answers():  # every reader's answer: the platform's (0.5.22 on) or each module's binding of the probe (before)
+        platform = runtime_context.get_platform().is_cuda if hasattr(runtime_context, "get_platform") else None
+        return (common.is_cuda(), platform, getattr(server_args, "is_cuda", None), common.is_cuda,
+                torch.cuda.get_device_capability)
+
+    before = answers()
     built = configurator.configure(CONFIGS["dense-fp4"])
     assert built.server.gpu is not None and built.server.gpu.name == "B200"
     assert type(built.token_to_kv_pool.quant_method).__name__ == "FP4MXBlock16KVCacheMethod"
-    assert (common.is_cuda(), get_platform().is_cuda, torch.cuda.get_device_capability) == before
+    assert answers() == before
 
 
-def test_a_cpu_server_is_built_on_sglangs_cpu_engine_on_an_amx_xeon(configurator):
+def test_a_cpu_server_is_built_on_sglangs_cpu_engine_on_an_amx_xeon(configurator, cpu_engine):
     """SGLang's CPU FP8 KV cache stands for its CPU server: no GPU is stood in for, the flags say ``--device cpu``,
     and the machine is SGLang's CPU engine on a Xeon with AMX, as that KV cache requires: the configurator's own CPU
     FP8 checks pass and it gives the pool SGLang's CPU FP8 quant method, so the family runs on that pool. Afterwards
@@ -212,7 +243,7 @@ def test_a_cpu_server_is_built_on_sglangs_cpu_engine_on_an_amx_xeon(configurator
     assert family.pools_source.startswith("SGLang's KV cache configurator (--device cpu "), family.pools_source
 
 
-def test_a_cpu_server_on_a_machine_without_amx_is_refused_in_sglangs_words(configurator, monkeypatch):
+def test_a_cpu_server_on_a_machine_without_amx_is_refused_in_sglangs_words(configurator, cpu_engine, monkeypatch):
     """The same server on a Xeon without AMX: SGLang resolves its attention backend to ``torch_native`` and its
     configurator refuses the CPU FP8 KV cache."""
     from poolfuzz.adapters.sglang.compat import platform
@@ -249,7 +280,7 @@ def test_the_configs_listing_names_each_servers_flags_and_pools(api, configurato
     assert dense.count("family builds the same") == 1
 
 
-def test_a_speculative_servers_draft_pool_is_listed_but_not_called_a_difference(api, configurator, capsys):
+def test_a_speculative_servers_draft_pool_is_listed_but_not_called_a_difference(api, configurator, speculative, capsys):
     """The draft worker's KV pool of a speculative server is listed (no family runs a draft model), and the family that
     runs on every other pool SGLang built is listed as building the same."""
     from poolfuzz.cli import main
@@ -496,9 +527,7 @@ def test_sglang_splits_a_servers_memory_its_own_way(configurator):
                                       free_memory_kib=16), "a Qwen3-Next has no sliding-window layers"),
     (CONFIGS["hybrid-linear"].replace(full_layers=2, mamba_layers=1, layer_pattern="", free_memory_kib=16),
      "a Qwen3-Next keeps one full-attention layer in every 1: 2 among 3 layers"),
-    # a GPT-OSS of odd head width: transformers' own validation, named past its introducing line
-    (CONFIGS["swa"].replace(head_num=2, head_dim=7, free_memory_kib=16), "RoPE requires an even rotary dimension"),
-], ids=["too-little-memory", "no-window-pool", "interval", "odd-rope"])
+], ids=["too-little-memory", "no-window-pool", "interval"])
 def test_a_server_sized_by_its_memory_that_sglang_cannot_size_is_refused_with_the_reason(configurator, config, words):
     with pytest.raises(ConfigError, match=words):
         configurator.server_sized(config)
@@ -527,3 +556,32 @@ def test_a_servers_resolution_leaves_the_process_environment_as_it_was(configura
         except ConfigError:
             pass  # refused or not built here: its resolution ran all the same
         assert dict(os.environ) == before, name
+def test_a_refusal_is_named_past_the_line_that_only_introduces_it(configurator):
+    """transformers' validators (0.5.23's, refusing a GPT-OSS of odd head width) raise a first line that only
+    introduces the reason; the refusal names both."""
+    exc = ValueError("Class validation error for validator 'validate_rope':\n    ValueError: RoPE requires an even "
+                     "rotary dimension, but got `head_dim`=7\n  more")
+    assert configurator._first_line(exc) == ("Class validation error for validator 'validate_rope': ValueError: RoPE "
+                                             "requires an even rotary dimension, but got `head_dim`=7")
+    assert configurator._first_line(ValueError("one line\nsecond")) == "one line"
+
+
+def test_a_build_that_imports_sglang_under_a_bound_stand_in_is_refused(configurator, monkeypatch):
+    """Before 0.5.22 the GPU is stated through the bindings of SGLang's probes, which a module imported meanwhile
+    may have read at import for good: the stand-in refuses such a build (the module is to be imported first), and
+    every binding answers for this machine again."""
+    import sys
+    import types
+
+    from sglang.srt.utils import common
+
+    from poolfuzz.adapters.sglang.compat import platform
+
+    if configurator.has_private("override_platform"):
+        pytest.skip("SGLang states the platform itself (override_platform) from 0.5.22")
+    monkeypatch.delitem(sys.modules, "sglang.poolfuzz_probe", raising=False)
+    with pytest.raises(RuntimeError, match=r"first imported while a GPU was stood in for \(sglang.poolfuzz_probe\)"):
+        with configurator._sglang_quiet(), platform._stated_by_bindings(platform.B200.facts()):  # as a build runs it
+            assert common.is_cuda() and common.get_device_sm() == 100
+            sys.modules["sglang.poolfuzz_probe"] = types.ModuleType("sglang.poolfuzz_probe")
+    assert common.get_device_sm() != 100 and common.is_cuda() == torch.cuda.is_available()

@@ -121,6 +121,9 @@ PRIVATE: dict[str, Need] = {
                                   required=False, used_for="the pools a server builds from its flags (0.5.16 on)"),
     "spawn_ranks": Need(target="sglang.srt.runtime_context:SpawnRanks", required=False,
                         used_for="a scheduler process's ranks, published with its server arguments (0.5.22 on)"),
+    "parallel_state": Need(target="sglang.srt.distributed.parallel_state_wrapper:ParallelState", required=False,
+                           used_for="a model runner's ranks before 0.5.22 (its one-rank ParallelState.trivial), which "
+                                    "its parallel groups and KV cache configurator take"),
     "configurator_free_memory": Need(target="sglang.srt.mem_cache.kv_cache_configurator:get_available_gpu_memory",
                                      required=False,
                                      used_for="private: the free GPU memory the configurator's budget starts from, "
@@ -154,6 +157,10 @@ PRIVATE: dict[str, Need] = {
     "resolve_layer_indices": Need(target="sglang.srt.model_executor.model_runner_components.layer_setup:"
                                          "resolve_layer_indices", required=False,
                                   used_for="the model runner's layer split, for the configurator"),
+    "adjust_hybrid_swa_layer_ids": Need(target="sglang.srt.model_executor.model_runner_components.layer_setup:"
+                                               "adjust_hybrid_swa_layer_ids", required=False,
+                                        used_for="the model runner's narrowing of a hybrid SWA model's layer ids to "
+                                                 "its own layers, after its layer split (before 0.5.22)"),
     "configure_kv_cache_dtype": Need(target="sglang.srt.mem_cache.kv_cache_dtype:configure_kv_cache_dtype",
                                      required=False, used_for="the model runner's KV dtype, for the configurator"),
     "resolve_sliding_window_size": Need(target="sglang.srt.model_executor.model_runner_components.load_model_utils:"

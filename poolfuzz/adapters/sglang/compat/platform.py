@@ -6,7 +6,9 @@ A server's flags are resolved against its machine: FP4 KV, ``mxfp8`` and the mam
 one, SGLang's base platform refuses them, so the pools fuzzed would be a CPU server's, not the GPU server's a user
 runs. ``gpu_server`` answers those questions as the GPU would, for the span of one build, and nothing else:
 
-- the platform facts every hook reads, through SGLang's own ``override_platform`` (its scoped seam for this);
+- the platform facts every hook reads, through SGLang's own ``override_platform`` (its scoped seam for this); before
+  0.5.22, which has no such seam, through every module's binding of the ``utils.common`` probe that answers each fact
+  (``_stated_by_bindings``: the same facts, the same span, restored after);
 - SGLang's call-time CUDA probe ``utils.common.is_cuda`` (``is_float4_e2m1fn_x2`` asks it before building the FP4
   quant method);
 - ``torch.cuda.get_device_capability``, which the DSA model hook calls for a value it does not use;
@@ -79,9 +81,31 @@ B200 = GPU(name="B200", capability=(10, 0), memory_mib=183_359)
 _NEEDS = ("override_platform", "cuda_probe", "gpu_memory_capacity")
 
 
+# Before 0.5.22 (no ``override_platform``): SGLang's probes in ``utils.common`` each fact is read through (the names
+# ``runtime_context._PLATFORM_PROBES`` and ``_PLATFORM_VALUES`` give them from 0.5.22), bound by name in every module
+# that reads them (0.5.18: some 350 bindings in 126 modules once a build's modules are imported).
+_PROBES = {"is_cuda": "is_cuda", "is_hip": "is_hip", "is_npu": "is_npu", "is_xpu": "is_xpu", "is_musa": "is_musa",
+           "is_mps": "is_mps", "is_sm90": "is_sm90_supported", "is_sm100": "is_sm100_supported",
+           "is_sm100_or_sm110": "is_sm100_or_sm110_supported", "is_sm110": "is_sm110_supported",
+           "is_sm120": "is_sm120_supported", "is_blackwell": "is_blackwell_supported",
+           "is_hopper_with_cuda_12_3": "is_hopper_with_cuda_12_3", "has_amx": "cpu_has_amx_support",
+           "device_sm": "get_device_sm", "device_capability": "get_device_capability"}
+_BOUND_NEEDS = ("cuda_probe", "gpu_memory_capacity")
+
+
+# The modules a build first imports while a GPU is stood in for (0.5.18, every named config built): each was read
+# for what it computes at import (FLA's kernels ask Triton's driver, not SGLang's probes; the argument hooks and the
+# mamba checkpoint pool compute nothing), and is imported on this machine before the bindings are stated, so that
+# ``_stated_by_bindings`` can refuse a build that imports any other under the stand-in.
+IMPORTED_BEFORE_BINDINGS = ("sglang.srt.arg_groups.kimi_k3_hook", "sglang.srt.arg_groups.pd_disaggregation_hook",
+                            "sglang.srt.arg_groups.speculative_hook", "sglang.srt.mem_cache.mamba_checkpoint_pool",
+                            "sglang.kernels.ops.attention.fla.chunk_delta_h", "sglang.kernels.ops.attention.fla.index",
+                            "sglang.kernels.ops.attention.fla.op")
+
+
 def platform_problem() -> str | None:
     """Why a GPU server cannot be stood in for on this release, or None."""
-    return _lacking(_NEEDS)
+    return _lacking(_NEEDS) if has_private("override_platform") else _lacking(_BOUND_NEEDS)
 
 
 def _lacking(needs: tuple[str, ...]) -> str | None:
@@ -91,13 +115,69 @@ def _lacking(needs: tuple[str, ...]) -> str | None:
 
 @contextlib.contextmanager
 def _stated(facts: dict):
-    """SGLang's platform facts stated for every reader through its own ``override_platform``, restored after."""
+    """SGLang's platform facts stated for every reader through its own ``override_platform``, restored after; before
+    0.5.22, through every binding of the probes that answer them (``_stated_by_bindings``)."""
+    if not has_private("override_platform"):
+        with _stated_by_bindings(facts):
+            yield
+        return
     override = private("override_platform")(**facts)
     override.install()
     try:
         yield
     finally:
         override.restore()
+
+
+def _sglang_modules():
+    import sys
+
+    return [m for n, m in list(sys.modules.items()) if m is not None and (n == "sglang" or n.startswith("sglang."))]
+
+
+@contextlib.contextmanager
+def _stated_by_bindings(facts: dict):
+    """A release before 0.5.22 reads each platform fact by calling a probe of ``utils.common`` bound by name in the
+    module that reads it (``is_cuda()``, ``is_blackwell_supported()``, ``get_device_sm()``, ...): every such binding
+    (the probe's own in ``utils.common`` among them, so SGLang's uncached helpers there, ``is_float4_e2m1fn_x2`` and
+    ``get_device_memory_capacity``, ask it) answers the stated fact for the span of the ``with``, and is restored
+    after, in modules imported meanwhile too. What a module computed from a probe when it was imported
+    (``_is_cuda = is_cuda()``) and the probes SGLang caches on top of these (``is_cuda_alike``,
+    ``is_flashinfer_available``) keep this machine's answer, as they do under ``override_platform``."""
+    import importlib
+    import sys
+
+    from sglang.srt.utils import common
+
+    for name in IMPORTED_BEFORE_BINDINGS:  # on this machine: a module imported under the stand-in keeps its answers
+        try:
+            importlib.import_module(name)
+        except ImportError:  # a release without the module
+            pass
+    before = {name for name in sys.modules if name.startswith("sglang")}
+    stand_ins = {}
+    for fact, value in facts.items():
+        probe = getattr(common, _PROBES[fact], None) if fact in _PROBES else None
+        if probe is not None:
+            stand_ins[id(probe)] = (probe, (lambda v: lambda *a, **k: v)(value))
+    fakes = {id(fake): probe for probe, fake in stand_ins.values()}
+
+    def rebind(table):
+        for module in _sglang_modules():
+            space = vars(module)
+            for name, value in list(space.items()):
+                if id(value) in table and callable(value):
+                    space[name] = table[id(value)]
+
+    rebind({k: fake for k, (_, fake) in stand_ins.items()})
+    try:
+        yield
+    finally:
+        rebind(fakes)
+    imported = sorted(name for name in sys.modules if name.startswith("sglang") and name not in before)
+    if imported:  # what they computed from a probe at import is the GPU's, for good: the build is not this machine's
+        raise RuntimeError(f"SGLang modules were first imported while a GPU was stood in for ({', '.join(imported)}), "
+                           "and may keep its answers: add them to compat.platform.IMPORTED_BEFORE_BINDINGS")
 
 
 @contextlib.contextmanager
@@ -134,7 +214,7 @@ _CPU_NEEDS = ("override_platform", "configurator_platform", "configurator_amx_pr
 
 def cpu_platform_problem() -> str | None:
     """Why a CPU server's machine cannot be stood in for on this release, or None."""
-    return _lacking(_CPU_NEEDS)
+    return _lacking(_CPU_NEEDS if has_private("override_platform") else _CPU_NEEDS[1:])
 
 
 @contextlib.contextmanager

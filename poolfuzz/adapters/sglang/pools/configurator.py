@@ -29,7 +29,10 @@ draft model's KV, so none runs on it.
 
 One registry (``server_models.MODELS``) maps a config's architecture to the model that stands for it; one with no entry yet is
 named as such, never built another way. Releases before 0.5.16 have no configurator (their model runner builds
-the pools); 0.5.16 to 0.5.21 publish a scheduler's ranks otherwise, and are not driven here yet.
+the pools). Before 0.5.22 a scheduler publishes its server arguments without its ranks, which its model runner holds
+(a one-rank ``ParallelState``) and passes to its parallel groups and configurator; the machine is stood in for through
+the bindings of SGLang's platform probes (``compat.platform``). On 0.5.18 a speculative server's mamba pool allocates
+its draft-token states on ``cuda`` whatever its device, so it does not build here (SGLang's error, declined).
 """
 
 from __future__ import annotations
@@ -44,15 +47,16 @@ import tempfile
 import traceback
 import types
 import warnings
-from unittest import mock
 from dataclasses import dataclass, field
 
-from poolfuzz.adapters.sglang.compat import has_private, private, private_module, private_name
+from poolfuzz.adapters.sglang.compat import has_private, private
 from poolfuzz.adapters.sglang.compat.platform import (B200, GPU, XEON, cpu_platform_problem, cpu_server, gpu_server,
                                                       platform_problem)
 from poolfuzz.adapters.sglang.pools.calls import native_kv_move
 from poolfuzz.adapters.sglang.pools.descriptions import (DRAFT, describe_pools, kv_pool_words, same_layout,  # noqa: F401
                                                          same_pools)  # same_*: asked of this module by the families
+from poolfuzz.adapters.sglang.pools.runner_calls import (fixed_free_memory, kv_copy_warmup_skipped, layer_split,
+                                                         publish_as_scheduler, runner_ranks, group_ranks)
 from poolfuzz.adapters.sglang.pools.server_models import MODELS, dtype_flags
 from poolfuzz.errors import ConfigError
 from poolfuzz.pools.capabilities import MODEL_PATH
@@ -256,16 +260,14 @@ def _fixed_point(c: ModelConfig, sized: ModelConfig, role_flags: dict | None) ->
 
 def problem() -> str | None:
     """Why this release cannot build pools through its configurator here, or None."""
-    missing = [k for k in ("kv_cache_configurator", "configurator_free_memory", "configurator_gc", "spawn_ranks",
-                           "init_parallel_groups", "init_kv_cache_configurator", "resolve_layer_indices",
+    missing = [k for k in ("kv_cache_configurator", "configurator_free_memory", "init_parallel_groups", "init_kv_cache_configurator", "resolve_layer_indices",
                            "configure_kv_cache_dtype", "resolve_sliding_window_size", "spec_aux_config")
                if not has_private(k)]
     if not missing:
         return None
     if "kv_cache_configurator" in missing:
         return "this release has no KV cache configurator (0.5.16 on): its model runner builds the pools"
-    return (f"the configurator path drives SGLang 0.5.22 on, and this release lacks {', '.join(missing)} (before "
-            "0.5.22 a scheduler process publishes its ranks otherwise)")
+    return f"the configurator path needs what this release lacks: {', '.join(missing)}"
 
 
 def configure(c: ModelConfig, *, device: str = "cpu", role_flags: dict | None = None) -> ConfiguredPools:
@@ -387,20 +389,22 @@ def _configured(server: ServerModel, model_dir: str, device: str):
     process's (gloo), built outside the GPU's stand-in. ``ServerArgs`` keeps ``device="cpu"`` for a GPU server too,
     so that no hook sizes anything from this machine's devices; the flags name what a GPU server would otherwise pick
     by device (its attention backend)."""
-    from sglang.srt.runtime_context import publish
     from sglang.srt.server_args import ServerArgs
 
+    hook = MODELS[server.kind].window_hook
+    if hook is not None:  # its model's module imported on this machine: before 0.5.22 a module imported while a GPU
+        has_private(hook)  # is stood in for binds the GPU's kernels at import (0.5.18's gpt_oss: sgl_kernel)
     with _on_server_machine(server):
         try:
             flags = {k: model_dir if v == MODEL_PATH else v for k, v in server.flags.items()}
             args = ServerArgs(model_path=model_dir, **({"device": "cpu"} | flags))
-            publish(args, role="scheduler", ranks=private("spawn_ranks")(world_rank=0, dp_rank=None, gpu_id=0))
+            publish_as_scheduler(args)
         except Exception as exc:  # noqa: BLE001 -- SGLang's validation raises many types
             if _raised_by_sglang(exc):
                 raise _Refused() from exc
             raise
-    _parallel_groups(args)
-    with _on_server_machine(server), _fixed_free_memory(server.free_memory):
+    _parallel_groups(args, model_dir)
+    with _on_server_machine(server), fixed_free_memory(server.free_memory):
         return _built(args, model_dir, device, kind=server.kind)
 
 
@@ -445,8 +449,8 @@ def _worker_pools(args, model_dir: str, device: str, *, kind: str, target=None):
         speculative_draft_attention_backend=spec.speculative_draft_attention_backend if draft else None,
         speculative_draft_kv_cache_dtype=spec.speculative_draft_kv_cache_dtype if draft else None)
     runner = types.SimpleNamespace(
-        device=device, gpu_id=0, pp_group=get_parallel().pp_group, model=model, model_config=model_config,
-        server_args=args, kv_cache_dtype=kv_dtype,
+        device=device, gpu_id=0, ps=runner_ranks(), pp_group=get_parallel().pp_group, model=model,
+        model_config=model_config,        server_args=args, kv_cache_dtype=kv_dtype,
         kv_cache_dtype_str=kv_name if kv_name is not None else get_model().kv_cache_dtype,
         dtype=model_config.dtype, page_size=get_schedule().page_size,
         sliding_window_size=private("resolve_sliding_window_size")(model, model_config),
@@ -455,13 +459,13 @@ def _worker_pools(args, model_dir: str, device: str, *, kind: str, target=None):
                                                    spec_algorithm=spec_algorithm, is_draft_worker=draft),
         is_hybrid_swa=model_config.is_hybrid_swa, is_hybrid_swa_compress=model_config.is_hybrid_swa_compress,
         use_mla_backend=model_config.attention_arch == AttentionArch.MLA,
-        layer_info=private("resolve_layer_indices")(model=model, model_config=model_config, is_draft_worker=draft),
+        layer_info=layer_split(model, model_config, draft, spec_algorithm),
         forward_stream=None, req_to_token_pool=target.req_to_token_pool if draft else None,
         token_to_kv_pool_allocator=target.token_to_kv_pool_allocator if draft else None,
         memory_pool_config=target.memory_pool_config if draft else None)
     private("init_kv_cache_configurator")(runner)
     configurator = runner.kv_cache_configurator
-    with _kv_copy_warmup_skipped(), native_kv_move():
+    with kv_copy_warmup_skipped(), native_kv_move():
         return configurator.configure(pre_model_load_memory=0), configurator
 
 
@@ -477,48 +481,20 @@ def _model_standin(kind: str, model_config):
     return model
 
 
-@contextlib.contextmanager
-def _kv_copy_warmup_skipped():
-    """A speculative server's pools (``enable_kv_cache_copy``) launch SGLang's tiled KV copy kernel once when built,
-    copying dummy location 0 onto itself in every layer to warm the kernel up: a Triton launch (a GPU's), which moves
-    nothing, stood in for by nothing. Any other call (a real move) is refused, not skipped: the pools' moves take
-    SGLang's native torch path (``native_kv_move``, read when a pool is built)."""
-    if not has_private("kv_copy_kernel"):
-        yield
-        return
-    module = private_module("kv_copy_kernel")
-
-    def warmup(data_ptrs, data_strides, tgt_loc, src_loc, *args, **kwargs):
-        if bool(tgt_loc.any()) or bool(src_loc.any()):
-            raise RuntimeError("the tiled KV copy kernel was called for a real move while pools were being built")
-
-    with mock.patch.object(module, private_name("kv_copy_kernel"), warmup):
-        yield
-
-
-@contextlib.contextmanager
-def _fixed_free_memory(free_bytes: int):
-    """The configurator's free-memory probe answered with ``free_bytes`` (``MEMORY_BUDGET``, or a memory-sized server's
-    own) and its ``gc.collect`` skipped, for one build: the rest of ``_profile_available_bytes`` is SGLang's (its mamba
-    budget, ``_handle_max_mamba_cache``, among it)."""
-    module = private_module("configurator_free_memory")
-    budget_gb = free_bytes / (1 << 30)
-    with mock.patch.object(module, private_name("configurator_free_memory"), lambda *a, **k: budget_gb), \
-            mock.patch.object(module, private_name("configurator_gc"), types.SimpleNamespace(collect=lambda: 0)):
-        yield
-
-
 _GROUPS: dict[str, object] = {}
 
 
-def _parallel_groups(args) -> None:
+def _parallel_groups(args, model_dir: str) -> None:
     """SGLang's own parallel groups of a one-rank server, built once per process (gloo: no GPU), their file store in
-    a temporary directory removed when the process ends."""
+    a temporary directory removed when the process ends. Before 0.5.22 they are built from the runner's
+    ``ParallelState`` and a model config (its DP-attention context, one rank here), passed as the runner passes them:
+    the model config of the first server built in the process, read on this machine."""
     if "store" in _GROUPS:
         return
-    _GROUPS["store"] = store = _kept_temporary("groups")
+    store = _kept_temporary("groups")
     private("init_parallel_groups")(backend="gloo", dist_init_method=f"file://{store.name}/store", server_args=args,
-                                    gpu_id=0)
+                                    gpu_id=0, **group_ranks(args, model_dir))
+    _GROUPS["store"] = store  # only once built: a failed first build leaves the next to try again
 
 
 _MODEL_DIRS: dict[str, str] = {}
