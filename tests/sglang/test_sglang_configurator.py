@@ -7,6 +7,7 @@ import pytest
 import torch
 from packaging.version import Version
 
+from poolfuzz.adapters.sglang.pools.descriptions import same_pools
 from poolfuzz.errors import ConfigError
 from poolfuzz.pools.config import CONFIGS
 
@@ -97,7 +98,7 @@ def test_a_speculative_server_builds_one_recurrent_state_per_draft_token(configu
     # the draft worker's KV pool, over the target's allocator: listed, never compared with a family's pools
     assert built.draft_kv_pool is not None and built.draft_kv_pool is not built.token_to_kv_pool
     assert "not fuzzed" in built.parts()[configurator.DRAFT]
-    assert configurator.same_pools(built.parts(), {k: v for k, v in built.parts().items() if k != configurator.DRAFT})
+    assert same_pools(built.parts(), {k: v for k, v in built.parts().items() if k != configurator.DRAFT})
 
 
 def test_an_inkling_server_keeps_conv_states_in_every_layer_and_its_family_keeps_the_wiring(configurator):
@@ -189,7 +190,7 @@ def test_the_adapters_own_wiring_builds_the_pools_the_server_builds(api, configu
     monkeypatch.setattr(family_module, "_SERVES", {})  # this test's verdicts are not the release's
     wired = build_sglang_family(c, scheduled=True)
     assert wired.pools_source.startswith("the adapter's wiring (the configurator is switched off")
-    assert configurator.same_pools(server, configurator.describe_pools(wired.sg_req_pool, wired.sg_kv_pool,
+    assert same_pools(server, configurator.describe_pools(wired.sg_req_pool, wired.sg_kv_pool,
                                                                         wired.sg_allocator))
 
 

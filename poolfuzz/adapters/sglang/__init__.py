@@ -73,8 +73,8 @@ def _described(config, *, role_flags, build, server_of=None, notes=()):
     and what the family (``build()``) runs on. ``server_of``: where ``build()`` starts a scheduler-path server, its
     ``(family, flags)``: the listing then names every flag that server runs with."""
     from poolfuzz.adapters.sglang.api import load
-    from poolfuzz.adapters.sglang.pools.configurator import (DRAFT, command_line, configure, describe_pools,
-                                                             server_flags, server_model)
+    from poolfuzz.adapters.sglang.pools.descriptions import DRAFT, describe_pools
+    from poolfuzz.adapters.sglang.pools.configurator import command_line, configure, server_flags, server_model
     from poolfuzz.errors import ConfigError
     from poolfuzz.pools.capabilities import ServerDescription
 

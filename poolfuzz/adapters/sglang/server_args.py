@@ -3,6 +3,7 @@ last server this process published (the tree, scheduler and configurator paths e
 
 from __future__ import annotations
 
+import os
 from contextlib import contextmanager
 
 from poolfuzz.adapters.sglang.compat import namespace_published, seed_mamba_chunk_size
@@ -54,11 +55,16 @@ def publish_server_args(*, mamba_chunk_size: int = 64, fresh: bool = False, **fl
 def another_server():
     """Inside, another server is published (the configurator's, with a model); after it, the server this process
     last published here is published again, so what reads SGLang's context next (a scheduler resolving its
-    retraction backup, a tree) reads its own server; where none was, the next publish here runs whatever it asks."""
+    retraction backup, a tree) reads its own server; where none was, the next publish here runs whatever it asks.
+    The process environment is put back too: SGLang's argument hooks set variables for the server they resolve
+    (0.5.18's Inkling hook ``SGLANG_ENABLE_UNIFIED_RADIX_TREE``), which must not reach the next server built here."""
     last = _PUBLISHED.get("call")
+    environment = dict(os.environ)
     try:
         yield
     finally:
+        os.environ.clear()
+        os.environ.update(environment)
         _PUBLISHED.clear()
         _PUBLISHED["flags"] = None
         if last is not None:

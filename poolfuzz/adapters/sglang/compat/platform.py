@@ -46,11 +46,11 @@ DEVICE_BOUND_MODULES = ("sglang.srt.managers.cache_controller", "sglang.srt.mem_
                         "sglang.srt.mem_cache.unified_cache.unified_cache_linker")
 
 
-def _bound_on_this_machine() -> None:
-    """Import ``DEVICE_BOUND_MODULES`` (those this release has) while SGLang still answers as this machine."""
+def _bound_on_this_machine(names: tuple[str, ...] = DEVICE_BOUND_MODULES) -> None:
+    """Import ``names`` (those this release has) while SGLang still answers as this machine."""
     import importlib
 
-    for name in DEVICE_BOUND_MODULES:
+    for name in names:
         try:
             importlib.import_module(name)
         except ImportError:  # a release without the module
@@ -129,10 +129,11 @@ def _stated(facts: dict):
         override.restore()
 
 
-def _sglang_modules():
+def _sglang_modules() -> dict:
+    """SGLang's imported modules by name."""
     import sys
 
-    return [m for n, m in list(sys.modules.items()) if m is not None and (n == "sglang" or n.startswith("sglang."))]
+    return {n: m for n, m in list(sys.modules.items()) if m is not None and (n == "sglang" or n.startswith("sglang."))}
 
 
 @contextlib.contextmanager
@@ -144,37 +145,27 @@ def _stated_by_bindings(facts: dict):
     after, in modules imported meanwhile too. What a module computed from a probe when it was imported
     (``_is_cuda = is_cuda()``) and the probes SGLang caches on top of these (``is_cuda_alike``,
     ``is_flashinfer_available``) keep this machine's answer, as they do under ``override_platform``."""
-    import importlib
-    import sys
-
     from sglang.srt.utils import common
 
-    for name in IMPORTED_BEFORE_BINDINGS:  # on this machine: a module imported under the stand-in keeps its answers
-        try:
-            importlib.import_module(name)
-        except ImportError:  # a release without the module
-            pass
-    before = {name for name in sys.modules if name.startswith("sglang")}
-    stand_ins = {}
-    for fact, value in facts.items():
-        probe = getattr(common, _PROBES[fact], None) if fact in _PROBES else None
-        if probe is not None:
-            stand_ins[id(probe)] = (probe, (lambda v: lambda *a, **k: v)(value))
-    fakes = {id(fake): probe for probe, fake in stand_ins.values()}
+    _bound_on_this_machine(IMPORTED_BEFORE_BINDINGS)  # a module imported under the stand-in keeps its answers
+    before = set(_sglang_modules())
+    probes = {fact: getattr(common, _PROBES[fact], None) for fact in facts if fact in _PROBES}
+    fakes = {id(probe): (lambda v: lambda *a, **k: v)(facts[fact]) for fact, probe in probes.items() if probe}
+    originals = {id(fakes[id(probe)]): probe for probe in probes.values() if probe}
 
-    def rebind(table):
-        for module in _sglang_modules():
+    def rebind(table):  # every binding of a key's object, in every SGLang module, to the table's value
+        for module in _sglang_modules().values():
             space = vars(module)
             for name, value in list(space.items()):
-                if id(value) in table and callable(value):
+                if id(value) in table:
                     space[name] = table[id(value)]
 
-    rebind({k: fake for k, (_, fake) in stand_ins.items()})
+    rebind(fakes)
     try:
         yield
     finally:
-        rebind(fakes)
-    imported = sorted(name for name in sys.modules if name.startswith("sglang") and name not in before)
+        rebind(originals)
+    imported = sorted(set(_sglang_modules()) - before)
     if imported:  # what they computed from a probe at import is the GPU's, for good: the build is not this machine's
         raise RuntimeError(f"SGLang modules were first imported while a GPU was stood in for ({', '.join(imported)}), "
                            "and may keep its answers: add them to compat.platform.IMPORTED_BEFORE_BINDINGS")

@@ -21,6 +21,7 @@ import torch
 from poolfuzz.adapters.sglang.lifecycle.admission import SchedulerAdmission
 from poolfuzz.adapters.sglang.api import SGLangAPI, construct, load
 from poolfuzz.adapters.sglang.pools.calls import native_kv_move, paged_alloc_extend
+from poolfuzz.adapters.sglang.pools.descriptions import describe_pools, same_pools
 from poolfuzz.adapters.sglang.lifecycle.frees import debug_memory_pool
 from poolfuzz.adapters.sglang.host_tier.host import SGLangHostBackup, host_pool_problem, resolve_backup_mode
 from poolfuzz.adapters.sglang.pools.hybrid_mla import build_hybrid_mla_pool, hybrid_mla_problem
@@ -289,7 +290,7 @@ _SERVES: dict[tuple, str | None] = {}
 def served_or_wired(build, config: ModelConfig, sdev: str, *, pd_decode: bool, role_flags: dict | None,
                     same=None, listing: str = "sglang:pools"):
     """The family over the pools SGLang's configurator builds for the config's server where they are the config's
-    (``_server_pools``; ``same``: how the two builds' descriptions must agree, ``configurator.same_pools`` by
+    (``_server_pools``; ``same``: how the two builds' descriptions must agree, ``descriptions.same_pools`` by
     default), else over the adapter's wiring (``build``: the family's builder with all but ``served`` given).
     ``listing``: the family whose ``poolfuzz configs --family`` listing shows the two builds."""
     from poolfuzz.adapters.sglang.pools import configurator
@@ -298,7 +299,7 @@ def served_or_wired(build, config: ModelConfig, sdev: str, *, pd_decode: bool, r
     if key not in _SERVES:
         family = build()
         served = _server_pools(config, family, sdev, pd_decode=pd_decode, role_flags=role_flags,
-                               same=same or configurator.same_pools, listing=listing)
+                               same=same or same_pools, listing=listing)
         _SERVES[key] = None if served is not None else family.pools_source
         if served is None:
             return family
@@ -338,7 +339,7 @@ def _server_pools(config: ModelConfig, family: SGLangFamily, sdev: str, *, pd_de
     except ConfigError as exc:
         family.pools_source = f"the adapter's wiring ({exc})"
         return None
-    if not same(served.parts(), configurator.describe_pools(family.sg_req_pool, family.sg_kv_pool, family.sg_allocator)):
+    if not same(served.parts(), describe_pools(family.sg_req_pool, family.sg_kv_pool, family.sg_allocator)):
         family.pools_source = ("the adapter's wiring (SGLang's configurator builds other pools for the config's "
                                f"server; poolfuzz configs --family {listing} shows them)")
         return None

@@ -53,8 +53,7 @@ from poolfuzz.adapters.sglang.compat import has_private, private
 from poolfuzz.adapters.sglang.compat.platform import (B200, GPU, XEON, cpu_platform_problem, cpu_server, gpu_server,
                                                       platform_problem)
 from poolfuzz.adapters.sglang.pools.calls import native_kv_move
-from poolfuzz.adapters.sglang.pools.descriptions import (DRAFT, describe_pools, kv_pool_words, same_layout,  # noqa: F401
-                                                         same_pools)  # same_*: asked of this module by the families
+from poolfuzz.adapters.sglang.pools.descriptions import DRAFT, describe_pools, kv_pool_words
 from poolfuzz.adapters.sglang.pools.runner_calls import (fixed_free_memory, kv_copy_warmup_skipped, layer_split,
                                                          publish_as_scheduler, runner_ranks, group_ranks)
 from poolfuzz.adapters.sglang.pools.server_models import MODELS, dtype_flags
@@ -239,7 +238,7 @@ def _read_back(c: ModelConfig, sizes: dict) -> ModelConfig:
     if c.has_mamba:
         changes.update(mamba_slots=sizes["mamba_slots"])
     unsized = sorted(k for k, v in changes.items() if v is None)
-    if unsized:  # the model as SGLang reads it has no such pool (sliding-window layers in a model it serves as full)
+    if unsized:  # the model as SGLang reads it keeps no such pool (a mix ``server_models.layers_problem`` misses)
         raise ConfigError(f"config {c.name!r}: SGLang's configurator sized no {', '.join(unsized)} for its server "
                           f"from {c.free_memory_kib} KiB (its model config keeps no such pool): no server of that "
                           "memory has the config's layers")
@@ -260,7 +259,8 @@ def _fixed_point(c: ModelConfig, sized: ModelConfig, role_flags: dict | None) ->
 
 def problem() -> str | None:
     """Why this release cannot build pools through its configurator here, or None."""
-    missing = [k for k in ("kv_cache_configurator", "configurator_free_memory", "init_parallel_groups", "init_kv_cache_configurator", "resolve_layer_indices",
+    missing = [k for k in ("kv_cache_configurator", "configurator_free_memory", "init_parallel_groups",
+                           "init_kv_cache_configurator", "resolve_layer_indices",
                            "configure_kv_cache_dtype", "resolve_sliding_window_size", "spec_aux_config")
                if not has_private(k)]
     if not missing:
@@ -291,8 +291,8 @@ def configure(c: ModelConfig, *, device: str = "cpu", role_flags: dict | None = 
     from poolfuzz.adapters.sglang.server_args import another_server
 
     try:
-        # the caller's server published again once these pools are built, and its environment put back
-        with another_server(), _environment_kept(), _sglang_quiet():
+        # the caller's server published again once these pools are built (its environment too)
+        with another_server(), _sglang_quiet():
             result = _configured(server, model_dir, device)
     except _Refused as refused:
         exc = refused.__cause__
@@ -314,18 +314,6 @@ def configure(c: ModelConfig, *, device: str = "cpu", role_flags: dict | None = 
                            sizes=sizes, unified_buffer=getattr(result, "unified_memory_pool", None),
                            draft_kv_pool=None if draft is None else draft[0].token_to_kv_pool,
                            configurator=built_by)
-
-
-@contextlib.contextmanager
-def _environment_kept():
-    """The environment put back once a server is resolved: SGLang's argument hooks set variables for their server
-    (0.5.18's Inkling hook ``SGLANG_ENABLE_UNIFIED_RADIX_TREE``), which must not reach the next server built here."""
-    kept = dict(os.environ)
-    try:
-        yield
-    finally:
-        os.environ.clear()
-        os.environ.update(kept)
 
 
 @contextlib.contextmanager

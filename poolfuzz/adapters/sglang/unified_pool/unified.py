@@ -142,7 +142,7 @@ def build_unified(config: ModelConfig, *, node: str | None = None) -> UnifiedFam
     try:
         if node == "decode":
             return _build(api, config, dev, "cpu", need_sort=True)
-        from poolfuzz.adapters.sglang.pools.configurator import same_layout
+        from poolfuzz.adapters.sglang.pools.descriptions import same_layout
 
         return served_or_wired(functools.partial(_build, api, config, dev, "cpu", need_sort=False), config, "cpu",
                                pd_decode=False, role_flags=SERVER_FLAGS, same=same_layout,
