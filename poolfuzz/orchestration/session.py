@@ -82,23 +82,26 @@ def plan_lanes(plan: Plan) -> list[list[Lane]]:
     per_worker: list[list[Lane]] = [[] for _ in range(w)]
     if w <= len(configs):
         for i, name in enumerate(configs):
-            per_worker[i % w].append(Lane(index=i, worker=i % w, config=name, seed=_lane_seed(plan.seed, i),
+            per_worker[i % w].append(Lane(index=i, worker=i % w, config=name, seed=_lane_seed(plan.seed, 0),
                                           examples=plan.examples, family=families[i], suite=suite))
     else:
         owners = [[wi for wi in range(w) if wi % len(configs) == ci] for ci in range(len(configs))]
         for wi in range(w):
             ci = wi % len(configs)
-            examples = None
+            examples, part = None, owners[ci].index(wi)
             if plan.examples is not None:  # split exactly: the lanes of a config add up to --examples
                 share, extra = divmod(plan.examples, len(owners[ci]))
-                examples = max(1, share + (owners[ci].index(wi) < extra))
-            per_worker[wi].append(Lane(index=wi, worker=wi, config=configs[ci], seed=_lane_seed(plan.seed, wi),
+                examples = max(1, share + (part < extra))
+            per_worker[wi].append(Lane(index=wi, worker=wi, config=configs[ci], seed=_lane_seed(plan.seed, part),
                                        examples=examples, family=families[ci], suite=suite))
     return [lanes for lanes in per_worker if lanes]
 
 
-def _lane_seed(base: int, lane: int) -> int:
-    return (base + lane * 1_000_003) % 2**32
+def _lane_seed(base: int, part: int) -> int:
+    """The seed of a config's ``part``-th lane (0 unless --workers splits one config over several lanes). Never the
+    lane's place in the run: ``--config X --seed S`` alone draws what lane X drew with seed S in a larger run, whatever
+    configs or families ran before it."""
+    return (base + part * 1_000_003) % 2**32
 
 
 def worker_device(device: str, worker: int, workers: int) -> str:

@@ -232,10 +232,23 @@ def test_lanes_split_configs_and_seeds():
     plan = Plan(configs=("a", "b", "c"), device="cpu", seed=5, examples=10, workers=2)
     lanes = plan_lanes(plan)
     assert [[l.config for l in w] for w in lanes] == [["a", "c"], ["b"]]
-    assert len({l.seed for w in lanes for l in w}) == 3
+    # every config's lane is seeded with --seed, whatever runs before it: `--config c --seed 5` alone draws the same
+    assert {l.seed for w in lanes for l in w} == {5}
     many = plan_lanes(Plan(configs=("a",), device="cpu", seed=5, examples=10, workers=3))
     assert [w[0].config for w in many] == ["a", "a", "a"]
     assert len({w[0].seed for w in many}) == 3 and sorted(w[0].examples for w in many) == [3, 3, 4]
+
+
+def test_a_lane_draws_the_same_examples_alone_as_after_other_lanes(tmp_path, capsys):
+    """A user re-running one config of a larger run, with its seed, gets the examples that config's lane tried there
+    (it was seeded by its place in the run: the same config drew other programs after another)."""
+    def steps(*configs: str) -> str:
+        assert run_cli(["run", "--config", *configs, "--device", "cpu", "--examples", "4", "--seed", "1", "--db",
+                        "none", "--out", str(tmp_path / "out")]) == 0
+        row = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("dense "))
+        return row.split()[4]  # config, status, examples, declined, steps
+
+    assert steps("dense") == steps("swa", "dense") == steps("swa-ps4", "mla", "dense")
 
 
 def test_worker_i_uses_gpu_i_on_a_multi_gpu_machine(monkeypatch):
