@@ -97,9 +97,9 @@ def _print_server(d) -> None:
     for note in d.notes:
         print(f"{indent}note: {note}")
     if d.built is None:
-        print(f"{indent}configurator: {d.refused}")
+        print(f"{indent}{d.built_by}: {d.refused}")
     else:
-        print(f"{indent}configurator built:")
+        print(f"{indent}{d.built_by} built:")
         for part, what in d.built.items():
             print(f"{indent}  {part:14} {what}")
     if d.family is None:

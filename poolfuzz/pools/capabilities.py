@@ -130,6 +130,7 @@ class ServerDescription:
     notes: tuple[str, ...] = ()  # what else a reader of the listing must know (a flag added after a refusal)
     # parts of ``built`` no family runs on (a speculative server's draft KV pool): listed, not compared
     unfuzzed: tuple[str, ...] = ()
+    built_by: str = "configurator"  # what in the engine built ``built`` (a release without a configurator: its runner)
 
     def command(self, model_path: str) -> str:
         """The command that launches the server on the model at ``model_path`` (already quoted for a shell)."""

@@ -10,6 +10,14 @@ from poolfuzz.pools.config import CONFIGS
 from poolfuzz.pools.errors import ConfigError, LostKv
 
 
+def _served() -> str:
+    """How a family on the pools SGLang built for its server names their source: the builder (its configurator, or
+    before 0.5.16 its model runner), then the server's flags."""
+    from poolfuzz.adapters.sglang.pools.configurator import builder
+
+    return builder() + " ("
+
+
 def test_a_release_without_the_unified_pool_is_refused_by_name(api, scheduling):
     from poolfuzz.adapters.sglang.scheduler.unified_server import unsupported_reason
     from poolfuzz.adapters.sglang.unified_pool.unified import unified_mamba_factory
@@ -119,15 +127,15 @@ def test_the_server_runs_on_the_pools_sglangs_configurator_builds(api, unified):
     if configurator.problem():
         pytest.skip(f"sglang {api.version}: {configurator.problem()}")
     family = unified.build_unified_driver(CONFIGS["swa"]).family
-    assert family.pools_source.startswith("SGLang's KV cache configurator (")
+    assert family.pools_source.startswith(_served())
     assert "--enable-unified-memory" in family.pools_source
     server = configurator.configure(CONFIGS["swa"], role_flags={"enable_unified_memory": True})
     assert family.sg_allocator.swa_attn_allocator is not None and family.sg_allocator.size == server.allocator.size
     assert family.sg_allocator.size != CONFIGS["swa"].swa_tokens  # the server's sizing, not the config's number
     hybrid = unified.build_unified_driver(CONFIGS["hybrid-linear"]).family
-    assert hybrid.pools_source.startswith("SGLang's KV cache configurator (")
+    assert hybrid.pools_source.startswith(_served())
     inkling = unified.build_unified_driver(CONFIGS["swa-ssm"]).family
-    assert inkling.pools_source.startswith("the adapter's wiring (SGLang's configurator builds other pools")
+    assert inkling.pools_source.startswith("the adapter's wiring (SGLang's KV cache configurator builds other pools")
 
 
 # --- planted defects, caught through SGLang's own scheduler ---------------------------------------------------------

@@ -74,7 +74,8 @@ def _described(config, *, role_flags, build, server_of=None, notes=()):
     ``(family, flags)``: the listing then names every flag that server runs with."""
     from poolfuzz.adapters.sglang.api import load
     from poolfuzz.adapters.sglang.pools.descriptions import DRAFT, describe_pools
-    from poolfuzz.adapters.sglang.pools.configurator import command_line, configure, server_flags, server_model
+    from poolfuzz.adapters.sglang.pools.configurator import (CONFIGURATOR, builder, command_line, configure,
+                                                             server_flags, server_model)
     from poolfuzz.errors import ConfigError
     from poolfuzz.pools.capabilities import ServerDescription
 
@@ -98,14 +99,15 @@ def _described(config, *, role_flags, build, server_of=None, notes=()):
     except ConfigError as exc:
         refused = str(exc)
     if config.free_memory_kib:  # what no flag says: the sizes above are SGLang's answer to this much memory
-        notes = (*notes, f"sized by SGLang's configurator from {config.free_memory_kib} KiB of device memory free once "
+        notes = (*notes, f"sized by {builder()} from {config.free_memory_kib} KiB of device memory free once "
                          "the weights are loaded (no --max-total-tokens, --max-mamba-cache-size or "
                          "--swa-full-tokens-ratio named)")
     # a server with the model's shapes and random weights: the pools poolfuzz fuzzed, on a GPU
     return ServerDescription(flags=flags, built=built, refused=refused, family=family, family_declines=declines,
                              model=model, launcher="python -m sglang.launch_server --load-format dummy "
                                                    "--skip-tokenizer-init", notes=tuple(notes),
-                             unfuzzed=(DRAFT,) if built and DRAFT in built else ())
+                             unfuzzed=(DRAFT,) if built and DRAFT in built else (),
+                             built_by="configurator" if builder() == CONFIGURATOR else "model runner")
 
 
 build_family.unsupported_reason = unsupported_reason

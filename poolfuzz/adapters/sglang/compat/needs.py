@@ -204,6 +204,28 @@ PRIVATE: dict[str, Need] = {
     "backend_mamba_cow_and_clear": Need(target=f"{_MAMBA_BACKEND}._execute_deferred_mamba_cow_and_clear",
                                         required=False, used_for="private: the attention backend's mamba "
                                                                  "copy-on-write (0.5.13), run unbound"),
+    # the pools a model runner builds before the configurator (0.5.9 to 0.5.15, pools/runner_pools.py)
+    "model_runner": Need(target="sglang.srt.model_executor.model_runner:ModelRunner", required=False,
+                         used_for="the model runner whose own methods build the pools before 0.5.16"),
+    "runner_init_memory_pool": Need(target="sglang.srt.model_executor.model_runner:ModelRunner.init_memory_pool",
+                                    required=False,
+                                    used_for="the model runner's own pool build (its KV cache mixin, before 0.5.16), "
+                                             "run on a runner that holds what its __init__ and initialize set"),
+    "runner_kv_dtype": Need(target="sglang.srt.model_executor.model_runner:ModelRunner.configure_kv_cache_dtype",
+                            required=False, used_for="the model runner's KV dtype (before 0.5.16)"),
+    "runner_free_memory": Need(target="sglang.srt.model_executor.model_runner_kv_cache_mixin:"
+                                      "get_available_gpu_memory", required=False,
+                               used_for="private: the free GPU memory a model runner's pool budget starts from "
+                                        "(before 0.5.16), stood in for by a fixed budget"),
+    "runner_registry_unset": Need(target="sglang.srt.model_executor.model_runner:_UNSET", required=False,
+                                  used_for="private: the runner's not-yet-asked linear-attention registry answer "
+                                           "(0.5.14, 0.5.15), which its __init__ sets"),
+    "init_distributed_environment": Need(target="sglang.srt.distributed.parallel_state:init_distributed_environment",
+                                         required=False, used_for="a one-rank model runner's world group (gloo)"),
+    "initialize_model_parallel": Need(target="sglang.srt.distributed.parallel_state:initialize_model_parallel",
+                                      required=False, used_for="a one-rank model runner's parallel groups"),
+    "initialize_dp_attention": Need(target="sglang.srt.layers.dp_attention:initialize_dp_attention", required=False,
+                                    used_for="a one-rank model runner's attention-parallel sizes"),
     # the global-ServerArgs loop's sessions (0.5.9 to 0.5.15, scheduling_global.py)
     "session_controller": Need(target="sglang.srt.session.session_controller:SessionController",
                                also=("sglang.srt.managers.session_controller:SessionController",), required=False,

@@ -93,11 +93,12 @@ _PROBES = {"is_cuda": "is_cuda", "is_hip": "is_hip", "is_npu": "is_npu", "is_xpu
 _BOUND_NEEDS = ("cuda_probe", "gpu_memory_capacity")
 
 
-# The modules a build first imports while a GPU is stood in for (0.5.18, every named config built): each was read
-# for what it computes at import (FLA's kernels ask Triton's driver, not SGLang's probes; the argument hooks and the
+# The modules a build first imports while a GPU is stood in for (0.5.12 to 0.5.18, every named config built): each
+# was read for what it computes at import (FLA's kernels ask Triton's driver, not SGLang's probes; the argument hooks and the
 # mamba checkpoint pool compute nothing), and is imported on this machine before the bindings are stated, so that
 # ``_stated_by_bindings`` can refuse a build that imports any other under the stand-in.
-IMPORTED_BEFORE_BINDINGS = ("sglang.srt.arg_groups.kimi_k3_hook", "sglang.srt.arg_groups.pd_disaggregation_hook",
+IMPORTED_BEFORE_BINDINGS = ("sglang.srt.arg_groups.overrides", "sglang.srt.arg_groups.hisparse_hook",
+                            "sglang.srt.arg_groups.kimi_k3_hook", "sglang.srt.arg_groups.pd_disaggregation_hook",
                             "sglang.srt.arg_groups.speculative_hook", "sglang.srt.mem_cache.mamba_checkpoint_pool",
                             "sglang.kernels.ops.attention.fla.chunk_delta_h", "sglang.kernels.ops.attention.fla.index",
                             "sglang.kernels.ops.attention.fla.op")

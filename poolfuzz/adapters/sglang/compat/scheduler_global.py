@@ -59,23 +59,39 @@ def server_flags(server_args_cls, flags: dict) -> dict:
     fields = getattr(server_args_cls, "__dataclass_fields__", {})
     out = dict(flags)
     for name in MAMBA_STRATEGY_FLAGS:
-        if name in out and name not in fields:
-            value = out.pop(name)
-            out[next(n for n in MAMBA_STRATEGY_FLAGS if n in fields)] = value
+        renamed = [n for n in MAMBA_STRATEGY_FLAGS if n in fields]
+        # only where the class names the flag otherwise (0.5.23's ServerArgs takes its flags through its groups)
+        if name in out and name not in fields and renamed:
+            out[renamed[0]] = out.pop(name)
     return out
+
+
+class OneRankGroup(NS):
+    """A one-rank parallel group's stand-in (rank 0 of 1), where no group is built; real groups replace it."""
+
+
+_RANK_GROUPS = ("_TP", "_PP")
 
 
 def single_tensor_parallel_rank() -> None:
     """The tensor- and pipeline-parallel groups of a one-rank CPU run, where none is initialised:
     ``Req.set_finish_with_abort`` asks ``get_tensor_model_parallel_rank()``, 0.5.18's runtime context the pipeline
     world size (each asserts its group exists)."""
-    from types import SimpleNamespace
-
     from sglang.srt.distributed import parallel_state
 
-    for group in ("_TP", "_PP"):
+    for group in _RANK_GROUPS:
         if getattr(parallel_state, group, None) is None:
-            setattr(parallel_state, group, SimpleNamespace(rank_in_group=0, world_size=1))
+            setattr(parallel_state, group, OneRankGroup(rank_in_group=0, world_size=1))
+
+
+def rank_standins_cleared() -> None:
+    """The stand-ins ``single_tensor_parallel_rank`` set removed, so that SGLang's own one-rank groups are built
+    (``initialize_model_parallel`` asserts none exists); they answer what the stand-ins answered."""
+    from sglang.srt.distributed import parallel_state
+
+    for group in _RANK_GROUPS:
+        if type(getattr(parallel_state, group, None)) is OneRankGroup:
+            setattr(parallel_state, group, None)
 
 
 def has_tree_registry() -> bool:

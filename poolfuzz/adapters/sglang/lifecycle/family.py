@@ -315,7 +315,7 @@ def served_or_wired(build, config: ModelConfig, sdev: str, *, pd_decode: bool, r
             family.pools_source = f"the adapter's wiring ({exc})"
             return family
     family = build(served=served)
-    family.pools_source = "SGLang's KV cache configurator (" + served.server.command_line() + ")"
+    family.pools_source = f"{configurator.builder()} ({served.server.command_line()})"
     family.served = served
     return family
 
@@ -340,7 +340,7 @@ def _server_pools(config: ModelConfig, family: SGLangFamily, sdev: str, *, pd_de
         family.pools_source = f"the adapter's wiring ({exc})"
         return None
     if not same(served.parts(), describe_pools(family.sg_req_pool, family.sg_kv_pool, family.sg_allocator)):
-        family.pools_source = ("the adapter's wiring (SGLang's configurator builds other pools for the config's "
+        family.pools_source = (f"the adapter's wiring ({configurator.builder()} builds other pools for the config's "
                                f"server; poolfuzz configs --family {listing} shows them)")
         return None
     return served

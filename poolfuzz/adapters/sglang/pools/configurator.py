@@ -28,11 +28,12 @@ over the target's request pool and allocator, sized by the target's memory confi
 draft model's KV, so none runs on it.
 
 One registry (``server_models.MODELS``) maps a config's architecture to the model that stands for it; one with no entry yet is
-named as such, never built another way. Releases before 0.5.16 have no configurator (their model runner builds
-the pools). Before 0.5.22 a scheduler publishes its server arguments without its ranks, which its model runner holds
-(a one-rank ``ParallelState``) and passes to its parallel groups and configurator; the machine is stood in for through
-the bindings of SGLang's platform probes (``compat.platform``). On 0.5.18 a speculative server's mamba pool allocates
-its draft-token states on ``cuda`` whatever its device, so it does not build here (SGLang's error, declined).
+named as such, never built another way. Releases before 0.5.16 have no configurator: their model runner's own
+``init_memory_pool`` builds the pools, under the Scheduler's global arguments (``runner_pools``). Before 0.5.22 a
+scheduler publishes its server arguments without its ranks, which its model runner holds (a one-rank
+``ParallelState``) and passes to its parallel groups and configurator; the machine is stood in for through the
+bindings of SGLang's platform probes (``compat.platform``). On 0.5.18 a speculative server's mamba pool allocates its
+draft-token states on ``cuda`` whatever its device, so it does not build here (SGLang's error, declined).
 """
 
 from __future__ import annotations
@@ -50,9 +51,11 @@ import warnings
 from dataclasses import dataclass, field
 
 from poolfuzz.adapters.sglang.compat import has_private, private
+from poolfuzz.adapters.sglang.compat import server_flags as server_flag_names
 from poolfuzz.adapters.sglang.compat.platform import (B200, GPU, XEON, cpu_platform_problem, cpu_server, gpu_server,
                                                       platform_problem)
 from poolfuzz.adapters.sglang.pools.calls import native_kv_move
+from poolfuzz.adapters.sglang.pools import runner_pools
 from poolfuzz.adapters.sglang.pools.descriptions import DRAFT, describe_pools, kv_pool_words
 from poolfuzz.adapters.sglang.pools.runner_calls import (fixed_free_memory, kv_copy_warmup_skipped, layer_split,
                                                          publish_as_scheduler, runner_ranks, group_ranks)
@@ -213,8 +216,9 @@ def server_sized(c: ModelConfig, *, role_flags: dict | None = None) -> ModelConf
             raise
         except ConfigError as exc:
             if c.free_memory_kib:  # only SGLang knows what its memory holds: no sizes of the adapter's stand in
-                raise ConfigError(f"{exc} (a server sized by its free memory is sized by SGLang's KV cache "
-                                  "configurator alone; or name the sizes: free_memory_kib=0)") from None
+                raise ConfigError(f"{exc} (a server sized by its free memory is sized by SGLang alone, its "
+                                  "configurator or before 0.5.16 its model runner; or name the sizes: "
+                                  "free_memory_kib=0)") from None
             sizes = None
         _SIZED[key] = _read_back(c, sizes) if sizes else c
         if c.free_memory_kib and sizes:
@@ -228,6 +232,10 @@ def _read_back(c: ModelConfig, sizes: dict) -> ModelConfig:
     window = sizes.get("swa_max_total_num_tokens")
     if not c.free_memory_kib:
         return c.replace(swa_tokens=window) if c.has_swa and c.has_full and window else c
+    if sizes["max_running_requests"] is None:
+        raise ConfigError(f"config {c.name!r}: {RUNNER} settles no running requests on this release (its "
+                          "initialize computes them inline afterwards: nothing to call), so a server sized by its "
+                          "free memory is not sized here; name the sizes: free_memory_kib=0")
     changes = {"request_rows": sizes["max_running_requests"]}
     if c.has_swa and c.has_full:
         changes.update(full_tokens=sizes["full_max_total_num_tokens"], swa_tokens=window)
@@ -258,16 +266,29 @@ def _fixed_point(c: ModelConfig, sized: ModelConfig, role_flags: dict | None) ->
 
 
 def problem() -> str | None:
-    """Why this release cannot build pools through its configurator here, or None."""
-    missing = [k for k in ("kv_cache_configurator", "configurator_free_memory", "init_parallel_groups",
-                           "init_kv_cache_configurator", "resolve_layer_indices",
-                           "configure_kv_cache_dtype", "resolve_sliding_window_size", "spec_aux_config")
+    """Why this release cannot build pools through its configurator (or, before 0.5.16, its model runner) here, or
+    None."""
+    if by_runner():
+        return runner_pools.problem()
+    missing = [k for k in ("configurator_free_memory", "init_parallel_groups", "init_kv_cache_configurator",
+                           "resolve_layer_indices", "configure_kv_cache_dtype", "resolve_sliding_window_size",
+                           "spec_aux_config")
                if not has_private(k)]
-    if not missing:
-        return None
-    if "kv_cache_configurator" in missing:
-        return "this release has no KV cache configurator (0.5.16 on): its model runner builds the pools"
-    return f"the configurator path needs what this release lacks: {', '.join(missing)}"
+    return f"the configurator path needs what this release lacks: {', '.join(missing)}" if missing else None
+
+
+CONFIGURATOR = "SGLang's KV cache configurator"
+RUNNER = "SGLang's model runner's init_memory_pool"  # before 0.5.16, which has no configurator
+
+
+def by_runner() -> bool:
+    """Whether this release's model runner builds a server's pools itself (before 0.5.16: no configurator)."""
+    return not has_private("kv_cache_configurator")
+
+
+def builder() -> str:
+    """What builds a server's pools on this release, in a listing's words: ``CONFIGURATOR`` or ``RUNNER``."""
+    return RUNNER if by_runner() else CONFIGURATOR
 
 
 def configure(c: ModelConfig, *, device: str = "cpu", role_flags: dict | None = None) -> ConfiguredPools:
@@ -308,7 +329,9 @@ def configure(c: ModelConfig, *, device: str = "cpu", role_flags: dict | None = 
              "max_running_requests": result.max_running_requests,
              "full_max_total_num_tokens": result.full_max_total_num_tokens,
              "swa_max_total_num_tokens": result.swa_max_total_num_tokens,
-             "mamba_slots": None if mamba is None else mamba.size}
+             "mamba_slots": None if mamba is None else mamba.size,
+             # the window the server serves (its runner's, asked of the model first): what its tree evicts by
+             "sliding_window_size": (built_by or result).sliding_window_size}
     return ConfiguredPools(server=server, req_to_token_pool=result.req_to_token_pool,
                            token_to_kv_pool=result.token_to_kv_pool, allocator=result.token_to_kv_pool_allocator,
                            sizes=sizes, unified_buffer=getattr(result, "unified_memory_pool", None),
@@ -385,12 +408,15 @@ def _configured(server: ServerModel, model_dir: str, device: str):
     with _on_server_machine(server):
         try:
             flags = {k: model_dir if v == MODEL_PATH else v for k, v in server.flags.items()}
-            args = ServerArgs(model_path=model_dir, **({"device": "cpu"} | flags))
-            publish_as_scheduler(args)
+            args = ServerArgs(model_path=model_dir, **server_flag_names(ServerArgs, {"device": "cpu"} | flags))
+            if not by_runner():  # before 0.5.16 the Scheduler's global arguments, set by the runner path
+                publish_as_scheduler(args)
         except Exception as exc:  # noqa: BLE001 -- SGLang's validation raises many types
             if _raised_by_sglang(exc):
                 raise _Refused() from exc
             raise
+    if by_runner():
+        return _runner_built(server, args, model_dir, device), None
     _parallel_groups(args, model_dir)
     with _on_server_machine(server), fixed_free_memory(server.free_memory):
         return _built(args, model_dir, device, kind=server.kind)
@@ -455,6 +481,21 @@ def _worker_pools(args, model_dir: str, device: str, *, kind: str, target=None):
     configurator = runner.kv_cache_configurator
     with kv_copy_warmup_skipped(), native_kv_move():
         return configurator.configure(pre_model_load_memory=0), configurator
+
+
+def _runner_built(server: ServerModel, args, model_dir: str, device: str):
+    """Before 0.5.16: the target worker's pools as its model runner builds them (``runner_pools``), under the
+    Scheduler's global ``args``; ``(result, None)``: no configurator. No draft worker is built (no family runs one)."""
+    from sglang.srt.configs.model_config import ModelConfig as SGLangModelConfig
+
+    with runner_pools.global_server(args):
+        model_config = SGLangModelConfig.from_server_args(args, model_path=model_dir)
+        runner_pools.runner_groups(args, model_config, _kept_temporary("groups").name)
+        with kv_copy_warmup_skipped(), native_kv_move():
+            runner = runner_pools.built_by_runner(args, model_config, _model_standin(server.kind, model_config),
+                                                  device, free_memory=server.free_memory,
+                                                  machine=lambda: _on_server_machine(server))
+    return runner_pools.as_worker(runner), None
 
 
 def _model_standin(kind: str, model_config):
