@@ -664,6 +664,26 @@ def test_a_servers_resolution_leaves_the_process_environment_as_it_was(configura
         assert dict(os.environ) == before, name
 
 
+def test_a_scheduler_server_runs_with_what_its_argument_hooks_set(configurator, scheduling):
+    """The other side: the server whose flags a hook resolves runs with what the hook set (DeepSeek DSA's hook its
+    dense-prefill threshold, 0.5.15 on; 0.5.18's Inkling hook the unified radix tree), while it builds and at every
+    step, as its process would; the process outside it keeps its own environment. Before, a scheduler-path server
+    published its flags without SGLang's resolution and ran without them."""
+    import os
+
+    from poolfuzz.adapters.sglang.scheduler.servers import build_driver
+
+    variable = "SGLANG_DSA_PREFILL_DENSE_ATTN_KV_LEN_THRESHOLD"
+    c = CONFIGS["dsa-ps64"]
+    hooks = configurator.hooks_environment(c)
+    if variable not in hooks:
+        pytest.skip(f"this release's DSA hook sets no {variable}")
+    before = os.environ.get(variable)
+    driver = build_driver(c)
+    # the environment each of its steps runs under (scheduling.py: ``cpu_server(self.environment)``)
+    assert driver.environment[variable] == hooks[variable] and os.environ.get(variable) == before
+
+
 def test_a_refusal_is_named_past_the_line_that_only_introduces_it(configurator):
     """transformers' validators (0.5.23's, refusing a GPT-OSS of odd head width) raise a first line that only
     introduces the reason; the refusal names both."""

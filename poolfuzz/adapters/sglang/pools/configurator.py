@@ -112,6 +112,9 @@ class ConfiguredPools:
     # a speculative server's draft worker's KV pool (over the same allocator); no family writes a draft model's KV
     draft_kv_pool: object = None
     configurator: object = None  # the target worker's KVCacheConfigurator, which its model runner keeps and asks
+    # the variables SGLang's argument hooks set for this server while its flags were resolved (its process runs
+    # with them: 0.5.18's Inkling hook turns on the unified radix tree); the builder's process gets its own back
+    environment: dict = field(default_factory=dict)
 
     def parts(self) -> dict[str, str]:
         """Each pool (and each part of a hybrid one) with its class and size, in a listing's words; a speculative
@@ -226,6 +229,22 @@ def server_sized(c: ModelConfig, *, role_flags: dict | None = None) -> ModelConf
     return _SIZED[key]
 
 
+_ENVIRONMENTS: dict[tuple, dict] = {}
+
+
+def hooks_environment(c: ModelConfig, *, role_flags: dict | None = None) -> dict[str, str]:
+    """The variables SGLang's argument hooks set for ``c``'s server (with ``role_flags``) when its flags are resolved,
+    which that server's process runs with (``ConfiguredPools.environment``); {} where no such server builds here (the
+    family then says why). Asked once per config and role per process."""
+    key = (c, tuple(sorted((role_flags or {}).items())))
+    if key not in _ENVIRONMENTS:
+        try:
+            _ENVIRONMENTS[key] = configure(c, role_flags=role_flags).environment
+        except ConfigError:
+            _ENVIRONMENTS[key] = {}
+    return _ENVIRONMENTS[key]
+
+
 def _read_back(c: ModelConfig, sizes: dict) -> ModelConfig:
     """``c`` with the sizes the configurator reported: every one for a server sized by its memory, the window pool
     only otherwise."""
@@ -314,7 +333,9 @@ def configure(c: ModelConfig, *, device: str = "cpu", role_flags: dict | None = 
     try:
         # the caller's server published again once these pools are built (its environment too)
         with another_server(), _sglang_quiet():
+            before = dict(os.environ)
             result = _configured(server, model_dir, device)
+            environment = {k: v for k, v in os.environ.items() if before.get(k) != v}
     except _Refused as refused:
         exc = refused.__cause__
         reason = (f"SGLang refuses the server {server.command_line()!r}: "
@@ -336,7 +357,7 @@ def configure(c: ModelConfig, *, device: str = "cpu", role_flags: dict | None = 
                            token_to_kv_pool=result.token_to_kv_pool, allocator=result.token_to_kv_pool_allocator,
                            sizes=sizes, unified_buffer=getattr(result, "unified_memory_pool", None),
                            draft_kv_pool=None if draft is None else draft[0].token_to_kv_pool,
-                           configurator=built_by)
+                           configurator=built_by, environment=environment)
 
 
 @contextlib.contextmanager

@@ -171,7 +171,10 @@ class SglangSchedulerDriver:
         self.streaming_sessions = False  # driven where it is built with --enable-streaming-session (0.5.10-0.5.15)
         self.session_clients = SessionClients(self)
         self.outcome: dict[str, str] = {}  # request id -> "finished" / "aborted", once the server is done with it
-        self.environment = server_environment(config)
+        from poolfuzz.adapters.sglang.pools.configurator import hooks_environment
+
+        # as an operator starts it, with what SGLang's argument hooks set for its flags (configurator.hooks_environment)
+        self.environment = hooks_environment(config, role_flags=self.pool_flags) | server_environment(config)
         with cpu_server(self.environment):  # the environment it runs in, while it builds and at every step
             if compat.plans_with_context(m.Scheduler):
                 self._build_context_server(config, max_running)
