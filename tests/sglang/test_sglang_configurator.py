@@ -74,11 +74,14 @@ def speculative(configurator):
 
 def _built_here(configurator, name: str):
     """What SGLang builds for config ``name``'s server, or a skip naming why it builds none on this release here (a
-    KV dtype or model it does not have yet; not a refusal of the flags, which fails the test)."""
+    KV dtype its launcher does not take yet, a model it does not have yet; any other refusal of the flags fails the
+    test)."""
     try:
         return configurator.configure(CONFIGS[name])
-    except configurator.ServerRefused:
-        raise
+    except configurator.ServerRefused as exc:
+        if "invalid choice" not in exc.reason:
+            raise
+        pytest.skip(str(exc))
     except ConfigError as exc:
         pytest.skip(str(exc))
 
@@ -266,7 +269,7 @@ def test_a_sparse_attention_server_on_a_blackwell_gpu_keeps_its_kv_in_the_dtype_
         assert left_to_auto.token_to_kv_pool.dtype == torch.float8_e4m3fn
 
 
-def test_a_gpu_server_is_stood_in_for_only_while_its_pools_are_built(configurator):
+def test_a_gpu_server_is_stood_in_for_only_while_its_pools_are_built(configurator, sized_by_configurator):
     """A Blackwell server's FP4 KV cache gets its quant method (``is_float4_e2m1fn_x2`` asks SGLang's CUDA probe);
     afterwards every probe answers for this machine again."""
     _built_here(configurator, "dense-fp4")  # a release whose servers have an FP4 KV cache (0.5.16 on)
@@ -682,6 +685,24 @@ def test_a_scheduler_server_runs_with_what_its_argument_hooks_set(configurator, 
     driver = build_driver(c)
     # the environment each of its steps runs under (scheduling.py: ``cpu_server(self.environment)``)
     assert driver.environment[variable] == hooks[variable] and os.environ.get(variable) == before
+
+
+def test_a_flag_value_the_releases_launcher_does_not_take_is_refused_in_its_words(api, configurator):
+    """Before 0.5.18 SGLang's own launch parser has no ``--kv-cache-dtype mxfp8``: such a server never starts, so it
+    is refused with the parser's words rather than fuzzed on the adapter's wiring. The FP4 KV cache it has is named
+    as its launcher names it (``fp4_e2m1``, which 0.5.18 renamed ``fp4_mx_block16``), and its runner builds it."""
+    from poolfuzz.adapters.sglang.compat import parser_refusal
+
+    fp4 = configurator.server_flags(CONFIGS["dense-fp4"])["kv_cache_dtype"]
+    if Version(api.version) >= Version("0.5.18"):
+        assert fp4 == "fp4_mx_block16" and parser_refusal(configurator.server_flags(CONFIGS["fp8-scaled"])) is None
+        return
+    assert fp4 == "fp4_e2m1"
+    with pytest.raises(configurator.ServerRefused, match="invalid choice: 'mxfp8'"):
+        configurator.configure(CONFIGS["fp8-scaled"])
+    built = configurator.configure(CONFIGS["dense-fp4"])
+    assert type(built.token_to_kv_pool).__name__ == "MHATokenToKVPoolFP4" and "--kv-cache-dtype fp4_e2m1" in (
+        built.server.command_line())
 
 
 def test_a_refusal_is_named_past_the_line_that_only_introduces_it(configurator):

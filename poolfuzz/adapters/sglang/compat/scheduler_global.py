@@ -66,6 +66,45 @@ def server_flags(server_args_cls, flags: dict) -> dict:
     return out
 
 
+# The MX-style block-16 FP4 KV cache, by the name each release's --kv-cache-dtype takes it: fp4_mx_block16 (0.5.18
+# on, where fp4_e2m1 is a deprecated alias its runner refuses), fp4_e2m1 before.
+FP4_KV_NAMES = ("fp4_mx_block16", "fp4_e2m1")
+
+
+@lru_cache(maxsize=None)
+def _flag_choices() -> dict:
+    """``--flag`` -> the values SGLang's own launch parser takes for it (``ServerArgs.add_cli_args``), where it names
+    them."""
+    import argparse
+
+    from sglang.srt.server_args import ServerArgs
+
+    parser = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(parser)
+    return {flag: tuple(action.choices) for flag, action in parser._option_string_actions.items() if action.choices}
+
+
+def release_flag_values(flags: dict) -> dict:
+    """``flags`` with the values the release's launch parser names otherwise (the FP4 KV dtype's older name)."""
+    out = dict(flags)
+    if out.get("kv_cache_dtype") == FP4_KV_NAMES[0]:
+        taken = _flag_choices().get("--kv-cache-dtype", FP4_KV_NAMES)
+        out["kv_cache_dtype"] = next((n for n in FP4_KV_NAMES if n in taken), FP4_KV_NAMES[0])
+    return out
+
+
+def parser_refusal(flags: dict) -> str | None:
+    """What SGLang's own launch parser says of a flag value it does not take (``--kv-cache-dtype mxfp8`` before 0.5.18),
+    in argparse's words; None where it takes them all."""
+    choices = _flag_choices()
+    for name, value in sorted(flags.items()):
+        taken = choices.get("--" + name.replace("_", "-"))
+        if taken is not None and value is not None and value not in taken:
+            return (f"argument --{name.replace('_', '-')}: invalid choice: {value!r} "
+                    f"(choose from {', '.join(map(repr, taken))})")
+    return None
+
+
 class OneRankGroup(NS):
     """A one-rank parallel group's stand-in (rank 0 of 1), where no group is built; real groups replace it."""
 

@@ -50,7 +50,7 @@ import types
 import warnings
 from dataclasses import dataclass, field
 
-from poolfuzz.adapters.sglang.compat import has_private, private
+from poolfuzz.adapters.sglang.compat import has_private, parser_refusal, private, release_flag_values
 from poolfuzz.adapters.sglang.compat import server_flags as server_flag_names
 from poolfuzz.adapters.sglang.compat.platform import (B200, GPU, XEON, cpu_platform_problem, cpu_server, gpu_server,
                                                       platform_problem)
@@ -160,7 +160,7 @@ def server_flags(c: ModelConfig) -> dict:
         flags.update(speculative_algorithm="NEXTN", speculative_num_draft_tokens=c.spec_draft_tokens,
                      speculative_num_steps=c.spec_draft_tokens - 1, speculative_eagle_topk=2,
                      speculative_draft_model_path=MODEL_PATH)
-    return flags
+    return release_flag_values(flags)  # as this release's launcher names them (the FP4 KV dtype before 0.5.18)
 
 
 def server_model(c: ModelConfig) -> ServerModel:
@@ -426,6 +426,10 @@ def _configured(server: ServerModel, model_dir: str, device: str):
     hook = MODELS[server.kind].window_hook
     if hook is not None:  # its model's module imported on this machine: before 0.5.22 a module imported while a GPU
         has_private(hook)  # is stood in for binds the GPU's kernels at import (0.5.18's gpt_oss: sgl_kernel)
+    if refused := parser_refusal(server.flags):  # its launcher's parser stops it before ServerArgs exists
+        import argparse
+
+        raise _Refused() from argparse.ArgumentError(None, refused)
     with _on_server_machine(server):
         try:
             flags = {k: model_dir if v == MODEL_PATH else v for k, v in server.flags.items()}
