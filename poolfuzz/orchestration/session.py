@@ -17,6 +17,7 @@ import queue as queue_mod
 import signal
 import sys
 import time
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, TextIO
@@ -82,7 +83,8 @@ def plan_lanes(plan: Plan) -> list[list[Lane]]:
     per_worker: list[list[Lane]] = [[] for _ in range(w)]
     if w <= len(configs):
         for i, name in enumerate(configs):
-            per_worker[i % w].append(Lane(index=i, worker=i % w, config=name, seed=_lane_seed(plan.seed, 0),
+            seed = _lane_seed(plan.seed, families[i], name, 0)
+            per_worker[i % w].append(Lane(index=i, worker=i % w, config=name, seed=seed,
                                           examples=plan.examples, family=families[i], suite=suite))
     else:
         owners = [[wi for wi in range(w) if wi % len(configs) == ci] for ci in range(len(configs))]
@@ -92,16 +94,19 @@ def plan_lanes(plan: Plan) -> list[list[Lane]]:
             if plan.examples is not None:  # split exactly: the lanes of a config add up to --examples
                 share, extra = divmod(plan.examples, len(owners[ci]))
                 examples = max(1, share + (part < extra))
-            per_worker[wi].append(Lane(index=wi, worker=wi, config=configs[ci], seed=_lane_seed(plan.seed, part),
+            seed = _lane_seed(plan.seed, families[ci], configs[ci], part)
+            per_worker[wi].append(Lane(index=wi, worker=wi, config=configs[ci], seed=seed,
                                        examples=examples, family=families[ci], suite=suite))
     return [lanes for lanes in per_worker if lanes]
 
 
-def _lane_seed(base: int, part: int) -> int:
-    """The seed of a config's ``part``-th lane (0 unless --workers splits one config over several lanes). Never the
-    lane's place in the run: ``--config X --seed S`` alone draws what lane X drew with seed S in a larger run, whatever
-    configs or families ran before it."""
-    return (base + part * 1_000_003) % 2**32
+def _lane_seed(base: int, family: str, config: str, part: int) -> int:
+    """The seed of the ``part``-th lane (0 unless --workers splits one config over several) of ``config`` in
+    ``family``: ``--seed`` and the lane's own name, never its place in the run, so ``--family F --config X --seed S``
+    alone draws what that lane drew in any larger run with seed S. The name keeps lanes apart: one seed for every lane
+    gave each the same run of example sizes (0.5.12's scheduler: four examples of no step in every lane at seed 1).
+    ``zlib.crc32``, not ``hash()``: the same in every process."""
+    return (base + zlib.crc32(f"{family}/{config}".encode()) + part * 1_000_003) % 2**32
 
 
 def worker_device(device: str, worker: int, workers: int) -> str:

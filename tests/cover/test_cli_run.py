@@ -232,8 +232,10 @@ def test_lanes_split_configs_and_seeds():
     plan = Plan(configs=("a", "b", "c"), device="cpu", seed=5, examples=10, workers=2)
     lanes = plan_lanes(plan)
     assert [[l.config for l in w] for w in lanes] == [["a", "c"], ["b"]]
-    # every config's lane is seeded with --seed, whatever runs before it: `--config c --seed 5` alone draws the same
-    assert {l.seed for w in lanes for l in w} == {5}
+    # a lane's seed is --seed and its own name, whatever runs before it: `--config c --seed 5` alone draws the same
+    assert len({l.seed for w in lanes for l in w}) == 3
+    alone = plan_lanes(Plan(configs=("c",), device="cpu", seed=5, examples=10, workers=1))
+    assert alone[0][0].seed == next(l.seed for w in lanes for l in w if l.config == "c")
     many = plan_lanes(Plan(configs=("a",), device="cpu", seed=5, examples=10, workers=3))
     assert [w[0].config for w in many] == ["a", "a", "a"]
     assert len({w[0].seed for w in many}) == 3 and sorted(w[0].examples for w in many) == [3, 3, 4]
