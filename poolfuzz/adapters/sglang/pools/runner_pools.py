@@ -36,7 +36,8 @@ def problem() -> str | None:
 @contextlib.contextmanager
 def global_server(args):
     """``args`` as the Scheduler's global server arguments for the span of the build, the ones before put back (a
-    scheduler path reads its own next)."""
+    scheduler path reads its own next). Where none were published, ``args`` stay: every scheduler path publishes its
+    own before it reads them (``scheduling_global.publish``)."""
     from sglang.srt import server_args as module
 
     try:
