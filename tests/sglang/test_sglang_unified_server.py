@@ -5,6 +5,8 @@ model-runner stand-in reads and writes the pool through SGLang's virtual -> phys
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 from hypothesis import HealthCheck, settings
@@ -159,6 +161,32 @@ def _run(driver, program) -> None:
         else:
             for _ in range(args[0]):
                 driver.step()
+
+
+# the fuzzer's program on 0.5.23's unified decode server (poolfuzz run --family sglang --examples 60 --seed 1, stop 60)
+_ALIASED_BACKUP = [("add", 15, 0, 6), ("add", 13, 0, 3), ("add", 3, 4, 4), ("add", 22, 0, 6), ("add", 12, 0, 5),
+                   ("add", 23, 0, 1), ("add", 19, 0, 6), ("add", 3, 0, 4), ("add", 2, 0, 4), ("add", 22, 0, 3),
+                   ("add", 20, 2, 8), ("add", 9, 2, 5), ("add", 1, 0, 5), ("add", 1, 1, 1)]
+
+
+def test_a_retraction_backup_owns_its_memory_as_a_gpus_copy_does(unified_decode, monkeypatch):
+    """On a CPU, SGLang's ``MambaPool.get_cpu_copy`` (``temporal[:, idx].to("cpu", non_blocking=True)``, a 0-d slot
+    index) returns a view of the live row it backs up, where a GPU copies; the row, freed by ``release_req``, went to
+    another request's KV before the retracted request resumed, and the scheduler path reported a loss no GPU server
+    has ("req 000013 ...: mamba.temporal layer 0 position 1: block 1 slot 1 holds the state after req 000011's position
+    32", an adapter's mistake judged at stop 60). Each offload's aliased tensors are now copied right after it
+    (``scheduling.backups_own_memory``) and recorded; without that the same program loses the state."""
+    from poolfuzz.adapters.sglang.scheduler import scheduling
+
+    driver = unified_decode.build_unified_decode_driver(CONFIGS["mla-ssm"])
+    _run(driver, _ALIASED_BACKUP)
+    driver.drain()
+    assert driver.family.cpu_aliases, "the program no longer meets an aliased backup: it tests nothing"
+    monkeypatch.setattr(scheduling, "backups_own_memory", lambda family: contextlib.nullcontext())
+    driver = unified_decode.build_unified_decode_driver(CONFIGS["mla-ssm"])
+    with pytest.raises(LostKv, match=r"req 000013 .*mamba\.temporal"):
+        _run(driver, _ALIASED_BACKUP)
+        driver.drain()
 
 
 def test_the_tri_pool_loses_a_retracted_requests_state_through_sglangs_own_decode_server(unified_decode, monkeypatch):

@@ -35,6 +35,40 @@ from poolfuzz.adapters.sglang.pools.views import mamba_state_tensors
 from poolfuzz.pools.request import ReqKv, RetractionBackup
 
 
+def unalias_backup(sg, family, rid: str) -> None:
+    """The CPU trap (module docstring): copy every tensor of request ``sg``'s retraction backup that shares storage
+    with one of ``family``'s live pool buffers, as a GPU's device-to-host copy gives the backup its own memory, and
+    record each in ``family.cpu_aliases`` under ``rid``. Called right after SGLang's ``offload_kv_cache`` returns,
+    before any of the request's slots is freed (the lifecycle path here, the scheduler path around ``retract_decode``)."""
+    live = {_storage_ptr(c.tensor) for c in family.components()}  # the buffers SGLang reads
+    hits: list[str] = []
+
+    def fix(obj, path):
+        if isinstance(obj, torch.Tensor):
+            if obj.device.type == "cpu" and _storage_ptr(obj) in live:
+                hits.append(f"{path} {tuple(obj.shape)}")
+                return obj.clone()
+            return obj
+        if isinstance(obj, tuple) and hasattr(obj, "_fields"):
+            return type(obj)(*(fix(v, f"{path}.{f}") for f, v in zip(obj._fields, obj)))
+        if isinstance(obj, (list, tuple)):
+            return type(obj)(fix(v, f"{path}[{i}]") for i, v in enumerate(obj))
+        if isinstance(obj, dict):
+            return {k: fix(v, f"{path}[{k!r}]") for k, v in obj.items()}
+        return obj
+
+    kv = getattr(sg, "kv", sg)  # 0.5.23 keeps the backup on req.kv
+    for holder in (kv, sg):
+        if getattr(holder, "retraction_backup", None) is not None:
+            holder.retraction_backup = fix(holder.retraction_backup, "retraction_backup")
+            break
+        if getattr(holder, "kv_cache_cpu", None) is not None:
+            holder.kv_cache_cpu = fix(holder.kv_cache_cpu, "kv_cache_cpu")
+            break
+    if hits:
+        family.cpu_aliases.append((rid, tuple(hits)))
+
+
 def _storage_ptr(t: torch.Tensor) -> int:
     return t.untyped_storage().data_ptr()
 
@@ -391,31 +425,7 @@ class SGLangProtocol(ServingProtocol):
 
     def _unalias_backup(self, sg, family, req: ReqKv) -> None:
         """Copy backup tensors that share storage with a live pool buffer (the CPU trap)."""
-        buffers = [c.tensor for c in family.components()]  # the buffers SGLang reads
-        live = {_storage_ptr(t) for t in buffers}
-        hits: list[str] = []
-
-        def fix(obj, path):
-            if isinstance(obj, torch.Tensor):
-                if obj.device.type == "cpu" and _storage_ptr(obj) in live:
-                    hits.append(f"{path} {tuple(obj.shape)}")
-                    return obj.clone()
-                return obj
-            if isinstance(obj, tuple) and hasattr(obj, "_fields"):
-                return type(obj)(*(fix(v, f"{path}.{f}") for f, v in zip(obj._fields, obj)))
-            if isinstance(obj, (list, tuple)):
-                return type(obj)(fix(v, f"{path}[{i}]") for i, v in enumerate(obj))
-            if isinstance(obj, dict):
-                return {k: fix(v, f"{path}[{k!r}]") for k, v in obj.items()}
-            return obj
-
-        kv = sg
-        if getattr(kv, "retraction_backup", None) is not None:
-            kv.retraction_backup = fix(kv.retraction_backup, "retraction_backup")
-        elif getattr(sg, "kv_cache_cpu", None) is not None:
-            sg.kv_cache_cpu = fix(sg.kv_cache_cpu, "kv_cache_cpu")
-        if hits:
-            family.cpu_aliases.append((req.rid, tuple(hits)))
+        unalias_backup(sg, family, req.rid)
 
     def discard(self, req: ReqKv, family) -> None:
         sg = self.standins.get(req.rid)

@@ -45,14 +45,17 @@ whose Scheduler and result processor this module builds (``release_problem``). S
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from functools import lru_cache
+from unittest import mock
 
 import torch
 
 from poolfuzz.adapters.sglang import compat
 from poolfuzz.adapters.sglang.host_tier import l3
 from poolfuzz.adapters.sglang.lifecycle.family import build_sglang_family
+from poolfuzz.adapters.sglang.lifecycle.protocol import unalias_backup
 from poolfuzz.adapters.sglang.shims import cpu_server, root_warnings_off
 from poolfuzz.adapters.sglang.scheduler.runner import ModelRunner, RowGuard, deferred_cow_and_clear
 from poolfuzz.adapters.sglang.scheduler.model_facts import (MAMBA_CHUNK, VOCAB, empty_batch, max_req_len,
@@ -365,7 +368,7 @@ class SglangSchedulerDriver:
 
     def step(self) -> None:
         """One iteration of ``Scheduler.event_loop_normal``: the next batch, its forward, its result."""
-        with cpu_server(self.environment):
+        with cpu_server(self.environment), backups_own_memory(self.family):
             self._step()
 
     def _step(self) -> None:
@@ -529,6 +532,26 @@ def served(config: ModelConfig) -> ModelConfig:
     if config.mamba_track_slots > 1:
         return config.replace(mamba_track_slots=1)
     return config
+
+
+@contextlib.contextmanager
+def backups_own_memory(family):
+    """Stood in for, the GPU's device-to-host copy: on a CPU a retraction backup SGLang's ``Req.offload_kv_cache``
+    takes can be a view of the live pool row it backs up (``tensor.to("cpu", non_blocking=True)`` returns the tensor
+    itself; a 0-d slot index gives a view), which the next request given that row overwrites before the retracted one
+    resumes. Right after each offload (before ``release_req`` frees a slot) the backup's aliased tensors are copied,
+    as a GPU's copy would be, and recorded (``lifecycle.protocol.unalias_backup``)."""
+    from sglang.srt.managers.schedule_batch import Req
+
+    offload = Req.offload_kv_cache
+
+    def offloaded(req, *args, **kwargs):
+        result = offload(req, *args, **kwargs)
+        unalias_backup(req, family, req.rid)
+        return result
+
+    with mock.patch.object(Req, "offload_kv_cache", offloaded):
+        yield
 
 
 def server_arguments(config: ModelConfig, *, max_running_requests: int) -> dict:
