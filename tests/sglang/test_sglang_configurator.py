@@ -647,6 +647,7 @@ def test_a_server_sized_by_its_memory_is_refused_where_no_configurator_sizes_it(
     for SGLang's answer, so the config is refused, saying how to run it with named sizes."""
     monkeypatch.setattr(configurator, "problem", lambda: "this release has no KV cache configurator")
     monkeypatch.setattr(configurator, "_SIZED", {})
+    monkeypatch.setattr(configurator, "_RESOLVED", {})  # what this test's refusing release built: nothing
     with pytest.raises(ConfigError, match="no KV cache configurator.*name the sizes: free_memory_kib=0"):
         configurator.server_sized(CONFIGS["swa-mem"])
     assert configurator.server_sized(CONFIGS["swa"]) == CONFIGS["swa"]  # a server of named sizes needs none

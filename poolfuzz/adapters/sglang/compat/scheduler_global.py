@@ -105,6 +105,13 @@ def parser_refusal(flags: dict) -> str | None:
     return None
 
 
+def runner_state_unasked(runner) -> None:
+    """On a model runner made without its ``__init__`` (``pools/runner_pools.py``), what ``__init__`` leaves for its
+    methods to fill on first use: 0.5.14 and 0.5.15's linear-attention registry answer, not yet asked."""
+    if has_private("runner_registry_unset"):
+        runner._linear_attn_registry_cache = private("runner_registry_unset")
+
+
 class OneRankGroup(NS):
     """A one-rank parallel group's stand-in (rank 0 of 1), where no group is built; real groups replace it."""
 

@@ -396,7 +396,7 @@ class SGLangProtocol(ServingProtocol):
             else:
                 with cpu_synchronize(family.device):
                     sg.offload_kv_cache(family.sg_req_pool, family.sg_allocator)
-                self._unalias_backup(sg, family, req)
+                unalias_backup(sg, family, req.rid)
                 req.retraction_backup = self._harness_backup(sg, req.seqlen - 1)
             self._release(req, family)
             self.reset_for_retract(req)
@@ -422,10 +422,6 @@ class SGLangProtocol(ServingProtocol):
         cpu = getattr(backup, "cpu_tensors", backup)
         mamba_cpu = getattr(backup, "mamba_cpu", None)
         return RetractionBackup(mode="cpu_tensor", num_tokens=num_tokens, cpu_tensors=cpu, mamba_cpu=mamba_cpu)
-
-    def _unalias_backup(self, sg, family, req: ReqKv) -> None:
-        """Copy backup tensors that share storage with a live pool buffer (the CPU trap)."""
-        unalias_backup(sg, family, req.rid)
 
     def discard(self, req: ReqKv, family) -> None:
         sg = self.standins.get(req.rid)

@@ -175,23 +175,52 @@ def server_model(c: ModelConfig) -> ServerModel:
                        gpu=server_gpu(c), free_memory=c.free_memory_kib << 10 or MEMORY_BUDGET)
 
 
-_REFUSALS: dict[tuple, str | None] = {}
+@dataclass(frozen=True, kw_only=True)
+class _Resolved:
+    """What building a config's server (with a role's flags) told: its sizes and the environment its argument hooks
+    set, or the ConfigError that stopped it (a ServerRefused where SGLang refuses the flags)."""
+
+    sizes: dict | None = None
+    environment: dict = field(default_factory=dict)
+    error: ConfigError | None = None
+
+    def raise_error(self) -> None:
+        """Its error raised afresh (one instance raised again would keep every earlier raise's traceback)."""
+        if isinstance(self.error, ServerRefused):
+            raise ServerRefused(str(self.error), reason=self.error.reason) from None
+        if self.error is not None:
+            raise ConfigError(str(self.error)) from None
+
+
+_RESOLVED: dict[tuple, _Resolved] = {}
+
+
+def _resolved(c: ModelConfig, role_flags: dict | None) -> _Resolved:
+    """``c``'s server with ``role_flags`` built once per config and role per process, and what the build told (the
+    refusal, the sizes and the hooks' environment are all asked of it)."""
+    key = (c, tuple(sorted((role_flags or {}).items())))
+    if key not in _RESOLVED:
+        try:
+            built = configure(c, role_flags=role_flags)
+            _RESOLVED[key] = _Resolved(sizes=built.sizes, environment=built.environment)
+        except ConfigError as exc:
+            _RESOLVED[key] = _Resolved(error=exc)
+    return _RESOLVED[key]
 
 
 def refusal(c: ModelConfig, *, role_flags: dict | None = None) -> str | None:
     """SGLang's words where its own validation refuses ``c``'s server (with ``role_flags`` beside its own: no such
     server starts), else None: also None where the configurator cannot tell (this release has none, or this machine
-    cannot build the server's pools). Asked once per config and role per process."""
-    key = (c, tuple(sorted((role_flags or {}).items())))
-    if key not in _REFUSALS:
-        try:
-            configure(c, role_flags=role_flags)
-            _REFUSALS[key] = None
-        except ServerRefused as exc:
-            _REFUSALS[key] = exc.reason
-        except ConfigError:
-            _REFUSALS[key] = None
-    return _REFUSALS[key]
+    cannot build the server's pools)."""
+    error = _resolved(c, role_flags).error
+    return error.reason if isinstance(error, ServerRefused) else None
+
+
+def hooks_environment(c: ModelConfig, *, role_flags: dict | None = None) -> dict[str, str]:
+    """The variables SGLang's argument hooks set for ``c``'s server (with ``role_flags``) when its flags are resolved,
+    which that server's process runs with (``ConfiguredPools.environment``); {} where no such server builds here (the
+    family then says why)."""
+    return _resolved(c, role_flags).environment
 
 
 _SIZED: dict[tuple, ModelConfig] = {}
@@ -213,36 +242,18 @@ def server_sized(c: ModelConfig, *, role_flags: dict | None = None) -> ModelConf
         return c  # a plain server's window pool is the ratio's: the config's
     key = (c, tuple(sorted((role_flags or {}).items())))
     if key not in _SIZED:
-        try:
-            sizes = configure(c, role_flags=role_flags).sizes
-        except ServerRefused:
-            raise
-        except ConfigError as exc:
-            if c.free_memory_kib:  # only SGLang knows what its memory holds: no sizes of the adapter's stand in
-                raise ConfigError(f"{exc} (a server sized by its free memory is sized by SGLang alone, its "
-                                  "configurator or before 0.5.16 its model runner; or name the sizes: "
-                                  "free_memory_kib=0)") from None
-            sizes = None
-        _SIZED[key] = _read_back(c, sizes) if sizes else c
-        if c.free_memory_kib and sizes:
+        resolved = _resolved(c, role_flags)
+        if isinstance(resolved.error, ServerRefused):
+            resolved.raise_error()
+        if resolved.error is not None and c.free_memory_kib:
+            # only SGLang knows what its memory holds: no sizes of the adapter's stand in
+            raise ConfigError(f"{resolved.error} (a server sized by its free memory is sized by SGLang alone, its "
+                              "configurator or before 0.5.16 its model runner; or name the sizes: "
+                              "free_memory_kib=0)") from None
+        _SIZED[key] = _read_back(c, resolved.sizes) if resolved.sizes else c
+        if c.free_memory_kib and resolved.sizes:
             _fixed_point(c, _SIZED[key], role_flags)
     return _SIZED[key]
-
-
-_ENVIRONMENTS: dict[tuple, dict] = {}
-
-
-def hooks_environment(c: ModelConfig, *, role_flags: dict | None = None) -> dict[str, str]:
-    """The variables SGLang's argument hooks set for ``c``'s server (with ``role_flags``) when its flags are resolved,
-    which that server's process runs with (``ConfiguredPools.environment``); {} where no such server builds here (the
-    family then says why). Asked once per config and role per process."""
-    key = (c, tuple(sorted((role_flags or {}).items())))
-    if key not in _ENVIRONMENTS:
-        try:
-            _ENVIRONMENTS[key] = configure(c, role_flags=role_flags).environment
-        except ConfigError:
-            _ENVIRONMENTS[key] = {}
-    return _ENVIRONMENTS[key]
 
 
 def _read_back(c: ModelConfig, sizes: dict) -> ModelConfig:
@@ -275,7 +286,9 @@ def _read_back(c: ModelConfig, sizes: dict) -> ModelConfig:
 def _fixed_point(c: ModelConfig, sized: ModelConfig, role_flags: dict | None) -> None:
     """Refuse a memory-sized server that SGLang sizes otherwise once its own answer is named back (a speculative
     server's state reserve follows its running requests): the sized config would stand for another server."""
-    again = _read_back(sized, configure(sized, role_flags=role_flags).sizes)
+    resolved = _resolved(sized, role_flags)
+    resolved.raise_error()
+    again = _read_back(sized, resolved.sizes)
     if again != sized:
         differ = {f: (getattr(sized, f), getattr(again, f)) for f in ("full_tokens", "swa_tokens", "mamba_slots",
                                                                       "request_rows")
@@ -516,10 +529,10 @@ def _runner_built(server: ServerModel, args, model_dir: str, device: str):
     with runner_pools.global_server(args):
         model_config = SGLangModelConfig.from_server_args(args, model_path=model_dir)
         runner_pools.runner_groups(args, model_config, _kept_temporary("groups").name)
-        with kv_copy_warmup_skipped(), native_kv_move():
+        with _on_server_machine(server), fixed_free_memory(server.free_memory), kv_copy_warmup_skipped(), \
+                native_kv_move():
             runner = runner_pools.built_by_runner(args, model_config, _model_standin(server.kind, model_config),
-                                                  device, free_memory=server.free_memory,
-                                                  machine=lambda: _on_server_machine(server))
+                                                  device)
     return runner_pools.as_worker(runner), None
 
 

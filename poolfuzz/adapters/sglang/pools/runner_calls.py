@@ -89,10 +89,12 @@ def fixed_free_memory(free_bytes: int):
     the server; a memory-sized server's own) and its ``gc.collect`` before it skipped, for the span of one build: the
     rest of ``_profile_available_bytes`` is SGLang's, its mamba budget among it (``_handle_max_mamba_cache``: the
     mamba slots a server gets, from ``--max-mamba-cache-size``, its running requests or its memory)."""
-    module = private_module("configurator_free_memory")
+    # the configurator's probe, or before 0.5.16 the model runner's KV cache mixin's (``runner_pools``)
+    probe = "configurator_free_memory" if has_private("configurator_free_memory") else "runner_free_memory"
+    module = private_module(probe)
     budget_gb = free_bytes / (1 << 30)
     with contextlib.ExitStack() as stack:
-        stack.enter_context(mock.patch.object(module, private_name("configurator_free_memory"),
+        stack.enter_context(mock.patch.object(module, private_name(probe),
                                               lambda *a, **k: budget_gb))
         if has_private("configurator_gc"):  # 0.5.22 on: the probe collects first
             stack.enter_context(mock.patch.object(module, private_name("configurator_gc"),

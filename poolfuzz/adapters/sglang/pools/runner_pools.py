@@ -19,9 +19,8 @@ from __future__ import annotations
 
 import contextlib
 import types
-from unittest import mock
 
-from poolfuzz.adapters.sglang.compat import has_private, private, private_module, private_name, rank_standins_cleared
+from poolfuzz.adapters.sglang.compat import has_private, private, rank_standins_cleared, runner_state_unasked
 
 NEEDS = ("model_runner", "runner_init_memory_pool", "runner_kv_dtype", "runner_free_memory",
          "init_distributed_environment", "initialize_model_parallel", "initialize_dp_attention")
@@ -83,11 +82,11 @@ def served_window(model, model_config):
     return model_config.attention_chunk_size
 
 
-def built_by_runner(args, model_config, model, device: str, *, free_memory: int, machine):
+def built_by_runner(args, model_config, model, device: str):
     """The model runner after ``init_memory_pool``: its ``req_to_token_pool``, ``token_to_kv_pool``,
     ``token_to_kv_pool_allocator`` and the sizes it settled on (``max_total_num_tokens``, ``max_running_requests``,
-    a hybrid SWA model's ``full_`` and ``swa_max_total_num_tokens``). ``machine``: the server's machine stood in for
-    (a context manager factory), around what asks it (the KV dtype, the pools)."""
+    a hybrid SWA model's ``full_`` and ``swa_max_total_num_tokens``). Called on the server's machine, its free memory
+    fixed (``runner_calls.fixed_free_memory``), as the configurator path builds."""
     from sglang.srt.configs.model_config import AttentionArch
     from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 
@@ -107,18 +106,14 @@ def built_by_runner(args, model_config, model, device: str, *, free_memory: int,
         model=model, dtype=model_config.dtype, sliding_window_size=served_window(model, model_config),
         start_layer=0, end_layer=layers, num_effective_layers=layers, full_max_total_num_tokens=None,
         swa_max_total_num_tokens=None)
-    if has_private("runner_registry_unset"):
-        runner._linear_attn_registry_cache = private("runner_registry_unset")
+    runner_state_unasked(runner)
     from sglang.srt.distributed.parallel_state import get_pp_group
 
     runner.pp_group = get_pp_group()
     if hasattr(runner, "adjust_hybrid_swa_layers_for_pp"):  # 0.5.12 on: narrows the model config's SWA layer ids
         runner.adjust_hybrid_swa_layers_for_pp()
-    budget_gb = free_memory / (1 << 30)
-    with machine(), mock.patch.object(private_module("runner_free_memory"), private_name("runner_free_memory"),
-                                      lambda *a, **k: budget_gb):
-        runner.configure_kv_cache_dtype()
-        runner.init_memory_pool(0)  # nothing held before the weights: the budget is the free memory
+    runner.configure_kv_cache_dtype()
+    runner.init_memory_pool(0)  # nothing held before the weights: the budget is the free memory
     return runner
 
 
@@ -132,5 +127,4 @@ def as_worker(runner):
         max_total_num_tokens=runner.max_total_num_tokens,
         max_running_requests=vars(runner).get("max_running_requests"),
         full_max_total_num_tokens=runner.full_max_total_num_tokens,
-        swa_max_total_num_tokens=runner.swa_max_total_num_tokens, sliding_window_size=runner.sliding_window_size,
-        unified_memory_pool=getattr(runner, "_unified_memory_pool", None))
+        swa_max_total_num_tokens=runner.swa_max_total_num_tokens, sliding_window_size=runner.sliding_window_size)
