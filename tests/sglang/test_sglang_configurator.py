@@ -426,6 +426,31 @@ def test_a_qwen3_next_server_runs_on_the_recurrent_pools_sglangs_configurator_bu
     assert [(tuple(t.shape[2:]), t.dtype) for t in conv] == [((16, 3), torch.bfloat16)]
 
 
+@pytest.mark.parametrize("name", ["hybrid-linear", "mla-ssm", "hybrid-extra-buffer", "hybrid-extra-buffer-ps4"])
+def test_the_pools_path_runs_a_recurrent_server_on_the_pools_sglang_built_and_lists_its_flags(configurator, name,
+                                                                                                capsys):
+    """The pools path sizes a recurrent server's mamba cache for its running requests by that server's own radix
+    cache strategy (an extra buffer's ping-pong pair is the overlap schedule's), so SGLang builds the request rows the
+    config runs (not 2 or 3 of its 5) and the family drives those pools; the listing names the flags of that server,
+    not of the config before its mamba cache was sized."""
+    from poolfuzz.adapters.sglang import describe_server
+    from poolfuzz.orchestration.plugins import resolve_family
+
+    plugin = resolve_family("sglang:pools")
+    c = CONFIGS[name]
+    if plugin.unsupported_reason(c):
+        pytest.skip(plugin.unsupported_reason(c))
+    family = plugin.factory(c, device="cpu", faults=(), backup_mode=None)
+    source = family.pools_source
+    assert source.startswith(_served()), source
+    assert family.sg_req_pool.size == c.request_rows  # the config's running requests, all admitted
+    assert family.sg_req_pool.mamba_pool.size > c.mamba_slots  # sized up for them, by SGLang's ratio
+    assert f"--max-mamba-cache-size {family.sg_req_pool.mamba_pool.size} " in source
+    assert ("--disable-overlap-schedule" in source) == (c.mamba_track_slots != 2)
+    described = describe_server(c)
+    assert described.flags in source and described.family_declines is None
+
+
 def test_a_decode_server_leaves_its_mamba_cache_to_sglang(configurator):
     """A decode server is launched without ``--max-mamba-cache-size``: with its radix cache off, SGLang's configurator
     gives each running request a state slot (``_handle_max_mamba_cache``), and the family runs on what it built."""

@@ -65,7 +65,9 @@ def describe_server(config):
     from poolfuzz.adapters.sglang.lifecycle.family import build_sglang_family
     from poolfuzz.adapters.sglang.tree.trees import tree_sized
 
-    return _described(config, role_flags=None, build=lambda: build_sglang_family(tree_sized(load(), config)))
+    # the server named by the sized config (a tree's mamba cache among it), as the family's run asks it of SGLang
+    return _described(config, role_flags=None, build=lambda: build_sglang_family(tree_sized(load(), config)),
+                      server_of=lambda family: (family, {}))
 
 
 def _described(config, *, role_flags, build, server_of=None, notes=()):

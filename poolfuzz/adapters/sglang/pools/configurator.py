@@ -148,9 +148,10 @@ def server_flags(c: ModelConfig) -> dict:
         flags["max_total_tokens"] = c.full_tokens or c.swa_tokens
     if capped and c.has_swa and c.has_full:
         flags["swa_full_tokens_ratio"] = c.swa_tokens / c.full_tokens
-    if c.has_mamba:
-        flags.update(disable_overlap_schedule=True,
-                     mamba_radix_cache_strategy="extra_buffer" if c.mamba_track_slots else "no_buffer")
+    if c.has_mamba:  # an extra buffer's ping-pong pair of track slots is the overlap schedule's
+        flags.update(mamba_radix_cache_strategy="extra_buffer" if c.mamba_track_slots else "no_buffer")
+        if c.mamba_track_slots != 2:
+            flags["disable_overlap_schedule"] = True
     if c.has_mamba and capped:
         flags["max_mamba_cache_size"] = c.mamba_slots
     if c.spec_draft_tokens:

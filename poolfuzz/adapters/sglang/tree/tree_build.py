@@ -6,24 +6,47 @@ from contextlib import nullcontext
 
 from poolfuzz.adapters.sglang.host_tier import hicache, l3
 from poolfuzz.adapters.sglang.compat import has_private, private, published_extra_buffer, published_host_pool_backup
-from poolfuzz.adapters.sglang.server_args import publish_server_args
+from poolfuzz.adapters.sglang.compat import server_flags as server_flag_names
+from poolfuzz.adapters.sglang.server_args import NO_MODEL, another_server, publish_server_args
 
-def mamba_sized(config):
-    """Mamba slots as SGLang's configurator sizes them for a radix cache on the published server: its
-    ``_calculate_mamba_ratio`` (a state, a checkpoint and a copy-on-write a request, plus the extra buffer's track
-    slots) times the request rows, where the config has fewer (a pool smaller than that makes the tree's own
-    ``Can not alloc mamba cache`` assertion fire on a load the configurator never admits). A release without the
-    configurator's rule: sized as given."""
-    if not config.has_mamba or not has_private("calculate_mamba_ratio"):
-        return config
+def mamba_sized(config, *, server: dict | None = None):
+    """Mamba slots as SGLang sizes them for a radix cache on the published server (with ``server``, on a server
+    with those flags): its ``_calculate_mamba_ratio`` (a state, a checkpoint and a copy-on-write a request, plus the
+    extra buffer's track slots) times the request rows, where the config has fewer (a pool smaller than that makes
+    the tree's own ``Can not alloc mamba cache`` assertion fire on a load the configurator never admits, and a server
+    caps its running requests below the config's). A release without that rule: sized as given."""
+    ratio = mamba_ratio(server) if config.has_mamba else None
+    return config if ratio is None else config.replace(mamba_slots=max(config.mamba_slots, ratio * config.request_rows))
+
+
+def mamba_ratio(server: dict | None) -> int | None:
+    """The mamba slots a running request takes on the published server (with ``server``: on one with those flags,
+    published for the while), by the configurator's ``_calculate_mamba_ratio``, or before it (0.5.12 to 0.5.15) the
+    model runner's, run unbound on a server with those flags; None where the release has neither (0.5.9 and 0.5.10
+    size the state slots inline in ``init_memory_pool``) or, for the runner's, no flags are given."""
     from types import SimpleNamespace
 
-    from sglang.srt.runtime_context import get_server_args
+    if has_private("calculate_mamba_ratio"):
+        from sglang.srt.runtime_context import get_server_args
 
-    # KVCacheConfigurator's, unbound: it reads the published flags, and 0.5.16 and 0.5.17 read the ServerArgs off the
-    # configurator, which stands in here with the published ones
-    ratio = private("calculate_mamba_ratio")(SimpleNamespace(server_args=get_server_args()))
-    return config.replace(mamba_slots=max(config.mamba_slots, ratio * config.request_rows))
+        with another_server() if server is not None else nullcontext():
+            if server is not None:
+                publish_server_args(**server_names(server))
+            # unbound: it reads the published flags (0.5.16 and 0.5.17 off the configurator, stood in for here)
+            return private("calculate_mamba_ratio")(SimpleNamespace(server_args=get_server_args()))
+    if server is None or not has_private("runner_mamba_ratio"):
+        return None
+    from sglang.srt.server_args import ServerArgs
+
+    args = ServerArgs(model_path=NO_MODEL, device="cpu", **server_names(server))
+    return private("runner_mamba_ratio")(SimpleNamespace(server_args=args))
+
+
+def server_names(flags: dict) -> dict:
+    """``flags`` under the names this release's ``ServerArgs`` gives them."""
+    from sglang.srt.server_args import ServerArgs
+
+    return server_flag_names(ServerArgs, flags)
 
 
 def build_tree(family, *, hierarchical: bool = False, storage_dir: str | None = None, server: dict | None = None,

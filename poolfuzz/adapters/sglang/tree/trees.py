@@ -60,19 +60,19 @@ def tree_problem(api, config) -> str | None:
 
 
 def tree_sized(api, config):
-    """The config as SGLang's configurator sizes it (a server sized by its memory: ``server_sized``) and, where a
-    radix tree caches recurrent state, its mamba slots: every running request may pin its own state slot and a locked
-    checkpoint, and its next checkpoint or copy-on-write needs one more, so ``resolve_max_num_reqs`` caps running
-    requests at the mamba slots over ``_calculate_mamba_ratio()`` (3 a request). Here the request rows are the
-    config's, so the mamba pool gets ratio x rows slots where the config has fewer (a pool smaller than that would
-    make the tree's own ``assert ... "Can not alloc mamba cache"`` fire on a load the configurator never admits)."""
-    from poolfuzz.adapters.sglang.pools.configurator import server_sized
+    """The config as SGLang sizes it (a server sized by its memory: ``server_sized``), with the mamba slots its
+    server's radix cache needs for the config's request rows (``mamba_sized``, by the server's own mamba flags: a
+    server caps its running requests at the slots over that ratio)."""
+    from poolfuzz.adapters.sglang.pools.configurator import server_flags, server_sized
 
     config = server_sized(config)
-    if not config.has_mamba or tree_problem(api, config) is not None:
+    if not config.has_mamba:
         return config
-    publish_defaults()
-    return mamba_sized(config)
+    if tree_problem(api, config) is None:
+        publish_defaults()  # what the tree reads
+    flags = server_flags(config)
+    return mamba_sized(config, server={k: flags[k] for k in ("disable_overlap_schedule", "mamba_radix_cache_strategy")
+                                       if k in flags})
 
 
 def _common():
