@@ -229,9 +229,6 @@ def test_the_adapters_own_wiring_builds_the_pools_the_server_builds(api, configu
     c = CONFIGS[name]
     if configurator.server_gpu(c) is None and configurator.cpu_platform_problem():
         pytest.skip(f"no CPU server is stood in for here ({configurator.cpu_platform_problem()})")
-    if name == "minimax-sparse-ps4" and Version(api.version) < Version("0.5.22"):
-        pytest.xfail("the wiring's drift, left: 0.5.18's configurator keeps the MiniMax index rows of an fp8 KV cache "
-                     "in float16, the wiring in the KV dtype (the family then runs on the wiring, and says so)")
     server = _built_here(configurator, name).parts()
 
     def refused(config, **kwargs):

@@ -50,12 +50,13 @@ def build_msa_pool(api: SGLangAPI, config: ModelConfig, common: dict, *, pool=No
 
 def _index_dtype(kv_dtype: torch.dtype) -> torch.dtype:
     """The index caches' dtype as the configurator asks SGLang for it (``get_minimax_sparse_index_dtype``: off a
-    Hopper GPU and without fp8 attention GEMMs, the model dtype); the KV dtype where the release has no such rule."""
-    rule = first_importable("sglang.srt.mem_cache.memory_pool:get_minimax_sparse_index_dtype", required=False)
-    if rule is None:
-        return kv_dtype
+    Hopper GPU and without fp8 attention GEMMs, the model dtype); the model dtype where the release has no such rule
+    (its model runner passes its own ``dtype``, whatever the KV cache's)."""
     # the model's dtype: the KV dtype unless the KV cache is fp8 (``--kv-cache-dtype auto`` is the model's)
     model_dtype = MODEL_DTYPE if kv_dtype in (torch.float8_e4m3fn, torch.float8_e5m2) else kv_dtype
+    rule = first_importable("sglang.srt.mem_cache.memory_pool:get_minimax_sparse_index_dtype", required=False)
+    if rule is None:
+        return model_dtype
     return rule(fp8_attn_gemm=False, kv_cache_dtype=kv_dtype, model_dtype=model_dtype)
 
 
