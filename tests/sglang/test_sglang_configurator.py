@@ -197,6 +197,24 @@ def test_a_server_sglang_refuses_is_refused_in_its_words(api, configurator, name
         configurator.configure(CONFIGS[name])
 
 
+def test_a_server_sglang_serves_at_another_page_size_is_refused_naming_it(api, configurator):
+    """SGLang's argument resolution resets a page size the pools are built by (a DeepSeek DSA server on a Blackwell
+    GPU gets 64-token pages; on 0.5.12 a no_buffer Qwen3-Next's radix cache gets pages of 1, which 0.5.14 on
+    refuses): no server of the release has the config's pools, so the family declines it rather than fuzzing its
+    own wiring of them, and says which page size SGLang serves."""
+    from poolfuzz.adapters.sglang import unsupported_reason
+
+    names = ["dsa", "dsa-ps4"] + (["hybrid-linear-ps4"] if not _refuses_no_buffer_pages(api) else [])
+    refused = {n: configurator.refusal(CONFIGS[n]) for n in names}
+    if not any(refused.values()):
+        pytest.skip(f"sglang {api.version} keeps the page size these servers name (its DSA pages are sized later, "
+                    "by the configurator)")
+    for name, why in refused.items():
+        served = 1 if name == "hybrid-linear-ps4" else 64
+        assert why and f"with --page-size {served}, not {CONFIGS[name].page_size}: no server has" in why, (name, why)
+        assert unsupported_reason(CONFIGS[name]) is not None
+
+
 @pytest.mark.parametrize("name", sorted(CONFIGS))
 def test_the_listed_flags_are_the_servers_own_command_line(api, configurator, name, tmp_path):
     """Every config's flags, as the listing prints them, parse with SGLang's own argument parser into those

@@ -350,6 +350,9 @@ def configure(c: ModelConfig, *, device: str = "cpu", role_flags: dict | None = 
             before = dict(os.environ)
             result = _configured(server, model_dir, device)
             environment = {k: v for k, v in os.environ.items() if before.get(k) != v}
+    except _ResolvedOtherwise as other:
+        reason = f"SGLang serves the server {server.command_line()!r} with {other}: no server has the config's pools"
+        raise ServerRefused(f"config {c.name!r}: {reason}", reason=reason) from None
     except _Refused as refused:
         exc = refused.__cause__
         reason = (f"SGLang refuses the server {server.command_line()!r}: "
@@ -406,6 +409,10 @@ class _Refused(Exception):
     """Raised from the flags' resolution by SGLang's own code (its cause is SGLang's error)."""
 
 
+class _ResolvedOtherwise(Exception):
+    """SGLang's resolution of the server's flags changed one the pools are built by (its words: the flag as served)."""
+
+
 def _first_line(exc: BaseException) -> str:
     """The line of ``exc`` that says what is wrong: its first, or where that only introduces the next (a validator's
     "Class validation error for validator 'validate_rope':"), the two."""
@@ -454,6 +461,8 @@ def _configured(server: ServerModel, model_dir: str, device: str):
             if _raised_by_sglang(exc):
                 raise _Refused() from exc
             raise
+    if args.page_size != server.flags["page_size"]:  # a model's hook reset it (0.5.12: a no_buffer Qwen3-Next's)
+        raise _ResolvedOtherwise(f"--page-size {args.page_size}, not {server.flags['page_size']}")
     if by_runner():
         return _runner_built(server, args, model_dir, device), None
     _parallel_groups(args, model_dir)
