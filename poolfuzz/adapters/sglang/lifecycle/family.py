@@ -194,6 +194,11 @@ def unsupported_reason(config: ModelConfig, *, scheduled: bool = False) -> str |
         refused = configurator.refusal(config)
         if refused:
             return refused
+        if config.free_memory_kib:  # only SGLang sizes such a server: where it does not here, nothing runs
+            try:
+                configurator.server_sized(config)
+            except ConfigError as exc:
+                return str(exc)
     if not scheduled and extra_buffer_admission_problem(api, config):
         return extra_buffer_admission_problem(api, config)
     if config.has_swa and not config.has_full and api.PureSWATokenToKVPoolAllocator is None:
