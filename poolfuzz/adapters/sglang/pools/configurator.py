@@ -511,8 +511,8 @@ def _worker_pools(args, model_dir: str, device: str, *, kind: str, target=None):
         speculative_draft_attention_backend=spec.speculative_draft_attention_backend if draft else None,
         speculative_draft_kv_cache_dtype=spec.speculative_draft_kv_cache_dtype if draft else None)
     runner = types.SimpleNamespace(
-        device=device, gpu_id=0, ps=runner_ranks(), pp_group=get_parallel().pp_group, model=model,
-        model_config=model_config,        server_args=args, kv_cache_dtype=kv_dtype,
+        device=device, gpu_id=0, ps=runner_ranks(), pp_group=get_parallel().pp_group, pp_size=get_parallel().pp_size,
+        model=model, model_config=model_config, server_args=args, kv_cache_dtype=kv_dtype,
         kv_cache_dtype_str=kv_name if kv_name is not None else get_model().kv_cache_dtype,
         dtype=model_config.dtype, page_size=get_schedule().page_size,
         sliding_window_size=private("resolve_sliding_window_size")(model, model_config),
