@@ -93,10 +93,16 @@ def _extra_columns(page_size: int = 1) -> int:
         from sglang.srt.mem_cache.allocation_sizing import get_req_to_token_extra_context_len
     except ImportError:  # before 0.5.16 the model runner adds them inline (``_init_pools``' extra_max_context_len)
         return 4
+    import inspect
+
+    from sglang.srt.runtime_context import get_server_args
+
     from poolfuzz.adapters.sglang.server_args import publish_server_args
 
     publish_server_args(page_size=page_size)
-    return get_req_to_token_extra_context_len()
+    # 0.5.16 and 0.5.17 are handed the ServerArgs; 0.5.18 on read the published one
+    handed = [get_server_args()] if inspect.signature(get_req_to_token_extra_context_len).parameters else []
+    return get_req_to_token_extra_context_len(*handed)
 
 
 def test_a_dense_server_gets_the_pools_its_flags_size(configurator, sized_by_configurator):
@@ -739,16 +745,19 @@ def test_a_scheduler_server_runs_with_what_its_argument_hooks_set(configurator, 
 
 
 def test_a_flag_value_the_releases_launcher_does_not_take_is_refused_in_its_words(api, configurator):
-    """Before 0.5.18 SGLang's own launch parser has no ``--kv-cache-dtype mxfp8``: such a server never starts, so it
+    """Before 0.5.17 SGLang's own launch parser has no ``--kv-cache-dtype mxfp8``: such a server never starts, so it
     is refused with the parser's words rather than fuzzed on the adapter's wiring. The FP4 KV cache it has is named
-    as its launcher names it (``fp4_e2m1``, which 0.5.18 renamed ``fp4_mx_block16``), and its runner builds it."""
+    as its launcher names it (``fp4_e2m1``, which 0.5.17 renamed ``fp4_mx_block16``), and its runner builds it."""
     from poolfuzz.adapters.sglang.compat import parser_refusal
 
     fp4 = configurator.server_flags(CONFIGS["dense-fp4"])["kv_cache_dtype"]
+    mxfp8 = parser_refusal(configurator.server_flags(CONFIGS["fp8-scaled"]))
     if Version(api.version) >= Version("0.5.18"):
-        assert fp4 == "fp4_mx_block16" and parser_refusal(configurator.server_flags(CONFIGS["fp8-scaled"])) is None
+        assert fp4 == "fp4_mx_block16" and mxfp8 is None
+    if fp4 == "fp4_mx_block16":  # its parser takes the new name, and mxfp8 with it (0.5.17 on)
+        assert mxfp8 is None
         return
-    assert fp4 == "fp4_e2m1"
+    assert fp4 == "fp4_e2m1" and "invalid choice: 'mxfp8'" in mxfp8
     with pytest.raises(configurator.ServerRefused, match="invalid choice: 'mxfp8'"):
         configurator.configure(CONFIGS["fp8-scaled"])
     built = configurator.configure(CONFIGS["dense-fp4"])

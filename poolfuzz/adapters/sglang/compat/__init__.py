@@ -28,7 +28,7 @@ from poolfuzz.adapters.sglang.compat.spec_v2 import (  # noqa: F401
 from poolfuzz.adapters.sglang.compat.scheduler_global import (  # noqa: F401
     SCHEDULER_REPORTERS, GLOBAL_SCHEDULER_METHODS, SCHEDULER_INITS, MAMBA_STRATEGY_FLAGS, IDLE_METHODS, idle_method,
     IDLE_QUESTIONS, idle_question, fully_idle, idle_lacking, has_streaming_sessions, closed_sessions_deferred, session_opened, session_state, plans_with_context,
-    global_scheduler_state, server_flags, release_flag_values, parser_refusal, single_tensor_parallel_rank,
+    global_scheduler_state, server_flags, release_flag_values, dcp_size, parser_refusal, single_tensor_parallel_rank,
     rank_standins_cleared, runner_state_unasked, has_tree_registry, scheduler_inits,
     retractions_reset, retractions_counted, invariant_checker, pool_stats, new_request, flush_pending_backups,
     publish_single_rank, RECEIVER_METADATA_METHODS, receiver_metadata_method, typed_state_items,

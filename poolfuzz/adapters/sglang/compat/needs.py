@@ -161,8 +161,6 @@ PRIVATE: dict[str, Need] = {
                                                "adjust_hybrid_swa_layer_ids", required=False,
                                         used_for="the model runner's narrowing of a hybrid SWA model's layer ids to "
                                                  "its own layers, after its layer split (before 0.5.22)"),
-    "configure_kv_cache_dtype": Need(target="sglang.srt.mem_cache.kv_cache_dtype:configure_kv_cache_dtype",
-                                     required=False, used_for="the model runner's KV dtype, for the configurator"),
     "resolve_sliding_window_size": Need(target="sglang.srt.model_executor.model_runner_components.load_model_utils:"
                                                "resolve_sliding_window_size", required=False,
                                         used_for="the model runner's sliding window, for the configurator"),
@@ -217,7 +215,8 @@ PRIVATE: dict[str, Need] = {
                                     used_for="the model runner's own pool build (its KV cache mixin, before 0.5.16), "
                                              "run on a runner that holds what its __init__ and initialize set"),
     "runner_kv_dtype": Need(target="sglang.srt.model_executor.model_runner:ModelRunner.configure_kv_cache_dtype",
-                            required=False, used_for="the model runner's KV dtype (before 0.5.16)"),
+                            required=False, used_for="the model runner's KV dtype, run unbound on its stand-in "
+                                                     "(the configurator's input; before 0.5.16 the runner's own)"),
     "runner_free_memory": Need(target="sglang.srt.model_executor.model_runner_kv_cache_mixin:"
                                       "get_available_gpu_memory", required=False,
                                used_for="private: the free GPU memory a model runner's pool budget starts from "

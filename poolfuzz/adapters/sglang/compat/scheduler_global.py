@@ -66,8 +66,18 @@ def server_flags(server_args_cls, flags: dict) -> dict:
     return out
 
 
-# The MX-style block-16 FP4 KV cache, by the name each release's --kv-cache-dtype takes it: fp4_mx_block16 (0.5.18
-# on, where fp4_e2m1 is a deprecated alias its runner refuses), fp4_e2m1 before.
+# A runner's ParallelState's decode context-parallel width, by the field each release names it: ``attn_dcp_size``
+# (0.5.18 to 0.5.21) or ``dcp_size`` (0.5.17).
+DCP_SIZE_FIELDS = ("attn_dcp_size", "dcp_size")
+
+
+def dcp_size(parallel_state) -> int:
+    """``parallel_state``'s decode context-parallel width, under the release's name for it."""
+    return next(getattr(parallel_state, name) for name in DCP_SIZE_FIELDS if hasattr(parallel_state, name))
+
+
+# The MX-style block-16 FP4 KV cache, by the name each release's --kv-cache-dtype takes it: fp4_mx_block16 (0.5.17
+# on; from 0.5.18 fp4_e2m1 is a deprecated alias its runner refuses), fp4_e2m1 before.
 FP4_KV_NAMES = ("fp4_mx_block16", "fp4_e2m1")
 
 
@@ -94,7 +104,7 @@ def release_flag_values(flags: dict) -> dict:
 
 
 def parser_refusal(flags: dict) -> str | None:
-    """What SGLang's own launch parser says of a flag value it does not take (``--kv-cache-dtype mxfp8`` before 0.5.18),
+    """What SGLang's own launch parser says of a flag value it does not take (``--kv-cache-dtype mxfp8`` before 0.5.17),
     in argparse's words; None where it takes them all."""
     choices = _flag_choices()
     for name, value in sorted(flags.items()):

@@ -304,7 +304,7 @@ def problem() -> str | None:
     if by_runner():
         return runner_pools.problem()
     missing = [k for k in ("configurator_free_memory", "init_parallel_groups", "init_kv_cache_configurator",
-                           "resolve_layer_indices", "configure_kv_cache_dtype", "resolve_sliding_window_size",
+                           "resolve_layer_indices", "runner_kv_dtype", "resolve_sliding_window_size",
                            "spec_aux_config")
                if not has_private(k)]
     return f"the configurator path needs what this release lacks: {', '.join(missing)}" if missing else None
@@ -495,7 +495,7 @@ def _worker_pools(args, model_dir: str, device: str, *, kind: str, target=None):
     configurator, and its token capacities ask it (``compat.worker_token_capacity``)."""
     from sglang.srt.configs.model_config import AttentionArch
     from sglang.srt.configs.model_config import ModelConfig as SGLangModelConfig
-    from sglang.srt.runtime_context import get_model, get_parallel, get_schedule, get_spec
+    from sglang.srt.runtime_context import get_parallel, get_schedule, get_spec
     from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 
     draft = target is not None
@@ -505,16 +505,12 @@ def _worker_pools(args, model_dir: str, device: str, *, kind: str, target=None):
     model = _model_standin(kind, model_config)
     spec = get_spec()
     spec_algorithm = SpeculativeAlgorithm.from_string(spec.speculative_algorithm)
-    kv_name, kv_dtype = private("configure_kv_cache_dtype")(
-        server_args_kv_cache_dtype=get_model().kv_cache_dtype, model=model, model_dtype=model_config.dtype,
-        is_draft_worker=draft, is_dflash=False,
-        speculative_draft_attention_backend=spec.speculative_draft_attention_backend if draft else None,
-        speculative_draft_kv_cache_dtype=spec.speculative_draft_kv_cache_dtype if draft else None)
     runner = types.SimpleNamespace(
         device=device, gpu_id=0, ps=runner_ranks(), pp_group=get_parallel().pp_group, pp_size=get_parallel().pp_size,
-        model=model, model_config=model_config, server_args=args, kv_cache_dtype=kv_dtype,
-        kv_cache_dtype_str=kv_name if kv_name is not None else get_model().kv_cache_dtype,
-        dtype=model_config.dtype, page_size=get_schedule().page_size,
+        model=model, model_config=model_config, server_args=args, dtype=model_config.dtype,
+        # as the runner resolves it (``resolve_draft_attention_backend``, no backend of the draft's algorithm)
+        draft_attention_backend=spec.speculative_draft_attention_backend if draft else None,
+        page_size=get_schedule().page_size,
         sliding_window_size=private("resolve_sliding_window_size")(model, model_config),
         spec_algorithm=spec_algorithm, is_draft_worker=draft, draft_model_idx=None,
         spec_aux_config=private("spec_aux_config")(server_args=args, model_config=model_config,
@@ -525,6 +521,7 @@ def _worker_pools(args, model_dir: str, device: str, *, kind: str, target=None):
         forward_stream=None, req_to_token_pool=target.req_to_token_pool if draft else None,
         token_to_kv_pool_allocator=target.token_to_kv_pool_allocator if draft else None,
         memory_pool_config=target.memory_pool_config if draft else None)
+    private("runner_kv_dtype")(runner)  # the runner's own: its kv_cache_dtype and kv_cache_dtype_str
     private("init_kv_cache_configurator")(runner)
     configurator = runner.kv_cache_configurator
     with kv_copy_warmup_skipped(), native_kv_move():

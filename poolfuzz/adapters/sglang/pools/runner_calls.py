@@ -15,7 +15,7 @@ import inspect
 import types
 from unittest import mock
 
-from poolfuzz.adapters.sglang.compat import has_private, private, private_module, private_name
+from poolfuzz.adapters.sglang.compat import dcp_size, has_private, private, private_module, private_name
 
 
 def publish_as_scheduler(args) -> None:
@@ -46,7 +46,7 @@ def group_ranks(args, model_dir: str) -> dict:
     return dict(model_config=SGLangModelConfig.from_server_args(args, model_path=model_dir), tp_rank=ps.tp_rank,
                 tp_size=ps.tp_size, pp_rank=ps.pp_rank, pp_size=ps.pp_size, attn_dp_size=ps.attn_dp_size,
                 attn_cp_size=ps.attn_cp_size, moe_ep_size=ps.moe_ep_size, moe_dp_size=ps.moe_dp_size,
-                dcp_size=ps.attn_dcp_size)
+                dcp_size=dcp_size(ps))
 
 
 def layer_split(model, model_config, draft: bool, spec_algorithm):
