@@ -18,7 +18,7 @@ from poolfuzz.adapters.sglang.compat.scheduler import (  # noqa: F401
     result_processor, engine_invariant_problem, deferred_mamba_cow_and_clear, mamba_track_aligned_lens,
     batches_defer_mamba_cow, batch_rows, request_row, batch_prefill_inputs, physical_mamba_slots, queue_request,
     requests_owning_rows, req_to_token_headroom, token_ratio, has_retraction_backup_flag,
-    memory_flags, namespace_published, worker_token_capacity, init_chunked_prefill, resolved_to_sglangs_own_model,
+    memory_flags, namespace_published, published_namespace, worker_token_capacity, init_chunked_prefill, resolved_to_sglangs_own_model,
     relay_future_map,
 )
 from poolfuzz.adapters.sglang.compat.spec_v2 import (  # noqa: F401

@@ -119,6 +119,9 @@ PRIVATE: dict[str, Need] = {
                                    used_for="private: the span an L3 prefetch covers"),
     "kv_cache_configurator": Need(target="sglang.srt.mem_cache.kv_cache_configurator:KVCacheConfigurator",
                                   required=False, used_for="the pools a server builds from its flags (0.5.16 on)"),
+    "runtime_publish": Need(target="sglang.srt.runtime_context:publish", required=False,
+                            used_for="a scheduler process's publication of its server arguments (0.5.17 on; 0.5.16's "
+                                     "model runner publishes them through set_global_server_args_for_scheduler)"),
     "spawn_ranks": Need(target="sglang.srt.runtime_context:SpawnRanks", required=False,
                         used_for="a scheduler process's ranks, published with its server arguments (0.5.22 on)"),
     "parallel_state": Need(target="sglang.srt.distributed.parallel_state_wrapper:ParallelState", required=False,

@@ -138,7 +138,7 @@ def published_retraction_backup() -> str | None:
     """The published server's ``--disaggregation-decode-retraction-backup`` (None: unset, or a release before the
     flag, 0.5.17 and earlier, whose decode retraction backs requests up as per-request CPU tensors)."""
     try:
-        return _published("disagg").disaggregation_decode_retraction_backup
+        return published_namespace("disagg").disaggregation_decode_retraction_backup
     except AttributeError:  # the namespace (or, on 0.5.16, the ServerArgs) has no such leaf
         return None
 
@@ -161,7 +161,7 @@ def namespace_published(context, name: str) -> bool:
     return True
 
 
-def _published(namespace: str):
+def published_namespace(namespace: str):
     """The published server's config namespace ``namespace`` (``get_<namespace>()``, 0.5.17 on), or on 0.5.16, whose
     context has no namespaces, the published ServerArgs, which holds the same flags under the same names."""
     from sglang.srt import runtime_context
@@ -229,7 +229,7 @@ def publish_scheduler_context(*, max_running_requests: int) -> dict:
             parallel.tp_rank
         except (RuntimeError, ValueError, AssertionError):  # 0.5.18's context has no override at all
             single_tensor_parallel_rank()
-    published = {name: getattr(_published("schedule"), name) for name in SCHEDULE_FLAGS}
+    published = {name: getattr(published_namespace("schedule"), name) for name in SCHEDULE_FLAGS}
     # 0.5.16's context has no namespaces: its ServerArgs holds the micro-batch size and takes the override itself
     namespaced = hasattr(runtime_context, "get_schedule")
     holder, writer = (parallel, runtime_context.get_context()) if namespaced else (get_server_args(),) * 2
@@ -474,7 +474,7 @@ def req_to_token_headroom() -> int | None:
         from sglang.srt.runtime_context import get_server_args
     except ImportError:
         return None
-    if _published("schedule").page_size is None:
+    if published_namespace("schedule").page_size is None:
         return None
     if inspect.signature(get_req_to_token_extra_context_len).parameters:
         return get_req_to_token_extra_context_len(get_server_args())

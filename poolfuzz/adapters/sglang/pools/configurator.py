@@ -50,7 +50,8 @@ import types
 import warnings
 from dataclasses import dataclass, field
 
-from poolfuzz.adapters.sglang.compat import has_private, parser_refusal, private, release_flag_values
+from poolfuzz.adapters.sglang.compat import (has_private, parser_refusal, private, published_namespace,
+                                              release_flag_values)
 from poolfuzz.adapters.sglang.compat import server_flags as server_flag_names
 from poolfuzz.adapters.sglang.compat.platform import (B200, GPU, XEON, cpu_platform_problem, cpu_server, gpu_server,
                                                       platform_problem)
@@ -474,11 +475,10 @@ def _built(args, model_dir: str, device: str, *, kind: str):
     """The configurator's result for the published ``args`` (the model runner's leaves give its inputs): the target
     worker's, and with it, for a speculative server, the draft worker's (``(target, draft or None)``, each a
     ``(result, configurator)`` pair)."""
-    from sglang.srt.runtime_context import get_spec
     from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 
     target = _worker_pools(args, model_dir, device, kind=kind)
-    spec = get_spec()
+    spec = published_namespace("spec")  # on 0.5.16 the ServerArgs
     if SpeculativeAlgorithm.from_string(spec.speculative_algorithm).is_none():
         return target, None
     # the draft worker's model runner, as an EAGLE worker builds it: its own model config (the MTP layers of the draft
@@ -495,7 +495,7 @@ def _worker_pools(args, model_dir: str, device: str, *, kind: str, target=None):
     configurator, and its token capacities ask it (``compat.worker_token_capacity``)."""
     from sglang.srt.configs.model_config import AttentionArch
     from sglang.srt.configs.model_config import ModelConfig as SGLangModelConfig
-    from sglang.srt.runtime_context import get_parallel, get_schedule, get_spec
+    from sglang.srt.runtime_context import get_parallel
     from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 
     draft = target is not None
@@ -503,14 +503,14 @@ def _worker_pools(args, model_dir: str, device: str, *, kind: str, target=None):
     # quantisation flags are read into it
     model_config = SGLangModelConfig.from_server_args(args, model_path=model_dir, is_draft_model=draft)
     model = _model_standin(kind, model_config)
-    spec = get_spec()
+    spec = published_namespace("spec")  # on 0.5.16 the ServerArgs
     spec_algorithm = SpeculativeAlgorithm.from_string(spec.speculative_algorithm)
     runner = types.SimpleNamespace(
         device=device, gpu_id=0, ps=runner_ranks(), pp_group=get_parallel().pp_group, pp_size=get_parallel().pp_size,
         model=model, model_config=model_config, server_args=args, dtype=model_config.dtype,
         # as the runner resolves it (``resolve_draft_attention_backend``, no backend of the draft's algorithm)
         draft_attention_backend=spec.speculative_draft_attention_backend if draft else None,
-        page_size=get_schedule().page_size,
+        page_size=published_namespace("schedule").page_size,
         sliding_window_size=private("resolve_sliding_window_size")(model, model_config),
         spec_algorithm=spec_algorithm, is_draft_worker=draft, draft_model_idx=None,
         spec_aux_config=private("spec_aux_config")(server_args=args, model_config=model_config,

@@ -20,9 +20,14 @@ from poolfuzz.adapters.sglang.compat import dcp_size, has_private, private, priv
 
 def publish_as_scheduler(args) -> None:
     """``args`` published as a one-rank scheduler process publishes them: with its ranks (``SpawnRanks``, 0.5.22 on),
-    or, before 0.5.22, alone (its ranks are its model runner's, ``runner_ranks``)."""
-    from sglang.srt.runtime_context import publish
+    or, before 0.5.22, alone (its ranks are its model runner's, ``runner_ranks``); on 0.5.16, which has no
+    ``publish``, as its model runner publishes them (``set_global_server_args_for_scheduler``, into the context)."""
+    if not has_private("runtime_publish"):
+        from sglang.srt.server_args import set_global_server_args_for_scheduler
 
+        set_global_server_args_for_scheduler(args)
+        return
+    publish = private("runtime_publish")
     if has_private("spawn_ranks"):
         publish(args, role="scheduler", ranks=private("spawn_ranks")(world_rank=0, dp_rank=None, gpu_id=0))
     else:
