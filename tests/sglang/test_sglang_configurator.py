@@ -787,7 +787,7 @@ def test_a_build_that_imports_sglang_under_a_bound_stand_in_is_refused(configura
     from poolfuzz.adapters.sglang.compat import platform
 
     if configurator.has_private("override_platform"):
-        pytest.skip("SGLang states the platform itself (override_platform) from 0.5.21")
+        pytest.skip("SGLang states the platform itself (override_platform) from 0.5.19")
     monkeypatch.delitem(sys.modules, "sglang.poolfuzz_probe", raising=False)
     with pytest.raises(RuntimeError, match=r"first imported while a GPU was stood in for \(sglang.poolfuzz_probe\)"):
         with configurator._sglang_quiet(), platform._stated_by_bindings(platform.B200.facts()):  # as a build runs it

@@ -173,10 +173,10 @@ PRIVATE: dict[str, Need] = {
                                      "server's speculative flags (init_spec_aux_hidden_state)"),
     "override_platform": Need(target="sglang.srt.runtime_context:override_platform", required=False,
                               used_for="the machine's facts every server hook reads, stated for a GPU server "
-                                       "(0.5.21 on)"),
+                                       "(0.5.19 on)"),
     "platform_probes": Need(target="sglang.srt.runtime_context:_PLATFORM_PROBES", required=False,
                             used_for="private: the platform facts override_platform takes (a release refuses one "
-                                     "it does not read: 0.5.21 has no is_mps, is_sm110)"),
+                                     "it does not read: 0.5.19 to 0.5.21 have no is_mps, is_sm110)"),
     "platform_values": Need(target="sglang.srt.runtime_context:_PLATFORM_VALUES", required=False,
                             used_for="private: the valued platform facts override_platform takes"),
     "cuda_probe": Need(target="sglang.srt.utils.common:is_cuda", required=False,

@@ -7,7 +7,8 @@ one, SGLang's base platform refuses them, so the pools fuzzed would be a CPU ser
 runs. ``gpu_server`` answers those questions as the GPU would, for the span of one build, and nothing else:
 
 - the platform facts every hook reads, through SGLang's own ``override_platform`` (its scoped seam for this); before
-  0.5.21 (0.5.18 and before), which has no such seam, through every module's binding of the ``utils.common`` probe that answers each fact
+  0.5.19 (0.5.18 and before), which has no such seam, through every module's binding of the ``utils.common`` probe that
+  answers each fact
   (``_stated_by_bindings``: the same facts, the same span, restored after);
 - SGLang's call-time CUDA probe ``utils.common.is_cuda`` (``is_float4_e2m1fn_x2`` asks it before building the FP4
   quant method);
@@ -78,13 +79,13 @@ class GPU:
 
 # The GPU servers stand on: a Blackwell B200, where every KV dtype SGLang offers (FP4, mxfp8) is served.
 B200 = GPU(name="B200", capability=(10, 0), memory_mib=183_359)
-# SGLang's own seam for the facts (0.5.21 on; 0.5.19 and 0.5.20 not installed here), and the facts it takes
+# SGLang's own seam for the facts (0.5.19 on), and the facts it takes
 _OVERRIDE_NEEDS = ("override_platform", "platform_probes", "platform_values")
 _NEEDS = (*_OVERRIDE_NEEDS, "cuda_probe", "gpu_memory_capacity")
 
 
-# Before 0.5.21 (no ``override_platform``; 0.5.19 and 0.5.20 untested): SGLang's probes in ``utils.common`` each fact is read through (the names
-# ``runtime_context._PLATFORM_PROBES`` and ``_PLATFORM_VALUES`` give them from 0.5.21), bound by name in every module
+# Before 0.5.19 (no ``override_platform``): SGLang's probes in ``utils.common`` each fact is read through (the names
+# ``runtime_context._PLATFORM_PROBES`` and ``_PLATFORM_VALUES`` give them from 0.5.19), bound by name in every module
 # that reads them (0.5.18: some 350 bindings in 126 modules once a build's modules are imported).
 _PROBES = {"is_cuda": "is_cuda", "is_hip": "is_hip", "is_npu": "is_npu", "is_xpu": "is_xpu", "is_musa": "is_musa",
            "is_mps": "is_mps", "is_sm90": "is_sm90_supported", "is_sm100": "is_sm100_supported",
@@ -119,7 +120,7 @@ def _lacking(needs: tuple[str, ...]) -> str | None:
 @contextlib.contextmanager
 def _stated(facts: dict):
     """SGLang's platform facts stated for every reader through its own ``override_platform``, restored after; before
-    0.5.21, through every binding of the probes that answer them (``_stated_by_bindings``)."""
+    0.5.19, through every binding of the probes that answer them (``_stated_by_bindings``)."""
     if not has_private("override_platform"):
         with _stated_by_bindings(facts):
             yield
@@ -143,7 +144,7 @@ def _sglang_modules() -> dict:
 
 @contextlib.contextmanager
 def _stated_by_bindings(facts: dict):
-    """A release before 0.5.21 reads each platform fact by calling a probe of ``utils.common`` bound by name in the
+    """A release before 0.5.19 reads each platform fact by calling a probe of ``utils.common`` bound by name in the
     module that reads it (``is_cuda()``, ``is_blackwell_supported()``, ``get_device_sm()``, ...): every such binding
     (the probe's own in ``utils.common`` among them, so SGLang's uncached helpers there, ``is_float4_e2m1fn_x2`` and
     ``get_device_memory_capacity``, ask it) answers the stated fact for the span of the ``with``, and is restored
