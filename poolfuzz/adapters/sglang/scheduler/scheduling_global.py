@@ -33,6 +33,7 @@ from poolfuzz.adapters.sglang import compat
 from poolfuzz.adapters.sglang.host_tier import hicache
 from poolfuzz.adapters.sglang.scheduler.model_facts import empty_batch, max_req_len, model_config_standin
 from poolfuzz.adapters.sglang.server_args import NO_MODEL
+from poolfuzz.adapters.sglang.tree.tree_build import runner_mamba_ratio, with_mamba_ratio
 from poolfuzz.pools.errors import ConfigError
 
 
@@ -112,8 +113,7 @@ def mamba_sized(config, server_args):
                           "sizes a mamba model's state slots and request rows inline in ModelRunner.init_memory_pool "
                           "(no _calculate_mamba_ratio, 0.5.10 on), which the scheduler path cannot run without a "
                           "model; use --family sglang:pools")
-    ratio = compat.private("runner_mamba_ratio")(NS(server_args=server_args))
-    return config.replace(mamba_slots=max(config.mamba_slots, ratio * config.request_rows))
+    return with_mamba_ratio(config, runner_mamba_ratio(server_args))
 
 
 def build_tree(server, family, server_args):

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 from contextlib import nullcontext
+from types import SimpleNamespace
 
 from poolfuzz.adapters.sglang.host_tier import hicache, l3
 from poolfuzz.adapters.sglang.compat import has_private, private, published_extra_buffer, published_host_pool_backup
 from poolfuzz.adapters.sglang.compat import server_flags as server_flag_names
 from poolfuzz.adapters.sglang.server_args import NO_MODEL, another_server, publish_server_args
+
 
 def mamba_sized(config, *, server: dict | None = None):
     """Mamba slots as SGLang sizes them for a radix cache on the published server (with ``server``, on a server
@@ -16,37 +18,39 @@ def mamba_sized(config, *, server: dict | None = None):
     the tree's own ``Can not alloc mamba cache`` assertion fire on a load the configurator never admits, and a server
     caps its running requests below the config's). A release without that rule: sized as given."""
     ratio = mamba_ratio(server) if config.has_mamba else None
-    return config if ratio is None else config.replace(mamba_slots=max(config.mamba_slots, ratio * config.request_rows))
+    return config if ratio is None else with_mamba_ratio(config, ratio)
+
+
+def with_mamba_ratio(config, ratio: int):
+    """``config`` with ``ratio`` mamba slots for each of its request rows, where it has fewer."""
+    return config.replace(mamba_slots=max(config.mamba_slots, ratio * config.request_rows))
+
+
+def runner_mamba_ratio(server_args) -> int:
+    """The model runner's own ``_calculate_mamba_ratio`` (0.5.12 to 0.5.15), unbound on a runner holding
+    ``server_args``."""
+    return private("runner_mamba_ratio")(SimpleNamespace(server_args=server_args))
 
 
 def mamba_ratio(server: dict | None) -> int | None:
     """The mamba slots a running request takes on the published server (with ``server``: on one with those flags,
-    published for the while), by the configurator's ``_calculate_mamba_ratio``, or before it (0.5.12 to 0.5.15) the
-    model runner's, run unbound on a server with those flags; None where the release has neither (0.5.9 and 0.5.10
-    size the state slots inline in ``init_memory_pool``) or, for the runner's, no flags are given."""
-    from types import SimpleNamespace
+    published for the while), by the configurator's ``_calculate_mamba_ratio``, or before it the model runner's, on
+    a server with those flags; None where the release has neither (0.5.9 and 0.5.10 size the state slots inline in
+    ``init_memory_pool``) or, for the runner's, no flags are given."""
+    from sglang.srt.server_args import ServerArgs
 
+    named = None if server is None else server_flag_names(ServerArgs, server)
     if has_private("calculate_mamba_ratio"):
         from sglang.srt.runtime_context import get_server_args
 
-        with another_server() if server is not None else nullcontext():
-            if server is not None:
-                publish_server_args(**server_names(server))
+        with another_server() if named is not None else nullcontext():
+            if named is not None:
+                publish_server_args(**named)
             # unbound: it reads the published flags (0.5.16 and 0.5.17 off the configurator, stood in for here)
             return private("calculate_mamba_ratio")(SimpleNamespace(server_args=get_server_args()))
-    if server is None or not has_private("runner_mamba_ratio"):
+    if named is None or not has_private("runner_mamba_ratio"):
         return None
-    from sglang.srt.server_args import ServerArgs
-
-    args = ServerArgs(model_path=NO_MODEL, device="cpu", **server_names(server))
-    return private("runner_mamba_ratio")(SimpleNamespace(server_args=args))
-
-
-def server_names(flags: dict) -> dict:
-    """``flags`` under the names this release's ``ServerArgs`` gives them."""
-    from sglang.srt.server_args import ServerArgs
-
-    return server_flag_names(ServerArgs, flags)
+    return runner_mamba_ratio(ServerArgs(model_path=NO_MODEL, device="cpu", **named))
 
 
 def build_tree(family, *, hierarchical: bool = False, storage_dir: str | None = None, server: dict | None = None,
