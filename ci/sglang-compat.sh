@@ -7,6 +7,8 @@
 #
 #   ci/sglang-compat.sh [VENV] [VERSION ...]     (default: every release from 0.5.9 to 0.5.23,
 #                                                 the last post-release of each)
+# A release already installed beside VENV as sglang-VERSION (the venvs .ci/run and ci/newest.sh cache) runs there
+# without a reinstall; any other is installed into VENV.
 # Budget: POOLFUZZ_COMPAT_EXAMPLES examples per config (default 60). Each config is fuzzed past every
 # failure and every distinct signature listed; where one check fails at step 0 on every config (the
 # reserved padding row and the free list that hands it out, before 0.5.11), that check is waived and the
@@ -23,7 +25,6 @@ repo=$(cd "$(dirname "$0")/.." && pwd)
 venv=${1:-${POOLFUZZ_SGLANG_VENVS:-$HOME/.cache/poolfuzz/sglang-venvs}/compat}
 shift || true
 mkdir -p "$(dirname "$venv")"
-[ -x "$venv/bin/python" ] || python -m venv "$venv"
 if [ "$#" -gt 0 ]; then
   versions=("$@")
 else
@@ -47,13 +48,30 @@ fi
 printf '%-13s | %-8s | %-7s | %-60s | %-11s | %-36s | %s\n' release installs imports "configs supported (of $(cd "$repo" && python -c 'from poolfuzz.pools.config import CONFIGS; print(len(CONFIGS))'))" triton \
   "reach: memory_pool / allocators / mem_cache" "harness verdict"
 printf '%s\n' "--------------|----------|---------|--------------------------------------------------------------|-------------|--------------------------------------|----------------"
+cached_venv() {  # a venv beside VENV that already holds exactly this release (sglang-0.5.10 may hold 0.5.10.post1)
+  local dir
+  for dir in "$(dirname "$venv")/sglang-$1" "$(dirname "$venv")/sglang-${1%.post*}"; do
+    if "$dir/bin/python" -c "import sys, importlib.metadata as m; sys.exit(m.version('sglang') != '$1')" 2>/dev/null; then
+      echo "$dir"
+      return 0
+    fi
+  done
+  return 1
+}
+
 for v in "${versions[@]}"; do
   log="$(dirname "$venv")/compat-$v.log"
-  if ! bash "$repo/ci/sglang-install.sh" "$venv" "$v" --triton >"$log" 2>&1; then
+  # A release already installed beside VENV (as .ci/run and ci/newest.sh leave them) is used as it is: no reinstall.
+  if release_venv=$(cached_venv "$v"); then
+    echo "sglang-compat: $v from the cached $release_venv" >"$log"
+  elif bash "$repo/ci/sglang-install.sh" "$venv" "$v" --triton >"$log" 2>&1; then
+    release_venv=$venv
+  else
     printf '%-13s | %-8s | %-7s | %-60s | %-11s | %-36s | %s\n' "$v" no - - - - "install failed (see $log)"
     continue
   fi
-  "$venv/bin/python" - "$v" "$(dirname "$venv")/compat-$v-reach" "$(dirname "$venv")/compat-$v-artifacts" <<'PY'
+  # This checkout's poolfuzz, whatever poolfuzz the venv has installed.
+  (cd "$repo" && PYTHONPATH="$repo" "$release_venv/bin/python" - "$v" "$(dirname "$venv")/compat-$v-reach" "$(dirname "$venv")/compat-$v-artifacts" <<'PY'
 import sys, time, warnings
 import torch
 torch.set_num_threads(1)
@@ -183,4 +201,5 @@ else:  # no server of the suite starts on this release: say why, and fuzz its po
     if pools:
         fuzzed_row(release + " pools", "sglang:pools", pools, measured=measure)
 PY
+  )
 done
