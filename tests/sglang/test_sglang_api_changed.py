@@ -47,3 +47,63 @@ def test_doctor_passes_on_this_release(api):
     assert run.returncode == 0, run.stdout + run.stderr
     assert f"engine: sglang {api.version}" in run.stdout and "verdict: OK" in run.stdout
     assert " absent   needed" not in run.stdout and " changed " not in run.stdout
+
+
+# A release reshaped under the pools SGLang builds for a config's server (``compat/drift.py``): the run says API CHANGED
+# where, until stop 61, the family fell back to the adapter's own wiring and every lane passed untested (0.5.16, 0.5.17,
+# 0.5.19 to 0.5.21). Each edit stands for one of those drifts: (edit, what the release must have, words).
+BUILD_DRIFTS = {
+    # a keyword renamed (0.5.17's configure_kv_cache_dtype took no speculative_draft_kv_cache_dtype): the adapter's call
+    # does not bind, in its own frame
+    "renamed keyword": (
+        "from sglang.srt.configs.model_config import ModelConfig as M\n"
+        "f = M.from_server_args\n"
+        "M.from_server_args = staticmethod(lambda server_args, model_dir=None, is_draft_model=False: "
+        "f(server_args, model_path=model_dir, is_draft_model=is_draft_model))",
+        None,
+        ("API CHANGED: sglang {v}: the adapter's call at poolfuzz/adapters/sglang/pools/configurator.py:",
+         "TypeError: <lambda>() got an unexpected keyword argument 'model_path'")),
+    # the runner reads a field its stand-in was not made with (0.5.21's pp_size): on the configurator's runner
+    # stand-in from 0.5.16, on the model runner made without its __init__ before
+    "stand-in field": (
+        "from sglang.srt.model_executor.model_runner import ModelRunner as R\n"
+        "name = 'init_kv_cache_configurator' if hasattr(R, 'init_kv_cache_configurator') else 'init_memory_pool'\n"
+        "f = getattr(R, name)\n"
+        "def reads_more(self, *a, **k):\n"
+        "    self.a_field_this_release_sets_in_init\n"
+        "    return f(self, *a, **k)\n"
+        "setattr(R, name, reads_more)",
+        None,
+        ("what SGLang's ", "reads of the adapter's stand-in ",
+         "has no attribute 'a_field_this_release_sets_in_init'")),
+    # SGLang's platform seam refuses a fact the adapter states (0.5.19 to 0.5.21 refused is_mps and is_sm110)
+    "platform fact": (
+        "import sglang.srt.runtime_context as rc\n"
+        "f = rc.override_platform\n"
+        "def override_platform(**facts):\n"
+        "    if 'is_cuda' in facts:\n"
+        "        raise ValueError(\"unknown platform fact(s): ['is_cuda']\")\n"
+        "    return f(**facts)\n"
+        "rc.override_platform = override_platform",
+        "override_platform",
+        ("API CHANGED: sglang {v}: sglang.srt.runtime_context:override_platform: expected to take the platform facts "
+         "the adapter states (", "found ValueError: unknown platform fact(s): ['is_cuda']")),
+}
+
+
+@pytest.mark.parametrize("family", ["sglang:pools", "sglang:scheduler"])
+@pytest.mark.parametrize("drift", sorted(BUILD_DRIFTS))
+def test_a_server_build_the_release_reshaped_is_api_changed_not_the_wiring(api, drift, family, tmp_path):
+    from poolfuzz.adapters.sglang.compat import has_private
+    from poolfuzz.adapters.sglang.pools import configurator
+
+    if configurator.problem():
+        pytest.skip(f"sglang {api.version}: {configurator.problem()}")
+
+    edit, needs, words = BUILD_DRIFTS[drift]
+    if needs and not has_private(needs):
+        pytest.skip(f"sglang {api.version} has no {needs}")
+    shims = ["from poolfuzz.adapters.sglang import shims", "shims.install()"]
+    run = run_on_changed_engine([*shims, edit], family=family, config="dense", out=tmp_path / "out", examples=5)
+    for piece in words:
+        assert_api_changed(run, piece.format(v=api.version), tmp_path)

@@ -1,6 +1,8 @@
 """What the sglang families need of the installed SGLang, listed once, in one package: ``needs`` (where each
 class lives across releases, which are needed, the private names read), ``scheduler`` (what the scheduler path reads
-of a Scheduler built without its model) and ``scheduler_global`` (the same on releases with one global ServerArgs), ``spec_v2`` (what a speculative round runs).
+of a Scheduler built without its model), ``scheduler_global`` (the same on releases with one global ServerArgs),
+``spec_v2`` (what a speculative round runs), ``platform`` (the GPU or CPU a server's flags are resolved on, stood in
+for) and ``drift`` (which errors of a server's pools build are the adapter meeting a reshaped release: API CHANGED).
 
 Every engine-private name the adapter reads is read in this package and nowhere else; the rest of the adapter imports
 it from here, as ``compat.NAME``."""

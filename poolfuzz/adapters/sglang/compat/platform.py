@@ -37,6 +37,7 @@ import contextlib
 from dataclasses import dataclass
 from unittest import mock
 
+from poolfuzz.adapters.sglang.compat.drift import platform_refused
 from poolfuzz.adapters.sglang.compat.needs import has_private, private, private_module, private_name
 
 
@@ -127,8 +128,12 @@ def _stated(facts: dict):
         return
     # the facts this release reads (it refuses others: a GPU's facts name every release's)
     known = set(private("platform_probes")) | set(private("platform_values"))
-    override = private("override_platform")(**{k: v for k, v in facts.items() if k in known})
-    override.install()
+    stated = {k: v for k, v in facts.items() if k in known}
+    try:
+        override = private("override_platform")(**stated)
+        override.install()
+    except Exception as exc:  # noqa: BLE001 -- SGLang's seam refusing the adapter's facts: the adapter's drift
+        raise platform_refused(exc, stated) from None
     try:
         yield
     finally:

@@ -45,7 +45,6 @@ import json
 import logging
 import os
 import tempfile
-import traceback
 import types
 import warnings
 from dataclasses import dataclass, field
@@ -53,6 +52,7 @@ from dataclasses import dataclass, field
 from poolfuzz.adapters.sglang.compat import (has_private, parser_refusal, private, published_namespace,
                                               release_flag_values)
 from poolfuzz.adapters.sglang.compat import server_flags as server_flag_names
+from poolfuzz.adapters.sglang.compat.drift import StandIn, build_drift, configurator_lacking, raised_by_sglang
 from poolfuzz.adapters.sglang.compat.platform import (B200, GPU, XEON, cpu_platform_problem, cpu_server, gpu_server,
                                                       platform_problem)
 from poolfuzz.adapters.sglang.pools.calls import native_kv_move
@@ -61,7 +61,7 @@ from poolfuzz.adapters.sglang.pools.descriptions import DRAFT, describe_pools, k
 from poolfuzz.adapters.sglang.pools.runner_calls import (fixed_free_memory, kv_copy_warmup_skipped, layer_split,
                                                          publish_as_scheduler, runner_ranks, group_ranks)
 from poolfuzz.adapters.sglang.pools.server_models import MODELS, dtype_flags
-from poolfuzz.errors import ConfigError
+from poolfuzz.errors import ConfigError, EngineApiChanged
 from poolfuzz.pools.capabilities import MODEL_PATH
 from poolfuzz.pools.config import ModelConfig
 
@@ -304,11 +304,15 @@ def problem() -> str | None:
     None."""
     if by_runner():
         return runner_pools.problem()
-    missing = [k for k in ("configurator_free_memory", "init_parallel_groups", "init_kv_cache_configurator",
-                           "resolve_layer_indices", "runner_kv_dtype", "resolve_sliding_window_size",
-                           "spec_aux_config")
-               if not has_private(k)]
+    missing = _configurator_lacks()
     return f"the configurator path needs what this release lacks: {', '.join(missing)}" if missing else None
+
+
+def _configurator_lacks() -> list[str]:
+    """What the configurator path calls that this release, which has the configurator, lacks."""
+    return [k for k in ("configurator_free_memory", "init_parallel_groups", "init_kv_cache_configurator",
+                        "resolve_layer_indices", "runner_kv_dtype", "resolve_sliding_window_size", "spec_aux_config")
+            if not has_private(k)]
 
 
 CONFIGURATOR = "SGLang's KV cache configurator"
@@ -330,6 +334,8 @@ def configure(c: ModelConfig, *, device: str = "cpu", role_flags: dict | None = 
     this release, or this machine's platform) refuses it. ``role_flags``: the flags that make the server what it is
     beside its model and sizes (a PD decode server's ``--disaggregation-mode decode``, ...); what SGLang's hooks
     resolve from them (the decode side's extra request rows, its disabled radix cache) is theirs."""
+    if not by_runner() and (missing := _configurator_lacks()):
+        raise configurator_lacking(missing)  # a release with the configurator reshaped around it: not this machine
     reason = problem()
     if reason:
         raise ConfigError(f"config {c.name!r}: {reason}")
@@ -359,7 +365,11 @@ def configure(c: ModelConfig, *, device: str = "cpu", role_flags: dict | None = 
         reason = (f"SGLang refuses the server {server.command_line()!r}: "
                   f"{type(exc).__name__}: {_first_line(exc)}")
         raise ServerRefused(f"config {c.name!r}: {reason}", reason=reason) from None
+    except EngineApiChanged:
+        raise  # a name, or a seam's answer, the adapter reads: its verdict, not this machine's limit
     except Exception as exc:  # noqa: BLE001 -- whatever SGLang (or transformers, parsing the model) refuses it with
+        if (change := build_drift(exc, building=f"{builder()} for the server {server.command_line()!r}")) is not None:
+            raise change from None  # the adapter's call, not the server: never the wiring in silence
         raise ConfigError(f"config {c.name!r}: SGLang cannot build the server {server.command_line()!r} here: "
                           f"{type(exc).__name__}: {_first_line(exc)}") from None
     (result, built_by), draft = result
@@ -423,15 +433,6 @@ def _first_line(exc: BaseException) -> str:
     return " ".join(lines[:2]) if lines[0].endswith(":") and len(lines) > 1 else lines[0]
 
 
-def _raised_by_sglang(exc: BaseException) -> bool:
-    """Whether SGLang's own code raised ``exc`` (not torch, asked for a device this machine lacks)."""
-    import sglang
-
-    frames = traceback.extract_tb(exc.__traceback__)
-    package = os.path.dirname(os.path.abspath(sglang.__file__)) + os.sep
-    return bool(frames) and os.path.abspath(frames[-1].filename).startswith(package)
-
-
 def _on_server_machine(server: ServerModel):
     """The server's machine as SGLang sees it: its GPU, or a CPU server's Xeon, stood in for (``compat.platform``)."""
     return gpu_server(server.gpu) if server.gpu is not None else cpu_server(XEON)
@@ -459,7 +460,7 @@ def _configured(server: ServerModel, model_dir: str, device: str):
             if not by_runner():  # before 0.5.16 the Scheduler's global arguments, set by the runner path
                 publish_as_scheduler(args)
         except Exception as exc:  # noqa: BLE001 -- SGLang's validation raises many types
-            if _raised_by_sglang(exc):
+            if build_drift(exc, building="the server's flags") is None and raised_by_sglang(exc):
                 raise _Refused() from exc
             raise
     if args.page_size != server.flags["page_size"]:  # a model's hook reset it (0.5.12: a no_buffer Qwen3-Next's)
@@ -505,7 +506,7 @@ def _worker_pools(args, model_dir: str, device: str, *, kind: str, target=None):
     model = _model_standin(kind, model_config)
     spec = published_namespace("spec")  # on 0.5.16 the ServerArgs
     spec_algorithm = SpeculativeAlgorithm.from_string(spec.speculative_algorithm)
-    runner = types.SimpleNamespace(
+    runner = StandIn(
         device=device, gpu_id=0, ps=runner_ranks(), pp_group=get_parallel().pp_group, pp_size=get_parallel().pp_size,
         model=model, model_config=model_config, server_args=args, dtype=model_config.dtype,
         # as the runner resolves it (``resolve_draft_attention_backend``, no backend of the draft's algorithm)
@@ -547,11 +548,11 @@ def _model_standin(kind: str, model_config):
     """The model a runner holds, as far as the configurator's inputs ask it: no weights, no quantisation and no layer
     hooks (the model config decides), but the model class's window hook where it has one (GPT-OSS serves its
     checkpoint's window less one), run on the model config as the model would run it."""
-    model = types.SimpleNamespace()
+    model = StandIn()
     hook = MODELS[kind].window_hook
     if hook is not None and has_private(hook):
         model.get_attention_sliding_window_size = types.MethodType(
-            private(hook), types.SimpleNamespace(config=model_config.hf_config))
+            private(hook), StandIn(config=model_config.hf_config))
     return model
 
 

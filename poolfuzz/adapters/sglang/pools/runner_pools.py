@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import types
 
+from poolfuzz.adapters.sglang.compat.drift import marked_stand_in
 from poolfuzz.adapters.sglang.compat import has_private, private, rank_standins_cleared, runner_state_unasked
 
 NEEDS = ("model_runner", "runner_init_memory_pool", "runner_kv_dtype", "runner_free_memory",
@@ -90,7 +91,7 @@ def built_by_runner(args, model_config, model, device: str):
     from sglang.srt.configs.model_config import AttentionArch
     from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 
-    runner = object.__new__(private("model_runner"))  # no __init__: it would load the model
+    runner = marked_stand_in(object.__new__(private("model_runner")))  # no __init__: it would load the model
     layers = max(model_config.num_hidden_layers, model_config.num_attention_layers)
     # what ModelRunner.__init__ sets from its arguments (a one-rank target worker), and initialize before its pools
     runner.__dict__.update(

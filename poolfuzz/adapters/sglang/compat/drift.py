@@ -1,0 +1,118 @@
+"""Which errors of a server's pools build are the adapter meeting a reshaped release (API CHANGED), not SGLang refusing
+the server nor this machine lacking something.
+
+A build the adapter cannot make used to leave the family on its own wiring with the reason in ``pools_source`` and no
+run failing: until stop 61, 0.5.16, 0.5.17 and 0.5.19 to 0.5.21 ran every config so, each lane passing on the
+adapter's pools instead of SGLang's. An error is the adapter's drift where
+
+- a call the adapter makes does not bind (a keyword or field the release dropped: ``TypeError``), a name it imports or
+  reads is gone (``ImportError``, ``NameError``), or an attribute it reads is not there (``AttributeError``), raised in
+  the adapter's own code;
+- SGLang reads an attribute that one of the adapter's stand-ins (a model runner, a model, made without a GPU or
+  weights) does not hold: the release reads more of the runner than the stand-in was made with (0.5.21's ``pp_size``);
+- SGLang's own seam refuses the platform facts the adapter states (0.5.21's "unknown platform fact(s)");
+- the configurator path lacks a name it needs on a release that has the configurator.
+
+Such an error is an ``EngineApiChanged``: the run says "API CHANGED" and names what to update, where the wiring would
+have passed untested. Errors SGLang raises from its own code on the server's flags or sizes are not drift: they stay
+refusals (``configurator.ServerRefused``) or reasons the family gives."""
+
+from __future__ import annotations
+
+import os
+import types
+import weakref
+
+import poolfuzz
+from poolfuzz.adapters.sglang.compat.needs import ENGINE, PRIVATE, release
+from poolfuzz.errors import EngineApiChanged
+
+_ADAPTER_CODE = os.path.dirname(os.path.abspath(poolfuzz.__file__)) + os.sep
+_CALL_DRIFT = (TypeError, ImportError, NameError, AttributeError)
+
+
+class StandIn(types.SimpleNamespace):
+    """An object that holds what SGLang's code reads of one of its own (a model runner made without a GPU, a model
+    without weights): an attribute SGLang reads and it lacks is the adapter's drift, not the server's refusal."""
+
+
+_MARKED: weakref.WeakSet = weakref.WeakSet()
+
+
+def marked_stand_in(obj):
+    """``obj``, an instance of SGLang's own class made without its constructor (``object.__new__(ModelRunner)``),
+    marked as a stand-in, for the same reason as a ``StandIn``."""
+    _MARKED.add(obj)
+    return obj
+
+
+def _is_stand_in(obj) -> bool:
+    try:
+        return isinstance(obj, StandIn) or obj in _MARKED
+    except TypeError:  # unhashable: no marked stand-in
+        return False
+
+
+def _raising_frame(exc: BaseException):
+    """The innermost traceback entry of ``exc`` (the frame that raised it), or None."""
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    return tb
+
+
+def _raised_in_adapter(exc: BaseException) -> str | None:
+    """``file:line (function)`` of the frame that raised ``exc`` where it is the adapter's own code, else None (a call
+    that does not bind raises in the caller's frame: the callee's never starts)."""
+    tb = _raising_frame(exc)
+    if tb is None or not os.path.abspath(tb.tb_frame.f_code.co_filename).startswith(_ADAPTER_CODE):
+        return None
+    code = tb.tb_frame.f_code
+    return f"{os.path.relpath(code.co_filename, os.path.dirname(_ADAPTER_CODE.rstrip(os.sep)))}:{tb.tb_lineno} " \
+           f"({code.co_name})"
+
+
+def raised_by_sglang(exc: BaseException) -> bool:
+    """Whether SGLang's own code raised ``exc`` (not torch, asked for a device this machine lacks)."""
+    import sglang
+
+    tb = _raising_frame(exc)
+    package = os.path.dirname(os.path.abspath(sglang.__file__)) + os.sep
+    return tb is not None and os.path.abspath(tb.tb_frame.f_code.co_filename).startswith(package)
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"
+
+
+def build_drift(exc: BaseException, *, building: str) -> EngineApiChanged | None:
+    """The EngineApiChanged that ``exc``, raised while ``building`` (a server's pools, in a listing's words), is where
+    it is the adapter's drift (module docstring), else None."""
+    if not isinstance(exc, _CALL_DRIFT):
+        return None
+    stand_in = isinstance(exc, AttributeError) and _is_stand_in(getattr(exc, "obj", None))
+    where = _raised_in_adapter(exc)
+    if not stand_in and where is None:
+        return None  # raised by SGLang's (or a library's) own code: what it says of the server, not the adapter's call
+    attribute = (f"what {building} reads of the adapter's stand-in {type(exc.obj).__name__}" if stand_in
+                 else f"the adapter's call at {where}, building {building}")
+    expected = ("the fields the adapter's stand-in holds (the release reads another)" if stand_in
+                else "the names, keywords and fields the adapter passes and reads")
+    return EngineApiChanged(engine=ENGINE, release=release(), attribute=attribute, expected=expected,
+                            found=_first_line(exc))
+
+
+def platform_refused(exc: BaseException, facts) -> EngineApiChanged:
+    """SGLang's ``override_platform`` refused the platform facts the adapter states (``facts``, their names)."""
+    return EngineApiChanged(engine=ENGINE, release=release(), attribute=PRIVATE["override_platform"].target,
+                            expected=f"to take the platform facts the adapter states ({', '.join(sorted(facts))})",
+                            found=_first_line(exc))
+
+
+def configurator_lacking(missing) -> EngineApiChanged:
+    """A release with SGLang's KV cache configurator lacks ``missing``, names its configurator path calls."""
+    first = PRIVATE[missing[0]].target
+    return EngineApiChanged(engine=ENGINE, release=release(), attribute=first,
+                            expected="present beside KVCacheConfigurator (the configurator path calls it)",
+                            found=f"absent ({', '.join(missing)} lacking)")
