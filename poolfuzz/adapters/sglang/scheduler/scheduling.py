@@ -53,6 +53,7 @@ from unittest import mock
 import torch
 
 from poolfuzz.adapters.sglang import compat
+from poolfuzz.adapters.sglang.compat.drift import marked_stand_in
 from poolfuzz.adapters.sglang.host_tier import l3
 from poolfuzz.adapters.sglang.lifecycle.family import build_sglang_family
 from poolfuzz.adapters.sglang.lifecycle.protocol import unalias_backup
@@ -273,7 +274,7 @@ class SglangSchedulerDriver:
                                             allocator=allocator, model_config=model, disaggregation_mode=pd)
         flags = compat.publish_scheduler_context(max_running_requests=max_running)
         longest = max_req_len(config, capacity)
-        self.server = object.__new__(m.Scheduler)
+        self.server = marked_stand_in(object.__new__(m.Scheduler))  # a field SGLang reads and it lacks: drift
         self.server.__dict__.update(compat.scheduler_state(
             tree=self.tree, req_to_token_pool=req_pool, allocator=allocator, model_config=model,
             spec_algorithm=m.SpeculativeAlgorithm.from_string(self.server_args.get("speculative_algorithm")),

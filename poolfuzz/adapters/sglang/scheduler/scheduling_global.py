@@ -30,6 +30,7 @@ from __future__ import annotations
 from types import SimpleNamespace as NS
 
 from poolfuzz.adapters.sglang import compat
+from poolfuzz.adapters.sglang.compat.drift import marked_stand_in
 from poolfuzz.adapters.sglang.host_tier import hicache
 from poolfuzz.adapters.sglang.scheduler.model_facts import empty_batch, max_req_len, model_config_standin
 from poolfuzz.adapters.sglang.server_args import NO_MODEL
@@ -59,7 +60,7 @@ def build_server(driver, config, max_running: int) -> "GlobalLoop":
     driver.family = driver.build_family(config, max_running)
     driver.pools_built()
     driver.total, capacity = compat.worker_token_capacity(driver.family)
-    server = driver.server = object.__new__(m.Scheduler)
+    server = driver.server = marked_stand_in(object.__new__(m.Scheduler))  # a field it lacks and SGLang reads: drift
     server.__dict__.update(compat.global_scheduler_state(
         server_args=server_args, model_config=model_config_standin(config), spec_algorithm=m.SpeculativeAlgorithm.NONE,
         disaggregation_mode=getattr(m.DisaggregationMode, driver.role), config=config, total=driver.total,

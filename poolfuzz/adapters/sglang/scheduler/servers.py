@@ -6,9 +6,11 @@ from __future__ import annotations
 
 from functools import lru_cache
 
+from poolfuzz.adapters.sglang.compat.drift import build_drift
 from poolfuzz.adapters.sglang.scheduler.scheduling import SglangSchedulerDriver, release_problem
 from poolfuzz.adapters.sglang.scheduler.spec_worker import speculative_problem
 from poolfuzz.pools.config import ModelConfig
+from poolfuzz.errors import EngineApiChanged
 from poolfuzz.pools.errors import ConfigError
 
 
@@ -28,9 +30,11 @@ def server_refusal(config: ModelConfig, driver_cls, backup_mode: str | None = No
     is no refusal but what a server would crash with at startup: the config is fuzzed, and each example's build
     reports it as a failure found in the engine (with an artifact), not a traceback out of the run."""
     try:
-        driver = driver_cls(config, backup_mode=backup_mode)
+        driver = _built(driver_cls, config, backup_mode)
     except ConfigError as exc:
         return str(exc).split(": ", 1)[-1]
+    except EngineApiChanged:
+        raise
     except Exception:  # noqa: BLE001 - reported by the examples, where the same build runs under the harness
         return None
     driver.close()  # a server built only to ask: its storage threads and files go now, not at collection
@@ -47,4 +51,15 @@ def build_driver(config: ModelConfig, *, device="cpu", faults=(), backup_mode=No
     if backup_mode not in (None, *driver_cls.backup_modes):
         raise ConfigError(f"{driver_cls.label} {driver_cls.retraction}; backup mode {backup_mode!r} is not driven "
                           f"(leave it unset, or one of {', '.join(driver_cls.backup_modes)})")
-    return driver_cls(config, backup_mode=backup_mode)
+    return _built(driver_cls, config, backup_mode)
+
+
+def _built(driver_cls, config: ModelConfig, backup_mode: str | None):
+    """The server built; an error of the build that is the adapter meeting a reshaped release (a call that does not
+    bind, a field SGLang reads of a stand-in: ``compat.drift``) is API CHANGED, not a startup crash found in SGLang."""
+    try:
+        return driver_cls(config, backup_mode=backup_mode)
+    except Exception as exc:
+        if (change := build_drift(exc, building=f"{driver_cls.label} for config {config.name!r}")) is not None:
+            raise change from None
+        raise
