@@ -92,6 +92,18 @@ BUILD_DRIFTS = {
         "sglang:scheduler",
         ("what the sglang scheduler path for config 'dense' reads of the adapter's stand-in Scheduler",
          "has no attribute 'a_field_this_release_sets_in_init'")),
+    # the same, read by a step of the server (the harness would have reported a Crash found in SGLang, with an artifact)
+    "scheduler field in a step": (
+        "from poolfuzz.adapters.sglang.scheduler.scheduling import scheduler_modules\n"
+        "S = scheduler_modules().Scheduler\n"
+        "f = S.get_next_batch_to_run\n"
+        "def reads_more(self, *a, **k):\n"
+        "    self.a_field_this_release_sets_in_init\n"
+        "    return f(self, *a, **k)\n"
+        "S.get_next_batch_to_run = reads_more",
+        "sglang:scheduler",
+        ("API CHANGED: sglang {v}: what the sglang scheduler path's ", "reads of the adapter's stand-in Scheduler",
+         "has no attribute 'a_field_this_release_sets_in_init'")),
     # SGLang's platform seam refuses a fact the adapter states (0.5.19 to 0.5.21 refused is_mps and is_sm110)
     "platform fact": (
         "import sglang.srt.runtime_context as rc\n"

@@ -1,5 +1,5 @@
-"""Which errors of a server's pools build are the adapter meeting a reshaped release (API CHANGED), not SGLang refusing
-the server nor this machine lacking something.
+"""Which errors of a server's build or step are the adapter meeting a reshaped release (API CHANGED), not SGLang
+refusing the server, crashing on its own, nor this machine lacking something.
 
 A build the adapter cannot make used to leave the family on its own wiring with the reason in ``pools_source`` and no
 run failing: until stop 61, 0.5.16, 0.5.17 and 0.5.19 to 0.5.21 ran every config so, each lane passing on the
@@ -7,18 +7,21 @@ adapter's pools instead of SGLang's. An error is the adapter's drift where
 
 - a call the adapter makes does not bind (a keyword or field the release dropped: ``TypeError``), a name it imports or
   reads is gone (``ImportError``, ``NameError``), or an attribute it reads is not there (``AttributeError``), raised in
-  the adapter's own code;
+  the SGLang adapter's own code (``poolfuzz/adapters/sglang``);
 - SGLang reads an attribute that one of the adapter's stand-ins (a model runner, a model, made without a GPU or
   weights) does not hold: the release reads more of the runner than the stand-in was made with (0.5.21's ``pp_size``);
 - SGLang's own seam refuses the platform facts the adapter states (0.5.21's "unknown platform fact(s)");
 - the configurator path lacks a name it needs on a release that has the configurator.
 
 Such an error is an ``EngineApiChanged``: the run says "API CHANGED" and names what to update, where the wiring would
-have passed untested. Errors SGLang raises from its own code on the server's flags or sizes are not drift: they stay
+have passed untested. A scheduler-path server's build and steps (``drift_checked``; the stand-in ``Scheduler`` made
+without ``__init__`` is marked) are classified the same way, where the harness would have reported a crash found in
+SGLang. Errors SGLang raises from its own code on the server's flags or sizes are not drift: they stay
 refusals (``configurator.ServerRefused``) or reasons the family gives."""
 
 from __future__ import annotations
 
+import functools
 import os
 import types
 import weakref
@@ -27,7 +30,9 @@ import poolfuzz
 from poolfuzz.adapters.sglang.compat.needs import ENGINE, PRIVATE, release
 from poolfuzz.errors import EngineApiChanged
 
-_ADAPTER_CODE = os.path.dirname(os.path.abspath(poolfuzz.__file__)) + os.sep
+# the SGLang adapter's own code (not the harness's: a harness bug is no engine's API change)
+_ADAPTER_CODE = os.path.join(os.path.dirname(os.path.abspath(poolfuzz.__file__)), "adapters", "sglang") + os.sep
+_PACKAGE_PARENT = os.path.dirname(os.path.dirname(os.path.abspath(poolfuzz.__file__)))
 _CALL_DRIFT = (TypeError, ImportError, NameError, AttributeError)
 
 
@@ -68,8 +73,7 @@ def _raised_in_adapter(exc: BaseException) -> str | None:
     if tb is None or not os.path.abspath(tb.tb_frame.f_code.co_filename).startswith(_ADAPTER_CODE):
         return None
     code = tb.tb_frame.f_code
-    return f"{os.path.relpath(code.co_filename, os.path.dirname(_ADAPTER_CODE.rstrip(os.sep)))}:{tb.tb_lineno} " \
-           f"({code.co_name})"
+    return f"{os.path.relpath(code.co_filename, _PACKAGE_PARENT)}:{tb.tb_lineno} ({code.co_name})"
 
 
 def raised_by_sglang(exc: BaseException) -> bool:
@@ -87,8 +91,8 @@ def _first_line(exc: BaseException) -> str:
 
 
 def build_drift(exc: BaseException, *, building: str) -> EngineApiChanged | None:
-    """The EngineApiChanged that ``exc``, raised while ``building`` (a server's pools, in a listing's words), is where
-    it is the adapter's drift (module docstring), else None."""
+    """The EngineApiChanged that ``exc``, raised while ``building`` (a server's pools, in a listing's words, or a
+    server's step), is where it is the adapter's drift (module docstring), else None."""
     if not isinstance(exc, _CALL_DRIFT):
         return None
     stand_in = isinstance(exc, AttributeError) and _is_stand_in(getattr(exc, "obj", None))
@@ -116,3 +120,28 @@ def configurator_lacking(missing) -> EngineApiChanged:
     return EngineApiChanged(engine=ENGINE, release=release(), attribute=first,
                             expected="present beside KVCacheConfigurator (the configurator path calls it)",
                             found=f"absent ({', '.join(missing)} lacking)")
+
+
+def drift_checked(cls, methods: tuple[str, ...]):
+    """``cls`` with each of ``methods`` that it defines itself re-raising the adapter's drift as API CHANGED, not as a
+    crash the harness would report as found in SGLang (a step of a server whose release reads a field its stand-in
+    Scheduler lacks, or a call the adapter makes in a step that no longer binds)."""
+    for name in methods:
+        method = vars(cls).get(name)
+        if callable(method) and not getattr(method, "drift_checked", False):
+            setattr(cls, name, _checked(method, name))
+    return cls
+
+
+def _checked(method, name: str):
+    @functools.wraps(method)
+    def checked(self, *args, **kwargs):
+        try:
+            return method(self, *args, **kwargs)
+        except _CALL_DRIFT as exc:
+            if (change := build_drift(exc, building=f"{self.label}'s {name}")) is not None:
+                raise change from exc
+            raise
+
+    checked.drift_checked = True
+    return checked

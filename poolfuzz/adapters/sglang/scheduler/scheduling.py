@@ -53,7 +53,7 @@ from unittest import mock
 import torch
 
 from poolfuzz.adapters.sglang import compat
-from poolfuzz.adapters.sglang.compat.drift import marked_stand_in
+from poolfuzz.adapters.sglang.compat.drift import drift_checked, marked_stand_in
 from poolfuzz.adapters.sglang.host_tier import l3
 from poolfuzz.adapters.sglang.lifecycle.family import build_sglang_family
 from poolfuzz.adapters.sglang.lifecycle.protocol import unalias_backup
@@ -69,6 +69,10 @@ from poolfuzz.pools.errors import ConfigError, ServerStuck
 from poolfuzz.pools.token_chain import Tokens
 
 DRAIN_STEPS = 400
+# What the harness calls on a server (``harness.scheduled``'s driver surface): each re-raises the adapter's drift as
+# API CHANGED (``compat.drift``), never as a crash found in SGLang.
+DRIVER_CALLS = ("add_request", "session_turn", "close_session", "propose_drafts", "step", "abort", "flush",
+                "state_problem", "drain", "close")
 STALLED_STEPS = 3  # idle steps with requests waiting after which a session's client gives up its turn
 # A model with recurrent state: --mamba-track-interval a multiple of its chunk (``model_facts.MAMBA_CHUNK``), so that
 # prompts of a few dozen tokens cross track boundaries where the extra buffer snapshots a state for the radix tree (the
@@ -224,6 +228,10 @@ class SglangSchedulerDriver:
     drives_speculative = True  # whether it drives a speculative config (spec_worker.py)
     takes_sessions = True  # whether it is started with --enable-streaming-session where the release has it
     storage_dir: str | None = None  # its L3 tier's directory (--hicache-storage-backend, hicache_server.py), or None
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        drift_checked(cls, DRIVER_CALLS)  # a server's own overrides (hicache's abort) too
 
     def server_flags(self, config: ModelConfig, *, max_running_requests: int) -> dict:
         return server_arguments(config, max_running_requests=max_running_requests)
@@ -489,6 +497,9 @@ class SglangSchedulerDriver:
         if req is s.chunked_req:
             return "mid-prefill (chunked)"
         return "running" if req in s.running_batch.reqs else "in no queue"
+
+
+drift_checked(SglangSchedulerDriver, DRIVER_CALLS)
 
 
 class ContextLoop:
