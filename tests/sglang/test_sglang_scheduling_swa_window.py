@@ -9,7 +9,7 @@ the installed release, with the verdict that release must give.
   inserted nodes stay unlocked while the request still holds their slots (the strict busy check counts them twice), and
   a second request that inserts the same prefix trips ``new_prefix_len <= len(new_indices)``. 0.5.23 rounds the kept
   span up to whole pages.
-* SGLang 0.5.18 (sglang#36081; fixed by sglang#36381, in 0.5.20): inside a free group (``process_batch_result``),
+* SGLang 0.5.18 (sglang#36081; fixed by sglang#36381; the program below runs clean from 0.5.19): inside a free group (``process_batch_result``),
   ``SWATokenToKVPoolAllocator.free_swa`` queued full indices and translated them to SWA slots only at
   ``free_group_end``. A tombstone recovered in the same group (``RecoverSWAWithLockedFull``: a finished request inserts
   live SWA over a prefix another request still holds) re-points the held full slot at the new SWA slot, so the flush
@@ -65,7 +65,7 @@ def test_an_unfinished_prefill_on_a_window_off_the_page_grid_stays_locked(schedu
     driver.add_request(length=11, share=0, max_tokens=2)
     driver.step()
     problem = driver.state_problem()
-    if _release(api) < Version("0.5.23"):
+    if Version("0.5.18") <= _release(api) < Version("0.5.23"):  # seen: 0.5.16, 0.5.17 run it clean
         assert problem is not None and problem.startswith(
             "Full Pool Mem Leak Detected! [full] total=64, available=52, evictable=8, protected=0, session_held=0, "
             "uncached=12"), problem
@@ -78,13 +78,14 @@ def test_an_unfinished_prefill_on_a_window_off_the_page_grid_stays_locked(schedu
 def test_a_second_insert_of_a_prefix_whose_leaf_was_refused_does_not_crash(scheduling, api):
     """0.5.18: request 1 (13 tokens) is cached with its first 8 tokens in the tree; request 2 shares those 8 and adds
     3. When request 2's prefill is cached, its 8-token key is found in the tree but the rematch returns nothing (4 live
-    SWA tokens below the boundary), and ``cache_unfinished_req`` asserts. 0.5.23 serves both."""
+    SWA tokens below the boundary), and ``cache_unfinished_req`` asserts (0.5.18, 0.5.19). 0.5.16, 0.5.17 and 0.5.20 on
+    serve both (from 0.5.20 the leak of the test above stays; why this program no longer asserts is not judged)."""
     from packaging.version import Version
 
     driver = _window_frontier_driver(scheduling)
     driver.add_request(length=13, share=0, max_tokens=2)
     driver.add_request(length=3, share=2, max_tokens=2)
-    if _release(api) < Version("0.5.23"):
+    if Version("0.5.18") <= _release(api) < Version("0.5.20"):  # seen: 0.5.16, 0.5.17 and 0.5.20 on run it clean
         with pytest.raises(AssertionError, match=r"^new_prefix_len=8, len\(new_indices\)=0$"):
             for _ in range(2):
                 driver.step()
@@ -101,7 +102,7 @@ def test_a_tombstone_recovered_in_the_free_group_of_a_window_eviction_keeps_its_
     one output) are prefilled together. Caching request 1 evicts its position 0 from the window (queued in the free
     group) and inserts it as a tombstone; request 2 finishes and re-inserts position 0 with live SWA, which recovery
     maps onto request 1's locked full slot; the group's flush then frees that recovered SWA slot. Request 3 hits the
-    4-token prefix and reads zeros at position 0. 0.5.20 serves all three."""
+    4-token prefix and reads zeros at position 0. 0.5.19 on serves all three (0.5.16 and 0.5.17 too)."""
     from packaging.version import Version
 
     from poolfuzz.pools.errors import LostKv
@@ -115,7 +116,7 @@ def test_a_tombstone_recovered_in_the_free_group_of_a_window_eviction_keeps_its_
     driver.step()
     third = driver.add_request(length=1, share=1, max_tokens=1)
     assert driver.runner.tokens[third].ids[:4] == driver.runner.tokens["000001"].ids[:4], "it shares the prefix"
-    if _release(api) < Version("0.5.20"):
+    if Version("0.5.18") <= _release(api) < Version("0.5.19"):  # seen: 0.5.16, 0.5.17 and 0.5.19 on run it clean
         with pytest.raises(LostKv, match=rf"^req {third} step 2: swa\.k layer 1 position 0: block 0 slot 0 holds zeros"):
             driver.step()
     else:
@@ -182,7 +183,8 @@ def test_an_all_swa_request_retracted_after_its_window_slid_frees_its_tail_once(
     5 (11 tokens) decodes, request 6 (20 tokens) joins; three more arrive and the decode runs out of slots:
     ``retract_decode`` takes request 6 back after its window slid (protected 20, evicted 20), and its release frees
     its tail slots 8 to 11 twice. Slot 8 goes to request 5 and again to request 7, whose prefill overwrites it: request
-    5 reads request 7's position 3 at position 9. 0.5.23 frees the tail once and serves all seven."""
+    5 reads request 7's position 3 at position 9 (0.5.18, 0.5.19). 0.5.23 frees the tail once and serves all seven;
+    0.5.16, 0.5.17 and 0.5.20 to 0.5.22 run this program clean too (why, from 0.5.20, is not judged)."""
     from packaging.version import Version
 
     from poolfuzz.pools.errors import LostKv
@@ -214,7 +216,7 @@ def test_an_all_swa_request_retracted_after_its_window_slid_frees_its_tail_once(
         for _ in range(7):
             driver.step()
 
-    if _release(api) < Version("0.5.23"):
+    if Version("0.5.18") <= _release(api) < Version("0.5.20"):  # seen: 0.5.16, 0.5.17 and 0.5.20 on run it clean
         with pytest.raises(LostKv, match=r"swa\.k layer 0 position 9: block 8 slot 8 holds req 0+7's position 3"):
             traffic()
     else:
