@@ -389,8 +389,8 @@ def test_a_dsa_request_retracted_on_a_decode_server_is_offloaded_by_the_pools_ow
     short."""
     if reason := decode.unsupported_reason(CONFIGS["dsa-ps64"]):
         pytest.skip(reason)
-    if release(api) < Version("0.5.11"):
-        pytest.skip("before 0.5.11 the DSA pool inherits MLA's CPU copy, which leaves the indexer keys behind, and the "
+    if release(api) < Version("0.5.12"):  # 0.5.11 too: it loses dsa.index_k at the resume (judged at stop 62)
+        pytest.skip("before 0.5.12 the DSA pool inherits MLA's CPU copy, which leaves the indexer keys behind, and the "
                     "pre-allocation budget overruns paged pools: other judged defects (ci/known/sglang-0.5.9-0.5.15.txt)")
     machine = scheduled_machine(CONFIGS["dsa-ps64"], driver_factory=decode.SglangDecodeDriver)()
     machine.schedule(steps=1, drafts=0)

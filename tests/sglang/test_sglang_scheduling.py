@@ -373,6 +373,9 @@ def test_a_prompt_within_a_page_of_the_pool_is_accepted_but_never_admitted(sched
 
     from poolfuzz.pools.errors import ServerStuck
 
+    if _release(api) == Version("0.5.11"):
+        pytest.skip("0.5.11 does not clip the one new token yet, and never admits the 191-token prompt either (seen at "
+                    "stop 62: it waits with the running batch marked full, sglang#22518); its boundary not searched")
     fits = scheduling.SglangSchedulerDriver(CONFIGS["dsa-ps64"])
     rid = fits.add_request(length=191, share=0, max_tokens=1)
     assert fits.drain() is None and fits.outcome[rid] == "finished"
