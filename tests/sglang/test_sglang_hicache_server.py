@@ -241,9 +241,10 @@ def test_a_load_back_after_a_storage_requery_keeps_the_stale_mamba_copy_on_write
     Without the L3 tier the same traffic passes, and so it does with the report's fix."""
     from poolfuzz.adapters.sglang.host_tier import l3
 
-    if Version(api.version) < Version("0.5.21"):
-        pytest.skip("judged on SGLang 0.5.21 to 0.5.23 (0.5.18 to 0.5.20 schedule this traffic without the shortfall; "
-                    "not judged there)")
+    if Version(api.version) < Version("0.5.23"):
+        pytest.skip("this program loses the state on 0.5.23 only: 0.5.21 and 0.5.22 run it clean (seen at stop 62; the "
+                    "defect was met on 0.5.22 through hybrid-extra-buffer-ps4, ci/known/sglang-0.5.23.txt; earlier "
+                    "releases not judged)")
     driver, lost = _stale_cow_server(hicache_server)
     driver.close()
     assert lost is not None and re.match(r"req \d+ step \d+: mamba\.conv0 layer 0 position 6: .*holds the state after "
