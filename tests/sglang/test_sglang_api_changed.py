@@ -77,7 +77,7 @@ BUILD_DRIFTS = {
         "    return f(self, *a, **k)\n"
         "setattr(R, name, reads_more)",
         None,
-        ("what SGLang's ", "reads of the adapter's stand-in ",
+        ("what SGLang's ", "reads of the adapter's stand-in ModelRunner",
          "has no attribute 'a_field_this_release_sets_in_init'")),
     # the Scheduler, made without its __init__, is read for a field the release's __init__ now sets (the scheduler
     # path only: its init_chunked_prefill runs on the stand-in at every server build)
@@ -90,7 +90,7 @@ BUILD_DRIFTS = {
         "    return f(self)\n"
         "S.init_chunked_prefill = reads_more",
         "sglang:scheduler",
-        ("what the sglang scheduler path for config 'dense' reads of the adapter's stand-in Scheduler",
+        ("what the sglang scheduler path's build for config 'dense' reads of the adapter's stand-in Scheduler",
          "has no attribute 'a_field_this_release_sets_in_init'")),
     # the same, read by a step of the server (the harness would have reported a Crash found in SGLang, with an artifact)
     "scheduler field in a step": (

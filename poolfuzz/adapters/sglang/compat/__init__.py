@@ -2,7 +2,8 @@
 class lives across releases, which are needed, the private names read), ``scheduler`` (what the scheduler path reads
 of a Scheduler built without its model), ``scheduler_global`` (the same on releases with one global ServerArgs),
 ``spec_v2`` (what a speculative round runs), ``platform`` (the GPU or CPU a server's flags are resolved on, stood in
-for) and ``drift`` (which errors of a server's pools build are the adapter meeting a reshaped release: API CHANGED).
+for) and ``drift`` (which errors of a server's build or step are the adapter meeting a reshaped release: API
+CHANGED).
 
 Every engine-private name the adapter reads is read in this package and nowhere else; the rest of the adapter imports
 it from here, as ``compat.NAME``."""

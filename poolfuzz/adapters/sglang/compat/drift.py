@@ -38,7 +38,12 @@ _CALL_DRIFT = (TypeError, ImportError, NameError, AttributeError)
 
 class StandIn(types.SimpleNamespace):
     """An object that holds what SGLang's code reads of one of its own (a model runner made without a GPU, a model
-    without weights): an attribute SGLang reads and it lacks is the adapter's drift, not the server's refusal."""
+    without weights), named by ``stands_for``: an attribute SGLang reads and it lacks is the adapter's drift, not the
+    server's refusal."""
+
+    def __init__(self, stands_for: str, **fields):
+        super().__init__(**fields)
+        self.__dict__["_stands_for"] = stands_for
 
 
 _MARKED: weakref.WeakSet = weakref.WeakSet()
@@ -90,17 +95,21 @@ def _first_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"
 
 
-def build_drift(exc: BaseException, *, building: str) -> EngineApiChanged | None:
-    """The EngineApiChanged that ``exc``, raised while ``building`` (a server's pools, in a listing's words, or a
-    server's step), is where it is the adapter's drift (module docstring), else None."""
+def _stand_in_name(obj) -> str:
+    return obj._stands_for if isinstance(obj, StandIn) else type(obj).__name__
+
+
+def build_drift(exc: BaseException, *, during: str) -> EngineApiChanged | None:
+    """The EngineApiChanged that ``exc``, raised ``during`` a server's build or step (in a listing's words), is where
+    it is the adapter's drift (module docstring), else None."""
     if not isinstance(exc, _CALL_DRIFT):
         return None
     stand_in = isinstance(exc, AttributeError) and _is_stand_in(getattr(exc, "obj", None))
     where = _raised_in_adapter(exc)
     if not stand_in and where is None:
         return None  # raised by SGLang's (or a library's) own code: what it says of the server, not the adapter's call
-    attribute = (f"what {building} reads of the adapter's stand-in {type(exc.obj).__name__}" if stand_in
-                 else f"the adapter's call at {where}, building {building}")
+    attribute = (f"what {during} reads of the adapter's stand-in {_stand_in_name(exc.obj)}" if stand_in
+                 else f"the adapter's call at {where}, in {during}")
     expected = ("the fields the adapter's stand-in holds (the release reads another)" if stand_in
                 else "the names, keywords and fields the adapter passes and reads")
     return EngineApiChanged(engine=ENGINE, release=release(), attribute=attribute, expected=expected,
@@ -139,7 +148,7 @@ def _checked(method, name: str):
         try:
             return method(self, *args, **kwargs)
         except _CALL_DRIFT as exc:
-            if (change := build_drift(exc, building=f"{self.label}'s {name}")) is not None:
+            if (change := build_drift(exc, during=f"{self.label}'s {name}")) is not None:
                 raise change from exc
             raise
 

@@ -368,7 +368,7 @@ def configure(c: ModelConfig, *, device: str = "cpu", role_flags: dict | None = 
     except EngineApiChanged:
         raise  # a name, or a seam's answer, the adapter reads: its verdict, not this machine's limit
     except Exception as exc:  # noqa: BLE001 -- whatever SGLang (or transformers, parsing the model) refuses it with
-        if (change := build_drift(exc, building=f"{builder()} for the server {server.command_line()!r}")) is not None:
+        if (change := build_drift(exc, during=f"{builder()} for the server {server.command_line()!r}")) is not None:
             raise change from None  # the adapter's call, not the server: never the wiring in silence
         raise ConfigError(f"config {c.name!r}: SGLang cannot build the server {server.command_line()!r} here: "
                           f"{type(exc).__name__}: {_first_line(exc)}") from None
@@ -460,7 +460,7 @@ def _configured(server: ServerModel, model_dir: str, device: str):
             if not by_runner():  # before 0.5.16 the Scheduler's global arguments, set by the runner path
                 publish_as_scheduler(args)
         except Exception as exc:  # noqa: BLE001 -- SGLang's validation raises many types
-            if build_drift(exc, building="the server's flags") is None and raised_by_sglang(exc):
+            if build_drift(exc, during="SGLang's resolution of the server's flags") is None and raised_by_sglang(exc):
                 raise _Refused() from exc
             raise
     if args.page_size != server.flags["page_size"]:  # a model's hook reset it (0.5.12: a no_buffer Qwen3-Next's)
@@ -507,7 +507,7 @@ def _worker_pools(args, model_dir: str, device: str, *, kind: str, target=None):
     spec = published_namespace("spec")  # on 0.5.16 the ServerArgs
     spec_algorithm = SpeculativeAlgorithm.from_string(spec.speculative_algorithm)
     runner = StandIn(
-        device=device, gpu_id=0, ps=runner_ranks(), pp_group=get_parallel().pp_group, pp_size=get_parallel().pp_size,
+        "ModelRunner", device=device, gpu_id=0, ps=runner_ranks(), pp_group=get_parallel().pp_group, pp_size=get_parallel().pp_size,
         model=model, model_config=model_config, server_args=args, dtype=model_config.dtype,
         # as the runner resolves it (``resolve_draft_attention_backend``, no backend of the draft's algorithm)
         draft_attention_backend=spec.speculative_draft_attention_backend if draft else None,
@@ -548,11 +548,11 @@ def _model_standin(kind: str, model_config):
     """The model a runner holds, as far as the configurator's inputs ask it: no weights, no quantisation and no layer
     hooks (the model config decides), but the model class's window hook where it has one (GPT-OSS serves its
     checkpoint's window less one), run on the model config as the model would run it."""
-    model = StandIn()
+    model = StandIn("the model")
     hook = MODELS[kind].window_hook
     if hook is not None and has_private(hook):
         model.get_attention_sliding_window_size = types.MethodType(
-            private(hook), StandIn(config=model_config.hf_config))
+            private(hook), StandIn("the model", config=model_config.hf_config))
     return model
 
 

@@ -60,6 +60,6 @@ def _built(driver_cls, config: ModelConfig, backup_mode: str | None):
     try:
         return driver_cls(config, backup_mode=backup_mode)
     except Exception as exc:
-        if (change := build_drift(exc, building=f"{driver_cls.label} for config {config.name!r}")) is not None:
+        if (change := build_drift(exc, during=f"{driver_cls.label}'s build for config {config.name!r}")) is not None:
             raise change from None
         raise
