@@ -21,6 +21,7 @@ refusals (``configurator.ServerRefused``) or reasons the family gives."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import types
@@ -131,6 +132,18 @@ def configurator_lacking(missing) -> EngineApiChanged:
                             found=f"absent ({', '.join(missing)} lacking)")
 
 
+@contextlib.contextmanager
+def drift_raised(during: str):
+    """Runs its block; an error of it that is the adapter's drift (``build_drift``) is raised as API CHANGED, any
+    other as it was."""
+    try:
+        yield
+    except _CALL_DRIFT as exc:
+        if (change := build_drift(exc, during=during)) is not None:
+            raise change from exc
+        raise
+
+
 def drift_checked(cls, methods: tuple[str, ...]):
     """``cls`` with each of ``methods`` that it defines itself re-raising the adapter's drift as API CHANGED, not as a
     crash the harness would report as found in SGLang (a step of a server whose release reads a field its stand-in
@@ -145,12 +158,8 @@ def drift_checked(cls, methods: tuple[str, ...]):
 def _checked(method, name: str):
     @functools.wraps(method)
     def checked(self, *args, **kwargs):
-        try:
+        with drift_raised(f"{self.label}'s {name}"):
             return method(self, *args, **kwargs)
-        except _CALL_DRIFT as exc:
-            if (change := build_drift(exc, during=f"{self.label}'s {name}")) is not None:
-                raise change from exc
-            raise
 
     checked.drift_checked = True
     return checked

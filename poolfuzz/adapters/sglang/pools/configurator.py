@@ -460,7 +460,9 @@ def _configured(server: ServerModel, model_dir: str, device: str):
             if not by_runner():  # before 0.5.16 the Scheduler's global arguments, set by the runner path
                 publish_as_scheduler(args)
         except Exception as exc:  # noqa: BLE001 -- SGLang's validation raises many types
-            if build_drift(exc, during="SGLang's resolution of the server's flags") is None and raised_by_sglang(exc):
+            if (change := build_drift(exc, during="SGLang's resolution of the server's flags")) is not None:
+                raise change from exc
+            if raised_by_sglang(exc):
                 raise _Refused() from exc
             raise
     if args.page_size != server.flags["page_size"]:  # a model's hook reset it (0.5.12: a no_buffer Qwen3-Next's)

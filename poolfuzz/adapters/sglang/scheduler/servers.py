@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from functools import lru_cache
 
-from poolfuzz.adapters.sglang.compat.drift import build_drift
+from poolfuzz.adapters.sglang.compat.drift import drift_raised
 from poolfuzz.adapters.sglang.scheduler.scheduling import SglangSchedulerDriver, release_problem
 from poolfuzz.adapters.sglang.scheduler.spec_worker import speculative_problem
 from poolfuzz.pools.config import ModelConfig
@@ -57,9 +57,5 @@ def build_driver(config: ModelConfig, *, device="cpu", faults=(), backup_mode=No
 def _built(driver_cls, config: ModelConfig, backup_mode: str | None):
     """The server built; an error of the build that is the adapter meeting a reshaped release (a call that does not
     bind, a field SGLang reads of a stand-in: ``compat.drift``) is API CHANGED, not a startup crash found in SGLang."""
-    try:
+    with drift_raised(f"{driver_cls.label}'s build for config {config.name!r}"):
         return driver_cls(config, backup_mode=backup_mode)
-    except Exception as exc:
-        if (change := build_drift(exc, during=f"{driver_cls.label}'s build for config {config.name!r}")) is not None:
-            raise change from None
-        raise
