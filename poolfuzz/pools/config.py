@@ -26,6 +26,9 @@ STATE_DTYPES = ("bfloat16", "float16", "float32")
 # without a clock or a random draw (``hrrn`` ages requests by wall time, ``random`` shuffles): FCFS and LOF order the
 # waiting queue by arrival and by output length; LPM and DFS-weight match every waiting prompt in the radix tree.
 SCHEDULE_POLICIES = ("fcfs", "lpm", "dfs-weight", "lof")
+# Where a model's recurrent state lives (``ModelConfig.recurrent_layers``): in layers of its own, or in every
+# attention layer beside its KV (Inkling's short convolutions).
+RECURRENT_LAYERS = ("own", "attention")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -38,6 +41,11 @@ class ModelConfig:
     full_layers: int = 1  # full-attention layers
     swa_layers: int = 0  # sliding-window attention layers
     mamba_layers: int = 0  # recurrent-state (mamba / GDN / short-conv) layers
+    # Where the recurrent state lives: "own", in layers of their own (the M of ``layer_pattern``); "attention", in
+    # every attention layer beside its KV, as Inkling's short convolutions keep theirs (SGLang's MambaPool's layers are
+    # then the attention layers, ``mamba_layers`` of them, and the state may be conv windows only: ``temporal_shape``
+    # (0, 0, 0), as Inkling's has no temporal state)
+    recurrent_layers: str = "own"
     sliding_window: int = 0  # tokens; required when swa_layers > 0
     head_num: int = 2
     head_dim: int = 8
@@ -132,13 +140,28 @@ class ModelConfig:
         return self.mamba_layers > 0
 
     @property
+    def state_in_attention(self) -> bool:
+        """The recurrent state lives in the attention layers (``recurrent_layers`` "attention"), not in its own."""
+        return self.recurrent_layers == "attention"
+
+    @property
+    def own_mamba_layers(self) -> int:
+        """The layers that hold recurrent state and nothing else (none where the attention layers hold it)."""
+        return 0 if self.state_in_attention else self.mamba_layers
+
+    @property
+    def has_temporal(self) -> bool:
+        """The recurrent state has a temporal part (Inkling's short convolutions keep conv windows only)."""
+        return tuple(self.temporal_shape) != (0, 0, 0)
+
+    @property
     def num_layers(self) -> int:
-        return self.full_layers + self.swa_layers + self.mamba_layers
+        return self.full_layers + self.swa_layers + self.own_mamba_layers
 
     @property
     def layers(self) -> str:
         """The layer kinds in model order (``layer_pattern``, or the blocked layout it defaults to)."""
-        return self.layer_pattern or "F" * self.full_layers + "S" * self.swa_layers + "M" * self.mamba_layers
+        return self.layer_pattern or "F" * self.full_layers + "S" * self.swa_layers + "M" * self.own_mamba_layers
 
     def _ids(self, kind: str) -> tuple[int, ...]:
         return tuple(i for i, k in enumerate(self.layers) if k == kind)
@@ -153,7 +176,8 @@ class ModelConfig:
 
     @property
     def mamba_layer_ids(self) -> tuple[int, ...]:
-        return self._ids("M")
+        """The layers whose recurrent state the mamba pool holds: the M layers, or every attention layer."""
+        return tuple(range(self.num_layers)) if self.state_in_attention else self._ids("M")
 
     @property
     def host_size(self) -> int:
@@ -227,10 +251,10 @@ def _validate(c: ModelConfig) -> list[str]:
         if set(c.layer_pattern) - set("FSM"):
             problems.append(f"layer_pattern {c.layer_pattern!r} may hold only F (full), S (swa) and M (mamba)")
         counts = (c.layer_pattern.count("F"), c.layer_pattern.count("S"), c.layer_pattern.count("M"))
-        if counts != (c.full_layers, c.swa_layers, c.mamba_layers):
+        if counts != (c.full_layers, c.swa_layers, c.own_mamba_layers):
             problems.append(f"layer_pattern {c.layer_pattern!r} has {counts[0]} F, {counts[1]} S, {counts[2]} M "
                             f"but the config has full_layers={c.full_layers}, swa_layers={c.swa_layers}, "
-                            f"mamba_layers={c.mamba_layers}")
+                            f"mamba_layers={c.own_mamba_layers}" + (" of their own" if c.state_in_attention else ""))
     problems += _validate_storage(c)
     if c.request_rows < 1:
         problems.append("request_rows must be >= 1")
@@ -243,9 +267,22 @@ def _validate(c: ModelConfig) -> list[str]:
         for shape in c.conv_shapes:
             if _prod(shape) < 12:
                 problems.append(f"conv shape {shape} holds fewer than 12 values")
-        if _prod(c.temporal_shape) < 12:
-            problems.append(f"temporal shape {c.temporal_shape} holds fewer than 12 values")
+        if _prod(c.temporal_shape) < 12 and not (c.state_in_attention and not c.has_temporal):
+            problems.append(f"temporal shape {c.temporal_shape} holds fewer than 12 values (only state kept in the "
+                            "attention layers may have none: (0, 0, 0))")
+    problems += _validate_recurrent_layers(c)
     return problems
+
+
+def _validate_recurrent_layers(c: ModelConfig) -> list[str]:
+    """Where the recurrent state lives: its own layers, or every attention layer (Inkling's short convolutions)."""
+    if c.recurrent_layers not in RECURRENT_LAYERS:
+        return [f"recurrent_layers {c.recurrent_layers!r} is not one of {', '.join(RECURRENT_LAYERS)}"]
+    attention = c.full_layers + c.swa_layers
+    if c.state_in_attention and c.mamba_layers != attention:
+        return [f"recurrent_layers 'attention' keeps state in every attention layer: mamba_layers must be "
+                f"{attention} (full_layers + swa_layers), got {c.mamba_layers}"]
+    return []
 
 
 def _validate_all_swa(c: ModelConfig) -> list[str]:
@@ -325,8 +362,12 @@ def _base_configs() -> list[ModelConfig]:
         mamba_slots=4, full_tokens=48, request_rows=5, max_context=48, kv_dtype="bfloat16",
         state_dtype="float32", layer_pattern="MMF", conv_shapes=((16, 3),),
     )
+    # Shaped as SGLang builds an Inkling (server_models): sliding-window and full attention, each layer keeping its
+    # short convolutions' windows beside its KV (kernel-major: kernel - 1 by the full and the window layers' KV width
+    # and the hidden width, two of each) and no temporal state; SWA and recurrent state in one model, #35957's kind
     swa_ssm = ModelConfig(
         name="swa-ssm", architecture="inkling", full_layers=1, swa_layers=1, mamba_layers=2,
+        recurrent_layers="attention", conv_shapes=((3, 16),) * 6, temporal_shape=(0, 0, 0),
         sliding_window=6, mamba_slots=4, full_tokens=48, swa_tokens=32, request_rows=5,
         max_context=64, kv_dtype="bfloat16", state_dtype="bfloat16",
     )

@@ -71,9 +71,12 @@ def _shape(key: str, value, where: str):
         return tuple(v)
 
     if key == "temporal_shape":
+        if value == [0, 0, 0]:  # no temporal state (short convolutions in the attention layers)
+            return (0, 0, 0)
         shape = dims(value)
         if len(shape) != 3:
-            raise ConfigError(f"{where}: temporal_shape must be [heads, head_dim, state_size], got {value!r}")
+            raise ConfigError(f"{where}: temporal_shape must be [heads, head_dim, state_size] (or [0, 0, 0] for none), "
+                              f"got {value!r}")
         return shape
     if not isinstance(value, list) or not value or len(value) > 8:
         raise ConfigError(f"{where}: conv_shapes must be a list of 1 to 8 shapes, got {value!r}")
@@ -84,6 +87,8 @@ def to_toml(config: ModelConfig) -> str:
     """``config`` as a TOML ``[[config]]`` table, every field written out, ready to edit."""
     lines = ["# A poolfuzz model config: edit it, then `poolfuzz run --config-file FILE.toml`.",
              "# layer_pattern: one letter per layer, F full, S sliding window, M mamba; \"\" = F..S..M..",
+             "# recurrent_layers: \"own\" (the M layers) or \"attention\" (state beside the KV of every attention "
+             "layer, as Inkling's short convolutions; temporal_shape [0, 0, 0]: none)",
              "[[config]]"]
     for key, value in config_fields(config).items():
         lines.append(f"{key} = {json.dumps(value)}")

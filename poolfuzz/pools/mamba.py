@@ -57,7 +57,9 @@ class MambaPool:
         return _as_index(idx).to(self.device)
 
     def state_tensors(self) -> list[tuple[str, torch.Tensor]]:
-        return [(f"mamba.conv{i}", c) for i, c in enumerate(self.conv)] + [("mamba.temporal", self.temporal)]
+        # a state of conv windows only (Inkling's short convolutions) has no temporal part to name
+        temporal = [("mamba.temporal", self.temporal)] if self.temporal[0, 0].numel() else []
+        return [(f"mamba.conv{i}", c) for i, c in enumerate(self.conv)] + temporal
 
     def local_layer(self, layer_id: int) -> int:
         """Where a model layer's state lives in the stacked tensors: its rank among the mamba layers

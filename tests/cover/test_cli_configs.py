@@ -41,7 +41,7 @@ def test_an_edited_config_file_runs(tmp_path, monkeypatch, capsys):
 def test_bad_config_files_are_exit_2(argv, problem, tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "bad.toml").write_text("[[config]]\nname = 'x'\narchitecture = 'llama'\npage_size = 0\n")
-    mine = CONFIGS["swa-ssm"].replace(mamba_layers=0, mamba_slots=0, architecture="gpt-oss")
+    mine = CONFIGS["swa-ssm"].replace(mamba_layers=0, mamba_slots=0, architecture="gpt-oss", recurrent_layers="own")
     from poolfuzz.pools.config_file import to_toml
 
     (tmp_path / "mine.toml").write_text(to_toml(mine))

@@ -125,11 +125,12 @@ def test_faults_restrict_the_draw_to_configs_they_apply_to():
 
 
 def test_layer_pattern_places_each_kind_of_layer():
-    c = CONFIGS["swa-ssm"].replace(layer_pattern="MFMS")
+    own = CONFIGS["swa-ssm"].replace(recurrent_layers="own", temporal_shape=(2, 4, 4))  # recurrent layers of its own
+    c = own.replace(layer_pattern="MFMS")
     assert (c.full_layer_ids, c.swa_layer_ids, c.mamba_layer_ids) == ((1,), (3,), (0, 2))
-    assert CONFIGS["swa-ssm"].layers == "FSMM"
+    assert own.layers == "FSMM"
     with pytest.raises(ConfigError, match="layer_pattern"):
-        CONFIGS["swa-ssm"].replace(layer_pattern="FSM")
+        own.replace(layer_pattern="FSM")
     with pytest.raises(ConfigError, match="only F"):
         CONFIGS["dense"].replace(layer_pattern="FX")
 

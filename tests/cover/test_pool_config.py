@@ -70,9 +70,28 @@ class TestModelConfigValidation:
 class TestDerivedFields:
     def test_layer_ids_are_full_then_swa_then_mamba(self):
         """Global layer ids run full, then sliding-window, then recurrent layers."""
-        c = CONFIGS["swa-ssm"]
+        c = CONFIGS["swa-ssm"].replace(recurrent_layers="own", temporal_shape=(2, 4, 4))
         assert (c.full_layer_ids, c.swa_layer_ids, c.mamba_layer_ids, c.num_layers) == ((0,), (1,), (2, 3), 4)
-        assert (c.has_swa, c.has_mamba) == (True, True)
+        assert (c.has_swa, c.has_mamba, c.layers) == (True, True, "FSMM")
+
+    def test_state_in_the_attention_layers_adds_no_layers(self):
+        """Inkling's short convolutions (swa-ssm): every attention layer keeps its state, no temporal part."""
+        c = CONFIGS["swa-ssm"]
+        assert (c.full_layer_ids, c.swa_layer_ids, c.mamba_layer_ids, c.num_layers) == ((0,), (1,), (0, 1), 2)
+        assert (c.layers, c.own_mamba_layers, c.has_temporal, c.mamba_layers) == ("FS", 0, False, 2)
+
+    @pytest.mark.parametrize("changes, words", [
+        ({"recurrent_layers": "both"}, "recurrent_layers 'both' is not one of own, attention"),
+        ({"mamba_layers": 1}, "mamba_layers must be 2 (full_layers + swa_layers), got 1"),
+        ({"recurrent_layers": "own"}, "temporal shape (0, 0, 0) holds fewer than 12 values"),
+        ({"temporal_shape": (0, 4, 4)}, "temporal shape (0, 4, 4) holds fewer than 12 values"),
+        ({"layer_pattern": "FSM"}, "mamba_layers=0 of their own"),
+    ])
+    def test_state_in_the_attention_layers_is_validated(self, changes, words):
+        """The state's layers must be the attention layers; only such state may lack a temporal part."""
+        with pytest.raises(ConfigError) as info:
+            CONFIGS["swa-ssm"].replace(**changes)
+        assert words in str(info.value)
 
     def test_host_size_defaults_to_twice_full_and_rounds_to_pages(self):
         """host_size is 2x full_tokens unless set, and always whole pages."""

@@ -42,7 +42,7 @@ def test_replay_prints_each_step_and_occupancy_and_stops_at_the_divergence(artif
     assert "prefill[rows=" in out and "decode[rows=" in out  # occupancy after every step
     assert "REPRODUCED at step 5 (resume)" in out
     assert "finish(rid=1)" not in out  # stopped at the first divergence
-    for field in ("request    1 on node prefill", "component  mamba.conv0, layer 2", "slots      before 1",
+    for field in ("request    1 on node prefill", "component  mamba.conv0, layer 0", "slots      before 1",
                   "expected   req 1", "found      "):
         assert field in out
     assert "the same failure as recorded" in out

@@ -183,6 +183,7 @@ class TestHarness:
         """#35957: fixed releases keep the recurrent state through a retraction; 0.5.18 loses it."""
         from packaging.version import Version
 
+        _family(api, "swa-ssm")  # skips a release that ships no Inkling (before 0.5.16): no server builds its pools
         outcome = fuzz(CONFIGS["swa-ssm"], examples=40 if expect == "pass" else 200)
         if _release(api) < Version("0.5.11"):
             assert outcome.failure is not None and outcome.steps == [], outcome.steps

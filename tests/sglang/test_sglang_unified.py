@@ -119,9 +119,9 @@ def test_an_mla_hybrid_is_built_with_the_mla_sub_pool(unified):
 def test_the_server_runs_on_the_pools_sglangs_configurator_builds(api, unified):
     """``swa`` with ``--enable-unified-memory``: SGLang's configurator builds the same sub-pool classes and layers as
     the adapter's wiring, and sizes the sliding-window side from the unified byte envelope (where the wiring named
-    the config's 32): the server runs on its own pools. So does the Qwen3-Next config, shaped as its model (one
-    short conv over the query, key and value widths); a model whose recurrent state is another model's (an Inkling's
-    short convs in every layer, where the config keeps recurrent layers of its own) keeps the wiring and says why."""
+    the config's 32): the server runs on its own pools. So do the Qwen3-Next config, shaped as its model (one
+    short conv over the query, key and value widths), and the Inkling one (six short convs in every attention layer,
+    no temporal state): SGLang's unified tri-pool of full, window and state rows."""
     from poolfuzz.adapters.sglang.pools import configurator
 
     if configurator.problem():
@@ -135,7 +135,8 @@ def test_the_server_runs_on_the_pools_sglangs_configurator_builds(api, unified):
     hybrid = unified.build_unified_driver(CONFIGS["hybrid-linear"]).family
     assert hybrid.pools_source.startswith(_served())
     inkling = unified.build_unified_driver(CONFIGS["swa-ssm"]).family
-    assert inkling.pools_source.startswith("the adapter's wiring (SGLang's KV cache configurator builds other pools")
+    assert inkling.pools_source.startswith(_served()), inkling.pools_source
+    assert type(inkling.sg_req_pool.mamba_pool).__name__ == "UnifiedMambaPool"
 
 
 # --- planted defects, caught through SGLang's own scheduler ---------------------------------------------------------

@@ -83,8 +83,8 @@ def layout_for(api: VllmAPI, config: ModelConfig, mamba_mode: str) -> Layout:
         specs.append((api.MambaSpec(**kw), "mamba", config.mamba_layer_ids, mamba_block))
     # vLLM orders the groups as their kind first appears in the model's layers (its planner groups
     # layers by spec in layer order): the order the coordinator then walks them in.
-    letter = {"full": "F", "swa": "S", "mamba": "M"}
-    specs.sort(key=lambda item: config.layers.index(letter[item[1]]))
+    # (state kept in the attention layers themselves comes after their KV: its first layer is theirs)
+    specs.sort(key=lambda item: (min(item[2], default=0), item[1] == "mamba"))
     for i, (spec, space, layer_ids, block) in enumerate(specs):
         groups.append(Group(index=i, space=space, layer_ids=tuple(layer_ids), block_size=block))
     num_blocks = num_blocks_for(config)

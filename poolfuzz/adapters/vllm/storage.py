@@ -31,8 +31,9 @@ def mamba_components(config: ModelConfig, num_blocks: int, device) -> list[Compo
         for i, shape in enumerate(config.conv_shapes):
             out.append(Component(name=f"mamba.conv{i}", layer=layer, space="mamba",
                                  tensor=zeros((num_blocks, *shape), dtype=dtype, device=device)))
-        out.append(Component(name="mamba.temporal", layer=layer, space="mamba",
-                             tensor=zeros((num_blocks, *config.temporal_shape), dtype=dtype, device=device)))
+        if config.has_temporal:  # a state of conv windows only has none (Inkling's short convolutions)
+            out.append(Component(name="mamba.temporal", layer=layer, space="mamba",
+                                 tensor=zeros((num_blocks, *config.temporal_shape), dtype=dtype, device=device)))
     return out
 
 

@@ -9,6 +9,7 @@ no artifact), never a finding. ``poolfuzz doctor --family sglang`` prints the sa
 from __future__ import annotations
 
 import importlib
+import importlib.util
 from functools import lru_cache
 
 from poolfuzz.adapters.engine_api import PRESENT, EngineReport, Need, Probe, probe, report
@@ -254,6 +255,20 @@ MAMBA_CHUNK_MEMO = "_mamba_cache_chunk_size"  # ServerArgs: the mamba checkpoint
 def _probed(key: str) -> Probe:
     """A PRIVATE need probed once per process (the release does not change under a run; a decode asks)."""
     return probe(PRIVATE[key])
+
+
+# The SGLang module that defines a model transformers does not know, by the config architecture that stands for it:
+# a release without the module ships no such model, so no server of it builds that model's pools (Inkling came in
+# 0.5.16). Found without importing it (a model's module imports its kernels).
+MODEL_MODULES = {"inkling": "sglang.srt.models.inkling"}
+
+
+def model_missing(architecture: str) -> str | None:
+    """Why no server of this release runs the architecture's model (its module is absent), else None."""
+    module = MODEL_MODULES.get(architecture)
+    if module is None or importlib.util.find_spec(module) is not None:
+        return None
+    return f"sglang {release()} ships no {architecture} model ({module} is absent): no server of it runs one"
 
 
 def private(key: str):

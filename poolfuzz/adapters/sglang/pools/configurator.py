@@ -49,9 +49,8 @@ import types
 import warnings
 from dataclasses import dataclass, field
 
-from poolfuzz.adapters.sglang.compat import (has_private, parser_refusal, private, published_namespace,
-                                              release_flag_values)
-from poolfuzz.adapters.sglang.compat import server_flags as server_flag_names
+from poolfuzz.adapters.sglang.compat import (has_private, model_missing, parser_refusal, private, published_namespace,
+                                              release_flag_values, server_flags as server_flag_names)
 from poolfuzz.adapters.sglang.compat.drift import StandIn, build_drift, configurator_lacking, raised_by_sglang
 from poolfuzz.adapters.sglang.compat.platform import (B200, GPU, XEON, cpu_platform_problem, cpu_server, gpu_server,
                                                       platform_problem)
@@ -336,9 +335,10 @@ def configure(c: ModelConfig, *, device: str = "cpu", role_flags: dict | None = 
     resolve from them (the decode side's extra request rows, its disabled radix cache) is theirs."""
     if not by_runner() and (missing := _configurator_lacks()):
         raise configurator_lacking(missing)  # a release with the configurator reshaped around it: not this machine
-    reason = problem()
-    if reason:
+    if reason := problem():
         raise ConfigError(f"config {c.name!r}: {reason}")
+    if reason := model_missing(c.architecture):  # no server of this release runs the model: declined, not wired
+        raise ServerRefused(f"config {c.name!r}: {reason}", reason=reason)
     server = server_model(c)
     if role_flags:
         server = dataclasses.replace(server, flags=server.flags | role_flags)

@@ -14,7 +14,7 @@ _MODEL_DTYPES = ("bfloat16", "float16", "float32")
 
 
 def _layer_count(c: ModelConfig) -> int:
-    return c.full_layers + c.swa_layers + c.mamba_layers
+    return c.num_layers
 
 
 def dtype_flags(c: ModelConfig) -> tuple[str, dict]:
@@ -108,10 +108,12 @@ def _kimi_linear_model(c: ModelConfig, dtype: str) -> dict:
 
 def _inkling_model(c: ModelConfig, dtype: str) -> dict:
     """Inkling (``InklingForConditionalGeneration``, its text model): attention in every layer, sliding-window in the
-    config's SWA layers (``local_layer_ids``), full in the rest, and short-conv states (``use_sconv``) in every layer,
-    the config's kernel; dense, no MTP draft layers. The config's separate recurrent layers are no Inkling's."""
+    config's SWA layers (``local_layer_ids``), full in the rest, and short-conv states (``use_sconv``) in every layer
+    (the config's state in its attention layers), the kernel of its kernel-major conv windows; dense, no MTP draft
+    layers. SGLang sizes the windows itself (from the heads, head dim and hidden width): a config whose windows are
+    not those is told apart by the pools' comparison."""
     text = {"model_type": "inkling_model", **_attention(c, dtype), "local_layer_ids": list(c.swa_layer_ids),
-            "sliding_window_size": c.sliding_window, "use_sconv": True, "sconv_kernel_size": c.conv_shapes[0][1] + 1,
+            "sliding_window_size": c.sliding_window, "use_sconv": True, "sconv_kernel_size": c.conv_shapes[0][0] + 1,
             "n_routed_experts": 0, "num_nextn_predict_layers": 0}
     return {"architectures": ["InklingForConditionalGeneration"], "model_type": "inkling_mm_model",
             "text_config": text, "torch_dtype": dtype, "max_position_embeddings": c.max_context}

@@ -143,13 +143,17 @@ class MambaPoolView:
 
     def state_tensors(self) -> list[tuple[str, torch.Tensor]]:
         conv, temporal = mamba_state_tensors(self.pool)
-        return [(f"mamba.conv{i}", c) for i, c in enumerate(conv)] + [("mamba.temporal", temporal)]
+        # a state of conv windows only (Inkling's short convolutions: temporal (0, 0, 0)) has no temporal part to name
+        return [(f"mamba.conv{i}", c) for i, c in enumerate(conv)] + ([("mamba.temporal", temporal)]
+                                                                      if temporal[0, 0].numel() else [])
 
     def components(self) -> list[Component]:
         conv, temporal = mamba_state_tensors(self.pool)
         states = mamba_layer_states(self.req_pool, self.layer_ids, conv, temporal)
         out = [Component(name=f"mamba.conv{i}", layer=layer_id, space="mamba", tensor=states[layer_id][0][i])
                for i in range(len(conv)) for layer_id in self.layer_ids]
+        if not temporal[0, 0].numel():
+            return out
         return out + [Component(name="mamba.temporal", layer=layer_id, space="mamba", tensor=states[layer_id][1])
                       for layer_id in self.layer_ids]
 
