@@ -3,7 +3,8 @@
 A drawn config covers what the named ones cannot: page sizes up to 64, windows from 1 to past the
 pool, pools from one page up, long contexts past the 8192-token chunking of the backup and reload
 paths, up to four layers of each kind in any interleaving, every KV and state dtype, state shapes,
-host pools of any size, every way the full-attention KV is stored (``STORAGES``), and the scheduling flags of the
+host pools of any size, every way the full-attention KV is stored (``STORAGES``), sliding-window and recurrent
+state in separate layers or in the same ones (an Inkling's short convolutions), and the scheduling flags of the
 server a scheduler-path family runs (policy, chunk size, conservativeness), and whether that server is sized by its
 memory (SGLang then decides the sizes). Every choice
 shrinks toward the simplest config (page size 1, the smallest sizes, the fewest layers, the blocked
@@ -109,6 +110,9 @@ def _drawn(draw, storages: tuple[str, ...] = STORAGES, storage_decides_layers: b
     if draw(st.booleans()):  # an interleaving; shrinks back to the blocked layout
         pattern = "".join(draw(st.permutations(list(blocked))))
         pattern = "" if pattern == blocked else pattern
+    # Sliding-window and recurrent layers together: an Inkling (its state in every attention layer) or not; drawn
+    # last, so that it shifts no draw before it, and shrinks to state in layers of its own
+    d["state_in_attention"] = draw(st.booleans())
     return _config_from(d, pattern)
 
 
@@ -149,8 +153,22 @@ def _config_from(d: dict, pattern: str) -> ModelConfig:
         fields.update(mamba_slots=d["mamba_slots"], conv_shapes=conv, temporal_shape=temporal,
                       state_dtype=d["state_dtype"], mamba_track_slots=d["track_slots"],
                       spec_draft_tokens=d["spec_tokens"])
+        if swa and d.get("state_in_attention"):
+            fields.update(_inkling_fields(fields, kernel=conv[0][1]))
     fields.update(_storage_fields(d["storage"], fields))
     return ModelConfig(**fields)
+
+
+def _inkling_fields(f: dict, *, kernel: int) -> dict:
+    """A model with sliding-window and recurrent layers shaped as an Inkling, as SGLang builds one: the state in
+    every attention layer (the drawn recurrent layers dropped from the pattern), six short convs of the drawn
+    kernel, kernel-major, over the KV width twice, the window layers' KV width twice and the hidden width twice
+    (all one width here: the heads times the head dim), in bfloat16 (Inkling's state dtype, whatever the model's), no
+    temporal state, no draft-token states."""
+    width = f["head_num"] * f["head_dim"]
+    return dict(architecture="inkling", recurrent_layers="attention", mamba_layers=f["full_layers"] + f["swa_layers"],
+                layer_pattern=f["layer_pattern"].replace("M", ""), conv_shapes=((kernel, width),) * 6,
+                temporal_shape=(0, 0, 0), state_dtype="bfloat16", spec_draft_tokens=0)
 
 
 def _storage_fields(storage: str, f: dict) -> dict:

@@ -53,6 +53,22 @@ def test_the_strategy_reaches_off_grid_shapes():
                                                                                                    max_examples=300))
 
 
+def test_sliding_window_and_recurrent_state_are_drawn_in_separate_layers_and_in_the_same_ones():
+    """#35957's kind of model both ways: recurrent layers of its own, and an Inkling's short convolutions beside the
+    KV of every attention layer (six kernel-major convs of the heads' width, no temporal state), which builds and
+    whose failures name those layers."""
+    s = settings(database=None, max_examples=500)
+    find(drawn_configs(), lambda c: c.has_swa and c.has_mamba and not c.state_in_attention, settings=s)
+    inkling = find(drawn_configs(), lambda c: c.state_in_attention and c.layer_pattern, settings=s)
+    assert inkling.architecture == "inkling" and "M" not in inkling.layers and inkling.has_swa
+    assert inkling.mamba_layer_ids == tuple(range(inkling.num_layers)) and inkling.temporal_shape == (0, 0, 0)
+    assert len(inkling.conv_shapes) == 6 and {w for _, w in inkling.conv_shapes} == {inkling.head_num * inkling.head_dim}
+    family = build_family(inkling)
+    assert {c.name for c in family.components() if c.space == "mamba"} == {f"mamba.conv{i}" for i in range(6)}
+    failed = run_machine(inkling, faults=["swa-ignores-mamba-backup"], max_examples=200, seed=0, shrink_limit=0)
+    assert not failed.passed and "component mamba.conv" in failed.failure, failed.failure
+
+
 @pytest.mark.parametrize("storage", [
     lambda c: c.attention == "mla" and c.has_mamba and c.layer_pattern,  # Kimi-Linear's interleaving, drawn
     lambda c: c.attention == "dsa" and c.page_size > 1,

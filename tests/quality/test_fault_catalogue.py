@@ -119,11 +119,13 @@ def test_every_fault_has_a_signature():
 # Cells whose seed 0 draws no program that reaches the bug in the budget (each rule or config shape added
 # changes what a seed draws): the chunked reload needs a drawn context past one CPU-copy chunk; seeds 1-4
 # find it in 9 to 46 examples (stop 16). The layer map's seed 0 reaches it first on an interleaving whose
-# offset runs negative past the state tensor (an IndexError that names no component); seeds 1-4 lose the state.
+# offset runs negative past the state tensor (an IndexError that names no component); seeds 1-4 lost the state
+# until drawn configs could keep their state in the attention layers (stop 63), after which seed 1 meets the
+# IndexError and seeds 0 and 2-7 lose the state.
 # Hypothesis mixes constants from every loaded project module into its draws (its "local constants"), so a seed's
 # first failure moves when unrelated code changes: these cells found another failure first after the SGLang
 # adapter gained its GPU stand-in (compat/platform.py), and take the next seed that finds theirs.
-SEED = {f"reload-chunk-at-chunk-number@{DRAWN_NAME}": 1, f"mamba-layer-map-contiguous@{DRAWN_NAME}": 1,
+SEED = {f"reload-chunk-at-chunk-number@{DRAWN_NAME}": 1, f"mamba-layer-map-contiguous@{DRAWN_NAME}": 2,
         **{f"cow-source-stays-locked@{c}": 1 for c in ("mla-ssm", "hybrid-extra-buffer", "hybrid-linear")},
         **{f"host-page-stride-omits-a-layer@{c}": 1 for c in ("dense", "dense-ps4", "dense-cpu-fp8",
                                                                "dense-cpu-fp8-ps4")},
