@@ -354,3 +354,23 @@ def test_a_mamba_prefix_loaded_back_from_the_host_is_copied_only_once_its_state_
         return
     assert driver.drain() is None
     assert driver.first_prefix[first] == driver.first_prefix[second] == 12
+
+
+def test_a_page_head_host_pool_with_fewer_pages_than_layers_dies_at_startup(hicache_server):
+    """A real defect of SGLang (0.5.10 to 0.5.23 at least, docs/bugs/sglang-hicache-page-head-views.md): the MHA host
+    pool builds its per-layer transfer views by indexing dimension 0 of its K buffer, which for ``page_head``
+    (``[page, head, token, layer, dim]``) counts pages, so a host pool with fewer pages than the model has layers dies
+    at the server's startup. Found by a drawn config: three layers on 2-token pages, a device pool of 2 tokens, a host
+    pool of 2 pages (2 x --hicache-ratio 1.25, plus one)."""
+    from poolfuzz.adapters.sglang import build_hicache_driver
+    from poolfuzz.adapters.sglang.host_tier import hicache
+    from poolfuzz.pools.config import ModelConfig
+
+    config = ModelConfig(name="cpu-fp8-3l", architecture="llama", page_size=2, full_layers=3, head_num=1, head_dim=12,
+                         kv_dtype="fp8_e4m3", kv_quant="cpu_fp8_e4m3", full_tokens=2, request_rows=1, max_context=2)
+    if why := build_hicache_driver.unsupported_reason(config):
+        pytest.skip(why)
+    if hicache.host_layout(config) != "page_head":
+        pytest.skip(f"the adapter runs this config's host tier as {hicache.host_layout(config)}, not page_head")
+    with pytest.raises(IndexError, match=r"index 2 is out of bounds for dimension 0 with size 2"):
+        hicache_server.SglangHiCacheDriver(config)
