@@ -21,6 +21,14 @@ class MambaCpuCopy:
         return f"MambaCpuCopy(slots={self.temporal.shape[1]})"
 
 
+def named_state(conv, temporal: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    """A mamba pool's state tensors (each ``[layers, slots+1, ...]``) by component name; a state of conv windows only
+    (Inkling's short convolutions: temporal ``(0, 0, 0)``) has no temporal part to name. Every family's mamba view
+    names its state through this."""
+    named = [(f"mamba.conv{i}", c) for i, c in enumerate(conv)]
+    return named + ([("mamba.temporal", temporal)] if temporal[0, 0].numel() else [])
+
+
 def cpu_copy(t: torch.Tensor) -> torch.Tensor:
     """A CPU copy that never aliases ``t``: on CPU ``.to("cpu")`` returns the tensor itself."""
     return t.to("cpu", copy=True) if t.device.type == "cpu" else t.to("cpu")
@@ -57,9 +65,7 @@ class MambaPool:
         return _as_index(idx).to(self.device)
 
     def state_tensors(self) -> list[tuple[str, torch.Tensor]]:
-        # a state of conv windows only (Inkling's short convolutions) has no temporal part to name
-        temporal = [("mamba.temporal", self.temporal)] if self.temporal[0, 0].numel() else []
-        return [(f"mamba.conv{i}", c) for i, c in enumerate(self.conv)] + temporal
+        return named_state(self.conv, self.temporal)
 
     def local_layer(self, layer_id: int) -> int:
         """Where a model layer's state lives in the stacked tensors: its rank among the mamba layers

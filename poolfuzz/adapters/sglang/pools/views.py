@@ -13,6 +13,7 @@ import torch
 
 from poolfuzz.adapters.sglang.pools.reads import mamba_layer_states
 from poolfuzz.pools.components import Component
+from poolfuzz.pools.mamba import named_state
 from poolfuzz.pools.errors import ConfigError
 
 
@@ -142,20 +143,15 @@ class MambaPoolView:
         self.req_pool = req_pool  # the kernels' door to each layer's state (``reads.mamba_layer_states``)
 
     def state_tensors(self) -> list[tuple[str, torch.Tensor]]:
-        conv, temporal = mamba_state_tensors(self.pool)
-        # a state of conv windows only (Inkling's short convolutions: temporal (0, 0, 0)) has no temporal part to name
-        return [(f"mamba.conv{i}", c) for i, c in enumerate(conv)] + ([("mamba.temporal", temporal)]
-                                                                      if temporal[0, 0].numel() else [])
+        return named_state(*mamba_state_tensors(self.pool))
 
     def components(self) -> list[Component]:
         conv, temporal = mamba_state_tensors(self.pool)
         states = mamba_layer_states(self.req_pool, self.layer_ids, conv, temporal)
-        out = [Component(name=f"mamba.conv{i}", layer=layer_id, space="mamba", tensor=states[layer_id][0][i])
-               for i in range(len(conv)) for layer_id in self.layer_ids]
-        if not temporal[0, 0].numel():
-            return out
-        return out + [Component(name="mamba.temporal", layer=layer_id, space="mamba", tensor=states[layer_id][1])
-                      for layer_id in self.layer_ids]
+        # a layer's parts as its kernels reach them: its conv tensors in order, then its temporal state (if any)
+        parts = {layer_id: [*convs, layer_temporal] for layer_id, (convs, layer_temporal) in states.items()}
+        return [Component(name=name, layer=layer_id, space="mamba", tensor=parts[layer_id][i])
+                for i, (name, _) in enumerate(named_state(conv, temporal)) for layer_id in self.layer_ids]
 
 
 class ReqPoolView:
