@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# How many named configs each SGLang release's own code builds the pools of (issue 35): per release, the configs whose
+# family runs on the pools SGLang built ("served"), those left on the adapter's wiring, with the family that keeps
+# them and why (SGLang "builds other pools" for the config's server, or "cannot build" it), and those declined.
+#
+#   ci/sglang-served.sh [VERSION ...]   (default: every release cached under the venvs directory)
+#
+# Reads `poolfuzz configs --family F` in each release's cached venv (POOLFUZZ_SGLANG_VENVS, default
+# ~/.cache/poolfuzz/sglang-venvs/sglang-VERSION, as .ci/run and ci/sglang-compat.sh leave them) with this checkout's
+# poolfuzz. Families: POOLFUZZ_SERVED_FAMILIES (default: sglang:pools; the scheduler-path servers list theirs too).
+set -uo pipefail
+repo=$(cd "$(dirname "$0")/.." && pwd)
+venvs=${POOLFUZZ_SGLANG_VENVS:-$HOME/.cache/poolfuzz/sglang-venvs}
+families=${POOLFUZZ_SERVED_FAMILIES:-sglang:pools}
+if [ "$#" -gt 0 ]; then
+  versions=("$@")
+else
+  mapfile -t versions < <(ls -d "$venvs"/sglang-* 2>/dev/null | sed 's|.*/sglang-||' | sort -V)
+fi
+[ "${#versions[@]}" -gt 0 ] || { echo "sglang-served: no SGLang venv under $venvs; install one with ci/sglang-install.sh" >&2; exit 2; }
+cd "$repo"
+for v in "${versions[@]}"; do
+  python="$venvs/sglang-$v/bin/python"
+  [ -x "$python" ] || { echo "$v: no venv at $venvs/sglang-$v (ci/sglang-install.sh $venvs/sglang-$v $v --triton)"; continue; }
+  for family in $families; do
+    out=$(PYTHONPATH="$repo" "$python" -m poolfuzz.cli configs --family "$family" 2>&1)
+    served=$(grep -c "^    family builds the same" <<<"$out")
+    declined=$(grep -c "^    family: declines" <<<"$out")
+    wired=$(awk '/^[a-z0-9-]+ +[a-z(]/{name=$1; reason=""}
+                 /^    (configurator|model runner): /{reason=$0}
+                 /^    family (differs|builds:)/{if (!(name in seen)) {seen[name]=1
+                   r = reason == "" ? "builds other pools" : (reason ~ /cannot build/ ? "cannot build" : "other")
+                   printf "%s%s (%s)", sep, name, r; sep=", "}}' <<<"$out")
+    echo "$v $family: served $served, declined $declined, wired: ${wired:-none}"
+  done
+done
