@@ -27,6 +27,8 @@ EXPECTED = {
     "sglang-mha-fp4-scales": [("0.5.9", "REPRODUCED")],
     "sglang-mla-fp4-scales": [("0.5.9", "REPRODUCED")],
     "sglang-minimax-konly-cpu-copy": [("0.5.9", "NOT APPLICABLE"), ("0.5.15", "REPRODUCED")],
+    # page_head came in 0.5.13; run on every release from 0.5.9 to 0.5.23 (stop 63)
+    "sglang-hicache-page-head-views": [("0.5.9", "NOT APPLICABLE"), ("0.5.13", "REPRODUCED")],
 }
 EXIT = {"REPRODUCED": 1, "NOT REPRODUCED": 0, "NOT APPLICABLE": 0}
 FIRST = "0.5.9"  # the oldest release the table covers

@@ -357,7 +357,7 @@ def test_a_mamba_prefix_loaded_back_from_the_host_is_copied_only_once_its_state_
 
 
 def test_a_page_head_host_pool_with_fewer_pages_than_layers_dies_at_startup(hicache_server):
-    """A real defect of SGLang (0.5.10 to 0.5.23 at least, docs/bugs/sglang-hicache-page-head-views.md): the MHA host
+    """A real defect of SGLang (0.5.13 to 0.5.23, docs/bugs/sglang-hicache-page-head-views.md): the MHA host
     pool builds its per-layer transfer views by indexing dimension 0 of its K buffer, which for ``page_head``
     (``[page, head, token, layer, dim]``) counts pages, so a host pool with fewer pages than the model has layers dies
     at the server's startup. Found by a drawn config: three layers on 2-token pages, a device pool of 2 tokens, a host
