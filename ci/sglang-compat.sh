@@ -15,6 +15,8 @@
 # release fuzzed again behind it. The table goes to stdout; each release's install log to
 # VENV/compat-VERSION.log and its artifacts (one per signature, with the shrunk program) to
 # VENV/compat-VERSION-artifacts/.
+# Judged defects: POOLFUZZ_COMPAT_KNOWN="ci/known/A.txt ci/known/B.txt" marks each verdict those lists do not name
+# "NEW" (the verdicts still to judge; every other one is a defect already judged).
 # Reach (POOLFUZZ_COMPAT_REACH=0 skips it, 3-5x faster): each campaign runs with --coverage and the
 # last one, the furthest past step 0, is kept; the row gives the statements executed of
 # memory_pool.py, of the token/paged/SWA/mamba allocators and of all of mem_cache/ (per-file tables and HTML
@@ -90,6 +92,16 @@ import glob, json, os, shutil, subprocess
 from poolfuzz.pools.config import CONFIGS
 from poolfuzz.harness.failures import WAIVABLE
 examples = os.environ.get("POOLFUZZ_COMPAT_EXAMPLES", "60")
+# Judged defects (POOLFUZZ_COMPAT_KNOWN: known-list files, space-separated, relative to this checkout): a verdict none
+# of them names is marked NEW, what a person still has to judge.
+KNOWN = set()
+for path in os.environ.get("POOLFUZZ_COMPAT_KNOWN", "").split():
+    for line in open(path):
+        if entry := line.split("#")[0].strip():
+            KNOWN.add(entry)
+def judged(name, sig, fam):
+    """Whether a known list names this verdict: on its family and config, or on its config alone."""
+    return f"{fam} {name} {sig}" in KNOWN or f"{name} {sig}" in KNOWN
 def supported_by(reason):
     """The named configs the release runs with a family whose probe is ``reason``."""
     out = []
@@ -182,7 +194,8 @@ def fuzzed_row(label, family, configs, *, measured):
     except RunFailed as exc:
         row("yes", f"{len(configs)} supported", f"FAILED: {exc}" + (f" (waived {','.join(waived)})" if waived else ""))
         return
-    verdicts = [f"{name}: " + ", ".join(f"{sig} ({steps} steps" + (f", {fam})" if fam != family else ")")
+    verdicts = [f"{name}: " + ", ".join(f"{sig} ({steps} steps" + (f", {fam}" if fam != family else "")
+                                        + (", NEW)" if KNOWN and not judged(name, sig, fam) else ")")
                                         for sig, steps, fam in sigs) for name, sigs in found.items()]
     if waived:
         verdicts.insert(0, "waived " + ",".join(waived) + " (fails at step 0 everywhere)")
