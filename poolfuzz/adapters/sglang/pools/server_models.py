@@ -13,10 +13,6 @@ from poolfuzz.pools.quantised import MODEL_DTYPE
 _MODEL_DTYPES = ("bfloat16", "float16", "float32")
 
 
-def _layer_count(c: ModelConfig) -> int:
-    return c.num_layers
-
-
 def dtype_flags(c: ModelConfig) -> tuple[str, dict]:
     """(the model's dtype, the KV dtype flag): a float KV dtype is the model's; FP8 and FP4 are asked by flag."""
     if c.kv_dtype in _MODEL_DTYPES and not c.kv_quant and not c.kv_scale_block:
@@ -32,7 +28,7 @@ def dtype_flags(c: ModelConfig) -> tuple[str, dict]:
 
 def _attention(c: ModelConfig, dtype: str) -> dict:
     """A decoder's attention fields, as a Llama-shaped ``config.json`` names them."""
-    return {"num_hidden_layers": _layer_count(c), "num_attention_heads": c.head_num,
+    return {"num_hidden_layers": c.num_layers, "num_attention_heads": c.head_num,
             "num_key_value_heads": c.head_num, "head_dim": c.head_dim, "hidden_size": c.head_num * c.head_dim,
             "intermediate_size": 4 * c.head_num * c.head_dim, "vocab_size": 256,
             "max_position_embeddings": c.max_context, "torch_dtype": dtype,
@@ -49,7 +45,7 @@ def _gpt_oss_model(c: ModelConfig, dtype: str) -> dict:
     ``get_hybrid_layer_ids`` reads them), with one expert per layer. Its ``sliding_window`` counts HF's way, the
     current token included: SGLang serves one less (``get_attention_sliding_window_size``), so the checkpoint names
     the config's window plus one, and the server's window is the config's."""
-    layer_types = ["sliding_attention" if i in c.swa_layer_ids else "full_attention" for i in range(_layer_count(c))]
+    layer_types = ["sliding_attention" if i in c.swa_layer_ids else "full_attention" for i in range(c.num_layers)]
     return {"architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", **_attention(c, dtype),
             "sliding_window": c.sliding_window + 1, "layer_types": layer_types, "num_local_experts": 1,
             "num_experts_per_tok": 1,
@@ -70,7 +66,7 @@ def _qwen3_next_model(c: ModelConfig, dtype: str) -> dict:
     each interval, so the config's count of each is kept, not its order); the recurrent state is heads x head_dim x
     key head_dim, its conv rows the query, key and value widths together."""
     heads, head_dim, key_dim = c.temporal_shape
-    interval = _layer_count(c) // max(c.full_layers, 1)
+    interval = c.num_layers // max(c.full_layers, 1)
     return {"architectures": ["Qwen3NextForCausalLM"], "model_type": "qwen3_next", **_attention(c, dtype),
             "full_attention_interval": interval, "linear_num_value_heads": heads, "linear_value_head_dim": head_dim,
             "linear_num_key_heads": 1, "linear_key_head_dim": key_dim,
@@ -83,7 +79,7 @@ def _deepseek_v3_model(c: ModelConfig, dtype: str) -> dict:
     (``first_k_dense_replace`` past the last layer, so no experts are read)."""
     return {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", **_attention(c, dtype),
             "kv_lora_rank": c.kv_lora_rank, "q_lora_rank": None, "qk_rope_head_dim": c.qk_rope_head_dim,
-            "qk_nope_head_dim": c.head_dim, "v_head_dim": c.head_dim, "first_k_dense_replace": _layer_count(c),
+            "qk_nope_head_dim": c.head_dim, "v_head_dim": c.head_dim, "first_k_dense_replace": c.num_layers,
             "n_routed_experts": 1, "num_experts_per_tok": 1, "moe_intermediate_size": 16, "rope_scaling": None}
 
 
@@ -133,7 +129,7 @@ def _minimax_m3_model(c: ModelConfig, dtype: str) -> dict:
 def _qwen3_next_layers(c: ModelConfig) -> str | None:
     """Why no Qwen3-Next has ``c``'s layers, or None: MHA attention layers, one in every ``full_attention_interval``,
     the rest gated delta-net; no sliding window."""
-    n, interval = _layer_count(c), _layer_count(c) // max(c.full_layers, 1)
+    n, interval = c.num_layers, c.num_layers // max(c.full_layers, 1)
     if c.has_swa:
         return "a Qwen3-Next has no sliding-window layers"
     if c.attention != "mha":
