@@ -65,6 +65,7 @@ def main(args, out=None) -> int:
         w("\nREPRODUCED at step 0 (building the families):\n")
         _report(w, exc, art, op="init")
         return 1
+    _pools(w, art, engine.pools_origin)
     with engine:  # a family's storage threads and files go when the replay ends
         return _replay_steps(w, engine, art, device, args.verbose)
 
@@ -107,7 +108,11 @@ def _replay_scheduled(w, art, config, device, factory) -> int:
     machine = scheduled_machine(config, driver_factory=lambda model: factory(model, device=device, faults=(),
                                                                              backup_mode=art.backup_mode))
     w("     0  start (the engine's scheduler, fed by the worker stand-in)\n")
+    told = False
     for ev in replay(machine, art.program):
+        if not told and ev.pools_origin is not None:
+            told = True
+            _pools(w, art, ev.pools_origin)
         label = "build the server" if ev.index == 0 else ("teardown: drain" if ev.step is None else _call(ev.step))
         if ev.cannot_run:
             w(f"{ev.index:6}  {label}\n\ndid not reproduce: step {ev.index} cannot run here: {ev.cannot_run}; "
@@ -127,6 +132,21 @@ def _replay_scheduled(w, art, config, device, factory) -> int:
     w(f"\ndid not reproduce: the bug may be fixed (all {len(art.program)} steps and the teardown checks passed "
       f"on {device})\n")
     return 0
+
+
+def _pools(w, art, origin) -> None:
+    """Who built the pools the replay runs on, and, where the recorded run's were built otherwise, those: a
+    failure recorded on the engine's own pools and replayed on the adapter's wiring (or back) tests other code."""
+    from poolfuzz.orchestration.display import POOLS_BUILT_BY
+
+    if origin is None:
+        return  # the family does not say
+    recorded = art.pools is None or art.pools == origin.to_json()
+    if origin.built_by == "poolfuzz" and recorded:
+        return  # the built-in family: no engine code to name
+    w(f"          pools: {POOLS_BUILT_BY[origin.built_by]} ({origin.detail})\n")
+    if not recorded:
+        w(f"          recorded on other pools: {POOLS_BUILT_BY[art.pools['built_by']]} ({art.pools['detail']})\n")
 
 
 def _call(step) -> str:

@@ -17,7 +17,7 @@ from poolfuzz.harness.ledger import ComponentSpec
 from poolfuzz.harness.records import NO_CULPRIT, NODES, EngineOptions, Phase, Request, StepRecord
 from poolfuzz.harness.state_types import CachedPrefixes, SlotLookup, state_types_for
 from poolfuzz.harness.taint import KnownBugTaint
-from poolfuzz.pools.capabilities import capabilities_of, factory_capabilities
+from poolfuzz.pools.capabilities import capabilities_of, factory_capabilities, nodes_pools_origin
 from poolfuzz.pools.config import ModelConfig
 from poolfuzz.pools.errors import PoolError, PoolExhausted
 from poolfuzz.pools.family import build_family
@@ -72,6 +72,8 @@ class Engine(KnownBugTaint):
                          for n in NODES}
         # What each family can do, read once and checked (a misspelt capability is a ConfigError here).
         self.caps = {n: capabilities_of(f) for n, f in self.families.items()}
+        # Who built the pools the example runs on (a node on pools the engine did not build makes the example so).
+        self.pools_origin = nodes_pools_origin({n: c.pools_origin for n, c in self.caps.items()})
         first = self.families["prefill"]
         self.device = first.device
         self.backup_mode: str = first.backup_mode  # the retraction path the families run

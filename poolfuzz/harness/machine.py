@@ -88,6 +88,7 @@ class _Unbuilt:
     step: int = 0
     op: str = "init"
     action: str = "init"
+    pools_origin: None = None  # no pools were built
 
 
 def _has(phase: Phase, node: str | None = None):

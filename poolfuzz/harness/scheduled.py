@@ -14,8 +14,8 @@ must finish every request, hold no block and reset its prefix cache.
 the factory builds the driver. The machine tells the run's observer what the Engine machine tells it (an example
 starts, a scheduler step ran, an example failed, with its program so far as :class:`StepRecord` ops
 ``scheduler.add_request`` / ``scheduler.schedule`` / ``scheduler.abort``, an example ended), and stands in for the
-engine the observer reads (``config``, ``backup_mode``, ``step``, ``op``, ``action``). :func:`replay` re-runs such a
-program on a fresh driver.
+engine the observer reads (``config``, ``backup_mode``, ``pools_origin``, ``step``, ``op``, ``action``).
+:func:`replay` re-runs such a program on a fresh driver.
 """
 
 from __future__ import annotations
@@ -65,7 +65,8 @@ class ScheduledMachine(RuleBasedStateMachine):
     driver_factory: ClassVar[Callable]  # (config) -> a driver (add_request, step, abort, live, propose_drafts,
     # state_problem, drain, close; where its ``streaming_sessions`` is True, also session_turn and close_session;
     # where its ``flushes`` is True, also flush; its
-    # ``backup_mode``, the retraction path it runs, is what an artifact records)
+    # ``backup_mode``, the retraction path it runs, is what an artifact records, and its ``pools_origin``, a
+    # pools.capabilities.PoolsOrigin, who built the pools it runs on)
     observer: ClassVar[object | None] = None  # a harness.machine.MachineObserver (a run's counts and failures)
     backup_mode = BACKUP_MODE
 
@@ -123,6 +124,10 @@ class ScheduledMachine(RuleBasedStateMachine):
     @property
     def step(self) -> int:  # the engine's step an observer reads (divergence_of)
         return self.steps
+
+    @property
+    def pools_origin(self):  # who built the pools the example's server runs on (None: no server started)
+        return None if self.driver is None else self.driver.pools_origin
 
     def _guarded(self, op: str, action, *, in_teardown: bool = False):
         """Run ``action``; a failure is told to the observer first (a known bug rejects the example)."""
@@ -297,6 +302,7 @@ class Replayed:
     step: StepRecord | None
     failure: BaseException | None = None
     cannot_run: str | None = None  # why the step does not apply here (no live request to abort)
+    pools_origin: object = None  # who built the pools the replaying server runs on (None: it was never built)
 
 
 def check_program(steps) -> str | None:
@@ -321,7 +327,8 @@ def replay(machine_cls: type[ScheduledMachine], program) -> Iterator[Replayed]:
         yield Replayed(index=0, step=None, failure=exc)
         return
     try:
-        yield from _replayed(machine, program)
+        for ev in _replayed(machine, program):
+            yield dataclasses.replace(ev, pools_origin=machine.pools_origin)
     finally:  # a replay that stops early never reaches the teardown, which closes the server otherwise
         machine.close_server()
 

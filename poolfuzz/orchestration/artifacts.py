@@ -60,6 +60,9 @@ class Artifact:
     shrink_examples: int | None = None  # examples Hypothesis ran shrinking it
     # Steps of Hypothesis's shrink, when poolfuzz then deleted more (harness.minimise); None: it could not.
     hypothesis_steps: int | None = None
+    # Who built the pools the failure ran on ({"built_by": poolfuzz | engine | adapter, "detail": how}); None where the
+    # family does not say, or the file was written before artifacts recorded it.
+    pools: dict | None = None
     created: str = ""
     hypothesis_version: str = ""
     torch_version: str = ""
@@ -90,6 +93,11 @@ def stamp(**fields) -> Artifact:
     return Artifact(created=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
                     hypothesis_version=hypothesis.__version__, torch_version=torch.__version__,
                     poolfuzz_version=_pv, **fields)
+
+
+def pools_record(origin) -> dict | None:
+    """What an artifact records of who built the pools a failure ran on (a ``PoolsOrigin``, or None)."""
+    return None if origin is None else origin.to_json()
 
 
 def artifact_name(config: str, faults, when: _dt.datetime | None = None, tag: str = "") -> str:
@@ -268,6 +276,8 @@ def load(path: str | os.PathLike) -> Artifact:
                    f"{', '.join(schema.BACKUP_MODES)})")
     if problem is None:
         problem = schema.divergence_problem(raw["divergence"])
+    if problem is None:
+        problem = schema.pools_problem(raw.get("pools"))
     if problem is not None:
         raise ArtifactError(f"artifact {name}: {problem}; {rerecord}")
     if _scheduler_program(raw["program"]):  # a family that drives the engine's scheduler (harness/scheduled.py)
@@ -471,7 +481,8 @@ def _record(engine, records, *, model, family, faults, seed) -> Artifact:
             return stamp(config=model.name, model_config=recorded_config(model), family=family, device=str(engine.device), faults=list(faults),
                          backup_mode=engine.backup_mode, seed=seed, failure=message_of(exc),
                          error_type=type(exc).__name__, divergence=divergence_of(exc, engine), program=recorded,
-                         in_teardown=ev.step is None, engine_options=current_engine_options())
+                         in_teardown=ev.step is None, engine_options=current_engine_options(),
+                         pools=pools_record(engine.pools_origin))
     raise ValueError(f"the program ran clean on {model.name} (faults {list(faults)}): nothing to record")
 
 

@@ -37,6 +37,7 @@ class LaneState:
     api_changed: str | None = None  # "API CHANGED: ...": the engine lacks what the family reads; untested
     declined: int = 0  # examples (of ``examples``) whose drawn config the family declined: nothing ran
     declined_reasons: dict = field(default_factory=dict)  # reason -> declined examples
+    pools: dict = field(default_factory=dict)  # who built the pools: built_by -> {detail: examples run on them}
 
     @property
     def tested(self) -> int:
@@ -151,6 +152,7 @@ class Display:
             st.examples, st.steps, st.seconds = ev["examples"], ev["steps"], ev["seconds"]
             st.known, st.waived = ev["known"], ev["waived"]
             st.declined, st.declined_reasons = ev.get("declined", 0), ev.get("declined_reasons", {})
+            st.pools = ev.get("pools", {})
             if st.api_changed and not st.findings:
                 st.status = "API CHANGED"
                 self.line(f"{st.label}: untested after {_n(st.examples)} examples: no artifact written")
@@ -227,6 +229,42 @@ class Display:
         self._clear()
 
 
+# Who built the pools (capabilities.POOLS_BUILDERS), as the summary says it.
+POOLS_BUILT_BY = {"engine": "the engine's own code", "adapter": "the adapter's wiring", "poolfuzz": "poolfuzz's own pools"}
+
+
+def pools_lines(by_config: dict[str, list[LaneState]]) -> list[str]:
+    """Who built the pools the examples ran on: the count by builder, then, for each config with examples on the
+    adapter's wiring, how many and the most frequent reason (one line where every config's is the same). Nothing
+    where every example ran on poolfuzz's own pools (the built-in family) or no family said."""
+    totals: dict[str, int] = {}
+    wired: dict[str, tuple[int, int, dict]] = {}  # config -> (on the wiring, ran, reason -> examples)
+    for config, sts in by_config.items():
+        mine: dict[str, dict] = {}
+        for st in sts:
+            for built_by, details in st.pools.items():
+                for detail, n in details.items():
+                    mine.setdefault(built_by, {})[detail] = mine.get(built_by, {}).get(detail, 0) + n
+        ran = sum(n for details in mine.values() for n in details.values())
+        for built_by, details in mine.items():
+            totals[built_by] = totals.get(built_by, 0) + sum(details.values())
+        if "adapter" in mine:
+            wired[config] = (sum(mine["adapter"].values()), ran, mine["adapter"])
+    if not totals or set(totals) == {"poolfuzz"}:
+        return []
+    order = [b for b in POOLS_BUILT_BY if b in totals]
+    out = ["who built the pools the examples ran on: "
+           + ", ".join(f"{POOLS_BUILT_BY[b]} {_n(totals[b])}" for b in order)]
+    reasons = {detail for _, _, details in wired.values() for detail in details}
+    if len(wired) == len(by_config) > 1 and len(reasons) == 1 and all(n == ran for n, ran, _ in wired.values()):
+        out.append(f"  every config on the adapter's wiring: {reasons.pop()}")
+        return out
+    for config, (n, ran, details) in wired.items():
+        top = max(details.items(), key=lambda kv: kv[1])[0]
+        out.append(f"  {config}: {_n(n)} of {_n(ran)} on the adapter's wiring, most often: {top}")
+    return out
+
+
 def _n(x: int) -> str:
     return f"{x:,}"
 
@@ -286,6 +324,9 @@ def summary(plan, result: SessionResult, stream: TextIO, *, before_closing=None)
         stream.write("\nknown failures passed over (not reported; --known or found earlier in the run):\n")
         for sig, n in sorted(known.items(), key=lambda kv: -kv[1]):
             stream.write(f"  {sig}  x{n}\n")
+    pools = pools_lines(by_config)
+    if pools:
+        stream.write("\n" + "".join(f"{line}\n" for line in pools))
     if plan.waive:
         stream.write("\nwaived checks (--waive): " + ", ".join(
             f"{c} ({waived.get(c, 0)} violation{'s' if waived.get(c, 0) != 1 else ''})" for c in plan.waive) + "\n")

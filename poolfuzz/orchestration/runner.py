@@ -40,7 +40,7 @@ from poolfuzz.harness.minimise import minimise
 from poolfuzz.harness.program import new_engine
 from poolfuzz.harness.records import EngineOptions
 from poolfuzz.harness.scheduled import scheduled_machine
-from poolfuzz.pools.capabilities import factory_capabilities
+from poolfuzz.pools.capabilities import PoolsOrigin, factory_capabilities
 from poolfuzz.pools.config import ModelConfig
 from poolfuzz.pools.family import expected_backup_mode
 from poolfuzz.strategies import DRAWN_NAME
@@ -79,6 +79,8 @@ class RunResult:
     api_changed: str | None = None
     declined: int = 0  # examples (counted in ``examples``) whose drawn config the family declined: untested
     declined_reasons: dict = field(default_factory=dict)  # reason -> declined examples
+    pools: dict = field(default_factory=dict)  # who built the pools (built_by -> {detail: examples that ran on them})
+    pools_origin: PoolsOrigin | None = None  # who built the pools the reported failure ran on
 
     @property
     def passed(self) -> bool:
@@ -98,6 +100,7 @@ class FailureCandidate:
     signature: str  # failures.signature_of: names the bug, not the example
     reproduce: str | None = None  # @reproduce_failure(...) for this example
     model_config: ModelConfig | None = None  # the config the example ran on (drawn or given)
+    pools_origin: PoolsOrigin | None = None  # who built the pools it ran on (None: none were, or the family says not)
 
     @property
     def size(self) -> tuple[int, int]:
@@ -139,6 +142,7 @@ class _Tracker:
     api_changed: EngineApiChanged | None = None  # what stopped the run: the engine's API, not a bug
     declined: int = 0  # examples whose drawn config the family declined: started, rejected, untested
     declined_reasons: dict = field(default_factory=dict)  # reason -> declined examples
+    pools: dict = field(default_factory=dict)  # built_by -> {detail: examples run on pools built so}
 
     # --- MachineObserver ----------------------------------------------------------------------
     def example_started(self) -> None:
@@ -176,7 +180,7 @@ class _Tracker:
             steps=steps, error_type=type(exc).__name__, message=message_of(exc),
             divergence=divergence_of(exc, engine), in_teardown=in_teardown,
             backup_mode=engine.backup_mode, signature=signature, reproduce=current_reproduction(),
-            model_config=engine.config))
+            model_config=engine.config, pools_origin=engine.pools_origin))
         return False
 
     def example_declined(self, config, reason) -> None:
@@ -186,6 +190,10 @@ class _Tracker:
         self.declined_reasons[reason] = self.declined_reasons.get(reason, 0) + 1
 
     def example_ended(self, engine) -> None:
+        origin = engine.pools_origin
+        if origin is not None and self.first_examples is None:  # counted up to the first failure, as examples are
+            details = self.pools.setdefault(origin.built_by, {})
+            details[origin.detail] = details.get(origin.detail, 0) + 1
         for check, n in engine.waived.items():
             self.waived[check] = self.waived.get(check, 0) + n
         for signature, n in engine.passed_over.items():
@@ -364,7 +372,8 @@ def run_machine(config, *, device="cpu", faults=(), backup_mode=None, max_exampl
                      signature=signature, hypothesis_steps=hypothesis_steps,
                      skipped=dict(tracker.skipped), waived=dict(tracker.waived),
                      model_config=final.model_config if final is not None else None,
-                     declined=tracker.declined, declined_reasons=dict(tracker.declined_reasons))
+                     declined=tracker.declined, declined_reasons=dict(tracker.declined_reasons),
+                     pools=copy_pools(tracker.pools), pools_origin=final.pools_origin if final is not None else None)
 
 
 def _machine(config, *, device, faults, backup_mode, options, family_factory, observer):
@@ -392,7 +401,21 @@ def _api_changed_result(config, faults, backup_mode, tracker: _Tracker, started:
                      steps=tracker.steps, seconds=time.perf_counter() - started, failure=None, program=None,
                      divergence=None, device=str(device), seed=seed, skipped=dict(tracker.skipped),
                      waived=dict(tracker.waived), api_changed=tracker.api_changed.verdict,
-                     declined=tracker.declined, declined_reasons=dict(tracker.declined_reasons))
+                     declined=tracker.declined, declined_reasons=dict(tracker.declined_reasons),
+                     pools=copy_pools(tracker.pools))
+
+
+def copy_pools(pools: dict) -> dict:
+    """A copy of a pools count (built_by -> {detail: examples}) that the caller may add to."""
+    return {built_by: dict(details) for built_by, details in pools.items()}
+
+
+def add_pools(into: dict, pools: dict) -> None:
+    """Add one pools count (built_by -> {detail: examples}) into another."""
+    for built_by, details in pools.items():
+        mine = into.setdefault(built_by, {})
+        for detail, n in details.items():
+            mine[detail] = mine.get(detail, 0) + n
 
 
 def _signature(error: BaseException | None, final: FailureCandidate | None) -> str | None:

@@ -71,7 +71,7 @@ FIELD_TYPES: dict[str, tuple] = {
     "reproduce_blob": (str, type(None)), "database": (str, type(None)), "database_key": (str, type(None)),
     "faults": (list,), "divergence": (dict,), "program": (list,), "engine_options": (dict, type(None)),
     "signature": (str, type(None)), "shrink_examples": (int, type(None)),
-    "model_config": (dict, type(None)), "hypothesis_steps": (int, type(None)),
+    "model_config": (dict, type(None)), "hypothesis_steps": (int, type(None)), "pools": (dict, type(None)),
 }
 DIVERGENCE_TYPES: dict[str, tuple] = {
     "kind": _STR, "step": _INT, "op": _STR, "node": _STR, "rid": (int, type(None)),
@@ -130,6 +130,19 @@ def divergence_problem(divergence: dict) -> str | None:
     for key, types in DIVERGENCE_TYPES.items():
         if key in divergence and not _fits(divergence[key], types):
             return f"divergence field {key!r} must be {_names(types)}, got {type(divergence[key]).__name__}"
+    return None
+
+
+def pools_problem(pools: dict | None) -> str | None:
+    """Why an artifact's ``pools`` (who built the pools its failure ran on) is not {built_by, detail}; None if it is."""
+    from poolfuzz.pools.capabilities import POOLS_BUILDERS
+
+    if pools is None:
+        return None
+    if set(pools) != {"built_by", "detail"} or not isinstance(pools["detail"], str):
+        return "field 'pools' must be an object of 'built_by' and a string 'detail'"
+    if pools["built_by"] not in POOLS_BUILDERS:
+        return f"field 'pools': built_by {pools['built_by']!r} is not one of {', '.join(POOLS_BUILDERS)}"
     return None
 
 

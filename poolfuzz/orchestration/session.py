@@ -154,11 +154,11 @@ def _run_campaign(plan: Plan, lane: Lane, device: str, database, budget: float |
     from poolfuzz.harness.records import EngineOptions
     from poolfuzz.orchestration.database import KeepingDatabase
     from poolfuzz.orchestration.known import known_on
-    from poolfuzz.orchestration.runner import run_machine
+    from poolfuzz.orchestration.runner import add_pools, run_machine
 
     started = time.perf_counter()
     found: set[str] = set()
-    totals = {"examples": 0, "steps": 0, "known": {}, "waived": {}, "declined": 0, "declined_reasons": {}}
+    totals = {"examples": 0, "steps": 0, "known": {}, "waived": {}, "declined": 0, "declined_reasons": {}, "pools": {}}
     options = EngineOptions(waive=tuple(plan.waive))
     remaining = lane.examples
     last = [0.0]
@@ -198,6 +198,7 @@ def _run_campaign(plan: Plan, lane: Lane, device: str, database, budget: float |
         totals["examples"] += result.examples
         totals["steps"] += result.steps
         totals["declined"] += result.declined
+        add_pools(totals["pools"], result.pools)
         for key, source in (("known", result.skipped), ("waived", result.waived),
                             ("declined_reasons", result.declined_reasons)):
             for name, n in source.items():
@@ -227,7 +228,7 @@ def _run_campaign(plan: Plan, lane: Lane, device: str, database, budget: float |
     emit({"type": "done", "lane": lane.index, "config": lane.config, "examples": totals["examples"],
           "steps": totals["steps"], "seconds": time.perf_counter() - started, "interrupted": interrupted,
           "known": totals["known"], "waived": totals["waived"], "declined": totals["declined"],
-          "declined_reasons": totals["declined_reasons"]})
+          "declined_reasons": totals["declined_reasons"], "pools": totals["pools"]})
     return not interrupted
 
 
@@ -254,6 +255,7 @@ class _ArtifactWriter:
         from poolfuzz.orchestration import artifacts
 
         model = varying.pop("model")
+        varying["pools"] = artifacts.pools_record(varying.pop("origin"))
         art = artifacts.stamp(config=self.lane.config, model_config=artifacts.recorded_config(model),
                               family=self.lane.family, device=self.device,
                               faults=list(self.plan.faults), seed=self.lane.seed,
@@ -274,7 +276,8 @@ class _ArtifactWriter:
         return self._write(model=candidate.model_config, backup_mode=candidate.backup_mode,
                            failure=candidate.message, error_type=candidate.error_type, divergence=candidate.divergence,
                            program=list(candidate.steps), status="shrinking", in_teardown=candidate.in_teardown,
-                           database=self.plan.db, signature=candidate.signature)
+                           database=self.plan.db, signature=candidate.signature,
+                           origin=candidate.pools_origin)
 
     def final(self, result, db, *, examples_to_find: int, seconds_to_find: float):
         status = "shrunk" if result.shrunk else ("interrupted" if result.interrupted else "shrink-limit")
@@ -284,7 +287,8 @@ class _ArtifactWriter:
                            in_teardown=result.in_teardown, hypothesis_program=result.program,
                            reproduce_blob=result.reproduce_blob, database=db, database_key=result.database_key,
                            examples=examples_to_find, seconds=seconds_to_find, signature=result.signature,
-                           shrink_examples=result.shrink_examples, hypothesis_steps=result.hypothesis_steps)
+                           shrink_examples=result.shrink_examples, hypothesis_steps=result.hypothesis_steps,
+                           origin=result.pools_origin)
 
 
 def _worker_main(plan: Plan, lanes: list[Lane], events, deadline: float | None, parent_pid: int | None = None) -> None:

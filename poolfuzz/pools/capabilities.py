@@ -18,6 +18,40 @@ from typing import Any, Callable
 from poolfuzz.errors import ConfigError
 
 
+# Who built the pools an example runs on: poolfuzz's own model of them (the built-in family), the engine's own code
+# for the config's server (its KV cache configurator, or the runner of a release without one), or the adapter
+# wiring the engine's pool classes itself (a restatement of that code, which the engine's bugs in it do not reach).
+POOLS_BUILDERS = ("poolfuzz", "engine", "adapter")
+
+
+@dataclass(frozen=True, kw_only=True)
+class PoolsOrigin:
+    """Who built a family's pools (one of ``POOLS_BUILDERS``) and, in words, how: the server flags the engine built
+    them for, or why the adapter wired them. A run counts its examples by it; an artifact records it."""
+
+    built_by: str
+    detail: str
+
+    def __post_init__(self):
+        if self.built_by not in POOLS_BUILDERS:
+            raise ConfigError(f"PoolsOrigin.built_by must be one of {', '.join(POOLS_BUILDERS)}, got {self.built_by!r}")
+
+    def to_json(self) -> dict:
+        return {"built_by": self.built_by, "detail": self.detail}
+
+
+def nodes_pools_origin(by_node: dict[str, PoolsOrigin | None]) -> PoolsOrigin | None:
+    """The origin of an example's pools over its nodes (node -> its family's): the engine's only where every node's
+    is, else the first node's that is not, named; None where a node's family does not say."""
+    origins = list(by_node.values())
+    if not origins or any(o is None for o in origins):
+        return None
+    if len(set(origins)) == 1:
+        return origins[0]
+    node, origin = next(((n, o) for n, o in by_node.items() if o.built_by != "engine"), next(iter(by_node.items())))
+    return PoolsOrigin(built_by=origin.built_by, detail=f"{node} node: {origin.detail}")
+
+
 @dataclass(frozen=True, kw_only=True)
 class Capabilities:
     """A family's capabilities (each field's default is what a family that does not declare it gets)."""
@@ -36,6 +70,7 @@ class Capabilities:
     caches_freed_units: bool = False  # freed units keep their contents (reported free when they leave the cache)
     shared_unit_spaces: tuple[str, ...] = ()  # spaces whose units come from one pool
     reference_factory: Callable | None = None  # the reference model of its accounting (None: ReferenceFamily)
+    pools_origin: PoolsOrigin | None = None  # who built its pools (None: the family does not say)
     # Optional methods of the family (None: it has none), bound.
     cached_units: Callable | None = None
     flush_prefix_cache: Callable | None = None
@@ -84,6 +119,8 @@ def _declared(obj, name: str):
 def _check(owner: str, name: str, value, kind):
     if kind is bool and not isinstance(value, bool):
         raise ConfigError(f"{owner}.{name} must be True or False, got {value!r}")
+    if name == "pools_origin" and not isinstance(value, PoolsOrigin):
+        raise ConfigError(f"{owner}.pools_origin must be a PoolsOrigin (poolfuzz.pools.capabilities), got {value!r}")
     if name == "shared_unit_spaces" and not (isinstance(value, tuple) and all(isinstance(s, str) for s in value)):
         raise ConfigError(f"{owner}.shared_unit_spaces must be a tuple of space names, got {value!r}")
     return value

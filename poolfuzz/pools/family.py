@@ -9,6 +9,7 @@ import torch
 
 from poolfuzz.pools.allocator import FreeListener, TokenAllocator
 from poolfuzz.pools.attention_kinds import kind_of
+from poolfuzz.pools.capabilities import PoolsOrigin
 from poolfuzz.pools.components import Component
 from poolfuzz.pools.config import ModelConfig
 from poolfuzz.pools.errors import ConfigError
@@ -31,10 +32,12 @@ class PoolFamily:
 
     ``supports_next_turn``: False; a finished request's tokens are not kept for a next turn (its
     prefix hit is what ``fork`` models here, from a running request).
-    ``supports_tree_drafts``: every KV pool here moves accepted rows (``move_kv_cache``)."""
+    ``supports_tree_drafts``: every KV pool here moves accepted rows (``move_kv_cache``).
+    ``pools_origin``: poolfuzz built them (no engine code runs)."""
 
     supports_next_turn = False
     supports_tree_drafts = True
+    pools_origin = PoolsOrigin(built_by="poolfuzz", detail="poolfuzz's own pools, with SGLang's semantics")
 
     config: ModelConfig
     device: torch.device

@@ -18,6 +18,9 @@ is a ConfigError, never a silent default; a family that declares none gets the d
 * ``reference_factory`` (default None: :class:`poolfuzz.pools.reference.ReferenceFamily`): the
   reference model of an engine that counts capacity its own way, ``reference_factory(config,
   backup_mode=..., resume_swa_tail_only=...)`` (vLLM: one block pool for every KV cache group);
+* ``pools_origin`` (default None): a :class:`poolfuzz.pools.capabilities.PoolsOrigin` saying who built the
+  family's pools (poolfuzz, the engine's own code for the config's server, or the adapter's wiring) and how; a
+  run counts its examples by it and an artifact records the failing example's;
 * ``prefix_caching`` (default False): True makes the engine ask ``protocol.lookup(req, family)``
   before a resume what the prefix cache found, and pass it to the reference's ``resume``;
 * ``ReqKv.recompute_from``: set by a resume that recomputes instead of restoring; the engine then

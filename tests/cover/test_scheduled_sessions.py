@@ -20,6 +20,7 @@ class RecordingDriver:
 
     backup_mode = "cpu_tensor"
     flushes = False
+    pools_origin = None  # a stand-in server: no pools, so no one built them
 
     def __init__(self, *, sessions: bool):
         self.streaming_sessions = sessions

@@ -184,6 +184,7 @@ def test_an_inkling_server_runs_on_the_conv_states_sglang_keeps_in_every_layer(c
     built = plugin.factory(c, device="cpu", faults=(), backup_mode=None)
     family = built if family_name == "sglang:pools" else built.family  # a scheduler-path server's pools
     assert family.pools_source.startswith(_served()), family.pools_source
+    assert family.pools_origin.built_by == "engine"  # what a run counts its examples by, and an artifact records
     state = {(comp.name, comp.layer) for comp in family.components() if comp.space == "mamba"}
     assert state == {(f"mamba.conv{i}", layer) for i in range(6) for layer in (0, 1)}
 
@@ -312,6 +313,7 @@ def test_the_adapters_own_wiring_builds_the_pools_the_server_builds(api, configu
     except ConfigError as exc:  # the wiring has no pools for the mode before the release had its pool class
         pytest.skip(f"the wiring declines it here: {exc}")
     assert wired.pools_source.startswith("the adapter's wiring (the configurator is switched off")
+    assert wired.pools_origin.built_by == "adapter" and wired.pools_origin.detail == wired.pools_source
     assert same_pools(server, configurator.describe_pools(wired.sg_req_pool, wired.sg_kv_pool,
                                                                         wired.sg_allocator))
 

@@ -4,6 +4,8 @@ The installed release's constructors decide what can be built: a config they ref
 (the example is rejected), never reported as a failure.
 """
 
+import re
+
 import pytest
 
 from poolfuzz.orchestration.runner import run_machine
@@ -94,6 +96,8 @@ def test_run_config_random_on_the_sglang_family(api, expect, tmp_path, monkeypat
     out = capsys.readouterr().out
     assert code == 0, out
     assert "random" in out and "1 passed, 0 failed" in out
+    # the pools path's decode node, and most drawn models' pools, are the adapter's wiring: the run says how many, and why
+    assert re.search(r"random: [\d,]+ of [\d,]+ on the adapter's wiring, most often: ", out), out
 
 
 def test_drawn_models_run_through_sglangs_own_scheduler(scheduling):

@@ -41,3 +41,7 @@ def test_the_suites_reach_is_every_servers_code_in_one_table(api, tmp_path, caps
                  "sglang/srt/managers/cache_controller.py", "sglang/srt/mem_cache/memory_pool.py"):
         assert files[name]["executed"] > 0, name
     assert "sglang:scheduler/dense" in out and "sglang:decode/dense" in out and "sglang:hicache/dense" in out
+    # every server of the suite runs dense on the pools SGLang's own configurator builds for its flags
+    pools = next(line for line in out.splitlines() if line.startswith("who built the pools"))
+    assert pools.startswith("who built the pools the examples ran on: the engine's own code "), pools
+    assert "the adapter's wiring" not in pools, pools

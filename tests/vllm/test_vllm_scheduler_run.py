@@ -41,6 +41,9 @@ def test_a_clean_config_passes_through_the_scheduler(scheduling, api, tmp_path, 
     text = capsys.readouterr().out
     assert re.search(r"dense-ps4\s+PASS\s+15\s", text), text
     assert _artifacts(tmp_path) == []
+    # vLLM's manager and block pool run over KV cache groups the adapter lays out: the run says so
+    assert ("who built the pools the examples ran on: the adapter's wiring 15\n  dense-ps4: 15 of 15 on the adapter's "
+            "wiring, most often: vLLM's KVCacheManager over the KV cache groups the adapter lays out") in text, text
 
 
 def test_a_planted_double_allocation_is_shrunk_reported_and_replayed(scheduling, api, tmp_path, capsys,
@@ -58,6 +61,7 @@ def test_a_planted_double_allocation_is_shrunk_reported_and_replayed(scheduling,
         ops = [s["op"] for s in art["program"]]
         assert ops and set(ops) <= {"scheduler.add_request", "scheduler.schedule", "scheduler.abort"}, ops
         assert "state = ScheduledMachine()" in art["hypothesis_program"]
+        assert art["pools"]["built_by"] == "adapter", art["pools"]
     # shrunk: a request or two and their steps. Only the shortest report is held to it: where the release's own
     # checks also catch the planted block (0.23.0: the cache_blocks assert in allocate_slots, at admission and
     # while draining) the run has up to five signatures, and some of their shrinks stop at 15-36 steps. The one

@@ -9,7 +9,7 @@ import torch
 from poolfuzz.adapters.vllm.api import VllmAPI, load
 from poolfuzz.adapters.vllm.compat import block_ids
 from poolfuzz.adapters.vllm.events import EventMirror
-from poolfuzz.adapters.vllm.manager import Built, build_manager
+from poolfuzz.adapters.vllm.manager import VLLM_POOLS, Built, build_manager
 from poolfuzz.adapters.vllm.protocol import LiveRequest, VllmProtocol
 from poolfuzz.adapters.vllm.reference import VllmReference, mamba_mode_for
 from poolfuzz.adapters.vllm.storage import (attention_components, copy_block, mamba_components, null_block_written,
@@ -37,6 +37,7 @@ class VllmFamily:
       ``supports_next_turn``: True; a finished request's tokens are kept (``finished_tokens``), and a
       next turn's prompt continues them: a local prefix hit on blocks in the free queue.
       ``supports_speculative``: True; the drafts' blocks are allocated and kept, as vLLM keeps them.
+      ``pools_origin``: the adapter lays the KV cache groups out (``manager.VLLM_POOLS``).
     """
 
     supports_fork = False
@@ -48,6 +49,7 @@ class VllmFamily:
     reference_factory = VllmReference
     supports_next_turn = True
     supports_speculative = True
+    pools_origin = VLLM_POOLS
 
     api: VllmAPI
     config: ModelConfig

@@ -8,9 +8,15 @@ from dataclasses import dataclass
 import torch
 
 from poolfuzz.adapters.vllm.api import VllmAPI
+from poolfuzz.pools.capabilities import PoolsOrigin
 from poolfuzz.pools.components import DTYPES
 from poolfuzz.pools.config import ModelConfig
 from poolfuzz.pools.errors import ConfigError
+
+# Who builds a vLLM family's pools (every example alike): vLLM's own manager and block pool, over KV cache groups the
+# adapter lays out from the config (layout_for); vLLM's planner (get_kv_cache_configs) does not run.
+VLLM_POOLS = PoolsOrigin(built_by="adapter", detail="vLLM's KVCacheManager over the KV cache groups the adapter lays "
+                         "out (layout_for), not vLLM's get_kv_cache_configs")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -43,7 +43,7 @@ from functools import lru_cache
 from poolfuzz.adapters.vllm import compat
 from poolfuzz.adapters.vllm.api import VllmAPI
 from poolfuzz.adapters.vllm.events import EventMirror
-from poolfuzz.adapters.vllm.manager import layout_for
+from poolfuzz.adapters.vllm.manager import VLLM_POOLS, layout_for
 from poolfuzz.adapters.vllm.reference import mamba_mode_for
 from poolfuzz.adapters.vllm.worker import Worker
 from poolfuzz.pools.config import ModelConfig
@@ -292,6 +292,7 @@ class SchedulerDriver:
 
     streaming_sessions = False  # vLLM keeps no sessions between requests: the machine's session rules never fire
     backup_mode = "cpu_tensor"  # the retraction path an artifact records: vLLM recomputes a preempted request
+    pools_origin = VLLM_POOLS  # who built the pools an example runs on (a run counts examples by it)
 
     def __init__(self, config: ModelConfig, *, budget: int | None = None, max_seqs: int | None = None):
         from poolfuzz.adapters.vllm.api import load

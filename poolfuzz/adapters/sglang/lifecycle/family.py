@@ -43,6 +43,7 @@ from poolfuzz.adapters.sglang.lifecycle.tracking import extra_buffer_admission_p
 from poolfuzz.adapters.sglang.pools.views import (AllocatorView, FreeListView, KVPoolView, MambaPoolView, ReqPoolView,
                                             as_ints, token_free_pages,
                                             token_free_sources)
+from poolfuzz.pools.capabilities import PoolsOrigin
 from poolfuzz.pools.components import Component
 from poolfuzz.pools.config import ModelConfig, uses_ssm_state
 from poolfuzz.pools.errors import ConfigError
@@ -74,6 +75,8 @@ class SGLangFamily:
       ``supports_retract``: False where SGLang's own PD setup (``setup_state_kv_args``) refuses the KV pool: SGLang
         backs a request's KV up at retraction only on a PD decode server (``release_req``), which then cannot
         exist, and a colocated server recomputes a retracted request instead (``declined`` says why).
+      ``pools_origin``: the engine's where SGLang's own configurator built the pools for the config's server
+        (``served``), the adapter's wiring otherwise; ``pools_source`` says which server, or why.
       ``supports_tree_drafts``: a tree verify's accepted KV moves through the KV pool's own ``move_kv_cache``
         (``adapters.sglang.speculative.move_accepted``); False (per family) where the built pool cannot move
         a row on this machine.
@@ -131,6 +134,11 @@ class SGLangFamily:
 
     def has_recurrent_state(self) -> bool:
         return self.req_pool.mamba_pool is not None
+
+    @property
+    def pools_origin(self) -> PoolsOrigin:
+        """SGLang's own code built the pools where its configurator served the config's server, else the adapter."""
+        return PoolsOrigin(built_by="adapter" if self.served is None else "engine", detail=self.pools_source)
 
     def free_lists(self) -> dict[str, FreeListView]:
         return dict(self._free_views)

@@ -236,6 +236,11 @@ class SglangSchedulerDriver:
     def server_flags(self, config: ModelConfig, *, max_running_requests: int) -> dict:
         return server_arguments(config, max_running_requests=max_running_requests)
 
+    @property
+    def pools_origin(self):
+        """Who built the pools this server runs on: SGLang's configurator for its flags, or the adapter's wiring."""
+        return self.family.pools_origin
+
     def build_family(self, config: ModelConfig, max_running: int):
         """The family over the pools SGLang's configurator builds for this server's flags."""
         return build_sglang_family(config, scheduled=True)
