@@ -418,9 +418,9 @@ def machine_for(config: ModelConfig | str | st.SearchStrategy, *, device="cpu", 
     if isinstance(config, str) and config == DRAWN_NAME:
         # Drawn from the space the family accepts: its storage kinds steered to, the rest filtered; an example
         # whose draw the filter still refuses is counted as declined, with the family's reason.
-        decline = factory_capabilities(family_factory).unsupported_reason
-        log = attrs["decline_log"] = DeclineLog(decline) if decline is not None else None
-        config = drawn_configs(faults=faults, where=None if log is None else log.accepts)
+        caps = factory_capabilities(family_factory)
+        log = attrs["decline_log"] = DeclineLog(caps.unsupported_reason) if caps.unsupported_reason else None
+        config = drawn_configs(faults=faults, where=None if log is None else log.accepts, shape=caps.model_shaped)
     elif isinstance(config, str):
         config = get_config(config)
     if isinstance(config, ModelConfig):

@@ -260,10 +260,11 @@ class ScheduledMachine(RuleBasedStateMachine):
 
 
 def scheduled_machine(config: ModelConfig | str | st.SearchStrategy, *, driver_factory: Callable, observer=None, identity: str = "",
-                      decline: Callable[[ModelConfig], str | None] | None = None) -> type[ScheduledMachine]:
+                      decline: Callable[[ModelConfig], str | None] | None = None,
+                      shape: Callable[[ModelConfig], ModelConfig] | None = None) -> type[ScheduledMachine]:
     """A ScheduledMachine bound to one config (or ``"random"``: each example draws its own, from
-    :func:`~poolfuzz.strategies.drawn_configs` filtered by ``decline``, the family's reason to decline a config; or a
-    strategy of configs, filtered the same) and
+    :func:`~poolfuzz.strategies.drawn_configs` reshaped by ``shape``, the family's ``model_shaped``, and filtered by
+    ``decline``, the family's reason to decline a config; or a strategy of configs, filtered the same) and
     an engine's driver factory; ``observer`` is told what each example does. Its examples are filed in Hypothesis's
     database under a key naming the config and ``identity`` (the family), apart from the Engine machine's."""
     attrs = dict(driver_factory=staticmethod(driver_factory), observer=observer)
@@ -274,7 +275,7 @@ def scheduled_machine(config: ModelConfig | str | st.SearchStrategy, *, driver_f
         if isinstance(config, st.SearchStrategy):  # a test's own draw (drawn_configs(where=...)), filtered the same
             strategy = config if log is None else config.filter(log.accepts)
         else:
-            strategy = drawn_configs(where=None if log is None else log.accepts)
+            strategy = drawn_configs(where=None if log is None else log.accepts, shape=shape)
         attrs["config_strategy"] = strategy
         attrs["start_server"] = _drawn_start(strategy)
         name = DRAWN_NAME

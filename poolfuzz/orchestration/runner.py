@@ -391,7 +391,8 @@ def _machine(config, *, device, faults, backup_mode, options, family_factory, ob
     decline = None if caps.unsupported_reason is None else (
         lambda model: caps.decline_reason(model, backup_mode=backup_mode))
     identity = f"{getattr(family_factory, '__module__', '')}.{getattr(family_factory, '__qualname__', '')}"
-    return scheduled_machine(config, driver_factory=driver, observer=observer, identity=identity, decline=decline)
+    return scheduled_machine(config, driver_factory=driver, observer=observer, identity=identity, decline=decline,
+                             shape=caps.model_shaped)
 
 
 def _api_changed_result(config, faults, backup_mode, tracker: _Tracker, started: float, device, seed) -> RunResult:

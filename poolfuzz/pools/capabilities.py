@@ -199,6 +199,10 @@ class FactoryCapabilities:
     # (config) -> ServerDescription: the server a config stands for and the pools the engine's configurator builds
     # for it (``poolfuzz configs --family``)
     describe_server: Callable | None = None
+    # (drawn config) -> the config as the model its engine serves for that kind of layers has them (their layout,
+    # their state's widths), or the config as drawn: applied to every drawn config before unsupported_reason, so that
+    # draws are steered to models a server runs rather than declined
+    model_shaped: Callable | None = None
 
     def decline_reason(self, config, *, backup_mode: str | None = None) -> str | None:
         """Why the factory declines ``config`` for a run that names ``backup_mode`` (where its declines depend on

@@ -200,6 +200,20 @@ class ModelConfig:
     def replace(self, **changes) -> "ModelConfig":
         return dataclasses.replace(self, **changes)
 
+    def with_state_in_attention(self) -> "ModelConfig":
+        """This model with its recurrent state beside every attention layer's KV, as an Inkling keeps it, not in
+        layers of its own (dropped from the pattern): six short convs of its first conv's kernel, kernel-major, over
+        the KV width twice, the window layers' KV width twice and the hidden width twice (here all one width, the
+        heads times the head dim), in bfloat16 (Inkling's state dtype, whatever the model's), no temporal state and
+        no draft-token states. On a config whose state is there already: its convs over its heads' width again."""
+        width = self.head_num * self.head_dim
+        kernel = self.conv_shapes[0][0] if self.state_in_attention else self.conv_shapes[0][1]  # kernel-major, or not
+        return self.replace(architecture="inkling", recurrent_layers="attention",
+                            mamba_layers=self.full_layers + self.swa_layers,
+                            layer_pattern=self.layer_pattern.replace("M", ""),
+                            conv_shapes=((kernel, width),) * 6, temporal_shape=(0, 0, 0),
+                            state_dtype="bfloat16", spec_draft_tokens=0)
+
 
 def _validate(c: ModelConfig) -> list[str]:
     problems = []

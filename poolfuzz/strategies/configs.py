@@ -153,22 +153,11 @@ def _config_from(d: dict, pattern: str) -> ModelConfig:
         fields.update(mamba_slots=d["mamba_slots"], conv_shapes=conv, temporal_shape=temporal,
                       state_dtype=d["state_dtype"], mamba_track_slots=d["track_slots"],
                       spec_draft_tokens=d["spec_tokens"])
-        if swa and d.get("state_in_attention"):
-            fields.update(_inkling_fields(fields, kernel=conv[0][1]))
-    fields.update(_storage_fields(d["storage"], fields))
-    return ModelConfig(**fields)
-
-
-def _inkling_fields(f: dict, *, kernel: int) -> dict:
-    """A model with sliding-window and recurrent layers shaped as an Inkling, as SGLang builds one: the state in
-    every attention layer (the drawn recurrent layers dropped from the pattern), six short convs of the drawn
-    kernel, kernel-major, over the KV width twice, the window layers' KV width twice and the hidden width twice
-    (all one width here: the heads times the head dim), in bfloat16 (Inkling's state dtype, whatever the model's), no
-    temporal state, no draft-token states."""
-    width = f["head_num"] * f["head_dim"]
-    return dict(architecture="inkling", recurrent_layers="attention", mamba_layers=f["full_layers"] + f["swa_layers"],
-                layer_pattern=f["layer_pattern"].replace("M", ""), conv_shapes=((kernel, width),) * 6,
-                temporal_shape=(0, 0, 0), state_dtype="bfloat16", spec_draft_tokens=0)
+    fields.update(_storage_fields(d["storage"], fields))  # none beside SWA layers: the same for an Inkling
+    config = ModelConfig(**fields)
+    # sliding-window and recurrent layers: the state in layers of their own, or in the attention layers as an Inkling
+    # keeps it (``ModelConfig.with_state_in_attention``)
+    return config.with_state_in_attention() if swa and mamba and d.get("state_in_attention") else config
 
 
 def _storage_fields(storage: str, f: dict) -> dict:
@@ -198,11 +187,15 @@ def _storage_fields(storage: str, f: dict) -> dict:
     return dict(attention="mla", kv_quant="fp4_mx_block16", kv_lora_rank=32 * (4 + heads), qk_rope_head_dim=32)
 
 
-def drawn_configs(*, faults=(), where: Callable[[ModelConfig], bool] | None = None) -> st.SearchStrategy[ModelConfig]:
-    """Configs Hypothesis draws: only those every fault in ``faults`` applies to, and ``where`` accepts."""
+def drawn_configs(*, faults=(), where: Callable[[ModelConfig], bool] | None = None,
+                  shape: Callable[[ModelConfig], ModelConfig] | None = None) -> st.SearchStrategy[ModelConfig]:
+    """Configs Hypothesis draws: each reshaped by ``shape`` (a family's ``model_shaped``: the layout and state widths
+    of the model its engine serves), then only those every fault in ``faults`` applies to, and ``where`` accepts."""
     from poolfuzz.pools.faults import get_fault
 
     checks = [get_fault(f).applies_to for f in faults] + ([where] if where is not None else [])
+    if shape is not None:
+        return _drawn().map(shape).filter(lambda c: all(ok(c) for ok in checks))
     if not checks:
         return _drawn()
     kinds = _steering(checks)

@@ -212,3 +212,27 @@ def test_a_failure_while_building_a_drawn_engine_is_reported_not_lost_in_the_shr
     assert not result.passed and "host_pool retraction backup chosen" in result.failure
     assert result.model_config is not None and result.model_config.has_mamba
     assert result.backup_mode == "host_pool" and result.engine_steps == ()
+
+
+def test_a_familys_shape_is_applied_to_every_draw_before_the_filter():
+    """``drawn_configs(shape=...)`` (a factory's ``model_shaped``): every draw reshaped, then filtered."""
+    seen = []
+
+    @settings(max_examples=30, database=None, deadline=None)
+    @given(drawn_configs(shape=lambda c: c.replace(head_dim=16), where=lambda c: c.head_dim == 16))
+    def check(c):
+        seen.append(c.head_dim)
+
+    check()
+    assert seen and set(seen) == {16}
+
+
+def test_state_in_attention_keeps_the_kernel_and_follows_the_heads_width():
+    own = CONFIGS["hybrid-linear"].replace(name="random", swa_layers=1, sliding_window=4, swa_tokens=32,
+                                           layer_pattern="MFSM")
+    inkling = own.with_state_in_attention()
+    kernel = own.conv_shapes[0][1]
+    assert inkling.mamba_layers == 2 and inkling.layer_pattern == "FS" and inkling.state_in_attention
+    assert inkling.conv_shapes == ((kernel, own.head_num * own.head_dim),) * 6 and not inkling.has_temporal
+    wider = inkling.replace(head_dim=own.head_dim + 2).with_state_in_attention()  # again: the kernel kept
+    assert wider.conv_shapes == ((kernel, own.head_num * (own.head_dim + 2)),) * 6

@@ -28,8 +28,19 @@ def test_drawn_configs_pass_on_a_fixed_release(api, expect):
 def _without_a_known_defect(c) -> bool:
     """Not a kind with a judged defect of the release, each with its own test: K-only MiniMax layers crash at
     retraction (sglang#32603); FP4 pools (MHA and MLA) lose their scale rows at retraction and PD transfer
-    (test_sglang_mha_fp4.py, test_sglang_quant.py, docs/bugs/sglang-mha-fp4-scales.md)."""
-    return "K" not in c.msa_layers and c.kv_quant != "fp4_mx_block16"
+    (test_sglang_mha_fp4.py, test_sglang_quant.py, docs/bugs/sglang-mha-fp4-scales.md); a ``page_head`` HiCache host
+    pool with fewer pages than layers dies at startup (0.5.13 on: docs/bugs/sglang-hicache-page-head-views.md, a
+    drawn config of this test found it again)."""
+    return "K" not in c.msa_layers and c.kv_quant != "fp4_mx_block16" and not _page_head_short_of_pages(c)
+
+
+def _page_head_short_of_pages(c) -> bool:
+    """Whether ``c``'s HiCache tier is ``page_head`` with more than one layer: the pools path's HiCache tree sizes its
+    host pool from a device capacity of a few pages (32 tokens for a drawn 240-token pool of 16-token pages: 3 host
+    pages for 4 layers), so any such config can have fewer host pages than layers. An over-approximation."""
+    from poolfuzz.adapters.sglang.host_tier.hicache import host_tier
+
+    return host_tier(c)[0] == "page_head" and c.num_layers > 1
 
 
 def test_drawn_storage_kinds_pass_on_a_fixed_release(api, expect):
@@ -79,7 +90,9 @@ def test_a_config_the_constructors_refuse_is_declined_not_reported(api, expect, 
         plugin.build_family(CONFIGS["dense"].replace(page_size=16, full_tokens=64, max_context=64))
     # Before the #35957 fix, SWA+SSM configs lose the recurrent state (paged ones run there too, interpreted).
     fixed = expect == "pass"
-    result = run_machine(drawn_configs(where=lambda c: c.page_size > 1 and (fixed or not (c.has_swa and c.has_mamba))),
+    # drawn as --config random draws them: shaped as the models SGLang serves (else most are refused before building)
+    result = run_machine(drawn_configs(where=lambda c: c.page_size > 1 and (fixed or not (c.has_swa and c.has_mamba)),
+                                       shape=plugin.model_shaped),
                          family_factory=factory, max_examples=40, seed=0, shrink_limit=30)
     assert result.passed, result.failure
     assert built and all(c.page_size <= 8 for c in built)

@@ -10,6 +10,8 @@ does not import SGLang; building a family does (behind the CPU import shims in :
 
 from __future__ import annotations
 
+from poolfuzz.adapters.sglang.pools.server_models import model_shaped
+
 
 def build_family(config, *, device="cpu", faults=(), backup_mode=None, node=None):
     """The family factory registered as ``sglang:pools`` in the ``poolfuzz.families`` entry points. ``node``: the
@@ -113,6 +115,7 @@ def _described(config, *, role_flags, build, server_of=None, notes=()):
 
 
 build_family.unsupported_reason = unsupported_reason
+build_family.model_shaped = model_shaped  # drawn models laid out as the model SGLang serves for their layers
 build_family.describe_server = describe_server
 # What ``poolfuzz doctor`` prints and ``poolfuzz run`` checks before fuzzing (adapters/sglang/compat/).
 build_family.engine_report = engine_report
@@ -214,6 +217,7 @@ build_scheduler_driver.drives_scheduler = True
 build_scheduler_driver.takes_drawn_configs = True  # drawn models: SGLang's server refuses what it does not build
 build_scheduler_driver.describe_server = describe_scheduler_server  # poolfuzz configs --family: the server's flags and pools
 build_scheduler_driver.unsupported_reason = scheduler_unsupported_reason
+build_scheduler_driver.model_shaped = model_shaped  # drawn models laid out as the model SGLang serves for their layers
 build_scheduler_driver.engine_report = engine_report
 # What --coverage measures: the scheduler's batch and policy code, and the pools and caches below it.
 build_scheduler_driver.engine_code = ("sglang/srt/mem_cache", "sglang/srt/managers/schedule_batch.py",
@@ -242,6 +246,7 @@ build_decode_driver.drives_scheduler = True
 build_decode_driver.takes_drawn_configs = True  # drawn models: SGLang's server refuses what it does not build
 build_decode_driver.describe_server = describe_decode_server  # poolfuzz configs --family: the server's flags and pools
 build_decode_driver.unsupported_reason = decode_unsupported_reason
+build_decode_driver.model_shaped = model_shaped  # drawn models laid out as the model SGLang serves for their layers
 build_decode_driver.declines_by_backup_mode = True  # a named backup refuses what SGLang's resolution would not
 build_decode_driver.engine_report = engine_report
 # What --coverage measures: the decode side's queues besides the scheduler path's files.
@@ -270,6 +275,7 @@ build_hicache_driver.drives_scheduler = True
 build_hicache_driver.takes_drawn_configs = True  # drawn models: SGLang's server refuses what it does not build
 build_hicache_driver.describe_server = describe_hicache_server  # poolfuzz configs --family: the server's flags and pools
 build_hicache_driver.unsupported_reason = hicache_unsupported_reason
+build_hicache_driver.model_shaped = model_shaped  # drawn models laid out as the model SGLang serves for their layers
 build_hicache_driver.engine_report = engine_report
 # What --coverage measures: the scheduler path's files (the host pools and cache controller are under mem_cache),
 # and the legacy controller the unified one builds on.
@@ -305,6 +311,7 @@ build_unified_server.drives_scheduler = True
 build_unified_server.takes_drawn_configs = True  # drawn models: SGLang's server refuses what it does not build
 build_unified_server.describe_server = describe_unified_driver
 build_unified_server.unsupported_reason = unified_server_unsupported_reason
+build_unified_server.model_shaped = model_shaped  # drawn models laid out as the model SGLang serves for their layers
 build_unified_server.engine_report = engine_report
 build_unified_server.engine_code = build_scheduler_driver.engine_code
 
@@ -312,5 +319,6 @@ build_unified_decode.drives_scheduler = True
 build_unified_decode.takes_drawn_configs = True
 build_unified_decode.describe_server = describe_unified_decode
 build_unified_decode.unsupported_reason = unified_decode_unsupported_reason
+build_unified_decode.model_shaped = model_shaped  # drawn models laid out as the model SGLang serves for their layers
 build_unified_decode.engine_report = engine_report
 build_unified_decode.engine_code = build_decode_driver.engine_code

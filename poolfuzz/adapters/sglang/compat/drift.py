@@ -28,7 +28,8 @@ import types
 import weakref
 
 import poolfuzz
-from poolfuzz.adapters.sglang.compat.needs import ENGINE, PRIVATE, release
+from poolfuzz.adapters.sglang.compat.needs import (ENGINE, MODEL_CONFIG_REFUSALS, PRIVATE, STARTUP_REFUSALS,
+                                                  release)
 from poolfuzz.errors import EngineApiChanged
 
 # the SGLang adapter's own code (not the harness's: a harness bug is no engine's API change)
@@ -89,6 +90,20 @@ def raised_by_sglang(exc: BaseException) -> bool:
     tb = _raising_frame(exc)
     package = os.path.dirname(os.path.abspath(sglang.__file__)) + os.sep
     return tb is not None and os.path.abspath(tb.tb_frame.f_code.co_filename).startswith(package)
+
+
+def startup_refusal(exc: BaseException) -> str | None:
+    """Who refuses a server with ``exc`` raised while its pools are built, in a listing's words, where it is a check
+    that no such server starts on any machine: SGLang's own startup checks (``STARTUP_REFUSALS``, by the function
+    that raised it, in SGLang's code) or transformers refusing the model's config.json; None otherwise (this
+    machine's limit, or a crash)."""
+    for cls in type(exc).__mro__:
+        if cls.__name__ in MODEL_CONFIG_REFUSALS:
+            return MODEL_CONFIG_REFUSALS[cls.__name__]
+    tb = _raising_frame(exc)
+    if tb is not None and raised_by_sglang(exc):
+        return STARTUP_REFUSALS.get(tb.tb_frame.f_code.co_name)
+    return None
 
 
 def _first_line(exc: BaseException) -> str:

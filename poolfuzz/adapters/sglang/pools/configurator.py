@@ -42,22 +42,21 @@ import atexit
 import contextlib
 import dataclasses
 import json
-import logging
 import os
 import tempfile
 import types
-import warnings
 from dataclasses import dataclass, field
 
 from poolfuzz.adapters.sglang.compat import (has_private, model_missing, parser_refusal, private, published_namespace,
                                               release_flag_values, server_flags as server_flag_names)
-from poolfuzz.adapters.sglang.compat.drift import StandIn, build_drift, configurator_lacking, raised_by_sglang
+from poolfuzz.adapters.sglang.compat.drift import (StandIn, build_drift, configurator_lacking, raised_by_sglang,
+                                                  startup_refusal)
 from poolfuzz.adapters.sglang.compat.platform import (B200, GPU, XEON, cpu_platform_problem, cpu_server, gpu_server,
                                                       platform_problem)
 from poolfuzz.adapters.sglang.pools.calls import native_kv_move
 from poolfuzz.adapters.sglang.pools import runner_pools
 from poolfuzz.adapters.sglang.pools.descriptions import DRAFT, describe_pools, kv_pool_words
-from poolfuzz.adapters.sglang.pools.runner_calls import (fixed_free_memory, kv_copy_warmup_skipped, layer_split,
+from poolfuzz.adapters.sglang.pools.runner_calls import (fixed_free_memory, kv_copy_warmup_skipped, layer_split, sglang_quiet,
                                                          publish_as_scheduler, runner_ranks, group_ranks)
 from poolfuzz.adapters.sglang.pools.server_models import MODELS, dtype_flags
 from poolfuzz.errors import ConfigError, EngineApiChanged
@@ -170,8 +169,9 @@ def server_model(c: ModelConfig) -> ServerModel:
     if kind not in MODELS:
         raise ConfigError(f"config {c.name!r}: no model stands for architecture {kind!r} on the configurator path "
                           f"yet (it has models for: {', '.join(MODELS)})")
-    if why := MODELS[kind].layers_problem(c):
-        raise ConfigError(f"config {c.name!r}: no {kind} model stands for its layers ({why})")
+    if why := MODELS[kind].layers_problem(c):  # no server, so nothing to fuzz: refused, never the adapter's wiring
+        reason = f"no {kind} model stands for its layers ({why})"
+        raise ServerRefused(f"config {c.name!r}: {reason}", reason=reason)
     return ServerModel(kind=kind, flags=server_flags(c), hf_config=MODELS[kind].config_json(c, dtype_flags(c)[0]),
                        gpu=server_gpu(c), free_memory=c.free_memory_kib << 10 or MEMORY_BUDGET)
 
@@ -234,13 +234,13 @@ def server_sized(c: ModelConfig, *, role_flags: dict | None = None) -> ModelConf
     - a server sized by its memory (``free_memory_kib``): its token slots (full and window), mamba slots and running
       requests, all read back from what the configurator built;
     - a server with ``role_flags`` whose window pool SGLang sizes otherwise (a PD decode server's, without a radix
-      cache, from its requests' windows, ``SWARequestCapPoolConfigurator``, not ``--swa-full-tokens-ratio``): that pool.
+      cache, from its requests' windows, ``SWARequestCapPoolConfigurator``, not ``--swa-full-tokens-ratio``): that pool;
+    - a server without recurrent state whose token slots settle fewer running requests than its
+      ``--max-running-requests`` (SGLang's ``resolve_max_num_reqs``: at most half its token slots): those.
 
     ``c`` as given otherwise, or where the configurator does not build here (the family then says why; a server sized
     by its memory is then refused, with a ConfigError). A server sized by memory whose sizes, named back to it, size
     it otherwise is refused too (no config would stand for it). Read back once per config and role per process."""
-    if not c.free_memory_kib and not (role_flags and c.has_swa and c.has_full):
-        return c  # a plain server's window pool is the ratio's: the config's
     key = (c, tuple(sorted((role_flags or {}).items())))
     if key not in _SIZED:
         resolved = _resolved(c, role_flags)
@@ -259,10 +259,16 @@ def server_sized(c: ModelConfig, *, role_flags: dict | None = None) -> ModelConf
 
 def _read_back(c: ModelConfig, sizes: dict) -> ModelConfig:
     """``c`` with the sizes the configurator reported: every one for a server sized by its memory, the window pool
-    only otherwise."""
-    window = sizes.get("swa_max_total_num_tokens")
-    if not c.free_memory_kib:
-        return c.replace(swa_tokens=window) if c.has_swa and c.has_full and window else c
+    and fewer running requests otherwise."""
+    window, rows = sizes.get("swa_max_total_num_tokens"), sizes["max_running_requests"]
+    if rows == 0:  # SGLang starts it, and no request ever runs: nothing to fuzz
+        raise ConfigError(f"config {c.name!r}: SGLang settles no running requests for its server "
+                          f"({sizes['max_total_num_tokens']} token slots, of which a request needs two): it serves none")
+    if not c.free_memory_kib:  # capped: the window pool a role sizes, and the running requests its token slots settle
+        changes = dict(swa_tokens=window) if c.has_swa and c.has_full and window else {}
+        if rows and rows < c.request_rows and not c.has_mamba:  # a recurrent server's state slots follow its rows
+            changes.update(request_rows=rows)  # (``tree_build.mamba_sized``), read before they are sized
+        return c.replace(**changes)
     if sizes["max_running_requests"] is None:
         raise ConfigError(f"config {c.name!r}: {RUNNER} settles no running requests on this release (its "
                           "initialize computes them inline afterwards: nothing to call), so a server sized by its "
@@ -353,7 +359,7 @@ def configure(c: ModelConfig, *, device: str = "cpu", role_flags: dict | None = 
 
     try:
         # the caller's server published again once these pools are built (its environment too)
-        with another_server(), _sglang_quiet():
+        with another_server(), sglang_quiet():
             before = dict(os.environ)
             result = _configured(server, model_dir, device)
             environment = {k: v for k, v in os.environ.items() if before.get(k) != v}
@@ -370,6 +376,9 @@ def configure(c: ModelConfig, *, device: str = "cpu", role_flags: dict | None = 
     except Exception as exc:  # noqa: BLE001 -- whatever SGLang (or transformers, parsing the model) refuses it with
         if (change := build_drift(exc, during=f"{builder()} for the server {server.command_line()!r}")) is not None:
             raise change from None  # the adapter's call, not the server: never the wiring in silence
+        if (refuser := startup_refusal(exc)) is not None:  # a check that no such server starts, not this machine's limit
+            reason = f"{refuser} the server {server.command_line()!r}: {type(exc).__name__}: {_first_line(exc)}"
+            raise ServerRefused(f"config {c.name!r}: {reason}", reason=reason) from None
         raise ConfigError(f"config {c.name!r}: SGLang cannot build the server {server.command_line()!r} here: "
                           f"{type(exc).__name__}: {_first_line(exc)}") from None
     (result, built_by), draft = result
@@ -386,22 +395,6 @@ def configure(c: ModelConfig, *, device: str = "cpu", role_flags: dict | None = 
                            sizes=sizes, unified_buffer=getattr(result, "unified_memory_pool", None),
                            draft_kv_pool=None if draft is None else draft[0].token_to_kv_pool,
                            configurator=built_by, environment=environment)
-
-
-@contextlib.contextmanager
-def _sglang_quiet():
-    """SGLang's warnings held back while a server is resolved (a CPU machine's fallbacks, printed at every build of
-    every example, and warnings of its imports, which a warnings filter set to raise would turn into refusals); what
-    refuses the server is raised, and reported."""
-    logger = logging.getLogger("sglang")
-    level = logger.level
-    logger.setLevel(logging.ERROR)
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            yield
-    finally:
-        logger.setLevel(level)
 
 
 class ServerRefused(ConfigError):

@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import logging
 import types
+import warnings
 from unittest import mock
 
 from poolfuzz.adapters.sglang.compat import dcp_size, has_private, private, private_module, private_name
@@ -105,3 +107,19 @@ def fixed_free_memory(free_bytes: int):
             stack.enter_context(mock.patch.object(module, private_name("configurator_gc"),
                                                   types.SimpleNamespace(collect=lambda: 0)))
         yield
+
+
+@contextlib.contextmanager
+def sglang_quiet():
+    """SGLang's warnings held back while a server is resolved (a CPU machine's fallbacks, printed at every build of
+    every example, and warnings of its imports, which a warnings filter set to raise would turn into refusals); what
+    refuses the server is raised, and reported."""
+    logger = logging.getLogger("sglang")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        logger.setLevel(level)

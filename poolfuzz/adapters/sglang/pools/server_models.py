@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from poolfuzz.pools.config import ModelConfig
+from poolfuzz.pools.errors import ConfigError
 from poolfuzz.pools.quantised import MODEL_DTYPE
 
 # The KV dtype flag for each config dtype: a float dtype is the model's own (``--kv-cache-dtype auto``).
@@ -170,6 +171,57 @@ MODELS: dict[str, ModelKind] = {
     "kimi-linear": ModelKind(config_json=_kimi_linear_model, attention_backend="flashinfer"),
     "inkling": ModelKind(config_json=_inkling_model, attention_backend="triton"),
 }
+
+
+def model_shaped(c: ModelConfig) -> ModelConfig:
+    """A drawn config as the model that stands for its kind of layers has them, so that a drawn example runs a server
+    SGLang starts (a factory's ``model_shaped``): its rotary width even (an MHA head dim, a latent rope width),
+    sliding-window beside recurrent layers as an Inkling keeps them (the only such model SGLang serves), recurrent
+    beside full-attention MHA layers as a Qwen3-Next lays them out (``_as_qwen3_next``), beside MLA ones as a
+    Kimi-Linear (``_as_kimi_linear``), latent, sparse or MiniMax attention alone as the model of that attention. Any
+    other config (DSA between recurrent layers: no model SGLang serves has them), or one whose
+    reshaping no config can hold (a scale block that no longer divides the head dim, a conv of fewer than 12 values),
+    as drawn: what no model has is then declined, with the reason."""
+    try:
+        shaped = c.replace(head_dim=c.head_dim + 1) if c.attention == "mha" and c.head_dim % 2 else c
+        if shaped.latent and shaped.qk_rope_head_dim % 2:
+            shaped = shaped.replace(qk_rope_head_dim=shaped.qk_rope_head_dim + 1)
+        if shaped.has_swa and shaped.has_mamba:  # drawn so, or in layers of their own; its convs as wide as its heads
+            return shaped.with_state_in_attention()
+        if shaped.has_mamba and shaped.attention == "mla":
+            return _as_kimi_linear(shaped)
+        if shaped.has_mamba and shaped.attention == "mha" and shaped.has_full:
+            return _as_qwen3_next(shaped)
+        if not shaped.has_mamba and shaped.attention in _LATENT_MODELS:  # the model of its kind of attention
+            return shaped.replace(architecture=_LATENT_MODELS[shaped.attention])
+        return shaped
+    except ConfigError:
+        return c
+
+
+# Full-attention models of each kind of attention but MHA (a drawn config's architecture names its layers only).
+_LATENT_MODELS = {"mla": "deepseek-v3", "dsa": "deepseek-v3.2", "msa": "minimax-m3"}
+
+
+def _as_kimi_linear(c: ModelConfig) -> ModelConfig:
+    """``c`` as a Kimi-Linear (``_kimi_linear_model``): MLA layers between KDA ones, in any order; the KDA state heads
+    x head dim x head dim in float32 (the KDA state SGLang keeps whatever the model's dtype), its conv state one
+    kernel-major tensor over the query, key and value widths side by side, of the drawn kernel."""
+    heads, head_dim, _ = c.temporal_shape
+    return c.replace(architecture="kimi-linear", temporal_shape=(heads, head_dim, head_dim), state_dtype="float32",
+                     conv_shapes=((c.conv_shapes[0][1], 3 * heads * head_dim),))
+
+
+def _as_qwen3_next(c: ModelConfig) -> ModelConfig:
+    """``c`` laid out as a Qwen3-Next (``_qwen3_next_model``): a full-attention layer last in every interval of at
+    least two layers (as many intervals as full layers, the recurrent layers filling the rest), its head dim a
+    multiple of 8 (a quarter of it is rotary, in pairs), and one conv state as wide as the query, key and value rows
+    its temporal state implies (one key head), of the drawn kernel."""
+    interval = max(2, c.num_layers // c.full_layers)
+    heads, head_dim, key_dim = c.temporal_shape
+    return c.replace(mamba_layers=c.full_layers * (interval - 1),
+                     layer_pattern=("M" * (interval - 1) + "F") * c.full_layers, head_dim=-(-c.head_dim // 8) * 8,
+                     conv_shapes=((2 * key_dim + heads * head_dim, c.conv_shapes[0][1]),))
 
 
 def hf_model_config(config: ModelConfig):

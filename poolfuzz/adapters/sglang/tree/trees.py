@@ -65,7 +65,7 @@ def tree_sized(api, config):
     server caps its running requests at the slots over that ratio)."""
     from poolfuzz.adapters.sglang.pools.configurator import server_flags, server_sized
 
-    config = server_sized(config)
+    config = server_sized(config) if config.free_memory_kib else config  # capped: the config's rows (it admits)
     if not config.has_mamba:
         return config
     if tree_problem(api, config) is None:
