@@ -262,8 +262,9 @@ def _read_back(c: ModelConfig, sizes: dict) -> ModelConfig:
     and fewer running requests otherwise."""
     window, rows = sizes.get("swa_max_total_num_tokens"), sizes["max_running_requests"]
     if rows == 0:  # SGLang starts it, and no request ever runs: nothing to fuzz
+        state = f", {sizes['mamba_slots']} state slots" if sizes.get("mamba_slots") is not None else ""
         raise ConfigError(f"config {c.name!r}: SGLang settles no running requests for its server "
-                          f"({sizes['max_total_num_tokens']} token slots, of which a request needs two): it serves none")
+                          f"({sizes['max_total_num_tokens']} token slots{state}): it serves none")
     if not c.free_memory_kib:  # capped: the window pool a role sizes, and the running requests its token slots settle
         changes = dict(swa_tokens=window) if c.has_swa and c.has_full and window else {}
         if rows and rows < c.request_rows and not c.has_mamba:  # a recurrent server's state slots follow its rows
