@@ -197,11 +197,13 @@ def test_the_tri_pool_loses_a_retracted_requests_state_through_sglangs_own_decod
     other's final state. With the two methods translating (``host_transfer_translate``), the same program runs."""
     from poolfuzz.pools.errors import LostKv
 
-    # shrunk by poolfuzz run --family sglang:unified-decode --config swa-ssm --examples 100 --seed 1 (stop 63)
-    program = [("add", 9, 0, 3), ("add", 9, 0, 3), ("step", 1), ("add", 10, 2, 2)]
+    # on the pools SGLang's configurator builds for the server (stop 64; on the wiring's, stop 63 shrank another):
+    # poolfuzz run --family sglang:unified-decode --config swa-ssm --examples 100 --seed 1 --shrink-seconds 240
+    program = [("add", 14, 0, 2), ("step", 1), ("add", 18, 4, 3), ("step", 1), ("add", 7, 4, 2), ("step", 2)]
     driver = unified_decode.build_unified_decode_driver(CONFIGS["swa-ssm"])
-    with pytest.raises(LostKv, match=r"^req 000003 step \d+: mamba\.conv0 layer \d+ position 17: .*holds the state "
-                                     r"after req 000001's position 10"):
+    assert driver.pools_origin.built_by == "engine"
+    with pytest.raises(LostKv, match=r"^req 000003 step \d+: mamba\.conv0 layer \d+ position 22: .*holds the state "
+                                     r"after req 000002's position 35"):
         _run(driver, program)
         driver.drain()
     assert driver.retracted == 1

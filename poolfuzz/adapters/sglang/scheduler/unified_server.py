@@ -13,8 +13,9 @@ Stood in for, beyond ``scheduling.py``'s: nothing; ``Scheduler.__init__``'s ``pr
 family is built. A model the configurator builds no unified pool for (neither mamba nor sliding-window layers), and
 what ``unified.unified_problem`` names (a speculative draft's caches), is declined with the reason.
 
-The PD decode server (:class:`UnifiedDecodeDriver`) is ``decode_server.py``'s with the flag, over the unified family's
-decode wiring (``unified.build_unified(node="decode")``: the configurator's decode pools are not compared). SGLang's
+The PD decode server (:class:`UnifiedDecodeDriver`) is ``decode_server.py``'s with the flag, over the pools SGLang's
+configurator builds for the decode server it stands for (``unified.build_unified(node="decode")``, with its role flags
+and its Mooncake transfer) where they are the wiring's classes and layers, sizes aside; the wiring otherwise. SGLang's
 decode side names *physical* rows for the transfer (``translate_kv_indices_for_transfer``, the SWA window's
 ``translate_swa_indices_for_transfer``, ``translate_mamba_indices``), and the prefill stand-in lands the bytes there
 (``runner.receive_prefill``), as the connector writes into the registered page envelopes. Its retraction is SGLang's
@@ -30,7 +31,6 @@ from poolfuzz.adapters.sglang.scheduler.decode_server import ROLE_FLAGS, SglangD
 from poolfuzz.adapters.sglang.scheduler.scheduling import SglangSchedulerDriver
 from poolfuzz.adapters.sglang.unified_pool.unified import SERVER_FLAGS, build_unified
 from poolfuzz.pools.config import ModelConfig
-from poolfuzz.pools.errors import ConfigError
 
 # The transfer backend of the unified decode server a user runs (the driver's is SGLang's fake one, see the module).
 REAL_TRANSFER = {"disaggregation_transfer_backend": "mooncake"}
@@ -64,28 +64,17 @@ class UnifiedDecodeDriver(UnifiedMemory, SglangDecodeDriver):
 
     label = "the sglang unified-memory decode server"
 
-    def build_family(self, config: ModelConfig, max_running: int):
-        return build_unified(config, node="decode")
+    # The server it stands for (its Mooncake transfer: SGLang refuses the unified pool with PD over the fake backend
+    # the driver starts), whose pools SGLang's configurator builds and sizes (``server_sized``).
+    pool_flags = ROLE_FLAGS | SERVER_FLAGS | REAL_TRANSFER
 
-    def sized(self, config: ModelConfig) -> ModelConfig:
-        """As the config says: its pools are the adapter's wiring of the unified factory, sized by the config (a plain
-        decode server's window sizing is another server's); so no server sized by its memory is this one."""
-        if problem := _memory_sized_problem(config):
-            raise ConfigError(f"the sglang unified-memory decode server cannot build {config.name!r}: {problem}")
-        return config
+    def build_family(self, config: ModelConfig, max_running: int):
+        return build_unified(config, node="decode", role_flags=ROLE_FLAGS | REAL_TRANSFER)
 
     @property
     def listed_flags(self) -> dict:
         """The server it stands for: the decode server's flags with the transfer backend a unified one runs."""
         return super().listed_flags | REAL_TRANSFER
-
-
-def _memory_sized_problem(config: ModelConfig) -> str | None:
-    """Why the unified decode server does not drive a server sized by its memory, or None."""
-    if config.free_memory_kib:
-        return ("its pools are the adapter's wiring of the unified factory, sized by the config's caps, so a server "
-                "sized by its free memory is not one it builds (use sglang:unified-server)")
-    return None
 
 
 def unsupported_reason(config: ModelConfig) -> str | None:
@@ -105,7 +94,7 @@ def decode_unsupported_reason(config: ModelConfig, *, backup_mode: str | None = 
     from poolfuzz.adapters.sglang.scheduler.servers import unsupported_reason as scheduler_reason
     from poolfuzz.adapters.sglang.unified_pool.unified import unified_problem
 
-    return (decode_problem(config) or _memory_sized_problem(config) or unified_problem(load(), config)
+    return (decode_problem(config) or unified_problem(load(), config)
             or configurator.refusal(config, role_flags=ROLE_FLAGS | SERVER_FLAGS | REAL_TRANSFER)
             or scheduler_reason(config, UnifiedDecodeDriver, backup_mode=backup_mode))
 

@@ -131,22 +131,21 @@ def unified_mamba_factory():
     return first_importable("sglang.srt.mem_cache.unified_memory_pool:init_unified_mamba_pools", required=False)
 
 
-def build_unified(config: ModelConfig, *, node: str | None = None) -> UnifiedFamily:
+def build_unified(config: ModelConfig, *, node: str | None = None, role_flags: dict | None = None) -> UnifiedFamily:
     """The unified pools of the config's server, on the CPU where the scheduler runs; ``node="decode"``: a PD decode
-    server's, on the adapter's wiring built with ``need_sort`` (its role flags are not the unified server's)."""
+    server's (built with ``need_sort``), ``role_flags`` its flags beside the unified server's."""
     api = load()
     problem = unified_problem(api, config)
     if problem:
         raise ConfigError(f"config {config.name!r} on sglang {api.version}: {problem}")
     dev = resolve_device("cpu")
     try:
-        if node == "decode":
-            return _build(api, config, dev, "cpu", need_sort=True)
         from poolfuzz.adapters.sglang.pools.descriptions import same_layout
 
-        return served_or_wired(functools.partial(_build, api, config, dev, "cpu", need_sort=False), config, "cpu",
-                               pd_decode=False, role_flags=SERVER_FLAGS, same=same_layout,
-                               listing="sglang:unified-server")
+        decode = node == "decode"
+        return served_or_wired(functools.partial(_build, api, config, dev, "cpu", need_sort=decode), config, "cpu",
+                               pd_decode=decode, role_flags=SERVER_FLAGS | (role_flags or {}), same=same_layout,
+                               listing="sglang:unified-decode" if decode else "sglang:unified-server")
     except (AssertionError, ValueError, RuntimeError) as exc:
         first = str(exc).splitlines()[0] if str(exc) else ""
         raise ConfigError(f"config {config.name!r} on sglang {api.version}: SGLang's unified pool factory "
