@@ -264,7 +264,8 @@ MODEL_MODULES = {"inkling": "sglang.srt.models.inkling"}
 # Checks that refuse to start a server no request could ever run on, raised while its pools are sized (after its flags
 # were accepted): the raising function's name -> who refuses. 0.5.18 on: an SWA pool below the prefill admission floor;
 # the configurator's: a state cache too small to serve one request.
-STARTUP_REFUSALS = {"validate_swa_pool_size": "SGLang refuses to start", "resolve_max_num_reqs": "SGLang refuses to start"}
+STARTUP_REFUSALS = {"validate_swa_pool_size": "SGLang refuses to start",
+                    "resolve_max_num_reqs": "SGLang refuses to start"}
 # The error transformers (through huggingface_hub's strict dataclasses) refuses a model's config.json with: no such
 # model loads, so no server of it starts (an odd rotary dimension, ...).
 MODEL_CONFIG_REFUSALS = {"StrictDataclassClassValidationError": "transformers refuses the model config of"}

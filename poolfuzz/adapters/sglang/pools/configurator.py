@@ -56,8 +56,8 @@ from poolfuzz.adapters.sglang.compat.platform import (B200, GPU, XEON, cpu_platf
 from poolfuzz.adapters.sglang.pools.calls import native_kv_move
 from poolfuzz.adapters.sglang.pools import runner_pools
 from poolfuzz.adapters.sglang.pools.descriptions import DRAFT, describe_pools, kv_pool_words
-from poolfuzz.adapters.sglang.pools.runner_calls import (fixed_free_memory, kv_copy_warmup_skipped, layer_split, sglang_quiet,
-                                                         publish_as_scheduler, runner_ranks, group_ranks)
+from poolfuzz.adapters.sglang.pools.runner_calls import (fixed_free_memory, kv_copy_warmup_skipped, layer_split,
+                                                         publish_as_scheduler, runner_ranks, group_ranks, sglang_quiet)
 from poolfuzz.adapters.sglang.pools.server_models import MODELS, dtype_flags
 from poolfuzz.errors import ConfigError, EngineApiChanged
 from poolfuzz.pools.capabilities import MODEL_PATH
