@@ -229,6 +229,15 @@ class Display:
         self._clear()
 
 
+def add_pools(into: dict, pools: dict) -> dict:
+    """Add one count of who built the pools (built_by -> {detail: examples}) into another; ``into``, returned."""
+    for built_by, details in pools.items():
+        mine = into.setdefault(built_by, {})
+        for detail, n in details.items():
+            mine[detail] = mine.get(detail, 0) + n
+    return into
+
+
 # Who built the pools (capabilities.POOLS_BUILDERS), as the summary says it.
 POOLS_BUILT_BY = {"engine": "the engine's own code", "adapter": "the adapter's wiring", "poolfuzz": "poolfuzz's own pools"}
 
@@ -242,9 +251,7 @@ def pools_lines(by_config: dict[str, list[LaneState]]) -> list[str]:
     for config, sts in by_config.items():
         mine: dict[str, dict] = {}
         for st in sts:
-            for built_by, details in st.pools.items():
-                for detail, n in details.items():
-                    mine.setdefault(built_by, {})[detail] = mine.get(built_by, {}).get(detail, 0) + n
+            add_pools(mine, st.pools)
         ran = sum(n for details in mine.values() for n in details.values())
         for built_by, details in mine.items():
             totals[built_by] = totals.get(built_by, 0) + sum(details.values())

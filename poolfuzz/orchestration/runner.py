@@ -40,6 +40,7 @@ from poolfuzz.harness.minimise import minimise
 from poolfuzz.harness.program import new_engine
 from poolfuzz.harness.records import EngineOptions
 from poolfuzz.harness.scheduled import scheduled_machine
+from poolfuzz.orchestration.display import add_pools
 from poolfuzz.pools.capabilities import PoolsOrigin, factory_capabilities
 from poolfuzz.pools.config import ModelConfig
 from poolfuzz.pools.family import expected_backup_mode
@@ -373,7 +374,7 @@ def run_machine(config, *, device="cpu", faults=(), backup_mode=None, max_exampl
                      skipped=dict(tracker.skipped), waived=dict(tracker.waived),
                      model_config=final.model_config if final is not None else None,
                      declined=tracker.declined, declined_reasons=dict(tracker.declined_reasons),
-                     pools=copy_pools(tracker.pools), pools_origin=final.pools_origin if final is not None else None)
+                     pools=add_pools({}, tracker.pools), pools_origin=final.pools_origin if final is not None else None)
 
 
 def _machine(config, *, device, faults, backup_mode, options, family_factory, observer):
@@ -403,20 +404,7 @@ def _api_changed_result(config, faults, backup_mode, tracker: _Tracker, started:
                      divergence=None, device=str(device), seed=seed, skipped=dict(tracker.skipped),
                      waived=dict(tracker.waived), api_changed=tracker.api_changed.verdict,
                      declined=tracker.declined, declined_reasons=dict(tracker.declined_reasons),
-                     pools=copy_pools(tracker.pools))
-
-
-def copy_pools(pools: dict) -> dict:
-    """A copy of a pools count (built_by -> {detail: examples}) that the caller may add to."""
-    return {built_by: dict(details) for built_by, details in pools.items()}
-
-
-def add_pools(into: dict, pools: dict) -> None:
-    """Add one pools count (built_by -> {detail: examples}) into another."""
-    for built_by, details in pools.items():
-        mine = into.setdefault(built_by, {})
-        for detail, n in details.items():
-            mine[detail] = mine.get(detail, 0) + n
+                     pools=add_pools({}, tracker.pools))
 
 
 def _signature(error: BaseException | None, final: FailureCandidate | None) -> str | None:

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, TextIO
 
-from poolfuzz.orchestration.display import Display, LaneState, SessionResult, summary
+from poolfuzz.orchestration.display import Display, LaneState, SessionResult, add_pools, summary
 from poolfuzz.orchestration.plugins import DEFAULT_FAMILY
 from poolfuzz.orchestration.stopping import Interrupts, stop_signals_blocked
 
@@ -154,7 +154,7 @@ def _run_campaign(plan: Plan, lane: Lane, device: str, database, budget: float |
     from poolfuzz.harness.records import EngineOptions
     from poolfuzz.orchestration.database import KeepingDatabase
     from poolfuzz.orchestration.known import known_on
-    from poolfuzz.orchestration.runner import add_pools, run_machine
+    from poolfuzz.orchestration.runner import run_machine
 
     started = time.perf_counter()
     found: set[str] = set()
