@@ -94,6 +94,8 @@ def _print_server(d) -> None:
     indent = " " * 4
     if d.flags:
         print(f"{indent}server flags: {d.flags}")
+    if d.environment:
+        print(f"{indent}server environment: {d.environment}")
     for note in d.notes:
         print(f"{indent}note: {note}")
     if d.built is None:

@@ -168,10 +168,14 @@ class ServerDescription:
     # parts of ``built`` no family runs on (a speculative server's draft KV pool): listed, not compared
     unfuzzed: tuple[str, ...] = ()
     built_by: str = "configurator"  # what in the engine built ``built`` (a release without a configurator: its runner)
+    # the variables the server is started with, as a shell prefixes them (``NAME=value ...``; its pools are sized in
+    # them): "" where it needs none
+    environment: str = ""
 
     def command(self, model_path: str) -> str:
         """The command that launches the server on the model at ``model_path`` (already quoted for a shell)."""
-        return f"{self.launcher} --model-path {model_path} {self.flags.replace(MODEL_PATH, model_path)}"
+        launch = f"{self.launcher} --model-path {model_path} {self.flags.replace(MODEL_PATH, model_path)}"
+        return f"{self.environment} {launch}" if self.environment else launch
 
 
 # A server flag's value that stands for the server's own model path (its listing prints it so).

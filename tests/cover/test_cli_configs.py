@@ -118,3 +118,15 @@ def test_configs_for_a_family_whose_engine_is_absent_says_how_to_install_it(caps
 def test_a_server_dir_without_a_family_and_one_config_is_an_error(capsys):
     assert run_cli(["configs", "--server-dir", "/tmp/x"]) == 2
     assert "give it with --family NAME and --show CONFIG" in capsys.readouterr().err
+
+
+def test_a_servers_launch_command_starts_it_in_its_environment():
+    """The variables a server's pools are sized in lead its launch command, as a shell takes them."""
+    from poolfuzz.pools.capabilities import MODEL_PATH, ServerDescription
+
+    bare = ServerDescription(flags=f"--page-size 1 --draft {MODEL_PATH}", built=None, refused="no GPU", family=None,
+                             launcher="python -m engine.launch")
+    assert bare.command("/m") == "python -m engine.launch --model-path /m --page-size 1 --draft /m"
+    held = ServerDescription(flags="--page-size 1", built=None, refused="no GPU", family=None,
+                             launcher="python -m engine.launch", environment="EVICTION_INTERVAL=6 MODE='a b'")
+    assert held.command("/m") == "EVICTION_INTERVAL=6 MODE='a b' python -m engine.launch --model-path /m --page-size 1"

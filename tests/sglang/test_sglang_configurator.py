@@ -439,7 +439,9 @@ def test_a_configs_server_is_written_out_to_launch_on_a_gpu(api, configurator, c
     model = json.loads((tmp_path / "config.json").read_text())
     # HF's window counts the current token; SGLang's GPT-OSS serves one less, the config's
     assert model["architectures"] == ["GptOssForCausalLM"] and model["sliding_window"] == CONFIGS["swa"].sliding_window + 1
-    assert (f"python -m sglang.launch_server --load-format dummy --skip-tokenizer-init --model-path {tmp_path} "
+    # started in the environment its pools are sized in (the eviction interval a harness context evicts at)
+    assert (f"SGLANG_SWA_EVICTION_INTERVAL={CONFIGS['swa'].sliding_window} python -m sglang.launch_server "
+            f"--load-format dummy --skip-tokenizer-init --model-path {tmp_path} "
             "--attention-backend triton --max-running-requests 5 --max-total-tokens 64 --page-size 1 "
             "--swa-full-tokens-ratio 0.5") in out
 

@@ -354,7 +354,7 @@ def test_sglangs_page_check_calls_a_pure_swa_requests_evicted_window_a_use_after
     model's allocator has no full pool (``full_attn_allocator is swa_attn_allocator``). A decode that slides the window
     frees the request's out-of-window slots, by design (``free_swa_out_of_window_slots``), and the check then finds the
     request's row still naming them: a false alarm, not a lost page. The fuzzer's shrunk program on ``swa-only``
-    (window 6, eviction interval 6: ``tree_swa.server_environment``); known, and written up in
+    (window 6, eviction interval 6: ``environment.server_environment``); known, and written up in
     docs/bugs/sglang-pure-swa-page-check.md."""
     if reason := decode.unsupported_reason(CONFIGS["swa-only"]):
         pytest.skip(reason)

@@ -228,13 +228,13 @@ def test_decode_time_window_eviction_through_the_tree_passes(tree_api, fuzz, mon
 
 
 def test_the_eviction_interval_is_one_window_unless_the_environment_sets_it(tree_api, monkeypatch):
-    from poolfuzz.adapters.sglang.tree import tree_swa
+    from poolfuzz.adapters.sglang.pools import environment
 
     fam = _engine("swa-ps4").families["prefill"]
     monkeypatch.delenv("SGLANG_SWA_EVICTION_INTERVAL", raising=False)
-    assert tree_swa.eviction_interval(fam.config) == CONFIGS["swa-ps4"].sliding_window
+    assert environment.eviction_interval(fam.config) == CONFIGS["swa-ps4"].sliding_window
     monkeypatch.setenv("SGLANG_SWA_EVICTION_INTERVAL", "128")
-    assert tree_swa.eviction_interval(fam.config) == 128
+    assert environment.eviction_interval(fam.config) == 128
 
 
 def test_a_fork_whose_hit_is_all_the_tree_could_evict_waits(tree_api):

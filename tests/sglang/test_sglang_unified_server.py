@@ -233,6 +233,57 @@ def test_sglangs_decode_pre_allocation_budget_omits_the_unified_mamba_slots_cost
         _run(driver, [("add", 14, 0, 4), ("add", 1, 4, 4), ("add", 8, 4, 3), ("step", 3)])
 
 
+# A drawn Inkling (one full and one window layer, window 1, 12 tokens, one running request) on which an idle decode
+# server read "pool memory leak detected! ... [swa] total=12, available=8" (stop 64, left unjudged): its window pool was
+# sized by SGLang's configurator in the server's environment (SGLANG_SWA_EVICTION_INTERVAL=1: 8 tokens), the config the
+# scheduler was told of without it (SGLang's default interval, 128: 12 tokens). An adapter's mistake, not SGLang's.
+_WINDOW_OF_ONE = """
+[[config]]
+name = "window-of-one"
+architecture = "inkling"
+page_size = 1
+full_layers = 1
+swa_layers = 1
+mamba_layers = 2
+recurrent_layers = "attention"
+sliding_window = 1
+head_num = 1
+head_dim = 16
+full_tokens = 12
+swa_tokens = 1
+request_rows = 1
+max_context = 12
+mamba_slots = 3
+conv_shapes = [[1, 16], [1, 16], [1, 16], [1, 16], [1, 16], [1, 16]]
+temporal_shape = [0, 0, 0]
+state_dtype = "bfloat16"
+chunked_prefill = 16
+conservativeness_pct = 10
+"""
+
+
+def test_a_decode_servers_window_pool_is_sized_in_the_environment_it_runs_in(unified_decode, tmp_path):
+    """A PD decode server without a radix cache sizes its window pool from its requests' windows and its eviction
+    interval (``compute_swa_request_cap``, read from the environment): the config the reference and the scheduler's
+    idle check count with is the server's, so an idle server holds every window token it has."""
+    from poolfuzz.adapters.sglang.scheduler.model_facts import tokens_per_layer
+    from poolfuzz.pools.config_file import load_config_file
+
+    (tmp_path / "c.toml").write_text(_WINDOW_OF_ONE)
+    config = load_config_file(str(tmp_path / "c.toml"))[0]
+    if reason := unified_decode.decode_unsupported_reason(config):
+        pytest.skip(reason)
+    driver = unified_decode.build_unified_decode_driver(config)
+    assert driver.pools_origin.built_by == "engine", driver.pools_origin.detail
+    sizes = driver.family.served.sizes
+    assert tokens_per_layer(driver.family) == (sizes["full_max_total_num_tokens"], sizes["swa_max_total_num_tokens"])
+    assert (driver.config.full_tokens, driver.config.swa_tokens) == tokens_per_layer(driver.family)
+    assert (driver.server.full_tokens_per_layer, driver.server.swa_tokens_per_layer) == tokens_per_layer(driver.family)
+    assert driver.drain() is None
+    driver.add_request(length=5, share=0, max_tokens=3)
+    assert driver.drain() is None
+
+
 def _pressing(driver, seed: int, steps: int = 80) -> None:
     """A request every fourth step, some sharing an earlier prefix, more than the pool holds: the tree evicts, the
     allocator leaves holes, and SGLang compacts (urgently, and when the server is idle, ``on_idle``)."""

@@ -76,8 +76,11 @@ def _described(config, *, role_flags, build, server_of=None, notes=()):
     """``config``'s server with ``role_flags`` beside its own flags, what SGLang's configurator builds for it here,
     and what the family (``build()``) runs on. ``server_of``: where ``build()`` starts a scheduler-path server, its
     ``(family, flags)``: the listing then names every flag that server runs with."""
+    import shlex
+
     from poolfuzz.adapters.sglang.api import load
     from poolfuzz.adapters.sglang.pools.descriptions import DRAFT, describe_pools
+    from poolfuzz.adapters.sglang.pools.environment import server_environment
     from poolfuzz.adapters.sglang.pools.configurator import (CONFIGURATOR, builder, command_line, configure,
                                                              server_flags, server_model)
     from poolfuzz.errors import ConfigError
@@ -107,7 +110,9 @@ def _described(config, *, role_flags, build, server_of=None, notes=()):
                          "the weights are loaded (no --max-total-tokens, --max-mamba-cache-size or "
                          "--swa-full-tokens-ratio named)")
     # a server with the model's shapes and random weights: the pools poolfuzz fuzzed, on a GPU
+    environment = " ".join(f"{name}={shlex.quote(value)}" for name, value in sorted(server_environment(served).items()))
     return ServerDescription(flags=flags, built=built, refused=refused, family=family, family_declines=declines,
+                             environment=environment,
                              model=model, launcher="python -m sglang.launch_server --load-format dummy "
                                                    "--skip-tokenizer-init", notes=tuple(notes),
                              unfuzzed=(DRAFT,) if built and DRAFT in built else (),

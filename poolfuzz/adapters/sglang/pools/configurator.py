@@ -56,12 +56,14 @@ from poolfuzz.adapters.sglang.compat.platform import (B200, GPU, XEON, cpu_platf
 from poolfuzz.adapters.sglang.pools.calls import native_kv_move
 from poolfuzz.adapters.sglang.pools import runner_pools
 from poolfuzz.adapters.sglang.pools.descriptions import DRAFT, describe_pools, kv_pool_words
+from poolfuzz.adapters.sglang.pools.environment import server_environment
 from poolfuzz.adapters.sglang.pools.runner_calls import (fixed_free_memory, kv_copy_warmup_skipped, layer_split,
                                                          publish_as_scheduler, runner_ranks, group_ranks, sglang_quiet)
 from poolfuzz.adapters.sglang.pools.server_models import MODELS, dtype_flags
 from poolfuzz.errors import ConfigError, EngineApiChanged
 from poolfuzz.pools.capabilities import MODEL_PATH
 from poolfuzz.pools.config import ModelConfig
+from poolfuzz.pools.environment import environment_set
 
 # What the GPU memory probe answers: more than any config's pools take, so the flags' caps bind.
 MEMORY_BUDGET = 1 << 30
@@ -359,8 +361,9 @@ def configure(c: ModelConfig, *, device: str = "cpu", role_flags: dict | None = 
     from poolfuzz.adapters.sglang.server_args import another_server
 
     try:
-        # the caller's server published again once these pools are built (its environment too)
-        with another_server(), sglang_quiet():
+        # the caller's server published again once these pools are built (its environment too); built in the
+        # environment the server runs in (a decode server's window pool is sized by its eviction interval)
+        with another_server(), sglang_quiet(), environment_set(server_environment(c)):
             before = dict(os.environ)
             result = _configured(server, model_dir, device)
             environment = {k: v for k, v in os.environ.items() if before.get(k) != v}

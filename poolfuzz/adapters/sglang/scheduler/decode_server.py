@@ -68,6 +68,7 @@ from poolfuzz.adapters.sglang import compat
 from poolfuzz.adapters.sglang.pools.server_models import hf_model_config
 from poolfuzz.adapters.sglang.scheduler.scheduling import (ContextLoop, SglangSchedulerDriver, scheduler_modules,
                                                          server_arguments)
+from poolfuzz.adapters.sglang.scheduler.model_facts import tokens_per_layer
 from poolfuzz.adapters.sglang.scheduler.scheduling_global import GlobalLoop
 from poolfuzz.adapters.sglang.shims import one_rank_group
 from poolfuzz.pools.config import ModelConfig
@@ -236,7 +237,7 @@ class SglangDecodeDriver(SglangSchedulerDriver):
         s.model_config.get_total_num_kv_heads = lambda: 1
         s.model_config.hf_config = self.hf_config
         s.tp_worker.model_runner.kv_cache_dtype_str = "auto"
-        s.tp_worker.model_runner.swa_max_total_num_tokens = config.swa_tokens if config.has_swa else None
+        s.tp_worker.model_runner.swa_max_total_num_tokens = (tokens_per_layer(self.family) or (None, None))[1]
         s.tp_worker.is_hybrid_swa = config.has_swa
         # the decode queues answer a request they cannot take (an abort) through the output streamer
         s.output_streamer = types.SimpleNamespace(stream_output=self._streamed)

@@ -1,5 +1,6 @@
 """What a Scheduler built without its model is given of the model and the TpModelWorker, on either event loop: the
-vocabulary, the model config fields the scheduling methods read, the request length cap, an empty batch."""
+vocabulary, the model config fields the scheduling methods read, the request length cap, the tokens per layer,
+an empty batch."""
 
 from __future__ import annotations
 
@@ -15,6 +16,20 @@ def max_req_len(config: ModelConfig, pool_tokens: int) -> int:
     """The TpModelWorker's ``max_req_len``: ``min(context length, KV pool) - 1`` (its ``max_req_input_len`` is 5
     less)."""
     return min(config.max_context, pool_tokens) - 1
+
+
+def tokens_per_layer(family) -> tuple[int, int] | None:
+    """``(full, swa)`` tokens per layer as ``TpModelWorker.get_tokens_per_layer_info`` hands them to a hybrid SWA
+    model's scheduler (None for other models): its model runner's ``full_`` and ``swa_max_total_num_tokens``, which
+    are the sizes SGLang's configurator chose where it built the pools (what the scheduler's idle check and its pool
+    statistics count against), else the config's, which the adapter's wiring was built with."""
+    config = family.config
+    if not config.has_swa:
+        return None
+    if family.served is not None:
+        sizes = family.served.sizes
+        return sizes["full_max_total_num_tokens"], sizes["swa_max_total_num_tokens"]
+    return config.full_tokens, config.swa_tokens
 
 
 def model_config_standin(config: ModelConfig):

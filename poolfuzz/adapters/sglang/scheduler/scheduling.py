@@ -60,10 +60,11 @@ from poolfuzz.adapters.sglang.lifecycle.protocol import unalias_backup
 from poolfuzz.adapters.sglang.shims import cpu_server, root_warnings_off
 from poolfuzz.adapters.sglang.scheduler.runner import ModelRunner, RowGuard, deferred_cow_and_clear
 from poolfuzz.adapters.sglang.scheduler.model_facts import (MAMBA_CHUNK, VOCAB, empty_batch, max_req_len,
-                                                            model_config_standin, schedule_batch_class)
+                                                            model_config_standin, schedule_batch_class,
+                                                            tokens_per_layer)
 from poolfuzz.adapters.sglang.scheduler.sessions import SessionClients
 from poolfuzz.adapters.sglang.scheduler.spec_worker import SpecWorker, speculative_flags, speculative_problem
-from poolfuzz.adapters.sglang.tree.tree_swa import server_environment
+from poolfuzz.adapters.sglang.pools.environment import server_environment
 from poolfuzz.pools.config import ModelConfig
 from poolfuzz.pools.errors import ConfigError, ServerStuck
 from poolfuzz.pools.token_chain import Tokens
@@ -294,7 +295,7 @@ class SglangSchedulerDriver:
             disaggregation_mode=pd, flags=flags,
             page_size=config.page_size, is_hybrid_ssm=config.has_mamba,
             sliding_window_size=config.sliding_window if config.has_swa else None,
-            swa_tokens=(config.full_tokens, config.swa_tokens) if config.has_swa else None,  # the worker's sizes
+            swa_tokens=tokens_per_layer(self.family),
             max_running_requests=max_running, max_total_num_tokens=self.total,
             max_req_len=longest, max_req_input_len=longest - 5,
             policy=m.SchedulePolicy(flags["schedule_policy"], self.tree, False, False, False),

@@ -32,7 +32,8 @@ from types import SimpleNamespace as NS
 from poolfuzz.adapters.sglang import compat
 from poolfuzz.adapters.sglang.compat.drift import marked_stand_in
 from poolfuzz.adapters.sglang.host_tier import hicache
-from poolfuzz.adapters.sglang.scheduler.model_facts import empty_batch, max_req_len, model_config_standin
+from poolfuzz.adapters.sglang.scheduler.model_facts import (empty_batch, max_req_len, model_config_standin,
+                                                            tokens_per_layer)
 from poolfuzz.adapters.sglang.server_args import NO_MODEL
 from poolfuzz.adapters.sglang.tree.tree_build import runner_mamba_ratio, with_mamba_ratio
 from poolfuzz.pools.errors import ConfigError
@@ -70,12 +71,12 @@ def build_server(driver, config, max_running: int) -> "GlobalLoop":
     except (AssertionError, ValueError) as exc:  # the tree's (or its host tier's) own refusal
         raise ConfigError(f"the scheduler-driven sglang family cannot build {config.name!r}: SGLang's radix "
                           f"cache refuses a server with {driver.server_args} ({exc})") from None
+    full_tokens, swa_tokens = tokens_per_layer(driver.family) or (None, None)
     server.__dict__.update(tree_cache=driver.tree, req_to_token_pool=driver.family.sg_req_pool,
                            token_to_kv_pool_allocator=driver.family.sg_allocator, is_hybrid_swa=config.has_swa,
                            is_hybrid_ssm=config.has_mamba,
                            sliding_window_size=config.sliding_window if config.has_swa else None,
-                           full_tokens_per_layer=config.full_tokens if config.has_swa else None,
-                           swa_tokens_per_layer=config.swa_tokens if config.has_swa else None,
+                           full_tokens_per_layer=full_tokens, swa_tokens_per_layer=swa_tokens,
                            disable_radix_cache=server_args.disable_radix_cache, running_batch=empty_batch())
     finish_building(server)
     return GlobalLoop(server)

@@ -1,6 +1,6 @@
 """The sliding window under SGLang's prefix tree: the decode-time window eviction the scheduler runs
 (``ScheduleBatch.maybe_evict_swa`` with a tree that shares prefixes) and the SWA a request holds; the eviction
-interval every SGLang family runs with (the scheduler-path servers in their environment, ``server_environment``).
+interval every SGLang family runs with (``pools/environment.py``: the servers' environment, ``server_environment``).
 
 With a tree, an extend evicts no SWA of its own (the tree's checkpoint frees what slid out of the
 window, ``SWAComponent.free_out_of_window_slots``); a decode evicts through
@@ -13,12 +13,8 @@ freed); it holds privately the SWA of ``[max(frontier, protected), allocated)``.
 from __future__ import annotations
 
 from poolfuzz.adapters.sglang.compat import private
-
-import os
-
+from poolfuzz.adapters.sglang.pools.environment import eviction_interval
 from poolfuzz.pools.reference import _pages
-
-INTERVAL_VARIABLE = "SGLANG_SWA_EVICTION_INTERVAL"
 
 
 class _TriggerBatch:
@@ -30,26 +26,6 @@ class _TriggerBatch:
 def decoding(req, sg) -> bool:
     """The request has computed its whole prompt (its next forward is a decode)."""
     return req.kv_committed_len >= len(sg.origin_input_ids)
-
-
-def eviction_interval(config) -> int:
-    """The decode-time SWA eviction interval the adapter runs SGLang with for ``config``:
-    ``SGLANG_SWA_EVICTION_INTERVAL`` where the environment sets it, else SGLang's default scaled to the harness's
-    contexts. The default, 128 tokens, is one window of gpt-oss (sliding window 128) and a fraction of longer
-    windows; a harness context is tens of tokens, where 128 would never evict. One window here keeps gpt-oss's
-    ratio."""
-    if os.environ.get(INTERVAL_VARIABLE):
-        from sglang.srt.environ import envs
-
-        return max(1, envs.SGLANG_SWA_EVICTION_INTERVAL.get())
-    return max(1, config.sliding_window)
-
-
-def server_environment(config) -> dict[str, str]:
-    """The environment a scheduler-path server of ``config`` runs in, as an operator would start it: for a model
-    with a sliding window, ``SGLANG_SWA_EVICTION_INTERVAL`` at :func:`eviction_interval` (SGLang reads it when its
-    configurator sizes the window pool and at every ``maybe_evict_swa``)."""
-    return {INTERVAL_VARIABLE: str(eviction_interval(config))} if config.has_swa else {}
 
 
 def evict_window(family, sg, pre_len: int) -> None:
