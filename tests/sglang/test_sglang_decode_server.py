@@ -434,3 +434,19 @@ def _swa_frontier(req) -> int:
 
         return int(kv.get_evicted_seqlen(ComponentType.SWA))
     return int((kv if hasattr(kv, "swa_evicted_seqlen") else req).swa_evicted_seqlen)
+
+
+def test_a_decode_server_left_on_the_wiring_names_its_own_listing(decode):
+    """Where SGLang's configurator builds other pools for the decode server (0.5.23's ``dsa-ssm-ps64``: no model has
+    DSA between recurrent layers), the run's reason points at the listing of the family that ran it."""
+    config = CONFIGS["dsa-ssm-ps64"]
+    if reason := decode.unsupported_reason(config):
+        pytest.skip(reason)
+    driver = decode.build_decode_driver(config)
+    try:
+        if driver.pools_origin.built_by == "engine":
+            pytest.skip("SGLang's configurator builds this decode server's pools here")
+        assert "builds other pools" in driver.pools_origin.detail
+        assert "poolfuzz configs --family sglang:decode shows them" in driver.pools_origin.detail
+    finally:
+        driver.close()

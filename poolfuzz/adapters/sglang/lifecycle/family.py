@@ -249,12 +249,13 @@ def _paged_allocation_problem(api: SGLangAPI) -> str | None:
 
 def build_sglang_family(config: ModelConfig, *, device="cpu", faults=(), backup_mode=None,
                         node: str | None = None, scheduled: bool = False,
-                        decode_rows: int | None = None, role_flags: dict | None = None) -> SGLangFamily:
-    """``role_flags``: the server flags of the role a scheduler-path server plays (its decode server's), with which
-    SGLang's configurator builds its pools. ``decode_rows``: the request pool is a PD decode server's, with that many
-    rows more for requests in
-    pre-allocation and transfer (the scheduler path's decode server; the pools path's decode node keeps the plain
-    pool it drives)."""
+                        decode_rows: int | None = None, role_flags: dict | None = None,
+                        listing: str = "sglang:pools") -> SGLangFamily:
+    """``listing``: the family whose ``poolfuzz configs --family`` listing shows SGLang's pools beside the wiring's,
+    as a message on the wiring names it. ``role_flags``: the server flags of the role a scheduler-path server plays
+    (its decode server's), with which SGLang's configurator builds its pools. ``decode_rows``: the request pool is a
+    PD decode server's, with that many rows more for requests in pre-allocation and transfer (the scheduler path's
+    decode server; the pools path's decode node keeps the plain pool it drives)."""
     faults = tuple(faults)
     if faults:
         raise ConfigError(f"the sglang family runs SGLang's own code; catalogue faults {list(faults)} "
@@ -277,12 +278,13 @@ def build_sglang_family(config: ModelConfig, *, device="cpu", faults=(), backup_
             pd_decode = node == DECODE or decode_rows is not None
             build = functools.partial(_build, api, config, dev, sdev, backup_mode, pd_decode=pd_decode,
                                       scheduled=scheduled, decode_rows=decode_rows)
-            family = served_or_wired(build, config, sdev, pd_decode=pd_decode, role_flags=role_flags)
+            family = served_or_wired(build, config, sdev, pd_decode=pd_decode, role_flags=role_flags,
+                                     listing=listing)
             rows = rows_over_slots(family.sg_req_pool)
             if rows:  # as the release's servers size it: a state slot for every row
                 return build_sglang_family(config.replace(mamba_slots=rows), device=device, faults=faults,
                                            backup_mode=backup_mode, node=node, scheduled=scheduled,
-                                           decode_rows=decode_rows, role_flags=role_flags)
+                                           decode_rows=decode_rows, role_flags=role_flags, listing=listing)
             return family
     except ConfigError:
         raise  # declined already, with its reason (a server SGLang refuses among them)

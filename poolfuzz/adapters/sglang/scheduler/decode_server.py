@@ -146,6 +146,7 @@ class SglangDecodeDriver(SglangSchedulerDriver):
 
     role = "DECODE"
     label = "the sglang decode server"
+    family_name = "sglang:decode"
     drives_speculative = False  # its own spec rounds (decode-side drafts, load-backs under a draft) are not yet
     takes_sessions = False  # a session's turns are prefilled, and its prefix kept, on the prefill node
     retraction = "backs retracted requests up as SGLang resolves (host_pool, or cpu_tensor)"
@@ -208,7 +209,8 @@ class SglangDecodeDriver(SglangSchedulerDriver):
         SGLang builds, and the family would run on the wiring."""
         from poolfuzz.adapters.sglang.lifecycle.family import build_sglang_family
 
-        return build_sglang_family(config, scheduled=True, decode_rows=2 * max_running, role_flags=ROLE_FLAGS)
+        return build_sglang_family(config, scheduled=True, decode_rows=2 * max_running, role_flags=ROLE_FLAGS,
+                                   listing=self.family_name)
 
     # SGLang sizes this server's window pool from its requests' windows, not the ratio's (``server_sized``)
     pool_flags = ROLE_FLAGS

@@ -79,6 +79,7 @@ class SglangHiCacheDriver(SglangSchedulerDriver):
     tier."""
 
     label = "the sglang HiCache server"
+    family_name = "sglang:hicache"
     drives_speculative = False  # its own spec rounds (decode-side drafts, load-backs under a draft) are not yet
     hierarchical = True
 

@@ -220,6 +220,7 @@ class SglangSchedulerDriver:
     # The server's role: NULL, a server that prefills and decodes (decode_server.py's is a PD decode server).
     role = "NULL"
     label = "the sglang scheduler path"  # what the family's messages call it
+    family_name = "sglang:scheduler"  # the --family that runs it (the listing a message on the wiring names)
     retraction = "recomputes retracted requests"  # what it does with one (the backup modes it drives: cpu_tensor)
     backup_modes: tuple[str, ...] = ("cpu_tensor",)  # the --backup-mode values it takes
     backup_mode = "cpu_tensor"  # the retraction path an artifact records (this server recomputes, on tensors)
@@ -244,7 +245,7 @@ class SglangSchedulerDriver:
 
     def build_family(self, config: ModelConfig, max_running: int):
         """The family over the pools SGLang's configurator builds for this server's flags."""
-        return build_sglang_family(config, scheduled=True)
+        return build_sglang_family(config, scheduled=True, listing=self.family_name)
 
     pool_flags: dict | None = None  # the role flags its pools are built with beside the config's (build_family)
 
