@@ -124,3 +124,24 @@ def test_a_drawn_scheduler_run_runs_mostly_on_sglangs_own_pools(configurator, tm
     wired = re.search(r"the adapter's wiring ([\d,]+)", line)
     wired = int(wired.group(1).replace(",", "")) if wired else 0
     assert code in (0, 1) and engine >= 4 * max(wired, 1), out
+
+
+def test_a_drawn_extra_buffer_runs_as_the_decode_server_it_meets(configurator):
+    """A decode server keeps no extra-buffer track slots (it runs without a radix cache): a drawn config that asks for
+    them is shaped to the decode server a model of its layers runs, on SGLang's pools, instead of being declined."""
+    from poolfuzz.adapters.sglang import decode_shaped
+    from poolfuzz.orchestration.plugins import resolve_family
+
+    plugin = resolve_family("sglang:decode")
+    drawn = CONFIGS["hybrid-extra-buffer"].replace(name="random")
+    assert "keeps no extra-buffer track slots" in (plugin.unsupported_reason(drawn) or "")
+    shaped = decode_shaped(drawn)
+    assert shaped.mamba_track_slots == 0 and shaped.mamba_layers == drawn.mamba_layers
+    if reason := plugin.unsupported_reason(shaped):
+        pytest.skip(reason)
+    driver = plugin.factory(shaped, device="cpu", faults=(), backup_mode=None)
+    try:
+        assert driver.pools_origin.built_by == "engine", driver.pools_origin.detail
+        assert driver.server_args["mamba_radix_cache_strategy"] == "no_buffer"
+    finally:
+        driver.close()

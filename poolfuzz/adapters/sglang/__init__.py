@@ -230,6 +230,13 @@ build_scheduler_driver.engine_code = ("sglang/srt/mem_cache", "sglang/srt/manage
                                       "sglang/srt/managers/scheduler_components")
 
 
+def decode_shaped(config):
+    """A drawn config as a decode server serves it (``scheduler/decode_server.decode_shaped``)."""
+    from poolfuzz.adapters.sglang.scheduler.decode_server import decode_shaped as shaped
+
+    return shaped(config)
+
+
 def build_decode_driver(config, *, device="cpu", faults=(), backup_mode=None):
     """The factory registered as ``sglang:decode``: one example's PD decode server, SGLang's own decode queues
     (pre-allocation, transfer, retraction with a KV backup and its restore) and Scheduler over the family's pools,
@@ -251,7 +258,7 @@ build_decode_driver.drives_scheduler = True
 build_decode_driver.takes_drawn_configs = True  # drawn models: SGLang's server refuses what it does not build
 build_decode_driver.describe_server = describe_decode_server  # poolfuzz configs --family: the server's flags and pools
 build_decode_driver.unsupported_reason = decode_unsupported_reason
-build_decode_driver.model_shaped = model_shaped  # drawn models laid out as the model SGLang serves for their layers
+build_decode_driver.model_shaped = decode_shaped  # as a decode server serves them: no extra-buffer track slots
 build_decode_driver.declines_by_backup_mode = True  # a named backup refuses what SGLang's resolution would not
 build_decode_driver.engine_report = engine_report
 # What --coverage measures: the decode side's queues besides the scheduler path's files.
@@ -324,6 +331,6 @@ build_unified_decode.drives_scheduler = True
 build_unified_decode.takes_drawn_configs = True
 build_unified_decode.describe_server = describe_unified_decode
 build_unified_decode.unsupported_reason = unified_decode_unsupported_reason
-build_unified_decode.model_shaped = model_shaped  # drawn models laid out as the model SGLang serves for their layers
+build_unified_decode.model_shaped = decode_shaped  # as a decode server serves them: no extra-buffer track slots
 build_unified_decode.engine_report = engine_report
 build_unified_decode.engine_code = build_decode_driver.engine_code

@@ -85,6 +85,17 @@ DECODE_FLAGS = {"disaggregation_mode": "decode", "disaggregation_transfer_backen
                 "disable_radix_cache": True}
 
 
+def decode_shaped(config: ModelConfig) -> ModelConfig:
+    """A drawn config as a decode server serves a model of its layers (the decode factories' ``model_shaped``): the
+    model's shape (``server_models.model_shaped``), and its recurrent state without the extra buffer's track slots,
+    which a decode server keeps none of (it runs without a radix cache: ``decode_problem``), so a draw of the
+    prefill side's strategy runs as the decode server it meets instead of being declined."""
+    from poolfuzz.adapters.sglang.pools.server_models import model_shaped
+
+    shaped = model_shaped(config)
+    return shaped.replace(mamba_track_slots=0) if shaped.mamba_track_slots else shaped
+
+
 def decode_problem(config: ModelConfig) -> str | None:
     """Why the decode server does not drive ``config`` with the installed SGLang, or None."""
     from poolfuzz.adapters.sglang import compat
