@@ -91,7 +91,8 @@ class FreeList:
         return None
 
 
-def _as_index(indices) -> torch.Tensor:
+def as_index(indices) -> torch.Tensor:
+    """Slot indices as a flat int64 CPU tensor, from a tensor on any device or any iterable of ints."""
     if isinstance(indices, torch.Tensor):
         return indices.to(device="cpu", dtype=torch.int64).reshape(-1)
     return torch.as_tensor(list(indices), dtype=torch.int64)
@@ -198,7 +199,7 @@ class TokenAllocator:
 
     # --- free ----------------------------------------------------------------------------
     def free(self, indices) -> None:
-        idx = _as_index(indices)
+        idx = as_index(indices)
         if idx.numel() == 0:
             return
         if self._group is not None:  # inside a free group: released, pages deduplicated, at its end

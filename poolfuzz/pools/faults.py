@@ -8,7 +8,7 @@ from typing import Callable, Iterable
 
 import torch
 
-from poolfuzz.pools.allocator import TokenAllocator, _as_index
+from poolfuzz.pools.allocator import TokenAllocator, as_index
 from poolfuzz.pools.blueprint import Blueprint
 from poolfuzz.pools.config import ModelConfig
 from poolfuzz.pools.errors import ConfigError, PoolExhausted
@@ -94,7 +94,7 @@ class SWAReloadIgnoresMasks(SWAKVPool):
     instead of the positions mapped both then and now: rows land on the wrong positions."""
 
     def load_cpu_copy(self, cpu, indices, mamba_indices=None):
-        idx = _as_index(indices)
+        idx = as_index(indices)
         self.full_kv_pool.load_cpu_copy(cpu.full, idx)
         if cpu.swa is None:
             return
@@ -281,7 +281,7 @@ class FreeSWAKeepsMapping(SWATokenAllocator):
     releasing the row later frees the same SWA slots again."""
 
     def free_swa(self, indices):
-        idx = self._widen_to_pages(_as_index(indices))
+        idx = self._widen_to_pages(as_index(indices))
         swa = self.full_to_swa[idx]
         live = swa[swa > 0]
         if live.numel():
@@ -292,7 +292,7 @@ class SilentTokenAllocator(TokenAllocator):
     """SGLang's production free list: no double-free detection, a second free appends again."""
 
     def free(self, indices):
-        idx = _as_index(indices)
+        idx = as_index(indices)
         if idx.numel():
             self._release(sorted(set((idx // self.page_size).tolist())))
 
@@ -324,7 +324,7 @@ class HostLoadTilesOfFour(HostKVPool):
     sglang#23596 class)."""
 
     def load_to_device(self, device_pool, host_idx, dev_idx):
-        h, d = _as_index(host_idx), _as_index(dev_idx)
+        h, d = as_index(host_idx), as_index(dev_idx)
         keep = torch.arange(h.numel()) % self.page_size < 4  # a restore starts on a page boundary
         super().load_to_device(device_pool, h[keep], d[keep])
 
@@ -353,11 +353,11 @@ class TransferWithoutMambaFallback(PDTransfer):
 
 
 def _first_rows(copy, n):
-    from poolfuzz.pools.kv import _select_rows
+    from poolfuzz.pools.kv import select_rows
 
     keep = torch.zeros(copy.num_tokens, dtype=torch.bool)
     keep[:n] = True
-    return _select_rows(copy, keep)
+    return select_rows(copy, keep)
 
 
 def _swa_and_mamba(c: ModelConfig) -> bool:

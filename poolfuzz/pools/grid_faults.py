@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from poolfuzz.pools.allocator import _as_index
+from poolfuzz.pools.allocator import as_index
 from poolfuzz.pools.kv import MHATokenToKVPool
 from poolfuzz.pools.mamba import MambaPool
 
@@ -13,7 +13,7 @@ class ReloadChunkAtChunkNumber(MHATokenToKVPool):
     exact; past it, the second chunk overwrites positions 1.. of the first, the rest stay unloaded."""
 
     def load_cpu_copy(self, cpu, indices, mamba_indices=None):
-        idx = _as_index(indices).to(self.device)
+        idx = as_index(indices).to(self.device)
         for k, v, chunks in zip(self.k_buffer, self.v_buffer, cpu.layers):
             for i, (k_cpu, v_cpu) in enumerate(chunks):
                 part = idx[i:i + k_cpu.shape[0]]

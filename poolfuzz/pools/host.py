@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from poolfuzz.pools.allocator import FreeList, FreeListener, _as_index
+from poolfuzz.pools.allocator import FreeList, FreeListener, as_index
 from poolfuzz.pools.components import Component, zeros
 from poolfuzz.pools.errors import DoubleAlloc, DoubleFree, InvalidSlot, MisalignedAlloc, PoolExhausted
 from poolfuzz.pools.kv import MHATokenToKVPool
@@ -65,7 +65,7 @@ class HostKVPool:
         return slots
 
     def free(self, indices) -> None:
-        idx = _as_index(indices)
+        idx = as_index(indices)
         if idx.numel() == 0:
             return
         outside = (idx < 0) | (idx >= self.size)
@@ -80,13 +80,13 @@ class HostKVPool:
             self.on_free(self.space, idx)
 
     def backup_from_device(self, device_pool: MHATokenToKVPool, host_idx, dev_idx) -> None:
-        h, d = _as_index(host_idx), _as_index(dev_idx).to(device_pool.device)
+        h, d = as_index(host_idx), as_index(dev_idx).to(device_pool.device)
         for local in range(len(self.layer_ids)):
             self.k[local, h] = device_pool.k_buffer[local][d].to("cpu")
             self.v[local, h] = device_pool.v_buffer[local][d].to("cpu")
 
     def load_to_device(self, device_pool: MHATokenToKVPool, host_idx, dev_idx) -> None:
-        h, d = _as_index(host_idx), _as_index(dev_idx).to(device_pool.device)
+        h, d = as_index(host_idx), as_index(dev_idx).to(device_pool.device)
         for local in range(len(self.layer_ids)):
             device_pool.k_buffer[local][d] = self.k[local, h].to(device_pool.device)
             device_pool.v_buffer[local][d] = self.v[local, h].to(device_pool.device)

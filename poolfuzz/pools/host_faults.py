@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from poolfuzz.pools.allocator import _as_index
+from poolfuzz.pools.allocator import as_index
 from poolfuzz.pools.components import zeros
 from poolfuzz.pools.host import HostKVPool
 
@@ -15,7 +15,7 @@ class HostLoadStopsAtPoolLayerCount(HostKVPool):
     layers are never loaded and keep whatever the reused device slots held."""
 
     def load_to_device(self, device_pool, host_idx, dev_idx):
-        h, d = _as_index(host_idx), _as_index(dev_idx).to(device_pool.device)
+        h, d = as_index(host_idx), as_index(dev_idx).to(device_pool.device)
         for local, layer_id in enumerate(self.layer_ids):
             if layer_id >= len(self.layer_ids):  # the wrong bound: the pool's layer count
                 continue
@@ -44,14 +44,14 @@ class HostPageStrideOmitsALayer(HostKVPool):
         return host_idx * (len(self.layer_ids) - 1) + local
 
     def backup_from_device(self, device_pool, host_idx, dev_idx) -> None:
-        h, d = _as_index(host_idx), _as_index(dev_idx).to(device_pool.device)
+        h, d = as_index(host_idx), as_index(dev_idx).to(device_pool.device)
         for local in range(len(self.layer_ids)):
             rows = self._rows(h, local)
             self.k_pages.view(-1, *self.k_pages.shape[2:])[rows] = device_pool.k_buffer[local][d].to("cpu")
             self.v_pages.view(-1, *self.v_pages.shape[2:])[rows] = device_pool.v_buffer[local][d].to("cpu")
 
     def load_to_device(self, device_pool, host_idx, dev_idx) -> None:
-        h, d = _as_index(host_idx), _as_index(dev_idx).to(device_pool.device)
+        h, d = as_index(host_idx), as_index(dev_idx).to(device_pool.device)
         for local in range(len(self.layer_ids)):
             rows = self._rows(h, local)
             device_pool.k_buffer[local][d] = self.k_pages.view(-1, *self.k_pages.shape[2:])[rows].to(device_pool.device)

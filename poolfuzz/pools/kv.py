@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from poolfuzz.pools.allocator import _as_index
+from poolfuzz.pools.allocator import as_index
 from poolfuzz.pools.components import DTYPES, Component, zeros
 from poolfuzz.pools.mamba import MambaCpuCopy, MambaPool, cpu_copy
 
@@ -89,7 +89,7 @@ class MHATokenToKVPool(KVCache):
         return out
 
     def get_cpu_copy(self, indices, mamba_indices=None) -> MHACpuCopy:
-        idx = _as_index(indices).to(self.device)
+        idx = as_index(indices).to(self.device)
         layers = []
         for k, v in zip(self.k_buffer, self.v_buffer):
             chunks = []
@@ -100,7 +100,7 @@ class MHATokenToKVPool(KVCache):
         return MHACpuCopy(layers=tuple(layers), num_tokens=idx.numel())
 
     def load_cpu_copy(self, cpu: MHACpuCopy, indices, mamba_indices=None) -> None:
-        idx = _as_index(indices).to(self.device)
+        idx = as_index(indices).to(self.device)
         assert idx.numel() == cpu.num_tokens, (
             f"load of {cpu.num_tokens} backed-up tokens into {idx.numel()} slots"
         )
@@ -115,7 +115,7 @@ class MHATokenToKVPool(KVCache):
 
     def move_kv_cache(self, tgt_loc, src_loc) -> None:
         """After a tree verify, the accepted tokens' rows move to the front of the window, every layer."""
-        tgt, src = _as_index(tgt_loc).to(self.device), _as_index(src_loc).to(self.device)
+        tgt, src = as_index(tgt_loc).to(self.device), as_index(src_loc).to(self.device)
         for buffers in self.move_buffers():
             for buf in buffers:
                 buf[tgt] = buf[src]
@@ -166,20 +166,20 @@ class SWAKVPool(KVCache):
         self.full_to_swa = full_to_swa
 
     def translate(self, indices) -> torch.Tensor:
-        return self.full_to_swa[_as_index(indices)]
+        return self.full_to_swa[as_index(indices)]
 
     def components(self) -> list[Component]:
         return self.full_kv_pool.components() + self.swa_kv_pool.components()
 
     def get_cpu_copy(self, indices, mamba_indices=None) -> SWACpuCopy:
-        idx = _as_index(indices)
+        idx = as_index(indices)
         swa_idx = self.translate(idx)
         mask = swa_idx > 0
         swa = self.swa_kv_pool.get_cpu_copy(swa_idx[mask]) if bool(mask.any()) else None
         return SWACpuCopy(full=self.full_kv_pool.get_cpu_copy(idx), swa=swa, swa_mask=mask)
 
     def load_cpu_copy(self, cpu: SWACpuCopy, indices, mamba_indices=None) -> None:
-        idx = _as_index(indices)
+        idx = as_index(indices)
         self.full_kv_pool.load_cpu_copy(cpu.full, idx)
         if cpu.swa is None:
             return
@@ -190,7 +190,7 @@ class SWAKVPool(KVCache):
         keep = new_mask[cpu.swa_mask]
         if not bool(keep.any()):
             return
-        self.swa_kv_pool.load_cpu_copy(_select_rows(cpu.swa, keep), new_swa[cpu.swa_mask & new_mask])
+        self.swa_kv_pool.load_cpu_copy(select_rows(cpu.swa, keep), new_swa[cpu.swa_mask & new_mask])
 
     def get_contiguous_buf_infos(self) -> list[torch.Tensor]:
         return self.full_kv_pool.get_contiguous_buf_infos()
@@ -206,7 +206,7 @@ class SWAKVPool(KVCache):
         return self.swa_kv_pool.get_contiguous_buf_infos()
 
 
-def _select_rows(copy: MHACpuCopy, keep: torch.Tensor) -> MHACpuCopy:
+def select_rows(copy: MHACpuCopy, keep: torch.Tensor) -> MHACpuCopy:
     """Filter backed-up rows by a boolean mask over positions, re-chunked (SGLang's _filter_swa_cpu_copy)."""
     layers = []
     for chunks in copy.layers:

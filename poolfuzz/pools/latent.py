@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from poolfuzz.pools.allocator import _as_index
+from poolfuzz.pools.allocator import as_index
 from poolfuzz.pools.components import DTYPES, Component, zeros
 from poolfuzz.pools.attention_kinds import DSA_QUANT_BLOCK
 from poolfuzz.pools.kv import CPU_COPY_CHUNK, KVCache
@@ -24,12 +24,14 @@ class ChunkedCpuCopy:
         return f"ChunkedCpuCopy(layers={len(self.layers)}, rows={self.num_rows})"
 
 
-def _copy_rows(buffers, idx: torch.Tensor, chunk: int) -> ChunkedCpuCopy:
+def copy_rows(buffers, idx: torch.Tensor, chunk: int) -> ChunkedCpuCopy:
+    """The rows ``idx`` of every buffer copied to the CPU, ``chunk`` rows a piece (as SGLang's ``get_cpu_copy``)."""
     return ChunkedCpuCopy(layers=tuple(tuple(cpu_copy(buf[idx[s:s + chunk]]) for s in range(0, idx.numel(), chunk))
                                        for buf in buffers), num_rows=idx.numel())
 
 
-def _load_rows(buffers, saved: ChunkedCpuCopy, idx: torch.Tensor, chunk: int) -> None:
+def load_rows(buffers, saved: ChunkedCpuCopy, idx: torch.Tensor, chunk: int) -> None:
+    """Write a :func:`copy_rows` backup back into the rows ``idx`` of every buffer."""
     assert idx.numel() == saved.num_rows, f"load of {saved.num_rows} backed-up rows into {idx.numel()} rows"
     for buf, chunks in zip(buffers, saved.layers):
         for i, part in enumerate(chunks):
@@ -65,10 +67,10 @@ class MLATokenToKVPool(KVCache):
         return out
 
     def get_cpu_copy(self, indices, mamba_indices=None) -> ChunkedCpuCopy:
-        return _copy_rows(self.kv_buffer, _as_index(indices).to(self.device), CPU_COPY_CHUNK)
+        return copy_rows(self.kv_buffer, as_index(indices).to(self.device), CPU_COPY_CHUNK)
 
     def load_cpu_copy(self, cpu: ChunkedCpuCopy, indices, mamba_indices=None) -> None:
-        _load_rows(self.kv_buffer, cpu, _as_index(indices).to(self.device), CPU_COPY_CHUNK)
+        load_rows(self.kv_buffer, cpu, as_index(indices).to(self.device), CPU_COPY_CHUNK)
 
     def get_contiguous_buf_infos(self) -> list[torch.Tensor]:
         """One buffer per layer (MLA has no separate V); an item is a page of whole latent rows."""
@@ -76,7 +78,7 @@ class MLATokenToKVPool(KVCache):
 
     def move_kv_cache(self, tgt_loc, src_loc) -> None:
         """After a tree verify: whole latent rows (compressed and rope parts) move, every layer."""
-        tgt, src = _as_index(tgt_loc).to(self.device), _as_index(src_loc).to(self.device)
+        tgt, src = as_index(tgt_loc).to(self.device), as_index(src_loc).to(self.device)
         for buf in self.kv_buffer:
             buf[tgt] = buf[src]
 
@@ -128,24 +130,24 @@ class DSATokenToKVPool(MLATokenToKVPool):
 
     def index_pages(self, indices) -> torch.Tensor:
         """The index-cache pages of a request's token slots (page-aligned runs, as the allocator gives)."""
-        idx = _as_index(indices).to(self.device)
+        idx = as_index(indices).to(self.device)
         return idx[::self.page_size] // self.page_size
 
     def get_cpu_copy(self, indices, mamba_indices=None) -> DSACpuCopy:
         # Retraction frees the index pages too; without them a resumed request reads another's keys.
         page_chunk = max(1, CPU_COPY_CHUNK // self.page_size)
         return DSACpuCopy(kv=super().get_cpu_copy(indices),
-                          index_k=_copy_rows(self.index_k_with_scale_buffer, self.index_pages(indices), page_chunk))
+                          index_k=copy_rows(self.index_k_with_scale_buffer, self.index_pages(indices), page_chunk))
 
     def load_cpu_copy(self, cpu: DSACpuCopy, indices, mamba_indices=None) -> None:
         super().load_cpu_copy(cpu.kv, indices)
         page_chunk = max(1, CPU_COPY_CHUNK // self.page_size)
-        _load_rows(self.index_k_with_scale_buffer, cpu.index_k, self.index_pages(indices), page_chunk)
+        load_rows(self.index_k_with_scale_buffer, cpu.index_k, self.index_pages(indices), page_chunk)
 
     def move_kv_cache(self, tgt_loc, src_loc) -> None:
         """The latent rows and, in lockstep, each token's index keys and scales inside its page."""
         super().move_kv_cache(tgt_loc, src_loc)
-        tgt, src = _as_index(tgt_loc).to(self.device), _as_index(src_loc).to(self.device)
+        tgt, src = as_index(tgt_loc).to(self.device), as_index(src_loc).to(self.device)
         ps = self.page_size
         for buf in self.index_k_with_scale_buffer:
             for part in self.index_parts(buf):

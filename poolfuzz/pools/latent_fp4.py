@@ -6,10 +6,10 @@ from dataclasses import dataclass
 
 import torch
 
-from poolfuzz.pools.allocator import _as_index
+from poolfuzz.pools.allocator import as_index
 from poolfuzz.pools.components import Component, zeros
 from poolfuzz.pools.kv import CPU_COPY_CHUNK
-from poolfuzz.pools.latent import ChunkedCpuCopy, MLATokenToKVPool, _copy_rows, _load_rows
+from poolfuzz.pools.latent import ChunkedCpuCopy, MLATokenToKVPool, copy_rows, load_rows
 
 FP4_SCALE_BLOCK = 16  # values per scale byte (SGLang's FP4MXBlock16: one UE8M0 scale per 16 fp4 values)
 
@@ -54,18 +54,18 @@ class MLATokenToKVPoolFP4(MLATokenToKVPool):
         return out
 
     def get_cpu_copy(self, indices, mamba_indices=None) -> FP4CpuCopy:
-        idx = _as_index(indices).to(self.device)
-        return FP4CpuCopy(kv=_copy_rows(self.kv_buffer, idx, CPU_COPY_CHUNK),
-                          scales=_copy_rows(self.kv_scale_buffer, idx, CPU_COPY_CHUNK))
+        idx = as_index(indices).to(self.device)
+        return FP4CpuCopy(kv=copy_rows(self.kv_buffer, idx, CPU_COPY_CHUNK),
+                          scales=copy_rows(self.kv_scale_buffer, idx, CPU_COPY_CHUNK))
 
     def load_cpu_copy(self, cpu: FP4CpuCopy, indices, mamba_indices=None) -> None:
-        idx = _as_index(indices).to(self.device)
-        _load_rows(self.kv_buffer, cpu.kv, idx, CPU_COPY_CHUNK)
-        _load_rows(self.kv_scale_buffer, cpu.scales, idx, CPU_COPY_CHUNK)
+        idx = as_index(indices).to(self.device)
+        load_rows(self.kv_buffer, cpu.kv, idx, CPU_COPY_CHUNK)
+        load_rows(self.kv_scale_buffer, cpu.scales, idx, CPU_COPY_CHUNK)
 
     def move_kv_cache(self, tgt_loc, src_loc) -> None:
         super().move_kv_cache(tgt_loc, src_loc)
-        tgt, src = _as_index(tgt_loc).to(self.device), _as_index(src_loc).to(self.device)
+        tgt, src = as_index(tgt_loc).to(self.device), as_index(src_loc).to(self.device)
         for scales in self.kv_scale_buffer:
             scales[tgt] = scales[src]
 

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from poolfuzz.pools.allocator import SlotAllocator, _as_index
+from poolfuzz.pools.allocator import SlotAllocator, as_index
 from poolfuzz.pools.components import DTYPES, Component
 
 
@@ -62,7 +62,7 @@ class MambaPool:
         )
 
     def _idx(self, idx) -> torch.Tensor:
-        return _as_index(idx).to(self.device)
+        return as_index(idx).to(self.device)
 
     def state_tensors(self) -> list[tuple[str, torch.Tensor]]:
         return named_state(self.conv, self.temporal)

@@ -6,10 +6,10 @@ from dataclasses import dataclass
 
 import torch
 
-from poolfuzz.pools.allocator import _as_index
+from poolfuzz.pools.allocator import as_index
 from poolfuzz.pools.components import DTYPES, Component, zeros
 from poolfuzz.pools.kv import CPU_COPY_CHUNK, KVCache, MHACpuCopy, MHATokenToKVPool
-from poolfuzz.pools.latent import ChunkedCpuCopy, _copy_rows, _load_rows
+from poolfuzz.pools.latent import ChunkedCpuCopy, copy_rows, load_rows
 
 INDEX_STATE = "MINIMAX_INDEX"  # the PD state type the index caches cross as (items: the request's KV pages)
 
@@ -71,18 +71,18 @@ class MiniMaxSparseKVPool(KVCache):
         return [self.index_k[lid] for lid in self.k_only_layer_ids]
 
     def get_cpu_copy(self, indices, mamba_indices=None) -> MiniMaxCpuCopy:
-        idx = _as_index(indices).to(self.device)
+        idx = as_index(indices).to(self.device)
         kv, k = self.index_buffers("kv"), self.index_buffers("k")
         return MiniMaxCpuCopy(main=self.main_pool.get_cpu_copy(idx),
-                              index_kv=_copy_rows(kv, idx, CPU_COPY_CHUNK) if kv else None,
-                              index_k=_copy_rows(k, idx, CPU_COPY_CHUNK) if k else None)
+                              index_kv=copy_rows(kv, idx, CPU_COPY_CHUNK) if kv else None,
+                              index_k=copy_rows(k, idx, CPU_COPY_CHUNK) if k else None)
 
     def load_cpu_copy(self, cpu: MiniMaxCpuCopy, indices, mamba_indices=None) -> None:
-        idx = _as_index(indices).to(self.device)
+        idx = as_index(indices).to(self.device)
         self.main_pool.load_cpu_copy(cpu.main, idx)
         for group, saved in (("kv", cpu.index_kv), ("k", cpu.index_k)):
             if saved is not None:
-                _load_rows(self.index_buffers(group), saved, idx, CPU_COPY_CHUNK)
+                load_rows(self.index_buffers(group), saved, idx, CPU_COPY_CHUNK)
 
     def get_contiguous_buf_infos(self) -> list[torch.Tensor]:
         return self.main_pool.get_contiguous_buf_infos()
@@ -90,7 +90,7 @@ class MiniMaxSparseKVPool(KVCache):
     def move_kv_cache(self, tgt_loc, src_loc) -> None:
         """After a tree verify: main K/V and, in lockstep, every sparse layer's index rows."""
         self.main_pool.move_kv_cache(tgt_loc, src_loc)
-        tgt, src = _as_index(tgt_loc).to(self.device), _as_index(src_loc).to(self.device)
+        tgt, src = as_index(tgt_loc).to(self.device), as_index(src_loc).to(self.device)
         for buf in self.index_buffers("kv") + self.index_buffers("k"):
             buf[tgt] = buf[src]
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from poolfuzz.pools.allocator import AllocatorState, TokenAllocator, _as_index
+from poolfuzz.pools.allocator import AllocatorState, TokenAllocator, as_index
 from poolfuzz.pools.errors import MisalignedAlloc
 from poolfuzz.pools.kv import SWAKVPool
 
@@ -44,7 +44,7 @@ class PureSWATokenAllocator:
     full_available_size = swa_available_size = available_size
 
     def translate(self, indices) -> torch.Tensor:
-        return _as_index(indices)
+        return as_index(indices)
 
     def alloc(self, n: int) -> torch.Tensor:
         return self.swa.alloc(n)
@@ -54,7 +54,7 @@ class PureSWATokenAllocator:
 
     def free(self, indices) -> None:
         """Free the slots (the one pool's): a release, or the rejected tail of a speculative step."""
-        idx = _as_index(indices)
+        idx = as_index(indices)
         if idx.numel():
             self.swa.free(idx[idx > 0])
 

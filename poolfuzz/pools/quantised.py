@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from poolfuzz.pools.allocator import _as_index
+from poolfuzz.pools.allocator import as_index
 from poolfuzz.pools.kv import MHATokenToKVPool
 
 # The quantisation methods a config may name (``ModelConfig.kv_quant``): one fp8 byte a value, per-tensor
@@ -38,7 +38,7 @@ class MHATokenToKVPoolQuantised(MHATokenToKVPool):
 
     def write_rows(self, slots, rows: dict) -> set:
         """The forward's door: per layer, K and V in the model dtype, quantised into the slots."""
-        idx = _as_index(slots).to(self.device)
+        idx = as_index(slots).to(self.device)
         done = set()
         for local, layer_id in enumerate(self.layer_ids):
             k, v = (f"{self.name}.k", layer_id), (f"{self.name}.v", layer_id)

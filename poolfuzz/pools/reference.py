@@ -13,11 +13,13 @@ from poolfuzz.pools.config import ModelConfig
 from poolfuzz.pools.errors import PoolExhausted
 
 
-def _pages(n: int, ps: int) -> int:
+def pages_spanned(n: int, ps: int) -> int:
+    """The pages of ``ps`` tokens that ``n`` tokens span (the last one partly filled)."""
     return -(-n // ps)
 
 
-def _floor(n: int, ps: int) -> int:
+def page_floor(n: int, ps: int) -> int:
+    """``n`` rounded down to a whole number of pages of ``ps`` tokens."""
     return n // ps * ps
 
 
@@ -163,7 +165,7 @@ class ReferenceFamily:
             self.clock += 1
             self.tree[key][0] += 1
             self.tree[key][1] = self.clock
-        pages = _pages(prefix, self.ps)
+        pages = pages_spanned(prefix, self.ps)
         needs = {"rows": 1}
         if self.config.has_mamba:
             needs["mamba"] = self.state_slots if hit else self.state_slots + 1  # and a new checkpoint
@@ -238,15 +240,15 @@ class ReferenceFamily:
         req = self.requests[rid]
         if new_len <= req.allocated:
             return
-        pages = _pages(new_len, self.ps) - _pages(req.allocated, self.ps)
+        pages = pages_spanned(new_len, self.ps) - pages_spanned(req.allocated, self.ps)
         self._take(self._kv_pages(pages))
         req.allocated = new_len
 
     def free_speculative_tail(self, rid: int) -> None:
         """Rejected draft tokens give back every page past the one holding the last committed token."""
         req = self.requests[rid]
-        keep = min(req.allocated, _pages(req.committed, self.ps) * self.ps)
-        freed = _pages(req.allocated, self.ps) - _pages(keep, self.ps)
+        keep = min(req.allocated, pages_spanned(req.committed, self.ps) * self.ps)
+        freed = pages_spanned(req.allocated, self.ps) - pages_spanned(keep, self.ps)
         for space, n in self._kv_pages(freed).items():
             self.free[space] += n
         req.allocated = keep
@@ -255,7 +257,7 @@ class ReferenceFamily:
         if not self.config.has_swa:
             return
         req = self.requests[rid]
-        new = _floor(max(req.swa_lo, pre_len - self.config.sliding_window), self.ps)
+        new = page_floor(max(req.swa_lo, pre_len - self.config.sliding_window), self.ps)
         if new > req.swa_lo:
             self.free["swa"] += (new - req.swa_lo) // self.ps
             req.swa_lo = new
@@ -263,9 +265,9 @@ class ReferenceFamily:
     def release(self, rid: int) -> None:
         req = self.requests[rid]
         if self.config.has_full:
-            self.free["full"] += _pages(req.allocated, self.ps)
+            self.free["full"] += pages_spanned(req.allocated, self.ps)
         if self.config.has_swa:
-            self.free["swa"] += _pages(req.allocated, self.ps) - req.swa_lo // self.ps
+            self.free["swa"] += pages_spanned(req.allocated, self.ps) - req.swa_lo // self.ps
         if req.holds_mamba:
             self.free["mamba"] += self.state_slots
             req.track, req.track_writes, req.scratch = [], 0, []
@@ -276,10 +278,10 @@ class ReferenceFamily:
         req.allocated = req.committed = req.swa_lo = 0
 
     def host_needs(self, n: int) -> dict[str, int]:
-        needs = {"host.full": _pages(n, self.ps) * self.ps}
+        needs = {"host.full": pages_spanned(n, self.ps) * self.ps}
         if self.config.has_swa:
-            start = _floor(max(0, n - self.config.sliding_window), self.ps)
-            needs["host.swa"] = _pages(n - start, self.ps) * self.ps
+            start = page_floor(max(0, n - self.config.sliding_window), self.ps)
+            needs["host.swa"] = pages_spanned(n - start, self.ps) * self.ps
         return needs
 
     def retract(self, rid: int) -> None:
@@ -308,12 +310,12 @@ class ReferenceFamily:
             self._need({"rows": 1})
             self._ensure_mamba(self.state_slots)
         if c.has_full:
-            needs["full"] = _pages(fill_len, self.ps)
+            needs["full"] = pages_spanned(fill_len, self.ps)
         swa_lo = 0
         if c.has_swa:
             if self.ps > 1 and self.resume_swa_tail_only:
-                swa_lo = _floor(max(0, fill_len - c.sliding_window), self.ps)
-            needs["swa"] = _pages(fill_len - swa_lo, self.ps)
+                swa_lo = page_floor(max(0, fill_len - c.sliding_window), self.ps)
+            needs["swa"] = pages_spanned(fill_len - swa_lo, self.ps)
         self._take(needs)
         self.requests[rid] = req
         req.holds_row = True
@@ -345,9 +347,9 @@ class ReferenceFamily:
             elif space == "mamba":
                 total += req.holds_mamba * self.state_slots
             elif space == "full":
-                total += _pages(req.allocated, self.ps)
+                total += pages_spanned(req.allocated, self.ps)
             elif space == "swa":
-                total += _pages(req.allocated, self.ps) - req.swa_lo // self.ps if req.allocated else 0
+                total += pages_spanned(req.allocated, self.ps) - req.swa_lo // self.ps if req.allocated else 0
             else:
                 total += req.host_held.get(space, 0)
         return total

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from poolfuzz.pools.allocator import SlotAllocator, _as_index
+from poolfuzz.pools.allocator import SlotAllocator, as_index
 from poolfuzz.pools.errors import DoubleFree, InvalidSlot
 from poolfuzz.pools.mamba import MambaPool, MambaSlotAllocator
 
@@ -66,7 +66,7 @@ class HybridReqToTokenPool(ReqToTokenPool):
 
     def get_mamba_indices(self, rows) -> torch.Tensor:
         """The mamba slot of each row, as the attention kernels read it (SGLang's ``get_mamba_indices``)."""
-        return self.req_to_mamba[_as_index(rows)].to(torch.int64)
+        return self.req_to_mamba[as_index(rows)].to(torch.int64)
 
     def free_mamba(self, row: int, slot: int | None) -> None:
         if slot is None:

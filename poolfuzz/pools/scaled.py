@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from poolfuzz.pools.allocator import _as_index
+from poolfuzz.pools.allocator import as_index
 from poolfuzz.pools.components import Component, zeros
 from poolfuzz.pools.kv import CPU_COPY_CHUNK, MHACpuCopy, MHATokenToKVPool
 from poolfuzz.pools.mamba import cpu_copy
@@ -55,14 +55,14 @@ class MHATokenToKVPoolScaled(MHATokenToKVPool):
 
     def get_cpu_copy(self, indices, mamba_indices=None) -> ScaledCpuCopy:
         # The scales travel with their fp8 payload (SGLang's MXFP8 override of the base copy).
-        idx = _as_index(indices).to(self.device)
+        idx = as_index(indices).to(self.device)
         scales = tuple(tuple((cpu_copy(ks[idx[s:s + CPU_COPY_CHUNK]]), cpu_copy(vs[idx[s:s + CPU_COPY_CHUNK]]))
                              for s in range(0, idx.numel(), CPU_COPY_CHUNK))
                        for ks, vs in zip(self.k_scale_buffer, self.v_scale_buffer))
         return ScaledCpuCopy(kv=super().get_cpu_copy(idx), scales=scales)
 
     def load_cpu_copy(self, cpu: ScaledCpuCopy, indices, mamba_indices=None) -> None:
-        idx = _as_index(indices).to(self.device)
+        idx = as_index(indices).to(self.device)
         super().load_cpu_copy(cpu.kv, idx)
         for ks, vs, chunks in zip(self.k_scale_buffer, self.v_scale_buffer, cpu.scales):
             for i, (k_cpu, v_cpu) in enumerate(chunks):

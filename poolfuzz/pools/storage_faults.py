@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from poolfuzz.pools.allocator import _as_index
+from poolfuzz.pools.allocator import as_index
 from poolfuzz.pools.kv import CPU_COPY_CHUNK, HybridLinearKVPool
-from poolfuzz.pools.latent import DSATokenToKVPool, MLATokenToKVPool, _copy_rows
+from poolfuzz.pools.latent import DSATokenToKVPool, MLATokenToKVPool, copy_rows
 from poolfuzz.pools.minimax_sparse import MiniMaxSparseKVPool
 from poolfuzz.pools.scaled import MHATokenToKVPoolScaled
 from poolfuzz.pools.transfer import PDTransfer
@@ -19,11 +19,11 @@ class MLACopiesValueBufferOnly(MLATokenToKVPool):
 
     def get_cpu_copy(self, indices, mamba_indices=None):
         r = self.kv_lora_rank
-        return _copy_rows([b[..., :r] for b in self.kv_buffer], _as_index(indices).to(self.device), CPU_COPY_CHUNK)
+        return copy_rows([b[..., :r] for b in self.kv_buffer], as_index(indices).to(self.device), CPU_COPY_CHUNK)
 
     def load_cpu_copy(self, cpu, indices, mamba_indices=None):
         r = self.kv_lora_rank
-        idx = _as_index(indices).to(self.device)
+        idx = as_index(indices).to(self.device)
         for buf, chunks in zip(self.kv_buffer, cpu.layers):
             for i, part in enumerate(chunks):
                 buf[idx[i * CPU_COPY_CHUNK:(i + 1) * CPU_COPY_CHUNK], :, :r] = part.to(buf.device)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from poolfuzz.pools.allocator import AllocatorState, TokenAllocator, _as_index
+from poolfuzz.pools.allocator import AllocatorState, TokenAllocator, as_index
 from poolfuzz.pools.components import zeros
 from poolfuzz.pools.errors import MisalignedAlloc
 
@@ -48,7 +48,7 @@ class SWATokenAllocator:
         return self.swa.available_size()
 
     def translate(self, indices: torch.Tensor) -> torch.Tensor:
-        return self.full_to_swa[_as_index(indices)]
+        return self.full_to_swa[as_index(indices)]
 
     # --- allocation ----------------------------------------------------------------------
     def _check(self, *, full_pages: int, swa_pages: int) -> None:
@@ -95,7 +95,7 @@ class SWATokenAllocator:
     # --- free ----------------------------------------------------------------------------
     def free(self, indices) -> None:
         """Free full slots and their SWA peers. Not idempotent: the full side raises DoubleFree."""
-        idx = _as_index(indices)
+        idx = as_index(indices)
         if idx.numel() == 0:
             return
         self.full.free(idx)
@@ -103,7 +103,7 @@ class SWATokenAllocator:
 
     def free_swa(self, indices) -> None:
         """Free the SWA peers of these full slots (whole pages) and zero their mapping."""
-        idx = self._widen_to_pages(_as_index(indices))
+        idx = self._widen_to_pages(as_index(indices))
         if idx.numel() == 0:
             return
         swa = self.full_to_swa[idx]

@@ -6,7 +6,7 @@ from poolfuzz.adapters.vllm.api import load
 from poolfuzz.adapters.vllm.manager import hash_block_for, num_blocks_for
 from poolfuzz.pools.config import ModelConfig
 from poolfuzz.pools.errors import PoolExhausted
-from poolfuzz.pools.reference import ReferenceFamily, RefRequest, _floor, _pages
+from poolfuzz.pools.reference import ReferenceFamily, RefRequest, page_floor, pages_spanned
 
 BLOCK_SPACES = ("full", "swa", "mamba")
 
@@ -138,7 +138,7 @@ class VllmReference(ReferenceFamily):
             return
         if self.align:
             self._retire_states(rid, req.committed)
-        pages = _pages(new_len, self.ps) - _pages(req.allocated, self.ps)
+        pages = pages_spanned(new_len, self.ps) - pages_spanned(req.allocated, self.ps)
         needs = {"full": pages}
         if self.config.has_swa:
             needs["swa"] = pages
@@ -165,11 +165,11 @@ class VllmReference(ReferenceFamily):
         n = req.backup_tokens
         # align: the last token's slot comes with the next decode, unless nothing before it is left
         slots = n if self.align and (hit + external < n or self.adopts) else n + 1
-        needs = {"rows": 1, "full": _pages(slots, self.ps)}
+        needs = {"rows": 1, "full": pages_spanned(slots, self.ps)}
         swa_lo = 0
         if self.config.has_swa:
-            swa_lo = _floor(max(0, hit + external - self.config.sliding_window), self.ps)
-            needs["swa"] = _pages(slots, self.ps) - swa_lo // self.ps
+            swa_lo = page_floor(max(0, hit + external - self.config.sliding_window), self.ps)
+            needs["swa"] = pages_spanned(slots, self.ps) - swa_lo // self.ps
         states, length = set(), 0
         if self.align:
             # The state the lookup ends on: the connector's (loaded into a new block at the last

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from poolfuzz.adapters.sglang.tree import tree_swa
 from poolfuzz.pools.errors import PoolExhausted
-from poolfuzz.pools.reference import ReferenceFamily, RefRequest, _pages
+from poolfuzz.pools.reference import ReferenceFamily, RefRequest, pages_spanned
 
 
 class TreeReference(ReferenceFamily):
@@ -36,7 +36,7 @@ class TreeReference(ReferenceFamily):
                 continue
             sg = protocol.standins.get(rid)
             protected = int(sg.kv.cache_protected_len) if sg is not None and sg.kv is not None else 0
-            total += _pages(req.allocated, self.ps) - protected // self.ps
+            total += pages_spanned(req.allocated, self.ps) - protected // self.ps
         return total
 
     def request(self, rid: int) -> RefRequest:
@@ -128,7 +128,7 @@ class TreeReference(ReferenceFamily):
         seqlen = prefix if seqlen is None else seqlen
         hit, evictable, swa_evictable = self.family.protocol.peek_hit(self.family, src_rid, prefix, seqlen)
         mamba = self.config.has_mamba
-        pages = _pages(prefix, self.ps) - hit // self.ps
+        pages = pages_spanned(prefix, self.ps) - hit // self.ps
         self._need({"rows": 1, **({"mamba": self.state_slots} if mamba else {})})
         # the hit is locked before the allocation: what the tree may evict for it excludes the hit itself
         self._need_past_hit(pages, evictable, swa_evictable)
@@ -156,7 +156,7 @@ class TreeReference(ReferenceFamily):
         hit, which is locked first (the probe's ``evictable``)."""
         loaded = seqlen - 1
         mamba = self.config.has_mamba
-        pages = _pages(loaded, self.ps) - hit // self.ps
+        pages = pages_spanned(loaded, self.ps) - hit // self.ps
         self._need({"rows": 1, **({"mamba": self.state_slots} if mamba else {})})
         self._need_past_hit(pages, evictable, swa_evictable)
         self.free["rows"] -= 1

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from poolfuzz.adapters.sglang.compat import private
 from poolfuzz.adapters.sglang.pools.environment import eviction_interval
-from poolfuzz.pools.reference import _pages
+from poolfuzz.pools.reference import pages_spanned
 
 
 class _TriggerBatch:
@@ -56,5 +56,5 @@ def private_swa_pages(reference) -> int:
         if not req.holds_row or sg is None or sg.kv is None or not req.allocated:
             continue
         lo = max(frontier(family, sg), int(sg.kv.cache_protected_len))
-        total += max(0, _pages(req.allocated, ps) - lo // ps)
+        total += max(0, pages_spanned(req.allocated, ps) - lo // ps)
     return total
