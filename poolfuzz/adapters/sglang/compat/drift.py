@@ -101,9 +101,10 @@ def startup_refusal(exc: BaseException) -> str | None:
         if cls.__name__ in MODEL_CONFIG_REFUSALS:
             return MODEL_CONFIG_REFUSALS[cls.__name__]
     tb = _raising_frame(exc)
-    if tb is not None and raised_by_sglang(exc):
-        return STARTUP_REFUSALS.get(tb.tb_frame.f_code.co_name)
-    return None
+    if tb is None or not raised_by_sglang(exc):
+        return None
+    who, words = STARTUP_REFUSALS.get(tb.tb_frame.f_code.co_name, (None, None))
+    return who if who is not None and (words is None or words in str(exc)) else None
 
 
 def _first_line(exc: BaseException) -> str:

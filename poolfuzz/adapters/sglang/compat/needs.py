@@ -262,10 +262,13 @@ def _probed(key: str) -> Probe:
 # 0.5.16). Found without importing it (a model's module imports its kernels).
 MODEL_MODULES = {"inkling": "sglang.srt.models.inkling"}
 # Checks that refuse to start a server no request could ever run on, raised while its pools are sized (after its flags
-# were accepted): the raising function's name -> who refuses. 0.5.18 on: an SWA pool below the prefill admission floor;
-# the configurator's: a state cache too small to serve one request.
-STARTUP_REFUSALS = {"validate_swa_pool_size": "SGLang refuses to start",
-                    "resolve_max_num_reqs": "SGLang refuses to start"}
+# were accepted): the raising function's name -> (who refuses, SGLang's words where the function raises other errors
+# too, else None). An SWA pool below the prefill admission floor (0.5.16 to 0.5.19 inline in the pool configurator's
+# _solve_pool_sizes, from 0.5.20 its validate_swa_pool_size); the configurator's state cache too small to serve one
+# request.
+STARTUP_REFUSALS = {"validate_swa_pool_size": ("SGLang refuses to start", None),
+                    "_solve_pool_sizes": ("SGLang refuses to start", "cannot hold even one request"),
+                    "resolve_max_num_reqs": ("SGLang refuses to start", None)}
 # The error transformers (through huggingface_hub's strict dataclasses) refuses a model's config.json with: no such
 # model loads, so no server of it starts (an odd rotary dimension, ...).
 MODEL_CONFIG_REFUSALS = {"StrictDataclassClassValidationError": "transformers refuses the model config of"}
