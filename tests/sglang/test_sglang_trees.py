@@ -7,6 +7,7 @@ import torch
 
 from poolfuzz.harness.failures import PoolfuzzFailure
 from poolfuzz.pools.config import CONFIGS
+from poolfuzz.pools.errors import ConfigError
 
 
 @pytest.fixture
@@ -235,6 +236,9 @@ def test_the_eviction_interval_is_one_window_unless_the_environment_sets_it(tree
     assert environment.eviction_interval(fam.config) == CONFIGS["swa-ps4"].sliding_window
     monkeypatch.setenv("SGLANG_SWA_EVICTION_INTERVAL", "128")
     assert environment.eviction_interval(fam.config) == 128
+    monkeypatch.setenv("SGLANG_SWA_EVICTION_INTERVAL", "often")
+    with pytest.raises(ConfigError, match="SGLANG_SWA_EVICTION_INTERVAL='often' is not a number of tokens"):
+        environment.eviction_interval(fam.config)
 
 
 def test_a_fork_whose_hit_is_all_the_tree_could_evict_waits(tree_api):

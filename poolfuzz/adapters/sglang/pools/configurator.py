@@ -360,10 +360,11 @@ def configure(c: ModelConfig, *, device: str = "cpu", role_flags: dict | None = 
     model_dir = _model_dir(server.hf_config)
     from poolfuzz.adapters.sglang.server_args import another_server
 
+    runs_in = server_environment(c)  # a user's unreadable eviction interval is their error, before SGLang is asked
     try:
         # the caller's server published again once these pools are built (its environment too); built in the
         # environment the server runs in (a decode server's window pool is sized by its eviction interval)
-        with another_server(), sglang_quiet(), environment_set(server_environment(c)):
+        with another_server(), sglang_quiet(), environment_set(runs_in):
             before = dict(os.environ)
             result = _configured(server, model_dir, device)
             environment = {k: v for k, v in os.environ.items() if before.get(k) != v}

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 
+from poolfuzz.pools.errors import ConfigError
+
 INTERVAL_VARIABLE = "SGLANG_SWA_EVICTION_INTERVAL"
 
 
@@ -13,11 +15,14 @@ def eviction_interval(config) -> int:
     contexts. The default, 128 tokens, is one window of gpt-oss (sliding window 128) and a fraction of longer
     windows; a harness context is tens of tokens, where 128 would never evict. One window here keeps gpt-oss's
     ratio."""
-    if os.environ.get(INTERVAL_VARIABLE):
-        from sglang.srt.environ import envs
-
-        return max(1, envs.SGLANG_SWA_EVICTION_INTERVAL.get())
-    return max(1, config.sliding_window)
+    value = os.environ.get(INTERVAL_VARIABLE)
+    if not value:
+        return max(1, config.sliding_window)
+    try:  # read here, not through SGLang's envs: releases before the variable (0.5.12) have no such entry
+        return max(1, int(value))
+    except ValueError:
+        raise ConfigError(f"{INTERVAL_VARIABLE}={value!r} is not a number of tokens; set it to an integer, or unset "
+                          "it to evict once a window") from None
 
 
 def server_environment(config) -> dict[str, str]:
