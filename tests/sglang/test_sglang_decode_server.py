@@ -450,3 +450,23 @@ def test_a_decode_server_left_on_the_wiring_names_its_own_listing(decode):
         assert "poolfuzz configs --family sglang:decode shows them" in driver.pools_origin.detail
     finally:
         driver.close()
+
+
+def test_a_recurrent_decode_server_runs_the_requests_and_states_sglang_settles(decode):
+    """A decode server leaves its state cache to SGLang (a slot a running request) and caps its running requests at
+    what its token slots settle: a recurrent config with more rows than that runs the server SGLang builds for the
+    rows read back, state slots and all, not the adapter's wiring (stop 65: 2 of 32 drawn examples were wired)."""
+    config = CONFIGS["hybrid-linear"].replace(name="random", full_tokens=6, request_rows=5, mamba_slots=7)
+    if reason := decode.unsupported_reason(config):
+        pytest.skip(reason)
+    driver = decode.build_decode_driver(config)
+    try:
+        if driver.family.served is None and "cannot build" in driver.pools_origin.detail:
+            pytest.skip(driver.pools_origin.detail)
+        assert driver.pools_origin.built_by == "engine", driver.pools_origin.detail
+        settled = driver.family.served.sizes["max_running_requests"]
+        assert settled < config.request_rows, "SGLang settles every row: the test no longer caps them"
+        assert (driver.config.request_rows, driver.config.mamba_slots) == (settled, settled)
+        assert driver.server_args["max_running_requests"] == settled
+    finally:
+        driver.close()

@@ -253,15 +253,15 @@ def server_sized(c: ModelConfig, *, role_flags: dict | None = None) -> ModelConf
             raise ConfigError(f"{resolved.error} (a server sized by its free memory is sized by SGLang alone, its "
                               "configurator or before 0.5.16 its model runner; or name the sizes: "
                               "free_memory_kib=0)") from None
-        _SIZED[key] = _read_back(c, resolved.sizes) if resolved.sizes else c
+        _SIZED[key] = _read_back(c, resolved.sizes, role_flags) if resolved.sizes else c
         if c.free_memory_kib and resolved.sizes:
             _fixed_point(c, _SIZED[key], role_flags)
     return _SIZED[key]
 
 
-def _read_back(c: ModelConfig, sizes: dict) -> ModelConfig:
+def _read_back(c: ModelConfig, sizes: dict, role_flags: dict | None = None) -> ModelConfig:
     """``c`` with the sizes the configurator reported: every one for a server sized by its memory, the window pool
-    and fewer running requests otherwise."""
+    and fewer running requests otherwise (and their state slots, where ``role_flags`` leave those to SGLang)."""
     window, rows = sizes.get("swa_max_total_num_tokens"), sizes["max_running_requests"]
     if rows == 0:  # SGLang starts it, and no request ever runs: nothing to fuzz
         state = f", {sizes['mamba_slots']} state slots" if sizes.get("mamba_slots") is not None else ""
@@ -269,9 +269,12 @@ def _read_back(c: ModelConfig, sizes: dict) -> ModelConfig:
                           f"({sizes['max_total_num_tokens']} token slots{state}): it serves none")
     if not c.free_memory_kib:  # capped: the window pool a role sizes, and the running requests its token slots settle
         changes = dict(swa_tokens=window) if c.has_swa and c.has_full and window else {}
-        if rows and rows < c.request_rows and not c.has_mamba:  # a recurrent server's state slots follow its rows
-            changes.update(request_rows=rows)  # (``tree_build.mamba_sized``), read before they are sized
-        return c.replace(**changes)
+        # recurrent state slots follow the rows (``tree_build.mamba_sized``, after this), unless the role leaves them
+        # to SGLang (a decode server's: a slot a running request), which then settles both
+        state_left = c.has_mamba and (role_flags or {}).get("max_mamba_cache_size", 0) is None
+        if rows and rows < c.request_rows and (not c.has_mamba or state_left):
+            changes.update(request_rows=rows)
+        return c.replace(**changes, **({"mamba_slots": min(rows, c.request_rows)} if state_left and rows else {}))
     if sizes["max_running_requests"] is None:
         raise ConfigError(f"config {c.name!r}: {RUNNER} settles no running requests on this release (its "
                           "initialize computes them inline afterwards: nothing to call), so a server sized by its "
@@ -298,7 +301,7 @@ def _fixed_point(c: ModelConfig, sized: ModelConfig, role_flags: dict | None) ->
     server's state reserve follows its running requests): the sized config would stand for another server."""
     resolved = _resolved(sized, role_flags)
     resolved.raise_error()
-    again = _read_back(sized, resolved.sizes)
+    again = _read_back(sized, resolved.sizes, role_flags)
     if again != sized:
         differ = {f: (getattr(sized, f), getattr(again, f)) for f in ("full_tokens", "swa_tokens", "mamba_slots",
                                                                       "request_rows")
