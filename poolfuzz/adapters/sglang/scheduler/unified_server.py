@@ -69,7 +69,7 @@ class UnifiedDecodeDriver(UnifiedMemory, SglangDecodeDriver):
     pool_flags = ROLE_FLAGS | SERVER_FLAGS | REAL_TRANSFER
 
     def build_family(self, config: ModelConfig, max_running: int):
-        return build_unified(config, node="decode", role_flags=ROLE_FLAGS | REAL_TRANSFER)
+        return build_unified(config, node="decode", role_flags=ROLE_FLAGS | REAL_TRANSFER, decode_rows=2 * max_running)
 
     @property
     def listed_flags(self) -> dict:
@@ -87,15 +87,13 @@ def unsupported_reason(config: ModelConfig) -> str | None:
 
 
 def decode_unsupported_reason(config: ModelConfig, *, backup_mode: str | None = None) -> str | None:
-    """Why the unified-memory decode server does not drive ``config``, or None: the decode server's reasons, the
-    unified pool's, then SGLang's refusal of the Mooncake server it stands for."""
+    """Why the unified-memory decode server does not drive ``config``, or None: the decode server's reasons, then the
+    unified pool's (SGLang's refusal of the Mooncake decode server it stands for among them)."""
     from poolfuzz.adapters.sglang.api import load
-    from poolfuzz.adapters.sglang.pools import configurator
     from poolfuzz.adapters.sglang.scheduler.servers import unsupported_reason as scheduler_reason
     from poolfuzz.adapters.sglang.unified_pool.unified import unified_problem
 
-    return (decode_problem(config) or unified_problem(load(), config)
-            or configurator.refusal(config, role_flags=ROLE_FLAGS | SERVER_FLAGS | REAL_TRANSFER)
+    return (decode_problem(config) or unified_problem(load(), config, role_flags=ROLE_FLAGS | REAL_TRANSFER)
             or scheduler_reason(config, UnifiedDecodeDriver, backup_mode=backup_mode))
 
 

@@ -39,8 +39,9 @@ from poolfuzz.pools.family import resolve_device
 SERVER_FLAGS = {"enable_unified_memory": True}
 
 
-def unified_problem(api: SGLangAPI, config: ModelConfig) -> str | None:
-    """Why the unified pool of this SGLang is not driven for ``config`` here, or None."""
+def unified_problem(api: SGLangAPI, config: ModelConfig, *, role_flags: dict | None = None) -> str | None:
+    """Why the unified pool of this SGLang is not driven for ``config`` here, or None; ``role_flags``: the role the
+    server plays beside the unified server's flags (a decode server's), whose refusal is SGLang's."""
     if unified_mamba_factory() is None:
         return (f"SGLang {api.version} has no unified memory pool (--enable-unified-memory arrived in "
                 "0.5.23's mem_cache/unified_memory_pool.py); use --family sglang")
@@ -68,7 +69,7 @@ def unified_problem(api: SGLangAPI, config: ModelConfig) -> str | None:
     from poolfuzz.adapters.sglang.pools import configurator
 
     # a unified server SGLang's own validation refuses starts nowhere: declined with SGLang's words
-    refused = configurator.refusal(config, role_flags=SERVER_FLAGS)
+    refused = configurator.refusal(config, role_flags=SERVER_FLAGS | (role_flags or {}))
     if refused:
         return refused
     if config.page_size > 1:
@@ -131,11 +132,13 @@ def unified_mamba_factory():
     return first_importable("sglang.srt.mem_cache.unified_memory_pool:init_unified_mamba_pools", required=False)
 
 
-def build_unified(config: ModelConfig, *, node: str | None = None, role_flags: dict | None = None) -> UnifiedFamily:
+def build_unified(config: ModelConfig, *, node: str | None = None, role_flags: dict | None = None,
+                  decode_rows: int | None = None) -> UnifiedFamily:
     """The unified pools of the config's server, on the CPU where the scheduler runs; ``node="decode"``: a PD decode
-    server's (built with ``need_sort``), ``role_flags`` its flags beside the unified server's."""
+    server's (built with ``need_sort``; the wiring's request pool a ``DecodeReqToTokenPool`` with ``decode_rows``
+    rows more, as ``build_sglang_family``'s), ``role_flags`` its flags beside the unified server's."""
     api = load()
-    problem = unified_problem(api, config)
+    problem = unified_problem(api, config, role_flags=role_flags)
     if problem:
         raise ConfigError(f"config {config.name!r} on sglang {api.version}: {problem}")
     dev = resolve_device("cpu")
@@ -143,7 +146,8 @@ def build_unified(config: ModelConfig, *, node: str | None = None, role_flags: d
         from poolfuzz.adapters.sglang.pools.descriptions import same_layout
 
         decode = node == "decode"
-        return served_or_wired(functools.partial(_build, api, config, dev, "cpu", need_sort=decode), config, "cpu",
+        build = functools.partial(_build, api, config, dev, "cpu", need_sort=decode, decode_rows=decode_rows)
+        return served_or_wired(build, config, "cpu",
                                pd_decode=decode, role_flags=SERVER_FLAGS | (role_flags or {}), same=same_layout,
                                listing="sglang:unified-decode" if decode else "sglang:unified-server")
     except (AssertionError, ValueError, RuntimeError) as exc:
@@ -152,13 +156,14 @@ def build_unified(config: ModelConfig, *, node: str | None = None, role_flags: d
                           f"refuses it ({type(exc).__name__}: {first})") from None
 
 
-def _build(api: SGLangAPI, c: ModelConfig, dev, sdev: str, *, need_sort: bool, served=None) -> UnifiedFamily:
+def _build(api: SGLangAPI, c: ModelConfig, dev, sdev: str, *, need_sort: bool, served=None,
+           decode_rows: int | None = None) -> UnifiedFamily:
     """The family over the pools SGLang's configurator built for the config's server with ``SERVER_FLAGS``
     (``served``: where they are the config's pools, sizes aside), or over the adapter's wiring of the configurator's
     unified factory for the model: the SWA pair, or the Mamba pair."""
     single_rank(api)
     if c.has_swa:
-        return build_swa(api, c, dev, sdev, need_sort=need_sort, served=served)
+        return build_swa(api, c, dev, sdev, need_sort=need_sort, served=served, decode_rows=decode_rows)
     return _build_mamba(api, c, dev, sdev, need_sort=need_sort, served=served)
 
 

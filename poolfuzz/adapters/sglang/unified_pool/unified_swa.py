@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import torch
 
-from poolfuzz.adapters.sglang.api import SGLangAPI, first_importable, call_with, construct
+from poolfuzz.adapters.sglang.api import SGLangAPI, first_importable, call_with
 from poolfuzz.adapters.sglang.lifecycle.family import KV_DTYPES
-from poolfuzz.adapters.sglang.pools.request_pool import mamba_cache_params, pool_kwargs
+from poolfuzz.adapters.sglang.pools.request_pool import build_plain_request_pool, mamba_cache_params, pool_kwargs
 from poolfuzz.adapters.sglang.unified_pool.unified_family import (
     UnifiedFamily, prewarm_compaction, served_bundle, state_view, token_translate, translated_kv,
 )
@@ -48,7 +48,8 @@ def tri_factory():
     return first_importable("sglang.srt.mem_cache.unified_memory_pool:init_unified_mamba_swa_pools", required=False)
 
 
-def build_swa(api: SGLangAPI, c: ModelConfig, dev, sdev: str, *, need_sort: bool, served=None) -> UnifiedFamily:
+def build_swa(api: SGLangAPI, c: ModelConfig, dev, sdev: str, *, need_sort: bool, served=None,
+              decode_rows: int | None = None) -> UnifiedFamily:
     """The family over the pools the configurator built for the config's server (``served``), or over
     ``_init_unified_swa_pools`` for the config's model on one rank, lazy compaction on (SGLang's default); with Mamba
     layers too, ``_init_unified_mamba_swa_pools`` (the tri-pool: state | SWA | full)."""
@@ -77,11 +78,10 @@ def build_swa(api: SGLangAPI, c: ModelConfig, dev, sdev: str, *, need_sort: bool
         req_pool = bundle.req_to_token_pool
     else:
         bundle = call_with(swa_factory(), model_context_len=c.max_context, **args)
-    if not c.has_mamba:  # the configurator's plain request pool, rows as wide as the full side can grow
-        full = bundle.token_to_kv_pool_allocator.full_attn_allocator
-        req_pool = construct(api.ReqToTokenPool, size=c.request_rows,
-                             max_context_len=max(c.max_context, full.max_slots), device=sdev,
-                             enable_memory_saver=False)
+    if not c.has_mamba:  # the configurator's plain request pool (a decode server's), rows as wide as the full side
+        full = bundle.token_to_kv_pool_allocator.full_attn_allocator  # can grow
+        req_pool = build_plain_request_pool(api, c, sdev, decode_rows=decode_rows,
+                                            width=max(c.max_context, full.max_slots))
     return _swa_family(api, c, dev, bundle, req_pool)
 
 
