@@ -194,8 +194,8 @@ def drawn_configs(*, faults=(), where: Callable[[ModelConfig], bool] | None = No
     from poolfuzz.pools.faults import get_fault
 
     checks = [get_fault(f).applies_to for f in faults] + ([where] if where is not None else [])
-    if shape is not None:
-        return _drawn().map(shape).filter(lambda c: all(ok(c) for ok in checks))
+    if shape is not None:  # not steered: a shaping family's checks are its engine's refusals, each a server built,
+        return _drawn().map(shape).filter(lambda c: all(ok(c) for ok in checks))  # too costly to probe every kind
     if not checks:
         return _drawn()
     kinds = _steering(checks)

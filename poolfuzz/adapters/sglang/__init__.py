@@ -311,12 +311,9 @@ def unified_decode_unsupported_reason(config) -> str | None:
 
 def describe_unified_decode(config):
     """The unified-memory decode server's listing: its flags, what SGLang's configurator builds, its pools."""
-    from poolfuzz.adapters.sglang.scheduler.decode_server import ROLE_FLAGS
-    from poolfuzz.adapters.sglang.scheduler.unified_server import REAL_TRANSFER, build_unified_decode_driver
-    from poolfuzz.adapters.sglang.unified_pool.unified import SERVER_FLAGS
+    from poolfuzz.adapters.sglang.scheduler.unified_server import UnifiedDecodeDriver, build_unified_decode_driver
 
-    return _described_server(config, build=build_unified_decode_driver,
-                             role_flags=ROLE_FLAGS | SERVER_FLAGS | REAL_TRANSFER)
+    return _described_server(config, build=build_unified_decode_driver, role_flags=UnifiedDecodeDriver.pool_flags)
 
 
 build_unified_server.drives_scheduler = True

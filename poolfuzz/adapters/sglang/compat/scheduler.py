@@ -21,7 +21,7 @@ SCHEDULER_METHODS = ("get_next_batch_to_run", "update_running_batch", "abort_req
 
 def scheduler_state(*, tree, req_to_token_pool, allocator, model_config, spec_algorithm, disaggregation_mode,
                     flags: dict, page_size: int, is_hybrid_ssm: bool, sliding_window_size: int | None,
-                    swa_tokens: tuple[int, int] | None, max_running_requests: int, max_total_num_tokens: int,
+                    swa_tokens: tuple[int | None, int | None], max_running_requests: int, max_total_num_tokens: int,
                     max_req_len: int, max_req_input_len: int, policy, token_ratio, processor,
                     enable_hierarchical_cache: bool = False, enable_hicache_storage: bool = False,
                     enable_unified_memory: bool = False) -> dict:
@@ -60,8 +60,7 @@ def scheduler_state(*, tree, req_to_token_pool, allocator, model_config, spec_al
         require_mlp_sync=False, prefill_decode_interval=0, _prefill_decode_interval_remaining=0,
         prefill_decode_interval_min_bs=0, disaggregation_mode=disaggregation_mode, decode_offload_manager=None,
         scheduler_stage_metrics=None, mm_receiver=None, is_hybrid_ssm=is_hybrid_ssm,
-        full_tokens_per_layer=swa_tokens[0] if swa_tokens else None,
-        swa_tokens_per_layer=swa_tokens[1] if swa_tokens else None, _engine_paused=False,
+        full_tokens_per_layer=swa_tokens[0], swa_tokens_per_layer=swa_tokens[1], _engine_paused=False,
         _pp_microbatches_drained=lambda: True,
         # collaborators, reduced to what those methods call
         session_controller=NS(sessions={}), dllm_manager=NS(any_staging_reqs=lambda: False),

@@ -269,12 +269,12 @@ def _read_back(c: ModelConfig, sizes: dict, role_flags: dict | None = None) -> M
                           f"({sizes['max_total_num_tokens']} token slots{state}): it serves none")
     if not c.free_memory_kib:  # capped: the window pool a role sizes, and the running requests its token slots settle
         changes = dict(swa_tokens=window) if c.has_swa and c.has_full and window else {}
-        # recurrent state slots follow the rows (``tree_build.mamba_sized``, after this), unless the role leaves them
-        # to SGLang (a decode server's: a slot a running request), which then settles both
+        # state slots follow the rows (``mamba_sized``, later), unless the role leaves both to SGLang (a decode server)
         state_left = c.has_mamba and (role_flags or {}).get("max_mamba_cache_size", 0) is None
-        if rows and rows < c.request_rows and (not c.has_mamba or state_left):
-            changes.update(request_rows=rows)
-        return c.replace(**changes, **({"mamba_slots": min(rows, c.request_rows)} if state_left and rows else {}))
+        if rows and (not c.has_mamba or state_left):
+            settled = min(rows, c.request_rows)
+            changes.update(request_rows=settled, mamba_slots=settled if state_left else c.mamba_slots)
+        return c.replace(**changes)
     if sizes["max_running_requests"] is None:
         raise ConfigError(f"config {c.name!r}: {RUNNER} settles no running requests on this release (its "
                           "initialize computes them inline afterwards: nothing to call), so a server sized by its "

@@ -250,7 +250,7 @@ class SglangDecodeDriver(SglangSchedulerDriver):
         s.model_config.get_total_num_kv_heads = lambda: 1
         s.model_config.hf_config = self.hf_config
         s.tp_worker.model_runner.kv_cache_dtype_str = "auto"
-        s.tp_worker.model_runner.swa_max_total_num_tokens = (tokens_per_layer(self.family) or (None, None))[1]
+        s.tp_worker.model_runner.swa_max_total_num_tokens = tokens_per_layer(self.family)[1]
         s.tp_worker.is_hybrid_swa = config.has_swa
         # the decode queues answer a request they cannot take (an abort) through the output streamer
         s.output_streamer = types.SimpleNamespace(stream_output=self._streamed)

@@ -18,14 +18,14 @@ def max_req_len(config: ModelConfig, pool_tokens: int) -> int:
     return min(config.max_context, pool_tokens) - 1
 
 
-def tokens_per_layer(family) -> tuple[int, int] | None:
+def tokens_per_layer(family) -> tuple[int | None, int | None]:
     """``(full, swa)`` tokens per layer as ``TpModelWorker.get_tokens_per_layer_info`` hands them to a hybrid SWA
-    model's scheduler (None for other models): its model runner's ``full_`` and ``swa_max_total_num_tokens``, which
+    model's scheduler (``(None, None)`` for other models): its model runner's ``full_`` and ``swa_max_total_num_tokens``, which
     are the sizes SGLang's configurator chose where it built the pools (what the scheduler's idle check and its pool
     statistics count against), else the config's, which the adapter's wiring was built with."""
     config = family.config
     if not config.has_swa:
-        return None
+        return None, None
     if family.served is not None:
         sizes = family.served.sizes
         return sizes["full_max_total_num_tokens"], sizes["swa_max_total_num_tokens"]

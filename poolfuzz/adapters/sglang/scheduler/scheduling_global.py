@@ -71,7 +71,7 @@ def build_server(driver, config, max_running: int) -> "GlobalLoop":
     except (AssertionError, ValueError) as exc:  # the tree's (or its host tier's) own refusal
         raise ConfigError(f"the scheduler-driven sglang family cannot build {config.name!r}: SGLang's radix "
                           f"cache refuses a server with {driver.server_args} ({exc})") from None
-    full_tokens, swa_tokens = tokens_per_layer(driver.family) or (None, None)
+    full_tokens, swa_tokens = tokens_per_layer(driver.family)
     server.__dict__.update(tree_cache=driver.tree, req_to_token_pool=driver.family.sg_req_pool,
                            token_to_kv_pool_allocator=driver.family.sg_allocator, is_hybrid_swa=config.has_swa,
                            is_hybrid_ssm=config.has_mamba,

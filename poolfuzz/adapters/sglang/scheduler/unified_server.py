@@ -69,7 +69,7 @@ class UnifiedDecodeDriver(UnifiedMemory, SglangDecodeDriver):
     pool_flags = ROLE_FLAGS | SERVER_FLAGS | REAL_TRANSFER
 
     def build_family(self, config: ModelConfig, max_running: int):
-        return build_unified(config, node="decode", role_flags=ROLE_FLAGS | REAL_TRANSFER, decode_rows=2 * max_running)
+        return build_unified(config, node="decode", role_flags=self.pool_flags, decode_rows=2 * max_running)
 
     @property
     def listed_flags(self) -> dict:
@@ -93,7 +93,7 @@ def decode_unsupported_reason(config: ModelConfig, *, backup_mode: str | None = 
     from poolfuzz.adapters.sglang.scheduler.servers import unsupported_reason as scheduler_reason
     from poolfuzz.adapters.sglang.unified_pool.unified import unified_problem
 
-    return (decode_problem(config) or unified_problem(load(), config, role_flags=ROLE_FLAGS | REAL_TRANSFER)
+    return (decode_problem(config) or unified_problem(load(), config, role_flags=UnifiedDecodeDriver.pool_flags)
             or scheduler_reason(config, UnifiedDecodeDriver, backup_mode=backup_mode))
 
 

@@ -78,8 +78,8 @@ def build_swa(api: SGLangAPI, c: ModelConfig, dev, sdev: str, *, need_sort: bool
         req_pool = bundle.req_to_token_pool
     else:
         bundle = call_with(swa_factory(), model_context_len=c.max_context, **args)
-    if not c.has_mamba:  # the configurator's plain request pool (a decode server's), rows as wide as the full side
-        full = bundle.token_to_kv_pool_allocator.full_attn_allocator  # can grow
+    if not c.has_mamba:  # the configurator's plain request pool (a decode server's): rows as wide as the full side
+        full = bundle.token_to_kv_pool_allocator.full_attn_allocator  # can grow, a decode server's extra rows beside
         req_pool = build_plain_request_pool(api, c, sdev, decode_rows=decode_rows,
                                             width=max(c.max_context, full.max_slots))
     return _swa_family(api, c, dev, bundle, req_pool)
