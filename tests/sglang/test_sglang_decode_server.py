@@ -7,6 +7,8 @@ request attends to its own K and V, after a transfer and after a restore alike.
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from hypothesis import HealthCheck, settings
@@ -240,6 +242,32 @@ def test_a_retracted_sliding_window_and_mamba_request_resumes_on_its_own_state(d
         for req in reqs:  # each ran to its length (20, or what init_req_max_new_tokens clipped it to at admission)
             assert type(req.finished_reason).__name__ == "FINISH_LENGTH", req
             assert len(req.output_ids) == req.sampling_params.max_new_tokens, req
+
+
+@pytest.mark.anchored
+def test_a_run_on_the_decode_server_finds_and_shrinks_35957(decode, expect, tmp_path, capsys):
+    """What a user runs, ``poolfuzz run --family sglang:decode --config swa-ssm --backup-mode cpu_tensor``: on 0.5.18
+    the fuzzer finds a resumed request decoding on a recurrent state that is not its own and shrinks it within its
+    shrink budget (a few steps: add, decode until memory runs short, retract, resume); a fixed release passes."""
+    from poolfuzz.cli import run_cli
+    from poolfuzz.orchestration.artifacts import load
+
+    if reason := decode.unsupported_reason(CONFIGS["swa-ssm"], backup_mode="cpu_tensor"):
+        pytest.skip(reason)
+    out = tmp_path / "out"
+    code = run_cli(["run", "--family", "sglang:decode", "--config", "swa-ssm", "--backup-mode", "cpu_tensor",
+                    "--examples", "40", "--seed", "1", "--db", "none", "--out", str(out), "--shrink-seconds", "20"])
+    printed = capsys.readouterr().out
+    if expect == "pass":
+        assert code == 0, printed
+        return
+    assert code == 1, printed
+    arts = [load(path) for path in out.glob("*.json")]
+    assert arts and all(a.signature.startswith("StateLost:contents:mamba@") for a in arts), printed
+    assert "who built the pools the examples ran on: the engine's own code" in printed, printed
+    assert min(len(a.program) for a in arts) < 20, printed  # shrunk from a 40-step example
+    assert re.search(r"StateLost: req \d+ step \d+: mamba\.\w+ layer \d+ position \d+: block \d+ slot \d+ holds",
+                     printed), printed
 
 
 @pytest.mark.anchored
