@@ -206,13 +206,9 @@ def fuzzed_row(label, family, configs, *, measured):
 release = version
 if supported:
     fuzzed_row(release, "sglang", supported, measured=measure)
-else:  # no server of the suite starts on this release: say why, and fuzz its pools (the adapter's admission) instead
+else:  # no server of the suite starts on this release: say why
     why = unsupported_reason(CONFIGS["dense"]) or "-"
     row("yes", "0 (no server starts)", f"DECLINED: {why[:300]}")
-    from poolfuzz.orchestration.plugins import resolve_family
-    pools = supported_by(resolve_family("sglang:pools").unsupported_reason)
-    if pools:
-        fuzzed_row(release + " pools", "sglang:pools", pools, measured=measure)
 PY
   )
 done

@@ -7,11 +7,11 @@
 #
 # Reads `poolfuzz configs --family F` in each release's cached venv (POOLFUZZ_SGLANG_VENVS, default
 # ~/.cache/poolfuzz/sglang-venvs/sglang-VERSION, as .ci/run and ci/sglang-compat.sh leave them) with this checkout's
-# poolfuzz. Families: POOLFUZZ_SERVED_FAMILIES (default: sglang:pools; the scheduler-path servers list theirs too).
+# poolfuzz. Families: POOLFUZZ_SERVED_FAMILIES (default: sglang:scheduler, the plain server; the others list theirs too).
 set -uo pipefail
 repo=$(cd "$(dirname "$0")/.." && pwd)
 venvs=${POOLFUZZ_SGLANG_VENVS:-$HOME/.cache/poolfuzz/sglang-venvs}
-families=${POOLFUZZ_SERVED_FAMILIES:-sglang:pools}
+families=${POOLFUZZ_SERVED_FAMILIES:-sglang:scheduler}
 if [ "$#" -gt 0 ]; then
   versions=("$@")
 else

@@ -78,9 +78,6 @@ def print_table(results: dict) -> None:
          f"{figures.VLLM_CONFIG} on vLLM {results.get('vllm_version', '?')}'s KVCacheManager (--family vllm:manager)"),
         ("steps_per_second_vllm_scheduler", "steps/s",
          f"{figures.VLLM_CONFIG} through vLLM {results.get('vllm_version', '?')}'s own Scheduler (--family vllm)"),
-        ("steps_per_second_sglang_pools", "steps/s",
-         f"{figures.SGLANG_CONFIG} on SGLang {results.get('sglang_version', '?')}'s pools, the adapter's admission "
-         "(--family sglang:pools)"),
         ("steps_per_second_sglang_scheduler", "steps/s",
          f"{figures.SGLANG_CONFIG} through SGLang {results.get('sglang_version', '?')}'s own Scheduler, a batch "
          "step each (--family sglang's plain server)"),

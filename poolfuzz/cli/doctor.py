@@ -15,7 +15,7 @@ def register(sub) -> None:
                     "the family needs is missing or changed.")
     p.add_argument("--family", metavar="NAME|module:factory",
                    help="pool family to check: builtin (default), sglang (its servers: a suite), sglang:scheduler, "
-                        "sglang:pools, vllm or module:factory")
+                        "sglang:decode, vllm or module:factory")
     p.set_defaults(handler=main)
 
 

@@ -129,13 +129,11 @@ def steps(device, *, examples: int, small_tokens: int, large_tokens: int, reps: 
 
 
 VLLM_CONFIG = "swa"  # full attention + sliding window: two KV cache groups over one block pool
-# Sliding window and recurrent state: #35957's model, SGLang's hybrid pools. Both SGLang paths run it, so their
-# rates compare: the pools path (the adapter's admission over SGLang's pools) against SGLang's own scheduler.
+# Sliding window and recurrent state: #35957's model, SGLang's hybrid pools, through SGLang's own scheduler.
 SGLANG_CONFIG = "swa-ssm"
 # (family, config, figure, engine package): the engine families' rates, each where its engine is installed.
 ENGINE_RATES = (("vllm:manager", VLLM_CONFIG, "steps_per_second_vllm_manager", "vllm"),
                 ("vllm", VLLM_CONFIG, "steps_per_second_vllm_scheduler", "vllm"),
-                ("sglang:pools", SGLANG_CONFIG, "steps_per_second_sglang_pools", "sglang"),
                 ("sglang:scheduler", SGLANG_CONFIG, "steps_per_second_sglang_scheduler", "sglang"))
 
 
@@ -143,9 +141,8 @@ def engine_steps(device, *, examples: int, reps: int = 3) -> dict:
     """Steps/s of the engine families, measured in one run, each where its engine is installed: ``--family
     vllm:manager`` (the harness plays the scheduler over vLLM's real KVCacheManager), ``--family vllm``
     (vLLM's own Scheduler, fed by the worker stand-in: a step is one ``schedule()`` of the whole batch with its
-    forward and checks), ``--family sglang:pools`` (SGLang's pools, allocators and retraction code, called one
-    request at a time by the adapter) and ``--family sglang:scheduler`` (SGLang's own Scheduler methods over them,
-    the plain server of ``--family sglang``: a step is one event-loop iteration of the whole batch)."""
+    forward and checks) and ``--family sglang:scheduler`` (SGLang's own Scheduler methods over SGLang's pools, the
+    plain server of ``--family sglang``: a step is one event-loop iteration of the whole batch)."""
     from importlib.metadata import PackageNotFoundError, version
 
     from poolfuzz.orchestration.plugins import resolve_family

@@ -38,7 +38,6 @@ DEFAULT_FAMILY = "builtin"
 # install made before an entry point was added). Installed plug-ins cannot shadow them.
 SHIPPED = {
     "builtin": "poolfuzz.pools.family:build_family",
-    "sglang:pools": "poolfuzz.adapters.sglang:build_family",
     "sglang:scheduler": "poolfuzz.adapters.sglang:build_scheduler_driver",
     "sglang:decode": "poolfuzz.adapters.sglang:build_decode_driver",
     "sglang:hicache": "poolfuzz.adapters.sglang:build_hicache_driver",
@@ -51,15 +50,16 @@ SHIPPED = {
 SHIPPED_ORIGIN = "shipped"  # a FamilyPlugin's origin for the families above: poolfuzz's own code, trusted
 # Families whose engine-operation programs now replay under another name: ``vllm`` drove vLLM's manager directly
 # (the harness playing the scheduler) until it ran vLLM's own Scheduler; that path is ``vllm:manager``. ``sglang``
-# drove SGLang's pools with the adapter's admission (``adapters/sglang/lifecycle``) until it ran SGLang's own
-# servers; that path is ``sglang:pools``.
+# drove SGLang's pools with the adapter's admission until it ran SGLang's own servers; that path was ``sglang:pools``,
+# retired since (below), so such a program says so.
 ENGINE_PROGRAMS_OF = {"vllm": "vllm:manager", "sglang": "sglang:pools"}
 # Families deleted once the engine's own code drove their path: the name, and what runs that path now.
 RETIRED = {"sglang:unified": "sglang:unified-server or sglang:unified-decode (SGLang's own scheduler on the unified "
-                             "memory pool, where the pools path restated its admission)"}
+                             "memory pool, where the pools path restated its admission)",
+           "sglang:pools": "sglang (SGLang's own servers: sglang:scheduler, sglang:hicache, sglang:decode and the unified "
+                           "ones, where the pools path restated SGLang's admission, frees and retraction)"}
 # Names for several families at once, in the order their lanes run: each member fuzzes the configs it drives.
-# ``sglang``: every server SGLang's own scheduler runs here (the pools path, ``sglang:pools``, is not among them: its
-# admission and frees are the adapter's, see ``adapters/sglang/lifecycle/admission.py``).
+# ``sglang``: every server SGLang's own scheduler runs here.
 SUITES = {"sglang": ("sglang:scheduler", "sglang:hicache", "sglang:decode", "sglang:unified-server",
                     "sglang:unified-decode")}
 
@@ -145,7 +145,7 @@ def resolve_family(spec: str | None) -> FamilyPlugin:
                           f"name one of them, e.g. --family {SUITES[name][0]}")
     if name in RETIRED:
         raise ConfigError(f"the family {name!r} was retired; its path now runs as --family {RETIRED[name]}")
-    if name in SHIPPED:  # first: a shipped variant's name ("sglang:pools") is no module path
+    if name in SHIPPED:  # first: a shipped variant's name ("sglang:decode") is no module path
         return FamilyPlugin(name=name, target=SHIPPED[name], origin=SHIPPED_ORIGIN, factory=_load(SHIPPED[name], name))
     if ":" in name:
         return FamilyPlugin(name=name, target=name, origin="module path", factory=_load(name, name))

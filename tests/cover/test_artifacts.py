@@ -146,11 +146,10 @@ def test_from_program_refuses_a_program_that_passes():
         from_program("swa-ssm", PROGRAM)
 
 
-@pytest.mark.parametrize("old, path", [("vllm", "vllm:manager"), ("sglang", "sglang:pools")])
+@pytest.mark.parametrize("old, path", [("vllm", "vllm:manager")])
 def test_an_engine_program_recorded_on_a_renamed_family_comes_back_on_its_renamed_path(artifact_path, old, path):
-    """``vllm`` drove vLLM's manager, and ``sglang`` SGLang's pools, with engine operations before each ran its
-    engine's own scheduler: such a file now loads (for replay and emit-test alike) on the path it ran on, says so,
-    and is never written back renamed."""
+    """``vllm`` drove vLLM's manager with engine operations before it ran vLLM's own scheduler: such a file now loads
+    (for replay and emit-test alike) on the path it ran on, says so, and is never written back renamed."""
     _corrupt(artifact_path, lambda r: r.update(family=old, faults=[]))
     art = artifacts.load_checked(artifact_path)[0]
     assert (art.family, art.renamed_from) == (path, old)
@@ -158,3 +157,12 @@ def test_an_engine_program_recorded_on_a_renamed_family_comes_back_on_its_rename
         artifacts.renamed_note(art)
     assert "renamed_from" not in art.to_json()
     assert artifacts.renamed_note(load(artifact_path)) == ""  # load alone reads the file as it is
+
+
+def test_an_engine_program_recorded_on_the_retired_sglang_pools_path_says_what_runs_it_now(artifact_path):
+    """``sglang`` drove SGLang's pools with engine operations, a path since retired (``sglang:pools``): such a file is
+    refused, naming the servers that run that path now, never run on some other family."""
+    _corrupt(artifact_path, lambda r: r.update(family="sglang", faults=[]))
+    with pytest.raises(artifacts.ArtifactError, match=r"'sglang:pools', which was retired: its path now runs as "
+                                                      r"--family sglang \("):
+        artifacts.load_checked(artifact_path)

@@ -44,8 +44,8 @@ class TestResolve:
 
     def test_sglang_is_shipped_and_lazy(self):
         """Resolving an SGLang family imports the adapter but not SGLang itself."""
-        plugin = plugins.resolve_family("sglang:pools")
-        assert plugin.target == "poolfuzz.adapters.sglang:build_family"
+        plugin = plugins.resolve_family("sglang:scheduler")
+        assert plugin.target == "poolfuzz.adapters.sglang:build_scheduler_driver"
         assert callable(plugin.factory.unsupported_reason)
 
     def test_a_suite_names_every_sglang_server_and_not_the_pools_path(self):
@@ -53,7 +53,7 @@ class TestResolve:
         assert [p.name for p in members] == ["sglang:scheduler", "sglang:hicache", "sglang:decode",
                                              "sglang:unified-server", "sglang:unified-decode"]
         assert all(p.drives_scheduler for p in members)
-        assert plugins.family_members("sglang:pools") == ("sglang:pools",)
+        assert plugins.family_members("sglang:decode") == ("sglang:decode",)
         assert plugins.family_members(None) == (plugins.DEFAULT_FAMILY,)
         assert plugins.installed_families()["sglang"] == ("suite(sglang:scheduler, sglang:hicache, sglang:decode, "
                                                                 "sglang:unified-server, sglang:unified-decode)")
@@ -77,8 +77,15 @@ class TestResolve:
             mp.setattr(plugins, "_entry_points", lambda: [stale])
             assert "sglang:unified" not in plugins.installed_families()
 
-    def test_the_pools_paths_old_name_replays_its_engine_programs(self):
+    def test_the_pools_path_is_retired_and_its_old_names_say_what_runs_it_now(self):
+        """``sglang:pools`` (the adapter's admission and frees over SGLang's pools) was deleted once SGLang's own
+        servers drove every mode it ran; an engine program recorded as ``sglang`` ran there, and says so too."""
+        assert "sglang:pools" not in plugins.installed_families()
+        with pytest.raises(ConfigError, match=r"'sglang:pools' was retired; its path now runs as --family sglang \("):
+            plugins.resolve_family("sglang:pools")
         assert plugins.ENGINE_PROGRAMS_OF["sglang"] == "sglang:pools"
+        with pytest.raises(ConfigError, match=r"recorded on pool family 'sglang:pools', which was retired"):
+            plugins.resolve_recorded("sglang:pools")
 
     def test_entry_point_group(self, toy_module, monkeypatch):
         ep = metadata.EntryPoint(name="toy", value="toy_families:factory", group=plugins.ENTRY_POINT_GROUP)

@@ -12,7 +12,6 @@ import os
 
 import pytest
 
-from tests.engine_fuzz import Outcome, fuzz_family
 from tests.sglang.servers import server_module
 
 
@@ -37,20 +36,6 @@ def expect(api) -> str:
         assert EXPECT in ("pass", "35957"), f"POOLFUZZ_SGLANG_EXPECT must be pass or 35957, got {EXPECT!r}"
         return EXPECT
     return "pass" if api.kv_pools_declare_mamba else "35957"
-
-
-def _fuzz(config, *, examples: int, steps: int = 30, shrink: bool = True) -> Outcome:
-    """Run the state machine over the sglang family; the shrunk failure (or with ``shrink=False`` the first), if
-    any."""
-    from poolfuzz.adapters.sglang import build_family
-
-    return fuzz_family(build_family, config, examples=examples, steps=steps, shrink=shrink)
-
-
-@pytest.fixture
-def fuzz():
-    """``fuzz(config, examples=N)``: the state machine over the sglang family, shrunk failure if any."""
-    return _fuzz
 
 
 @pytest.fixture(scope="module")

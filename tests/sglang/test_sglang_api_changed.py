@@ -18,26 +18,14 @@ CHANGES = {
     "needed class": ("import sglang.srt.mem_cache.memory_pool as m\ndel m.MambaPool", "hybrid-linear",
                      "API CHANGED: sglang {v}: sglang.srt.mem_cache.memory_pool:MambaPool: expected present, "
                      "found no such attribute"),
-    # A private method the adapter runs unbound (compat.PRIVATE), gone: found where it is first used.
-    "private method": ("from sglang.srt.managers.schedule_batch import ScheduleBatch\n"
-                       "del ScheduleBatch._swa_eviction_trigger", "swa",
-                       "API CHANGED: sglang {v}: sglang.srt.managers.schedule_batch:ScheduleBatch._swa_eviction_trigger: "
-                       "expected present (a private name the adapter depends on), found no such attribute"),
 }
 
 
 @pytest.mark.parametrize("change", sorted(CHANGES))
 def test_an_engine_api_change_is_not_a_finding(api, change, tmp_path):
     edit, config, words = CHANGES[change]
-    if change == "private method":
-        from poolfuzz.adapters.sglang.tree.trees import tree_problem
-        from poolfuzz.pools.config import CONFIGS
-
-        why = tree_problem(api, CONFIGS[config])
-        if why:  # the trigger is read only where a decode evicts SWA through SGLang's tree
-            pytest.skip(f"{config} runs without SGLang's tree on {api.version}: {why}")
     shims = ["from poolfuzz.adapters.sglang import shims", "shims.install()"]  # SGLang imports behind them
-    run = run_on_changed_engine([*shims, edit], family="sglang:pools", config=config, out=tmp_path / "out")
+    run = run_on_changed_engine([*shims, edit], family="sglang:scheduler", config=config, out=tmp_path / "out")
     assert_api_changed(run, words.format(v=api.version), tmp_path)
 
 
@@ -119,7 +107,7 @@ BUILD_DRIFTS = {
 }
 
 
-@pytest.mark.parametrize("family", ["sglang:pools", "sglang:scheduler"])
+@pytest.mark.parametrize("family", ["sglang:scheduler", "sglang:decode"])
 @pytest.mark.parametrize("drift", sorted(BUILD_DRIFTS))
 def test_a_server_build_the_release_reshaped_is_api_changed_not_the_wiring(api, drift, family, tmp_path):
     from poolfuzz.adapters.sglang.compat import has_private

@@ -163,8 +163,7 @@ def test_a_speculative_server_builds_one_recurrent_state_per_draft_token(configu
     assert same_pools(built.parts(), {k: v for k, v in built.parts().items() if k != configurator.DRAFT})
 
 
-@pytest.mark.parametrize("family_name", ["sglang:pools", "sglang:scheduler", "sglang:hicache", "sglang:decode",
-                                         "sglang:unified-server"])
+@pytest.mark.parametrize("family_name", ["sglang:scheduler", "sglang:hicache", "sglang:decode", "sglang:unified-server"])
 def test_an_inkling_server_runs_on_the_conv_states_sglang_keeps_in_every_layer(configurator, family_name):
     """``swa-ssm`` stands for an Inkling: SGLang builds a sliding-window pool for its local layers and full KV for the
     rest, and a short-conv state pool over every layer (no temporal state). The config keeps its state in its
@@ -182,7 +181,7 @@ def test_an_inkling_server_runs_on_the_conv_states_sglang_keeps_in_every_layer(c
     if plugin.unsupported_reason(c):
         pytest.skip(plugin.unsupported_reason(c))
     built = plugin.factory(c, device="cpu", faults=(), backup_mode=None)
-    family = built if family_name == "sglang:pools" else built.family  # a scheduler-path server's pools
+    family = built.family  # the server's pools
     assert family.pools_source.startswith(_served()), family.pools_source
     assert family.pools_origin.built_by == "engine"  # what a run counts its examples by, and an artifact records
     state = {(comp.name, comp.layer) for comp in family.components() if comp.space == "mamba"}
@@ -225,7 +224,7 @@ def test_a_server_sglang_serves_at_another_page_size_is_refused_naming_it(api, c
     GPU gets 64-token pages; on 0.5.12 a no_buffer Qwen3-Next's radix cache gets pages of 1, which 0.5.14 on
     refuses): no server of the release has the config's pools, so the family declines it rather than fuzzing its
     own wiring of them, and says which page size SGLang serves."""
-    from poolfuzz.adapters.sglang import unsupported_reason
+    from poolfuzz.adapters.sglang.scheduler.servers import unsupported_reason
 
     # 0.5.12's hook resets the page (0.5.9 and 0.5.10 serve it paged, 0.5.14 on refuse it; 0.5.11, 0.5.13 not run)
     resets = Version("0.5.12") <= Version(api.version) < Version("0.5.14")
@@ -309,7 +308,7 @@ def test_the_adapters_own_wiring_builds_the_pools_the_server_builds(api, configu
                      "otherwise (their runner builds 96 full and 48 window tokens where the wiring builds 64 and 32; "
                      "the family then runs on the wiring, and says so)")
     try:
-        wired = build_sglang_family(c, scheduled=True)
+        wired = build_sglang_family(c)
     except ConfigError as exc:  # the wiring has no pools for the mode before the release had its pool class
         pytest.skip(f"the wiring declines it here: {exc}")
     assert wired.pools_source.startswith("the adapter's wiring (the configurator is switched off")
@@ -383,30 +382,18 @@ def test_a_cpu_server_on_a_machine_without_amx_is_refused_in_sglangs_words(confi
         configurator.configure(CONFIGS["dense-cpu-fp8"].replace(name="dense-cpu-fp8-no-amx"))
 
 
-def test_the_pools_path_declines_a_server_sglang_refuses(api, configurator):
-    """Issue 35 item 2: a server SGLang's own validation refuses starts nowhere, so it is declined with SGLang's
-    words rather than fuzzed on the adapter's wiring."""
-    from poolfuzz.adapters.sglang.lifecycle.family import build_sglang_family
-
-    from poolfuzz.adapters.sglang.lifecycle.family import unsupported_reason
-
-    if not _refuses_no_buffer_pages(api):
-        pytest.skip(f"sglang {api.version} accepts no_buffer at pages over one")
-    assert "SGLang refuses the server" in unsupported_reason(CONFIGS["hybrid-linear-ps4"])
-    with pytest.raises(ConfigError, match="SGLang refuses the server .*no_buffer only supports page_size=1"):
-        build_sglang_family(CONFIGS["hybrid-linear-ps4"])
-    # the scheduler path publishes its server itself, and is refused there (test_sglang_scheduling)
-    assert unsupported_reason(CONFIGS["hybrid-linear-ps4"], scheduled=True) is None
-
-
 def test_the_configs_listing_names_each_servers_flags_and_pools(api, configurator, capsys):
     from poolfuzz.cli import main
 
-    assert main(["configs", "--family", "sglang:pools"]) == 0
+    assert main(["configs", "--family", "sglang:scheduler"]) == 0
     out = capsys.readouterr().out
     out = "\n" + out
     dense = out[out.index("\ndense "):out.index("\ndense-ps4 ")]
-    assert "server flags: --attention-backend triton --max-running-requests 5 --max-total-tokens 48 --page-size 1" in dense
+    flags = next(line for line in dense.splitlines() if "server flags:" in line)
+    # the pools' flags and the scheduler's own (0.5.9 - 0.5.15 add --enable-streaming-session)
+    for flag in ("--attention-backend triton", "--chunked-prefill-size 16", "--max-running-requests 5",
+                 "--max-total-tokens 48", "--page-size 1", "--schedule-conservativeness 0.1", "--schedule-policy fcfs"):
+        assert f" {flag}" in flags + " ", (flag, flags)
     assert "KV pool        MHATokenToKVPool (48 tokens, torch.bfloat16)" in dense
     builder = "configurator" if configurator.builder() == configurator.CONFIGURATOR else "model runner"
     if _refuses_no_buffer_pages(api):
@@ -434,16 +421,18 @@ def test_a_configs_server_is_written_out_to_launch_on_a_gpu(api, configurator, c
 
     from poolfuzz.cli import main
 
-    assert main(["configs", "--family", "sglang:pools", "--show", "swa", "--server-dir", str(tmp_path)]) == 0
+    assert main(["configs", "--family", "sglang:scheduler", "--show", "swa", "--server-dir", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     model = json.loads((tmp_path / "config.json").read_text())
     # HF's window counts the current token; SGLang's GPT-OSS serves one less, the config's
     assert model["architectures"] == ["GptOssForCausalLM"] and model["sliding_window"] == CONFIGS["swa"].sliding_window + 1
     # started in the environment its pools are sized in (the eviction interval a harness context evicts at)
-    assert (f"SGLANG_SWA_EVICTION_INTERVAL={CONFIGS['swa'].sliding_window} python -m sglang.launch_server "
-            f"--load-format dummy --skip-tokenizer-init --model-path {tmp_path} "
-            "--attention-backend triton --max-running-requests 5 --max-total-tokens 64 --page-size 1 "
-            "--swa-full-tokens-ratio 0.5") in out
+    launch = next(line.strip() for line in out.splitlines() if "sglang.launch_server" in line)
+    assert launch.startswith(f"SGLANG_SWA_EVICTION_INTERVAL={CONFIGS['swa'].sliding_window} python -m "
+                             f"sglang.launch_server --load-format dummy --skip-tokenizer-init --model-path {tmp_path} "
+                             "--attention-backend triton "), launch
+    for flag in ("--max-running-requests 5", "--max-total-tokens 64", "--page-size 1", "--swa-full-tokens-ratio 0.5"):
+        assert f" {flag}" in launch + " ", (flag, launch)
 
 
 @pytest.mark.parametrize("name", ["dense", "swa-ps4", "swa-only", "mla-ps4", "minimax-sparse-konly-ps4", "dense-fp4",
@@ -456,7 +445,7 @@ def test_the_family_runs_on_the_pools_sglangs_configurator_built_for_its_server(
     c = CONFIGS[name]
     _built_here(configurator, name)
     try:
-        family = build_sglang_family(c, scheduled=True)
+        family = build_sglang_family(c)
     except ConfigError as exc:  # the wiring has no pools for the mode before the release had its pool class
         pytest.skip(f"the family declines it here: {exc}")
     assert family.pools_source.startswith(_served() + "--attention-backend ")
@@ -480,34 +469,6 @@ def test_a_qwen3_next_server_runs_on_the_recurrent_pools_sglangs_configurator_bu
     assert source.startswith(_served()), source
     conv = driver.family.sg_req_pool.mamba_pool.mamba_cache.conv
     assert [(tuple(t.shape[2:]), t.dtype) for t in conv] == [((16, 3), torch.bfloat16)]
-
-
-@pytest.mark.parametrize("name", ["hybrid-linear", "mla-ssm", "hybrid-extra-buffer", "hybrid-extra-buffer-ps4"])
-def test_the_pools_path_runs_a_recurrent_server_on_the_pools_sglang_built_and_lists_its_flags(configurator, name,
-                                                                                                capsys):
-    """The pools path sizes a recurrent server's mamba cache for its running requests by that server's own radix
-    cache strategy (an extra buffer's ping-pong pair is the overlap schedule's), so SGLang builds the request rows the
-    config runs (not 2 or 3 of its 5) and the family drives those pools; the listing names the flags of that server,
-    not of the config before its mamba cache was sized."""
-    from poolfuzz.adapters.sglang import describe_server
-    from poolfuzz.orchestration.plugins import resolve_family
-
-    if not (configurator.has_private("calculate_mamba_ratio") or configurator.has_private("runner_mamba_ratio")):
-        pytest.skip("0.5.9 sizes a recurrent server's rows and state slots inline in init_memory_pool (no ratio to "
-                    "call): its family keeps the wiring")
-    plugin = resolve_family("sglang:pools")
-    c = CONFIGS[name]
-    if plugin.unsupported_reason(c):
-        pytest.skip(plugin.unsupported_reason(c))
-    family = plugin.factory(c, device="cpu", faults=(), backup_mode=None)
-    source = family.pools_source
-    assert source.startswith(_served()), source
-    assert family.sg_req_pool.size == c.request_rows  # the config's running requests, all admitted
-    assert family.sg_req_pool.mamba_pool.size > c.mamba_slots  # sized up for them, by SGLang's ratio
-    assert f"--max-mamba-cache-size {family.sg_req_pool.mamba_pool.size} " in source
-    assert ("--disable-overlap-schedule" in source) == (c.mamba_track_slots != 2)
-    described = describe_server(c)
-    assert described.flags in source and described.family_declines is None
 
 
 def test_a_decode_server_leaves_its_mamba_cache_to_sglang(configurator):
@@ -550,7 +511,7 @@ def test_a_radix_disabled_decode_server_sizes_its_window_pool_from_its_requests(
     c = CONFIGS["swa"]
     built = configurator.configure(c, role_flags=ROLE_FLAGS)
     assert built.sizes["swa_max_total_num_tokens"] == 64 != c.swa_tokens
-    family = build_sglang_family(c, scheduled=True, decode_rows=2 * c.request_rows, role_flags=ROLE_FLAGS)
+    family = build_sglang_family(c, decode_rows=2 * c.request_rows, role_flags=ROLE_FLAGS)
     assert "builds other pools for the config's server" in family.pools_source
     assert configurator.server_sized(c, role_flags=ROLE_FLAGS) == c.replace(swa_tokens=64)
     driver = build_decode_driver(c)  # the decode server a fuzz run starts (its host_pool backup's host tier too)
@@ -737,10 +698,11 @@ def test_a_server_sized_by_its_memory_is_refused_where_no_configurator_sizes_it(
     with pytest.raises(ConfigError, match="no KV cache configurator.*name the sizes: free_memory_kib=0"):
         configurator.server_sized(CONFIGS["swa-mem"])
     assert configurator.server_sized(CONFIGS["swa"]) == CONFIGS["swa"]  # a server of named sizes needs none
-    from poolfuzz.adapters.sglang import unsupported_reason
+    from poolfuzz.adapters.sglang.scheduler.servers import build_driver
 
-    # the pools path declines it with that reason (0.5.9's runner settles no running requests), not each example's build
-    assert "name the sizes: free_memory_kib=0" in unsupported_reason(CONFIGS["swa-mem"])
+    # the server is declined with that reason (0.5.9's runner settles no running requests)
+    with pytest.raises(ConfigError, match="name the sizes: free_memory_kib=0"):
+        build_driver(CONFIGS["swa-mem"])
 
 
 def test_a_servers_resolution_leaves_the_process_environment_as_it_was(configurator):

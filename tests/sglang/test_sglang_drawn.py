@@ -1,28 +1,12 @@
-"""``--family sglang:pools --config random``: drawn configs over the installed SGLang's own pools.
+"""``--config random`` on SGLang's own servers: drawn models over the installed SGLang's scheduler and pools.
 
-The installed release's constructors decide what can be built: a config they refuse is declined
-(the example is rejected), never reported as a failure.
+The installed release decides what can be built: a server it refuses is declined (the example is rejected), never
+reported as a failure.
 """
 
 import re
 
-import pytest
-
-from poolfuzz.orchestration.runner import run_machine
-from poolfuzz.pools.config import CONFIGS
-from poolfuzz.pools.errors import ConfigError
 from poolfuzz.strategies import drawn_configs
-
-
-def test_drawn_configs_pass_on_a_fixed_release(api, expect):
-    from poolfuzz.adapters.sglang import build_family
-
-    if expect != "pass":
-        pytest.skip("a release before the #35957 fix fails SWA+SSM configs, drawn ones too")
-    for seed in (0, 1):  # the judged defects left out as below (a draw of an FP4 MHA config finds its PD transfer's)
-        result = run_machine(drawn_configs(where=_without_a_known_defect), family_factory=build_family,
-                             max_examples=25, seed=seed, shrink_limit=30)
-        assert result.passed, result.failure
 
 
 def _without_a_known_defect(c) -> bool:
@@ -35,82 +19,12 @@ def _without_a_known_defect(c) -> bool:
 
 
 def _page_head_short_of_pages(c) -> bool:
-    """Whether ``c``'s HiCache tier is ``page_head`` with more than one layer: the pools path's HiCache tree sizes its
+    """Whether ``c``'s HiCache tier is ``page_head`` with more than one layer: a HiCache tree sizes its
     host pool from a device capacity of a few pages (32 tokens for a drawn 240-token pool of 16-token pages: 3 host
     pages for 4 layers), so any such config can have fewer host pages than layers. An over-approximation."""
     from poolfuzz.adapters.sglang.host_tier.hicache import host_tier
 
     return host_tier(c)[0] == "page_head" and c.num_layers > 1
-
-
-def test_drawn_storage_kinds_pass_on_a_fixed_release(api, expect):
-    """Drawn MLA, DSA, MiniMax and FP4 shapes (and the interleavings of latent and recurrent layers) through
-    the release's own pool classes: what it builds passes, what it refuses is declined."""
-    from poolfuzz.adapters.sglang import build_family
-
-    if expect != "pass":
-        pytest.skip("a release before the #35957 fix fails SWA+SSM configs, drawn ones too")
-    # Left out, each a judged defect of the release with its own test: K-only MiniMax layers crash at retraction
-    # (sglang#32603; a drawn config found it again), and FP4 pools (MHA and MLA) lose their scale rows at
-    # retraction and PD transfer (test_sglang_mha_fp4.py, test_sglang_quant.py; this test's draw found the MHA
-    # transfer once it was steered to the storage kinds).
-    def storage_kind_without_a_known_defect(c):
-        return (c.attention != "mha" or bool(c.kv_quant)) and _without_a_known_defect(c)
-
-    result = run_machine(drawn_configs(where=storage_kind_without_a_known_defect),
-                         family_factory=build_family, max_examples=25, seed=0, shrink_limit=30)
-    assert result.passed, result.failure
-    assert result.examples > 0
-
-
-def test_a_config_the_constructors_refuse_is_declined_not_reported(api, expect, monkeypatch):
-    from poolfuzz.adapters import sglang as plugin
-    from poolfuzz.adapters.sglang.lifecycle import family as sg_family
-
-    paged = plugin.unsupported_reason(CONFIGS["dense-ps4"])
-    if paged:  # releases whose paged allocator needs a GPU decline every paged config before building
-        pytest.skip(f"sglang {api.version}: {paged}")
-    real = sg_family.construct
-    built = []
-
-    def strict(cls, **kwargs):  # a release whose KV pool constructor asserts page_size <= 8
-        if kwargs.get("page_size", 1) > 8:
-            raise AssertionError(f"page_size {kwargs['page_size']} is not supported")
-        return real(cls, **kwargs)
-
-    monkeypatch.setattr(sg_family, "construct", strict)
-
-    def factory(config, **kwargs):
-        family = plugin.build_family(config, **kwargs)
-        built.append(config)
-        return family
-
-    factory.unsupported_reason = plugin.build_family.unsupported_reason
-    with pytest.raises(ConfigError, match="SGLang's constructors refuse it"):
-        plugin.build_family(CONFIGS["dense"].replace(page_size=16, full_tokens=64, max_context=64))
-    # Before the #35957 fix, SWA+SSM configs lose the recurrent state (paged ones run there too, interpreted).
-    fixed = expect == "pass"
-    # drawn as --config random draws them: shaped as the models SGLang serves (else most are refused before building)
-    result = run_machine(drawn_configs(where=lambda c: c.page_size > 1 and (fixed or not (c.has_swa and c.has_mamba)),
-                                       shape=plugin.model_shaped),
-                         family_factory=factory, max_examples=40, seed=0, shrink_limit=30)
-    assert result.passed, result.failure
-    assert built and all(c.page_size <= 8 for c in built)
-
-
-def test_run_config_random_on_the_sglang_family(api, expect, tmp_path, monkeypatch, capsys):
-    from poolfuzz.cli import run_cli
-
-    if expect != "pass":
-        pytest.skip("a release before the #35957 fix fails SWA+SSM configs")
-    monkeypatch.chdir(tmp_path)
-    code = run_cli(["run", "--family", "sglang:pools", "--config", "random", "--examples", "20", "--seed", "1",
-                    "--db", "none", "--device", "cpu"])
-    out = capsys.readouterr().out
-    assert code == 0, out
-    assert "random" in out and "1 passed, 0 failed" in out
-    # the pools path's decode node, and most drawn models' pools, are the adapter's wiring: the run says how many, and why
-    assert re.search(r"random: [\d,]+ of [\d,]+ on the adapter's wiring, most often: ", out), out
 
 
 def test_drawn_models_run_through_sglangs_own_scheduler(scheduling):

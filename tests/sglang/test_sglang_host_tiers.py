@@ -1,64 +1,64 @@
-"""HiCache's host memory layouts and I/O backends through SGLang's own host pools (hicache.host_tier, kernel_io)."""
+"""HiCache's host memory layouts and I/O backends through SGLang's own host pools (hicache.host_tier, kernel_io), on
+SGLang's HiCache server (scheduler/hicache_server.py)."""
 
 from __future__ import annotations
 
 import inspect
+import random
 
 import pytest
 
-from poolfuzz.harness.failures import PoolfuzzFailure
 from poolfuzz.pools.config import CONFIGS
-from tests.sglang.families import served_pressed_continued
+from poolfuzz.pools.errors import LostKv
+from tests.sglang.servers import server_module
 
 TIERED = ["dense", "dense-ps4", "mla", "mla-ps4", "hybrid-linear", "hybrid-spec"]
 
 
-@pytest.fixture
-def hicache_api(api):
-    from poolfuzz.adapters.sglang.host_tier.hicache import hicache_problem
-    from poolfuzz.adapters.sglang.tree.trees import tree_problem
-
-    problem = tree_problem(api, CONFIGS["dense"]) or hicache_problem(api, CONFIGS["dense"], pd_decode=False)
-    if problem:
-        pytest.skip(f"this release's HiCache is not driven: {problem}")
-    return api
+@pytest.fixture(scope="module")
+def hicache_server(scheduling):
+    """The HiCache server's module, where this release's tree can be given a host tier here (else the test skips)."""
+    return server_module("hicache_server", "dense")
 
 
-def _engine(name: str):
-    from poolfuzz.adapters.sglang import build_family
-    from poolfuzz.harness.engine import Engine
+def _driver(hicache_server, name):
+    if why := hicache_server.unsupported_reason(CONFIGS[name]):
+        pytest.skip(why)
+    return hicache_server.SglangHiCacheDriver(CONFIGS[name])
 
-    return Engine(config=CONFIGS[name], family_factory=build_family)
 
-
-def _served_demoted_continued(e) -> None:
-    """A chat written through to the host, demoted by a larger request, then continued (loaded back)."""
-    served_pressed_continued(e)
+def _traffic(driver, steps: int = 200) -> None:
+    """Shared-prefix traffic (seeded) larger than the device pool: prefixes are demoted to the host and loaded back."""
+    draw = random.Random(2)
+    for i in range(steps):
+        if i % 2 == 0:
+            driver.add_request(length=draw.randint(4, 30), share=draw.randint(0, 5), max_tokens=draw.randint(1, 8))
+        driver.step()
 
 
 @pytest.mark.parametrize("name", TIERED)
-def test_each_config_runs_its_tier_through_sglang_and_loads_back_right(hicache_api, name):
+def test_each_config_runs_its_tier_through_sglang_and_loads_back_right(hicache_server, name):
     from poolfuzz.adapters.sglang.host_tier.hicache import host_tier
     from poolfuzz.adapters.sglang.host_tier.kernel_io import CPU_KERNEL_OPS
 
+    driver = _driver(hicache_server, name)
     layout, io_backend = host_tier(CONFIGS[name])
-    e = _engine(name)
-    tree = e.families["prefill"].tree
+    tree = driver.tree
     assert {entry.host_pool.layout for entry in tree.host_pool_group.entries} == {layout}
     assert tree.cache_controller.io_backend == io_backend
     loads = []
     real = tree.init_load_back
-    tree.init_load_back = lambda params: loads.append(params) or real(params)
+    tree.init_load_back = lambda *a, **k: loads.append(a) or real(*a, **k)
     if io_backend == "kernel":  # the kernel copies are the ones that run
         from sglang.srt.mem_cache.pool_host import mamba, mha, mla
 
         module = mla if CONFIGS[name].latent else mha
         assert any(getattr(module, op, None) is CPU_KERNEL_OPS[op] for op in CPU_KERNEL_OPS)
         assert mamba.transfer_kv_mamba_lf_pf is CPU_KERNEL_OPS["transfer_kv_mamba_lf_pf"]
-    _served_demoted_continued(e)
-    assert loads, "the next turn's prefix was not loaded back from the host"
-    e.sweep()
-    e.drain()
+    _traffic(driver)
+    assert loads, "no prefix was loaded back from the host"
+    assert driver.drain() is None
+    driver.close()
 
 
 def test_the_mha_tiers_cover_both_kernel_layouts_and_the_mla_and_mamba_ones_both_backends():
@@ -85,24 +85,23 @@ def _page_stride_one_layer_short(monkeypatch, cls):
     monkeypatch.setattr(cls, "init_kv_buffer", short_stride)
 
 
-def test_an_mha_page_first_stride_one_layer_short_is_caught(hicache_api, monkeypatch):
+def test_an_mha_page_first_stride_one_layer_short_is_caught(hicache_server, monkeypatch):
     from sglang.srt.mem_cache.pool_host import mha
 
     _page_stride_one_layer_short(monkeypatch, mha.MHATokenToKVPoolHost)
-    # the host copy is caught when it is stored in L3 (host.full.*), or else when loaded back
-    with pytest.raises(PoolfuzzFailure, match=r"StateLost: req \d+ .*component (host\.)?full\.[kv] layer \d+ "):
-        _served_demoted_continued(_engine("dense"))
+    with pytest.raises(LostKv, match=r"^req \d+ step \d+: full\.[kv] layer \d+ position \d+: "):
+        _traffic(_driver(hicache_server, "dense"))
 
 
-def test_an_mla_page_first_stride_one_layer_short_is_caught(hicache_api, monkeypatch):
+def test_an_mla_page_first_stride_one_layer_short_is_caught(hicache_server, monkeypatch):
     from sglang.srt.mem_cache.pool_host import mla
 
     _page_stride_one_layer_short(monkeypatch, mla.MLATokenToKVPoolHost)
-    with pytest.raises(PoolfuzzFailure, match=r"StateLost: req \d+ "):
-        _served_demoted_continued(_engine("mla-ps4"))
+    with pytest.raises(LostKv, match=r"^req \d+ step \d+: mla\.\w+ layer \d+ position \d+: "):
+        _traffic(_driver(hicache_server, "mla-ps4"))
 
 
-def test_a_page_head_load_that_reads_one_head_for_all_is_caught(hicache_api, monkeypatch):
+def test_a_page_head_load_that_reads_one_head_for_all_is_caught(hicache_server, monkeypatch):
     """A load-back that tells the kernel the host holds one head a token (page_head's head stride lost)."""
     from sglang.srt.mem_cache.pool_host import mha
 
@@ -112,17 +111,11 @@ def test_a_page_head_load_that_reads_one_head_for_all_is_caught(hicache_api, mon
         real(**{**kw, "head_num": 1})
 
     monkeypatch.setattr(mha, "transfer_kv_per_layer_ph_lf", one_head)
-    with pytest.raises(PoolfuzzFailure, match=r"StateLost: req \d+ .*component full\.[kv] layer \d+ "):
-        _served_demoted_continued(_engine("dense-ps4"))
+    with pytest.raises(LostKv, match=r"^req \d+ step \d+: full\.[kv] layer \d+ position \d+: "):
+        _traffic(_driver(hicache_server, "dense-ps4"))
 
 
-def test_fuzzing_the_kernel_tiers_passes(hicache_api, fuzz):
-    for name in ("dense", "dense-ps4", "mla-ps4", "hybrid-linear"):
-        outcome = fuzz(CONFIGS[name], examples=8)
-        assert outcome.failure is None, (name, outcome.failure)
-
-
-def test_this_release_runs_every_wanted_tier_and_a_missing_layout_is_declined_with_its_reason(hicache_api,
+def test_this_release_runs_every_wanted_tier_and_a_missing_layout_is_declined_with_its_reason(scheduling,
                                                                                                monkeypatch):
     from sglang.srt.mem_cache.pool_host import mha
 

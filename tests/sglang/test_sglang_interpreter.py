@@ -7,8 +7,6 @@ import pytest
 import torch
 
 from poolfuzz.pools.config import CONFIGS
-from poolfuzz.pools.errors import PoolExhausted
-from poolfuzz.pools.request import ReqKv
 
 
 @pytest.fixture
@@ -22,7 +20,8 @@ def kernel_only(api):
 
 
 def test_kernels_are_interpreted_and_every_paged_config_is_supported(kernel_only):
-    from poolfuzz.adapters.sglang import describe, unsupported_reason
+    from poolfuzz.adapters.sglang import describe
+    from poolfuzz.adapters.sglang.scheduler.servers import unsupported_reason
 
     assert kernel_only.kernels_interpreted and describe()["kernels_interpreted"]
     assert {"alloc_extend_kernel", "alloc_decode_kernel"} & set(kernel_only.paged_kernels)
@@ -35,28 +34,26 @@ def test_kernels_are_interpreted_and_every_paged_config_is_supported(kernel_only
     # none declined for the interpreter; a model with recurrent state may be refused by the release's own server
     # validation (0.5.23: "no_buffer only supports page_size=1"), which is SGLang's answer, not the kernels'
     refused = {name: why for name, why in reasons.items() if why is not None}
-    assert all(paged[name].has_mamba and why.startswith("SGLang refuses the server") for name, why in refused.items()), \
-        refused
+    assert all(paged[name].has_mamba and "SGLang refuses" in why for name, why in refused.items()), refused
     assert sum(1 for name, c in paged.items() if not c.has_mamba and reasons[name] is None) >= 2
 
 
 def test_interpreted_kernels_hand_out_whole_pages_and_a_full_pool_is_refused(kernel_only):
-    from poolfuzz.adapters.sglang import build_family
+    """SGLang's own paged allocator of a server, its kernels interpreted: an extend takes whole pages from a page
+    boundary, a decode goes on in the same page, and an extend past what is free gets nothing and takes nothing."""
+    from poolfuzz.adapters.sglang.pools.calls import paged_alloc_extend
+    from poolfuzz.adapters.sglang.pools.views import as_ints
+    from poolfuzz.adapters.sglang.scheduler.servers import build_driver
 
-    fam = build_family(CONFIGS["dense-ps4"])
-    ps = fam.config.page_size
-    req = ReqKv(rid=1, seqlen=7)
-    fam.protocol.admit(req, fam)
-    slots = fam.protocol.extend(req, fam, 6).tolist()  # alloc_extend_kernel, interpreted
+    fam = build_driver(CONFIGS["dense-ps4"]).family
+    alloc, ps = fam.sg_allocator, fam.config.page_size
+    slots = as_ints(paged_alloc_extend(alloc, prefix_len=0, seq_len=6, last_loc=-1))  # alloc_extend_kernel
     assert len(slots) == 6 and slots[0] % ps == 0 and slots == list(range(slots[0], slots[0] + 6))
-    slots += fam.protocol.extend(req, fam, 7).tolist()  # alloc_decode_kernel: the same page goes on
-    assert slots[6] == slots[5] + 1
-    other = ReqKv(rid=2, seqlen=fam.config.full_tokens + ps)
-    fam.protocol.admit(other, fam)
-    before = fam.free_lists()["full"].available_size()
-    with pytest.raises(PoolExhausted) as info:  # more pages than are free: refused, nothing taken
-        fam.protocol.extend(other, fam, fam.config.full_tokens)
-    assert info.value.space == "full" and fam.free_lists()["full"].available_size() == before
+    more = as_ints(paged_alloc_extend(alloc, prefix_len=6, seq_len=7, last_loc=slots[-1]))
+    assert more == [slots[-1] + 1]  # the same page goes on
+    before = alloc.available_size()
+    assert paged_alloc_extend(alloc, prefix_len=0, seq_len=before + ps, last_loc=-1) is None  # refused, none taken
+    assert alloc.available_size() == before
 
 
 def test_a_run_on_interpreted_kernels_ends_without_the_native_modules_leak_noise(kernel_only, tmp_path):

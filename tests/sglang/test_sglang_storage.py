@@ -1,4 +1,4 @@
-"""SGLang's MLA, DSA and MXFP8 KV pools, built by the installed release and fuzzed through the harness."""
+"""SGLang's MLA, DSA and MXFP8 KV pools, as the installed release builds them for a server."""
 
 from __future__ import annotations
 
@@ -14,21 +14,13 @@ LATENT = {"mla": CONFIGS["mla"], "mla-ps4": CONFIGS["mla-ps4"], "dsa-ps64": DSA_
 
 
 def _family(api, config):
-    from poolfuzz.adapters.sglang import build_family, unsupported_reason
+    """The pools of the plain server SGLang's scheduler runs for ``config``, or the test skipped with its reason."""
+    from poolfuzz.adapters.sglang.scheduler.servers import build_driver, unsupported_reason
 
     why = unsupported_reason(config)
     if why:
         pytest.skip(f"sglang {api.version}: {why}")
-    return build_family(config)
-
-
-def _page_aware_move_or_skip(api, name):
-    """A release whose DSA tree-verify move is page-unaware fails a fuzz there first (a real defect,
-    tests/sglang/test_sglang_tree_drafts.py::test_a_page_unaware_dsa_move_is_caught)."""
-    from tests.sglang.families import dsa_move_is_page_aware
-
-    if name == "dsa-ps64" and not dsa_move_is_page_aware(api):
-        pytest.skip(f"sglang {api.version}: its DSA index move is page-unaware, which a tree verify meets first")
+    return build_driver(config).family
 
 
 class TestLatentPools:
@@ -45,80 +37,22 @@ class TestLatentPools:
         for comp in fam.components():
             assert comp.tensor.untyped_storage().data_ptr() in storages, comp
 
-    @pytest.mark.parametrize("name", list(LATENT))
-    def test_fuzz_passes(self, api, fuzz, name):
-        """MLA's copy carries whole latent rows and DSA's its index pages: nothing is lost."""
-        _family(api, LATENT[name])
-        _page_aware_move_or_skip(api, name)
-        outcome = fuzz(LATENT[name], examples=10)
-        assert outcome.failure is None, outcome.failure
-
-    def test_a_dsa_copy_without_the_index_cache_is_caught(self, api, fuzz, monkeypatch):
-        """The harness checks what SGLang's DSA copy carries: with ``index_k`` left out of it (the
-        MLA copy alone), a resumed request's index keys are another request's."""
-        _family(api, DSA_PS64)
-        _page_aware_move_or_skip(api, "dsa-ps64")
-        mla = api.MLATokenToKVPool
-        monkeypatch.setattr(api.DSATokenToKVPool, "get_cpu_copy",
-                            lambda self, indices, mamba_indices=None, req_pool_index=None:
-                            {"kv": mla.get_cpu_copy(self, indices), "index_k": None})
-        monkeypatch.setattr(api.DSATokenToKVPool, "load_cpu_copy",
-                            lambda self, cpu, indices, mamba_indices=None, req_pool_index=None:
-                            mla.load_cpu_copy(self, cpu["kv"], indices))
-        outcome = fuzz(DSA_PS64, examples=60)
-        assert outcome.failure is not None, "a DSA copy without its index cache was not caught"
-        assert outcome.failure.divergence.component == "dsa.index_k", outcome.failure
-
     def test_configs_sglang_cannot_build_are_declined_with_the_reason(self, api):
-        """SGLang's indexer refuses the built-in dsa config's small index keys: a ConfigError, never a crash."""
-        from poolfuzz.adapters.sglang import build_family
+        """SGLang's indexer refuses the built-in dsa config's small index keys: declined, never a crash."""
+        from poolfuzz.adapters.sglang.scheduler.servers import build_driver, unsupported_reason
 
         if api.DSATokenToKVPool is None:
             pytest.skip("no DSA pool in this release")
-        with pytest.raises(ConfigError, match="refuse"):
-            build_family(CONFIGS["dsa"])
+        assert unsupported_reason(CONFIGS["dsa"]) is not None
+        with pytest.raises(ConfigError):
+            build_driver(CONFIGS["dsa"])
 
 
 class TestScaledPools:
-    def test_mxfp8_runs_or_is_declined_with_the_reason(self, api, fuzz):
-        """Where MXFP8 backs up and restores on this device the K/V scales are checked; else a reason."""
-        from poolfuzz.adapters.sglang import build_family, unsupported_reason
-
-        why = unsupported_reason(MXFP8)
-        if why is not None:
-            assert "MXFP8" in why
-            with pytest.raises(ConfigError, match="MXFP8"):
-                build_family(MXFP8)
-            return
-        fam = build_family(MXFP8)
+    def test_mxfp8_components_are_the_pools_scales(self, api):
+        """Where a server builds MXFP8 here, its K/V scales are components the checks read."""
+        fam = _family(api, MXFP8)
         assert {"full.k_scale", "full.v_scale"} <= {c.name for c in fam.components()}
-        assert fuzz(MXFP8, examples=10).failure is None
-        assert fuzz(CONFIGS["fp8-scaled-ps4"], examples=10).failure is None
-
-    def test_tree_drafts_run_or_are_declined_with_what_the_native_move_raises(self, api):
-        """0.5.21-0.5.23's native move reads ``native_k_scale_buffer``, which the MXFP8 pool never sets: the
-        family says so instead of counting tree verifies in (0.5.20 moves, and moves the scales twice)."""
-        from poolfuzz.adapters.sglang import build_family, unsupported_reason
-
-        if api.MHATokenToKVPoolMXFP8 is None or unsupported_reason(MXFP8):
-            pytest.skip("MXFP8 is not driven with this release here")
-        fam = build_family(MXFP8)
-        if fam.supports_tree_drafts:
-            assert "tree_drafts" not in fam.declined
-        else:
-            assert "move_kv_cache (native) raises" in fam.declined["tree_drafts"], fam.declined
-
-    def test_a_restore_that_drops_the_scales_is_caught(self, api, fuzz, monkeypatch):
-        """The MXFP8 restore writes the fp8 payload and not its scales: the resumed request would
-        dequantise against another request's exponents. The scale components name it."""
-        from poolfuzz.adapters.sglang import unsupported_reason
-
-        if api.MHATokenToKVPoolMXFP8 is None or unsupported_reason(MXFP8):
-            pytest.skip("MXFP8 is not driven with this release here")
-        monkeypatch.setattr(api.MHATokenToKVPoolMXFP8, "_write_scales", lambda self, idx, loc, k, v: None)
-        outcome = fuzz(MXFP8, examples=60)
-        assert outcome.failure is not None, "a restore without the scales was not caught"
-        assert outcome.failure.divergence.component in ("full.k_scale", "full.v_scale"), outcome.failure
 
     def test_mxfp8_on_the_cpu_is_driven_through_the_scale_bytes(self, api):
         """torch's CPU build cannot index-put UE8M0: the pool gets its scale buffers as their bytes, the
@@ -150,7 +84,7 @@ class TestScaledPools:
         assert not scales_as_bytes(pool)  # once is enough
 
     def test_a_block_size_sglang_does_not_use_is_declined(self, api):
-        from poolfuzz.adapters.sglang import unsupported_reason
+        from poolfuzz.adapters.sglang.scheduler.servers import unsupported_reason
 
         if api.MHATokenToKVPoolMXFP8 is None:
             pytest.skip("no MXFP8 pool in this release")

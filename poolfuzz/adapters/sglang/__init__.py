@@ -2,35 +2,14 @@
 
 ``poolfuzz run --family sglang`` (a suite, ``orchestration/plugins.SUITES``) runs each config through SGLang's own
 servers: ``sglang:scheduler``, ``sglang:hicache``, ``sglang:decode``, and ``sglang:unified-server`` and
-``sglang:unified-decode`` on the unified memory pool (``scheduler/``, ``unified_pool/``). ``sglang:pools`` builds
-SGLang's own pools for a config and calls them one request at a time, with SGLang's capacity checks where the
-adapter borrows them (``lifecycle/``), for releases on which no server starts. Importing this module
-does not import SGLang; building a family does (behind the CPU import shims in :mod:`.shims`).
+``sglang:unified-decode`` on the unified memory pool (``scheduler/``, ``unified_pool/``), each over the pools SGLang's
+own configurator builds for that server (``pools/``). Importing this module does not import SGLang; building a
+server does (behind the CPU import shims in :mod:`.shims`).
 """
 
 from __future__ import annotations
 
 from poolfuzz.adapters.sglang.pools.server_models import model_shaped
-
-
-def build_family(config, *, device="cpu", faults=(), backup_mode=None, node=None):
-    """The family factory registered as ``sglang:pools`` in the ``poolfuzz.families`` entry points. ``node``: the
-    engine's node it serves; "decode" builds SGLang's PD decode server (see ``SGLangFamily.pd_decode``)."""
-    from poolfuzz.adapters.sglang.api import load
-    from poolfuzz.adapters.sglang.lifecycle.family import build_sglang_family
-    from poolfuzz.adapters.sglang.tree.trees import tree_sized, with_tree
-
-    # SGLang's own prefix tree in front of the pools, where the release's scheduler has one the
-    # adapter drives for this config (then forks go through it), with the pools sized for it
-    sized = tree_sized(load(), config) if not faults else config
-    return with_tree(build_sglang_family(sized, device=device, faults=faults, backup_mode=backup_mode, node=node))
-
-
-def unsupported_reason(config) -> str | None:
-    """Why the installed SGLang cannot run ``config`` here (probed), or None."""
-    from poolfuzz.adapters.sglang.lifecycle.family import unsupported_reason as probe
-
-    return probe(config)
 
 
 def describe() -> dict:
@@ -59,23 +38,10 @@ def engine_report():
     return probed()
 
 
-def describe_server(config):
-    """The server ``config`` stands for (its flags), the pools SGLang's own KV cache configurator builds for that
-    server here, and the pools the family builds for the config, as ``build_family`` sizes them for its tree
-    (``poolfuzz configs --family sglang:pools``)."""
-    from poolfuzz.adapters.sglang.api import load
-    from poolfuzz.adapters.sglang.lifecycle.family import build_sglang_family
-    from poolfuzz.adapters.sglang.tree.trees import tree_sized
-
-    # the server named by the sized config (a tree's mamba cache among it), as the family's run asks it of SGLang
-    return _described(config, role_flags=None, build=lambda: build_sglang_family(tree_sized(load(), config)),
-                      server_of=lambda family: (family, {}))
-
-
-def _described(config, *, role_flags, build, server_of=None, notes=()):
+def _described(config, *, role_flags, build, server_of, notes=()):
     """``config``'s server with ``role_flags`` beside its own flags, what SGLang's configurator builds for it here,
-    and what the family (``build()``) runs on. ``server_of``: where ``build()`` starts a scheduler-path server, its
-    ``(family, flags)``: the listing then names every flag that server runs with."""
+    and what the server ``build()`` starts runs on. ``server_of``: that server's ``(family, flags)``: the listing
+    names every flag it runs with."""
     import shlex
 
     from poolfuzz.adapters.sglang.api import load
@@ -91,11 +57,9 @@ def _described(config, *, role_flags, build, server_of=None, notes=()):
     built, refused, family, declines, model = None, None, None, None, None
     served = config  # the config as the family sizes its server (a scheduler path's mamba cache among it)
     try:
-        built_family = build()
-        if server_of is not None:
-            built_family, running = server_of(built_family)
-            served = built_family.config
-            flags = command_line(server_flags(served) | running | (role_flags or {}))
+        built_family, running = server_of(build())
+        served = built_family.config
+        flags = command_line(server_flags(served) | running | (role_flags or {}))
         family = describe_pools(built_family.sg_req_pool, built_family.sg_kv_pool, built_family.sg_allocator)
     except ConfigError as exc:
         declines = str(exc)
@@ -117,22 +81,6 @@ def _described(config, *, role_flags, build, server_of=None, notes=()):
                                                    "--skip-tokenizer-init", notes=tuple(notes),
                              unfuzzed=(DRAFT,) if built and DRAFT in built else (),
                              built_by="configurator" if builder() == CONFIGURATOR else "model runner")
-
-
-build_family.unsupported_reason = unsupported_reason
-build_family.model_shaped = model_shaped  # drawn models laid out as the model SGLang serves for their layers
-build_family.describe_server = describe_server
-# What ``poolfuzz doctor`` prints and ``poolfuzz run`` checks before fuzzing (adapters/sglang/compat/).
-build_family.engine_report = engine_report
-# The engine names the node each family serves (``node="prefill"`` / ``"decode"``): the decode node is built
-# as SGLang's PD decode server.
-build_family.builds_per_node = True
-# A chat's next turn goes through SGLang's tree (``SGLangTreeFamily.supports_next_turn``, per config): the
-# machine gets the rule; a family that does not continue keeps no finished request, so it never fires.
-build_family.supports_next_turn = True
-# What ``poolfuzz run --coverage`` measures (paths relative to site-packages): the memory pools, allocators and
-# caches, and the request's retraction path (``Req.offload_kv_cache`` / ``load_kv_cache``) the adapter borrows.
-build_family.engine_code = ("sglang/srt/mem_cache", "sglang/srt/managers/schedule_batch.py")
 
 
 def build_unified_server(config, *, device="cpu", faults=(), backup_mode=None):

@@ -120,12 +120,6 @@ class SGLangAPI:
     mamba2_state_dtype: object | None
     Req: type
     ReqKvInfo: type | None  # None: the request's KV fields are flat on the Req
-    RetractionBackup: type | None  # None: the Req keeps its CPU copy in a field of its own
-    free_swa_out_of_window_slots: Callable | None
-    free_kv_row_segments: Callable | None
-    ComponentType: Any
-    ScheduleBatch: type | None  # its check_decode_mem is borrowed for the decode admission check
-    ensure_mamba_capacity: Callable | None  # None: the release has no mamba admission check
     # Pool classes that store KV other than as K and V rows (None where the release has none)
     MLATokenToKVPool: type | None = None
     DSATokenToKVPool: type | None = None  # NSATokenToKVPool before the rename

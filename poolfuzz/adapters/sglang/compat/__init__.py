@@ -11,8 +11,8 @@ it from here, as ``compat.NAME``."""
 from __future__ import annotations
 
 from poolfuzz.adapters.sglang.compat.needs import (  # noqa: F401
-    ENGINE, NEEDS, release, engine_report, PRIVATE, SPEC_DECODE_HELPERS, CONV_WINDOW_PHYS, MAMBA_CHUNK_MEMO,
-    private, has_private, private_module, private_name, speculative_decode_helpers, conv_window_buffers, seed_mamba_chunk_size,
+    ENGINE, NEEDS, release, engine_report, PRIVATE, CONV_WINDOW_PHYS, MAMBA_CHUNK_MEMO,
+    private, has_private, private_module, private_name, conv_window_buffers, seed_mamba_chunk_size,
     registered_storage_backends, engine_report_needs, model_missing,
 )
 from poolfuzz.adapters.sglang.compat.scheduler import (  # noqa: F401

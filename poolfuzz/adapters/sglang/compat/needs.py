@@ -48,20 +48,6 @@ NEEDS: dict[str, Need] = {
     "Req": Need(target=f"{_SB}:Req", used_for="every request, and its retraction path"),
     "ReqKvInfo": Need(target=f"{_SB}:ReqKvInfo", required=False,
                       used_for="a request's KV fields on req.kv (absent: flat on the Req)"),
-    "RetractionBackup": Need(target="sglang.srt.mem_cache.common:RetractionBackup", required=False,
-                             used_for="a retracted request's backup record"),
-    "free_swa_out_of_window_slots": Need(target="sglang.srt.mem_cache.common:free_swa_out_of_window_slots",
-                                         required=False, used_for="SWA eviction"),
-    "free_kv_row_segments": Need(target="sglang.srt.mem_cache.common:free_kv_row_segments", required=False,
-                                 used_for="freeing a row's KV"),
-    "ComponentType": Need(target="sglang.srt.mem_cache.unified_cache.component_type:ComponentType",
-                          also=("sglang.srt.mem_cache.base_prefix_cache:ComponentType",
-                                "sglang.srt.mem_cache.common:ComponentType"), required=False,
-                          used_for="the unified tree's components"),
-    "ScheduleBatch": Need(target=f"{_SB}:ScheduleBatch", required=False,
-                          used_for="the decode admission check and SWA eviction trigger"),
-    "ensure_mamba_capacity": Need(target="sglang.srt.mem_cache.allocation:ensure_mamba_capacity", required=False,
-                                  used_for="mamba admission"),
     "MLATokenToKVPool": Need(target=f"{_MP}:MLATokenToKVPool", required=False, used_for="MLA configs"),
     "DSATokenToKVPool": Need(target=f"{_MP}:DSATokenToKVPool", also=(f"{_MP}:NSATokenToKVPool",), required=False,
                              used_for="DSA configs"),
@@ -93,8 +79,6 @@ _UNIFIED = "sglang.srt.mem_cache.unified_radix_cache:UnifiedRadixCache"
 _CHECKER = "sglang.srt.managers.scheduler_components.invariant_checker:SchedulerInvariantChecker"
 _MAMBA_BACKEND = "sglang.srt.layers.attention.hybrid_linear_attn_backend:MambaAttnBackendBase"
 PRIVATE: dict[str, Need] = {
-    "swa_eviction_trigger": Need(target=f"{_SB}:ScheduleBatch._swa_eviction_trigger", required=False,
-                                 used_for="private: the decode-time SWA eviction trigger, run unbound"),
     "check_all_pools": Need(target=f"{_CHECKER}._check_all_pools", required=False,
                             used_for="private: the scheduler's idle leak check"),
     "check_req_pool": Need(target=f"{_CHECKER}._check_req_pool", required=False,
@@ -244,8 +228,6 @@ PRIVATE: dict[str, Need] = {
                               used_for="private: where the kernels snapshot a tracked state (before 0.5.23's "
                                        "ForwardBatch.mamba_track_aligned_lens), run unbound"),
 }
-# Where the speculative decode-memory helpers are kept (ScheduleBatch, found by this prefix).
-SPEC_DECODE_HELPERS = "_new_tokens_required"
 # Instance attributes (no class to probe): read where they are, with a default for releases without them.
 CONV_WINDOW_PHYS = "_intermediate_conv_window_phys"  # MambaPool: the deduplicated conv-window buffers
 MAMBA_CHUNK_MEMO = "_mamba_cache_chunk_size"  # ServerArgs: the mamba checkpoint grid, memoised
@@ -304,11 +286,6 @@ def private_module(key: str):
 def private_name(key: str) -> str:
     """The attribute name of a PRIVATE need (for binding a borrowed method under SGLang's own name)."""
     return PRIVATE[key].target.partition(":")[2].rpartition(".")[2]
-
-
-def speculative_decode_helpers(schedule_batch_cls) -> tuple[str, ...]:
-    """The names of ScheduleBatch's private speculative decode-memory helpers (``check_decode_mem`` calls them)."""
-    return tuple(n for n in vars(schedule_batch_cls) if n.startswith(SPEC_DECODE_HELPERS))
 
 
 def conv_window_buffers(mamba_pool, default):

@@ -5,10 +5,9 @@ host tier (``init_hicache``: a ``HostPoolGroup`` of the host pool SGLang's assem
 device pool, and a ``HybridCacheController``). Cached nodes are written through to the host as they
 are inserted; eviction under pressure demotes a backed-up node to the host and frees its device slots;
 a later match that ends on the host is loaded back by the prefill adder (``init_load_back``, under a
-host lock), and the scheduler polls the transfers once a step (``check_hicache_events``). The adapter
-runs that path on the prefill node of the configs it can build it for, with the server arguments
-scoped to the build: the host memory layout and I/O backend of :func:`host_tier` (the ``kernel``
-backend's copies on a CPU are ``kernel_io``'s).
+host lock), and the scheduler polls the transfers once a step (``check_hicache_events``). The HiCache
+server (``scheduler/hicache_server.py``) runs that path with what this module gives it: the host memory
+layout and I/O backend of :func:`host_tier` (the ``kernel`` backend's copies on a CPU are ``kernel_io``'s).
 
 One call-time stand-in: a host pool pins its buffer with ``cudaHostRegister`` when ``pin_memory`` is
 set, which is the assembler's default; where torch has no CUDA (a CPU-only machine) there is nothing
@@ -26,8 +25,6 @@ from contextlib import contextmanager
 import torch
 
 from poolfuzz.adapters.sglang.compat import has_private, host_tier_pools, private, private_name
-
-from poolfuzz.adapters.sglang.host_tier import l3
 from poolfuzz.adapters.sglang.host_tier.host import HOST_LAYOUT, IO_BACKEND, install_cpu_transfer_ops
 from poolfuzz.adapters.sglang.host_tier.kernel_io import install_cpu_kernel_ops, register_buffers
 from poolfuzz.adapters.sglang.pools.storage import storage_of
@@ -35,21 +32,6 @@ from poolfuzz.pools.config import ModelConfig
 
 HOST_RATIO = 2.0  # SGLang's default --hicache-ratio: host pages = 2 x device pages
 WRITE_POLICY = "write_through"  # SGLang's default --hicache-write-policy
-
-
-def hicache_problem(api, config: ModelConfig, *, pd_decode: bool) -> str | None:
-    """Why the adapter does not run HiCache for ``config`` on this node, or None."""
-    if pd_decode:
-        return "the PD decode server backs retractions up into its host pool instead (host.py)"
-    if config.has_swa:
-        # with a host tier the tree frees SWA the reference's accounting (swa_evictable_size) does not
-        # count: a fork it predicts out of SWA succeeds (swa-ssm, 12 steps); not modelled yet
-        return "the SWA host tier is not driven (its SWA reclaim is not modelled by the tree reference)"
-    if config.kv_scale_block:
-        return "block-scaled host pools are not driven"
-    if config.kv_quant == "fp4_mx_block16":  # SGLang's MLAKVPoolHost raises ValueError for an FP4 device pool
-        return "SGLang's MLA host cache refuses FP4 KV (its packed payload and block scales cannot be restored)"
-    return host_tier_problem(api, config)
 
 
 def host_tier_problem(api, config: ModelConfig) -> str | None:
@@ -240,41 +222,3 @@ def worker_standin(**asked):
     the model's attention layers wait on; the adapter's forward waits for the whole load instead. ``asked``: what
     else the caller's tree build reads of the worker (0.5.12's ``init_cache_with_memory_pool``)."""
     return types.SimpleNamespace(register_hicache_layer_transfer_counter=lambda counter: None, **asked)
-
-
-# =============================================================================================
-# The scheduler's calls
-# =============================================================================================
-def load_back(tree, sg) -> int:
-    """The prefill adder's load-back of a match that ends on the host (``PrefillAdder.add_one_req``):
-    pin the host match, ``init_load_back``, then the request's prefix grows by what was loaded and the
-    tree owns it (``load_back_is_cache_owned``). Returns the tokens loaded."""
-    if not sg.needs_host_load_back():
-        return 0
-    from sglang.srt.mem_cache.base_prefix_cache import InitLoadBackParams
-
-    promised = int(sg.host_hit_length)
-    host_lock = tree.inc_host_lock_ref(sg.best_match_node).to_dec_params()
-    try:
-        loaded = tree.init_load_back(InitLoadBackParams(best_match_node=sg.best_match_node,
-                                                        host_hit_length=promised, req=sg))
-    finally:
-        tree.dec_host_lock_ref(sg.best_match_node, host_lock)
-    if loaded is None:
-        return 0
-    sg.host_loaded_length, sg.last_node = int(loaded[0]), loaded[1]
-    if 0 < sg.host_loaded_length < promised:  # the adder's own all-or-nothing assertion
-        raise RuntimeError(f"HiCache load-back must commit all promised FULL tokens or none: req={sg.rid} "
-                           f"promised={promised} loaded={sg.host_loaded_length}")
-    sg.prefix_len += sg.host_loaded_length
-    if tree.load_back_is_cache_owned():
-        sg.kv.cache_protected_len = sg.prefix_len
-    # the batch's forward starts the queued host->device copies before its first layer
-    tree.ready_to_load_host_cache()
-    return sg.host_loaded_length
-
-
-def poll(tree) -> None:
-    """The scheduler's once-a-step poll: finished write-throughs and load-backs release their locks."""
-    if getattr(tree, "cache_controller", None) is not None:
-        l3.settle(tree)  # with an L3 tier: until no backup or prefetch is in flight

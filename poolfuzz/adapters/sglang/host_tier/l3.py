@@ -12,15 +12,14 @@ the device and the host no longer hold, but storage does, is prefetched: the sch
 hash), then, each step, ``check_prefetch_progress`` until the prefetch thread has found the pages
 (``batch_exists``), the tree has given it host slots and the I/O thread has read each page into its slot
 (``set_from_flat_data_page``); the pages are then host nodes of the tree, loaded back to the device by
-the prefill adder like any host hit (``hicache.load_back``).
+the prefill adder like any host hit.
 
 Four threads run this per tree. The adapter keeps them deterministic by settling after every poll:
 :func:`settle` waits until every backup and prefetch handed to them has come back, and drains it, so
 no storage operation is in flight between two steps (the ``wait_complete`` prefetch policy makes a
 prefetch all-or-nothing, as the checks need). :func:`close` detaches the backend (SGLang's own
 ``shutdown``: drain, stop the threads, release what is still tracked) and removes the directory; the
-family calls it when its example ends (``SGLangTreeFamily.close``). :class:`StorageReader` reads each
-stored page back for the checks (``harness/storage_audit.py``).
+HiCache server calls it when its example ends.
 """
 
 from __future__ import annotations
@@ -35,7 +34,7 @@ import traceback
 from contextlib import contextmanager
 
 from poolfuzz.adapters.sglang.host_tier import zero_copy
-from poolfuzz.adapters.sglang.compat import has_private, private, registered_storage_backends
+from poolfuzz.adapters.sglang.compat import has_private, registered_storage_backends
 from poolfuzz.adapters.sglang.pools.storage import storage_of
 from poolfuzz.pools.config import ModelConfig
 from poolfuzz.pools.environment import environment_set
@@ -202,35 +201,6 @@ def settle(tree) -> None:
         raise faults.pop(0)
 
 
-def prefetch(tree, sg, common) -> int:
-    """The scheduler's ``_prefetch_kvcache`` for a request entering the queue, then its admission-time
-    ``check_prefetch_progress`` / ``pop_prefetch_loaded_span``: what storage holds past the host's hit
-    becomes host nodes of the tree. Returns the tokens read from storage."""
-    if not enabled(tree):
-        return 0
-    common.match_kv_cache(sg, tree, cow_mamba=False)  # init_next_round_input(tree, cow_mamba=False)
-    anchor = sg.last_host_node
-    matched = int(sg.prefix_len) + int(sg.host_hit_length)
-    if not (tree.is_backuped(anchor) or tree.is_root(anchor)):
-        return 0  # an anchor not written through: its suffix cannot be in storage
-    ids = sg.full_untruncated_fill_ids
-    end = private("compute_max_prefix_len")(sg, len(ids))  # what Scheduler._prefetch_kvcache asks
-    prefix_keys = tree.get_prefix_hash_values(anchor) if tree.hicache_storage_pass_prefix_keys else None
-    handle = sg.cache_request_handle
-    tree.prefetch_from_storage(handle, anchor, ids[matched:end], tree.get_last_hash_value(anchor), prefix_keys,
-                               matched_prefix_tokens=ids[:matched], extra_key=sg.extra_key, cache_salt=sg.cache_salt)
-    deadline = time.monotonic() + SETTLE_SECONDS
-    while not tree.check_prefetch_progress(handle):
-        if time.monotonic() > deadline:
-            raise StorageHang(f"HiCache storage: the prefetch of req {sg.rid} never completed\n"
-                              + threads_report(tree.cache_controller))
-        time.sleep(0.001)
-        tree.check_hicache_events()
-    loaded, _ = tree.pop_prefetch_loaded_span(handle)
-    settle(tree)
-    return int(loaded)
-
-
 def close(tree, directory: str | None) -> None:
     """The server's shutdown of a HiCache tree: detach the storage backend (the tree's ``atexit`` hook,
     ``shutdown``: its threads stop), then, as a scheduler's graceful exit does, release its host pools
@@ -244,87 +214,3 @@ def close(tree, directory: str | None) -> None:
         release()
     if directory:
         shutil.rmtree(directory, ignore_errors=True)
-
-
-# =============================================================================================
-# Reading storage back for the checks
-# =============================================================================================
-def _layer_token_rows(layout: str):
-    """How a host page's structured view (``get_data_page(index, flat=False)``: the flat bytes storage
-    keeps) is read as ``[layer, token, *row]``, per host memory layout; for MHA the K and V halves are
-    split off first (the page's leading axis)."""
-    return {"layer_first": lambda x: x,  # [layers, tokens, ...]
-            "page_first": lambda x: x.transpose(0, 1),  # [tokens, layers, ...]
-            "page_first_direct": lambda x: x[0],  # [1 page, layers, tokens, ...]
-            "page_head": lambda x: x[0].permute(2, 1, 0, 3)}.get(layout)  # [1 page, heads, tokens, layers, dim]
-
-
-class StorageReader:
-    """Reads back, once each, the KV pages the tree's storage backend holds under the keys of the token
-    sequences the adapter made (``tokens``: rid -> its token ids), as SGLang keys them (a chain of page
-    hashes from the root: ``get_storage_hash_str``); ``owner_of(token)`` names the request a token is of.
-    The recurrent-state pages a mamba tree stores beside them are not read (a page keyed by the KV's hash,
-    under its own pool's name)."""
-
-    def __init__(self, *, tree, config: ModelConfig, tokens: dict, owner_of):
-        from sglang.srt.mem_cache.radix_cache import RadixKey
-        from sglang.srt.mem_cache.utils import get_storage_hash_str
-
-        self.tree, self.config, self.tokens, self.owner_of = tree, config, tokens, owner_of
-        self._key, self._hash = RadixKey, get_storage_hash_str
-        self.read: set[str] = set()  # keys already read back (a file is written once; ``set`` skips a stored key)
-        self._chains: dict[tuple, list[str]] = {}
-
-    def _page_hashes(self, toks: list[int]) -> list[str]:
-        ps = self.config.page_size
-        n = len(toks) // ps * ps
-        whole = tuple(toks[:n])
-        got = self._chains.get(whole)
-        if got is None:
-            from array import array
-
-            key = self._key(array("q", whole), is_bigram=bool(getattr(self.tree.tree_core, "is_eagle", False)))
-            got = self._chains[whole] = list(self._hash(key.page_aligned(ps), None, page_size=ps)) if n else []
-        return got
-
-    def take(self) -> list:
-        """The pages stored since the last call."""
-        if not enabled(self.tree):
-            return []
-        backend = self.tree.cache_controller.storage_backend
-        ps = self.config.page_size
-        out = []
-        for toks in list(self.tokens.values()):
-            for page, key in enumerate(self._page_hashes(toks)):
-                if key in self.read or not backend.exists(key):
-                    continue
-                self.read.add(key)
-                out.append(self._page(backend, key, page * ps, toks[page * ps:(page + 1) * ps]))
-        return out
-
-    def _page(self, backend, key: str, first: int, toks: list[int]):
-        from poolfuzz.adapters.sglang.pools.reads import stored_bytes
-        from poolfuzz.pools.components import Component
-        from poolfuzz.pools.storage_tier import StoredPage
-
-        host = self.tree.cache_controller.storage_host_pool
-        shape = host.get_data_page(0, flat=False).shape
-        zero_copied = getattr(backend, "flat_page", None)  # zero_copy's stand-in: it keeps the meta's chunks
-        flat = zero_copied(key, host) if zero_copied else backend.get(key, host.get_dummy_flat_data_page())
-        page = stored_bytes(flat.reshape(shape))
-        rows = _layer_token_rows(host.layout)
-        c = self.config
-        comps = []
-        if c.latent:  # [layers, tokens, 1, latent | rope]
-            grid = rows(page)[:, :, 0]
-            for local, layer in enumerate(c.full_layer_ids):
-                r = c.kv_lora_rank
-                comps.append(Component(name="host.mla.latent", layer=layer, space="l3", tensor=grid[local, :, :r]))
-                comps.append(Component(name="host.mla.rope", layer=layer, space="l3", tensor=grid[local, :, r:]))
-        else:  # [k | v, ...]
-            k, v = rows(page[0]), rows(page[1])
-            for local, layer in enumerate(c.full_layer_ids):
-                comps.append(Component(name="host.full.k", layer=layer, space="l3", tensor=k[local]))
-                comps.append(Component(name="host.full.v", layer=layer, space="l3", tensor=v[local]))
-        return StoredPage(key=key, first_position=first, owners=tuple(self.owner_of(t) for t in toks),
-                          components=tuple(comps))

@@ -1,1 +1,2 @@
-"""The pools path (``--family sglang:pools``): the request lifecycle the harness drives on SGLang's pools, in the call order the adapter gives it; the scheduler path (``scheduler/``) runs SGLang's own."""
+"""The pools one SGLang server runs on, as the scheduler-path drivers build them (``family.py``), and what the release
+can build of a config's modes (extra buffer, speculative scratch)."""

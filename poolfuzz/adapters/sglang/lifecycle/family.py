@@ -1,14 +1,9 @@
-"""A pool family built from SGLang's real pools, seen through thin views the harness reads.
+"""The pools of one SGLang server for one model, built by the installed SGLang, seen through thin views its drivers
+read (``scheduler/``, ``unified_pool/``).
 
-Every tensor the harness checksums is SGLang's own buffer (``k_buffer[l]``, ``v_buffer[l]``,
-the MambaPool's conv and temporal state); every free list is read from SGLang's allocator
-objects. The views only translate: ids to Python ints, ``None`` to typed errors, and free
-lists to the ``available_size`` / ``is_free_page`` / ``free_pages`` queries of
-:class:`poolfuzz.pools.family.PoolFamily`.
-
-SGLang's allocators have no free callback. After every protocol operation the family diffs
-each free list against the last one it saw and tells the harness's listener which slots were
-freed, so the harness can poison them before anything reuses them.
+Every tensor a check reads is SGLang's own buffer (``k_buffer[l]``, ``v_buffer[l]``, the MambaPool's conv and temporal
+state); every free list is read from SGLang's allocator objects. The views only translate: ids to Python ints, and
+free lists to the ``available_size`` / ``free_pages`` queries the drivers' leak and idle checks ask.
 """
 
 from __future__ import annotations
@@ -18,37 +13,31 @@ from dataclasses import dataclass, field
 
 import torch
 
-from poolfuzz.adapters.sglang.lifecycle.admission import SchedulerAdmission
-from poolfuzz.adapters.sglang.api import SGLangAPI, construct, load
+from poolfuzz.adapters.sglang.api import SGLangAPI, construct, load, switched_on
 from poolfuzz.adapters.sglang.pools.calls import native_kv_move, paged_alloc_extend
 from poolfuzz.adapters.sglang.pools.descriptions import describe_pools, same_pools
-from poolfuzz.adapters.sglang.lifecycle.frees import debug_memory_pool
-from poolfuzz.adapters.sglang.host_tier.host import SGLangHostBackup, host_pool_problem, resolve_backup_mode
 from poolfuzz.adapters.sglang.pools.hybrid_mla import build_hybrid_mla_pool, hybrid_mla_problem
 from poolfuzz.adapters.sglang.pools.minimax import write_msa_rows
-from poolfuzz.adapters.sglang.disaggregation.pd import SGLangPDTransfer, pd_problem, registration
-from poolfuzz.adapters.sglang.disaggregation.prealloc import DECODE, gate_problem
-from poolfuzz.adapters.sglang.lifecycle.protocol import SGLangProtocol
 from poolfuzz.adapters.sglang.pools.reads import read_door, stored_bytes
-from poolfuzz.adapters.sglang.pools.request_pool import (build_plain_request_pool, build_request_pool, check_built, rows_over_slots,
-                                                       server_row_width)
-from poolfuzz.adapters.sglang.lifecycle.standin import standin_class
+from poolfuzz.adapters.sglang.pools.request_pool import (build_plain_request_pool, build_request_pool, check_built,
+                                                         rows_over_slots, server_row_width)
 from poolfuzz.adapters.sglang.pools.storage import (build_storage_pool, quant_method_kwargs, storage_of,
                                                      storage_problem)
-from poolfuzz.adapters.sglang.lifecycle.speculative import (
-    SGLangScratch, move_problem, speculative_problem,
-)
+from poolfuzz.adapters.sglang.lifecycle.speculative import SGLangScratch, speculative_problem
 from poolfuzz.adapters.sglang.pools.writes import write_rows
-from poolfuzz.adapters.sglang.lifecycle.tracking import extra_buffer_admission_problem, extra_buffer_problem
+from poolfuzz.adapters.sglang.lifecycle.tracking import extra_buffer_problem
 from poolfuzz.adapters.sglang.pools.views import (AllocatorView, FreeListView, KVPoolView, MambaPoolView, ReqPoolView,
-                                            as_ints, token_free_pages,
-                                            token_free_sources)
+                                                  as_ints, token_free_pages, token_free_sources)
 from poolfuzz.pools.capabilities import PoolsOrigin
 from poolfuzz.pools.components import Component
 from poolfuzz.pools.config import ModelConfig, uses_ssm_state
 from poolfuzz.pools.errors import ConfigError
 from poolfuzz.pools.family import resolve_device
 from poolfuzz.pools.quantised import MODEL_DTYPE
+
+# SGLang's memory-pool debug switch, on while pools are constructed (each reads it then): its allocators then check
+# their own frees, as a server started with it does
+DEBUG_SWITCH = "SGLANG_DEBUG_MEMORY_POOL"
 
 KV_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32,
              "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
@@ -59,41 +48,14 @@ KV_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": to
 # =============================================================================================
 @dataclass(kw_only=True)
 class SGLangFamily:
-    """The pools of one serving node for one model, built by the installed SGLang.
-
-    Capabilities the harness's state machine reads:
-      ``supports_fork``: False here (a chunk cache); :class:`~poolfuzz.adapters.sglang.tree.trees.SGLangTreeFamily`
-      puts SGLang's own prefix tree in front of the pools and forks through it, where it drives the config.
-      ``supports_transfer``: PD transfer over SGLang's own PD registration (``adapters.sglang.pd``),
-      where the release has it; False (per family) where it does not.
-      ``resume_swa_tail_only``: a paged SWA resume allocates SWA for the window tail only, where the
-        release's SWA allocator has ``alloc_extend_swa_tail`` (set per release when built).
-      ``pd_decode``: this node is SGLang's PD decode server (the engine's decode node): its allocators are
-        built with ``need_sort`` as ``disaggregation_mode="decode"`` builds them, and every pre-allocation
-        (a transfer's, a resume's) first passes the decode queue's gate (``adapters.sglang.prealloc``), where
-        the release has one. The prefill node is a colocated server that also sends requests.
-      ``supports_retract``: False where SGLang's own PD setup (``setup_state_kv_args``) refuses the KV pool: SGLang
-        backs a request's KV up at retraction only on a PD decode server (``release_req``), which then cannot
-        exist, and a colocated server recomputes a retracted request instead (``declined`` says why).
-      ``pools_origin``: the engine's where SGLang's own configurator built the pools for the config's server
-        (``served``), the adapter's wiring otherwise; ``pools_source`` says which server, or why.
-      ``supports_tree_drafts``: a tree verify's accepted KV moves through the KV pool's own ``move_kv_cache``
-        (``adapters.sglang.speculative.move_accepted``); False (per family) where the built pool cannot move
-        a row on this machine.
-    """
-
-    supports_fork = False
-    supports_tree_drafts = True
-    supports_transfer = True
-    supports_retract = True
-    resume_swa_tail_only = True
-    pd_decode = False
+    """The pools of one server for one model, built by the installed SGLang: SGLang's own objects (``sg_*``), the
+    views of them the model-runner stand-in writes through and the checks read, and who built them:
+    ``pools_origin`` is the engine's where SGLang's own configurator built the pools for the config's server
+    (``served``), the adapter's wiring otherwise; ``pools_source`` says which server, or why."""
 
     api: SGLangAPI
     config: ModelConfig
     device: torch.device
-    faults: tuple[str, ...] = ()
-    backup_mode: str = "cpu_tensor"
     uses_ssm_state: bool = False
     sg_req_pool: object = None
     sg_kv_pool: object = None
@@ -101,26 +63,17 @@ class SGLangFamily:
     req_pool: ReqPoolView = None
     kv_pool: KVPoolView = None
     allocator: AllocatorView = None
-    protocol: object = None
-    admission: object = None  # SGLang's own admission and capacity checks (adapters.sglang.admission)
-    transfer: object = None
-    host_pools: dict = field(default_factory=dict)  # host_pool mode: space -> HostFreeListView
-    host_backup: object = None  # host_pool mode: SGLang's host-pool retraction (adapters.sglang.host)
-    standin_cls: type = None
-    # Backups whose tensors aliased a live pool buffer and were copied (CPU only; see protocol).
+    # Backups whose tensors aliased a live pool buffer and were copied (CPU only; see scheduler/backups.py).
     cpu_aliases: list = field(default_factory=list)
-    declined: dict = field(default_factory=dict)  # operation -> the engine's reason it is not driven
     # who built the pools: SGLang's KV cache configurator for the config's server, or the adapter's wiring and why
     pools_source: str = "the adapter's wiring"
     # what SGLang's configurator built and sized, where the family runs on it (``configurator.ConfiguredPools``)
     served: object = None
     _free_views: dict = field(default_factory=dict)
-    _last_free: dict = field(default_factory=dict)
 
     def __repr__(self) -> str:
-        return f"SGLangFamily({self.config.name}, sglang {self.api.version}, {self.device}, {self.backup_mode})"
+        return f"SGLangFamily({self.config.name}, sglang {self.api.version}, {self.device})"
 
-    # --- what the harness reads ----------------------------------------------------------------
     def components(self) -> list[Component]:
         out = self.kv_pool.components()
         if self.req_pool.mamba_pool is not None:
@@ -128,12 +81,6 @@ class SGLangFamily:
             if self.req_pool.mamba_pool.spec_scratch is not None:
                 out += self.req_pool.mamba_pool.spec_scratch.components()
         return out
-
-    def host_components(self) -> list[Component]:
-        return [c for view in self.host_pools.values() for c in view.components()]
-
-    def has_recurrent_state(self) -> bool:
-        return self.req_pool.mamba_pool is not None
 
     @property
     def pools_origin(self) -> PoolsOrigin:
@@ -143,72 +90,11 @@ class SGLangFamily:
     def free_lists(self) -> dict[str, FreeListView]:
         return dict(self._free_views)
 
-    def set_free_listener(self, listener) -> None:
-        for view in self._free_views.values():
-            view.on_free = listener
-        self.snapshot_free_lists()
 
-    # --- free notification by diffing ---------------------------------------------------------
-    def snapshot_free_lists(self) -> None:
-        self._last_free = {space: set(v.free_pages()) for space, v in self._free_views.items()}
-
-    def notify_frees(self) -> None:
-        """Tell each view's listener which units became free since the last snapshot."""
-        for space, view in self._free_views.items():
-            now = set(view.free_pages())
-            freed = now - self._last_free.get(space, set())
-            self._last_free[space] = now
-            if freed and view.on_free is not None:
-                view.on_free(space, view.slots_of(sorted(freed)))
-
-    def flush_prefix_cache(self) -> None:
-        """The drain (every request of the node ended): without a prefix cache, the idle server's flush."""
-        self.flush_cache()
-
-    def flush_cache(self) -> None:
-        """The idle server's ``Scheduler.flush_cache`` (as after a weight update): SGLang resets its pools in
-        place, the request rows with their mamba slots and mappings, then every token allocator; the engine
-        then checks that every pool is whole, and serves on."""
-        self.sg_req_pool.clear()
-        self.sg_allocator.clear()
-        reset = getattr(self.sg_req_pool, "reset_aux_cache_allocator", None)
-        if reset is not None:
-            reset()
-        self.notify_frees()
-
-    # --- helpers the protocol uses ------------------------------------------------------------
-    def space_short_of(self, needs: dict[str, int], evictable: dict[str, int] | None = None
-                       ) -> tuple[str, int, int] | None:
-        """The first space (in the harness's order) without ``needs[space]`` free units, counting the
-        tokens a prefix tree could evict for it (``evictable``, by space) as free."""
-        for space, units in needs.items():
-            view = self._free_views.get(space)
-            if view is None:  # an all-SWA model has no full space: its SWA need is the same count
-                continue
-            have = (view.available_size() + (evictable or {}).get(space, 0)) // view.page_size
-            if units > have:
-                return space, units * view.page_size, view.available_size()
-        return None
-
-
-def unsupported_reason(config: ModelConfig, *, scheduled: bool = False) -> str | None:
-    """Why the installed SGLang cannot run ``config`` here, or None. Probes, never versions. ``scheduled``: for the
-    scheduler path, which admits requests through SGLang's own scheduler (the adapter's admission limits do not
-    apply)."""
+def unsupported_reason(config: ModelConfig) -> str | None:
+    """Why the installed SGLang builds no pools for ``config`` here, or None. Probes, never versions: what a server
+    refuses of the config's flags is asked of SGLang itself once a driver publishes its server."""
     api = load()
-    if not scheduled:  # the scheduler path publishes its server itself, and SGLang refuses it there
-        from poolfuzz.adapters.sglang.pools import configurator
-
-        refused = configurator.refusal(config)
-        if refused:
-            return refused
-        if config.free_memory_kib:  # only SGLang sizes such a server: where it does not here, nothing runs
-            try:
-                configurator.server_sized(config)
-            except ConfigError as exc:
-                return str(exc)
-    if not scheduled and extra_buffer_admission_problem(api, config):
-        return extra_buffer_admission_problem(api, config)
     if config.has_swa and not config.has_full and api.PureSWATokenToKVPoolAllocator is None:
         return (f"SGLang {api.version} has no PureSWATokenToKVPoolAllocator: it builds no pools for an all-SWA "
                 "model (every layer sliding-window; full_layers = 0)")
@@ -218,8 +104,7 @@ def unsupported_reason(config: ModelConfig, *, scheduled: bool = False) -> str |
             return problem
     if config.latent and config.has_mamba:
         return extra_buffer_problem(api, config) or speculative_problem(api, config) or hybrid_mla_problem(api, config)
-    return (extra_buffer_problem(api, config) or speculative_problem(api, config)
-            or storage_problem(api, config, scheduled=scheduled))
+    return extra_buffer_problem(api, config) or speculative_problem(api, config) or storage_problem(api, config)
 
 
 _PAGED_PROBE: dict[str, str | None] = {}
@@ -247,44 +132,29 @@ def _paged_allocation_problem(api: SGLangAPI) -> str | None:
     return problem
 
 
-def build_sglang_family(config: ModelConfig, *, device="cpu", faults=(), backup_mode=None,
-                        node: str | None = None, scheduled: bool = False,
-                        decode_rows: int | None = None, role_flags: dict | None = None,
-                        listing: str = "sglang:pools") -> SGLangFamily:
-    """``listing``: the family whose ``poolfuzz configs --family`` listing shows SGLang's pools beside the wiring's,
-    as a message on the wiring names it. ``role_flags``: the server flags of the role a scheduler-path server plays
-    (its decode server's), with which SGLang's configurator builds its pools. ``decode_rows``: the request pool is a
-    PD decode server's, with that many rows more for requests in pre-allocation and transfer (the scheduler path's
-    decode server; the pools path's decode node keeps the plain pool it drives)."""
-    faults = tuple(faults)
-    if faults:
-        raise ConfigError(f"the sglang family runs SGLang's own code; catalogue faults {list(faults)} "
-                          "only apply to the builtin family (drop --faults, or use --family builtin)")
-    if backup_mode not in (None, "cpu_tensor", "host_pool"):
-        raise ConfigError(f"unknown backup mode {backup_mode!r}; choose cpu_tensor or host_pool")
+def build_sglang_family(config: ModelConfig, *, device="cpu", decode_rows: int | None = None,
+                        role_flags: dict | None = None, listing: str = "sglang:scheduler") -> SGLangFamily:
+    """The pools of the server a scheduler-path driver starts for ``config`` (its flags published already).
+    ``listing``: the family whose ``poolfuzz configs --family`` listing shows SGLang's pools beside the wiring's, as a
+    message on the wiring names it. ``role_flags``: the server flags of the role the server plays (its decode
+    server's), with which SGLang's configurator builds its pools. ``decode_rows``: the request pool is a PD decode
+    server's, with that many rows more for requests in pre-allocation and transfer."""
     api = load()
-    reason = unsupported_reason(config, scheduled=scheduled)
+    reason = unsupported_reason(config)
     if reason:
         raise ConfigError(f"config {config.name!r} on sglang {api.version}: {reason}")
-    if backup_mode == "host_pool" and host_pool_problem(api, config):
-        raise ConfigError(f"config {config.name!r} on sglang {api.version}: no host_pool retraction backup: "
-                          f"{host_pool_problem(api, config)} (use backup_mode cpu_tensor, or leave it unset)")
-    # Unset: what SGLang's decode server infers from its KV pool (resolve_decode_retraction_backup).
-    backup_mode = backup_mode or resolve_backup_mode(api, config)
     dev = resolve_device(device)
     sdev = str(dev) if dev.type == "cpu" else f"cuda:{dev.index or 0}"
     try:
-        with debug_memory_pool(), native_kv_move():
-            pd_decode = node == DECODE or decode_rows is not None
-            build = functools.partial(_build, api, config, dev, sdev, backup_mode, pd_decode=pd_decode,
-                                      scheduled=scheduled, decode_rows=decode_rows)
+        with switched_on(DEBUG_SWITCH), native_kv_move():
+            pd_decode = decode_rows is not None
+            build = functools.partial(_build, api, config, dev, sdev, pd_decode=pd_decode, decode_rows=decode_rows)
             family = served_or_wired(build, config, sdev, pd_decode=pd_decode, role_flags=role_flags,
                                      listing=listing)
             rows = rows_over_slots(family.sg_req_pool)
             if rows:  # as the release's servers size it: a state slot for every row
-                return build_sglang_family(config.replace(mamba_slots=rows), device=device, faults=faults,
-                                           backup_mode=backup_mode, node=node, scheduled=scheduled,
-                                           decode_rows=decode_rows, role_flags=role_flags, listing=listing)
+                return build_sglang_family(config.replace(mamba_slots=rows), device=device, decode_rows=decode_rows,
+                                           role_flags=role_flags, listing=listing)
             return family
     except ConfigError:
         raise  # declined already, with its reason (a server SGLang refuses among them)
@@ -303,7 +173,7 @@ _SERVES: dict[tuple, str | None] = {}
 
 
 def served_or_wired(build, config: ModelConfig, sdev: str, *, pd_decode: bool, role_flags: dict | None,
-                    same=None, listing: str = "sglang:pools"):
+                    same=None, listing: str):
     """The family over the pools SGLang's configurator builds for the config's server where they are the config's
     (``_server_pools``; ``same``: how the two builds' descriptions must agree, ``descriptions.same_pools`` by
     default), else over the adapter's wiring (``build``: the family's builder with all but ``served`` given).
@@ -313,7 +183,7 @@ def served_or_wired(build, config: ModelConfig, sdev: str, *, pd_decode: bool, r
     key = (config, tuple(sorted((role_flags or {}).items())), pd_decode, sdev)
     if key not in _SERVES:
         family = build()
-        served = _server_pools(config, family, sdev, pd_decode=pd_decode, role_flags=role_flags,
+        served = _server_pools(config, family, sdev, role_flags=role_flags,
                                same=same or same_pools, listing=listing)
         _SERVES[key] = None if served is not None else family.pools_source
         if served is None:
@@ -335,18 +205,14 @@ def served_or_wired(build, config: ModelConfig, sdev: str, *, pd_decode: bool, r
     return family
 
 
-def _server_pools(config: ModelConfig, family: SGLangFamily, sdev: str, *, pd_decode: bool,
-                  role_flags: dict | None = None, same, listing: str):
+def _server_pools(config: ModelConfig, family: SGLangFamily, sdev: str, *, role_flags: dict | None = None,
+                  same, listing: str):
     """The pools SGLang's own KV cache configurator builds for the config's server (``pools/configurator.py``), where
     it builds them here and they are the pools the config describes: the classes, sizes, mamba shapes and layers of
     the family's own wiring, the request rows' width aside. None otherwise, and ``family.pools_source`` says why the
-    family keeps its wiring (``poolfuzz configs --family sglang:pools`` shows how the two differ)."""
+    family keeps its wiring (``poolfuzz configs --family LISTING`` shows how the two differ)."""
     from poolfuzz.adapters.sglang.pools import configurator
 
-    if pd_decode and not role_flags:
-        family.pools_source = ("the adapter's wiring (the pools path's decode node: its server flags are not the "
-                               "scheduler path's decode server's)")
-        return None
     try:
         served = configurator.configure(config, device=sdev, role_flags=role_flags)
     except configurator.ServerRefused:
@@ -366,9 +232,8 @@ def _take(served, role: str, build):
     return build() if served is None else getattr(served, role)
 
 
-def _build(api: SGLangAPI, config: ModelConfig, dev, sdev: str, backup_mode: str = "cpu_tensor",
-           pd_decode: bool = False, scheduled: bool = False, decode_rows: int | None = None,
-           served=None) -> SGLangFamily:
+def _build(api: SGLangAPI, config: ModelConfig, dev, sdev: str, *, pd_decode: bool = False,
+           decode_rows: int | None = None, served=None) -> SGLangFamily:
     """The family over the config's pools: the adapter's wiring of them, or, with ``served``, the ones SGLang's own
     configurator built for the config's server (the same classes and sizes, checked by ``_server_pools``)."""
     c = config
@@ -380,11 +245,10 @@ def _build(api: SGLangAPI, config: ModelConfig, dev, sdev: str, backup_mode: str
                   enable_memory_saver=False, enable_kvcache_transpose=False)
 
     mamba_view = None
-    # a scheduled server's rows are as wide as its configurator makes them (its flags are published by then)
-    width = (lambda: server_row_width(c)) if scheduled else (lambda: None)
     if c.has_mamba:
         sg_req_pool = _take(served, "req_to_token_pool",
-                            lambda: build_request_pool(api, c, sdev, decode_rows=decode_rows, width=width()))
+                            lambda: build_request_pool(api, c, sdev, decode_rows=decode_rows,
+                                                       width=server_row_width(c)))
         problem = check_built(sg_req_pool, c)
         if problem:
             raise ConfigError(f"config {c.name!r} on sglang {api.version}: {problem}")
@@ -394,11 +258,12 @@ def _build(api: SGLangAPI, config: ModelConfig, dev, sdev: str, backup_mode: str
                                                     draft_tokens=c.spec_draft_tokens)
     else:
         sg_req_pool = _take(served, "req_to_token_pool",
-                            lambda: build_plain_request_pool(api, c, sdev, decode_rows=decode_rows, width=width()))
+                            lambda: build_plain_request_pool(api, c, sdev, decode_rows=decode_rows,
+                                                             width=server_row_width(c)))
 
     comps: list[Component] = []
     if not c.has_mamba and (storage_of(c).own_pool or c.kv_scale_block or c.kv_quant == "fp4_mx_block16"):
-        sg_kv, comps = build_storage_pool(api, c, common, scheduled=scheduled,
+        sg_kv, comps = build_storage_pool(api, c, common,
                                           pool=None if served is None else served.token_to_kv_pool)
         alloc_cls = api.TokenToKVPoolAllocator if c.page_size == 1 else api.PagedTokenToKVPoolAllocator
         sg_alloc = _take(served, "allocator", lambda: construct(
@@ -468,48 +333,12 @@ def _build(api: SGLangAPI, config: ModelConfig, dev, sdev: str, backup_mode: str
     door, verified_door = _write_doors(sg_kv, c)
     view_cls = type(type(sg_kv).__name__, (KVPoolView,),
                     {"cpu_copy_carries_mamba": carries, "declared": declared, "__module__": __name__})
-    family = SGLangFamily(
+    return SGLangFamily(
         api=api, config=c, device=dev, uses_ssm_state=uses_ssm_state(c), sg_req_pool=sg_req_pool,
         sg_kv_pool=sg_kv, sg_allocator=sg_alloc,
         req_pool=ReqPoolView(sg_req_pool, mamba=mamba_view, rows=views["rows"], mamba_free=mamba_free),
-        kv_pool=view_cls(sg_kv, comps, door=door, verified_door=verified_door), allocator=AllocatorView(sg_alloc, swa=c.has_swa),
-        protocol=SGLangProtocol(), standin_cls=standin_class(api), admission=SchedulerAdmission(api))
-    if backup_mode == "host_pool":
-        host = SGLangHostBackup(api=api, config=c, req_pool=sg_req_pool, allocator=sg_alloc, kv_pool=sg_kv)
-        family.backup_mode, family.host_backup, family.host_pools = backup_mode, host, dict(host.views)
-        views.update(host.views)
-    family._free_views = views
-    # The release's paged SWA resume: tail-only where its allocator can (0.5.12 on), else every position.
-    family.resume_swa_tail_only = not c.has_swa or hasattr(sg_alloc, "alloc_extend_swa_tail")
-    family.snapshot_free_lists()
-    cannot_move = move_problem(sg_kv, dev)  # a pool that cannot move rows here: chain drafts only
-    family.supports_tree_drafts = cannot_move is None
-    if cannot_move:
-        family.declined["tree_drafts"] = (f"{cannot_move}, so a tree verify's accepted-token move cannot run "
-                                          "here; chain drafts only")
-    family.pd_decode = pd_decode and gate_problem(api) is None
-    if pd_problem(api) is None:
-        family.transfer = SGLangPDTransfer()
-        _decline_if_pd_refuses(family)
-    else:
-        family.supports_transfer = False
-    return family
-
-
-def _decline_if_pd_refuses(family: SGLangFamily) -> None:
-    """Register the node for PD as SGLang's disaggregation setup does: where SGLang refuses the pool
-    (``NotImplementedError``: 0.5.23's MiniMax pool with index values), no PD server of this model starts, so
-    nothing is transferred, and nothing is backed up at retraction (only a PD decode server does that)."""
-    try:
-        registration(family)
-        del family._pd_args  # registered again at the first transfer, as before (a test may patch it first)
-    except NotImplementedError as exc:
-        reason = f"SGLang {family.api.version}'s PD setup refuses this KV pool ({str(exc).splitlines()[0]})"
-        family.supports_transfer = family.supports_retract = False
-        family.transfer = None
-        family.declined.update(transfer=reason, retract=reason + "; a colocated server recomputes a retracted request")
-    except Exception:  # anything else is the first transfer's to report, as when registration was lazy
-        pass
+        kv_pool=view_cls(sg_kv, comps, door=door, verified_door=verified_door),
+        allocator=AllocatorView(sg_alloc, swa=c.has_swa), _free_views=views)
 
 
 def _write_doors(sg_kv, c: ModelConfig):

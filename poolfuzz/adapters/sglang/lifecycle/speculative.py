@@ -1,25 +1,16 @@
-"""Speculative decoding's recurrent scratch on SGLang's real MambaPool, and the commit after verify.
+"""Speculative decoding's recurrent scratch on SGLang's real MambaPool, seen as components.
 
 With ``speculative_num_draft_tokens`` SGLang's ``MambaPool`` allocates its intermediate caches
 (``intermediate_ssm`` and ``intermediate_conv_window``, ``[layers, spec_state_size + 1, draft_tokens,
-*state]``) and hands them to the attention backend through ``get_speculative_mamba2_params_all_layers``.
-The harness's verify forward writes the request's scratch row of them (the request row: SGLang's
-stable-rows layout), and the commit is the scatter ``update_mamba_state_after_mtp_verify`` runs: on a
-GPU a fused Triton kernel, on other devices ``dst[:, dst_rows] = src[:, src_rows, step]``
-(``HybridLinearAttnBackend._scatter_speculative_state_with_mask``). The backend module does not
-import without the server's dependencies, so the adapter runs that same scatter on the buffers SGLang's
-accessor returns.
+*state]``) and hands them to the attention backend through ``get_speculative_mamba2_params_all_layers``;
+the speculative worker stand-in (``scheduler/spec_worker.py``) writes a request's row of them at verify.
 """
 
 from __future__ import annotations
 
-import torch
-
 from poolfuzz.adapters.sglang.api import parameters
 from poolfuzz.adapters.sglang.compat import conv_window_buffers
-from poolfuzz.adapters.sglang.pools.calls import native_kv_move
 from poolfuzz.adapters.sglang.pools.request_pool import build_request_pool
-from poolfuzz.adapters.sglang.pools.storage import what_failed
 from poolfuzz.pools.speculative import scratch_components
 
 
@@ -75,43 +66,3 @@ class SGLangScratch:
 
     def components(self):
         return scratch_components(self.state_names, self.buffers, self.layer_ids, self.draft_tokens)
-
-
-def commit(req_pool, *, row: int, accepted_step: int, state_slot: int, track_slot: int | None) -> None:
-    """``update_mamba_state_after_mtp_verify`` for one request: the accepted step's conv windows and
-    temporal state, read through SGLang's accessor, into the state slot (and the track slot)."""
-    caches = req_pool.get_speculative_mamba2_params_all_layers()
-    slots = [state_slot] if track_slot is None else [state_slot, track_slot]
-    pairs = list(zip(caches.conv, caches.intermediate_conv_window)) + [(caches.temporal, caches.intermediate_ssm)]
-    for dst, src in pairs:
-        for slot in slots:
-            dst[:, slot] = src[:, row, accepted_step]
-
-
-def move_accepted(family, *, tgt, src) -> None:
-    """A tree verify's accepted path to the front of the window, as ``move_accept_tokens_to_target_kvcache``
-    ends: ``token_to_kv_pool_allocator.get_kvcache().move_kv_cache(tgt_cache_loc, accept_out_cache_loc)``
-    (the model's KV pool moves every layer, and an SWA pool its SWA peers through ``full_to_swa``)."""
-    alloc = family.sg_allocator
-    kv_pool = alloc.get_kvcache() if hasattr(alloc, "get_kvcache") else family.sg_kv_pool
-    device = family.device
-    with native_kv_move():  # releases up to 0.5.22 read the switch at each move, 0.5.23 when the pool is built
-        kv_pool.move_kv_cache(tgt.to(device=device, dtype=torch.int64), src.to(device=device, dtype=torch.int64))
-
-
-def move_problem(sg_kv, device) -> str | None:
-    """Why the built KV pool cannot move a row here (the padding slot onto itself, which changes nothing), or
-    None. The move is SGLang's native one (the Triton row copy needs a GPU), so what it raises is said: a
-    kernel this machine cannot launch, or a defect of the native path itself (0.5.21-0.5.23's MXFP8 pool has
-    no ``native_k_scale_buffer`` for the native move to read: an AttributeError under
-    ``SGLANG_NATIVE_MOVE_KV_CACHE=1`` on a GPU too)."""
-    move = getattr(sg_kv, "move_kv_cache", None)
-    if move is None:
-        return f"{type(sg_kv).__name__} has no move_kv_cache"
-    pad = torch.zeros(1, dtype=torch.int64, device=device)
-    try:
-        with native_kv_move():
-            move(pad, pad)
-    except Exception as exc:  # what a missing kernel or a broken native path raises varies by release
-        return f"{type(sg_kv).__name__}.move_kv_cache (native) raises {type(exc).__name__}: {what_failed(exc)}"
-    return None

@@ -23,17 +23,6 @@ def paged_alloc_extend(allocator, *, prefix_len: int, seq_len: int, last_loc: in
     return fn(**accepted_kwargs(fn, **kwargs))
 
 
-def paged_alloc_decode(allocator, *, seq_len: int, last_loc: int):
-    dev = allocator.device
-    kwargs = dict(seq_lens=_dev_tensor([seq_len], dev), seq_lens_cpu=torch.tensor([seq_len]),
-                  last_loc=_dev_tensor([last_loc], dev))
-    return allocator.alloc_decode(**accepted_kwargs(allocator.alloc_decode, **kwargs))
-
-
-# A speculative server builds its MHA pools with ``enable_kv_cache_copy`` (the configurator), whose tiled
-# row move is a Triton kernel (on a CPU server sgl_kernel's ``copy_all_layer_kv_cache_cpu``); neither runs
-# here. SGLang's own switch for the torch move (``move_kv_cache_native``) is this variable: 0.5.23 reads it
-# when a pool is built, earlier releases (0.5.13) at every ``move_kv_cache``, so it is set around both.
 NATIVE_MOVE = "SGLANG_NATIVE_MOVE_KV_CACHE"
 
 

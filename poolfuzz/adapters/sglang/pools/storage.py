@@ -44,9 +44,8 @@ def single_rank(api: SGLangAPI) -> None:
         ctx.override_permanently(**unset)
 
 
-def storage_problem(api: SGLangAPI, config: ModelConfig, *, scheduled: bool = False) -> str | None:
-    """Why this release cannot build the config's KV storage, or None. ``scheduled``: for the scheduler path, which
-    never backs a slot up to the host (SGLang's ``retract_decode`` frees it and recomputes)."""
+def storage_problem(api: SGLangAPI, config: ModelConfig) -> str | None:
+    """Why this release cannot build the config's KV storage, or None."""
     kind = storage_of(config)
     if kind.pool_class is not None and getattr(api, kind.pool_class) is None:
         return f"this SGLang has no {kind.pool_class}{kind.pool_class_also}"
@@ -63,7 +62,6 @@ def storage_problem(api: SGLangAPI, config: ModelConfig, *, scheduled: bool = Fa
         block = getattr(cls, "MXFP8_SCALE_BLOCK_SIZE", None)
         if block != config.kv_scale_block:
             return f"SGLang's MXFP8 pool scales blocks of {block} values; set kv_scale_block = {block}"
-        return None if scheduled else _mxfp8_problem(api)
     return None
 
 
@@ -101,32 +99,6 @@ def what_failed(exc: BaseException) -> str:
     return frames[-1].line if frames and frames[-1].line else "no message"
 
 
-_MXFP8_PROBE: dict[str, str | None] = {}
-
-
-def _mxfp8_problem(api: SGLangAPI) -> str | None:
-    """Back up and restore one slot of a throwaway MXFP8 pool: some torch builds cannot index-put
-    its UE8M0 scale dtype on the CPU."""
-    if "result" in _MXFP8_PROBE:
-        return _MXFP8_PROBE["result"]
-    problem = None
-    try:
-        pool = construct(api.MHATokenToKVPoolMXFP8, size=4, page_size=1, dtype=torch.float8_e4m3fn, head_num=1,
-                         head_dim=32, layer_num=1, device="cpu", enable_memory_saver=False,
-                         enable_kvcache_transpose=False)
-        scales_as_bytes(pool)
-        from poolfuzz.adapters.sglang.shims import cpu_synchronize
-
-        with cpu_synchronize(torch.device("cpu")):
-            pool.load_cpu_copy(pool.get_cpu_copy(torch.tensor([1])), torch.tensor([2]))
-    except Exception as exc:  # what a kernel or dtype the CPU lacks raises varies by release
-        first = str(exc).splitlines()[0] if str(exc) else ""
-        problem = (f"SGLang {api.version}'s MXFP8 pool cannot back up and restore a slot on this device "
-                   f"({type(exc).__name__}: {first})")
-    _MXFP8_PROBE["result"] = problem
-    return problem
-
-
 @functools.cache
 def index_put_lacks_ue8m0(device: torch.device) -> bool:
     """Whether this torch has no ``index_put`` for UE8M0 (``float8_e8m0fnu``) on ``device``: its CPU
@@ -157,13 +129,13 @@ def scales_as_bytes(pool) -> bool:
     return True
 
 
-def build_storage_pool(api: SGLangAPI, config: ModelConfig, common: dict, *, scheduled: bool = False,
+def build_storage_pool(api: SGLangAPI, config: ModelConfig, common: dict, *,
                        pool=None) -> tuple[object, list[Component]]:
     """The release's MLA, DSA, MiniMax sparse or MXFP8 pool for a full-attention-only config, and its components
-    (``scheduled``: for the scheduler path, see ``storage_problem``); with ``pool``, the components of that one, as
+    with ``pool``, the components of that one, as
     SGLang's configurator built it for the config's server."""
     c = config
-    problem = storage_problem(api, c, scheduled=scheduled)
+    problem = storage_problem(api, c)
     if problem:
         raise ConfigError(f"config {c.name!r} on sglang {api.version}: {problem}")
     if storage_of(c).builds_own_pool:  # MiniMax's sparse pool: its own builder, which takes no transpose flag

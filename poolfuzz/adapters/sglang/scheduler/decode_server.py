@@ -220,7 +220,7 @@ class SglangDecodeDriver(SglangSchedulerDriver):
         SGLang builds, and the family would run on the wiring."""
         from poolfuzz.adapters.sglang.lifecycle.family import build_sglang_family
 
-        return build_sglang_family(config, scheduled=True, decode_rows=2 * max_running, role_flags=ROLE_FLAGS,
+        return build_sglang_family(config, decode_rows=2 * max_running, role_flags=ROLE_FLAGS,
                                    listing=self.family_name)
 
     # SGLang sizes this server's window pool from its requests' windows, not the ratio's (``server_sized``)

@@ -56,7 +56,7 @@ from poolfuzz.adapters.sglang import compat
 from poolfuzz.adapters.sglang.compat.drift import drift_checked, marked_stand_in
 from poolfuzz.adapters.sglang.host_tier import l3
 from poolfuzz.adapters.sglang.lifecycle.family import build_sglang_family
-from poolfuzz.adapters.sglang.lifecycle.protocol import unalias_backup
+from poolfuzz.adapters.sglang.scheduler.backups import unalias_backup
 from poolfuzz.adapters.sglang.shims import cpu_server, root_warnings_off
 from poolfuzz.adapters.sglang.scheduler.runner import ModelRunner, RowGuard, deferred_cow_and_clear
 from poolfuzz.adapters.sglang.scheduler.model_facts import (MAMBA_CHUNK, VOCAB, empty_batch, max_req_len,
@@ -245,7 +245,7 @@ class SglangSchedulerDriver:
 
     def build_family(self, config: ModelConfig, max_running: int):
         """The family over the pools SGLang's configurator builds for this server's flags."""
-        return build_sglang_family(config, scheduled=True, listing=self.family_name)
+        return build_sglang_family(config, listing=self.family_name)
 
     pool_flags: dict | None = None  # the role flags its pools are built with beside the config's (build_family)
 
@@ -559,7 +559,7 @@ def backups_own_memory(family):
     takes can be a view of the live pool row it backs up (``tensor.to("cpu", non_blocking=True)`` returns the tensor
     itself; a 0-d slot index gives a view), which the next request given that row overwrites before the retracted one
     resumes. Right after each offload (before ``release_req`` frees a slot) the backup's aliased tensors are copied,
-    as a GPU's copy would be, and recorded (``lifecycle.protocol.unalias_backup``)."""
+    as a GPU's copy would be, and recorded (``scheduler.backups.unalias_backup``)."""
     from sglang.srt.managers.schedule_batch import Req
 
     offload = Req.offload_kv_cache

@@ -114,7 +114,7 @@ def mamba_sized(config, server_args):
         raise ConfigError(f"the scheduler-driven sglang family cannot build {config.name!r}: SGLang {load().version} "
                           "sizes a mamba model's state slots and request rows inline in ModelRunner.init_memory_pool "
                           "(no _calculate_mamba_ratio, 0.5.10 on), which the scheduler path cannot run without a "
-                          "model; use --family sglang:pools")
+                          "model; run it on SGLang 0.5.10 or later")
     return with_mamba_ratio(config, runner_mamba_ratio(server_args))
 
 

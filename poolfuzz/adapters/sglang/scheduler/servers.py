@@ -19,7 +19,7 @@ def unsupported_reason(config: ModelConfig, driver_cls=None, *, backup_mode: str
     ``config``, or None."""
     from poolfuzz.adapters.sglang.lifecycle.family import unsupported_reason as pools_reason
 
-    return (pools_reason(config, scheduled=True) or speculative_problem(config, driver_cls) or release_problem()
+    return (pools_reason(config) or speculative_problem(config, driver_cls) or release_problem()
             or server_refusal(config, driver_cls or SglangSchedulerDriver, backup_mode))
 
 

@@ -1,1 +1,1 @@
-"""SGLang's prefix trees: built as the release's registry builds them, driven, and modelled."""
+"""SGLang's prefix trees, built as the release's registry builds them for a server's scheduler."""

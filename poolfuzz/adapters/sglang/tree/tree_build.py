@@ -1,4 +1,4 @@
-"""Building the prefix tree the installed release's scheduler would build (``trees.py`` drives it)."""
+"""Building the prefix tree the installed release's scheduler would build, and sizing its mamba state slots."""
 
 from __future__ import annotations
 
@@ -82,18 +82,7 @@ def build_tree(family, *, hierarchical: bool = False, storage_dir: str | None = 
     return tree
 
 
-PYTHON_TREE_CORE = "python"
 CHUNKED_PREFILL_SIZE = 8192  # a server's chunked prefill size when its GPU's memory is not asked
-
-
-def build_disabled_cache(family):
-    """The cache the release's scheduler builds with ``--disable-radix-cache`` for this model (its
-    registry's choice: 0.5.23's is a disabled ``UnifiedRadixCache``, a pure-SWA model's a
-    ``PureSWARadixCache``). It holds nothing; the adapter reads its accounting, never drives it."""
-    ctx = build_context(family, hierarchical=False, disabled=True)  # defaults published first
-    from sglang.srt.mem_cache import registry
-
-    return registry.default_radix_cache_factory(ctx)
 
 
 def build_context(family, *, hierarchical: bool, disabled: bool, server: dict | None = None, worker=None):
@@ -112,8 +101,7 @@ def build_context(family, *, hierarchical: bool, disabled: bool, server: dict | 
         extra["enable_mamba_extra_buffer"] = published_extra_buffer()
     params = CacheInitParams(disable=disabled, req_to_token_pool=family.sg_req_pool, **extra,
                              token_to_kv_pool_allocator=family.sg_allocator, page_size=c.page_size,
-                             sliding_window_size=c.sliding_window if c.has_swa else None,
-                             **({} if disabled else _tree_core(family, CacheInitParams)))
+                             sliding_window_size=c.sliding_window if c.has_swa else None)
     fields = getattr(registry.TreeCacheBuildContext, "__dataclass_fields__", {})
     # 0.5.21's registry picks the chunk cache only where chunked prefill is on, as it is by default (the
     # registry asks only whether a size is set)
@@ -124,17 +112,3 @@ def build_context(family, *, hierarchical: bool, disabled: bool, server: dict | 
         is_hybrid_ssm=c.has_mamba, enable_hierarchical_cache=hierarchical, disable_radix_cache=disabled,
         tp_worker=worker or (hicache.worker_standin() if hierarchical else None), model_config=None,
         tp_size=1, tp_rank=0, tp_group=None, full_tokens_per_layer=c.full_tokens, **chunked)
-
-
-def _tree_core(family, params_cls) -> dict:
-    """Both of 0.5.23's tree cores run in every run: the prefill node keeps the default (the bundled Rust
-    core, whose tree walk coverage cannot see), the PD decode server takes SGLang's Python core through
-    its own per-cache override (``CacheInitParams.tree_core_backend``). A core named by
-    ``SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND`` serves both nodes."""
-    import os
-
-    if "tree_core_backend" not in getattr(params_cls, "__dataclass_fields__", {}):
-        return {}  # a release with one tree core
-    if os.environ.get("SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND") or not family.pd_decode:
-        return {}
-    return {"tree_core_backend": PYTHON_TREE_CORE}
