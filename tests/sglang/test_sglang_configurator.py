@@ -289,7 +289,7 @@ def test_the_listed_flags_are_the_servers_own_command_line(api, configurator, na
 def test_the_adapters_own_wiring_builds_the_pools_the_server_builds(api, configurator, name, monkeypatch):
     """The family's wiring (what it falls back to where the configurator cannot serve) beside the configurator's
     pools: a class, size, shape or layer of its own is a drift of the adapter from the release."""
-    from poolfuzz.adapters.sglang.lifecycle.family import build_sglang_family
+    from poolfuzz.adapters.sglang.pools.family import build_sglang_family
 
     c = CONFIGS[name]
     if configurator.server_gpu(c) is None and configurator.cpu_platform_problem():
@@ -299,7 +299,7 @@ def test_the_adapters_own_wiring_builds_the_pools_the_server_builds(api, configu
     def refused(config, **kwargs):
         raise ConfigError("the configurator is switched off for this test")
 
-    from poolfuzz.adapters.sglang.lifecycle import family as family_module
+    from poolfuzz.adapters.sglang.pools import family as family_module
 
     monkeypatch.setattr(configurator, "configure", refused)
     monkeypatch.setattr(family_module, "_SERVES", {})  # this test's verdicts are not the release's
@@ -440,7 +440,7 @@ def test_a_configs_server_is_written_out_to_launch_on_a_gpu(api, configurator, c
 def test_the_family_runs_on_the_pools_sglangs_configurator_built_for_its_server(configurator, name):
     """Where the configurator builds the pools the config describes, the family drives those very objects: its
     request rows are as wide as SGLang makes them (the model's context and SGLang's extra columns)."""
-    from poolfuzz.adapters.sglang.lifecycle.family import build_sglang_family
+    from poolfuzz.adapters.sglang.pools.family import build_sglang_family
 
     c = CONFIGS[name]
     _built_here(configurator, name)
@@ -505,7 +505,7 @@ def test_a_radix_disabled_decode_server_sizes_its_window_pool_from_its_requests(
     decode server reads that size back into its config and runs on the pools SGLang built; a family built from the
     config as given keeps its wiring and says why."""
     from poolfuzz.adapters.sglang import build_decode_driver
-    from poolfuzz.adapters.sglang.lifecycle.family import build_sglang_family
+    from poolfuzz.adapters.sglang.pools.family import build_sglang_family
     from poolfuzz.adapters.sglang.scheduler.decode_server import ROLE_FLAGS
 
     c = CONFIGS["swa"]

@@ -217,6 +217,53 @@ def test_a_restore_that_loses_the_recurrent_state_is_caught_and_named(decode, mo
             driver.step()
 
 
+def test_a_dsa_backup_without_its_index_cache_is_caught_and_named(decode, api, monkeypatch):
+    """DSA's CPU copy left without its indexer keys (the MLA copy alone, as 0.5.9 and 0.5.10's pool inherited it): a
+    retracted request resumes on other requests' index keys, and the runner names the ``dsa.index_k`` component."""
+    if api.DSATokenToKVPool is None or api.MLATokenToKVPool is None:
+        pytest.skip("no DSA pool in this release")
+    if reason := decode.unsupported_reason(CONFIGS["dsa-ps64"], backup_mode="cpu_tensor"):
+        pytest.skip(reason)
+    mla = api.MLATokenToKVPool
+    monkeypatch.setattr(api.DSATokenToKVPool, "get_cpu_copy",
+                        lambda self, indices, *args, **kwargs: {"kv": mla.get_cpu_copy(self, indices), "index_k": None})
+    monkeypatch.setattr(api.DSATokenToKVPool, "load_cpu_copy",
+                        lambda self, cpu, indices, *args, **kwargs: mla.load_cpu_copy(self, cpu["kv"], indices))
+    driver = decode.SglangDecodeDriver(CONFIGS["dsa-ps64"], backup_mode="cpu_tensor")
+    for n in (40, 44, 42, 38, 41, 43):  # six requests of a page and more on a pool of four 64-token pages
+        driver.add_request(length=n, share=0, max_tokens=40)
+    with pytest.raises(LostKv, match=r"^req \d+ step \d+: dsa\.index_k layer \d+ position \d+: "):
+        for _ in range(120):
+            driver.step()
+    assert driver.retracted >= 1
+
+
+def test_an_mxfp8_restore_that_drops_the_scales_is_caught_and_named(decode, api, monkeypatch):
+    """The MXFP8 pool's restore writes the fp8 payload and not its scales (``_write_scales`` skipped in
+    ``load_cpu_copy``): a resumed request would dequantise against the exponents of whoever held its slots before,
+    and the runner names the scale component."""
+    config = CONFIGS["fp8-scaled"]
+    if api.MHATokenToKVPoolMXFP8 is None:
+        pytest.skip("no MXFP8 pool in this release")
+    if reason := decode.unsupported_reason(config, backup_mode="cpu_tensor"):
+        pytest.skip(reason)
+    pool_cls = api.MHATokenToKVPoolMXFP8
+    original = pool_cls.load_cpu_copy
+
+    def drops_scales(self, *args, **kwargs):
+        with monkeypatch.context() as inside:
+            inside.setattr(self, "_write_scales", lambda *a, **k: None)
+            return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(pool_cls, "load_cpu_copy", drops_scales)
+    driver = decode.SglangDecodeDriver(config, backup_mode="cpu_tensor")
+    for n in (10, 12, 9, 11, 8, 6):
+        driver.add_request(length=n, share=0, max_tokens=20)
+    with pytest.raises(LostKv, match=r"^req \d+ step \d+: full\.[kv]_scale layer \d+ position \d+: "):
+        for _ in range(60):
+            driver.step()
+
+
 @pytest.mark.anchored
 def test_a_retracted_sliding_window_and_mamba_request_resumes_on_its_own_state(decode, expect):
     """#35957 through SGLang's own decode server (swa-ssm, sliding-window and mamba layers): under decode memory

@@ -1,1 +1,3 @@
-"""SGLang's KV and request pools as the family builds them, and the doors (writes, reads, paged calls) and views through which the harness reaches them."""
+"""SGLang's KV and request pools as a server builds them (``family.py``: the pools one server runs on, and what the
+release can build of a config's modes), and the doors (writes, reads, paged calls) and views through which the checks
+reach them."""

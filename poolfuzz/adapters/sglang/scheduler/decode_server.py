@@ -218,7 +218,7 @@ class SglangDecodeDriver(SglangSchedulerDriver):
         ``handle_pd_disaggregation``'s ``disaggregation_decode_extra_slots``). ``max_running`` is the server's
         ``--max-running-requests``, the flag the configurator is given: with other rows the wiring is not the pool
         SGLang builds, and the family would run on the wiring."""
-        from poolfuzz.adapters.sglang.lifecycle.family import build_sglang_family
+        from poolfuzz.adapters.sglang.pools.family import build_sglang_family
 
         return build_sglang_family(config, decode_rows=2 * max_running, role_flags=ROLE_FLAGS,
                                    listing=self.family_name)

@@ -55,7 +55,7 @@ import torch
 from poolfuzz.adapters.sglang import compat
 from poolfuzz.adapters.sglang.compat.drift import drift_checked, marked_stand_in
 from poolfuzz.adapters.sglang.host_tier import l3
-from poolfuzz.adapters.sglang.lifecycle.family import build_sglang_family
+from poolfuzz.adapters.sglang.pools.family import build_sglang_family
 from poolfuzz.adapters.sglang.scheduler.backups import unalias_backup
 from poolfuzz.adapters.sglang.shims import cpu_server, root_warnings_off
 from poolfuzz.adapters.sglang.scheduler.runner import ModelRunner, RowGuard, deferred_cow_and_clear

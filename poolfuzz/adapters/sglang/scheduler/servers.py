@@ -17,7 +17,7 @@ from poolfuzz.pools.errors import ConfigError
 def unsupported_reason(config: ModelConfig, driver_cls=None, *, backup_mode: str | None = None) -> str | None:
     """Why the scheduler path (or ``driver_cls``, a server built on it, with the run's ``backup_mode``) does not drive
     ``config``, or None."""
-    from poolfuzz.adapters.sglang.lifecycle.family import unsupported_reason as pools_reason
+    from poolfuzz.adapters.sglang.pools.family import unsupported_reason as pools_reason
 
     return (pools_reason(config) or speculative_problem(config, driver_cls) or release_problem()
             or server_refusal(config, driver_cls or SglangSchedulerDriver, backup_mode))

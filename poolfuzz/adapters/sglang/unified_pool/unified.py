@@ -21,7 +21,7 @@ import torch
 
 from poolfuzz.adapters.sglang.pools.calls import paged_alloc_extend
 from poolfuzz.adapters.sglang.api import SGLangAPI, first_importable, call_with, load
-from poolfuzz.adapters.sglang.lifecycle.family import KV_DTYPES, served_or_wired
+from poolfuzz.adapters.sglang.pools.family import KV_DTYPES, served_or_wired
 from poolfuzz.adapters.sglang.pools.storage import single_rank, storage_of, what_failed
 from poolfuzz.adapters.sglang.pools.request_pool import check_built, mamba_cache_params, pool_kwargs
 from poolfuzz.adapters.sglang.unified_pool.unified_family import (

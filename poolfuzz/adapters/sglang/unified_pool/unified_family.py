@@ -8,7 +8,7 @@ from typing import Callable
 
 import torch
 
-from poolfuzz.adapters.sglang.lifecycle.family import SGLangFamily
+from poolfuzz.adapters.sglang.pools.family import SGLangFamily
 from poolfuzz.adapters.sglang.pools.views import MambaPoolView
 from poolfuzz.pools.components import Component
 

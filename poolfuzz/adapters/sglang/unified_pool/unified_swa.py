@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from poolfuzz.adapters.sglang.api import SGLangAPI, first_importable, call_with
-from poolfuzz.adapters.sglang.lifecycle.family import KV_DTYPES
+from poolfuzz.adapters.sglang.pools.family import KV_DTYPES
 from poolfuzz.adapters.sglang.pools.request_pool import build_plain_request_pool, mamba_cache_params, pool_kwargs
 from poolfuzz.adapters.sglang.unified_pool.unified_family import (
     UnifiedFamily, prewarm_compaction, served_bundle, state_view, token_translate, translated_kv,

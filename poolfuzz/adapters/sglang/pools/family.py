@@ -23,9 +23,9 @@ from poolfuzz.adapters.sglang.pools.request_pool import (build_plain_request_poo
                                                          rows_over_slots, server_row_width)
 from poolfuzz.adapters.sglang.pools.storage import (build_storage_pool, quant_method_kwargs, storage_of,
                                                      storage_problem)
-from poolfuzz.adapters.sglang.lifecycle.speculative import SGLangScratch, speculative_problem
+from poolfuzz.adapters.sglang.pools.speculative import SGLangScratch, speculative_problem
 from poolfuzz.adapters.sglang.pools.writes import write_rows
-from poolfuzz.adapters.sglang.lifecycle.tracking import extra_buffer_problem
+from poolfuzz.adapters.sglang.pools.extra_buffer import extra_buffer_problem
 from poolfuzz.adapters.sglang.pools.views import (AllocatorView, FreeListView, KVPoolView, MambaPoolView, ReqPoolView,
                                                   as_ints, token_free_pages, token_free_sources)
 from poolfuzz.pools.capabilities import PoolsOrigin
