@@ -330,29 +330,27 @@ def _build(api: SGLangAPI, config: ModelConfig, dev, sdev: str, *, pd_decode: bo
         views["mamba"] = mamba_free
 
     carries, declared = carries_mamba(api, sg_kv)
-    door, verified_door = _write_doors(sg_kv, c)
+    door = _write_door(sg_kv, c)
     view_cls = type(type(sg_kv).__name__, (KVPoolView,),
                     {"cpu_copy_carries_mamba": carries, "declared": declared, "__module__": __name__})
     return SGLangFamily(
         api=api, config=c, device=dev, uses_ssm_state=uses_ssm_state(c), sg_req_pool=sg_req_pool,
         sg_kv_pool=sg_kv, sg_allocator=sg_alloc,
         req_pool=ReqPoolView(sg_req_pool, mamba=mamba_view, rows=views["rows"], mamba_free=mamba_free),
-        kv_pool=view_cls(sg_kv, comps, door=door, verified_door=verified_door),
+        kv_pool=view_cls(sg_kv, comps, door=door),
         allocator=AllocatorView(sg_alloc, swa=c.has_swa), _free_views=views)
 
 
-def _write_doors(sg_kv, c: ModelConfig):
-    """The KV pool's own write door for the config's layers (``adapters.sglang.writes``), and the one a chain
-    verify's window goes through (``committed=``; None: the plain door takes the whole window). A pool with
-    scale buffers quantises what it is handed, so its rows (already bytes) are written directly."""
+def _write_door(sg_kv, c: ModelConfig):
+    """The KV pool's own write door for the config's layers (``pools/writes.py``), or None: a pool with scale buffers
+    quantises what it is handed, so its rows (already bytes) are written directly."""
     if c.kv_scale_block or c.kv_quant == "fp4_mx_block16":
-        return None, None
-    if not storage_of(c).prefix_valid_door:  # MiniMax's sparse pool: its own door
-        return functools.partial(write_msa_rows, sg_kv, config=c), None
+        return None
+    if not storage_of(c).set_kv_buffer_door:  # MiniMax's sparse pool: its own door
+        return functools.partial(write_msa_rows, sg_kv, config=c)
     mha = [] if c.latent else [("full", i) for i in c.full_layer_ids] + [("swa", i) for i in c.swa_layer_ids]
-    door = functools.partial(write_rows, sg_kv, mha_layers=mha, mla_layers=list(c.full_layer_ids) if c.latent else [],
+    return functools.partial(write_rows, sg_kv, mha_layers=mha, mla_layers=list(c.full_layer_ids) if c.latent else [],
                              model_dtype=MODEL_DTYPE if c.kv_quant else None)
-    return door, door
 
 
 def carries_mamba(api: SGLangAPI, kv_pool) -> tuple[bool, bool]:

@@ -304,10 +304,9 @@ class SGLangStorage:
     # HybridLinearKVPool's keywords for a full-attention sub-pool of this kind beside recurrent layers (MLA: use_mla)
     hybrid_args: Callable[[ModelConfig], dict] | None = None
     index_cache: bool = False  # DSA's page-major index-key cache beside the latent rows (dsa.index_k)
-    prefix_valid_door: bool = True  # its pool takes writes through the prefix-valid door (MiniMax's has none)
+    set_kv_buffer_door: bool = True  # its pool takes K/V rows through set_kv_buffer (MiniMax's has its own door)
     host_side_pools: bool = False  # its host group holds pools beside the KV (index keys): the v2 store interface
     host_page_head: bool = True  # its host pools have the page_head layout (MiniMax's K-only index pool has not)
-    host_retraction: str | None = None  # why a PD decode server's host_pool retraction is not driven for it
     host_tier: str | None = None  # why SGLang's HiCache host tier is not driven for it
     unified: str | None = None  # why SGLang's unified pool is not driven for it ({version}: the release)
 
@@ -322,7 +321,6 @@ STORAGE: dict[str, SGLangStorage] = {k.name: k for k in (
     SGLangStorage(name="mla", pool_class="MLATokenToKVPool", hybrid_args=_hybrid_latent_args),
     SGLangStorage(name="dsa", pool_class="DSATokenToKVPool", pool_class_also=" (or NSATokenToKVPool)",
                   probe=_dsa_problem, hybrid_args=_hybrid_dsa_args, index_cache=True,
-                  host_retraction="the DSA host pool (pool_host/dsa) is not driven here",
                   # its host transfers synchronise a device stream; a CPU stream has no synchronize
                   host_tier="DSA host pools are not driven (their transfers synchronise a device stream, which the "
                             "CPU lacks)",
@@ -331,10 +329,7 @@ STORAGE: dict[str, SGLangStorage] = {k.name: k for k in (
                   unified="SGLang {version}'s unified Mamba factory (init_unified_mamba_pools) builds an MLA sub-pool "
                           "without DSA's index-key cache (it takes no index_head_dim); use --family sglang"),
     SGLangStorage(name="msa", probe=msa_problem, builds_own_pool=True,
-                  prefix_valid_door=False, host_side_pools=True, host_page_head=False,
-                  host_retraction="SGLang's decode server backs a MiniMax sparse pool up as cpu_tensor "
-                                  "(resolve_decode_retraction_backup takes host_pool for MHATokenToKVPool and "
-                                  "SWAKVPool only); its host-pool retraction is not driven here"),
+                  set_kv_buffer_door=False, host_side_pools=True, host_page_head=False),
 )}
 
 

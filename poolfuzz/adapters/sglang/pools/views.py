@@ -197,22 +197,14 @@ class KVPoolView:
     # The forward's KV rows go through SGLang's write door (``write_rows``), not into the buffers
     writes_through_engine = True
 
-    def __init__(self, pool, comps: list[Component], *, door=None, verified_door=None):
+    def __init__(self, pool, comps: list[Component], *, door=None):
         self.pool = pool
         self._components = comps
         self._door = door  # rows -> the keys written (adapters.sglang.writes.write_rows, bound to the pool)
-        self._verified_door = verified_door  # the same, for a verify window with committed= (None: the door)
 
     def write_rows(self, slots: torch.Tensor, rows: dict) -> set:
         """Write ``rows[(component, layer)]`` for the full slots ``slots`` as an attention backend does."""
         return self._door(slots=slots, rows=rows) if self._door is not None else set()
-
-    def write_verified_rows(self, slots: torch.Tensor, rows: dict, *, committed: int) -> set:
-        """A chain verify's window: the first ``committed`` rows through the pool's prefix-valid door where it
-        has one (``set_kv_buffer_prefix_valid``), else every row through ``write_rows``."""
-        if self._verified_door is None:
-            return self.write_rows(slots, rows)
-        return self._verified_door(slots=slots, rows=rows, committed=committed)
 
     def components(self) -> list[Component]:
         return list(self._components)

@@ -48,27 +48,6 @@ def kv_write_loc(pool, loc: torch.Tensor) -> tuple[object, dict]:
     return loc, ({"swa_loc": swa_loc} if takes_swa_loc and swa_loc is not None else {})
 
 
-def _prefix_valid_door(pool, loc: torch.Tensor, committed: int | None):
-    """``write(layer_id, k, v) -> bool``: one request's verify window through ``set_kv_buffer_prefix_valid``
-    (DFlash's commit), ``loc_2d`` the window's slots as one row and ``commit_lens`` its verified length; it
-    answers False where the pool's layout declines it (``NotImplementedError``: page-major and MXFP8 pools).
-    None: no verify window, or a pool without the door."""
-    door = getattr(pool, "set_kv_buffer_prefix_valid", None) if committed is not None else None
-    if door is None:
-        return None
-    loc_2d = loc.reshape(1, -1)
-    lens = torch.tensor([committed], dtype=torch.int32, device=loc.device)
-
-    def write(layer_id: int, k: torch.Tensor, v: torch.Tensor) -> bool:
-        try:
-            door(RadixAttentionFields(layer_id), loc_2d, lens, k, v)
-        except NotImplementedError:
-            return False
-        return True
-
-    return write
-
-
 def latent_row(rows: dict, layer_id: int, pool) -> torch.Tensor:
     """An MLA layer's rows as the CPU backends hand them to ``set_kv_buffer``: one latent row per token, the
     compressed part then the rope part, in the pool's dtype."""
@@ -76,14 +55,11 @@ def latent_row(rows: dict, layer_id: int, pool) -> torch.Tensor:
     return as_pool_dtype(latent, pool)
 
 
-def write_rows(pool, *, mha_layers, mla_layers, slots: torch.Tensor, rows: dict, model_dtype=None,
-               committed: int | None = None) -> set:
+def write_rows(pool, *, mha_layers, mla_layers, slots: torch.Tensor, rows: dict, model_dtype=None) -> set:
     """Write ``rows[(component, layer)]`` for the full slots ``slots`` through the pool's door, layer by
     layer; return the keys written. ``mha_layers``: (space, layer id) of every K/V layer. ``model_dtype``:
     a pool built with a KV quant method quantises what it is handed, so its rows (the bytes it stores) go
-    in as the model computes K and V, in this dtype (exact for every stored byte). ``committed``: the
-    window is a chain verify's, whose first ``committed`` rows the pool's prefix-valid door commits where it
-    has one (only those are written there; a pool without the door gets every row)."""
+    in as the model computes K and V, in this dtype (exact for every stored byte)."""
     if not rows:
         return set()
     if model_dtype is not None:
@@ -91,14 +67,12 @@ def write_rows(pool, *, mha_layers, mla_layers, slots: torch.Tensor, rows: dict,
     device = next(iter(rows.values())).device
     loc = slots.to(device=device, dtype=torch.int64)
     loc_info, loc_kwargs = kv_write_loc(pool, loc)
-    prefix_valid = _prefix_valid_door(pool, loc, committed)
     done = set()
     for space, layer_id in mha_layers:
         k, v = (f"{space}.k", layer_id), (f"{space}.v", layer_id)
         if k in rows and v in rows:
             k_rows, v_rows = as_pool_dtype(rows[k], pool), as_pool_dtype(rows[v], pool)
-            if prefix_valid is None or not prefix_valid(layer_id, k_rows, v_rows):
-                pool.set_kv_buffer(RadixAttentionFields(layer_id), loc_info, k_rows, v_rows, **loc_kwargs)
+            pool.set_kv_buffer(RadixAttentionFields(layer_id), loc_info, k_rows, v_rows, **loc_kwargs)
             done |= {k, v}
     for layer_id in mla_layers:
         nope, rope = ("mla.latent", layer_id), ("mla.rope", layer_id)
