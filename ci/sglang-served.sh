@@ -26,11 +26,12 @@ for v in "${versions[@]}"; do
     out=$(PYTHONPATH="$repo" "$python" -m poolfuzz.cli configs --family "$family" 2>&1)
     served=$(grep -c "^    family builds the same" <<<"$out")
     declined=$(grep -c "^    family: declines" <<<"$out")
+    crashed=$(awk '/^[a-z0-9-]+ +[a-z(]/{name=$1} /^    family: crashes/{printf "%s%s", sep, name; sep=", "}' <<<"$out")
     wired=$(awk '/^[a-z0-9-]+ +[a-z(]/{name=$1; reason=""}
                  /^    (configurator|model runner): /{reason=$0}
                  /^    family (differs|builds:)/{if (!(name in seen)) {seen[name]=1
                    r = reason == "" ? "builds other pools" : (reason ~ /cannot build/ ? "cannot build" : "other")
                    printf "%s%s (%s)", sep, name, r; sep=", "}}' <<<"$out")
-    echo "$v $family: served $served, declined $declined, wired: ${wired:-none}"
+    echo "$v $family: served $served, declined $declined, wired: ${wired:-none}, crash at startup: ${crashed:-none}"
   done
 done

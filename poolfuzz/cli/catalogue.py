@@ -104,7 +104,9 @@ def _print_server(d) -> None:
         print(f"{indent}{d.built_by} built:")
         for part, what in d.built.items():
             print(f"{indent}  {part:14} {what}")
-    if d.family is None:
+    if d.family_crashes is not None:
+        print(f"{indent}family: crashes at startup ({d.family_crashes}; poolfuzz run reports it as a failure)")
+    elif d.family is None:
         print(f"{indent}family: declines ({d.family_declines})")
     elif d.built is None:
         print(f"{indent}family builds:")

@@ -162,6 +162,8 @@ class ServerDescription:
     refused: str | None  # why the engine (here) refuses that server, or why no server stands for the config yet
     family: dict[str, str] | None  # part -> its class and size, as the family builds it; None: the family declines
     family_declines: str | None = None  # why the family declines the config
+    # what the engine raised starting the family's server (a startup crash: ``poolfuzz run`` reports it as a failure)
+    family_crashes: str | None = None
     model: dict | None = None  # the model's config.json the server reads (None: no model stands for the config yet)
     launcher: str = ""  # the engine's own launch command for that server, without its model path and flags
     notes: tuple[str, ...] = ()  # what else a reader of the listing must know (a flag added after a refusal)

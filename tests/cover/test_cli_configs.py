@@ -130,3 +130,16 @@ def test_a_servers_launch_command_starts_it_in_its_environment():
     held = ServerDescription(flags="--page-size 1", built=None, refused="no GPU", family=None,
                              launcher="python -m engine.launch", environment="EVICTION_INTERVAL=6 MODE='a b'")
     assert held.command("/m") == "EVICTION_INTERVAL=6 MODE='a b' python -m engine.launch --model-path /m --page-size 1"
+
+
+def test_a_server_that_crashes_at_startup_is_listed_as_a_crash_not_a_decline(capsys):
+    """The engine's own startup raised (SGLang 0.5.11 - 0.5.13's FP4 decode server imports a renamed class): the
+    listing says so and goes on to the next config, where it once ended in a traceback."""
+    from poolfuzz.cli.catalogue import _print_server
+    from poolfuzz.pools.capabilities import ServerDescription
+
+    _print_server(ServerDescription(flags="--page-size 1", built={"KV pool": "P (8 tokens)"}, refused=None,
+                                    family=None, family_crashes="ImportError: cannot import name 'X'"))
+    out = capsys.readouterr().out
+    assert "family: crashes at startup (ImportError: cannot import name 'X'; poolfuzz run reports it as a failure)" in out
+    assert "declines" not in out

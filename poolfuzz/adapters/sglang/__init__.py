@@ -38,10 +38,10 @@ def engine_report():
     return probed()
 
 
-def _described(config, *, role_flags, build, server_of, notes=()):
+def _described(config, *, role_flags, build, server_of, decline, notes=()):
     """``config``'s server with ``role_flags`` beside its own flags, what SGLang's configurator builds for it here,
     and what the server ``build()`` starts runs on. ``server_of``: that server's ``(family, flags)``: the listing
-    names every flag it runs with."""
+    names every flag it runs with. ``decline``: the family's decline check, asked first, as a run asks it."""
     import shlex
 
     from poolfuzz.adapters.sglang.api import load
@@ -49,26 +49,37 @@ def _described(config, *, role_flags, build, server_of, notes=()):
     from poolfuzz.adapters.sglang.pools.environment import server_environment
     from poolfuzz.adapters.sglang.pools.configurator import (CONFIGURATOR, builder, command_line, configure,
                                                              server_flags, server_model)
-    from poolfuzz.errors import ConfigError
+    from poolfuzz.errors import ConfigError, EngineApiChanged
     from poolfuzz.pools.capabilities import ServerDescription
 
     load()
     flags = command_line(server_flags(config) | (role_flags or {}))
-    built, refused, family, declines, model = None, None, None, None, None
+    built, refused, family, declines, crashes, model = None, None, None, None, None, None
     served = config  # the config as the family sizes its server (a scheduler path's mamba cache among it)
     try:
+        if why := decline(config):
+            raise ConfigError(why)
         built_family, running = server_of(build())
         served = built_family.config
         flags = command_line(server_flags(served) | running | (role_flags or {}))
         family = describe_pools(built_family.sg_req_pool, built_family.sg_kv_pool, built_family.sg_allocator)
     except ConfigError as exc:
         declines = str(exc)
+    except EngineApiChanged:
+        raise  # the adapter meets a reshaped release: `poolfuzz configs` says API CHANGED, as a run does
+    except Exception as exc:  # SGLang's own startup raised (0.5.11's FP4 decode server): a finding, listed as one
+        crashes = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
     try:
         server = server_model(served)
         model = server.hf_config
         built = configure(served, role_flags=role_flags).parts()
     except ConfigError as exc:
         refused = str(exc)
+    except EngineApiChanged:
+        if declines is None:
+            raise
+        # a server of a mode the release lacks (--enable-unified-memory before 0.5.15): the family's reason says so
+        refused = declines
     if config.free_memory_kib:  # what no flag says: the sizes above are SGLang's answer to this much memory
         notes = (*notes, f"sized by {builder()} from {config.free_memory_kib} KiB of device memory free once "
                          "the weights are loaded (no --max-total-tokens, --max-mamba-cache-size or "
@@ -76,6 +87,7 @@ def _described(config, *, role_flags, build, server_of, notes=()):
     # a server with the model's shapes and random weights: the pools poolfuzz fuzzed, on a GPU
     environment = " ".join(f"{name}={shlex.quote(value)}" for name, value in sorted(server_environment(served).items()))
     return ServerDescription(flags=flags, built=built, refused=refused, family=family, family_declines=declines,
+                             family_crashes=crashes,
                              environment=environment,
                              model=model, launcher="python -m sglang.launch_server --load-format dummy "
                                                    "--skip-tokenizer-init", notes=tuple(notes),
@@ -104,10 +116,11 @@ def describe_unified_driver(config):
     from poolfuzz.adapters.sglang.scheduler.unified_server import build_unified_driver
     from poolfuzz.adapters.sglang.unified_pool.unified import SERVER_FLAGS
 
-    return _described_server(config, build=build_unified_driver, role_flags=SERVER_FLAGS)
+    return _described_server(config, build=build_unified_driver, role_flags=SERVER_FLAGS,
+                             decline=unified_server_unsupported_reason)
 
 
-def _described_server(config, *, build, role_flags=None, notes=()):
+def _described_server(config, *, build, decline, role_flags=None, notes=()):
     """The scheduler-path server ``build(config)`` starts: every flag it runs with (its pools' flags and its own:
     chunked prefill, running cap, role; the driver's ``listed_flags``), what SGLang's configurator builds for the
     config's server with ``role_flags``, and the pools that server runs on (``poolfuzz configs --family
@@ -115,13 +128,14 @@ def _described_server(config, *, build, role_flags=None, notes=()):
     def server_of(driver):
         return driver.family, driver.listed_flags
 
-    return _described(config, role_flags=role_flags, build=lambda: build(config), server_of=server_of, notes=notes)
+    return _described(config, role_flags=role_flags, build=lambda: build(config), server_of=server_of, decline=decline,
+                      notes=notes)
 
 
 def describe_scheduler_server(config):
     from poolfuzz.adapters.sglang.scheduler.servers import build_driver
 
-    return _described_server(config, build=build_driver)
+    return _described_server(config, build=build_driver, decline=scheduler_unsupported_reason)
 
 
 def describe_decode_server(config):
@@ -135,7 +149,8 @@ def describe_decode_server(config):
     if decode_problem(config) is None and (added := operator_backup(config)):
         notes.append(f"started with --disaggregation-decode-retraction-backup {added}, as an operator would: SGLang "
                      f"refuses the server it resolves without the flag ({server_refusal(config, SglangDecodeDriver, None)})")
-    return _described_server(config, build=build_decode_driver, role_flags=ROLE_FLAGS, notes=notes)
+    return _described_server(config, build=build_decode_driver, role_flags=ROLE_FLAGS, notes=notes,
+                             decline=decode_unsupported_reason)
 
 
 def describe_hicache_server(config):
@@ -147,7 +162,7 @@ def describe_hicache_server(config):
         driver.close()  # its pools are read after; its storage threads and files are not needed
         return driver
 
-    return _described_server(config, build=build)
+    return _described_server(config, build=build, decline=hicache_unsupported_reason)
 
 
 def build_scheduler_driver(config, *, device="cpu", faults=(), backup_mode=None):
@@ -261,7 +276,8 @@ def describe_unified_decode(config):
     """The unified-memory decode server's listing: its flags, what SGLang's configurator builds, its pools."""
     from poolfuzz.adapters.sglang.scheduler.unified_server import UnifiedDecodeDriver, build_unified_decode_driver
 
-    return _described_server(config, build=build_unified_decode_driver, role_flags=UnifiedDecodeDriver.pool_flags)
+    return _described_server(config, build=build_unified_decode_driver, role_flags=UnifiedDecodeDriver.pool_flags,
+                             decline=unified_decode_unsupported_reason)
 
 
 build_unified_server.drives_scheduler = True
