@@ -1,7 +1,8 @@
-"""The zero-copy storage stand-in below SGLang's HiCache server (adapters/sglang/host_tier/zero_copy.py): paged
-configs store and prefetch through the host pool's own page meta (``get_page_buffer_meta``, or the head-split one of a
-``page_head`` layout), and a meta that points at the wrong bytes is caught, by the runner where a prefetched page is
-attended, or by the stand-in where it points past the host buffer."""
+"""The L3 storage tier below SGLang's HiCache server, with defects planted in its storage path: on the zero-copy
+stand-in (adapters/sglang/host_tier/zero_copy.py) paged configs store and prefetch through the host pool's own page
+meta, and a meta that points at the wrong bytes is caught, by the runner where a prefetched page is attended or by
+the stand-in where it points past the host buffer; on SGLang's file backend a page filed under another's key is
+caught where it is read, and a backup that never returns is a hang that says where the thread is."""
 
 from __future__ import annotations
 
@@ -123,4 +124,66 @@ def test_a_page_meta_past_the_host_buffer_is_an_illegal_address(hicache_server, 
     monkeypatch.setattr(cls, "get_page_buffer_meta", past_the_end)
     with pytest.raises(IllegalAddress, match="past the end of its buffer"):
         _traffic(driver)
+    driver.close()
+
+
+# --- SGLang's file backend (page-size-1 configs): planted defects in its storage path ----------------
+def _file_backend_driver(hicache_server, name):
+    """The HiCache server of ``name`` with its L3 tier on SGLang's own file backend, or the test skipped."""
+    from poolfuzz.adapters.sglang.host_tier import l3
+
+    if why := hicache_server.unsupported_reason(CONFIGS[name]) or hicache_server.storage_problem(CONFIGS[name]):
+        pytest.skip(why)
+    driver = hicache_server.SglangHiCacheDriver(CONFIGS[name])
+    if type(driver.tree.cache_controller.storage_backend).__name__ != "HiCacheFile":
+        driver.close()
+        pytest.skip(f"{name}'s L3 tier is not SGLang's file backend here ({l3.BACKEND})")
+    return driver
+
+
+@pytest.mark.parametrize("name", ["dense", "mla"])
+def test_a_page_stored_under_the_next_pages_key_is_caught_where_it_is_read(hicache_server, monkeypatch, name):
+    """The file backend files each page under its neighbour's hash: a request admitted on the prefetched prefix
+    attends to another position's K, and the runner names it."""
+    driver = _file_backend_driver(hicache_server, name)
+    from sglang.srt.mem_cache.hicache_storage import HiCacheFile
+
+    real = HiCacheFile.batch_set
+
+    def rotated_keys(self, keys, values=None, *args, **kwargs):
+        return real(self, keys[1:] + keys[:1], values, *args, **kwargs)
+
+    monkeypatch.setattr(HiCacheFile, "batch_set", rotated_keys)
+    part = r"mla\.latent" if CONFIGS[name].latent else r"full\.k"
+    with pytest.raises(LostKv, match=rf"^req \d+ step \d+: {part} layer \d+ position \d+: "):
+        _traffic(driver)
+    driver.close()
+
+
+def test_a_backup_that_never_returns_is_a_hang_that_says_where_the_thread_is(hicache_server, monkeypatch):
+    """A storage thread blocked in the backend: the server would wait for ever; the hang is reported, naming the
+    thread and the frames it is blocked in, and that the prefetch thread is running."""
+    import threading
+
+    from poolfuzz.adapters.sglang.host_tier import l3
+
+    driver = _file_backend_driver(hicache_server, "dense")
+    from sglang.srt.mem_cache.hicache_storage import HiCacheFile
+
+    released = threading.Event()
+    real = HiCacheFile.batch_set
+
+    def stuck_in_the_backend(self, *args, **kwargs):
+        released.wait(60)
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(HiCacheFile, "batch_set", stuck_in_the_backend)
+    monkeypatch.setattr(l3, "SETTLE_SECONDS", 0.5)
+    try:
+        with pytest.raises(l3.StorageHang, match=r"(?s)backup\(s\) .* still in flight.*"
+                                                 r"backup_thread: running at.*in stuck_in_the_backend.*"
+                                                 r"prefetch_thread: running at"):
+            _traffic(driver)
+    finally:
+        released.set()
     driver.close()

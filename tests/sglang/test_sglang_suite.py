@@ -37,3 +37,15 @@ def test_a_failure_found_through_one_server_replays_on_that_server(scheduling, t
     assert run_cli(["replay", str(path)]) == 1  # it reproduces
     replayed = capsys.readouterr().out
     assert "family sglang:decode, config swa-only" in replayed and "KV page use-after-free" in replayed
+
+
+def test_bench_measures_the_sglang_batch_step_rate(scheduling, api):
+    """``poolfuzz bench`` prints the rate of SGLang's own scheduler, a batch step each, where SGLang is installed
+    (issue 31); the pools path's rate went with that path."""
+    from poolfuzz.orchestration import bench
+
+    figures = bench.engine_steps("cpu", examples=10, reps=1)  # a scheduled machine's first examples run no step
+    assert figures["steps_per_second_sglang_scheduler"] > 0, figures
+    assert figures["steps_per_second_sglang_scheduler_runs"] == [figures["steps_per_second_sglang_scheduler"]]
+    assert "steps_per_second_sglang_pools" not in figures
+    assert figures["sglang_version"] == api.version
