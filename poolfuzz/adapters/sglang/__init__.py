@@ -38,10 +38,11 @@ def engine_report():
     return probed()
 
 
-def _described(config, *, role_flags, build, server_of, decline, notes=()):
-    """``config``'s server with ``role_flags`` beside its own flags, what SGLang's configurator builds for it here,
-    and what the server ``build()`` starts runs on. ``server_of``: that server's ``(family, flags)``: the listing
-    names every flag it runs with. ``decline``: the family's decline check, asked first, as a run asks it."""
+def _described(config, *, build, decline, role_flags=None, notes=()):
+    """The scheduler-path server ``build(config)`` starts: every flag it runs with (its pools' flags and its own:
+    chunked prefill, running cap, role; the driver's ``listed_flags``), what SGLang's configurator builds for the
+    config's server with ``role_flags``, and the pools that server runs on (``poolfuzz configs --family F``).
+    ``decline``: the family's decline check, asked first, as a run asks it."""
     import shlex
 
     from poolfuzz.adapters.sglang.api import load
@@ -59,9 +60,9 @@ def _described(config, *, role_flags, build, server_of, decline, notes=()):
     try:
         if why := decline(config):
             raise ConfigError(why)
-        built_family, running = server_of(build())
-        served = built_family.config
-        flags = command_line(server_flags(served) | running | (role_flags or {}))
+        driver = build(config)
+        built_family, served = driver.family, driver.family.config
+        flags = command_line(server_flags(served) | driver.listed_flags | (role_flags or {}))
         family = describe_pools(built_family.sg_req_pool, built_family.sg_kv_pool, built_family.sg_allocator)
     except ConfigError as exc:
         declines = str(exc)
@@ -116,26 +117,14 @@ def describe_unified_driver(config):
     from poolfuzz.adapters.sglang.scheduler.unified_server import build_unified_driver
     from poolfuzz.adapters.sglang.unified_pool.unified import SERVER_FLAGS
 
-    return _described_server(config, build=build_unified_driver, role_flags=SERVER_FLAGS,
+    return _described(config, build=build_unified_driver, role_flags=SERVER_FLAGS,
                              decline=unified_server_unsupported_reason)
-
-
-def _described_server(config, *, build, decline, role_flags=None, notes=()):
-    """The scheduler-path server ``build(config)`` starts: every flag it runs with (its pools' flags and its own:
-    chunked prefill, running cap, role; the driver's ``listed_flags``), what SGLang's configurator builds for the
-    config's server with ``role_flags``, and the pools that server runs on (``poolfuzz configs --family
-    sglang:scheduler|decode|hicache``)."""
-    def server_of(driver):
-        return driver.family, driver.listed_flags
-
-    return _described(config, role_flags=role_flags, build=lambda: build(config), server_of=server_of, decline=decline,
-                      notes=notes)
 
 
 def describe_scheduler_server(config):
     from poolfuzz.adapters.sglang.scheduler.servers import build_driver
 
-    return _described_server(config, build=build_driver, decline=scheduler_unsupported_reason)
+    return _described(config, build=build_driver, decline=scheduler_unsupported_reason)
 
 
 def describe_decode_server(config):
@@ -149,7 +138,7 @@ def describe_decode_server(config):
     if decode_problem(config) is None and (added := operator_backup(config)):
         notes.append(f"started with --disaggregation-decode-retraction-backup {added}, as an operator would: SGLang "
                      f"refuses the server it resolves without the flag ({server_refusal(config, SglangDecodeDriver, None)})")
-    return _described_server(config, build=build_decode_driver, role_flags=ROLE_FLAGS, notes=notes,
+    return _described(config, build=build_decode_driver, role_flags=ROLE_FLAGS, notes=notes,
                              decline=decode_unsupported_reason)
 
 
@@ -162,7 +151,7 @@ def describe_hicache_server(config):
         driver.close()  # its pools are read after; its storage threads and files are not needed
         return driver
 
-    return _described_server(config, build=build, decline=hicache_unsupported_reason)
+    return _described(config, build=build, decline=hicache_unsupported_reason)
 
 
 def build_scheduler_driver(config, *, device="cpu", faults=(), backup_mode=None):
@@ -276,7 +265,7 @@ def describe_unified_decode(config):
     """The unified-memory decode server's listing: its flags, what SGLang's configurator builds, its pools."""
     from poolfuzz.adapters.sglang.scheduler.unified_server import UnifiedDecodeDriver, build_unified_decode_driver
 
-    return _described_server(config, build=build_unified_decode_driver, role_flags=UnifiedDecodeDriver.pool_flags,
+    return _described(config, build=build_unified_decode_driver, role_flags=UnifiedDecodeDriver.pool_flags,
                              decline=unified_decode_unsupported_reason)
 
 
