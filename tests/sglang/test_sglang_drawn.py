@@ -10,11 +10,11 @@ from poolfuzz.strategies import drawn_configs
 
 
 def _without_a_known_defect(c) -> bool:
-    """Not a kind with a judged defect of the release, each with its own test: K-only MiniMax layers crash at
+    """Not a kind with a judged defect of the release, each listed and written up: K-only MiniMax layers crash at
     retraction (sglang#32603); FP4 pools (MHA and MLA) lose their scale rows at retraction and PD transfer
-    (test_sglang_mha_fp4.py, test_sglang_quant.py, docs/bugs/sglang-mha-fp4-scales.md); a ``page_head`` HiCache host
-    pool with fewer pages than layers dies at startup (0.5.13 on: docs/bugs/sglang-hicache-page-head-views.md, a
-    drawn config of this test found it again)."""
+    (ci/known/sglang-0.5.23.txt, docs/bugs/sglang-mha-fp4-scales.md and sglang-mla-fp4-scales.md); a ``page_head``
+    HiCache host pool with fewer pages than layers dies at startup (0.5.13 on:
+    docs/bugs/sglang-hicache-page-head-views.md, a drawn config of this test found it again)."""
     return "K" not in c.msa_layers and c.kv_quant != "fp4_mx_block16" and not _page_head_short_of_pages(c)
 
 

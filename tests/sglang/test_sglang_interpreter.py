@@ -26,7 +26,7 @@ def test_kernels_are_interpreted_and_every_paged_config_is_supported(kernel_only
     assert kernel_only.kernels_interpreted and describe()["kernels_interpreted"]
     assert {"alloc_extend_kernel", "alloc_decode_kernel"} & set(kernel_only.paged_kernels)
     # Every paged config of the shapes every release builds (MHA; MLA/DSA/scaled/extra-buffer pools and KV
-    # quant methods are declined for reasons of their own, tested in test_sglang_storage.py / _quant.py).
+    # quant methods are declined for reasons of their own, tested in test_sglang_storage.py).
     paged = {name: c for name, c in CONFIGS.items() if c.page_size > 1 and c.attention == "mha"
              and not c.kv_scale_block and not c.mamba_track_slots and not c.spec_draft_tokens and not c.kv_quant}
     assert len(paged) >= 4

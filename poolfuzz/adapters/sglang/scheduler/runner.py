@@ -9,7 +9,7 @@ computed token's window reads, at the SWA slots the pool's ``translate_loc_from_
 the ones the batch computes. It then writes the K and V of the scheduled positions at the batch's
 ``out_cache_loc`` through the pool's own write door (``set_kv_buffer``, ``writes.write_rows``: MHA's K and V, MLA's
 latent and rope parts; what the door does not take, such as scale rows, FP4 bytes and sparse index caches, is stored
-where the pool keeps it, as the pools path stores it; "K and V" below means every KV component), the state after the
+where the pool keeps it, as the harness's forward does; "K and V" below means every KV component), the state after the
 last computed token into each working slot, and, where the batch asks to track a state for the radix tree
 (``mamba_track_mask``), the state the kernel snapshots into ``mamba_track_indices``: after ``mamba_track_seqlens``
 tokens for an extend, after the decoded token for a decode. It samples one token per request, determined by the
@@ -313,7 +313,7 @@ class ModelRunner:
         rows = self._kv_rows(writes, chains=chains, rejected=rejected)
         done = self.kv_pool.write_rows(slots, rows)
         # What the pool's door does not take (a sparse index, MXFP8 scales, FP4 bytes the quantiser cannot carry a
-        # tag through) is stored where the pool keeps it, as the pools path stores it (``harness.forward``)
+        # tag through) is stored where the pool keeps it, as the harness's forward stores it (``harness.forward``)
         swa_slots = None
         for c, _ in self.kv:
             if (c.name, c.layer) in done:
