@@ -33,5 +33,16 @@ for v in "${versions[@]}"; do
                    r = reason == "" ? "builds other pools" : (reason ~ /cannot build/ ? "cannot build" : "other")
                    printf "%s%s (%s)", sep, name, r; sep=", "}}' <<<"$out")
     echo "$v $family: served $served, declined $declined, wired: ${wired:-none}, crash at startup: ${crashed:-none}"
+    # every listed config is counted once: a listing that stopped short (a traceback) is no count at all
+    listed=$(grep -E "^[a-z0-9-]+ +[a-z(]" <<<"$out" | grep -vc "(drawn)")
+    counted=$(awk '/^[a-z0-9-]+ +[a-z(]/{name=$1}
+                   /^    family( builds the same| differs| builds:|: declines|: crashes)/{if (!(name in seen)) n++; seen[name]=1}
+                   END{print n + 0}' <<<"$out")
+    if [ "$listed" -eq 0 ] || [ "$counted" -ne "$listed" ]; then
+      echo "$v $family: the listing accounts for $counted of $listed configs; its end:" >&2
+      tail -n 5 <<<"$out" >&2
+      status=1
+    fi
   done
 done
+exit "${status:-0}"
