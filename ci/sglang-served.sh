@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # How many named configs each SGLang release's own code builds the pools of (issue 35): per release, the configs whose
 # family runs on the pools SGLang built ("served"), those left on the adapter's wiring, with the family that keeps
-# them and why (SGLang "builds other pools" for the config's server, or "cannot build" it), and those declined.
+# them and why (SGLang "builds other pools" for the config's server, or "cannot build" it), those declined, and those
+# whose server crashes at startup (a failure `poolfuzz run` reports). Exit 1 where a listing accounts for fewer configs
+# than it lists (it stopped short: a traceback), with the listing's end.
 #
 #   ci/sglang-served.sh [VERSION ...]   (default: every release cached under the venvs directory)
 #
