@@ -27,10 +27,10 @@ def as_ints(t) -> list[int]:
 # Free lists
 # =============================================================================================
 class FreeListView:
-    """One SGLang free list, in the units the harness counts: pages for token pools, slots else.
+    """One SGLang free list, in the units its allocator keeps: pages for token pools, slots else.
 
-    ``available_size`` is SGLang's own answer (token slots for token pools); the harness compares
-    it with its reference model. ``on_free`` is set by the harness and called by the family.
+    ``available_size`` is SGLang's own answer (token slots for token pools); ``is_free_page`` is what the drivers'
+    checks ask of a unit a request holds (a slot in flight listed free).
     """
 
     def __init__(self, *, space: str, owner, read: Callable[[], list[int]], available: Callable[[], int],
@@ -40,7 +40,6 @@ class FreeListView:
         self._read = read
         self._available = available
         self.page_size = page_size
-        self.on_free = None
         # The tensors the free list is read from, if it is read from tensors: the set of free units
         # is then rebuilt only when one of them changed (the harness asks is_free_page once per held
         # unit, and a long context holds thousands: one set per query made a step O(tokens * pool)).
@@ -71,25 +70,6 @@ class FreeListView:
                 a[0] is not b[0] or a[1:] != b[1:] for a, b in zip(cached[0], key)):
             cached = self._cached = (key, set(self._read()))
         return cached[1]
-
-    def free_list_problem(self) -> str | None:
-        """A unit listed twice (a double free SGLang did not see), or the reserved unit 0 listed."""
-        units = self._read()
-        seen: set[int] = set()
-        for u in units:
-            if u in seen:
-                return f"free list holds duplicates: page {u} twice (a double free went unseen)"
-            seen.add(u)
-        if 0 in seen:
-            return "free list holds the reserved slot/page 0"
-        return None
-
-    def slots_of(self, units: list[int]) -> torch.Tensor:
-        """Token slots of these pages (slots themselves for page-size-1 spaces)."""
-        base = torch.as_tensor(sorted(units), dtype=torch.int64)
-        if self.page_size == 1:
-            return base
-        return (base[:, None] * self.page_size + torch.arange(self.page_size)).reshape(-1)
 
 
 def token_free_sources(allocator) -> list[torch.Tensor]:
