@@ -53,3 +53,9 @@ def scheduling(api):
 def unified(scheduling):
     """The unified-memory server's module, where this release has the unified pool SGLang's scheduler runs on."""
     return server_module("unified_server", "hybrid-linear")
+
+
+@pytest.fixture(scope="module")
+def hicache_server(scheduling):
+    """The HiCache server's module, where this release's tree can be given a host tier here (else the test skips)."""
+    return server_module("hicache_server", "dense")

@@ -17,3 +17,16 @@ def server_module(name: str, config: str, *, probe: str = "unsupported_reason"):
     if reason:
         pytest.skip(reason)
     return module
+
+
+def shared_traffic(driver, steps: int = 200) -> None:
+    """A request every other step, sharing up to five earlier requests' prefixes, more than the device pool holds:
+    nodes are evicted to the host (and, with an L3 tier, on to storage) and later prefixes end there (seeded, so the
+    same traffic every run)."""
+    import random
+
+    draw = random.Random(2)
+    for i in range(steps):
+        if i % 2 == 0:
+            driver.add_request(length=draw.randint(4, 30), share=draw.randint(0, 5), max_tokens=draw.randint(1, 8))
+        driver.step()

@@ -13,22 +13,21 @@ import torch
 
 from poolfuzz.pools.config import CONFIGS
 from poolfuzz.pools.errors import LostKv
-from tests.sglang.servers import server_module
+from tests.sglang.servers import shared_traffic
 
 
-@pytest.fixture(scope="module")
-def hicache_server(scheduling):
-    """The HiCache server's module, where this release's tree can be given a host tier here (else the test skips)."""
-    return server_module("hicache_server", "dense")
+def _l3_driver(hicache_server, name):
+    """The HiCache server of ``name`` with an L3 tier, or the test skipped with the reason it has none."""
+    if why := hicache_server.unsupported_reason(CONFIGS[name]) or hicache_server.storage_problem(CONFIGS[name]):
+        pytest.skip(why)
+    return hicache_server.SglangHiCacheDriver(CONFIGS[name])
 
 
 def _zero_copy_driver(hicache_server, name):
     """The HiCache server of ``name`` with its L3 tier on the zero-copy stand-in, or the test skipped."""
     from poolfuzz.adapters.sglang.host_tier.zero_copy import CLASS_NAME
 
-    if why := hicache_server.unsupported_reason(CONFIGS[name]) or hicache_server.storage_problem(CONFIGS[name]):
-        pytest.skip(why)
-    driver = hicache_server.SglangHiCacheDriver(CONFIGS[name])
+    driver = _l3_driver(hicache_server, name)
     controller = driver.tree.cache_controller
     assert type(controller.storage_backend).__name__ == CLASS_NAME
     assert controller.page_set_func == controller._page_set_zero_copy
@@ -47,18 +46,6 @@ def _meta_method(driver) -> str:
     return "get_split_heads_page_buffer_meta" if split else "get_page_buffer_meta"
 
 
-def _traffic(driver, steps: int = 200) -> None:
-    """The HiCache server tests' shared-prefix traffic (seeded): prefixes leave the device, then the host, and come
-    back from storage."""
-    import random
-
-    draw = random.Random(2)
-    for i in range(steps):
-        if i % 2 == 0:
-            driver.add_request(length=draw.randint(4, 30), share=draw.randint(0, 5), max_tokens=draw.randint(1, 8))
-        driver.step()
-
-
 @pytest.mark.parametrize("name", ["dense-ps4", "mla-ps4"])
 def test_paged_configs_store_and_prefetch_through_the_host_pools_own_meta(hicache_server, monkeypatch, name):
     driver = _zero_copy_driver(hicache_server, name)
@@ -75,7 +62,7 @@ def test_paged_configs_store_and_prefetch_through_the_host_pools_own_meta(hicach
         return out
 
     monkeypatch.setattr(tree_cls, "pop_prefetch_loaded_span", counted)
-    _traffic(driver)
+    shared_traffic(driver)
     assert metas and sum(loaded) > 0  # pages went out and came back through the pool's own meta
     assert driver.drain() is None
     driver.close()
@@ -102,7 +89,7 @@ def test_a_page_meta_that_points_one_page_on_is_caught_where_the_prefetched_page
     monkeypatch.setattr(cls, method, one_page_on)
     part = r"mla\.latent" if CONFIGS[name].latent else r"full\.k"
     with pytest.raises((LostKv, IllegalAddress)) as caught:
-        _traffic(driver)
+        shared_traffic(driver)
     if caught.type is LostKv:
         assert re.match(rf"^req \d+ step \d+: {part} layer \d+ position \d+: ", str(caught.value)), caught.value
     else:
@@ -123,7 +110,7 @@ def test_a_page_meta_past_the_host_buffer_is_an_illegal_address(hicache_server, 
 
     monkeypatch.setattr(cls, "get_page_buffer_meta", past_the_end)
     with pytest.raises(IllegalAddress, match="past the end of its buffer"):
-        _traffic(driver)
+        shared_traffic(driver)
     driver.close()
 
 
@@ -132,9 +119,7 @@ def _file_backend_driver(hicache_server, name):
     """The HiCache server of ``name`` with its L3 tier on SGLang's own file backend, or the test skipped."""
     from poolfuzz.adapters.sglang.host_tier import l3
 
-    if why := hicache_server.unsupported_reason(CONFIGS[name]) or hicache_server.storage_problem(CONFIGS[name]):
-        pytest.skip(why)
-    driver = hicache_server.SglangHiCacheDriver(CONFIGS[name])
+    driver = _l3_driver(hicache_server, name)
     if type(driver.tree.cache_controller.storage_backend).__name__ != "HiCacheFile":
         driver.close()
         pytest.skip(f"{name}'s L3 tier is not SGLang's file backend here ({l3.BACKEND})")
@@ -156,7 +141,7 @@ def test_a_page_stored_under_the_next_pages_key_is_caught_where_it_is_read(hicac
     monkeypatch.setattr(HiCacheFile, "batch_set", rotated_keys)
     part = r"mla\.latent" if CONFIGS[name].latent else r"full\.k"
     with pytest.raises(LostKv, match=rf"^req \d+ step \d+: {part} layer \d+ position \d+: "):
-        _traffic(driver)
+        shared_traffic(driver)
     driver.close()
 
 
@@ -183,7 +168,7 @@ def test_a_backup_that_never_returns_is_a_hang_that_says_where_the_thread_is(hic
         with pytest.raises(l3.StorageHang, match=r"(?s)backup\(s\) .* still in flight.*"
                                                  r"backup_thread: running at.*in stuck_in_the_backend.*"
                                                  r"prefetch_thread: running at"):
-            _traffic(driver)
+            shared_traffic(driver)
     finally:
         released.set()
     driver.close()

@@ -19,16 +19,10 @@ from poolfuzz.harness.scheduled import scheduled_machine
 from poolfuzz.pools.config import CONFIGS
 from poolfuzz.pools.errors import ConfigError, LostKv
 from tests.sglang.families import release
-from tests.sglang.servers import server_module
+from tests.sglang.servers import shared_traffic
 
 SETTINGS = settings(max_examples=25, stateful_step_count=30, deadline=None, derandomize=True,
                     suppress_health_check=list(HealthCheck), database=None)
-
-
-@pytest.fixture(scope="module")
-def hicache_server(scheduling):
-    """The HiCache server's module, where this release's tree can be given a host tier here (else the test skips)."""
-    return server_module("hicache_server", "dense")
 
 
 def _counted_load_backs(monkeypatch, tree_cls) -> dict:
@@ -45,18 +39,6 @@ def _counted_load_backs(monkeypatch, tree_cls) -> dict:
 
     monkeypatch.setattr(tree_cls, "init_load_back", counted)
     return calls
-
-
-def _shared_traffic(driver, steps: int = 200) -> None:
-    """A request every other step, sharing up to five earlier requests' prefixes, more than the device pool holds:
-    nodes are evicted to the host and later prefixes end there (seeded, so the same traffic every run)."""
-    import random
-
-    draw = random.Random(2)
-    for i in range(steps):
-        if i % 2 == 0:
-            driver.add_request(length=draw.randint(4, 30), share=draw.randint(0, 5), max_tokens=draw.randint(1, 8))
-        driver.step()
 
 
 @pytest.mark.parametrize("name", ["dense", "dense-ps4", "mla", "hybrid-linear", "swa", "swa-ps4", "swa-ssm"])
@@ -94,7 +76,7 @@ def test_prefixes_evicted_to_the_host_are_loaded_back_by_the_prefill_adder(hicac
         pytest.skip(reason)
     driver = hicache_server.SglangHiCacheDriver(CONFIGS[name])
     loads = _counted_load_backs(monkeypatch, type(driver.tree))
-    _shared_traffic(driver)
+    shared_traffic(driver)
     assert loads["loaded"] > 0, "no prefix was loaded back from the host"
     assert driver.drain() is None
 
@@ -115,13 +97,13 @@ def test_a_load_back_that_loses_a_layer_is_caught_and_named(hicache_server, monk
 
     monkeypatch.setattr(tree_cls, "ready_to_load_host_cache", loses_layer_0)
     with pytest.raises(LostKv, match=r"^req \d+ step \d+: full\.k layer 0 position \d+: .*holds zeros"):
-        _shared_traffic(driver)
+        shared_traffic(driver)
 
 
 def test_the_host_tier_holds_written_through_prefixes_and_drains_clean(hicache_server):
     """Write-through backs every cached prefix up to the host; the idle server's own leak checks pass at the end."""
     driver = hicache_server.SglangHiCacheDriver(CONFIGS["dense"])
-    _shared_traffic(driver, steps=60)
+    shared_traffic(driver, steps=60)
     assert driver.host_tokens > 0
     assert driver.drain() is None
 
@@ -178,7 +160,7 @@ def test_prefixes_that_left_the_host_are_prefetched_from_storage_by_the_schedule
     driver = hicache_server.SglangHiCacheDriver(CONFIGS[name])
     assert l3.enabled(driver.tree) and driver.server.enable_hicache_storage
     loads = _counted_storage_loads(monkeypatch, type(driver.tree))
-    _shared_traffic(driver)
+    shared_traffic(driver)
     assert loads["tokens"] > 0, "nothing was prefetched from storage"
     assert driver.drain() is None
     directory = driver.storage_dir
@@ -204,7 +186,7 @@ def test_a_page_storage_hands_back_wrong_is_caught_and_named(hicache_server, mon
 
     monkeypatch.setattr(host_cls, "set_from_flat_data_page", lost)
     with pytest.raises(LostKv, match=r"^req \d+ step \d+: full\.k layer 0 position \d+: .*holds zeros"):
-        _shared_traffic(driver)
+        shared_traffic(driver)
     driver.close()
 
 

@@ -4,36 +4,20 @@ SGLang's HiCache server (scheduler/hicache_server.py)."""
 from __future__ import annotations
 
 import inspect
-import random
 
 import pytest
 
 from poolfuzz.pools.config import CONFIGS
 from poolfuzz.pools.errors import LostKv
-from tests.sglang.servers import server_module
+from tests.sglang.servers import shared_traffic
 
 TIERED = ["dense", "dense-ps4", "mla", "mla-ps4", "hybrid-linear", "hybrid-spec"]
-
-
-@pytest.fixture(scope="module")
-def hicache_server(scheduling):
-    """The HiCache server's module, where this release's tree can be given a host tier here (else the test skips)."""
-    return server_module("hicache_server", "dense")
 
 
 def _driver(hicache_server, name):
     if why := hicache_server.unsupported_reason(CONFIGS[name]):
         pytest.skip(why)
     return hicache_server.SglangHiCacheDriver(CONFIGS[name])
-
-
-def _traffic(driver, steps: int = 200) -> None:
-    """Shared-prefix traffic (seeded) larger than the device pool: prefixes are demoted to the host and loaded back."""
-    draw = random.Random(2)
-    for i in range(steps):
-        if i % 2 == 0:
-            driver.add_request(length=draw.randint(4, 30), share=draw.randint(0, 5), max_tokens=draw.randint(1, 8))
-        driver.step()
 
 
 @pytest.mark.parametrize("name", TIERED)
@@ -55,7 +39,7 @@ def test_each_config_runs_its_tier_through_sglang_and_loads_back_right(hicache_s
         module = mla if CONFIGS[name].latent else mha
         assert any(getattr(module, op, None) is CPU_KERNEL_OPS[op] for op in CPU_KERNEL_OPS)
         assert mamba.transfer_kv_mamba_lf_pf is CPU_KERNEL_OPS["transfer_kv_mamba_lf_pf"]
-    _traffic(driver)
+    shared_traffic(driver)
     assert loads, "no prefix was loaded back from the host"
     assert driver.drain() is None
     driver.close()
@@ -90,7 +74,7 @@ def test_an_mha_page_first_stride_one_layer_short_is_caught(hicache_server, monk
 
     _page_stride_one_layer_short(monkeypatch, mha.MHATokenToKVPoolHost)
     with pytest.raises(LostKv, match=r"^req \d+ step \d+: full\.[kv] layer \d+ position \d+: "):
-        _traffic(_driver(hicache_server, "dense"))
+        shared_traffic(_driver(hicache_server, "dense"))
 
 
 def test_an_mla_page_first_stride_one_layer_short_is_caught(hicache_server, monkeypatch):
@@ -98,7 +82,7 @@ def test_an_mla_page_first_stride_one_layer_short_is_caught(hicache_server, monk
 
     _page_stride_one_layer_short(monkeypatch, mla.MLATokenToKVPoolHost)
     with pytest.raises(LostKv, match=r"^req \d+ step \d+: mla\.\w+ layer \d+ position \d+: "):
-        _traffic(_driver(hicache_server, "mla-ps4"))
+        shared_traffic(_driver(hicache_server, "mla-ps4"))
 
 
 def test_a_page_head_load_that_reads_one_head_for_all_is_caught(hicache_server, monkeypatch):
@@ -112,7 +96,7 @@ def test_a_page_head_load_that_reads_one_head_for_all_is_caught(hicache_server, 
 
     monkeypatch.setattr(mha, "transfer_kv_per_layer_ph_lf", one_head)
     with pytest.raises(LostKv, match=r"^req \d+ step \d+: full\.[kv] layer \d+ position \d+: "):
-        _traffic(_driver(hicache_server, "dense-ps4"))
+        shared_traffic(_driver(hicache_server, "dense-ps4"))
 
 
 def test_this_release_runs_every_wanted_tier_and_a_missing_layout_is_declined_with_its_reason(scheduling,
