@@ -476,6 +476,33 @@ def test_a_prefix_hit_whose_pinned_window_leaves_the_swa_check_short_waits_for_g
     assert fresh.drain() is None and fresh.outcome[alone] == "finished"
 
 
+def test_two_requests_the_swa_cap_cuts_in_one_pass_decode_on_a_middle_chunk(scheduling, api):
+    """SGLang 0.5.23 (judged an engine defect, docs/bugs/sglang-swa-two-chunked-requests.md): on a GPT-OSS server whose
+    SWA pool (5 tokens) cannot hold a 4-token prompt and its outputs, PrefillAdder cuts a 1-token chunk of the first
+    request and, the chunk budget barely spent, a second one of the next request in the same pass; only the second
+    becomes the scheduler's chunked request, so the first is taken out of prefill with the token sampled after its
+    position 0 as its first output, and decodes on a prompt never computed. One at a time, both finish."""
+    from poolfuzz.pools.config import ModelConfig
+
+    if api.version != "0.5.23":
+        pytest.skip("judged on SGLang 0.5.23")
+    c = ModelConfig(name="swa-window-pool-5", architecture="gpt-oss", full_layers=1, swa_layers=1, sliding_window=3,
+                    head_num=1, head_dim=12, kv_dtype="bfloat16", full_tokens=11, swa_tokens=5, request_rows=2,
+                    max_context=11)
+    driver = scheduling.SglangSchedulerDriver(c)
+    driver.add_request(length=4, share=0, max_tokens=3)
+    driver.add_request(length=4, share=0, max_tokens=1)
+    with pytest.raises(AssertionError, match=re.escape(
+            "req 000001 step 3: SGLang holds tokens [32768, 32769, 32770, 32771, 0], but it was given "
+            "[32768, 32769, 32770, 32771] (prompt, then the 0 the model sampled)")):
+        driver.drain()
+    apart = scheduling.SglangSchedulerDriver(c.replace(name="swa-window-pool-5-apart"))
+    first = apart.add_request(length=4, share=0, max_tokens=3)
+    assert apart.drain() is None
+    second = apart.add_request(length=4, share=0, max_tokens=1)
+    assert apart.drain() is None and apart.outcome == {first: "finished", second: "finished"}
+
+
 @pytest.mark.parametrize("name", ["dense", "hybrid-linear", "swa-ps4"])
 def test_an_idle_server_is_flushed_and_serves_on_its_cleared_pools(scheduling, name):
     """An operator's ``/flush_cache`` (SGLang's ``Scheduler.flush_cache``): refused while a request is queued; on the
