@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # How many named configs each SGLang release's own code builds the pools of (issue 35): per release, the configs whose
-# family runs on the pools SGLang built ("served"), those left on the adapter's wiring, with the family that keeps
-# them and why (SGLang "builds other pools" for the config's server, or "cannot build" it), those declined, and those
-# whose server crashes at startup (a failure `poolfuzz run` reports). Exit 1 where a listing accounts for fewer configs
-# than it lists (it stopped short: a traceback), with the listing's end.
+# family runs on the pools SGLang built for the listed server ("served"), those whose family runs on pools SGLang built
+# otherwise than the listing's (the family's server is sized from SGLang's answer: "differs"), those declined (the
+# adapter's wiring, which stood in where SGLang built other pools, was deleted at stop 67), and those whose server
+# crashes at startup (a failure `poolfuzz run` reports). Exit 1 where a listing accounts for fewer configs than it lists
+# (it stopped short: a traceback), with the listing's end.
 #
 #   ci/sglang-served.sh [VERSION ...]   (default: every release cached under the venvs directory)
 #
@@ -26,19 +27,17 @@ for v in "${versions[@]}"; do
   [ -x "$python" ] || { echo "$v: no venv at $venvs/sglang-$v (ci/sglang-install.sh $venvs/sglang-$v $v --triton)"; continue; }
   for family in $families; do
     out=$(PYTHONPATH="$repo" "$python" -m poolfuzz.cli configs --family "$family" 2>&1)
-    served=$(grep -c "^    family builds the same" <<<"$out")
+    served=$(grep -c "^    family runs on them" <<<"$out")
     declined=$(grep -c "^    family: declines" <<<"$out")
     crashed=$(awk '/^[a-z0-9-]+ +[a-z(]/{name=$1} /^    family: crashes/{printf "%s%s", sep, name; sep=", "}' <<<"$out")
-    wired=$(awk '/^[a-z0-9-]+ +[a-z(]/{name=$1; reason=""}
-                 /^    (configurator|model runner): /{reason=$0}
-                 /^    family (differs|builds:)/{if (!(name in seen)) {seen[name]=1
-                   r = reason == "" ? "builds other pools" : (reason ~ /cannot build/ ? "cannot build" : "other")
-                   printf "%s%s (%s)", sep, name, r; sep=", "}}' <<<"$out")
-    echo "$v $family: served $served, declined $declined, wired: ${wired:-none}, crash at startup: ${crashed:-none}"
+    differs=$(awk '/^[a-z0-9-]+ +[a-z(]/{name=$1}
+                   /^    family (differs|builds:)/{if (!(name in seen)) {seen[name]=1; printf "%s%s", sep, name; sep=", "}}' \
+              <<<"$out")
+    echo "$v $family: served $served, declined $declined, differs: ${differs:-none}, crash at startup: ${crashed:-none}"
     # every listed config is counted once: a listing that stopped short (a traceback) is no count at all
     listed=$(grep -E "^[a-z0-9-]+ +[a-z(]" <<<"$out" | grep -vc "(drawn)")
     counted=$(awk '/^[a-z0-9-]+ +[a-z(]/{name=$1}
-                   /^    family( builds the same| differs| builds:|: declines|: crashes)/{if (!(name in seen)) n++; seen[name]=1}
+                   /^    family( runs on them| differs| builds:|: declines|: crashes)/{if (!(name in seen)) n++; seen[name]=1}
                    END{print n + 0}' <<<"$out")
     if [ "$listed" -eq 0 ] || [ "$counted" -ne "$listed" ]; then
       echo "$v $family: the listing accounts for $counted of $listed configs; its end:" >&2

@@ -116,7 +116,7 @@ def _print_server(d) -> None:
         differs = {p: w for p, w in d.family.items() if d.built.get(p) != w}
         extra = [p for p in d.built if p not in d.family and p not in d.unfuzzed]
         if not differs and not extra:
-            print(f"{indent}family builds the same")
+            print(f"{indent}family runs on them")
         for part, what in differs.items():
             print(f"{indent}family differs: {part:14} {what}")
         for part in extra:

@@ -9,7 +9,6 @@ import pytest
 import torch
 from packaging.version import Version
 
-from poolfuzz.adapters.sglang.pools.descriptions import same_pools
 from poolfuzz.errors import ConfigError
 from poolfuzz.pools.config import CONFIGS
 
@@ -35,7 +34,7 @@ def configurator(api):
 def sized_by_configurator(configurator):
     """A release whose KV cache configurator sizes the pools (0.5.16 on): the tests of its sizing rules. Before it the
     model runner sizes them by the rules of its own release (a window pool of 0.5.10 is not the flag's share, a request
-    pool of 0.5.9 keeps no spare row): the wiring comparison tests cover those releases."""
+    pool of 0.5.9 keeps no spare row)."""
     if configurator.builder() != configurator.CONFIGURATOR:
         pytest.skip("before 0.5.16 the model runner sizes the pools by its release's own rules")
 
@@ -160,7 +159,6 @@ def test_a_speculative_server_builds_one_recurrent_state_per_draft_token(configu
     # the draft worker's KV pool, over the target's allocator: listed, never compared with a family's pools
     assert built.draft_kv_pool is not None and built.draft_kv_pool is not built.token_to_kv_pool
     assert "not fuzzed" in built.parts()[configurator.DRAFT]
-    assert same_pools(built.parts(), {k: v for k, v in built.parts().items() if k != configurator.DRAFT})
 
 
 @pytest.mark.parametrize("family_name", ["sglang:scheduler", "sglang:hicache", "sglang:decode", "sglang:unified-server"])
@@ -283,38 +281,43 @@ def test_the_listed_flags_are_the_servers_own_command_line(api, configurator, na
         assert getattr(parsed, flag) == value, flag
 
 
-@pytest.mark.parametrize("name", ["dense", "dense-ps4", "swa", "swa-ps4", "swa-only", "mla", "mla-ps4", "minimax-sparse",
-                                  "minimax-sparse-ps4", "minimax-sparse-konly", "dense-fp4", "dense-fp4-ps4",
-                                  "fp8-scaled", "fp8-scaled-ps4", "mla-fp4", "mla-fp4-ps4", "dense-cpu-fp8"])
-def test_the_adapters_own_wiring_builds_the_pools_the_server_builds(api, configurator, name, monkeypatch):
-    """The family's wiring (what it falls back to where the configurator cannot serve) beside the configurator's
-    pools: a class, size, shape or layer of its own is a drift of the adapter from the release."""
-    from poolfuzz.adapters.sglang.pools.family import build_sglang_family
+def test_pools_other_than_the_configs_are_named_fact_by_fact(configurator):
+    """The family runs on nothing but SGLang's pools, so pools that are not the config's decline it: each fact its checks
+    and its scheduler's caps rest on is named with the config's value and SGLang's (0.5.9 and 0.5.10 size an SWA
+    server's pools from its flags otherwise than the configurator does later, and ``swa`` then declines there)."""
+    from poolfuzz.adapters.sglang.pools.family import pools_problem
 
-    c = CONFIGS[name]
-    if configurator.server_gpu(c) is None and configurator.cpu_platform_problem():
-        pytest.skip(f"no CPU server is stood in for here ({configurator.cpu_platform_problem()})")
-    server = _built_here(configurator, name).parts()
+    built = _built_here(configurator, "swa")
+    full, window = built.token_to_kv_pool.full_kv_pool.size, built.token_to_kv_pool.swa_kv_pool.size
+    c = CONFIGS["swa"].replace(full_tokens=full, swa_tokens=window)  # the release's own sizes for the flags
+    assert pools_problem(c, built) is None
+    other = c.replace(full_tokens=full + 8, swa_tokens=window + 4)
+    assert pools_problem(other, built) == (f"full-attention token slots {full + 8} (SGLang's: {full}); "
+                                           f"sliding-window token slots {window + 4} (SGLang's: {window})")
+    assert pools_problem(other, built, sized=False) is None  # a unified pool's sizes are SGLang's envelope's
+    hybrid = CONFIGS["hybrid-linear"]
+    wide = hybrid.replace(conv_shapes=tuple((n + 2, k) for n, k in hybrid.conv_shapes))
+    assert "conv state shapes" in pools_problem(wide, _built_here(configurator, "hybrid-linear"))
 
-    def refused(config, **kwargs):
-        raise ConfigError("the configurator is switched off for this test")
 
-    from poolfuzz.adapters.sglang.pools import family as family_module
+def test_a_server_whose_attention_layers_keep_no_index_cache_declines_the_sparse_config(api, configurator):
+    """``dsa-ssm-ps64`` puts sparse (DSA) attention between recurrent layers, as no model SGLang serves does: where a
+    server of it starts (a PD decode server, 0.5.20 on), SGLang builds plain MLA sub-pools for a Kimi-Linear, and the
+    config is declined, saying so, instead of being fuzzed on pools of the adapter's (its wiring, until stop 67)."""
+    from poolfuzz.orchestration.plugins import resolve_family
 
-    monkeypatch.setattr(configurator, "configure", refused)
-    monkeypatch.setattr(family_module, "_SERVES", {})  # this test's verdicts are not the release's
-    if name == "swa" and Version(api.version) < Version("0.5.12"):
-        pytest.xfail("the wiring's drift, left: 0.5.9 and 0.5.10 read --max-total-tokens and --swa-full-tokens-ratio "
-                     "otherwise (their runner builds 96 full and 48 window tokens where the wiring builds 64 and 32; "
-                     "the family then runs on the wiring, and says so)")
-    try:
-        wired = build_sglang_family(c)
-    except ConfigError as exc:  # the wiring has no pools for the mode before the release had its pool class
-        pytest.skip(f"the wiring declines it here: {exc}")
-    assert wired.pools_source.startswith("the adapter's wiring (the configurator is switched off")
-    assert wired.pools_origin.built_by == "adapter" and wired.pools_origin.detail == wired.pools_source
-    assert same_pools(server, configurator.describe_pools(wired.sg_req_pool, wired.sg_kv_pool,
-                                                                        wired.sg_allocator))
+    c = CONFIGS["dsa-ssm-ps64"]
+    plugin = resolve_family("sglang:decode")
+    why = plugin.unsupported_reason(c)
+    if why is None:
+        try:
+            plugin.factory(c, device="cpu", faults=(), backup_mode=None)
+        except ConfigError as exc:
+            why = str(exc)
+    # 0.5.20 on: the server's own MLA sub-pool; before, the release's HybridLinearKVPool probed (no_buffer at 64-token
+    # pages is refused where the decode server's tree is not the mamba one's)
+    assert why is not None and re.search(r"keeps no DSA index cache|builds a MLATokenToKVPool sub-pool for attention "
+                                         r"'dsa'|SGLang refuses", why), why
 
 
 def test_a_sparse_attention_server_on_a_blackwell_gpu_keeps_its_kv_in_the_dtype_it_names(api, configurator):
@@ -398,12 +401,12 @@ def test_the_configs_listing_names_each_servers_flags_and_pools(api, configurato
     builder = "configurator" if configurator.builder() == configurator.CONFIGURATOR else "model runner"
     if _refuses_no_buffer_pages(api):
         assert f"{builder}: config 'hybrid-linear-ps4': SGLang refuses the server" in out
-    assert dense.count("family builds the same") == 1
+    assert dense.count("family runs on them") == 1
 
 
 def test_a_speculative_servers_draft_pool_is_listed_but_not_called_a_difference(api, configurator, speculative, capsys):
     """The draft worker's KV pool of a speculative server is listed (no family runs a draft model), and the family that
-    runs on every other pool SGLang built is listed as building the same."""
+    runs on every other pool SGLang built is listed as running on them."""
     from poolfuzz.cli import main
 
     from poolfuzz.orchestration.plugins import resolve_family
@@ -413,7 +416,7 @@ def test_a_speculative_servers_draft_pool_is_listed_but_not_called_a_difference(
     assert "draft KV pool  HybridLinearKVPool" in out and "(not fuzzed: no family runs a draft model)" in out
     assert "family differs" not in out
     declines = resolve_family("sglang:scheduler").unsupported_reason(CONFIGS["hybrid-spec"])
-    assert ("family builds the same" in out) == (declines is None), declines  # 0.5.21: no spec-v2 scheduling
+    assert ("family runs on them" in out) == (declines is None), declines  # 0.5.21: no spec-v2 scheduling
 
 
 def test_a_configs_server_is_written_out_to_launch_on_a_gpu(api, configurator, capsys, tmp_path):
@@ -446,7 +449,7 @@ def test_the_family_runs_on_the_pools_sglangs_configurator_built_for_its_server(
     _built_here(configurator, name)
     try:
         family = build_sglang_family(c)
-    except ConfigError as exc:  # the wiring has no pools for the mode before the release had its pool class
+    except ConfigError as exc:  # a release before the mode's pool class, or one that sizes the pools otherwise
         pytest.skip(f"the family declines it here: {exc}")
     assert family.pools_source.startswith(_served() + "--attention-backend ")
     assert family.sg_req_pool.req_to_token.shape[1] == c.max_context + _extra_columns(c.page_size)
@@ -457,8 +460,7 @@ def test_the_family_runs_on_the_pools_sglangs_configurator_built_for_its_server(
 def test_a_qwen3_next_server_runs_on_the_recurrent_pools_sglangs_configurator_built(configurator, family_name, name):
     """The Qwen3-Next configs are shaped as the model SGLang builds them for (one short conv over the query, key and
     value widths; the full-attention layer last in its interval; a float32 checkpoint named by ``--dtype``), so every
-    server a run starts on them drives the request, mamba and KV pools SGLang's configurator built, not the
-    adapter's wiring of them."""
+    server a run starts on them drives the request, mamba and KV pools SGLang's configurator built."""
     from poolfuzz.orchestration.plugins import resolve_family
 
     plugin = resolve_family(family_name)
@@ -503,7 +505,7 @@ def test_a_radix_disabled_decode_server_sizes_its_window_pool_from_its_requests(
     """Not from ``--swa-full-tokens-ratio``: SGLang's configurator sizes a radix-disabled SWA server's window pool for
     its running and pre-allocated requests' windows (here the whole 64 tokens, where the config asks for 32). The
     decode server reads that size back into its config and runs on the pools SGLang built; a family built from the
-    config as given keeps its wiring and says why."""
+    config as given is declined, naming the window pool's two sizes."""
     from poolfuzz.adapters.sglang import build_decode_driver
     from poolfuzz.adapters.sglang.pools.family import build_sglang_family
     from poolfuzz.adapters.sglang.scheduler.decode_server import ROLE_FLAGS
@@ -511,8 +513,8 @@ def test_a_radix_disabled_decode_server_sizes_its_window_pool_from_its_requests(
     c = CONFIGS["swa"]
     built = configurator.configure(c, role_flags=ROLE_FLAGS)
     assert built.sizes["swa_max_total_num_tokens"] == 64 != c.swa_tokens
-    family = build_sglang_family(c, decode_rows=2 * c.request_rows, role_flags=ROLE_FLAGS)
-    assert "builds other pools for the config's server" in family.pools_source
+    with pytest.raises(ConfigError, match=rf"sliding-window token slots {c.swa_tokens} \(SGLang's: 64\)"):
+        build_sglang_family(c, role_flags=ROLE_FLAGS)
     assert configurator.server_sized(c, role_flags=ROLE_FLAGS) == c.replace(swa_tokens=64)
     driver = build_decode_driver(c)  # the decode server a fuzz run starts (its host_pool backup's host tier too)
     assert driver.config.swa_tokens == 64 and driver.family.pools_source.startswith(_served())

@@ -357,20 +357,22 @@ def test_an_extra_buffer_model_is_declined_with_the_reason(decode):
 
 def test_a_prompt_whose_pages_fill_the_pool_is_accepted_but_never_pre_allocated(decode):
     """sglang#39271 seen through the decode server's queues, as the fuzzer found it on dsa-ssm-ps64 (64-token pages,
-    a 192-token pool and context): a 129-token prompt is accepted with max_new_tokens clipped to 0 (the base
+    a 192-token pool and context; that config's pools are no server's, and a DeepSeek DSA server's of that size stands
+    in here): a 129-token prompt is accepted with max_new_tokens clipped to 0 (the base
     allocator's max_new_tokens_for_memory floors 192 - 192 - 64 - 1 at 0 instead of answering None, which the
     Scheduler would abort), ``_check_if_req_exceed_kv_capacity`` lets it in (the raw prompt fits the pool), and
     ``pop_preallocated`` wants its three pages plus ``num_reserved_decode_tokens`` within the pool: it waits forever,
     and so would every request behind it. One token shorter (two pages), it is pre-allocated and finishes."""
     from poolfuzz.pools.errors import ServerStuck
 
-    if reason := decode.unsupported_reason(CONFIGS["dsa-ssm-ps64"]):  # 0.5.18 builds no DSA sub-pool
+    config = CONFIGS["dsa-ps64"].replace(full_tokens=192, max_context=192)
+    if reason := decode.unsupported_reason(config):
         pytest.skip(reason)
-    fits = decode.SglangDecodeDriver(CONFIGS["dsa-ssm-ps64"])
+    fits = decode.SglangDecodeDriver(config)
     rid = fits.add_request(length=128, share=0, max_tokens=1)
     assert fits.drain() is None and fits.outcome[rid] == "finished"
 
-    driver = decode.SglangDecodeDriver(CONFIGS["dsa-ssm-ps64"])
+    driver = decode.SglangDecodeDriver(config)
     rid = driver.add_request(length=129, share=0, max_tokens=1)
     with pytest.raises(ServerStuck) as stuck:
         driver.drain()
@@ -382,10 +384,12 @@ def test_a_dsa_request_retracted_on_a_decode_server_is_backed_up_and_resumes(dec
     """The decode server's retraction backs a DSA request's KV up through SGLang's ``get_cpu_copy``, whose index cache
     synchronises the device first (``torch.cuda.synchronize``, a no-op stand-in on a machine without a GPU:
     ``shims.cpu_server``). The fuzzer's shrunk program on dsa-ssm-ps64, which crashed with "Torch not compiled with
-    CUDA enabled" before the stand-in covered the scheduler path's steps (an adapter gap, not the engine's)."""
-    if reason := decode.unsupported_reason(CONFIGS["dsa-ssm-ps64"]):  # 0.5.18 builds no DSA sub-pool
+    CUDA enabled" before the stand-in covered the scheduler path's steps (an adapter gap, not the engine's); run on a
+    DeepSeek DSA server of its sizes (``dsa-ssm-ps64``'s pools are no server's)."""
+    config = CONFIGS["dsa-ps64"].replace(full_tokens=192, max_context=192)
+    if reason := decode.unsupported_reason(config):
         pytest.skip(reason)
-    machine = scheduled_machine(CONFIGS["dsa-ssm-ps64"], driver_factory=decode.SglangDecodeDriver)()
+    machine = scheduled_machine(config, driver_factory=decode.SglangDecodeDriver)()
     machine.add_request(length=20, share=0, max_tokens=1, priority=0)
     machine.add_request(length=1, share=1, max_tokens=4, priority=0)
     machine.add_request(length=1, share=2, max_tokens=3, priority=0)
@@ -517,33 +521,15 @@ def _swa_frontier(req) -> int:
     return int((kv if hasattr(kv, "swa_evicted_seqlen") else req).swa_evicted_seqlen)
 
 
-def test_a_decode_server_left_on_the_wiring_names_its_own_listing(decode):
-    """Where SGLang's configurator builds other pools for the decode server (0.5.23's ``dsa-ssm-ps64``: no model has
-    DSA between recurrent layers), the run's reason points at the listing of the family that ran it."""
-    config = CONFIGS["dsa-ssm-ps64"]
-    if reason := decode.unsupported_reason(config):
-        pytest.skip(reason)
-    driver = decode.build_decode_driver(config)
-    try:
-        if driver.pools_origin.built_by == "engine":
-            pytest.skip("SGLang's configurator builds this decode server's pools here")
-        assert "builds other pools" in driver.pools_origin.detail
-        assert "poolfuzz configs --family sglang:decode shows them" in driver.pools_origin.detail
-    finally:
-        driver.close()
-
-
 def test_a_recurrent_decode_server_runs_the_requests_and_states_sglang_settles(decode):
     """A decode server leaves its state cache to SGLang (a slot a running request) and caps its running requests at
     what its token slots settle: a recurrent config with more rows than that runs the server SGLang builds for the
-    rows read back, state slots and all, not the adapter's wiring (stop 65: 2 of 32 drawn examples were wired)."""
+    rows read back, state slots and all (stop 65: 2 of 32 drawn examples ran on the adapter's wiring, deleted since)."""
     config = CONFIGS["hybrid-linear"].replace(name="random", full_tokens=6, request_rows=5, mamba_slots=7)
     if reason := decode.unsupported_reason(config):
         pytest.skip(reason)
     driver = decode.build_decode_driver(config)
     try:
-        if driver.family.served is None and "cannot build" in driver.pools_origin.detail:
-            pytest.skip(driver.pools_origin.detail)
         assert driver.pools_origin.built_by == "engine", driver.pools_origin.detail
         settled = driver.family.served.sizes["max_running_requests"]
         assert settled < config.request_rows, "SGLang settles every row: the test no longer caps them"

@@ -22,7 +22,8 @@ def configurator(api):
 
 
 def _origin(config):
-    """Who built the pools of ``config``'s scheduler-path server: "engine" or "adapter" (a skip where none starts)."""
+    """Who built the pools of ``config``'s scheduler-path server (SGLang, "engine", since stop 67 deleted the adapter's
+    wiring; a skip where none starts)."""
     from poolfuzz.orchestration.plugins import resolve_family
 
     plugin = resolve_family("sglang:scheduler")
@@ -41,7 +42,7 @@ def test_sliding_window_beside_recurrent_layers_of_their_own_is_shaped_as_an_ink
 
     own = CONFIGS["hybrid-linear"].replace(name="random", swa_layers=1, sliding_window=4, swa_tokens=32,
                                            layer_pattern="MFSM")
-    with pytest.raises(ConfigError, match="no qwen3-next model stands for its layers"):  # refused, never wired
+    with pytest.raises(ConfigError, match="no qwen3-next model stands for its layers"):  # refused
         configurator.configure(own)
     shaped = model_shaped(own)
     assert shaped.state_in_attention and shaped.architecture == "inkling" and shaped.layer_pattern == "FS"
@@ -104,14 +105,15 @@ def test_a_server_runs_the_requests_its_token_slots_settle(configurator):
     if sized.request_rows == 3:
         pytest.skip("this release settles no running requests before its pools (none is read back)")
     assert sized.request_rows == 1  # SGLang's resolve_max_num_reqs: at most half the token slots
-    assert _origin(two) == "engine"  # the wiring named back with SGLang's rows: the server's pools
+    assert _origin(two) == "engine"  # the config named back with SGLang's rows: the server's pools
     with pytest.raises(ConfigError, match="SGLang settles no running requests for its server .*: it serves none"):
         configurator.server_sized(two.replace(full_tokens=1, max_context=2))
 
 
 def test_a_drawn_scheduler_run_runs_mostly_on_sglangs_own_pools(configurator, tmp_path, capsys):
     """Shaped and filtered so, the examples of ``--family sglang:scheduler --config random`` run on the pools SGLang's
-    configurator builds (stop 63: 6 of 35 did, the rest on the adapter's wiring)."""
+    configurator builds (stop 63: 6 of 35 did, the rest on the adapter's wiring; since stop 67 every example does or is
+    declined; 12 of the 30 ran at stop 67, the rest mostly servers whose one token slot settles no request)."""
     from poolfuzz.cli import run_cli
 
     if configurator.builder() != configurator.CONFIGURATOR:
@@ -120,10 +122,8 @@ def test_a_drawn_scheduler_run_runs_mostly_on_sglangs_own_pools(configurator, tm
                     "--db", "none", "--out", str(tmp_path)])
     out = capsys.readouterr().out
     line = next(x for x in out.splitlines() if x.startswith("who built the pools"))
-    engine = int(re.search(r"the engine's own code ([\d,]+)", line).group(1).replace(",", ""))
-    wired = re.search(r"the adapter's wiring ([\d,]+)", line)
-    wired = int(wired.group(1).replace(",", "")) if wired else 0
-    assert code in (0, 1) and engine >= 4 * max(wired, 1), out
+    engine = re.fullmatch(r"who built the pools the examples ran on: the engine's own code ([\d,]+)", line)
+    assert code in (0, 1) and engine and int(engine.group(1).replace(",", "")) >= 10, out
 
 
 def test_a_drawn_extra_buffer_runs_as_the_decode_server_it_meets(configurator):

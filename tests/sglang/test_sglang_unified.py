@@ -68,21 +68,21 @@ def test_a_model_the_releases_factory_refuses_is_declined_before_a_run(unified, 
     def refuse(*args, **kwargs):
         raise AssertionError("SWA-hybrid with zero full-attention layers is degenerate")
 
-    monkeypatch.setattr(pools, "_build", refuse)
+    monkeypatch.setattr(pools, "build_swa", refuse)
     why = unified.unsupported_reason(config)
-    assert why and "refuses this model's layers" in why and "degenerate" in why and "\n" not in why
+    assert why and "refuses" in why and "degenerate" in why and "\n" not in why
     with pytest.raises(ConfigError, match="degenerate"):
         unified.build_unified_driver(config)
 
 
 def test_an_allocator_whose_first_allocation_launches_a_kernel_that_cannot_run_is_declined(unified, monkeypatch):
     """0.5.22's unified allocator zeroes the pages it hands an MLA sub-pool with a Triton kernel: without Triton,
-    ``mla-ssm`` crashed at the first prefill of every example. The probe allocates one token on its throwaway stack,
-    so such a config is declined with the reason; planted here (the allocator raises as a missing kernel does)."""
+    ``mla-ssm`` crashed at the first prefill of every example. The probe allocates one token on the stack SGLang's
+    configurator builds for the server, so such a config is declined with the reason; planted here (the allocator raises as a missing kernel does)."""
     from poolfuzz.adapters.sglang.unified_pool import unified as pools
 
     config = CONFIGS["hybrid-linear"].replace(name="hybrid-linear-kernel")
-    built = pools._build
+    built = pools._served_family
 
     def build_with_a_kernel(*args, **kwargs):
         family = built(*args, **kwargs)
@@ -90,7 +90,7 @@ def test_an_allocator_whose_first_allocation_launches_a_kernel_that_cannot_run_i
             TypeError("'function' object is not subscriptable")))
         return family
 
-    monkeypatch.setattr(pools, "_build", build_with_a_kernel)
+    monkeypatch.setattr(pools, "_served_family", build_with_a_kernel)
     why = unified.unsupported_reason(config)
     assert why and "first allocation" in why and "Triton" in why and "\n" not in why
 
@@ -117,9 +117,9 @@ def test_an_mla_hybrid_is_built_with_the_mla_sub_pool(unified):
 
 
 def test_the_server_runs_on_the_pools_sglangs_configurator_builds(api, unified):
-    """``swa`` with ``--enable-unified-memory``: SGLang's configurator builds the same sub-pool classes and layers as
-    the adapter's wiring, and sizes the sliding-window side from the unified byte envelope (where the wiring named
-    the config's 32): the server runs on its own pools. So do the Qwen3-Next config, shaped as its model (one
+    """``swa`` with ``--enable-unified-memory``: SGLang's configurator builds the config's layers in its unified
+    sub-pools, and sizes the sliding-window side from the unified byte envelope (not the config's 32): the server runs
+    on its own pools. So do the Qwen3-Next config, shaped as its model (one
     short conv over the query, key and value widths), and the Inkling one (six short convs in every attention layer,
     no temporal state): SGLang's unified tri-pool of full, window and state rows."""
     from poolfuzz.adapters.sglang.pools import configurator

@@ -152,8 +152,7 @@ def test_transferred_kv_lands_where_the_decode_side_named_physical_rows(unified_
                       reason=unified_decode.decode_unsupported_reason(CONFIGS[name]), family="sglang:unified-decode")
     assert drivers and all(d.runner.lands_physically and d.server.enable_unified_memory for d in drivers)
     assert sum(d.transferred for d in drivers) > 0
-    # on the pools SGLang's configurator builds for the Mooncake decode server (the window configs since stop 65:
-    # the wiring's request pool is the decode server's DecodeReqToTokenPool too)
+    # on the pools SGLang's configurator builds for the Mooncake decode server
     assert {d.pools_origin.built_by for d in drivers} == {"engine"}, drivers[0].pools_origin.detail
 
 

@@ -1,9 +1,10 @@
 """Which errors of a server's build or step are the adapter meeting a reshaped release (API CHANGED), not SGLang
 refusing the server, crashing on its own, nor this machine lacking something.
 
-A build the adapter cannot make used to leave the family on its own wiring with the reason in ``pools_source`` and no
-run failing: until stop 61, 0.5.16, 0.5.17 and 0.5.19 to 0.5.21 ran every config so, each lane passing on the
-adapter's pools instead of SGLang's. An error is the adapter's drift where
+A build the adapter cannot make used to leave the family on its own wiring (deleted at stop 67) with the reason in
+``pools_source`` and no run failing: until stop 61, 0.5.16, 0.5.17 and 0.5.19 to 0.5.21 ran every config so, each
+lane passing on the adapter's pools instead of SGLang's; today such a build would decline every config. An error is the
+adapter's drift where
 
 - a call the adapter makes does not bind (a keyword or field the release dropped: ``TypeError``), a name it imports or
   reads is gone (``ImportError``, ``NameError``), or an attribute it reads is not there (``AttributeError``), raised in
@@ -13,8 +14,8 @@ adapter's pools instead of SGLang's. An error is the adapter's drift where
 - SGLang's own seam refuses the platform facts the adapter states (0.5.21's "unknown platform fact(s)");
 - the configurator path lacks a name it needs on a release that has the configurator.
 
-Such an error is an ``EngineApiChanged``: the run says "API CHANGED" and names what to update, where the wiring would
-have passed untested. A scheduler-path server's build and steps (``drift_checked``; the stand-in ``Scheduler`` made
+Such an error is an ``EngineApiChanged``: the run says "API CHANGED" and names what to update, where a decline would
+have left the release untested. A scheduler-path server's build and steps (``drift_checked``; the stand-in ``Scheduler`` made
 without ``__init__`` is marked) are classified the same way, where the harness would have reported a crash found in
 SGLang. Errors SGLang raises from its own code on the server's flags or sizes are not drift: they stay
 refusals (``configurator.ServerRefused``) or reasons the family gives."""

@@ -488,10 +488,10 @@ def worker_token_capacity(family) -> tuple[int, int]:
     them to its scheduler: its model runner's ``logical_max_total_num_tokens`` and
     ``effective_logical_max_total_num_tokens``, run on a runner stand-in that holds what the runner holds after
     ``init_memory_pool`` (the pools SGLang's configurator built, the sizes it chose, the configurator itself, which
-    the capacities ask). A family on the adapter's wiring, or a release without those properties: the allocator's
-    free tokens, for both."""
+    the capacities ask). Pools a model runner built (before 0.5.16: no configurator), or a release without those
+    properties: the allocator's free tokens, for both."""
     served = family.served
-    if served is None or served.configurator is None or not has_private(*_RUNNER_TOKENS):
+    if served.configurator is None or not has_private(*_RUNNER_TOKENS):
         total = family.sg_allocator.available_size()
         return total, total
     properties = {private_name(key): property(private(key).fget) for key in _RUNNER_TOKENS}

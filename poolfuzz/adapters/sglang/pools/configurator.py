@@ -39,7 +39,6 @@ draft-token states on ``cuda`` whatever its device, so it does not build here (S
 from __future__ import annotations
 
 import atexit
-import contextlib
 import dataclasses
 import json
 import os
@@ -171,7 +170,7 @@ def server_model(c: ModelConfig) -> ServerModel:
     if kind not in MODELS:
         raise ConfigError(f"config {c.name!r}: no model stands for architecture {kind!r} on the configurator path "
                           f"yet (it has models for: {', '.join(MODELS)})")
-    if why := MODELS[kind].layers_problem(c):  # no server, so nothing to fuzz: refused, never the adapter's wiring
+    if why := MODELS[kind].layers_problem(c):  # no server, so nothing to fuzz: refused
         reason = f"no {kind} model stands for its layers ({why})"
         raise ServerRefused(f"config {c.name!r}: {reason}", reason=reason)
     return ServerModel(kind=kind, flags=server_flags(c), hf_config=MODELS[kind].config_json(c, dtype_flags(c)[0]),
@@ -349,7 +348,7 @@ def configure(c: ModelConfig, *, device: str = "cpu", role_flags: dict | None = 
         raise configurator_lacking(missing)  # a release with the configurator reshaped around it: not this machine
     if reason := problem():
         raise ConfigError(f"config {c.name!r}: {reason}")
-    if reason := model_missing(c.architecture):  # no server of this release runs the model: declined, not wired
+    if reason := model_missing(c.architecture):  # no server of this release runs the model: declined
         raise ServerRefused(f"config {c.name!r}: {reason}", reason=reason)
     server = server_model(c)
     if role_flags:
@@ -383,7 +382,7 @@ def configure(c: ModelConfig, *, device: str = "cpu", role_flags: dict | None = 
         raise  # a name, or a seam's answer, the adapter reads: its verdict, not this machine's limit
     except Exception as exc:  # noqa: BLE001 -- whatever SGLang (or transformers, parsing the model) refuses it with
         if (change := build_drift(exc, during=f"{builder()} for the server {server.command_line()!r}")) is not None:
-            raise change from None  # the adapter's call, not the server: never the wiring in silence
+            raise change from None  # the adapter's call, not the server: never a decline in silence
         if (refuser := startup_refusal(exc)) is not None:  # a check that no such server starts, not this machine's limit
             reason = f"{refuser} the server {server.command_line()!r}: {type(exc).__name__}: {_first_line(exc)}"
             raise ServerRefused(f"config {c.name!r}: {reason}", reason=reason) from None

@@ -1,8 +1,6 @@
-"""Pools in a listing's words, and how two builds' descriptions must agree (``poolfuzz configs``; served or wired)."""
+"""Pools in a listing's words (``poolfuzz configs``)."""
 
 from __future__ import annotations
-
-import re
 
 # The listing's name of a speculative server's draft worker's KV pool, which no family's pools are compared with.
 DRAFT = "draft KV pool"
@@ -44,22 +42,3 @@ def kv_pool_words(pool) -> str:
         layers = f"; attention layers {sorted(full_ids)}"
     return (f"{type(pool).__name__} ({pool.size} tokens, {getattr(pool, 'dtype', '?')}"
             + (f", {quant}" if quant not in ("NoneType", "UnquantizedKVCacheMethod") else "") + layers + ")")
-
-
-def same_pools(built: dict[str, str], family: dict[str, str]) -> bool:
-    """Whether two descriptions name the same pools, the request rows' width aside (SGLang adds columns past the
-    context that no request of the config reaches)."""
-    def rows_only(d):
-        return {k: (v.split(" of ")[0] if k == "request pool" else v) for k, v in d.items() if k != DRAFT}
-    return rows_only(built) == rows_only(family)
-
-
-_SIZE = re.compile(r"\b\d+ (tokens|slots|rows)\b")
-
-
-def same_layout(built: dict[str, str], family: dict[str, str]) -> bool:
-    """Whether two descriptions name the same pool classes, shapes, dtypes and layers, whatever their sizes: a unified
-    memory pool's sub-pools are sized by SGLang from one byte envelope, and what fits is the engine's own answer."""
-    def shapes_only(d):
-        return {k: _SIZE.sub(r"N \1", v) for k, v in d.items() if k != DRAFT}
-    return shapes_only(built) == shapes_only(family)

@@ -15,14 +15,11 @@ import torch
 
 from poolfuzz.adapters.sglang.api import SGLangAPI, construct, load, switched_on
 from poolfuzz.adapters.sglang.pools.calls import native_kv_move, paged_alloc_extend
-from poolfuzz.adapters.sglang.pools.descriptions import describe_pools, same_pools
-from poolfuzz.adapters.sglang.pools.hybrid_mla import build_hybrid_mla_pool, hybrid_mla_problem
+from poolfuzz.adapters.sglang.pools.hybrid_mla import hybrid_mla_components, hybrid_mla_problem
 from poolfuzz.adapters.sglang.pools.minimax import write_msa_rows
 from poolfuzz.adapters.sglang.pools.reads import read_door, stored_bytes
-from poolfuzz.adapters.sglang.pools.request_pool import (build_plain_request_pool, build_request_pool, check_built,
-                                                         rows_over_slots, server_row_width)
-from poolfuzz.adapters.sglang.pools.storage import (build_storage_pool, quant_method_kwargs, storage_of,
-                                                     storage_problem)
+from poolfuzz.adapters.sglang.pools.request_pool import check_built, rows_over_slots
+from poolfuzz.adapters.sglang.pools.storage import storage_components, storage_of, storage_problem
 from poolfuzz.adapters.sglang.pools.speculative import SGLangScratch, speculative_problem
 from poolfuzz.adapters.sglang.pools.writes import write_rows
 from poolfuzz.adapters.sglang.pools.extra_buffer import extra_buffer_problem
@@ -48,10 +45,9 @@ KV_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": to
 # =============================================================================================
 @dataclass(kw_only=True)
 class SGLangFamily:
-    """The pools of one server for one model, built by the installed SGLang: SGLang's own objects (``sg_*``), the
-    views of them the model-runner stand-in writes through and the checks read, and who built them:
-    ``pools_origin`` is the engine's where SGLang's own configurator built the pools for the config's server
-    (``served``), the adapter's wiring otherwise; ``pools_source`` says which server, or why."""
+    """The pools of one server for one model, as SGLang's configurator built them for it (``served``): SGLang's own
+    objects (``sg_*``), the views of them the model-runner stand-in writes through and the checks read, and which
+    server they are (``pools_source``)."""
 
     api: SGLangAPI
     config: ModelConfig
@@ -65,10 +61,9 @@ class SGLangFamily:
     allocator: AllocatorView = None
     # Backups whose tensors aliased a live pool buffer and were copied (CPU only; see scheduler/backups.py).
     cpu_aliases: list = field(default_factory=list)
-    # who built the pools: SGLang's KV cache configurator for the config's server, or the adapter's wiring and why
-    pools_source: str = "the adapter's wiring"
-    # what SGLang's configurator built and sized, where the family runs on it (``configurator.ConfiguredPools``)
-    served: object = None
+    # what SGLang's configurator built and sized (``configurator.ConfiguredPools``), and for which server, in words
+    served: object
+    pools_source: str
     _free_views: dict = field(default_factory=dict)
 
     def __repr__(self) -> str:
@@ -84,8 +79,8 @@ class SGLangFamily:
 
     @property
     def pools_origin(self) -> PoolsOrigin:
-        """SGLang's own code built the pools where its configurator served the config's server, else the adapter."""
-        return PoolsOrigin(built_by="adapter" if self.served is None else "engine", detail=self.pools_source)
+        """SGLang's own code built the pools: its configurator, for the config's server."""
+        return PoolsOrigin(built_by="engine", detail=self.pools_source)
 
     def free_lists(self) -> dict[str, FreeListView]:
         return dict(self._free_views)
@@ -132,13 +127,14 @@ def _paged_allocation_problem(api: SGLangAPI) -> str | None:
     return problem
 
 
-def build_sglang_family(config: ModelConfig, *, device="cpu", decode_rows: int | None = None,
-                        role_flags: dict | None = None, listing: str = "sglang:scheduler") -> SGLangFamily:
-    """The pools of the server a scheduler-path driver starts for ``config`` (its flags published already).
-    ``listing``: the family whose ``poolfuzz configs --family`` listing shows SGLang's pools beside the wiring's, as a
-    message on the wiring names it. ``role_flags``: the server flags of the role the server plays (its decode
-    server's), with which SGLang's configurator builds its pools. ``decode_rows``: the request pool is a PD decode
-    server's, with that many rows more for requests in pre-allocation and transfer."""
+def build_sglang_family(config: ModelConfig, *, device="cpu", role_flags: dict | None = None,
+                        listing: str = "sglang:scheduler") -> SGLangFamily:
+    """The pools of the server a scheduler-path driver starts for ``config`` (its flags published already), as
+    SGLang's own configurator (before 0.5.16, its model runner) builds them for that server. ``role_flags``: the
+    server flags of the role the server plays (a PD decode server's). ``listing``: the family whose ``poolfuzz configs
+    --family`` listing shows the pools, which a decline names. Where SGLang builds no pools for the server here, or
+    pools that are not the config's (``pools_problem``), the config is declined with the reason: no pools of the
+    adapter's stand in for the server's."""
     api = load()
     reason = unsupported_reason(config)
     if reason:
@@ -147,14 +143,12 @@ def build_sglang_family(config: ModelConfig, *, device="cpu", decode_rows: int |
     sdev = str(dev) if dev.type == "cpu" else f"cuda:{dev.index or 0}"
     try:
         with switched_on(DEBUG_SWITCH), native_kv_move():
-            pd_decode = decode_rows is not None
-            build = functools.partial(_build, api, config, dev, sdev, pd_decode=pd_decode, decode_rows=decode_rows)
-            family = served_or_wired(build, config, sdev, pd_decode=pd_decode, role_flags=role_flags,
-                                     listing=listing)
+            served = server_pools(config, sdev, role_flags=role_flags, listing=listing)
+            family = _build(api, config, dev, served)
             rows = rows_over_slots(family.sg_req_pool)
             if rows:  # as the release's servers size it: a state slot for every row
-                return build_sglang_family(config.replace(mamba_slots=rows), device=device, decode_rows=decode_rows,
-                                           role_flags=role_flags, listing=listing)
+                return build_sglang_family(config.replace(mamba_slots=rows), device=device, role_flags=role_flags,
+                                           listing=listing)
             return family
     except ConfigError:
         raise  # declined already, with its reason (a server SGLang refuses among them)
@@ -166,51 +160,10 @@ def build_sglang_family(config: ModelConfig, *, device="cpu", decode_rows: int |
                           f"({type(exc).__name__}: {first})") from None
 
 
-# (config, its role flags, decode node, device) -> None where SGLang's configurator serves the config's pools, else why
-# the family keeps its wiring: decided by the first build (a family is built for every example; the release does not
-# change under a run), so later builds neither build the wiring only to compare it nor ask a refusing server again.
-_SERVES: dict[tuple, str | None] = {}
-
-
-def served_or_wired(build, config: ModelConfig, sdev: str, *, pd_decode: bool, role_flags: dict | None,
-                    same=None, listing: str):
-    """The family over the pools SGLang's configurator builds for the config's server where they are the config's
-    (``_server_pools``; ``same``: how the two builds' descriptions must agree, ``descriptions.same_pools`` by
-    default), else over the adapter's wiring (``build``: the family's builder with all but ``served`` given).
-    ``listing``: the family whose ``poolfuzz configs --family`` listing shows the two builds."""
-    from poolfuzz.adapters.sglang.pools import configurator
-
-    key = (config, tuple(sorted((role_flags or {}).items())), pd_decode, sdev)
-    if key not in _SERVES:
-        family = build()
-        served = _server_pools(config, family, sdev, role_flags=role_flags,
-                               same=same or same_pools, listing=listing)
-        _SERVES[key] = None if served is not None else family.pools_source
-        if served is None:
-            return family
-    elif _SERVES[key] is not None:
-        family = build()
-        family.pools_source = _SERVES[key]
-        return family
-    else:
-        try:
-            served = configurator.configure(config, device=sdev, role_flags=role_flags)
-        except ConfigError as exc:  # refused now where it built before: the wiring, with the reason
-            family = build()
-            family.pools_source = f"the adapter's wiring ({exc})"
-            return family
-    family = build(served=served)
-    family.pools_source = f"{configurator.builder()} ({served.server.command_line()})"
-    family.served = served
-    return family
-
-
-def _server_pools(config: ModelConfig, family: SGLangFamily, sdev: str, *, role_flags: dict | None = None,
-                  same, listing: str):
-    """The pools SGLang's own KV cache configurator builds for the config's server (``pools/configurator.py``), where
-    it builds them here and they are the pools the config describes: the classes, sizes, mamba shapes and layers of
-    the family's own wiring, the request rows' width aside. None otherwise, and ``family.pools_source`` says why the
-    family keeps its wiring (``poolfuzz configs --family LISTING`` shows how the two differ)."""
+def server_pools(config: ModelConfig, sdev: str, *, role_flags: dict | None, listing: str, sized: bool = True):
+    """The pools SGLang's configurator builds for the config's server (``configurator.configure``), where they are the
+    config's pools (``pools_problem``; ``sized``: their token slots are the config's too); a ConfigError with the
+    reason otherwise (``poolfuzz configs --family LISTING`` shows what SGLang built)."""
     from poolfuzz.adapters.sglang.pools import configurator
 
     try:
@@ -218,102 +171,82 @@ def _server_pools(config: ModelConfig, family: SGLangFamily, sdev: str, *, role_
     except configurator.ServerRefused:
         raise  # no such server starts: the config is declined, with SGLang's words
     except ConfigError as exc:
-        family.pools_source = f"the adapter's wiring ({exc})"
-        return None
-    if not same(served.parts(), describe_pools(family.sg_req_pool, family.sg_kv_pool, family.sg_allocator)):
-        family.pools_source = (f"the adapter's wiring ({configurator.builder()} builds other pools for the config's "
-                               f"server; poolfuzz configs --family {listing} shows them)")
-        return None
+        raise ConfigError(f"{exc}; no pools of the adapter's stand in for the server's") from None
+    problem = pools_problem(config, served, sized=sized)
+    if problem:
+        raise ConfigError(f"config {config.name!r}: {configurator.builder()} builds its server's pools "
+                          f"({served.server.command_line()}) otherwise than the config: {problem}; the config stands "
+                          f"for no server of this release (poolfuzz configs --family {listing} shows the server's)")
     return served
 
 
-def _take(served, role: str, build):
-    """The server's own pool for ``role`` where SGLang's configurator built this config's pools, else ``build()``."""
-    return build() if served is None else getattr(served, role)
-
-
-def _build(api: SGLangAPI, config: ModelConfig, dev, sdev: str, *, pd_decode: bool = False,
-           decode_rows: int | None = None, served=None) -> SGLangFamily:
-    """The family over the config's pools: the adapter's wiring of them, or, with ``served``, the ones SGLang's own
-    configurator built for the config's server (the same classes and sizes, checked by ``_server_pools``)."""
+def pools_problem(config: ModelConfig, served, *, sized: bool = True) -> str | None:
+    """How the pools SGLang built for the config's server differ from the config's, in the facts its checks and
+    its scheduler's caps rest on: the layers each space holds, the recurrent state's layers and shapes, and
+    (``sized``) each space's token slots; None where they agree. What is SGLang's own answer to the flags is never
+    compared: which classes it chose (the components are read from whatever it built, and a kind of component its
+    pools lack declines there, ``_build``), how many state slots and request rows it gave the server (a decode
+    server's pre-allocation adds to both; the checks read SGLang's free lists)."""
     c = config
-    need_sort = pd_decode  # the configurator's need_sort: disaggregation_mode in ("decode", "prefill")
-    kv_dtype = KV_DTYPES[c.kv_dtype]
-    # enable_kvcache_transpose (required by SWAKVPool / HybridLinearKVPool in some releases, which
-    # assert it False): False asks for the standard [slots, heads, head_dim] layout poolfuzz reads.
-    common = dict(page_size=c.page_size, dtype=kv_dtype, head_num=c.head_num, head_dim=c.head_dim, device=sdev,
-                  enable_memory_saver=False, enable_kvcache_transpose=False)
+    kv = served.token_to_kv_pool
+    facts = []  # (what, the config's, the server's)
+    mapping = getattr(kv, "layers_mapping", None)  # a sliding-window pool's: layer -> (sub-pool layer, is SWA)
+    if isinstance(mapping, dict) and mapping:
+        facts.append(("sliding-window layers", list(c.swa_layer_ids), sorted(i for i, (_, w) in mapping.items() if w)))
+        facts.append(("full-attention layers", list(c.full_layer_ids),
+                      sorted(i for i, (_, w) in mapping.items() if not w)))
+    elif c.has_swa:
+        facts.append(("sliding-window layers", list(c.swa_layer_ids), []))
+    full_ids = getattr(kv, "full_attention_layer_id_mapping", None)  # a hybrid linear pool's
+    if isinstance(full_ids, dict):
+        facts.append(("full-attention layers", list(c.full_layer_ids), sorted(full_ids)))
+    mamba = getattr(served.req_to_token_pool, "mamba_pool", None)
+    facts.append(("recurrent state", c.has_mamba, mamba is not None))
+    if c.has_mamba and mamba is not None:
+        cache = mamba.mamba_cache
+        facts += [("recurrent layers", len(c.mamba_layer_ids), cache.temporal.shape[0]),
+                  ("conv state shapes", [tuple(s) for s in c.conv_shapes], [tuple(t.shape[2:]) for t in cache.conv]),
+                  ("temporal state shape", tuple(c.temporal_shape), tuple(cache.temporal.shape[2:]))]
+    if sized:
+        swa = getattr(kv, "swa_kv_pool", None)
+        if c.has_full:
+            facts.append(("full-attention token slots", c.full_tokens, getattr(kv, "full_kv_pool", kv).size))
+        if c.has_swa:
+            facts.append(("sliding-window token slots", c.swa_tokens, None if swa is None else swa.size))
+    differ = [f"{what} {mine} (SGLang's: {theirs})" for what, mine, theirs in facts if mine != theirs]
+    return "; ".join(differ) or None
 
+
+def _build(api: SGLangAPI, config: ModelConfig, dev, served) -> SGLangFamily:
+    """The family over the pools SGLang's configurator built for the config's server (``served``): SGLang's request
+    pool, KV pool and allocator, their components read through the KV pool's own doors, their free lists through
+    the allocator and its sub-allocators."""
+    c = config
+    sg_req_pool, sg_kv, sg_alloc = served.req_to_token_pool, served.token_to_kv_pool, served.allocator
+    problem = check_built(sg_req_pool, c)
+    if problem:
+        raise ConfigError(f"config {c.name!r} on sglang {api.version}: {problem}")
     mamba_view = None
     if c.has_mamba:
-        sg_req_pool = _take(served, "req_to_token_pool",
-                            lambda: build_request_pool(api, c, sdev, decode_rows=decode_rows,
-                                                       width=server_row_width(c)))
-        problem = check_built(sg_req_pool, c)
-        if problem:
-            raise ConfigError(f"config {c.name!r} on sglang {api.version}: {problem}")
         mamba_view = MambaPoolView(sg_req_pool.mamba_pool, c.mamba_layer_ids, req_pool=sg_req_pool)
         if c.spec_draft_tokens:
             mamba_view.spec_scratch = SGLangScratch(sg_req_pool, layer_ids=c.mamba_layer_ids,
                                                     draft_tokens=c.spec_draft_tokens)
-    else:
-        sg_req_pool = _take(served, "req_to_token_pool",
-                            lambda: build_plain_request_pool(api, c, sdev, decode_rows=decode_rows,
-                                                             width=server_row_width(c)))
-
-    comps: list[Component] = []
-    if not c.has_mamba and (storage_of(c).own_pool or c.kv_scale_block or c.kv_quant == "fp4_mx_block16"):
-        sg_kv, comps = build_storage_pool(api, c, common,
-                                          pool=None if served is None else served.token_to_kv_pool)
-        alloc_cls = api.TokenToKVPoolAllocator if c.page_size == 1 else api.PagedTokenToKVPoolAllocator
-        sg_alloc = _take(served, "allocator", lambda: construct(
-            alloc_cls, size=c.full_tokens, page_size=c.page_size, dtype=kv_dtype, device=sdev, kvcache=sg_kv,
-            need_sort=need_sort))
-        subs = {"full": sg_alloc}
-    elif c.has_swa and not c.has_full:  # all-SWA: as kv_cache_configurator builds it (no full side)
-        sg_kv = _take(served, "token_to_kv_pool", lambda: construct(
-            api.SWAKVPool, size=0, size_swa=c.swa_tokens, swa_attention_layer_ids=list(c.swa_layer_ids),
-            full_attention_layer_ids=[], token_to_kv_pool_class=api.MHATokenToKVPool, **common))
-        sg_alloc = _take(served, "allocator", lambda: construct(
-            api.PureSWATokenToKVPoolAllocator, size_swa=c.swa_tokens, page_size=c.page_size, dtype=kv_dtype,
-            device=sdev, kvcache=sg_kv, need_sort=need_sort))
-        comps += _mha_components(sg_kv.swa_kv_pool, c.swa_layer_ids, "swa", door=sg_kv)
-        subs = {"swa": sg_alloc.swa_attn_allocator}
-    elif c.has_swa:
-        sg_kv = _take(served, "token_to_kv_pool", lambda: construct(
-            api.SWAKVPool, size=c.full_tokens, size_swa=c.swa_tokens, swa_attention_layer_ids=list(c.swa_layer_ids),
-            full_attention_layer_ids=list(c.full_layer_ids), token_to_kv_pool_class=api.MHATokenToKVPool, **common))
-        sg_alloc = _take(served, "allocator", lambda: construct(
-            api.SWATokenToKVPoolAllocator, size=c.full_tokens, size_swa=c.swa_tokens, page_size=c.page_size,
-            dtype=kv_dtype, device=sdev, kvcache=sg_kv, need_sort=need_sort, req_to_token_pool=sg_req_pool))
-        if getattr(sg_kv, "full_to_swa_index_mapping", None) is None:
-            sg_kv.register_mapping(sg_alloc.full_to_swa_index_mapping)
-        comps += _mha_components(sg_kv.full_kv_pool, c.full_layer_ids, "full", door=sg_kv)
-        comps += _mha_components(sg_kv.swa_kv_pool, c.swa_layer_ids, "swa", door=sg_kv)
-        subs = {"full": sg_alloc.full_attn_allocator, "swa": sg_alloc.swa_attn_allocator}
-    elif c.latent:  # Kimi-Linear: MLA layers between recurrent ones (adapters.sglang.hybrid_mla)
-        sg_kv, comps = build_hybrid_mla_pool(api, c, sg_req_pool.mamba_pool, common)
-        alloc_cls = api.TokenToKVPoolAllocator if c.page_size == 1 else api.PagedTokenToKVPoolAllocator
-        sg_alloc = construct(alloc_cls, size=c.full_tokens, page_size=c.page_size, dtype=kv_dtype, device=sdev,
-                             kvcache=sg_kv, need_sort=need_sort)
-        subs = {"full": sg_alloc}
-    else:
-        if c.has_mamba:
-            sg_kv = _take(served, "token_to_kv_pool", lambda: construct(
-                api.HybridLinearKVPool, size=c.full_tokens, full_attention_layer_ids=list(c.full_layer_ids),
-                mamba_pool=sg_req_pool.mamba_pool, use_mla=False, **common))
-            full_pool = sg_kv.full_kv_pool
-        else:
-            sg_kv = _take(served, "token_to_kv_pool", lambda: construct(
-                api.MHATokenToKVPool, size=c.full_tokens, layer_num=c.full_layers, **common,
-                **quant_method_kwargs(api, c)))
-            full_pool = sg_kv
-        comps += _mha_components(full_pool, c.full_layer_ids, "full", door=sg_kv)
-        alloc_cls = api.TokenToKVPoolAllocator if c.page_size == 1 else api.PagedTokenToKVPoolAllocator
-        sg_alloc = _take(served, "allocator", lambda: construct(
-            alloc_cls, size=c.full_tokens, page_size=c.page_size, dtype=kv_dtype, device=sdev, kvcache=sg_kv,
-            need_sort=need_sort))
-        subs = {"full": sg_alloc}
+    if c.latent and c.has_mamba:  # Kimi-Linear: MLA (or DSA) layers between recurrent ones
+        comps = hybrid_mla_components(api, sg_kv, c)
+    elif not c.has_mamba and (storage_of(c).own_pool or c.kv_scale_block or c.kv_quant == "fp4_mx_block16"):
+        comps = storage_components(api, c, sg_kv)
+    else:  # K and V rows: a plain MHA pool, the sub-pools of a sliding-window or hybrid linear one
+        comps = []
+        if c.has_full:
+            comps += _mha_components(getattr(sg_kv, "full_kv_pool", sg_kv), c.full_layer_ids, "full", door=sg_kv)
+        if c.has_swa:
+            comps += _mha_components(sg_kv.swa_kv_pool, c.swa_layer_ids, "swa", door=sg_kv)
+    subs = {}
+    if c.has_full:
+        subs["full"] = sg_alloc.full_attn_allocator if c.has_swa else sg_alloc
+    if c.has_swa:
+        subs["swa"] = sg_alloc.swa_attn_allocator
 
     views: dict[str, FreeListView] = {
         "rows": FreeListView(space="rows", owner=sg_req_pool, read=lambda: as_ints(sg_req_pool.free_slots),
@@ -337,8 +270,15 @@ def _build(api: SGLangAPI, config: ModelConfig, dev, sdev: str, *, pd_decode: bo
         api=api, config=c, device=dev, uses_ssm_state=uses_ssm_state(c), sg_req_pool=sg_req_pool,
         sg_kv_pool=sg_kv, sg_allocator=sg_alloc,
         req_pool=ReqPoolView(sg_req_pool, mamba=mamba_view, rows=views["rows"], mamba_free=mamba_free),
-        kv_pool=view_cls(sg_kv, comps, door=door),
-        allocator=AllocatorView(sg_alloc, swa=c.has_swa), _free_views=views)
+        kv_pool=view_cls(sg_kv, comps, door=door), allocator=AllocatorView(sg_alloc, swa=c.has_swa),
+        served=served, pools_source=served_words(served), _free_views=views)
+
+
+def served_words(served) -> str:
+    """Who built ``served`` and for which server, in a family's ``pools_source`` words."""
+    from poolfuzz.adapters.sglang.pools import configurator
+
+    return f"{configurator.builder()} ({served.server.command_line()})"
 
 
 def _write_door(sg_kv, c: ModelConfig):

@@ -1,13 +1,12 @@
 """Kimi-Linear's pools: SGLang's ``HybridLinearKVPool`` with an MLA full-attention sub-pool (``use_mla=True``), or a DSA
 one (``use_dsa=True``: the latent rows and the indexer's page-major index cache).
 
-Built as ``kv_cache_configurator._build_hybrid_linear_kv_pool`` builds it for an MLA model with recurrent
-layers: the model's full-attention layer ids, the request pool's MambaPool, ``kv_lora_rank`` and
-``qk_rope_head_dim`` (for DSA also ``index_head_dim`` and ``kv_cache_dim``). The pool routes a model layer id to its MLA sub-pool's layer (``_transfer_id_context``
-for the write door, ``_transfer_full_attention_id`` for the read door), so the components are read through the
-hybrid pool's own door and written through its ``set_kv_buffer`` (DSA's index keys through its
-``get_index_k_with_scale_buffer``, written directly, as for a plain DSA pool); a release whose pool cannot be built with
-``use_mla`` declines the config with the reason.
+Built by SGLang's configurator (``_build_hybrid_linear_kv_pool``) for an MLA model with recurrent layers. The pool
+routes a model layer id to its MLA sub-pool's layer (``_transfer_id_context`` for the write door,
+``_transfer_full_attention_id`` for the read door), so the components are read through the hybrid pool's own door
+and written through its ``set_kv_buffer`` (DSA's index keys through its ``get_index_k_with_scale_buffer``, written
+directly, as for a plain DSA pool); a release whose pool cannot be built with ``use_mla`` declines the config with the
+reason.
 """
 
 from __future__ import annotations
@@ -55,11 +54,15 @@ def hybrid_mla_problem(api: SGLangAPI, config: ModelConfig) -> str | None:
     return _PROBE[key]
 
 
-def build_hybrid_mla_pool(api: SGLangAPI, c: ModelConfig, mamba_pool, common: dict) -> tuple[object, list[Component]]:
-    """The release's ``HybridLinearKVPool(use_mla=True)`` for the config, and its latent (and index) components."""
+def hybrid_mla_components(api: SGLangAPI, pool, c: ModelConfig) -> list[Component]:
+    """The latent (and index) components of the ``HybridLinearKVPool`` SGLang's configurator built for the config's
+    server, each as the MLA (and DSA) kernels get it from the pool by model layer id."""
     single_rank(api)
-    pool = construct(api.HybridLinearKVPool, size=c.full_tokens, full_attention_layer_ids=list(c.full_layer_ids),
-                     mamba_pool=mamba_pool, **storage_of(c).hybrid_args(c), **common)
+    sub = getattr(pool, "full_kv_pool", None)
+    if getattr(sub, "kv_buffer", None) is None:
+        raise ConfigError(f"config {c.name!r}: SGLang built its server's attention layers as "
+                          f"{type(sub or pool).__name__}, which keeps no latent rows: no server of this release "
+                          "serves latent attention between these recurrent layers")
     r = c.kv_lora_rank
     out = []
     for local, layer_id in enumerate(c.full_layer_ids):
@@ -75,13 +78,17 @@ def build_hybrid_mla_pool(api: SGLangAPI, c: ModelConfig, mamba_pool, common: di
         out.append(Component(name="mla.rope", layer=layer_id, space="full", tensor=key[:, 0, r:]))
     if storage_of(c).index_cache:
         out += _index_components(pool, c)
-    return pool, out
+    return out
 
 
 def _index_components(pool, c: ModelConfig) -> list[Component]:
     """DSA's index keys of each layer, page-major, as the indexer gets them from the hybrid pool by model layer
     (``get_index_k_with_scale_buffer``); the scales are four bytes a token, too few for a tag (as for DSA)."""
     ps = c.page_size
+    if getattr(pool.full_kv_pool, "index_k_with_scale_buffer", None) is None:
+        raise ConfigError(f"config {c.name!r}: SGLang built its server's attention layers as "
+                          f"{type(pool.full_kv_pool).__name__}, which keeps no DSA index cache: no server of this "
+                          "release serves sparse (DSA) attention between these recurrent layers")
     if pool.full_kv_pool.page_size // getattr(pool.full_kv_pool, "index_kpool", 1) != ps:
         raise ConfigError(f"config {c.name!r}: SGLang's DSA index pages are not {ps}-token pages; poolfuzz reads them "
                           "by the KV page")

@@ -77,10 +77,8 @@ def mha_fp4_problem(api: SGLangAPI, config: ModelConfig) -> str | None:
     return _PROBE[key]
 
 
-def build_mha_fp4_pool(api: SGLangAPI, c: ModelConfig, common: dict, *, pool=None) -> tuple[object, list[Component]]:
-    """The release's FP4 MHA pool for the config (``pool``: the one SGLang's configurator built for its server), and
-    its four components per layer."""
-    pool = pool if pool is not None else _pool(api, c, size=c.full_tokens, layers=c.full_layers, common=common)
+def mha_fp4_components(pool, c: ModelConfig) -> list[Component]:
+    """The four components per layer of the FP4 MHA pool SGLang's configurator built for the config's server."""
     raw = getattr(pool, "get_raw_kv_buffer", None)
     out = []
     for local, layer_id in enumerate(c.full_layer_ids):
@@ -91,4 +89,4 @@ def build_mha_fp4_pool(api: SGLangAPI, c: ModelConfig, common: dict, *, pool=Non
                               "out the pool's packed K, V and scale buffers in place")
         for name, tensor in zip(("full.k", "full.v", "full.k_scale", "full.v_scale"), got):
             out.append(Component(name=name, layer=layer_id, space="full", tensor=tensor.view(torch.uint8)))
-    return pool, out
+    return out

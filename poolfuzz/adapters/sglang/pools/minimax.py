@@ -1,8 +1,8 @@
 """SGLang's MiniMax sparse KV pool (``MiniMaxSparseKVPool``): its main K/V, its index caches, and their doors.
 
-Built as ``kv_cache_configurator._build_minimax_sparse_kv_pool`` builds it for a MiniMax-M3 model: the dense and
-sparse layer ids, and the sparse layers whose indexer keeps no value (``sparse_disable_index_value``), which
-SGLang stores in its K-only pool (``MHATokenToKOnlyPool``). The harness writes through the attention
+Built by SGLang's configurator (``_build_minimax_sparse_kv_pool``) for a MiniMax-M3 model: the dense and sparse
+layer ids, and the sparse layers whose indexer keeps no value (``sparse_disable_index_value``), which SGLang stores
+in its K-only pool (``MHATokenToKOnlyPool``). The harness writes through the attention
 backend's door (``set_fused_kv_index_buffer`` for a sparse layer, which on a CPU falls back to the separate
 ``set_kv_buffer`` / ``set_index_kv_buffer`` / ``set_index_k_buffer`` stores; ``set_kv_buffer`` for a dense one)
 and checksums what the kernels read (``get_key_buffer`` / ``get_value_buffer``, ``get_index_kv_buffer``,
@@ -13,12 +13,11 @@ from __future__ import annotations
 
 import torch
 
-from poolfuzz.adapters.sglang.api import SGLangAPI, first_importable, construct
+from poolfuzz.adapters.sglang.api import SGLangAPI, first_importable
 from poolfuzz.adapters.sglang.pools.writes import as_pool_dtype, RadixAttentionFields, kv_write_loc
 from poolfuzz.pools.components import Component
 from poolfuzz.pools.config import ModelConfig
 from poolfuzz.pools.errors import ConfigError
-from poolfuzz.pools.quantised import MODEL_DTYPE
 
 _POOL = "sglang.srt.mem_cache.memory_pool:MiniMaxSparseKVPool"
 
@@ -30,34 +29,9 @@ def msa_problem(api: SGLangAPI, config: ModelConfig) -> str | None:
     return None
 
 
-def build_msa_pool(api: SGLangAPI, config: ModelConfig, common: dict, *, pool=None):
-    """The release's ``MiniMaxSparseKVPool`` for ``config`` (its index caches in the KV dtype, as the
-    configurator's ``get_minimax_sparse_index_dtype`` gives off CUDA), and its components; with ``pool``, the
-    components of that one, as SGLang's configurator built it for the config's server."""
-    c = config
-    problem = msa_problem(api, c)
-    if problem:
-        raise ConfigError(f"config {c.name!r} on sglang {api.version}: {problem}")
-    if pool is not None:
-        return pool, _components(pool, c)
-    sparse = sorted(c.msa_layer_ids("V") + c.msa_layer_ids("K"))
-    pool = construct(first_importable(_POOL), size=c.full_tokens, idx_head_dim=c.index_head_dim,
-                     dense_layer_ids=list(c.msa_layer_ids("D")), sparse_layer_ids=sparse,
-                     disable_value_sparse_layer_ids=list(c.msa_layer_ids("K")), index_dtype=_index_dtype(common["dtype"]),
-                     start_layer=0, end_layer=c.full_layers, enable_hisparse=False, **common)
-    return pool, _components(pool, c)
-
-
-def _index_dtype(kv_dtype: torch.dtype) -> torch.dtype:
-    """The index caches' dtype as the configurator asks SGLang for it (``get_minimax_sparse_index_dtype``: off a
-    Hopper GPU and without fp8 attention GEMMs, the model dtype); the model dtype where the release has no such rule
-    (its model runner passes its own ``dtype``, whatever the KV cache's)."""
-    # the model's dtype: the KV dtype unless the KV cache is fp8 (``--kv-cache-dtype auto`` is the model's)
-    model_dtype = MODEL_DTYPE if kv_dtype in (torch.float8_e4m3fn, torch.float8_e5m2) else kv_dtype
-    rule = first_importable("sglang.srt.mem_cache.memory_pool:get_minimax_sparse_index_dtype", required=False)
-    if rule is None:
-        return model_dtype
-    return rule(fp8_attn_gemm=False, kv_cache_dtype=kv_dtype, model_dtype=model_dtype)
+def msa_components(pool, c: ModelConfig) -> list[Component]:
+    """The components of the ``MiniMaxSparseKVPool`` SGLang's configurator built for the config's server."""
+    return _components(pool, c)
 
 
 def _sub_pool_buffers(pool) -> set[int]:

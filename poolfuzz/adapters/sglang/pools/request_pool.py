@@ -6,52 +6,23 @@ from types import SimpleNamespace
 
 import torch
 
-from poolfuzz.adapters.sglang.api import SGLangAPI, SGLangUnavailable, first_importable, construct
+from poolfuzz.adapters.sglang.api import SGLangAPI, SGLangUnavailable, construct
 from poolfuzz.pools.config import ModelConfig
 
-_DECODE = "sglang.srt.disaggregation.decode"
 STATE_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
-def build_request_pool(api: SGLangAPI, c: ModelConfig, sdev: str, *, decode_rows: int | None = None,
-                       width: int | None = None):
-    """SGLang's HybridReqToTokenPool for the config, in its modes (extra buffer, speculative caches); with
-    ``decode_rows``, a PD decode server's ``HybridMambaDecodeReqToTokenPool`` with that many rows more for requests
-    being pre-allocated and transferred (its ``pre_alloc_size``). Its rows are ``width`` wide (default: the
-    context; a server's are :func:`server_row_width`)."""
-    cls, extra = api.HybridReqToTokenPool, {}
-    if decode_rows is not None:
-        cls, extra = first_importable(f"{_DECODE}:HybridMambaDecodeReqToTokenPool"), {"pre_alloc_size": decode_rows}
+def build_request_pool(api: SGLangAPI, c: ModelConfig, sdev: str):
+    """SGLang's HybridReqToTokenPool for the config, in its modes (extra buffer, speculative caches): a throwaway one,
+    on which ``speculative.speculative_problem`` asks whether this release builds the speculative caches here."""
     return construct(
-        cls, **extra, size=c.request_rows, mamba_size=c.mamba_slots,
-        mamba_spec_state_size=c.request_rows, max_context_len=width or c.max_context, device=sdev,
+        api.HybridReqToTokenPool, size=c.request_rows, mamba_size=c.mamba_slots,
+        mamba_spec_state_size=c.request_rows, max_context_len=c.max_context, device=sdev,
         enable_memory_saver=False, cache_params=mamba_cache_params(api, c), mamba_layer_ids=list(c.mamba_layer_ids),
         speculative_num_draft_tokens=c.spec_draft_tokens or None, start_layer=0, **pool_kwargs(c),
         # EAGLE tree verify (top-k 2) keeps one dense conv window per draft step, which a step's tags
         # can live in; chain drafts on a GPU share window columns between steps (see speculative.py)
         speculative_eagle_topk=2 if c.spec_draft_tokens else None)
-
-
-def build_plain_request_pool(api: SGLangAPI, c: ModelConfig, sdev: str, *, decode_rows: int | None = None,
-                             width: int | None = None):
-    """SGLang's ReqToTokenPool for a model without recurrent state; with ``decode_rows``, a PD decode server's
-    ``DecodeReqToTokenPool`` (as ``build_request_pool``)."""
-    if decode_rows is None:
-        return construct(api.ReqToTokenPool, size=c.request_rows, max_context_len=width or c.max_context, device=sdev,
-                         enable_memory_saver=False)
-    return construct(first_importable(f"{_DECODE}:DecodeReqToTokenPool"), size=c.request_rows,
-                     max_context_len=width or c.max_context, device=sdev, enable_memory_saver=False,
-                     pre_alloc_size=decode_rows)
-
-
-def server_row_width(c: ModelConfig) -> int:
-    """A request row's width as the published server's configurator sizes ``req_to_token``: the context plus SGLang's
-    headroom (``compat.req_to_token_headroom``); the context alone where the release has no such sizing or no server
-    is published (the width the adapter's wiring always had)."""
-    from poolfuzz.adapters.sglang import compat
-
-    headroom = compat.req_to_token_headroom()
-    return c.max_context + (headroom or 0)
 
 
 def mamba_cache_params(api: SGLangAPI, c: ModelConfig):

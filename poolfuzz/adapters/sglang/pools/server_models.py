@@ -158,8 +158,8 @@ class ModelKind:
     layers_problem: Callable[[ModelConfig], str | None] = lambda c: None
 
 
-# A config's architecture -> the model that stands for it. An architecture without an entry is not built through the
-# configurator (the family keeps its wiring, and says so).
+# A config's architecture -> the model that stands for it. An architecture without an entry has no server: its configs
+# are declined, saying so.
 MODELS: dict[str, ModelKind] = {
     "llama": ModelKind(config_json=_dense_model, attention_backend="triton"),
     "gpt-oss": ModelKind(config_json=_gpt_oss_model, attention_backend="triton", window_hook="gpt_oss_window"),

@@ -16,8 +16,8 @@ from typing import Callable
 import torch
 
 from poolfuzz.adapters.sglang.api import SGLangAPI, first_importable, construct
-from poolfuzz.adapters.sglang.pools.mha_fp4 import build_mha_fp4_pool, mha_fp4_problem
-from poolfuzz.adapters.sglang.pools.minimax import build_msa_pool, msa_problem
+from poolfuzz.adapters.sglang.pools.mha_fp4 import mha_fp4_components, mha_fp4_problem
+from poolfuzz.adapters.sglang.pools.minimax import msa_components, msa_problem
 from poolfuzz.adapters.sglang.pools.reads import read_door
 from poolfuzz.pools.components import Component
 from poolfuzz.pools.config import ModelConfig
@@ -129,42 +129,42 @@ def scales_as_bytes(pool) -> bool:
     return True
 
 
-def build_storage_pool(api: SGLangAPI, config: ModelConfig, common: dict, *,
-                       pool=None) -> tuple[object, list[Component]]:
-    """The release's MLA, DSA, MiniMax sparse or MXFP8 pool for a full-attention-only config, and its components
-    with ``pool``, the components of that one, as
-    SGLang's configurator built it for the config's server."""
+def storage_components(api: SGLangAPI, config: ModelConfig, pool) -> list[Component]:
+    """The components of the MLA, DSA, MiniMax sparse, FP4 or MXFP8 pool SGLang's configurator built for a
+    full-attention-only config's server (``pool``)."""
     c = config
     problem = storage_problem(api, c)
     if problem:
         raise ConfigError(f"config {c.name!r} on sglang {api.version}: {problem}")
-    if storage_of(c).builds_own_pool:  # MiniMax's sparse pool: its own builder, which takes no transpose flag
-        return build_msa_pool(api, c, {k: v for k, v in common.items() if k != "enable_kvcache_transpose"}, pool=pool)
+    if lacking := _buffers_lacking(pool, c):
+        raise ConfigError(f"config {c.name!r}: SGLang built its server's KV pool as {type(pool).__name__}, which keeps "
+                          f"no {' or '.join(lacking)}: no server of this release keeps the config's KV so")
+    if storage_of(c).builds_own_pool:  # MiniMax's sparse pool: its own doors
+        return msa_components(pool, c)
     single_rank(api)
     if c.kv_quant == "fp4_mx_block16" and not c.latent:
-        return build_mha_fp4_pool(api, c, common, pool=pool)
-    if pool is None:
-        pool = _wired_pool(api, c, common)
+        return mha_fp4_components(pool, c)
     if c.kv_scale_block:
         scales_as_bytes(pool)
-        return pool, _scaled_components(pool, c)
+        return _scaled_components(pool, c)
     if c.kv_quant:
-        return pool, _fp4_components(pool, c)
-    return pool, _latent_components(pool, c)
+        return _fp4_components(pool, c)
+    return _latent_components(pool, c)
 
 
-def _wired_pool(api: SGLangAPI, c: ModelConfig, common: dict):
-    """The adapter's own wiring of the config's MLA, DSA, FP4 MLA or MXFP8 pool (where no configurator builds it)."""
+def _buffers_lacking(pool, c: ModelConfig) -> list[str]:
+    """The kinds of buffer the config's components live in that the pool SGLang built keeps none of."""
+    kind = storage_of(c)
+    needs = [("main_pool", "MiniMax sparse sub-pools")] if kind.builds_own_pool else []
     if c.latent:
-        args = dict(common, size=c.full_tokens, kv_lora_rank=c.kv_lora_rank, qk_rope_head_dim=c.qk_rope_head_dim,
-                    layer_num=c.full_layers)
-        if storage_of(c).index_cache:
-            return construct(api.DSATokenToKVPool, index_head_dim=c.index_head_dim,
-                             kv_cache_dim=c.kv_lora_rank + c.qk_rope_head_dim, **args)
-        if c.kv_quant:  # SGLang's configurator: MLA with an fp4_e2m1 KV cache dtype (_build_mla_fp4_kv_pool)
-            return construct(first_importable(_FP4_POOL), **dict(args, dtype=torch.float4_e2m1fn_x2))
-        return construct(api.MLATokenToKVPool, **args)
-    return construct(api.MHATokenToKVPoolMXFP8, size=c.full_tokens, layer_num=c.full_layers, **common)
+        needs.append(("kv_buffer", "latent rows"))
+    if kind.index_cache:
+        needs.append(("index_k_with_scale_buffer", "DSA index cache"))
+    if c.kv_scale_block or (c.kv_quant == "fp4_mx_block16" and not c.latent):
+        needs.append(("k_scale_buffer", "scale rows"))
+    elif c.kv_quant and c.latent:
+        needs.append(("kv_scale_buffer", "scale rows"))
+    return [what for attribute, what in needs if getattr(pool, attribute, None) is None]
 
 
 def _latent_components(pool, c: ModelConfig) -> list[Component]:
@@ -204,17 +204,6 @@ def _scaled_components(pool, c: ModelConfig) -> list[Component]:
 
 _QUANT_GETTER = "sglang.srt.layers.quantization.fp4_kv_cache_quant_method:get_kv_cache_quant_method"
 _QUANT_PROBE: dict[str, str | None] = {}
-
-
-def quant_method_kwargs(api: SGLangAPI, config: ModelConfig) -> dict:
-    """``quant_method=`` as SGLang's configurator passes it to an MHA pool (``_build_mha_quant_method``:
-    ``get_kv_cache_quant_method("cpu_fp8_e4m3")`` for fp8_e4m3 KV on its CPU engine); {} for none."""
-    if not config.kv_quant:
-        return {}
-    problem = _quant_problem(api, config)
-    if problem:
-        raise ConfigError(f"config {config.name!r} on sglang {api.version}: {problem}")
-    return {"quant_method": first_importable(_QUANT_GETTER)(config.kv_quant)}
 
 
 def _quant_problem(api: SGLangAPI, config: ModelConfig) -> str | None:
@@ -300,7 +289,7 @@ class SGLangStorage:
     pool_class: str | None = None  # the SGLangAPI attribute of its pool; None: found by its probe, or MHA's by quant
     pool_class_also: str = ""  # the class's other names, for the message where a release has none
     probe: Callable[[SGLangAPI, ModelConfig], str | None] | None = None  # the release refusing the config's shapes
-    builds_own_pool: bool = False  # built by its own module (MiniMax's), not ``_wired_pool``
+    builds_own_pool: bool = False  # its components read by its own module (MiniMax's), not by the latent reader
     # HybridLinearKVPool's keywords for a full-attention sub-pool of this kind beside recurrent layers (MLA: use_mla)
     hybrid_args: Callable[[ModelConfig], dict] | None = None
     index_cache: bool = False  # DSA's page-major index-key cache beside the latent rows (dsa.index_k)

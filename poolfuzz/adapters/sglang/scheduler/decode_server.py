@@ -48,8 +48,9 @@ On the releases that keep one global ServerArgs (0.5.9 to 0.5.15) the server is 
 decode server the same way: the same ``init_disaggregation``, stepped as that release's
 ``event_loop_normal_disagg_decode`` (:class:`GlobalDecodeLoop`; 0.5.9 plans the prebuilt batch as a batch of its own,
 which ``run_batch`` answers with ``_run_batch_prebuilt``). Those releases back every retracted request up as
-per-request CPU tensors (``Req.offload_kv_cache``: no flag, no host pool); their pools are the family's wiring (no
-configurator), with SGLang's ``DecodeReqToTokenPool`` / ``HybridMambaDecodeReqToTokenPool``; before 0.5.12 the
+per-request CPU tensors (``Req.offload_kv_cache``: no flag, no host pool); their pools are the ones their model
+runner builds for the decode server (no configurator before 0.5.16): SGLang's ``DecodeReqToTokenPool`` /
+``HybridMambaDecodeReqToTokenPool`` among them; before 0.5.12 the
 decode side names one state item, of the kind its ``KVArgs.state_type`` says (the fake backend's KV manager is made
 to keep them: ``compat.transfer_args_kept``), and 0.5.9 names a request's pages with ``init``, not ``send_metadata``. A decode server
 takes no streaming sessions (their turns are the prefill node's).
@@ -211,17 +212,11 @@ class SglangDecodeDriver(SglangSchedulerDriver):
         return worker
 
     def build_family(self, config: ModelConfig, max_running: int):
-        """The decode server's role flags, with which SGLang's configurator builds its pools (its PD hook resolving
-        the extra rows from the model); and the wiring's request pool where the configurator does not serve
-        (``DecodeReqToTokenPool`` / ``HybridMambaDecodeReqToTokenPool``, with the rows SGLang's PD hook gives
-        requests in pre-allocation and transfer by default: twice the running requests, where those are 32 or fewer,
-        ``handle_pd_disaggregation``'s ``disaggregation_decode_extra_slots``). ``max_running`` is the server's
-        ``--max-running-requests``, the flag the configurator is given: with other rows the wiring is not the pool
-        SGLang builds, and the family would run on the wiring."""
+        """The pools SGLang's configurator builds with the decode server's role flags (its PD hook resolving the
+        extra rows for requests in pre-allocation and transfer from the model)."""
         from poolfuzz.adapters.sglang.pools.family import build_sglang_family
 
-        return build_sglang_family(config, decode_rows=2 * max_running, role_flags=ROLE_FLAGS,
-                                   listing=self.family_name)
+        return build_sglang_family(config, role_flags=ROLE_FLAGS, listing=self.family_name)
 
     # SGLang sizes this server's window pool from its requests' windows, not the ratio's (``server_sized``)
     pool_flags = ROLE_FLAGS

@@ -20,16 +20,13 @@ def max_req_len(config: ModelConfig, pool_tokens: int) -> int:
 
 def tokens_per_layer(family) -> tuple[int | None, int | None]:
     """``(full, swa)`` tokens per layer as ``TpModelWorker.get_tokens_per_layer_info`` hands them to a hybrid SWA
-    model's scheduler (``(None, None)`` for other models): its model runner's ``full_`` and ``swa_max_total_num_tokens``, which
-    are the sizes SGLang's configurator chose where it built the pools (what the scheduler's idle check and its pool
-    statistics count against), else the config's, which the adapter's wiring was built with."""
-    config = family.config
-    if not config.has_swa:
+    model's scheduler (``(None, None)`` for other models): its model runner's ``full_`` and
+    ``swa_max_total_num_tokens``, the sizes SGLang's configurator chose when it built the pools (what the scheduler's
+    idle check and its pool statistics count against)."""
+    if not family.config.has_swa:
         return None, None
-    if family.served is not None:
-        sizes = family.served.sizes
-        return sizes["full_max_total_num_tokens"], sizes["swa_max_total_num_tokens"]
-    return config.full_tokens, config.swa_tokens
+    sizes = family.served.sizes
+    return sizes["full_max_total_num_tokens"], sizes["swa_max_total_num_tokens"]
 
 
 def model_config_standin(config: ModelConfig):

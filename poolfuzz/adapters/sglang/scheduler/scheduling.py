@@ -220,7 +220,7 @@ class SglangSchedulerDriver:
     # The server's role: NULL, a server that prefills and decodes (decode_server.py's is a PD decode server).
     role = "NULL"
     label = "the sglang scheduler path"  # what the family's messages call it
-    family_name = "sglang:scheduler"  # the --family that runs it (the listing a message on the wiring names)
+    family_name = "sglang:scheduler"  # the --family that runs it (the listing a decline of its pools names)
     retraction = "recomputes retracted requests"  # what it does with one (the backup modes it drives: cpu_tensor)
     backup_modes: tuple[str, ...] = ("cpu_tensor",)  # the --backup-mode values it takes
     backup_mode = "cpu_tensor"  # the retraction path an artifact records (this server recomputes, on tensors)
@@ -240,7 +240,7 @@ class SglangSchedulerDriver:
 
     @property
     def pools_origin(self):
-        """Who built the pools this server runs on: SGLang's configurator for its flags, or the adapter's wiring."""
+        """Who built the pools this server runs on: SGLang's configurator (or its model runner) for its flags."""
         return self.family.pools_origin
 
     def build_family(self, config: ModelConfig, max_running: int):

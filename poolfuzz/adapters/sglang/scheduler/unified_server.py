@@ -15,7 +15,7 @@ what ``unified.unified_problem`` names (a speculative draft's caches), is declin
 
 The PD decode server (:class:`UnifiedDecodeDriver`) is ``decode_server.py``'s with the flag, over the pools SGLang's
 configurator builds for the decode server it stands for (``unified.build_unified(node="decode")``, with its role flags
-and its Mooncake transfer) where they are the wiring's classes and layers, sizes aside; the wiring otherwise. SGLang's
+and its Mooncake transfer) where they hold the config's layers, sizes aside; the config is declined otherwise. SGLang's
 decode side names *physical* rows for the transfer (``translate_kv_indices_for_transfer``, the SWA window's
 ``translate_swa_indices_for_transfer``, ``translate_mamba_indices``), and the prefill stand-in lands the bytes there
 (``runner.receive_prefill``), as the connector writes into the registered page envelopes. Its retraction is SGLang's
@@ -69,7 +69,7 @@ class UnifiedDecodeDriver(UnifiedMemory, SglangDecodeDriver):
     pool_flags = ROLE_FLAGS | SERVER_FLAGS | REAL_TRANSFER
 
     def build_family(self, config: ModelConfig, max_running: int):
-        return build_unified(config, node="decode", role_flags=self.pool_flags, decode_rows=2 * max_running)
+        return build_unified(config, node="decode", role_flags=self.pool_flags)
 
     @property
     def listed_flags(self) -> dict:

@@ -7,23 +7,20 @@ KV (growing down) and the per-request Mamba state (growing up), bound in ``Unifi
 and ``UnifiedHybridReqToTokenPool`` (``init_unified_mamba_pools``, built here); for a hybrid SWA model the
 full and sliding-window KV, and with Mamba layers too the tri-pool (``unified_swa.py``). The family runs on the
 pools SGLang's configurator builds for the config's server with ``--enable-unified-memory``
-(``pools/configurator.py``) where they are the config's pools, their sizes aside (SGLang sizes the sub-pools
-from one byte envelope); elsewhere on the adapter's wiring of the unified factory with the configurator's
-arguments, and ``pools_source`` says why (``poolfuzz configs --family sglang:unified-server`` shows both). Its
-components are SGLang's physical views read through SGLang's tables (``unified_family.UnifiedFamily``).
+(``pools/configurator.py``) where they hold the config's layers, their sizes aside (SGLang sizes the sub-pools
+from one byte envelope); the config is declined otherwise, saying why (``poolfuzz configs --family
+sglang:unified-server`` shows SGLang's pools). Its components are SGLang's physical views read through SGLang's tables (``unified_family.UnifiedFamily``).
 """
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
 from poolfuzz.adapters.sglang.pools.calls import paged_alloc_extend
-from poolfuzz.adapters.sglang.api import SGLangAPI, first_importable, call_with, load
-from poolfuzz.adapters.sglang.pools.family import KV_DTYPES, served_or_wired
+from poolfuzz.adapters.sglang.api import SGLangAPI, first_importable, load
+from poolfuzz.adapters.sglang.pools.family import server_pools, served_words
 from poolfuzz.adapters.sglang.pools.storage import single_rank, storage_of, what_failed
-from poolfuzz.adapters.sglang.pools.request_pool import check_built, mamba_cache_params, pool_kwargs
+from poolfuzz.adapters.sglang.pools.request_pool import check_built
 from poolfuzz.adapters.sglang.unified_pool.unified_family import (
     UnifiedFamily, prewarm_compaction, served_bundle, state_view, token_translate, translated_kv,
 )
@@ -72,59 +69,42 @@ def unified_problem(api: SGLangAPI, config: ModelConfig, *, role_flags: dict | N
     refused = configurator.refusal(config, role_flags=SERVER_FLAGS | (role_flags or {}))
     if refused:
         return refused
-    if config.page_size > 1:
-        return _paged_problem(api, config)
-    return _factory_problem(api, config)
+    return _factory_problem(api, config, role_flags)
 
 
-_FACTORY_PROBE: dict[ModelConfig, str | None] = {}
+_FACTORY_PROBE: dict[tuple, str | None] = {}
 
 
-def _factory_problem(api: SGLangAPI, config: ModelConfig) -> str | None:
-    """Build the config's unified stack once, and allocate one token on it: a factory that refuses the model's
-    layers declines the config here, with its reason, instead of at every example of a run that counted it in
-    (the SWA factory of 0.5.22 and 0.5.23 asserts that an SWA hybrid without full-attention layers, swa-only, is
-    degenerate); so does an allocator that launches a kernel this machine cannot run (0.5.22 zeroes the pages
-    it hands an MLA sub-pool with a Triton kernel, ``zero_physical_pages``)."""
-    if config not in _FACTORY_PROBE:
+def _factory_problem(api: SGLangAPI, config: ModelConfig, role_flags: dict | None) -> str | None:
+    """Build the config's server's unified stack once, and allocate on it as a first request does: a factory that
+    refuses the model's layers declines the config here, with its reason, instead of at every example of a run that
+    counted it in (the SWA factory of 0.5.22 and 0.5.23 asserts that an SWA hybrid without full-attention layers,
+    swa-only, is degenerate); so does an allocator that launches a kernel this machine cannot run (0.5.22 zeroes the
+    pages it hands an MLA sub-pool with a Triton kernel, ``zero_physical_pages``; the unified sub-pool allocator
+    launches SGLang's Triton ``alloc_extend_kernel`` for every paged allocation, having no CPU path, unlike
+    ``PagedTokenToKVPoolAllocator``)."""
+    key = (config, tuple(sorted((role_flags or {}).items())))
+    if key not in _FACTORY_PROBE:
         problem = None
         try:
-            family = _build(api, config.replace(name="probe"), resolve_device("cpu"), "cpu", need_sort=False)
-        except (AssertionError, ValueError, RuntimeError) as exc:
-            problem = (f"SGLang {api.version}'s unified pool factory refuses this model's layers "
-                       f"({type(exc).__name__}: {what_failed(exc)}); use --family sglang")
+            family = _served_family(api, config, role_flags=role_flags, listing="sglang:unified-server")
+        except ConfigError as exc:
+            problem = str(exc)
         else:
             try:
-                family.sg_allocator.alloc(1)
+                if config.page_size > 1:
+                    out = paged_alloc_extend(family.sg_allocator, prefix_len=0, seq_len=3, last_loc=-1)
+                    if out is None or out.numel() != 3:
+                        problem = f"the unified pool's paged alloc_extend gave {out!r} on an empty pool"
+                else:
+                    family.sg_allocator.alloc(1)
             except Exception as exc:  # a kernel launch without Triton raises one of many types
                 problem = (f"SGLang {api.version}'s unified allocator launches a kernel on its first allocation for "
-                           f"this model that cannot run here ({type(exc).__name__}: {what_failed(exc)}); install "
-                           "Triton (ci/sglang-install.sh VENV VERSION --triton), or use --family sglang")
-        _FACTORY_PROBE[config] = problem
-    return _FACTORY_PROBE[config]
-
-
-_PAGED_PROBE: dict[int, str | None] = {}
-
-
-def _paged_problem(api: SGLangAPI, config: ModelConfig) -> str | None:
-    """Try one paged allocation on a throwaway unified stack: the unified sub-pool allocator launches
-    SGLang's Triton ``alloc_extend_kernel`` for every paged allocation (it has no CPU path, unlike
-    ``PagedTokenToKVPoolAllocator``), which needs Triton (compiled on a GPU, or interpreted)."""
-    if config.page_size not in _PAGED_PROBE:
-        problem = None
-        try:
-            family = _build(api, config.replace(name="probe"), resolve_device("cpu"), "cpu", need_sort=False)
-            out = paged_alloc_extend(family.sg_allocator, prefix_len=0, seq_len=3, last_loc=-1)
-            if out is None or out.numel() != 3:
-                problem = f"the unified pool's paged alloc_extend gave {out!r} on an empty pool"
-        except Exception as exc:  # a kernel launch without Triton raises one of many types
-            problem = (f"SGLang {api.version}'s unified sub-pool allocator launches the Triton alloc_extend "
-                       f"kernel for every paged allocation, and it cannot run here ({type(exc).__name__}: "
-                       f"{str(exc).splitlines()[0] if str(exc) else ''}); use a page-size-1 config, or "
-                       "install Triton (ci/sglang-install.sh VENV VERSION --triton)")
-        _PAGED_PROBE[config.page_size] = problem
-    return _PAGED_PROBE[config.page_size]
+                           f"this model that cannot run here ({type(exc).__name__}: {what_failed(exc)}); "
+                           + ("use a page-size-1 config, or " if config.page_size > 1 else "")
+                           + "install Triton (ci/sglang-install.sh VENV VERSION --triton), or use --family sglang")
+        _FACTORY_PROBE[key] = problem
+    return _FACTORY_PROBE[key]
 
 
 def unified_mamba_factory():
@@ -132,78 +112,35 @@ def unified_mamba_factory():
     return first_importable("sglang.srt.mem_cache.unified_memory_pool:init_unified_mamba_pools", required=False)
 
 
-def build_unified(config: ModelConfig, *, node: str | None = None, role_flags: dict | None = None,
-                  decode_rows: int | None = None) -> UnifiedFamily:
-    """The unified pools of the config's server, on the CPU where the scheduler runs; ``node="decode"``: a PD decode
-    server's (built with ``need_sort``; the wiring's request pool a ``DecodeReqToTokenPool`` with ``decode_rows``
-    rows more, as ``build_sglang_family``'s), ``role_flags`` its flags beside the unified server's."""
+def build_unified(config: ModelConfig, *, node: str | None = None, role_flags: dict | None = None) -> UnifiedFamily:
+    """The unified pools SGLang's configurator builds for the config's server with ``--enable-unified-memory``, on the
+    CPU where the scheduler runs, where they are the config's pools, their sizes aside (SGLang sizes the sub-pools
+    from one byte envelope); ``node="decode"``: a PD decode server's, ``role_flags`` its flags beside the unified
+    server's."""
     api = load()
     problem = unified_problem(api, config, role_flags=role_flags)
     if problem:
         raise ConfigError(f"config {config.name!r} on sglang {api.version}: {problem}")
-    dev = resolve_device("cpu")
-    try:
-        from poolfuzz.adapters.sglang.pools.descriptions import same_layout
+    return _served_family(api, config, role_flags=role_flags,
+                          listing="sglang:unified-decode" if node == "decode" else "sglang:unified-server")
 
-        decode = node == "decode"
-        build = functools.partial(_build, api, config, dev, "cpu", need_sort=decode, decode_rows=decode_rows)
-        return served_or_wired(build, config, "cpu",
-                               pd_decode=decode, role_flags=SERVER_FLAGS | (role_flags or {}), same=same_layout,
-                               listing="sglang:unified-decode" if decode else "sglang:unified-server")
+
+def _served_family(api: SGLangAPI, config: ModelConfig, *, role_flags: dict | None, listing: str) -> UnifiedFamily:
+    """The family over the unified pools SGLang's configurator builds for the config's server (``server_pools``)."""
+    try:
+        served = server_pools(config, "cpu", role_flags=SERVER_FLAGS | (role_flags or {}), sized=False,
+                              listing=listing)
+        single_rank(api)
+        return (build_swa if config.has_swa else _mamba_family)(api, config, resolve_device("cpu"), served)
     except (AssertionError, ValueError, RuntimeError) as exc:
         first = str(exc).splitlines()[0] if str(exc) else ""
         raise ConfigError(f"config {config.name!r} on sglang {api.version}: SGLang's unified pool factory "
                           f"refuses it ({type(exc).__name__}: {first})") from None
 
 
-def _build(api: SGLangAPI, c: ModelConfig, dev, sdev: str, *, need_sort: bool, served=None,
-           decode_rows: int | None = None) -> UnifiedFamily:
-    """The family over the pools SGLang's configurator built for the config's server with ``SERVER_FLAGS``
-    (``served``: where they are the config's pools, sizes aside), or over the adapter's wiring of the configurator's
-    unified factory for the model: the SWA pair, or the Mamba pair."""
-    single_rank(api)
-    if c.has_swa:
-        return build_swa(api, c, dev, sdev, need_sort=need_sort, served=served, decode_rows=decode_rows)
-    return _build_mamba(api, c, dev, sdev, need_sort=need_sort, served=served)
-
-
-def _attention_args(c: ModelConfig) -> dict:
-    """The configurator's attention arguments: an MLA model's (``use_mla_backend``, its latent widths)
-    build the MLA sub-pool (``UnifiedMLATokenToKVPool``), any other model's the MHA one."""
-    if c.latent:
-        return dict(use_mla_backend=True, kv_lora_rank=c.kv_lora_rank, qk_rope_head_dim=c.qk_rope_head_dim)
-    return dict(use_mla_backend=False)
-
-
-def _build_mamba(api: SGLangAPI, c: ModelConfig, dev, sdev: str, *, need_sort: bool, served=None) -> UnifiedFamily:
-    bundle = served_bundle(served) if served is not None else _wired_mamba(api, c, sdev, need_sort=need_sort)
-    return _mamba_family(api, c, dev, bundle)
-
-
-def _wired_mamba(api: SGLangAPI, c: ModelConfig, sdev: str, *, need_sort: bool):
-    kv_dtype = KV_DTYPES[c.kv_dtype]
-    modes = pool_kwargs(c)
-    # ``_init_unified_mamba_pools``' arguments, for a config's model on one rank with the overlap
-    # schedule off (lazy compaction on: SGLang's default, ``_should_enable_lazy_compaction``)
-    args = dict(
-        device=sdev, kv_cache_dtype=kv_dtype, head_num=c.head_num, head_dim=c.head_dim, v_head_dim=c.head_dim,
-        page_size=c.page_size, start_layer=0, end_layer=c.num_layers, is_draft_worker=False,
-        **_attention_args(c), mamba_layer_ids=list(c.mamba_layer_ids),
-        full_attention_layer_ids=list(c.full_layer_ids), mamba2_cache_params=mamba_cache_params(api, c),
-        extra_max_context_len=4, max_total_num_tokens=c.full_tokens,
-        max_mamba_cache_size=c.mamba_slots, max_num_reqs=c.request_rows, enable_memory_saver=False,
-        enable_mamba_extra_buffer=modes["enable_mamba_extra_buffer"], enable_mamba_extra_buffer_lazy=False,
-        speculative_num_draft_tokens=None, disable_overlap_schedule=not modes["enable_overlap_schedule"],
-        need_sort=need_sort, lazy_compaction=True)
-    # The full side can hold more tokens than ``full_tokens`` (it grows into the state side's free
-    # bytes), and the harness ends no request by length: the model's context is what the full side can
-    # ever hold (the scheduler clamps a request to the pool), so a request row never overflows.
-    sized = call_with(unified_mamba_factory(), model_context_len=c.max_context, **args)
-    ever = sized.token_to_kv_pool_allocator.full_attn_allocator.max_slots
-    return call_with(unified_mamba_factory(), model_context_len=max(c.max_context, ever), **args)
-
-
-def _mamba_family(api: SGLangAPI, c: ModelConfig, dev, bundle) -> UnifiedFamily:
+def _mamba_family(api: SGLangAPI, c: ModelConfig, dev, served) -> UnifiedFamily:
+    """The family over a hybrid Mamba model's unified pools (``init_unified_mamba_pools``' stack, as served)."""
+    bundle = served_bundle(served)
     req_pool, kv_pool, alloc = bundle.req_to_token_pool, bundle.token_to_kv_pool, bundle.token_to_kv_pool_allocator
     problem = check_built(req_pool, c)
     if problem:
@@ -245,7 +182,8 @@ def _mamba_family(api: SGLangAPI, c: ModelConfig, dev, bundle) -> UnifiedFamily:
         api=api, config=c, device=dev, uses_ssm_state=uses_ssm_state(c), sg_req_pool=req_pool, sg_kv_pool=kv_pool,
         sg_allocator=alloc, req_pool=ReqPoolView(req_pool, mamba=mamba_view, rows=views["rows"],
                                                  mamba_free=views["mamba"]),
-        kv_pool=KVPoolView(kv_pool, comps, door=door), allocator=AllocatorView(alloc, swa=False))
+        kv_pool=KVPoolView(kv_pool, comps, door=door), allocator=AllocatorView(alloc, swa=False), served=served,
+        pools_source=served_words(served))
     family.unified_buffer = bundle.unified_memory_pool
     family._free_views = views
     return family

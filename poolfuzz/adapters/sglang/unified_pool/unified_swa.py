@@ -12,9 +12,8 @@ from __future__ import annotations
 
 import torch
 
-from poolfuzz.adapters.sglang.api import SGLangAPI, first_importable, call_with
-from poolfuzz.adapters.sglang.pools.family import KV_DTYPES
-from poolfuzz.adapters.sglang.pools.request_pool import build_plain_request_pool, mamba_cache_params, pool_kwargs
+from poolfuzz.adapters.sglang.api import SGLangAPI, first_importable
+from poolfuzz.adapters.sglang.pools.family import served_words
 from poolfuzz.adapters.sglang.unified_pool.unified_family import (
     UnifiedFamily, prewarm_compaction, served_bundle, state_view, token_translate, translated_kv,
 )
@@ -48,44 +47,15 @@ def tri_factory():
     return first_importable("sglang.srt.mem_cache.unified_memory_pool:init_unified_mamba_swa_pools", required=False)
 
 
-def build_swa(api: SGLangAPI, c: ModelConfig, dev, sdev: str, *, need_sort: bool, served=None,
-              decode_rows: int | None = None) -> UnifiedFamily:
-    """The family over the pools the configurator built for the config's server (``served``), or over
-    ``_init_unified_swa_pools`` for the config's model on one rank, lazy compaction on (SGLang's default); with Mamba
-    layers too, ``_init_unified_mamba_swa_pools`` (the tri-pool: state | SWA | full)."""
-    if served is not None:
-        bundle = served_bundle(served)
-        return _swa_family(api, c, dev, bundle, bundle.req_to_token_pool)
-    kv_dtype = KV_DTYPES[c.kv_dtype]
-    args = dict(
-        device=sdev, kv_cache_dtype=kv_dtype, head_num=c.head_num, head_dim=c.head_dim, v_head_dim=c.head_dim,
-        swa_head_num=c.head_num, swa_head_dim=c.head_dim, swa_v_head_dim=c.head_dim, page_size=c.page_size,
-        start_layer=0, end_layer=c.num_layers, swa_attention_layer_ids=list(c.swa_layer_ids),
-        full_attention_layer_ids=list(c.full_layer_ids), full_max_total_num_tokens=c.full_tokens,
-        swa_max_total_num_tokens=c.swa_tokens, enable_memory_saver=False, need_sort=need_sort,
-        lazy_compaction=True, sliding_window_size=c.sliding_window)
-    if c.has_mamba:
-        modes = pool_kwargs(c)
-        args.update(mamba_layer_ids=list(c.mamba_layer_ids), mamba2_cache_params=mamba_cache_params(api, c),
-                    max_mamba_cache_size=c.mamba_slots, extra_max_context_len=4, max_num_reqs=c.request_rows,
-                    enable_mamba_extra_buffer=modes["enable_mamba_extra_buffer"],
-                    enable_mamba_extra_buffer_lazy=False,
-                    disable_overlap_schedule=not modes["enable_overlap_schedule"])
-        # rows as wide as the full side can ever grow (see unified._build_mamba)
-        sized = call_with(tri_factory(), model_context_len=c.max_context, **args)
-        ever = sized.token_to_kv_pool_allocator.full_attn_allocator.max_slots
-        bundle = call_with(tri_factory(), model_context_len=max(c.max_context, ever), **args)
-        req_pool = bundle.req_to_token_pool
-    else:
-        bundle = call_with(swa_factory(), model_context_len=c.max_context, **args)
-    if not c.has_mamba:  # the configurator's plain request pool (a decode server's): rows as wide as the full side
-        full = bundle.token_to_kv_pool_allocator.full_attn_allocator  # can grow, a decode server's extra rows beside
-        req_pool = build_plain_request_pool(api, c, sdev, decode_rows=decode_rows,
-                                            width=max(c.max_context, full.max_slots))
-    return _swa_family(api, c, dev, bundle, req_pool)
+def build_swa(api: SGLangAPI, c: ModelConfig, dev, served) -> UnifiedFamily:
+    """The family over a hybrid SWA model's unified pools as SGLang's configurator built them for its server
+    (``served``): ``init_unified_swa_pools``' pair, or with Mamba layers too ``init_unified_mamba_swa_pools``' tri-pool
+    (state | SWA | full)."""
+    bundle = served_bundle(served)
+    return _swa_family(api, c, dev, bundle, bundle.req_to_token_pool, served)
 
 
-def _swa_family(api: SGLangAPI, c: ModelConfig, dev, bundle, req_pool) -> UnifiedFamily:
+def _swa_family(api: SGLangAPI, c: ModelConfig, dev, bundle, req_pool, served) -> UnifiedFamily:
     alloc, kv_pool = bundle.token_to_kv_pool_allocator, bundle.token_to_kv_pool
     full, swa = alloc.full_attn_allocator, alloc.swa_attn_allocator
     prewarm_compaction(alloc)
@@ -132,7 +102,8 @@ def _swa_family(api: SGLangAPI, c: ModelConfig, dev, bundle, req_pool) -> Unifie
         api=api, config=c, device=dev, uses_ssm_state=uses_ssm_state(c), sg_req_pool=req_pool, sg_kv_pool=kv_pool,
         sg_allocator=alloc, req_pool=ReqPoolView(req_pool, mamba=mamba_view, rows=views["rows"],
                                                  mamba_free=views.get("mamba")),
-        kv_pool=KVPoolView(kv_pool, comps, door=door), allocator=UnifiedSWAView(alloc))
+        kv_pool=KVPoolView(kv_pool, comps, door=door), allocator=UnifiedSWAView(alloc), served=served,
+        pools_source=served_words(served))
     family.unified_buffer = bundle.unified_memory_pool
     family._free_views = views
     return family
