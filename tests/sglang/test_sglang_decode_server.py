@@ -355,15 +355,18 @@ def test_an_extra_buffer_model_is_declined_with_the_reason(decode):
         decode.build_decode_driver(CONFIGS["hybrid-extra-buffer"])
 
 
-def test_a_prompt_whose_pages_fill_the_pool_is_accepted_but_never_pre_allocated(decode):
+def test_a_prompt_whose_pages_fill_the_pool_is_accepted_but_never_pre_allocated(decode, api):
     """sglang#39271 seen through the decode server's queues, as the fuzzer found it on dsa-ssm-ps64 (64-token pages,
     a 192-token pool and context; that config's pools are no server's, and a DeepSeek DSA server's of that size stands
     in here): a 129-token prompt is accepted with max_new_tokens clipped to 0 (the base
     allocator's max_new_tokens_for_memory floors 192 - 192 - 64 - 1 at 0 instead of answering None, which the
     Scheduler would abort), ``_check_if_req_exceed_kv_capacity`` lets it in (the raw prompt fits the pool), and
     ``pop_preallocated`` wants its three pages plus ``num_reserved_decode_tokens`` within the pool: it waits forever,
-    and so would every request behind it. One token shorter (two pages), it is pre-allocated and finishes."""
+    and so would every request behind it. One token shorter (two pages), it is pre-allocated and finishes. Before
+    0.5.22 the decode server pre-allocates and finishes the long one too."""
     from poolfuzz.pools.errors import ServerStuck
+
+    from packaging.version import Version
 
     config = CONFIGS["dsa-ps64"].replace(full_tokens=192, max_context=192)
     if reason := decode.unsupported_reason(config):
@@ -374,6 +377,9 @@ def test_a_prompt_whose_pages_fill_the_pool_is_accepted_but_never_pre_allocated(
 
     driver = decode.SglangDecodeDriver(config)
     rid = driver.add_request(length=129, share=0, max_tokens=1)
+    if Version(api.version) < Version("0.5.22"):  # measured at stop 67 on 0.5.12, 0.5.16, 0.5.18, 0.5.20, 0.5.21
+        assert driver.drain() is None and driver.outcome[rid] == "finished"  # pre-allocated, as it should be
+        return
     with pytest.raises(ServerStuck) as stuck:
         driver.drain()
     assert str(stuck.value) == (f"1 request(s) still unfinished after 400 idle steps (req {rid} waiting for "

@@ -15,9 +15,9 @@ adapter's drift where
 - the configurator path lacks a name it needs on a release that has the configurator.
 
 Such an error is an ``EngineApiChanged``: the run says "API CHANGED" and names what to update, where a decline would
-have left the release untested. A scheduler-path server's build and steps (``drift_checked``; the stand-in ``Scheduler`` made
-without ``__init__`` is marked) are classified the same way, where the harness would have reported a crash found in
-SGLang. Errors SGLang raises from its own code on the server's flags or sizes are not drift: they stay
+have left the release untested. A scheduler-path server's build and steps (``drift_checked``; the stand-in
+``Scheduler`` made without ``__init__`` is marked) are classified the same way, where the harness would have reported a
+crash found in SGLang. Errors SGLang raises from its own code on the server's flags or sizes are not drift: they stay
 refusals (``configurator.ServerRefused``) or reasons the family gives."""
 
 from __future__ import annotations

@@ -185,6 +185,10 @@ PRIVATE: dict[str, Need] = {
                                            "effective_max_total_num_tokens", required=False,
                                     used_for="private: the runner's token capacity, a hybrid SWA server's from its "
                                              "configurator's two pools"),
+    "runner_token_pool_size": Need(target="sglang.srt.model_executor.model_runner:ModelRunner.max_token_pool_size",
+                                   required=False,
+                                   used_for="private: the capacity the TP worker bounds max_req_len by before "
+                                            "0.5.16 (a hybrid SWA server's full pool)"),
     "runner_effective_logical_tokens": Need(target="sglang.srt.model_executor.model_runner:ModelRunner."
                                                    "effective_logical_max_total_num_tokens", required=False,
                                             used_for="private: the capacity the TP worker bounds max_req_len by"),

@@ -485,22 +485,43 @@ _RUNNER_TOKENS = ("runner_logical_tokens", "runner_effective_tokens", "runner_ef
 
 def worker_token_capacity(family) -> tuple[int, int]:
     """``(max_total_num_tokens, the capacity max_req_len is bounded by)`` as ``TpModelWorker.get_worker_info`` hands
-    them to its scheduler: its model runner's ``logical_max_total_num_tokens`` and
-    ``effective_logical_max_total_num_tokens``, run on a runner stand-in that holds what the runner holds after
-    ``init_memory_pool`` (the pools SGLang's configurator built, the sizes it chose, the configurator itself, which
-    the capacities ask). Pools a model runner built (before 0.5.16: no configurator), or a release without those
-    properties: the allocator's free tokens, for both."""
+    them to its scheduler, asked of the model runner's own properties, run on a runner stand-in that holds what the
+    runner holds after ``init_memory_pool`` (the pools SGLang built, the sizes it chose, the configurator, which the
+    capacities ask):
+
+    - 0.5.21 on: its ``logical_max_total_num_tokens`` and ``effective_logical_max_total_num_tokens``;
+    - 0.5.16 to 0.5.20: its ``max_total_num_tokens`` (through the request pool's ``schedulable_token_capacity`` where
+      the pool has it, 0.5.19 on) and ``effective_max_total_num_tokens``;
+    - before: its ``max_total_num_tokens`` and ``max_token_pool_size``.
+
+    A hybrid SWA server's bound is its full pool, not the window side's free count (which refused a prompt longer
+    than the window pool at admission, hiding the SWA defects of docs/bugs/sglang-swa-*.md on 0.5.16 to 0.5.20 until
+    stop 67). A release with none of those properties: the allocator's free tokens, for both."""
     served = family.served
-    if served.configurator is None or not has_private(*_RUNNER_TOKENS):
+    sizes = served.sizes
+    runner_state = dict(
+        req_to_token_pool=served.req_to_token_pool, token_to_kv_pool_allocator=served.allocator,
+        kv_cache_configurator=served.configurator, max_total_num_tokens=sizes["max_total_num_tokens"],
+        is_hybrid_swa=family.config.has_swa if served.configurator is None else served.configurator.is_hybrid_swa,
+        full_max_total_num_tokens=sizes["full_max_total_num_tokens"],
+        swa_max_total_num_tokens=sizes["swa_max_total_num_tokens"])
+    if served.configurator is not None and has_private(*_RUNNER_TOKENS):
+        runner = _runner_standin(_RUNNER_TOKENS, runner_state)
+        return (getattr(runner, private_name("runner_logical_tokens")),
+                getattr(runner, private_name("runner_effective_logical_tokens")))
+    bound = next((key for key in ("runner_effective_tokens", "runner_token_pool_size") if has_private(key)), None)
+    if bound is None or sizes["max_total_num_tokens"] is None:
         total = family.sg_allocator.available_size()
         return total, total
-    properties = {private_name(key): property(private(key).fget) for key in _RUNNER_TOKENS}
+    capacity = getattr(served.req_to_token_pool, "schedulable_token_capacity", None)
+    total = sizes["max_total_num_tokens"]
+    return (capacity(total) if capacity is not None else total,
+            getattr(_runner_standin((bound,), runner_state), private_name(bound)))
+
+
+def _runner_standin(keys: tuple[str, ...], state: dict):
+    """A model-runner stand-in with SGLang's own properties ``keys`` (PRIVATE needs), holding ``state``."""
+    properties = {private_name(key): property(private(key).fget) for key in keys}
     runner = type("ModelRunnerStandIn", (), properties)()
-    runner.__dict__.update(
-        req_to_token_pool=served.req_to_token_pool, token_to_kv_pool_allocator=served.allocator,
-        kv_cache_configurator=served.configurator, is_hybrid_swa=served.configurator.is_hybrid_swa,
-        max_total_num_tokens=served.sizes["max_total_num_tokens"],
-        full_max_total_num_tokens=served.sizes["full_max_total_num_tokens"],
-        swa_max_total_num_tokens=served.sizes["swa_max_total_num_tokens"])
-    return (getattr(runner, private_name("runner_logical_tokens")),
-            getattr(runner, private_name("runner_effective_logical_tokens")))
+    runner.__dict__.update(state)
+    return runner
