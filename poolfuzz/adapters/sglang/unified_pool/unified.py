@@ -9,7 +9,8 @@ full and sliding-window KV, and with Mamba layers too the tri-pool (``unified_sw
 pools SGLang's configurator builds for the config's server with ``--enable-unified-memory``
 (``pools/configurator.py``) where they hold the config's layers, their sizes aside (SGLang sizes the sub-pools
 from one byte envelope); the config is declined otherwise, saying why (``poolfuzz configs --family
-sglang:unified-server`` shows SGLang's pools). Its components are SGLang's physical views read through SGLang's tables (``unified_family.UnifiedFamily``).
+sglang:unified-server`` shows SGLang's pools). Its components are SGLang's physical views read through SGLang's
+tables (``unified_family.UnifiedFamily``).
 """
 
 from __future__ import annotations
@@ -87,7 +88,9 @@ def _factory_problem(api: SGLangAPI, config: ModelConfig, role_flags: dict | Non
     if key not in _FACTORY_PROBE:
         problem = None
         try:
-            family = _served_family(api, config, role_flags=role_flags, listing="sglang:unified-server")
+            decode = (role_flags or {}).get("disaggregation_mode") == "decode"
+            family = _served_family(api, config, role_flags=role_flags,
+                                    listing="sglang:unified-decode" if decode else "sglang:unified-server")
         except ConfigError as exc:
             problem = str(exc)
         else:
