@@ -424,19 +424,25 @@ def test_the_scheduler_is_told_the_capacity_its_tp_worker_reports(scheduling):
     assert driver.refused == 0 and driver.drain() is None and driver.outcome[rid] == "finished"
 
 
+def _small_window_server(name: str, *, window: int, swa_tokens: int, rows: int):
+    """The tiny GPT-OSS server the judged sliding-window defects are shown on: one full and one sliding-window layer,
+    an 11-token full pool and context, and a window pool of ``swa_tokens``."""
+    from poolfuzz.pools.config import ModelConfig
+
+    return ModelConfig(name=name, architecture="gpt-oss", full_layers=1, swa_layers=1, sliding_window=window,
+                       head_num=1, head_dim=12, kv_dtype="bfloat16", full_tokens=11, swa_tokens=swa_tokens,
+                       request_rows=rows, max_context=11)
+
+
 def test_a_chunk_parked_on_the_swa_budget_stalls_a_small_window_pool_for_good(scheduling, api):
     """SGLang 0.5.23 (judged an engine defect, docs/bugs/sglang-swa-parked-chunk.md): a GPT-OSS server whose SWA pool
     (4 tokens) cannot hold a 4-token prompt and its output token cuts the prompt to chunks; after two, PrefillAdder's
     ``available_chunk_tokens`` keeps a page of headroom (1 - 1 = 0 tokens) and parks the last chunk, while the window
     lock holds the request's own out-of-window first node, so nothing ever frees a slot: the request waits forever
     on an idle server, with no error. With two output tokens the chunks are cut smaller and the request finishes."""
-    from poolfuzz.pools.config import ModelConfig
-
     if api.version != "0.5.23":
         pytest.skip("judged on SGLang 0.5.23")
-    c = ModelConfig(name="swa-window-pool-4", architecture="gpt-oss", full_layers=1, swa_layers=1, sliding_window=2,
-                    head_num=1, head_dim=12, kv_dtype="bfloat16", full_tokens=11, swa_tokens=4, request_rows=1,
-                    max_context=11)
+    c = _small_window_server("swa-window-pool-4", window=2, swa_tokens=4, rows=1)
     driver = scheduling.SglangSchedulerDriver(c)
     rid = driver.add_request(length=4, share=0, max_tokens=1)
     allocator = driver.family.sg_allocator
@@ -456,14 +462,11 @@ def test_a_prefix_hit_whose_pinned_window_leaves_the_swa_check_short_waits_for_g
     budget, so the prefix's SWA tokens are not evictable to it, and ``check_prefill`` (``needed < remaining_swa``)
     refuses it every pass as if the pressure were passing; the escape hatch serves only requests that could never fit
     the pool. On an idle server it waits forever. The same request without the prefix hit is admitted."""
-    from poolfuzz.pools.config import ModelConfig
     from poolfuzz.pools.errors import ServerStuck
 
     if api.version != "0.5.23":
         pytest.skip("judged on SGLang 0.5.23")
-    c = ModelConfig(name="swa-window-pool-4-hit", architecture="gpt-oss", full_layers=1, swa_layers=1,
-                    sliding_window=2, head_num=1, head_dim=12, kv_dtype="bfloat16", full_tokens=11, swa_tokens=4,
-                    request_rows=1, max_context=11)
+    c = _small_window_server("swa-window-pool-4-hit", window=2, swa_tokens=4, rows=1)
     driver = scheduling.SglangSchedulerDriver(c)
     first = driver.add_request(length=1, share=0, max_tokens=1)
     second = driver.add_request(length=1, share=1, max_tokens=1)  # the first prompt and one token more
@@ -482,13 +485,9 @@ def test_two_requests_the_swa_cap_cuts_in_one_pass_decode_on_a_middle_chunk(sche
     request and, the chunk budget barely spent, a second one of the next request in the same pass; only the second
     becomes the scheduler's chunked request, so the first is taken out of prefill with the token sampled after its
     position 0 as its first output, and decodes on a prompt never computed. One at a time, both finish."""
-    from poolfuzz.pools.config import ModelConfig
-
     if api.version != "0.5.23":
         pytest.skip("judged on SGLang 0.5.23")
-    c = ModelConfig(name="swa-window-pool-5", architecture="gpt-oss", full_layers=1, swa_layers=1, sliding_window=3,
-                    head_num=1, head_dim=12, kv_dtype="bfloat16", full_tokens=11, swa_tokens=5, request_rows=2,
-                    max_context=11)
+    c = _small_window_server("swa-window-pool-5", window=3, swa_tokens=5, rows=2)
     driver = scheduling.SglangSchedulerDriver(c)
     driver.add_request(length=4, share=0, max_tokens=3)
     driver.add_request(length=4, share=0, max_tokens=1)

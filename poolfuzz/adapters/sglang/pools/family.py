@@ -36,9 +36,6 @@ from poolfuzz.pools.quantised import MODEL_DTYPE
 # their own frees, as a server started with it does
 DEBUG_SWITCH = "SGLANG_DEBUG_MEMORY_POOL"
 
-KV_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32,
-             "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
-
 
 # =============================================================================================
 # The family

@@ -15,7 +15,7 @@ import torch
 
 from poolfuzz.adapters.sglang.api import SGLangAPI, construct
 from poolfuzz.adapters.sglang.pools.reads import read_door, stored_bytes
-from poolfuzz.adapters.sglang.pools.storage import single_rank, storage_of
+from poolfuzz.adapters.sglang.pools.storage import buffers_problem, single_rank, storage_of
 from poolfuzz.pools.components import Component
 from poolfuzz.pools.config import ModelConfig
 from poolfuzz.pools.errors import ConfigError
@@ -58,11 +58,8 @@ def hybrid_mla_components(api: SGLangAPI, pool, c: ModelConfig) -> list[Componen
     """The latent (and index) components of the ``HybridLinearKVPool`` SGLang's configurator built for the config's
     server, each as the MLA (and DSA) kernels get it from the pool by model layer id."""
     single_rank(api)
-    sub = getattr(pool, "full_kv_pool", None)
-    if getattr(sub, "kv_buffer", None) is None:
-        raise ConfigError(f"config {c.name!r}: SGLang built its server's attention layers as "
-                          f"{type(sub or pool).__name__}, which keeps no latent rows: no server of this release "
-                          "serves latent attention between these recurrent layers")
+    if problem := buffers_problem(getattr(pool, "full_kv_pool", pool), c):
+        raise ConfigError(f"config {c.name!r}: {problem}")
     r = c.kv_lora_rank
     out = []
     for local, layer_id in enumerate(c.full_layer_ids):
@@ -85,10 +82,6 @@ def _index_components(pool, c: ModelConfig) -> list[Component]:
     """DSA's index keys of each layer, page-major, as the indexer gets them from the hybrid pool by model layer
     (``get_index_k_with_scale_buffer``); the scales are four bytes a token, too few for a tag (as for DSA)."""
     ps = c.page_size
-    if getattr(pool.full_kv_pool, "index_k_with_scale_buffer", None) is None:
-        raise ConfigError(f"config {c.name!r}: SGLang built its server's attention layers as "
-                          f"{type(pool.full_kv_pool).__name__}, which keeps no DSA index cache: no server of this "
-                          "release serves sparse (DSA) attention between these recurrent layers")
     if pool.full_kv_pool.page_size // getattr(pool.full_kv_pool, "index_kpool", 1) != ps:
         raise ConfigError(f"config {c.name!r}: SGLang's DSA index pages are not {ps}-token pages; poolfuzz reads them "
                           "by the KV page")

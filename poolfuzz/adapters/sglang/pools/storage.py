@@ -136,9 +136,8 @@ def storage_components(api: SGLangAPI, config: ModelConfig, pool) -> list[Compon
     problem = storage_problem(api, c)
     if problem:
         raise ConfigError(f"config {c.name!r} on sglang {api.version}: {problem}")
-    if lacking := _buffers_lacking(pool, c):
-        raise ConfigError(f"config {c.name!r}: SGLang built its server's KV pool as {type(pool).__name__}, which keeps "
-                          f"no {' or '.join(lacking)}: no server of this release keeps the config's KV so")
+    if problem := buffers_problem(pool, c):
+        raise ConfigError(f"config {c.name!r}: {problem}")
     if storage_of(c).builds_own_pool:  # MiniMax's sparse pool: its own doors
         return msa_components(pool, c)
     single_rank(api)
@@ -152,8 +151,17 @@ def storage_components(api: SGLangAPI, config: ModelConfig, pool) -> list[Compon
     return _latent_components(pool, c)
 
 
+def buffers_problem(pool, c: ModelConfig) -> str | None:
+    """Which kinds of buffer the config's components live in the KV pool SGLang built (for a hybrid linear model,
+    its full-attention sub-pool) keeps none of, in a decline's words; None where it keeps them all."""
+    lacking = _buffers_lacking(pool, c)
+    if not lacking:
+        return None
+    return (f"SGLang built its server's KV pool as {type(pool).__name__}, which keeps no {' or '.join(lacking)}: no "
+            "server of this release keeps the config's KV so")
+
+
 def _buffers_lacking(pool, c: ModelConfig) -> list[str]:
-    """The kinds of buffer the config's components live in that the pool SGLang built keeps none of."""
     kind = storage_of(c)
     needs = [("main_pool", "MiniMax sparse sub-pools")] if kind.builds_own_pool else []
     if c.latent:
