@@ -314,10 +314,9 @@ def test_a_server_whose_attention_layers_keep_no_index_cache_declines_the_sparse
             plugin.factory(c, device="cpu", faults=(), backup_mode=None)
         except ConfigError as exc:
             why = str(exc)
-    # 0.5.20 on: the server's own MLA sub-pool; before, the release's HybridLinearKVPool probed (no_buffer at 64-token
-    # pages is refused where the decode server's tree is not the mamba one's)
-    assert why is not None and re.search(r"keeps no DSA index cache|builds a MLATokenToKVPool sub-pool for attention "
-                                         r"'dsa'|SGLang refuses", why), why
+    # the server's own MLA sub-pool where it starts; elsewhere SGLang refuses no_buffer at 64-token pages (where the
+    # decode server's tree is not the mamba one's)
+    assert why is not None and re.search(r"keeps no DSA index cache|SGLang refuses", why), why
 
 
 def test_a_sparse_attention_server_on_a_blackwell_gpu_keeps_its_kv_in_the_dtype_it_names(api, configurator):

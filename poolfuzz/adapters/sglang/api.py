@@ -114,10 +114,6 @@ class SGLangAPI:
     PagedTokenToKVPoolAllocator: type
     SWATokenToKVPoolAllocator: type
     MambaSlotAllocator: type | None  # None: slots are allocated by the MambaPool itself
-    Mamba2CacheParams: type
-    Mamba2StateShape: type
-    Mamba2StateDType: type | None
-    mamba2_state_dtype: object | None
     Req: type
     ReqKvInfo: type | None  # None: the request's KV fields are flat on the Req
     # Pool classes that store KV other than as K and V rows (None where the release has none)

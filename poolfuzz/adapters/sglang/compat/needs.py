@@ -38,13 +38,6 @@ NEEDS: dict[str, Need] = {
                                             f"{_ALLOC}:SWATokenToKVPoolAllocator"), used_for="SWA slots"),
     "MambaSlotAllocator": Need(target=f"{_ALLOC}.mamba:MambaSlotAllocator", required=False,
                                used_for="mamba slots apart from the pool (absent: the MambaPool allocates them)"),
-    "Mamba2CacheParams": Need(target="sglang.srt.configs.mamba_utils:Mamba2CacheParams", used_for="mamba shapes"),
-    "Mamba2StateShape": Need(target="sglang.srt.configs.mamba_utils:Mamba2StateShape", used_for="mamba shapes"),
-    "Mamba2StateDType": Need(target="sglang.srt.configs.mamba_utils:Mamba2StateDType", required=False,
-                             used_for="mamba state dtypes"),
-    "mamba2_state_dtype": Need(target="sglang.srt.configs.mamba_utils:mamba2_state_dtype", required=False,
-                               used_for="a model's conv and temporal state dtypes, as its config class asks them "
-                                        "(the conv's SGLang's default, the temporal the model's mamba_ssm_dtype)"),
     "Req": Need(target=f"{_SB}:Req", used_for="every request, and its retraction path"),
     "ReqKvInfo": Need(target=f"{_SB}:ReqKvInfo", required=False,
                       used_for="a request's KV fields on req.kv (absent: flat on the Req)"),

@@ -15,7 +15,7 @@ import torch
 
 from poolfuzz.adapters.sglang.api import SGLangAPI, construct, load, switched_on
 from poolfuzz.adapters.sglang.pools.calls import native_kv_move, paged_alloc_extend
-from poolfuzz.adapters.sglang.pools.hybrid_mla import hybrid_mla_components, hybrid_mla_problem
+from poolfuzz.adapters.sglang.pools.hybrid_mla import hybrid_mla_components
 from poolfuzz.adapters.sglang.pools.minimax import write_msa_rows
 from poolfuzz.adapters.sglang.pools.reads import read_door, stored_bytes
 from poolfuzz.adapters.sglang.pools.request_pool import check_built, rows_over_slots
@@ -94,8 +94,6 @@ def unsupported_reason(config: ModelConfig) -> str | None:
         problem = _paged_allocation_problem(api)
         if problem:
             return problem
-    if config.latent and config.has_mamba:
-        return extra_buffer_problem(api, config) or speculative_problem(api, config) or hybrid_mla_problem(api, config)
     return extra_buffer_problem(api, config) or speculative_problem(api, config) or storage_problem(api, config)
 
 

@@ -5,54 +5,18 @@ Built by SGLang's configurator (``_build_hybrid_linear_kv_pool``) for an MLA mod
 routes a model layer id to its MLA sub-pool's layer (``_transfer_id_context`` for the write door,
 ``_transfer_full_attention_id`` for the read door), so the components are read through the hybrid pool's own door
 and written through its ``set_kv_buffer`` (DSA's index keys through its ``get_index_k_with_scale_buffer``, written
-directly, as for a plain DSA pool); a release whose pool cannot be built with ``use_mla`` declines the config with the
-reason.
+directly, as for a plain DSA pool). A sub-pool that keeps none of the latent rows (or the DSA index cache) the config's
+components live in declines the config (``storage.buffers_problem``): SGLang built another server's pools.
 """
 
 from __future__ import annotations
 
-import torch
-
-from poolfuzz.adapters.sglang.api import SGLangAPI, construct
+from poolfuzz.adapters.sglang.api import SGLangAPI
 from poolfuzz.adapters.sglang.pools.reads import read_door, stored_bytes
 from poolfuzz.adapters.sglang.pools.storage import buffers_problem, single_rank, storage_of
 from poolfuzz.pools.components import Component
 from poolfuzz.pools.config import ModelConfig
 from poolfuzz.pools.errors import ConfigError
-
-_PROBE: dict[tuple, str | None] = {}
-
-
-def hybrid_mla_problem(api: SGLangAPI, config: ModelConfig) -> str | None:
-    """Why this release cannot build the config's hybrid MLA (or DSA) pool, or None: a one-page pool built without
-    a MambaPool must route the model's full layers to a sub-pool of the config's latent class."""
-    key = (config.attention, config.page_size, config.index_head_dim, config.kv_lora_rank, config.qk_rope_head_dim,
-           config.full_layer_ids)
-    if key not in _PROBE:
-        problem = None
-        kind = storage_of(config)
-        want = getattr(api, kind.pool_class)
-        if want is None:
-            problem = f"this SGLang has no {kind.pool_class}"
-        else:
-            try:
-                single_rank(api)
-                pool = construct(api.HybridLinearKVPool, size=config.page_size, page_size=config.page_size,
-                                 dtype=torch.bfloat16, head_num=1, head_dim=16,
-                                 full_attention_layer_ids=list(config.full_layer_ids), device="cpu", mamba_pool=None,
-                                 enable_memory_saver=False, enable_kvcache_transpose=False, **kind.hybrid_args(config))
-                # a DSA pool is an MLA pool too: an MLA sub-pool must not carry the indexer's cache
-                if not isinstance(pool.full_kv_pool, want) or (not kind.index_cache and isinstance(
-                        pool.full_kv_pool, api.DSATokenToKVPool or ())):
-                    problem = (f"its HybridLinearKVPool builds a {type(pool.full_kv_pool).__name__} sub-pool for "
-                               f"attention {config.attention!r}")
-            except Exception as exc:  # a constructor without use_mla=, or one that refuses it here
-                first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-                problem = (f"SGLang {api.version} cannot build HybridLinearKVPool with a {config.attention.upper()} "
-                           f"sub-pool of page_size={config.page_size} ({type(exc).__name__}: {first})")
-        _PROBE[key] = problem
-    return _PROBE[key]
-
 
 def hybrid_mla_components(api: SGLangAPI, pool, c: ModelConfig) -> list[Component]:
     """The latent (and index) components of the ``HybridLinearKVPool`` SGLang's configurator built for the config's

@@ -10,38 +10,18 @@ from __future__ import annotations
 
 from poolfuzz.adapters.sglang.api import parameters
 from poolfuzz.adapters.sglang.compat import conv_window_buffers
-from poolfuzz.adapters.sglang.pools.request_pool import build_request_pool
 from poolfuzz.pools.speculative import scratch_components
 
 
 def speculative_problem(api, config) -> str | None:
-    """Why this release cannot build the config's speculative scratch, or None."""
+    """Why this release keeps no speculative scratch for the config, or None. What a release cannot build on this device
+    (some assert CUDA for the caches) is SGLang's configurator's to say, when it builds the server's request pool."""
     if not config.spec_draft_tokens:
         return None
     if ("speculative_num_draft_tokens" not in parameters(api.HybridReqToTokenPool)
             or not hasattr(api.MambaPool, "get_speculative_mamba2_params_all_layers")):
         return f"SGLang {api.version}'s MambaPool keeps no speculative intermediate state caches"
-    return _probe(api, config)
-
-
-_PROBED: dict = {}
-
-
-def _probe(api, config) -> str | None:
-    """Build the config's request pool once, with its speculative caches: what a release cannot build on
-    this device (some assert CUDA for them) is declined with SGLang's own message."""
-    key = (config.mamba_layers, config.conv_shapes, config.temporal_shape, config.state_dtype,
-           config.spec_draft_tokens)
-    if key not in _PROBED:
-        try:
-            pool = build_request_pool(api, config, "cpu")
-            SGLangScratch(pool, layer_ids=config.mamba_layer_ids, draft_tokens=config.spec_draft_tokens)
-            _PROBED[key] = None
-        except Exception as exc:  # noqa: BLE001 - any refusal of the constructors declines the config
-            first = str(exc).splitlines()[0] if str(exc) else ""
-            _PROBED[key] = (f"SGLang {api.version} cannot build the speculative caches on this device "
-                            f"({type(exc).__name__}: {first})")
-    return _PROBED[key]
+    return None
 
 
 class SGLangScratch:

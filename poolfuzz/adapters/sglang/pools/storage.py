@@ -1,7 +1,8 @@
 """SGLang's KV pools that store KV other than as K and V rows: MLA, DSA, MiniMax sparse and MXFP8 block-scaled.
 
-Each is built from the installed release's own class, with the keywords its constructor names;
-a release without the class, or whose class cannot run here, declines the config with a reason.
+Each is built by the release's own configurator for the config's server. A release without the class declines the
+config here; what SGLang refuses of the config's shapes (DSA's indexer takes 128-value keys on 64-token pages) is the
+configurator's to say, building the server, and a layout other than poolfuzz reads is declined on the built pool.
 Every buffer the pool's ``get_cpu_copy`` / ``load_cpu_copy`` carries is a component the harness
 checksums, except DSA's index scales: four bytes a token in SGLang's layout, too few to carry a
 tag (the built-in family checks them, with wider scales).
@@ -15,7 +16,7 @@ from typing import Callable
 
 import torch
 
-from poolfuzz.adapters.sglang.api import SGLangAPI, first_importable, construct
+from poolfuzz.adapters.sglang.api import SGLangAPI, first_importable
 from poolfuzz.adapters.sglang.pools.mha_fp4 import mha_fp4_components, mha_fp4_problem
 from poolfuzz.adapters.sglang.pools.minimax import msa_components, msa_problem
 from poolfuzz.adapters.sglang.pools.reads import read_door
@@ -63,29 +64,6 @@ def storage_problem(api: SGLangAPI, config: ModelConfig) -> str | None:
         if block != config.kv_scale_block:
             return f"SGLang's MXFP8 pool scales blocks of {block} values; set kv_scale_block = {block}"
     return None
-
-
-_DSA_PROBE: dict[tuple, str | None] = {}
-
-
-def _dsa_problem(api: SGLangAPI, config: ModelConfig) -> str | None:
-    """Build a one-page DSA pool of the config's page size and index width: the release's indexer
-    asserts the shapes its kernels take (0.5.23: 64-token pages, 128-value index keys)."""
-    key = (config.page_size, config.index_head_dim, config.kv_lora_rank, config.qk_rope_head_dim)
-    if key not in _DSA_PROBE:
-        problem = None
-        try:
-            single_rank(api)
-            construct(api.DSATokenToKVPool, size=config.page_size, page_size=config.page_size,
-                      dtype=torch.bfloat16, kv_lora_rank=config.kv_lora_rank,
-                      qk_rope_head_dim=config.qk_rope_head_dim, layer_num=1, device="cpu",
-                      index_head_dim=config.index_head_dim, enable_memory_saver=False,
-                      kv_cache_dim=config.kv_lora_rank + config.qk_rope_head_dim)
-        except Exception as exc:  # the indexer's own assertions say what it takes
-            problem = (f"SGLang {api.version}'s DSA pool refuses page_size={config.page_size}, "
-                       f"index_head_dim={config.index_head_dim} ({type(exc).__name__}: {what_failed(exc)})")
-        _DSA_PROBE[key] = problem
-    return _DSA_PROBE[key]
 
 
 def what_failed(exc: BaseException) -> str:
@@ -211,63 +189,33 @@ def _scaled_components(pool, c: ModelConfig) -> list[Component]:
 
 
 _QUANT_GETTER = "sglang.srt.layers.quantization.fp4_kv_cache_quant_method:get_kv_cache_quant_method"
-_QUANT_PROBE: dict[str, str | None] = {}
+_FP4_POOL = "sglang.srt.mem_cache.memory_pool:MLATokenToKVPoolFP4"
 
 
 def _quant_problem(api: SGLangAPI, config: ModelConfig) -> str | None:
-    """Build a one-slot pool with the method: a release without KV quant methods (or without this one)
-    declines the config. Nothing is written here: what the door stores is the checksums' to judge (a door
-    that stores wrongly is a defect to report, not a reason to decline)."""
-    if config.kv_quant not in _QUANT_PROBE:
-        problem = None
-        getter = first_importable(_QUANT_GETTER, required=False)
-        if getter is None:
-            problem = "this SGLang has no KV cache quant methods (get_kv_cache_quant_method)"
-        else:
-            try:
-                construct(api.MHATokenToKVPool, size=2, page_size=1, dtype=torch.float8_e4m3fn, head_num=1,
-                          head_dim=16, layer_num=1, device="cpu", enable_memory_saver=False,
-                          quant_method=getter(config.kv_quant))
-            except Exception as exc:  # an unknown method name, a constructor without quant_method=, ...
-                problem = (f"SGLang {api.version} cannot build an MHA pool with KV quant method {config.kv_quant!r} "
-                           f"({type(exc).__name__}: {what_failed(exc)})")
-        _QUANT_PROBE[config.kv_quant] = problem
-    return _QUANT_PROBE[config.kv_quant]
-
-
-_FP4_POOL = "sglang.srt.mem_cache.memory_pool:MLATokenToKVPoolFP4"
-_FP4_PROBE: dict[tuple, str | None] = {}
+    """A release without KV quant methods declines the config; whether it builds the config's method is its
+    configurator's to say, building the server's pool."""
+    if first_importable(_QUANT_GETTER, required=False) is None:
+        return "this SGLang has no KV cache quant methods (get_kv_cache_quant_method)"
+    return None
 
 
 def _fp4_problem(api: SGLangAPI, config: ModelConfig) -> str | None:
-    """Build a one-page FP4 MLA pool of the config's row: the release must have the class, and store a row
-    as packed bytes beside a scale byte per 16 values, as poolfuzz reads it."""
-    key = (config.kv_lora_rank, config.qk_rope_head_dim)
-    if key not in _FP4_PROBE:
-        problem = None
-        cls = first_importable(_FP4_POOL, required=False)
-        if cls is None or not hasattr(torch, "float4_e2m1fn_x2"):
-            problem = "this SGLang (or torch) has no FP4 MLA KV pool (MLATokenToKVPoolFP4, float4_e2m1fn_x2)"
-        else:
-            try:
-                single_rank(api)
-                width = config.kv_lora_rank + config.qk_rope_head_dim
-                pool = construct(cls, size=1, page_size=1, dtype=torch.float4_e2m1fn_x2,
-                                 kv_lora_rank=config.kv_lora_rank, qk_rope_head_dim=config.qk_rope_head_dim,
-                                 layer_num=1, device="cpu", enable_memory_saver=False)
-                shapes = (tuple(pool.kv_buffer[0].shape[1:]), tuple(pool.kv_scale_buffer[0].shape[1:]))
-                if shapes != ((1, width // 2), (width // 16,)):
-                    problem = f"its FP4 MLA rows are laid out as {shapes}, not packed bytes and 16-value scales"
-            except Exception as exc:  # what the release's constructor refuses varies
-                problem = (f"SGLang {api.version} cannot build an FP4 MLA pool here "
-                           f"({type(exc).__name__}: {what_failed(exc)})")
-        _FP4_PROBE[key] = problem
-    return _FP4_PROBE[key]
+    """A release (or torch) without the FP4 MLA pool declines the config; its rows' layout is checked on the pool
+    SGLang's configurator built (``_fp4_components``)."""
+    if first_importable(_FP4_POOL, required=False) is None or not hasattr(torch, "float4_e2m1fn_x2"):
+        return "this SGLang (or torch) has no FP4 MLA KV pool (MLATokenToKVPoolFP4, float4_e2m1fn_x2)"
+    return None
 
 
 def _fp4_components(pool, c: ModelConfig) -> list[Component]:
     """The packed latent row's two parts (the compressed part's bytes, then the rope part's) and its scale row.
     Read from the buffers: the pool's ``get_key_buffer`` hands the kernels a dequantised copy."""
+    width = c.kv_lora_rank + c.qk_rope_head_dim
+    shapes = (tuple(pool.kv_buffer[0].shape[1:]), tuple(pool.kv_scale_buffer[0].shape[1:]))
+    if shapes != ((1, width // 2), (width // 16,)):
+        raise ConfigError(f"config {c.name!r}: SGLang's FP4 MLA rows are laid out as {shapes}, not as packed bytes "
+                          "and a scale byte per 16 values, as poolfuzz reads them")
     half = c.kv_lora_rank // 2
     out = []
     for local, layer_id in enumerate(c.full_layer_ids):
@@ -278,15 +226,6 @@ def _fp4_components(pool, c: ModelConfig) -> list[Component]:
     return out
 
 
-def _hybrid_latent_args(c: ModelConfig) -> dict:
-    return dict(use_mla=True, kv_lora_rank=c.kv_lora_rank, qk_rope_head_dim=c.qk_rope_head_dim)
-
-
-def _hybrid_dsa_args(c: ModelConfig) -> dict:
-    return _hybrid_latent_args(c) | dict(use_dsa=True, index_head_dim=c.index_head_dim,
-                                         kv_cache_dim=c.kv_lora_rank + c.qk_rope_head_dim)
-
-
 @dataclass(frozen=True, kw_only=True)
 class SGLangStorage:
     """What the adapter builds and drives on SGLang for one attention kind (``poolfuzz.pools.attention_kinds``),
@@ -294,12 +233,10 @@ class SGLangStorage:
     run it here (a ``str`` field says why one does not; None: it does)."""
 
     name: str
-    pool_class: str | None = None  # the SGLangAPI attribute of its pool; None: found by its probe, or MHA's by quant
+    pool_class: str | None = None  # the SGLangAPI attribute of its pool; None: checked by ``probe``, or MHA's by quant
     pool_class_also: str = ""  # the class's other names, for the message where a release has none
-    probe: Callable[[SGLangAPI, ModelConfig], str | None] | None = None  # the release refusing the config's shapes
+    probe: Callable[[SGLangAPI, ModelConfig], str | None] | None = None  # the release lacking its pool (MiniMax's)
     builds_own_pool: bool = False  # its components read by its own module (MiniMax's), not by the latent reader
-    # HybridLinearKVPool's keywords for a full-attention sub-pool of this kind beside recurrent layers (MLA: use_mla)
-    hybrid_args: Callable[[ModelConfig], dict] | None = None
     index_cache: bool = False  # DSA's page-major index-key cache beside the latent rows (dsa.index_k)
     set_kv_buffer_door: bool = True  # its pool takes K/V rows through set_kv_buffer (MiniMax's has its own door)
     host_side_pools: bool = False  # its host group holds pools beside the KV (index keys): the v2 store interface
@@ -315,9 +252,9 @@ class SGLangStorage:
 
 STORAGE: dict[str, SGLangStorage] = {k.name: k for k in (
     SGLangStorage(name="mha"),
-    SGLangStorage(name="mla", pool_class="MLATokenToKVPool", hybrid_args=_hybrid_latent_args),
+    SGLangStorage(name="mla", pool_class="MLATokenToKVPool"),
     SGLangStorage(name="dsa", pool_class="DSATokenToKVPool", pool_class_also=" (or NSATokenToKVPool)",
-                  probe=_dsa_problem, hybrid_args=_hybrid_dsa_args, index_cache=True,
+                  index_cache=True,
                   # its host transfers synchronise a device stream; a CPU stream has no synchronize
                   host_tier="DSA host pools are not driven (their transfers synchronise a device stream, which the "
                             "CPU lacks)",
