@@ -1,4 +1,5 @@
-"""The judged defects of an installed engine release (ci/known/ENGINE-VERSION.txt), passed over as --known does."""
+"""The judged defects of an installed engine release (ci/known/ENGINE-VERSION.txt, or the file of the releases it lies
+in, ENGINE-FIRST-LAST.txt), passed over as --known does."""
 
 from __future__ import annotations
 
@@ -9,8 +10,27 @@ from poolfuzz.orchestration.known import known_on, load_known
 
 
 def known_file(engine: str, version: str) -> Path:
-    """The release's judged defects, ``ci/known/ENGINE-VERSION.txt`` (it need not exist)."""
-    return Path(__file__).resolve().parents[1] / "ci" / "known" / f"{engine}-{version}.txt"
+    """The release's judged defects: ``ci/known/ENGINE-VERSION.txt``, else the file of the releases it lies in,
+    ``ci/known/ENGINE-FIRST-LAST.txt`` (``sglang-0.5.18-0.5.22.txt`` for 0.5.21; a post release counts as its
+    release); the release's own name where neither exists."""
+    from packaging.version import InvalidVersion, Version
+
+    known = Path(__file__).resolve().parents[1] / "ci" / "known"
+    own = known / f"{engine}-{version}.txt"
+    if own.is_file():
+        return own
+    try:
+        release = Version(Version(version).base_version)
+    except InvalidVersion:
+        return own
+    for path in sorted(known.glob(f"{engine}-*-*.txt")):
+        first, _, last = path.stem[len(engine) + 1:].partition("-")
+        try:
+            if Version(first) <= release <= Version(last):
+                return path
+        except InvalidVersion:
+            continue
+    return own
 
 
 class PassOverJudged:

@@ -41,8 +41,8 @@ def unified_problem(api: SGLangAPI, config: ModelConfig, *, role_flags: dict | N
     """Why the unified pool of this SGLang is not driven for ``config`` here, or None; ``role_flags``: the role the
     server plays beside the unified server's flags (a decode server's), whose refusal is SGLang's."""
     if unified_mamba_factory() is None:
-        return (f"SGLang {api.version} has no unified memory pool (--enable-unified-memory arrived in "
-                "0.5.23's mem_cache/unified_memory_pool.py); use --family sglang")
+        return (f"SGLang {api.version} has no unified memory pool (--enable-unified-memory's "
+                "init_unified_mamba_pools in mem_cache/unified_memory_pool.py, 0.5.15 on); use --family sglang")
     sub_pool = first_importable("sglang.srt.mem_cache.allocator.unified_sub_pool:MultiEndedAllocator", required=False)
     if sub_pool is None:
         return (f"SGLang {api.version}'s unified memory pool predates the layout poolfuzz drives (0.5.23's "
