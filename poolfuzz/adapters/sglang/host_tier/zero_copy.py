@@ -65,9 +65,10 @@ def _store_class():
             self.objects: dict[str, list[torch.Tensor]] = {}
             split = getattr(storage_config, "should_split_heads", False)
             self.split_factor = storage_config.tp_lcm_size // storage_config.tp_size if split else 1
-            # What a DMA engine would have faulted on. SGLang's storage threads log a backend's exception
-            # and go on (the page is just not stored); a GPU's illegal access kills the process, so the
-            # adapter re-raises these after each poll (``l3.settle``).
+            # What a DMA engine would have faulted on. A GPU's illegal access kills the process, so the
+            # adapter raises these after each poll (``l3.settle``); SGLang's storage thread is told that no
+            # page of the batch moved, not handed the exception: 0.5.22 on logs a backend's exception and goes
+            # on, but 0.5.21's threads die of it, and the poll then waits for ever on the batch they never ack.
             self.faults: list[IllegalAddress] = []
             self._scratch = None  # (host pool, its scratch copy): see _scratch_for
 
@@ -76,7 +77,7 @@ def _store_class():
                 return io(keys, host_indices)
             except IllegalAddress as exc:
                 self.faults.append(exc)
-                raise
+                return [False] * len(keys)
 
         def _meta(self, keys, host_indices):
             host = self.mem_pool_host
