@@ -46,15 +46,16 @@ def _mla_rules(c: ModelConfig) -> list[str]:
 
 
 def _latent_rules(c: ModelConfig) -> list[str]:
-    """MLA and DSA rows: a compressed-KV part and a rope part, each carrying a tag."""
+    """MLA and DSA rows: a compressed-KV part and a rope part (none on a NoPE model), each carrying a tag."""
     problems = []
     # MLA beside recurrent layers is Kimi-Linear's shape (SGLang's HybridLinearKVPool with use_mla; use_dsa too)
     if c.has_swa or (c.has_mamba and c.kv_quant):
         problems.append(f"attention {c.attention!r} is built for full-attention-only models here, and unquantised "
                         "also beside mamba layers (swa_layers must be 0; mamba_layers 0 with a kv_quant)")
-    if c.kv_lora_rank < 12 or c.qk_rope_head_dim < 12:
-        problems.append(f"kv_lora_rank ({c.kv_lora_rank}) and qk_rope_head_dim ({c.qk_rope_head_dim}) "
-                        "must each be >= 12 (each part of a latent row carries a tag)")
+    if c.kv_lora_rank < 12 or 0 < c.qk_rope_head_dim < 12 or c.qk_rope_head_dim < 0:
+        problems.append(f"kv_lora_rank ({c.kv_lora_rank}) and qk_rope_head_dim ({c.qk_rope_head_dim}) must each be "
+                        ">= 12 (each part of a latent row carries a tag), or qk_rope_head_dim 0 for rows without a "
+                        "rope part (NoPE)")
     return problems
 
 

@@ -13,7 +13,7 @@ from poolfuzz.pools.errors import ConfigError
 # forgotten here silently takes the lossy retraction path. The harness audits this predicate
 # against the layers a built family really has.
 SSM_ARCHITECTURES = frozenset(
-    {"qwen3-next", "mamba2", "nemotron-h", "kimi-linear", "lightning", "inkling", "falcon-h1"}
+    {"qwen3-next", "mamba2", "nemotron-h", "kimi-linear", "glm5-next", "lightning", "inkling", "falcon-h1"}
 )
 
 KV_DTYPES = ("bfloat16", "float16", "float32", "fp8_e4m3", "fp8_e5m2")
@@ -426,11 +426,12 @@ def _hybrid_storage_configs() -> list[ModelConfig]:
 
 
 def _dsa_ssm_ps64(mla_ssm: ModelConfig) -> ModelConfig:
-    """DSA layers between recurrent ones (SGLang's HybridLinearKVPool with use_dsa: the DSA sub-pool keeps its
-    index cache, which PD sends as the DSA state after the MAMBA one), in the shape SGLang's indexer takes. Three
-    pages for five rows, so a resume often finds no room while a mamba slot is free."""
-    return mla_ssm.replace(name="dsa-ssm-ps64", attention="dsa", page_size=64, index_head_dim=128, full_tokens=192,
-                           max_context=192)
+    """DSA layers between recurrent ones, as a GLM-5 Next lays them out (SGLang's HybridLinearKVPool with use_dsa:
+    the DSA sub-pool keeps its index cache, which PD sends as the DSA state after the MAMBA one), in the shape SGLang's
+    indexer takes, its latent rows without a rope part (a GLM-5 Next's DSA layers are NoPE). Three pages for five
+    rows, so a resume often finds no room while a mamba slot is free."""
+    return mla_ssm.replace(name="dsa-ssm-ps64", architecture="glm5-next", attention="dsa", page_size=64,
+                           index_head_dim=128, qk_rope_head_dim=0, full_tokens=192, max_context=192)
 
 
 def _mode_configs(base: list[ModelConfig]) -> list[ModelConfig]:

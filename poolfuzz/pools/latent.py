@@ -38,9 +38,19 @@ def load_rows(buffers, saved: ChunkedCpuCopy, idx: torch.Tensor, chunk: int) -> 
             buf[idx[i * chunk:(i + 1) * chunk]] = part.to(buf.device)
 
 
+def latent_components(row: torch.Tensor, rank: int, *, layer: int, translate=None) -> list[Component]:
+    """A layer's latent rows ``row`` (``[slots, width]``) as components: the compressed part (``mla.latent``, the first
+    ``rank`` values) and, where the rows keep one, the rope part (``mla.rope``): a NoPE model's (GLM-5 Next's DSA
+    layers) rows are the compressed part alone."""
+    out = [Component(name="mla.latent", layer=layer, space="full", tensor=row[:, :rank], translate=translate)]
+    if row.shape[-1] > rank:
+        out.append(Component(name="mla.rope", layer=layer, space="full", tensor=row[:, rank:], translate=translate))
+    return out
+
+
 class MLATokenToKVPool(KVCache):
     """Per layer ``kv_buffer[l]`` of ``[size+page_size, 1, kv_lora_rank + qk_rope_head_dim]``: the
-    compressed KV (what SGLang's ``get_value_buffer`` returns) then the rope part, in one row.
+    compressed KV (what SGLang's ``get_value_buffer`` returns) then the rope part (none on a NoPE model), in one row.
 
     The two parts are two components, each checksummed on its own: a copy that carries one part
     and not the other is seen. No host pool mirrors it here, so retraction takes ``cpu_tensor``.
@@ -59,12 +69,8 @@ class MLATokenToKVPool(KVCache):
         self.kv_buffer = [zeros(shape, dtype=self.store_dtype, device=self.device) for _ in self.layer_ids]
 
     def components(self) -> list[Component]:
-        r = self.kv_lora_rank
-        out = []
-        for buf, layer_id in zip(self.kv_buffer, self.layer_ids):
-            out.append(Component(name="mla.latent", layer=layer_id, space="full", tensor=buf[:, 0, :r]))
-            out.append(Component(name="mla.rope", layer=layer_id, space="full", tensor=buf[:, 0, r:]))
-        return out
+        return [comp for buf, layer_id in zip(self.kv_buffer, self.layer_ids)
+                for comp in latent_components(buf[:, 0], self.kv_lora_rank, layer=layer_id)]
 
     def get_cpu_copy(self, indices, mamba_indices=None) -> ChunkedCpuCopy:
         return copy_rows(self.kv_buffer, as_index(indices).to(self.device), CPU_COPY_CHUNK)

@@ -9,7 +9,7 @@ import torch
 from poolfuzz.pools.allocator import as_index
 from poolfuzz.pools.components import Component, zeros
 from poolfuzz.pools.kv import CPU_COPY_CHUNK
-from poolfuzz.pools.latent import ChunkedCpuCopy, MLATokenToKVPool, copy_rows, load_rows
+from poolfuzz.pools.latent import ChunkedCpuCopy, MLATokenToKVPool, copy_rows, latent_components, load_rows
 
 FP4_SCALE_BLOCK = 16  # values per scale byte (SGLang's FP4MXBlock16: one UE8M0 scale per 16 fp4 values)
 
@@ -45,11 +45,9 @@ class MLATokenToKVPoolFP4(MLATokenToKVPool):
                                 for _ in self.layer_ids]
 
     def components(self) -> list[Component]:
-        half = self.kv_lora_rank // 2
         out = []
         for buf, scales, layer_id in zip(self.kv_buffer, self.kv_scale_buffer, self.layer_ids):
-            out.append(Component(name="mla.latent", layer=layer_id, space="full", tensor=buf[:, 0, :half]))
-            out.append(Component(name="mla.rope", layer=layer_id, space="full", tensor=buf[:, 0, half:]))
+            out += latent_components(buf[:, 0], self.kv_lora_rank // 2, layer=layer_id)
             out.append(Component(name="mla.scale", layer=layer_id, space="full", tensor=scales))
         return out
 

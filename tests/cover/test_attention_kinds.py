@@ -57,6 +57,11 @@ def test_the_kinds_own_rules_run_on_every_config():
         CONFIGS["dense"].replace(msa_layers="V")
     with pytest.raises(ConfigError, match="kv_lora_rank \\(8\\) and qk_rope_head_dim"):
         CONFIGS["mla-ssm"].replace(kv_lora_rank=8)
+    # a rope part too narrow for a tag is refused; none at all (NoPE, GLM-5 Next's DSA layers) is a row of its own
+    with pytest.raises(ConfigError, match="or qk_rope_head_dim 0 for rows without a rope part"):
+        CONFIGS["mla"].replace(qk_rope_head_dim=8)
+    nope = build_family(CONFIGS["mla"].replace(qk_rope_head_dim=0))
+    assert {c.name for c in nope.components()} == {"mla.latent"}
     # which kinds take a KV quant method is the kinds' answer, named in the message
     with pytest.raises(ConfigError, match="kv_quant 'fp4_mx_block16' needs attention 'mha' or 'mla'"):
         CONFIGS["dsa"].replace(kv_quant="fp4_mx_block16")

@@ -300,23 +300,31 @@ def test_pools_other_than_the_configs_are_named_fact_by_fact(configurator):
     assert "conv state shapes" in pools_problem(wide, _built_here(configurator, "hybrid-linear"))
 
 
-def test_a_server_whose_attention_layers_keep_no_index_cache_declines_the_sparse_config(api, configurator):
-    """``dsa-ssm-ps64`` puts sparse (DSA) attention between recurrent layers, as no model SGLang serves does: where a
-    server of it starts (a PD decode server, 0.5.20 on), SGLang builds plain MLA sub-pools for a Kimi-Linear, and the
-    config is declined, saying so, instead of being fuzzed on pools of the adapter's (its wiring, until stop 67)."""
+def test_a_sparse_server_between_recurrent_layers_is_a_glm5_next_with_a_dsa_sub_pool(api, configurator):
+    """``dsa-ssm-ps64`` puts sparse (DSA) attention without a rope part (NoPE) between recurrent layers, as a GLM-5
+    Next does (SGLang 0.5.20 on): its PD decode server's HybridLinearKVPool keeps a DSA sub-pool, index cache and all,
+    and the decode family runs on it, the DSA index keys and the latent rows (no rope part) among its components. A
+    release without the model declines the config, naming the model it lacks."""
+    from poolfuzz.adapters.sglang.compat import model_missing
+    from poolfuzz.adapters.sglang.scheduler.decode_server import ROLE_FLAGS
     from poolfuzz.orchestration.plugins import resolve_family
 
     c = CONFIGS["dsa-ssm-ps64"]
-    plugin = resolve_family("sglang:decode")
-    why = plugin.unsupported_reason(c)
-    if why is None:
-        try:
-            plugin.factory(c, device="cpu", faults=(), backup_mode=None)
-        except ConfigError as exc:
-            why = str(exc)
-    # the server's own MLA sub-pool where it starts; elsewhere SGLang refuses no_buffer at 64-token pages (where the
-    # decode server's tree is not the mamba one's)
-    assert why is not None and re.search(r"keeps no DSA index cache|SGLang refuses", why), why
+    why = resolve_family("sglang:decode").unsupported_reason(c)
+    if missing := model_missing(c.architecture):
+        with pytest.raises(ConfigError, match=re.escape(missing)):
+            configurator.configure(c, role_flags=ROLE_FLAGS)
+        return
+    assert why is None, why
+    kv = configurator.configure(c, role_flags=ROLE_FLAGS).token_to_kv_pool
+    assert type(kv) is api.HybridLinearKVPool and type(kv.full_kv_pool) is api.DSATokenToKVPool
+    assert kv.full_kv_pool.index_k_with_scale_buffer is not None
+    family = resolve_family("sglang:decode").factory(c, device="cpu", faults=(), backup_mode=None).family
+    assert family.pools_source.startswith(_served()) and family.pools_origin.built_by == "engine"
+    names = {(comp.name, comp.layer) for comp in family.components()}
+    assert {layer for name, layer in names if name == "dsa.index_k"} == set(c.full_layer_ids)
+    assert {layer for name, layer in names if name == "mla.latent"} == set(c.full_layer_ids)
+    assert not any(name == "mla.rope" for name, _ in names)  # NoPE: the latent row is the compressed part alone
 
 
 def test_a_sparse_attention_server_on_a_blackwell_gpu_keeps_its_kv_in_the_dtype_it_names(api, configurator):

@@ -238,8 +238,8 @@ def _probed(key: str) -> Probe:
 
 # The SGLang module that defines a model transformers does not know, by the config architecture that stands for it:
 # a release without the module ships no such model, so no server of it builds that model's pools (Inkling came in
-# 0.5.16). Found without importing it (a model's module imports its kernels).
-MODEL_MODULES = {"inkling": "sglang.srt.models.inkling"}
+# 0.5.16, GLM-5 Next in 0.5.20). Found without importing it (a model's module imports its kernels).
+MODEL_MODULES = {"inkling": "sglang.srt.models.inkling", "glm5-next": "sglang.srt.models.glm5_next"}
 # Checks that refuse to start a server no request could ever run on, raised while its pools are sized (after its flags
 # were accepted): the raising function's name -> (who refuses, SGLang's words where the function raises other errors
 # too, else None). An SWA pool below the prefill admission floor (0.5.16 to 0.5.19 inline in the pool configurator's

@@ -16,6 +16,7 @@ from poolfuzz.adapters.sglang.pools.reads import read_door, stored_bytes
 from poolfuzz.adapters.sglang.pools.storage import buffers_problem, single_rank, storage_of
 from poolfuzz.pools.components import Component
 from poolfuzz.pools.config import ModelConfig
+from poolfuzz.pools.latent import latent_components
 from poolfuzz.pools.errors import ConfigError
 
 def hybrid_mla_components(api: SGLangAPI, pool, c: ModelConfig) -> list[Component]:
@@ -35,8 +36,7 @@ def hybrid_mla_components(api: SGLangAPI, pool, c: ModelConfig) -> list[Componen
         if key.data_ptr() != row.data_ptr() or value.data_ptr() != row.data_ptr() or value.shape[-1] != r:
             raise ConfigError(f"config {c.name!r}: HybridLinearKVPool.get_kv_buffer({layer_id}) does not hand out "
                               "the MLA sub-pool's latent row (K) and its compressed part (V) in place")
-        out.append(Component(name="mla.latent", layer=layer_id, space="full", tensor=value[:, 0, :]))
-        out.append(Component(name="mla.rope", layer=layer_id, space="full", tensor=key[:, 0, r:]))
+        out += latent_components(key[:, 0], r, layer=layer_id)
     if storage_of(c).index_cache:
         out += _index_components(pool, c)
     return out

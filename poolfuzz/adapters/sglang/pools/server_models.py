@@ -103,6 +103,28 @@ def _kimi_linear_model(c: ModelConfig, dtype: str) -> dict:
                                    "head_dim": head_dim, "short_conv_kernel_size": c.conv_shapes[0][0] + 1}}
 
 
+def _glm5_next_model(c: ModelConfig, dtype: str) -> dict:
+    """GLM-5 Next (``Glm5NextForConditionalGeneration``, its text model): DSA layers (MLA latent rows and the
+    indexer's keys, ``index_topk`` and the config's index width, which SGLang's ``is_deepseek_dsa`` asks for) between
+    KDA (recurrent) ones, as its ``linear_attn_config`` names them (layers counted from 0, unlike Kimi-Linear's); the
+    KDA state is Kimi-Linear's (``KimiLinearStateShape``: heads x head_dim x head_dim, one kernel-major conv tensor),
+    its heads, head dim and kernel also the text model's ``linear_*`` fields. Every layer dense
+    (``first_k_dense_replace`` past the last layer), no MTP draft layers, no vision tower."""
+    heads, head_dim, _ = c.temporal_shape
+    kernel = c.conv_shapes[0][0] + 1
+    text = {"model_type": "glm5_next_text", **_attention(c, dtype), "kv_lora_rank": c.kv_lora_rank,
+            # its query low-rank width an int (transformers' strict field; no pool reads it): the latent rank's
+            "q_lora_rank": c.kv_lora_rank, "qk_rope_head_dim": c.qk_rope_head_dim, "qk_nope_head_dim": c.head_dim,
+            "v_head_dim": c.head_dim, "index_topk": 4, "index_head_dim": c.index_head_dim, "index_n_heads": 1,
+            "index_kpool": 1, "first_k_dense_replace": c.num_layers, "n_routed_experts": 1, "num_experts_per_tok": 1,
+            "moe_intermediate_size": 16, "num_nextn_predict_layers": 0, "linear_num_heads": heads,
+            "linear_head_dim": head_dim, "linear_conv_kernel_dim": kernel,
+            "linear_attn_config": {"kda_layers": list(c.mamba_layer_ids), "full_attn_layers": list(c.full_layer_ids),
+                                   "num_heads": heads, "head_dim": head_dim, "short_conv_kernel_size": kernel}}
+    return {"architectures": ["Glm5NextForConditionalGeneration"], "model_type": "glm5_next", "text_config": text,
+            "torch_dtype": dtype, "max_position_embeddings": c.max_context}
+
+
 def _inkling_model(c: ModelConfig, dtype: str) -> dict:
     """Inkling (``InklingForConditionalGeneration``, its text model): attention in every layer, sliding-window in the
     config's SWA layers (``local_layer_ids``), full in the rest, and short-conv states (``use_sconv``) in every layer
@@ -169,6 +191,7 @@ MODELS: dict[str, ModelKind] = {
                                names_model_kv_dtype=True),
     "minimax-m3": ModelKind(config_json=_minimax_m3_model, attention_backend="triton"),
     "kimi-linear": ModelKind(config_json=_kimi_linear_model, attention_backend="flashinfer"),
+    "glm5-next": ModelKind(config_json=_glm5_next_model, attention_backend="flashinfer", names_model_kv_dtype=True),
     "inkling": ModelKind(config_json=_inkling_model, attention_backend="triton"),
 }
 
@@ -178,10 +201,10 @@ def model_shaped(c: ModelConfig) -> ModelConfig:
     SGLang starts (a factory's ``model_shaped``): its rotary width even (an MHA head dim, a latent rope width),
     sliding-window beside recurrent layers as an Inkling keeps them (the only such model SGLang serves), recurrent
     beside full-attention MHA layers as a Qwen3-Next lays them out (``_as_qwen3_next``), beside MLA ones as a
-    Kimi-Linear (``_as_kimi_linear``), latent, sparse or MiniMax attention alone as the model of that attention. Any
-    other config (DSA between recurrent layers: no model SGLang serves has them), or one whose
-    reshaping no config can hold (a scale block that no longer divides the head dim, a conv of fewer than 12 values),
-    as drawn: what no model has is then declined, with the reason."""
+    Kimi-Linear (``_as_kimi_linear``), beside DSA ones as a GLM-5 Next (whose KDA layers are Kimi-Linear's), latent,
+    sparse or MiniMax attention alone as the model of that attention. Any other config, or one whose reshaping no
+    config can hold (a scale block that no longer divides the head dim, a conv of fewer than 12 values), as drawn:
+    what no model has is then declined, with the reason."""
     try:
         shaped = c.replace(head_dim=c.head_dim + 1) if c.attention == "mha" and c.head_dim % 2 else c
         if shaped.latent and shaped.qk_rope_head_dim % 2:
@@ -190,6 +213,8 @@ def model_shaped(c: ModelConfig) -> ModelConfig:
             return shaped.with_state_in_attention()
         if shaped.has_mamba and shaped.attention == "mla":
             return _as_kimi_linear(shaped)
+        if shaped.has_mamba and shaped.attention == "dsa":
+            return _as_kimi_linear(shaped).replace(architecture="glm5-next")  # GLM-5 Next keeps Kimi-Linear's KDA
         if shaped.has_mamba and shaped.attention == "mha" and shaped.has_full:
             return _as_qwen3_next(shaped)
         if not shaped.has_mamba and shaped.attention in _LATENT_MODELS:  # the model of its kind of attention

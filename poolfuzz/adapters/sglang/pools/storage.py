@@ -22,6 +22,7 @@ from poolfuzz.adapters.sglang.pools.minimax import msa_components, msa_problem
 from poolfuzz.adapters.sglang.pools.reads import read_door
 from poolfuzz.pools.components import Component
 from poolfuzz.pools.config import ModelConfig
+from poolfuzz.pools.latent import latent_components
 from poolfuzz.pools.errors import ConfigError
 
 
@@ -159,8 +160,7 @@ def _latent_components(pool, c: ModelConfig) -> list[Component]:
     for local, layer_id in enumerate(c.full_layer_ids):
         # the latent row as the MLA kernels get it (``get_key_buffer``: the compressed part then the rope part)
         buf = read_door(pool, "get_key_buffer", layer_id, pool.kv_buffer[local])
-        out.append(Component(name="mla.latent", layer=layer_id, space="full", tensor=buf[:, 0, :r]))
-        out.append(Component(name="mla.rope", layer=layer_id, space="full", tensor=buf[:, 0, r:]))
+        out += latent_components(buf[:, 0], r, layer=layer_id)
     if storage_of(c).index_cache:
         ps = pool.page_size // getattr(pool, "index_kpool", 1)
         if ps != c.page_size:
@@ -219,9 +219,7 @@ def _fp4_components(pool, c: ModelConfig) -> list[Component]:
     half = c.kv_lora_rank // 2
     out = []
     for local, layer_id in enumerate(c.full_layer_ids):
-        buf = pool.kv_buffer[local]
-        out.append(Component(name="mla.latent", layer=layer_id, space="full", tensor=buf[:, 0, :half]))
-        out.append(Component(name="mla.rope", layer=layer_id, space="full", tensor=buf[:, 0, half:]))
+        out += latent_components(pool.kv_buffer[local][:, 0], half, layer=layer_id)
         out.append(Component(name="mla.scale", layer=layer_id, space="full", tensor=pool.kv_scale_buffer[local]))
     return out
 

@@ -27,7 +27,7 @@ from poolfuzz.adapters.sglang.unified_pool.unified_family import (
 )
 from poolfuzz.adapters.sglang.unified_pool.unified_swa import build_swa, swa_factory, tri_factory
 from poolfuzz.adapters.sglang.pools.views import AllocatorView, FreeListView, KVPoolView, ReqPoolView, as_ints
-from poolfuzz.adapters.sglang.pools.writes import as_pool_dtype, RadixAttentionFields, latent_row
+from poolfuzz.adapters.sglang.pools.writes import as_pool_dtype, RadixAttentionFields, latent_keys, latent_row
 from poolfuzz.pools.config import ModelConfig, uses_ssm_state
 from poolfuzz.pools.errors import ConfigError
 from poolfuzz.pools.family import resolve_device
@@ -163,15 +163,14 @@ def _mamba_family(api: SGLangAPI, c: ModelConfig, dev, served) -> UnifiedFamily:
         done = set()
         for layer_id in c.full_layer_ids:
             k, v = ("full.k", layer_id), ("full.v", layer_id)
-            nope, rope = ("mla.latent", layer_id), ("mla.rope", layer_id)
             if k in rows and v in rows:
                 kv_pool.set_kv_buffer(RadixAttentionFields(layer_id), physical, as_pool_dtype(rows[k], kv_pool),
                                       as_pool_dtype(rows[v], kv_pool))
                 done |= {k, v}
-            elif nope in rows and rope in rows:  # the CPU backends' MLA door: one latent row, no V
+            elif ("mla.latent", layer_id) in rows:  # the CPU backends' MLA door: one latent row, no V
                 kv_pool.set_kv_buffer(RadixAttentionFields(layer_id), physical, latent_row(rows, layer_id, kv_pool),
                                       None)
-                done |= {nope, rope}
+                done |= latent_keys(rows, layer_id)
         return done
 
     views = {"rows": FreeListView(space="rows", owner=req_pool, read=lambda: as_ints(req_pool.free_slots),

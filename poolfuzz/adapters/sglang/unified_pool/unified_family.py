@@ -11,6 +11,7 @@ import torch
 from poolfuzz.adapters.sglang.pools.family import SGLangFamily
 from poolfuzz.adapters.sglang.pools.views import MambaPoolView
 from poolfuzz.pools.components import Component
+from poolfuzz.pools.latent import latent_components
 
 
 class UnifiedFamily(SGLangFamily):
@@ -39,13 +40,11 @@ def token_translate(allocator) -> Callable[[torch.Tensor], torch.Tensor]:
 def translated_kv(pool, layer_ids, space: str, translate, *, latent_rank: int | None = None) -> list[Component]:
     """K and V of each layer of a unified MHA sub-pool, SGLang's physical views read through ``translate``. With
     ``latent_rank``, the sub-pool is MLA's: one latent row a layer, whose first ``latent_rank`` values are the
-    compressed KV (``mla.latent``) and the rest the rope part (``mla.rope``)."""
+    compressed KV (``mla.latent``) and the rest the rope part (``mla.rope``; none on a NoPE model)."""
     if latent_rank is not None:
-        return [Component(name=name, layer=layer_id, space=space, tensor=cut(pool.kv_buffer[local]),
-                          translate=translate)
-                for local, layer_id in enumerate(layer_ids)
-                for name, cut in (("mla.latent", lambda t: t[:, 0, :latent_rank]),
-                                  ("mla.rope", lambda t: t[:, 0, latent_rank:]))]
+        return [comp for local, layer_id in enumerate(layer_ids)
+                for comp in latent_components(pool.kv_buffer[local][:, 0], latent_rank, layer=layer_id,
+                                              translate=translate)]
     return [Component(name=f"{space}.{part}", layer=layer_id, space=space, tensor=buffers[local], translate=translate)
             for local, layer_id in enumerate(layer_ids)
             for part, buffers in (("k", pool.k_buffer), ("v", pool.v_buffer))]
