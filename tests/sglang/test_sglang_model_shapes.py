@@ -66,6 +66,29 @@ def test_a_qwen3_next_is_laid_out_as_one_and_runs_on_sglangs_pools(configurator)
     assert _origin(shaped) == "engine"
 
 
+def test_sparse_attention_beside_recurrent_layers_is_shaped_as_a_glm5_next_without_a_rope_part(configurator):
+    """A drawn DSA model with recurrent layers is a GLM-5 Next: Kimi-Linear's KDA layers and DSA layers whose latent
+    rows keep no rope part (NoPE, which transformers' own GLM-5 Next config demands from 0.5.22); its decode server
+    runs on SGLang's pools where the release has the model (0.5.20 on)."""
+    from poolfuzz.adapters.sglang import model_shaped
+    from poolfuzz.adapters.sglang.compat import model_missing
+    from poolfuzz.orchestration.plugins import resolve_family
+
+    drawn = CONFIGS["dsa-ssm-ps64"].replace(name="random", architecture="kimi-linear", qk_rope_head_dim=16)
+    shaped = model_shaped(drawn)
+    assert shaped.architecture == "glm5-next" and shaped.qk_rope_head_dim == 0
+    if missing := model_missing("glm5-next"):
+        pytest.skip(missing)
+    plugin = resolve_family("sglang:decode")
+    assert plugin.unsupported_reason(shaped) is None, plugin.unsupported_reason(shaped)
+    driver = plugin.factory(shaped, device="cpu", faults=(), backup_mode=None)
+    try:
+        assert driver.pools_origin.built_by == "engine"
+        assert "mla.rope" not in {comp.name for comp in driver.family.components()}
+    finally:
+        driver.close()
+
+
 def test_a_shape_that_cannot_be_reshaped_is_left_as_drawn():
     from poolfuzz.adapters.sglang import model_shaped
 

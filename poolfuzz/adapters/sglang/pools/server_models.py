@@ -201,8 +201,8 @@ def model_shaped(c: ModelConfig) -> ModelConfig:
     SGLang starts (a factory's ``model_shaped``): its rotary width even (an MHA head dim, a latent rope width),
     sliding-window beside recurrent layers as an Inkling keeps them (the only such model SGLang serves), recurrent
     beside full-attention MHA layers as a Qwen3-Next lays them out (``_as_qwen3_next``), beside MLA ones as a
-    Kimi-Linear (``_as_kimi_linear``), beside DSA ones as a GLM-5 Next (whose KDA layers are Kimi-Linear's), latent,
-    sparse or MiniMax attention alone as the model of that attention. Any other config, or one whose reshaping no
+    Kimi-Linear (``_as_kimi_linear``), beside DSA ones as a GLM-5 Next (Kimi-Linear's KDA layers, NoPE DSA ones),
+    latent, sparse or MiniMax attention alone as the model of that attention. Any other config, or one whose reshaping no
     config can hold (a scale block that no longer divides the head dim, a conv of fewer than 12 values), as drawn:
     what no model has is then declined, with the reason."""
     try:
@@ -214,7 +214,8 @@ def model_shaped(c: ModelConfig) -> ModelConfig:
         if shaped.has_mamba and shaped.attention == "mla":
             return _as_kimi_linear(shaped)
         if shaped.has_mamba and shaped.attention == "dsa":
-            return _as_kimi_linear(shaped).replace(architecture="glm5-next")  # GLM-5 Next keeps Kimi-Linear's KDA
+            # GLM-5 Next keeps Kimi-Linear's KDA layers, and its DSA layers no rope part (NoPE)
+            return _as_kimi_linear(shaped).replace(architecture="glm5-next", qk_rope_head_dim=0)
         if shaped.has_mamba and shaped.attention == "mha" and shaped.has_full:
             return _as_qwen3_next(shaped)
         if not shaped.has_mamba and shaped.attention in _LATENT_MODELS:  # the model of its kind of attention
