@@ -16,8 +16,8 @@ from poolfuzz.adapters.sglang.pools.reads import read_door, stored_bytes
 from poolfuzz.adapters.sglang.pools.storage import buffers_problem, single_rank, storage_of
 from poolfuzz.pools.components import Component
 from poolfuzz.pools.config import ModelConfig
-from poolfuzz.pools.latent import latent_components
 from poolfuzz.pools.errors import ConfigError
+from poolfuzz.pools.latent import latent_components
 
 def hybrid_mla_components(api: SGLangAPI, pool, c: ModelConfig) -> list[Component]:
     """The latent (and index) components of the ``HybridLinearKVPool`` SGLang's configurator built for the config's

@@ -22,8 +22,8 @@ from poolfuzz.adapters.sglang.pools.minimax import msa_components, msa_problem
 from poolfuzz.adapters.sglang.pools.reads import read_door
 from poolfuzz.pools.components import Component
 from poolfuzz.pools.config import ModelConfig
-from poolfuzz.pools.latent import latent_components
 from poolfuzz.pools.errors import ConfigError
+from poolfuzz.pools.latent import latent_components
 
 
 def single_rank(api: SGLangAPI) -> None:
