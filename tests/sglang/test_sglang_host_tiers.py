@@ -7,6 +7,7 @@ import inspect
 
 import pytest
 
+from poolfuzz.adapters.sglang import compat
 from poolfuzz.pools.config import CONFIGS
 from poolfuzz.pools.errors import LostKv
 from tests.sglang.servers import shared_traffic
@@ -28,17 +29,33 @@ def test_each_config_runs_its_tier_through_sglang_and_loads_back_right(hicache_s
     driver = _driver(hicache_server, name)
     layout, io_backend = host_tier(CONFIGS[name])
     tree = driver.tree
-    assert {entry.host_pool.layout for entry in tree.host_pool_group.entries} == {layout}
+    # the tree's host pools as the release keeps them: 0.5.20 on, a UnifiedRadixCache's pool group; 0.5.18's
+    # HiRadixCache, one host pool (compat.host_pools)
+    assert {host.layout for host in compat.host_pools(tree)} == {layout}
     assert tree.cache_controller.io_backend == io_backend
     loads = []
     real = tree.init_load_back
     tree.init_load_back = lambda *a, **k: loads.append(a) or real(*a, **k)
     if io_backend == "kernel":  # the kernel copies are the ones that run
-        from sglang.srt.mem_cache.pool_host import mamba, mha, mla
+        import importlib
+        import sys
 
-        module = mla if CONFIGS[name].latent else mha
-        assert any(getattr(module, op, None) is CPU_KERNEL_OPS[op] for op in CPU_KERNEL_OPS)
-        assert mamba.transfer_kv_mamba_lf_pf is CPU_KERNEL_OPS["transfer_kv_mamba_lf_pf"]
+        from poolfuzz.adapters.sglang.host_tier.kernel_io import HOST_POOL_MODULES
+
+        # where the release keeps its host pools: pool_host.mha/.mla/.mamba, or (0.5.16, 0.5.17: the mamba one)
+        # memory_pool_host
+        for host in compat.host_pools(tree):
+            module = sys.modules[type(host).__module__]
+            assert any(getattr(module, op, None) is CPU_KERNEL_OPS[op] for op in CPU_KERNEL_OPS), module
+        mamba = []
+        for name_ in HOST_POOL_MODULES:
+            try:
+                module = importlib.import_module(name_)
+            except ImportError:  # a release without that module (0.5.16, 0.5.17: no pool_host.mamba)
+                continue
+            if hasattr(module, "transfer_kv_mamba_lf_pf"):
+                mamba.append(module)
+        assert mamba and all(m.transfer_kv_mamba_lf_pf is CPU_KERNEL_OPS["transfer_kv_mamba_lf_pf"] for m in mamba)
     shared_traffic(driver)
     assert loads, "no prefix was loaded back from the host"
     assert driver.drain() is None

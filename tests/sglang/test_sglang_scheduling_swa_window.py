@@ -16,8 +16,8 @@ the installed release, with the verdict that release must give.
   frees the recovered slot: the tree offers a prefix whose SWA slot is free and unmapped, and the next request that
   hits it reads zeros (its old slot leaks: the drain's "pool memory leak detected" of #36081). 0.5.20 resolves the
   SWA slot when the free is queued.
-* SGLang 0.5.18 (all-SWA models; not in 0.5.23, where ``insert_req`` and ``free_kv_row`` free each range once; upstream
-  sglang#31486 describes it, closed unmerged; sglang#38349, merged, rewrote the branch): ``retract_decode`` releases a
+* SGLang 0.5.18 (all-SWA models; other programs reach it on 0.5.16 to 0.5.19; fixed in 0.5.20 by sglang#38349, which
+  rewrote the branch; upstream sglang#31486 describes it, closed unmerged): ``retract_decode`` releases a
   request through ``PureSWARadixCache.cache_finished_req`` without inserting it, and with no prefill-aware window
   floor that branch frees ``[cache_protected_len, len)`` and then ``[max(swa_evicted_seqlen, cache_protected_len),
   len)``: once the decode's window eviction has moved ``swa_evicted_seqlen`` (``free_swa_out_of_window_slots``), the
