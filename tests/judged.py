@@ -33,6 +33,13 @@ def known_file(engine: str, version: str) -> Path:
     return own
 
 
+def judged_signatures(engine: str, version: str, config: str, *, family: str | None = None) -> tuple:
+    """The signatures the release's judged list (``known_file``) names for ``config`` (through ``family``, where the
+    list says); none where the release has no list."""
+    path = known_file(engine, version)
+    return tuple(known_on(load_known(str(path)), config, family)) if path.is_file() else ()
+
+
 class PassOverJudged:
     """The machine's observer as ``poolfuzz run --family FAMILY --known ci/known/ENGINE-VERSION.txt`` is: an example
     that fails with a judged defect of this release on this config (through this family, where the list says) is
@@ -40,9 +47,7 @@ class PassOverJudged:
 
     def __init__(self, engine: str, version: str, config: str, *, family: str | None = None,
                  also: tuple[str, ...] = ()):
-        path = known_file(engine, version)
-        listed = known_on(load_known(str(path)), config, family) if path.is_file() else ()
-        self.known = {bug_key(s) for s in listed}
+        self.known = {bug_key(s) for s in judged_signatures(engine, version, config, family=family)}
         self.known |= {bug_key(s) for s in also}  # a test's own: another symptom of the defect it plants
         self.passed_over = 0
 

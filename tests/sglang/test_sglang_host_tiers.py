@@ -37,24 +37,16 @@ def test_each_config_runs_its_tier_through_sglang_and_loads_back_right(hicache_s
     real = tree.init_load_back
     tree.init_load_back = lambda *a, **k: loads.append(a) or real(*a, **k)
     if io_backend == "kernel":  # the kernel copies are the ones that run
-        import importlib
         import sys
 
-        from poolfuzz.adapters.sglang.host_tier.kernel_io import HOST_POOL_MODULES
+        from poolfuzz.adapters.sglang.host_tier.kernel_io import host_pool_modules
 
         # where the release keeps its host pools: pool_host.mha/.mla/.mamba, or (0.5.16, 0.5.17: the mamba one)
         # memory_pool_host
         for host in compat.host_pools(tree):
             module = sys.modules[type(host).__module__]
             assert any(getattr(module, op, None) is CPU_KERNEL_OPS[op] for op in CPU_KERNEL_OPS), module
-        mamba = []
-        for name_ in HOST_POOL_MODULES:
-            try:
-                module = importlib.import_module(name_)
-            except ImportError:  # a release without that module (0.5.16, 0.5.17: no pool_host.mamba)
-                continue
-            if hasattr(module, "transfer_kv_mamba_lf_pf"):
-                mamba.append(module)
+        mamba = [module for _, module in host_pool_modules() if hasattr(module, "transfer_kv_mamba_lf_pf")]
         assert mamba and all(m.transfer_kv_mamba_lf_pf is CPU_KERNEL_OPS["transfer_kv_mamba_lf_pf"] for m in mamba)
     shared_traffic(driver)
     assert loads, "no prefix was loaded back from the host"

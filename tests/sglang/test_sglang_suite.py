@@ -26,11 +26,9 @@ def test_a_failure_found_through_one_server_replays_on_that_server(scheduling, a
     # the plain server's judged defects on this release passed over, the decode server's not (0.5.16 to 0.5.19:
     # PureSWARadixCache's no-insert branch frees a retracted request's in-window tail twice, fixed in 0.5.20 by
     # sglang#38349; ci/known/sglang-0.5.16-0.5.17.txt and sglang-0.5.18-0.5.22.txt)
-    from poolfuzz.orchestration.known import known_on, load_known
-    from tests.judged import known_file
+    from tests.judged import judged_signatures
 
-    listed = known_file("sglang", api.version)
-    judged = known_on(load_known(str(listed)), "swa-only", "sglang:scheduler") if listed.is_file() else ()
+    judged = judged_signatures("sglang", api.version, "swa-only", family="sglang:scheduler")
     known = tmp_path / "known.txt"
     known.write_text("".join(f"sglang:scheduler swa-only {signature}\n" for signature in judged))
     assert run_cli(["run", "--family", "sglang", "--config", "swa-only", "--examples", "40", "--seed", "1",

@@ -256,6 +256,17 @@ def install_cpu_kernel_ops() -> list[str]:
     return install_missing_copies(CPU_KERNEL_OPS)
 
 
+def host_pool_modules() -> list[tuple[str, object]]:
+    """``(name, module)`` of each host pool module this release has and that imports here."""
+    found = []
+    for name in HOST_POOL_MODULES:
+        try:
+            found.append((name, importlib.import_module(name)))
+        except Exception:  # not in this release, or not importable here
+            continue
+    return found
+
+
 def install_missing_copies(copies: dict) -> list[str]:
     """Give each host pool module the CPU ``copies`` (name -> function) it lacks: where its CUDA-only import left
     the name unset, or bound it to the import-only ``sgl_kernel`` stand-in (0.5.12 imports ``sgl_kernel.kvcacheio``
@@ -263,11 +274,7 @@ def install_missing_copies(copies: dict) -> list[str]:
     from poolfuzz.adapters.sglang.shims import import_only
 
     done = []
-    for name in HOST_POOL_MODULES:
-        try:
-            module = importlib.import_module(name)
-        except Exception:  # not in this release, or not importable here: nothing to give it
-            continue
+    for name, module in host_pool_modules():
         for op, cpu_op in copies.items():
             current = getattr(module, op, None)
             if current is None or import_only(current):
