@@ -9,7 +9,8 @@ from types import SimpleNamespace as NS
 
 from poolfuzz.adapters.sglang.compat.scheduler import relay_future_map
 
-# What the synchronous spec-v2 round runs, module:name (0.5.23): absent on a release, its servers are declined.
+# What the synchronous spec-v2 round runs, module:name (0.5.23), or a tuple of the homes a name has had, newest first:
+# absent on a release, its servers are declined.
 SPEC_V2 = {
     "spec_prepare_for_decode": "sglang.srt.speculative.spec_utils:spec_prepare_for_decode",
     "commit_mamba_states_after_verify": "sglang.srt.speculative.spec_utils:commit_mamba_states_after_verify",
@@ -18,8 +19,10 @@ SPEC_V2 = {
     "EagleDraftInput": "sglang.srt.speculative.eagle_info:EagleDraftInput",
     "GenerationBatchResult": "sglang.srt.managers.utils:GenerationBatchResult",
     # eagle_sample's greedy tree acceptance: verify_tree_greedy_func rejects a bare CPU (its CPU branch is sgl_kernel's,
-    # behind SGLANG_USE_CPU_ENGINE); the Triton variant an XPU launches runs in the interpreter
-    "verify_tree_greedy": "sglang.kernels.ops.speculative.spec_tree:verify_tree_greedy_triton",
+    # behind SGLANG_USE_CPU_ENGINE); the Triton variant an XPU launches runs in the interpreter (in eagle_utils before
+    # 0.5.23)
+    "verify_tree_greedy": ("sglang.kernels.ops.speculative.spec_tree:verify_tree_greedy_triton",
+                           "sglang.srt.speculative.eagle_utils:verify_tree_greedy_triton"),
     # private: a draft tree's accepted path moved to the front of the window (move_kv_cache), its tokens compacted
     "finalize_accept_tree_path": "sglang.srt.speculative.eagle_worker_common:_finalize_accept_tree_path",
     "update_mamba_state_after_mtp_verify": "sglang.srt.layers.attention.hybrid_linear_attn_backend:"
@@ -53,7 +56,15 @@ def torch_state_scatter():
         yield
 
 
-def _resolve(target: str):
+def _resolve(target: str | tuple[str, ...]):
+    """``module:name`` (dotted), or the first of several homes that has it; ImportError or AttributeError if none."""
+    if isinstance(target, tuple):
+        for home in target[:-1]:
+            try:
+                return _resolve(home)
+            except (ImportError, AttributeError):
+                continue
+        return _resolve(target[-1])
     module, _, name = target.partition(":")
     value = importlib.import_module(module)
     for part in name.split("."):
@@ -61,21 +72,41 @@ def _resolve(target: str):
     return value
 
 
-def runs_spec_v2_synchronously() -> bool:
-    """Whether this release has every name the stand-in's speculative round calls (``SPEC_V2`` and the scatter's):
-    a probe of names, not of ``run_batch``'s branches (read on 0.5.23 only)."""
-    try:
-        for target in (*SPEC_V2.values(), TORCH_SCATTER):
+def spec_v2_missing() -> list[str]:
+    """What the stand-in's speculative round calls (``SPEC_V2`` and the scatter's names) that this release lacks, each
+    as ``module:name``: empty from 0.5.20 on (a probe of names, not of ``run_batch``'s branches)."""
+    missing = []
+    for target in (*SPEC_V2.values(), TORCH_SCATTER):
+        try:
             _resolve(target)
+        except (ImportError, AttributeError):
+            missing.append(target if isinstance(target, str) else target[0])
+    try:
         module = importlib.import_module(SCATTER_MODULE)
-    except (ImportError, AttributeError):
-        return False
-    return all(hasattr(module, name) for name in (*FUSED_SCATTERS, MULTI_SCATTER_GATE))
+    except ImportError:
+        return [*missing, SCATTER_MODULE]
+    return [*missing, *(f"{SCATTER_MODULE}:{name}" for name in (*FUSED_SCATTERS, MULTI_SCATTER_GATE)
+                        if not hasattr(module, name))]
+
+
+def runs_spec_v2_synchronously() -> bool:
+    """Whether this release has every name the stand-in's speculative round calls (:func:`spec_v2_missing`)."""
+    return not spec_v2_missing()
 
 
 def spec_v2_modules() -> NS:
     """The ``SPEC_V2`` names, resolved."""
     return NS(**{key: _resolve(target) for key, target in SPEC_V2.items()})
+
+
+def verify_result(m: NS, *, accept_index, **fields):
+    """The ``GenerationBatchResult`` of a verify round: ``fields``, and ``accept_index`` where the release's result has
+    the field (0.5.21 on; only the pipeline-parallel mixin reads it)."""
+    import dataclasses
+
+    if "accept_index" in {field.name for field in dataclasses.fields(m.GenerationBatchResult)}:
+        fields["accept_index"] = accept_index
+    return m.GenerationBatchResult(**fields)
 
 
 def verify_cache_locs(m: NS, *, req_pool_indices, req_to_token, start_offset, draft_token_num: int):
@@ -96,13 +127,15 @@ def verify_cache_locs(m: NS, *, req_pool_indices, req_to_token, start_offset, dr
 def run_batch_state(*, model_worker, spec_algorithm, req_to_token_pool) -> dict:
     """What ``Scheduler.run_batch`` reads of a one-rank server without the overlap schedule, beyond what
     ``scheduler_state`` leaves: its worker (the stand-in), the future map its spec-v2 branch resolves inputs through,
-    and collaborators it only notifies (profiler, scripted hook, load reporting), as no-ops."""
+    and collaborators it only notifies (profiler, scripted hook, load reporting), as no-ops. DP attention is off, under
+    both of its names (``enable_dp_attention`` before 0.5.22)."""
     import torch
 
     noop = lambda *args, **kwargs: None  # noqa: E731
     return dict(model_worker=model_worker, enable_pdmux=False, pp_group=NS(is_last_rank=True),
                 scripted_scheduler_hook=None, forward_sleep_time=None,
                 profiler_manager=NS(_profile_batch_predicate=noop), device_module=torch.cpu, attn_dp_enabled=False,
+                enable_dp_attention=False,
                 future_map=relay_future_map(spec_algorithm, req_to_token_pool))
 
 

@@ -76,9 +76,9 @@ def speculative_problem(config: ModelConfig, driver_cls=None) -> str | None:
     from poolfuzz.adapters.sglang.shims import install
 
     load()  # SGLang imported behind the CPU shims
-    if not compat.runs_spec_v2_synchronously():
-        return (f"SGLang {compat.release()}'s Scheduler.run_batch has no synchronous spec-v2 branch (0.5.23 on): "
-                "speculative decoding is driven where it has")
+    if missing := compat.spec_v2_missing():
+        return (f"SGLang {compat.release()} lacks what a synchronous spec-v2 round of its scheduler runs on a CPU "
+                f"({', '.join(missing)}): speculative decoding is driven from 0.5.20 on")
     if install().get("triton") == "stand-in":
         return ("SGLang's speculative allocation launches Triton kernels (assign_req_to_token_pool, "
                 "assign_extend_cache_locs), which run on a CPU in Triton's interpreter: install the real triton wheel "
@@ -137,8 +137,9 @@ class SpecWorker:
         (``runner.RowGuard``), and which request's row it overwrote, where one holds it."""
         from poolfuzz.adapters.sglang import compat
 
-        def owners() -> dict:
-            return {compat.request_row(req): req.rid for req in compat.requests_owning_rows(self.server)}
+        def owners() -> dict:  # the batch's own requests hold their rows, whatever the release's checker lists
+            holders = [*batch.reqs, *compat.requests_owning_rows(self.server)]
+            return {compat.request_row(req): req.rid for req in holders}
 
         problem = self.guard.problem(batch.reqs, owners, row_of=compat.request_row)
         if problem:
@@ -180,9 +181,9 @@ class SpecWorker:
         self.drafts_verified += bs * self.steps
         self.drafts_accepted += int(accept_lens.sum()) - bs
         self.paths_moved += sum(path != list(range(len(path))) for path in paths)
-        return self.m.GenerationBatchResult(next_token_ids=predict, accept_lens=accept_lens, accept_index=accept_index,
-                                            new_seq_lens=batch.seq_lens + accept_lens.to(batch.seq_lens.dtype),
-                                            speculative_num_draft_tokens=d, next_draft_input=self._draft_input(bonus))
+        return compat.verify_result(self.m, next_token_ids=predict, accept_lens=accept_lens, accept_index=accept_index,
+                                    new_seq_lens=batch.seq_lens + accept_lens.to(batch.seq_lens.dtype),
+                                    speculative_num_draft_tokens=d, next_draft_input=self._draft_input(bonus))
 
     def _accept(self, batch, trees, targets: list[int]):
         """``eagle_sample``'s greedy acceptance by SGLang's own ``verify_tree_greedy`` kernel (its Triton variant, the
