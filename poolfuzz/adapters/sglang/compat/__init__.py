@@ -25,9 +25,8 @@ from poolfuzz.adapters.sglang.compat.scheduler import (  # noqa: F401
     relay_future_map,
 )
 from poolfuzz.adapters.sglang.compat.spec_v2 import (  # noqa: F401
-    SPEC_V2, runs_spec_v2_synchronously, spec_v2_missing, spec_v2_modules, run_batch_state, verify_commit_target, verify_cache_locs,
-    verify_result,
-    torch_state_scatter,
+    SPEC_V2, runs_spec_v2_synchronously, spec_v2_missing, spec_v2_modules, run_batch_state, verify_commit_target,
+    verify_cache_locs, verify_result, torch_state_scatter,
 )
 from poolfuzz.adapters.sglang.compat.scheduler_global import (  # noqa: F401
     SCHEDULER_REPORTERS, GLOBAL_SCHEDULER_METHODS, SCHEDULER_INITS, MAMBA_STRATEGY_FLAGS, IDLE_METHODS, idle_method,
