@@ -193,8 +193,32 @@ def _secondary_buffer(component: str, space: str) -> bool:
 
 
 def message_of(exc: BaseException) -> str:
-    """The one-line report of a failure: a poolfuzz failure's own text, else ``Type: text``."""
-    return str(exc) if isinstance(exc, PoolfuzzFailure) else f"{type(exc).__name__}: {exc}"
+    """The one-line report of a failure: a poolfuzz failure's own text, else ``Type: text``; an exception raised
+    without a text (SGLang's bare ``NotImplementedError``, a bare ``assert``) says where it was raised instead."""
+    if isinstance(exc, PoolfuzzFailure):
+        return str(exc)
+    return f"{type(exc).__name__}: {str(exc).strip() or raised_where(exc)}"
+
+
+def raised_where(exc: BaseException) -> str:
+    """``raised in FILE:LINE FUNCTION, called from FILE:LINE FUNCTION``: the innermost two frames of ``exc``'s
+    traceback, each file from its package on (``sglang/srt/...``); or "raised without a message" if it has none."""
+    import traceback
+
+    frames = traceback.extract_tb(exc.__traceback__)[-2:] if exc.__traceback__ is not None else []
+    if not frames:
+        return "raised without a message"
+
+    def place(frame) -> str:
+        path = frame.filename.replace("\\", "/")
+        for anchor in ("/site-packages/", "/dist-packages/", "/poolfuzz/"):
+            if anchor in path:
+                path = ("poolfuzz/" if anchor == "/poolfuzz/" else "") + path.rsplit(anchor, 1)[1]
+                break
+        return f"{path}:{frame.lineno} {frame.name}"
+
+    where = [place(frame) for frame in reversed(frames)]
+    return "raised without a message in " + ", called from ".join(where)
 
 
 def divergence_of(exc: BaseException, engine=None) -> dict:

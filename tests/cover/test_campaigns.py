@@ -324,6 +324,28 @@ def test_a_crash_signature_is_a_signature_a_known_file_and_an_artifact_accept(tm
     assert "Crash:IndexError@admit" in load_known(str(f))
 
 
+def test_a_crash_without_a_message_says_where_it_was_raised():
+    """SGLang raises some of its refusals bare (``raise NotImplementedError()`` in a tree's ``evictable_size``): the
+    report names the two innermost frames instead of an empty text; a crash with a text keeps its text alone."""
+    from poolfuzz.harness.failures import message_of
+
+    def evictable_size():
+        raise NotImplementedError()
+
+    def token_info():
+        return evictable_size()
+
+    try:
+        token_info()
+    except NotImplementedError as exc:
+        bare = exc
+    caller, raiser = bare.__traceback__.tb_next, bare.__traceback__.tb_next.tb_next
+    assert message_of(bare) == (f"NotImplementedError: raised without a message in {__file__}:{raiser.tb_lineno} "
+                                f"evictable_size, called from {__file__}:{caller.tb_lineno} token_info")
+    assert message_of(NotImplementedError()) == "NotImplementedError: raised without a message"
+    assert message_of(IndexError("index 9 is out of bounds")) == "IndexError: index 9 is out of bounds"
+
+
 def test_a_crash_is_downstream_only_of_a_known_bug_that_reached_its_request():
     from poolfuzz.harness.program import new_engine
 

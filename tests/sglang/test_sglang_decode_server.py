@@ -538,6 +538,9 @@ def test_a_recurrent_decode_server_runs_the_requests_and_states_sglang_settles(d
     try:
         assert driver.pools_origin.built_by == "engine", driver.pools_origin.detail
         settled = driver.family.served.sizes["max_running_requests"]
+        if settled is None:
+            pytest.skip("this release's model runner settles no running requests (0.5.9: its initialize computes "
+                        "them inline, after the pools)")
         assert settled < config.request_rows, "SGLang settles every row: the test no longer caps them"
         assert (driver.config.request_rows, driver.config.mamba_slots) == (settled, settled)
         assert driver.server_args["max_running_requests"] == settled

@@ -299,6 +299,54 @@ def test_a_release_without_the_runner_s_mamba_functions_declines_mamba_models(sc
     assert scheduling.SglangSchedulerDriver(CONFIGS["dense"]).runner.aligned_lens is None
 
 
+def test_state_slots_sized_inline_are_found_by_building_the_fewest_that_keep_the_rows(scheduling, monkeypatch):
+    """0.5.9's runner sizes a mamba model's rows inline from its state slots (no ratio to call): the slots are found by
+    builds, each answered by the build itself (here a stand-in keeping a row for every 3 slots), doubled until the
+    config's rows are kept, then bisected to the fewest; found once per config and server; refused, saying so, when no
+    number of slots keeps them."""
+    from types import SimpleNamespace as NS
+
+    from poolfuzz.adapters.sglang.scheduler import scheduling_global
+
+    monkeypatch.setattr(scheduling_global, "_INLINE_SLOTS", {})
+    config = CONFIGS["hybrid-linear"].replace(mamba_slots=4, request_rows=5)
+    tried = []
+
+    def build(trial, rows_per_slot=3):
+        tried.append(trial.mamba_slots)
+        return NS(sg_req_pool=NS(size=min(5, trial.mamba_slots // rows_per_slot)), slots=trial.mamba_slots)
+
+    sized, family = scheduling_global.inline_mamba_sized(config, build, server="flags")
+    assert (sized.mamba_slots, family.slots) == (15, 15)
+    assert tried == [4, 8, 16, 12, 14, 15]
+    tried.clear()
+    assert scheduling_global.inline_mamba_sized(config, build, server="flags")[0].mamba_slots == 15 and tried == [15]
+    roomy = config.replace(mamba_slots=20)  # enough already: built once, as given
+    assert scheduling_global.inline_mamba_sized(roomy, build, server="flags")[0].mamba_slots == 20
+    with pytest.raises(ConfigError, match="keeps fewer than 5 request rows with 128 mamba state slots"):
+        scheduling_global.inline_mamba_sized(config, lambda trial: build(trial, rows_per_slot=100), server="other")
+
+
+def test_a_release_sizing_state_slots_inline_runs_mamba_servers_on_the_slots_its_runner_keeps_rows_for(scheduling):
+    """0.5.9: ``hybrid-linear``'s server is the one whose ``init_memory_pool`` keeps its 5 request rows, 15 state
+    slots (a row for every 3). Its first batch meets 0.5.9's judged busy-check defect (fixed in 0.5.11,
+    ``ci/known/sglang-0.5.9-0.5.15.txt``): the strict check asks the mamba tree's ``evictable_size``, which raises
+    bare, and the report says where."""
+    from poolfuzz.harness.failures import message_of
+
+    if compat.has_private("runner_mamba_ratio") or compat.has_private("calculate_mamba_ratio"):
+        pytest.skip("this release has a mamba ratio to ask (0.5.10 on): its slots are sized by it")
+    driver = scheduling.SglangSchedulerDriver(CONFIGS["hybrid-linear"])
+    assert driver.config.mamba_slots == 15 and driver.family.sg_req_pool.size == 5
+    assert driver.family.sg_req_pool.mamba_pool.size == 15
+    driver.add_request(length=6, share=0, max_tokens=2)
+    driver.step()
+    with pytest.raises(NotImplementedError) as raised:
+        driver.state_problem()  # the checks the harness runs after each step, the strict busy check among them
+    assert re.search(r"raised without a message in sglang/srt/mem_cache/mamba_radix_cache.py:\d+ evictable_size, "
+                     r"called from sglang/srt/managers/\w+.py:\d+ _get_token_info", message_of(raised.value))
+
+
 # --- every KV layout the family builds: MLA, quantised K and V with their scales, sparse indexes -------------------
 KV_KINDS = ["mla", "mla-ps4", "fp8-scaled", "dense-cpu-fp8", "dense-fp4", "mla-fp4", "minimax-sparse",
             "minimax-sparse-konly-ps4", "mla-ssm"]

@@ -56,9 +56,13 @@ def build_server(driver, config, max_running: int) -> "GlobalLoop":
     except (AssertionError, ValueError) as exc:  # ServerArgs' own validation: no server starts with these
         raise ConfigError(f"the scheduler-driven sglang family cannot build {config.name!r}: SGLang refuses a "
                           f"server with {driver.server_args} ({exc})") from None
-    config = mamba_sized(config, server_args)
+    if config.has_mamba and not compat.has_private("runner_mamba_ratio"):
+        config, family = inline_mamba_sized(config, lambda trial: driver.build_family(trial, max_running),
+                                            server=repr(sorted(driver.server_args.items())))
+    else:
+        config, family = mamba_sized(config, server_args), None
     driver.config = config
-    driver.family = driver.build_family(config, max_running)
+    driver.family = family or driver.build_family(config, max_running)
     driver.pools_built()
     driver.total, capacity = compat.worker_token_capacity(driver.family)
     server = driver.server = marked_stand_in(object.__new__(m.Scheduler))  # a field it lacks and SGLang reads: drift
@@ -102,20 +106,53 @@ def publish(flags: dict, *, max_running_requests: int):
 def mamba_sized(config, server_args):
     """Mamba slots as the release's model runner sizes them for the server (``_calculate_mamba_ratio``, run on a
     runner stand-in holding the server's arguments: a state, a checkpoint and a copy-on-write a request, plus the
-    extra buffer's track slots) times the request rows, where the config has fewer. A release without that method
-    (0.5.9 sizes both inline in ``init_memory_pool``, rows clamped to a third of ``--max-mamba-cache-size``) is
-    refused for a mamba model: sizing it here would restate the runner, and rows beyond the state slots a server
-    keeps run its mamba pool dry (``Can not alloc mamba cache``), which no server of those flags does."""
+    extra buffer's track slots) times the request rows, where the config has fewer: rows beyond the state slots a
+    server keeps run its mamba pool dry (``Can not alloc mamba cache``), which no server of those flags does. A
+    release without that method (0.5.9) is sized by :func:`inline_mamba_sized`."""
     if not config.has_mamba:
         return config
-    if not compat.has_private("runner_mamba_ratio"):
-        from poolfuzz.adapters.sglang.api import load
-
-        raise ConfigError(f"the scheduler-driven sglang family cannot build {config.name!r}: SGLang {load().version} "
-                          "sizes a mamba model's state slots and request rows inline in ModelRunner.init_memory_pool "
-                          "(no _calculate_mamba_ratio, 0.5.10 on), which the scheduler path cannot run without a "
-                          "model; run it on SGLang 0.5.10 or later")
     return with_mamba_ratio(config, runner_mamba_ratio(server_args))
+
+
+# The most state slots a request row is tried with before the server is refused (0.5.9's runner keeps a row for
+# every three slots, four with the extra buffer).
+MAX_SLOTS_PER_ROW = 16
+_INLINE_SLOTS: dict = {}  # (config, server) -> the state slots found: a process (one release) searches once per server
+
+
+def inline_mamba_sized(config, build, *, server: str):
+    """``config`` with the fewest mamba slots (at least its own) at which the release's model runner keeps its request
+    rows, and the family ``build(config)`` built there. 0.5.9 has no ``_calculate_mamba_ratio`` to ask: its
+    ``init_memory_pool`` sizes the rows inline from ``--max-mamba-cache-size`` (a third of it, a quarter with the extra
+    buffer, all of it without a radix cache), so the slots are found by building the server's pools, each try decided
+    by the runner's own code: doubled until the rows are kept, then bisected down to the fewest. ``server``: the
+    server's flags, as the key the slots found are kept under."""
+    rows, key = config.request_rows, (config, server)
+    if key in _INLINE_SLOTS:
+        sized = config.replace(mamba_slots=_INLINE_SLOTS[key])
+        return sized, build(sized)
+
+    def kept(slots: int):
+        family = build(config.replace(mamba_slots=slots))
+        return family if family.sg_req_pool.size >= rows else None
+
+    short, slots = config.mamba_slots - 1, config.mamba_slots  # short: the most slots known to keep too few rows
+    while (family := kept(slots)) is None:
+        if slots >= MAX_SLOTS_PER_ROW * rows:
+            from poolfuzz.adapters.sglang.api import load
+
+            raise ConfigError(f"the scheduler-driven sglang family cannot build {config.name!r}: SGLang "
+                              f"{load().version}'s model runner keeps fewer than {rows} request rows with {slots} "
+                              f"mamba state slots (init_memory_pool sizes them inline)")
+        short, slots = slots, slots * 2
+    while slots - short > 1:
+        middle = (short + slots) // 2
+        if (fewer := kept(middle)) is None:
+            short = middle
+        else:
+            slots, family = middle, fewer
+    _INLINE_SLOTS[key] = slots
+    return config.replace(mamba_slots=slots), family
 
 
 def build_tree(server, family, server_args):
