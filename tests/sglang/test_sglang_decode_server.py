@@ -386,6 +386,37 @@ def test_a_prompt_whose_pages_fill_the_pool_is_accepted_but_never_pre_allocated(
                                 "pre-allocation with 0 of 0 tokens out)"), stuck.value
 
 
+@pytest.mark.anchored
+def test_a_prompt_that_fits_the_window_pool_but_not_with_its_outputs_is_never_pre_allocated(decode):
+    """docs/bugs/sglang-decode-swa-prealloc-stall.md (stop 69; unfixed through 0.5.23): on a decode server of a model
+    with sliding-window layers on one-token pages, whose window pool SGLang sizes below its full pool, a prompt that
+    fits the window pool is accepted (``_check_if_req_exceed_kv_capacity`` tests the prompt alone), but
+    ``pop_preallocated`` budgets its prompt and outputs against the allocator's ``available_size()``, the smaller pool:
+    an idle server never admits it, and every request behind it waits too. Six tokens shorter, it fits and finishes.
+    Found by the compat table on 0.5.12 (``swa``: full 64, window 32, a 31-token prompt asking for 3 tokens)."""
+    from poolfuzz.pools.errors import ServerStuck
+
+    config = CONFIGS["swa"].replace(full_tokens=256, swa_tokens=128, max_context=256)
+    if reason := decode.unsupported_reason(config):
+        pytest.skip(reason)
+    driver = decode.SglangDecodeDriver(config)
+    allocator = driver.family.sg_allocator
+    window, full = allocator.size_swa, allocator.size_full
+    if window >= full:
+        pytest.skip(f"this release builds the window pool as large as the full one ({window} of {full} tokens)")
+    first = driver.add_request(length=window - 1, share=0, max_tokens=5)
+    behind = driver.add_request(length=4, share=0, max_tokens=1)
+    with pytest.raises(ServerStuck) as stuck:
+        driver.drain()
+    assert str(stuck.value) == (f"2 request(s) still unfinished after 400 idle steps (req {first} waiting for "
+                                f"pre-allocation with 0 of 5 tokens out, req {behind} waiting for pre-allocation "
+                                "with 0 of 1 tokens out)"), stuck.value
+
+    fits = decode.SglangDecodeDriver(config)
+    rid = fits.add_request(length=window - 6, share=0, max_tokens=5)  # prompt, outputs and one reserved token fit
+    assert fits.drain() is None and fits.outcome[rid] == "finished"
+
+
 def test_a_dsa_request_retracted_on_a_decode_server_is_backed_up_and_resumes(decode):
     """The decode server's retraction backs a DSA request's KV up through SGLang's ``get_cpu_copy``, whose index cache
     synchronises the device first (``torch.cuda.synchronize``, a no-op stand-in on a machine without a GPU:
