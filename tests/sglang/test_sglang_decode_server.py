@@ -45,6 +45,8 @@ def _pressure(decode, name="dense", backup_mode=None):
 @pytest.mark.parametrize("name", ["dense", "swa", "dense-ps4", "swa-ssm", "hybrid-linear"])
 def test_fuzzed_traffic_is_transferred_decoded_retracted_and_restored_on_its_own_kv(decode, expect, name):
     """Before #35957's fix (0.5.18) a retracted swa-ssm request loses its recurrent state: the fuzzer finds it."""
+    if reason := decode.unsupported_reason(CONFIGS[name]):
+        pytest.skip(reason)  # no server of this release (swa-ssm before 0.5.16: no Inkling)
     drivers = []
 
     def factory(config):  # a model with recurrent state backs up as cpu_tensor, as #35957's reporter ran it
