@@ -201,8 +201,9 @@ def message_of(exc: BaseException) -> str:
 
 
 def raised_where(exc: BaseException) -> str:
-    """``raised in FILE:LINE FUNCTION, called from FILE:LINE FUNCTION``: the innermost two frames of ``exc``'s
-    traceback, each file from its package on (``sglang/srt/...``); or "raised without a message" if it has none."""
+    """``raised without a message in FILE:LINE FUNCTION, called from FILE:LINE FUNCTION``: the innermost two frames of
+    ``exc``'s traceback, each file from its package on (``sglang/srt/...``); "raised without a message" alone if it has
+    no traceback."""
     import traceback
 
     frames = traceback.extract_tb(exc.__traceback__)[-2:] if exc.__traceback__ is not None else []

@@ -414,7 +414,8 @@ class RowGuard:
             if row + 1 == len(self.req_pool.req_to_token):
                 where = "the tensor's end (the canary row after the last request row)"
             else:
-                where = f"row {row + 1}'s positions 0..{spill - 1} (" + (f"req {victim}'s" if victim else "a row no running request holds") + ")"
+                holder = f"req {victim}'s" if victim else "a row no running request holds"
+                where = f"row {row + 1}'s positions 0..{spill - 1} ({holder})"
             return (f"req {req.rid}: SGLang allocated {allocated} KV slots for it (kv_allocated_len) in a request row "
                     f"of {self.width} (req_to_token {tuple(self.req_pool.req_to_token.shape)}): the last {spill} "
                     f"went past its row {row}, over {where}")

@@ -27,7 +27,7 @@ def with_mamba_ratio(config, ratio: int):
 
 
 def runner_mamba_ratio(server_args) -> int:
-    """The model runner's own ``_calculate_mamba_ratio`` (0.5.12 to 0.5.15), unbound on a runner holding
+    """The model runner's own ``_calculate_mamba_ratio`` (0.5.10 to 0.5.15), unbound on a runner holding
     ``server_args``."""
     return private("runner_mamba_ratio")(SimpleNamespace(server_args=server_args))
 
@@ -35,8 +35,8 @@ def runner_mamba_ratio(server_args) -> int:
 def mamba_ratio(server: dict | None) -> int | None:
     """The mamba slots a running request takes on the published server (with ``server``: on one with those flags,
     published for the while), by the configurator's ``_calculate_mamba_ratio``, or before it the model runner's, on
-    a server with those flags; None where the release has neither (0.5.9 and 0.5.10 size the state slots inline in
-    ``init_memory_pool``) or, for the runner's, no flags are given."""
+    a server with those flags; None where the release has neither (0.5.9 sizes the state slots inline in
+    ``init_memory_pool``: ``scheduling_global.inline_mamba_sized``) or, for the runner's, no flags are given."""
     from sglang.srt.server_args import ServerArgs
 
     named = None if server is None else server_flag_names(ServerArgs, server)
