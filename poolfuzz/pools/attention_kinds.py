@@ -52,7 +52,7 @@ def _latent_rules(c: ModelConfig) -> list[str]:
     if c.has_swa or (c.has_mamba and c.kv_quant):
         problems.append(f"attention {c.attention!r} is built for full-attention-only models here, and unquantised "
                         "also beside mamba layers (swa_layers must be 0; mamba_layers 0 with a kv_quant)")
-    if c.kv_lora_rank < 12 or 0 < c.qk_rope_head_dim < 12 or c.qk_rope_head_dim < 0:
+    if c.kv_lora_rank < 12 or (c.qk_rope_head_dim < 12 and c.qk_rope_head_dim != 0):
         problems.append(f"kv_lora_rank ({c.kv_lora_rank}) and qk_rope_head_dim ({c.qk_rope_head_dim}) must each be "
                         ">= 12 (each part of a latent row carries a tag), or qk_rope_head_dim 0 for rows without a "
                         "rope part (NoPE)")

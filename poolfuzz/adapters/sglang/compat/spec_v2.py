@@ -3,6 +3,8 @@ functions it runs, the Scheduler state ``run_batch`` reads, and the stand-in the
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import importlib
 from contextlib import ExitStack, contextmanager
 from types import SimpleNamespace as NS
@@ -102,11 +104,15 @@ def spec_v2_modules() -> NS:
 def verify_result(m: NS, *, accept_index, **fields):
     """The ``GenerationBatchResult`` of a verify round: ``fields``, and ``accept_index`` where the release's result has
     the field (0.5.21 on; only the pipeline-parallel mixin reads it)."""
-    import dataclasses
-
-    if "accept_index" in {field.name for field in dataclasses.fields(m.GenerationBatchResult)}:
+    if "accept_index" in _field_names(m.GenerationBatchResult):
         fields["accept_index"] = accept_index
     return m.GenerationBatchResult(**fields)
+
+
+@functools.cache
+def _field_names(dataclass_type) -> frozenset:
+    """A dataclass's field names, read once (a verify round asks each round)."""
+    return frozenset(field.name for field in dataclasses.fields(dataclass_type))
 
 
 def verify_cache_locs(m: NS, *, req_pool_indices, req_to_token, start_offset, draft_token_num: int):

@@ -51,14 +51,14 @@ def kv_write_loc(pool, loc: torch.Tensor) -> tuple[object, dict]:
 def latent_row(rows: dict, layer_id: int, pool) -> torch.Tensor:
     """An MLA layer's rows as the CPU backends hand them to ``set_kv_buffer``: one latent row per token, the
     compressed part then the rope part (a NoPE model's rows keep none), in the pool's dtype."""
-    parts = [rows[(name, layer_id)] for name in ("mla.latent", "mla.rope") if (name, layer_id) in rows]
-    latent = torch.cat(parts, dim=-1).unsqueeze(1)
+    latent = torch.cat([rows[key] for key in latent_keys(rows, layer_id)], dim=-1).unsqueeze(1)
     return as_pool_dtype(latent, pool)
 
 
-def latent_keys(rows: dict, layer_id: int) -> set:
-    """The keys of ``rows`` an MLA layer's latent row is written from (no rope part on a NoPE model)."""
-    return {(name, layer_id) for name in ("mla.latent", "mla.rope") if (name, layer_id) in rows}
+def latent_keys(rows: dict, layer_id: int) -> tuple:
+    """The keys of ``rows`` an MLA layer's latent row is written from, in the row's order (no rope part on a NoPE
+    model)."""
+    return tuple((name, layer_id) for name in ("mla.latent", "mla.rope") if (name, layer_id) in rows)
 
 
 def write_rows(pool, *, mha_layers, mla_layers, slots: torch.Tensor, rows: dict, model_dtype=None) -> set:
@@ -86,5 +86,5 @@ def write_rows(pool, *, mha_layers, mla_layers, slots: torch.Tensor, rows: dict,
             # ``set_mla_kv_buffer`` is a Triton kernel); ``cache_v`` is not read by an MLA pool.
             pool.set_kv_buffer(RadixAttentionFields(layer_id), loc_info, latent_row(rows, layer_id, pool), None,
                                **loc_kwargs)
-            done |= latent_keys(rows, layer_id)
+            done.update(latent_keys(rows, layer_id))
     return done

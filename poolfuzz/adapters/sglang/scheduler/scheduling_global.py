@@ -62,7 +62,7 @@ def build_server(driver, config, max_running: int) -> "GlobalLoop":
     else:
         config, family = mamba_sized(config, server_args), None
     driver.config = config
-    driver.family = family or driver.build_family(config, max_running)
+    driver.family = family if family is not None else driver.build_family(config, max_running)
     driver.pools_built()
     driver.total, capacity = compat.worker_token_capacity(driver.family)
     server = driver.server = marked_stand_in(object.__new__(m.Scheduler))  # a field it lacks and SGLang reads: drift

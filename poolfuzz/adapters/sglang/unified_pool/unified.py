@@ -170,7 +170,7 @@ def _mamba_family(api: SGLangAPI, c: ModelConfig, dev, served) -> UnifiedFamily:
             elif ("mla.latent", layer_id) in rows:  # the CPU backends' MLA door: one latent row, no V
                 kv_pool.set_kv_buffer(RadixAttentionFields(layer_id), physical, latent_row(rows, layer_id, kv_pool),
                                       None)
-                done |= latent_keys(rows, layer_id)
+                done.update(latent_keys(rows, layer_id))
         return done
 
     views = {"rows": FreeListView(space="rows", owner=req_pool, read=lambda: as_ints(req_pool.free_slots),
