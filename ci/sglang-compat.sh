@@ -14,7 +14,8 @@
 # reserved padding row and the free list that hands it out, before 0.5.11), that check is waived and the
 # release fuzzed again behind it. The table goes to stdout; each release's install log to
 # VENV/compat-VERSION.log and its artifacts (one per signature, with the shrunk program) to
-# VENV/compat-VERSION-artifacts/.
+# VENV/compat-VERSION-artifacts/. The configs no server runs are named in the row; every server's reason for each
+# goes to VENV/compat-VERSION-declined.txt (a decline of the adapter's, not SGLang's, is a gap to close).
 # Judged defects: POOLFUZZ_COMPAT_KNOWN="ci/known/A.txt ci/known/B.txt" marks each verdict those lists do not name
 # "NEW" (the verdicts still to judge; every other one is a defect already judged).
 # Reach (POOLFUZZ_COMPAT_REACH=0 skips it, 3-5x faster): each campaign runs with --coverage and the
@@ -73,11 +74,12 @@ for v in "${versions[@]}"; do
     continue
   fi
   # This checkout's poolfuzz, whatever poolfuzz the venv has installed.
-  (cd "$repo" && PYTHONPATH="$repo" "$release_venv/bin/python" - "$v" "$(dirname "$venv")/compat-$v-reach" "$(dirname "$venv")/compat-$v-artifacts" <<'PY'
+  (cd "$repo" && PYTHONPATH="$repo" "$release_venv/bin/python" - "$v" "$(dirname "$venv")/compat-$v-reach" "$(dirname "$venv")/compat-$v-artifacts" \
+    "$(dirname "$venv")/compat-$v-declined.txt" <<'PY'
 import sys, time, warnings
 import torch
 torch.set_num_threads(1)
-version, reach_dir, artifacts = sys.argv[1], sys.argv[2], sys.argv[3]
+version, reach_dir, artifacts, declined_path = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4]
 def row(imports, configs, verdict, triton="-", reach="-"):
     print(f"{version:13} | {'yes':8} | {imports:7} | {configs:60} | {triton:11} | {reach:36} | {verdict}", flush=True)
 try:
@@ -120,6 +122,14 @@ def unsupported_reason(config):
     return None if None in reasons else "; ".join(f"{p.name}: {r}" for p, r in zip(servers, reasons))
 
 supported = supported_by(unsupported_reason)
+declined = [name for name in CONFIGS if name not in supported]
+with open(declined_path, "w") as out:  # every server's reason, per config no server runs
+    for name in declined:
+        try:
+            why = unsupported_reason(CONFIGS[name]) or "-"
+        except Exception as exc:
+            why = f"{type(exc).__name__}: {exc}"
+        out.write(f"{name}\n  " + why.replace("; sglang:", "\n  sglang:") + "\n")
 
 class RunFailed(Exception):
     """The campaign's poolfuzz run neither passed nor failed a check: its verdict is not "pass"."""
@@ -200,6 +210,8 @@ def fuzzed_row(label, family, configs, *, measured):
     if waived:
         verdicts.insert(0, "waived " + ",".join(waived) + " (fails at step 0 everywhere)")
     listed = f"{len(configs)}: " + ("all" if len(configs) == len(CONFIGS) else ", ".join(configs))
+    if declined:
+        listed += f"; declined {len(declined)}: {', '.join(declined)} (why: {os.path.basename(declined_path)})"
     row("yes", listed, "; ".join(verdicts) if verdicts else "pass on all", triton,
         reach_of(reach_dir) if measured else "not measured")
 

@@ -39,17 +39,6 @@ def sized_by_configurator(configurator):
         pytest.skip("before 0.5.16 the model runner sizes the pools by its release's own rules")
 
 
-@pytest.fixture(scope="module")
-def memory_sized(configurator):
-    """A release whose server SGLang sizes from its free memory here (0.5.9's runner settles its running requests
-    after its pools, inline: none is read back, and such a server is refused, saying so)."""
-    try:
-        configurator.server_sized(CONFIGS["swa-mem"])
-    except ConfigError as exc:
-        assert "settles no running requests" in str(exc), exc
-        pytest.skip(str(exc))
-
-
 def _refuses_no_buffer_pages(api) -> bool:
     """Whether the release refuses the mamba radix cache's no_buffer strategy at pages over one (0.5.14 on; 0.5.12 and
     before accept it; 0.5.13 is not installed here)."""
@@ -632,7 +621,8 @@ def test_a_server_sized_by_its_memory_runs_on_the_sizes_sglang_gives_it(configur
     """Issue 35 item 2's memory branch: a server launched with no size cap but its running requests. SGLang's
     configurator decides the token slots, the window pool's share, the mamba slots and how many requests those
     hold, from the memory it finds free; every server a run starts reads those sizes back and runs on the very
-    pools SGLang built, none of the caps of the config it was copied from."""
+    pools SGLang built, none of the caps of the config it was copied from. On 0.5.9 too (declined before stop 70):
+    its runner settles the running requests inline after its pools, and they are read off its request pool."""
     from poolfuzz.orchestration.plugins import resolve_family
 
     plugin, c = resolve_family(family_name), CONFIGS[name]
@@ -648,7 +638,7 @@ def test_a_server_sized_by_its_memory_runs_on_the_sizes_sglang_gives_it(configur
         assert family.sg_req_pool.mamba_pool.size == sized.mamba_slots != c.mamba_slots
 
 
-def test_sglang_splits_a_servers_memory_its_own_way(configurator, sized_by_configurator, memory_sized):
+def test_sglang_splits_a_servers_memory_its_own_way(configurator, sized_by_configurator):
     """What SGLang makes of 8 KiB, read back: the window pool takes the share SGLang resolves for the model
     (``--swa-full-tokens-ratio`` unnamed), and a recurrent server admits only the requests its state slots hold
     (``resolve_max_num_reqs``: the mamba slots over the slots a request takes), fewer than ``--max-running-requests``."""
@@ -692,8 +682,7 @@ def test_sglang_splits_a_servers_memory_its_own_way(configurator, sized_by_confi
     (CONFIGS["hybrid-linear"].replace(full_layers=2, mamba_layers=1, layer_pattern="", free_memory_kib=16),
      "a Qwen3-Next keeps one full-attention layer in every 1: 2 among 3 layers"),
 ], ids=["too-little-memory", "no-window-pool", "interval"])
-def test_a_server_sized_by_its_memory_that_sglang_cannot_size_is_refused_with_the_reason(configurator, memory_sized,
-                                                                                          config, words):
+def test_a_server_sized_by_its_memory_that_sglang_cannot_size_is_refused_with_the_reason(configurator, config, words):
     with pytest.raises(ConfigError, match=words):
         configurator.server_sized(config)
 
@@ -709,7 +698,7 @@ def test_a_server_sized_by_its_memory_is_refused_where_no_configurator_sizes_it(
     assert configurator.server_sized(CONFIGS["swa"]) == CONFIGS["swa"]  # a server of named sizes needs none
     from poolfuzz.adapters.sglang.scheduler.servers import build_driver
 
-    # the server is declined with that reason (0.5.9's runner settles no running requests)
+    # the server is declined with that reason
     with pytest.raises(ConfigError, match="name the sizes: free_memory_kib=0"):
         build_driver(CONFIGS["swa-mem"])
 

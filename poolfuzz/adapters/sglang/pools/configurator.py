@@ -275,9 +275,10 @@ def _read_back(c: ModelConfig, sizes: dict, role_flags: dict | None = None) -> M
             changes.update(request_rows=settled, mamba_slots=settled if state_left else c.mamba_slots)
         return c.replace(**changes)
     if sizes["max_running_requests"] is None:
-        raise ConfigError(f"config {c.name!r}: {RUNNER} settles no running requests on this release (its "
-                          "initialize computes them inline afterwards: nothing to call), so a server sized by its "
-                          "free memory is not sized here; name the sizes: free_memory_kib=0")
+        raise ConfigError(f"config {c.name!r}: {RUNNER} settles no running requests on this release without "
+                          "--max-running-requests (its initialize computes them inline afterwards from the token "
+                          "slots: nothing to call), so a server sized by its free memory is not sized here; name the "
+                          "sizes: free_memory_kib=0")
     changes = {"request_rows": sizes["max_running_requests"]}
     if c.has_swa and c.has_full:
         changes.update(full_tokens=sizes["full_max_total_num_tokens"], swa_tokens=window)

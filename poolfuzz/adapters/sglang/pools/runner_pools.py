@@ -119,13 +119,21 @@ def built_by_runner(args, model_config, model, device: str):
 
 
 def as_worker(runner):
-    """The runner as the configurator path reads a worker's result. Its running requests are None where
-    ``init_memory_pool`` does not settle them (0.5.9: ``initialize`` computes them inline after it, nothing to call):
-    a server sized by its memory is then refused, one with named caps runs on the request rows its pool has."""
+    """The runner as the configurator path reads a worker's result, with the running requests it settled.
+
+    0.5.9's ``init_memory_pool`` settles none: ``initialize`` sets them inline after it (nothing to call; the rest of
+    ``initialize`` loads the model), to the smaller of ``--max-running-requests`` and the request pool's size. Stood in
+    for by the request pool's size where the server names ``--max-running-requests`` (every server the adapter
+    builds does), since that release's ``init_memory_pool`` never sizes the pool above the flag: the smaller is the
+    pool's. None where the flag is unnamed: the running requests then follow the token slots, which only
+    ``initialize`` reads, and a server sized by its memory is refused, saying so."""
+    settled = vars(runner).get("max_running_requests")
+    if settled is None and runner.server_args.max_running_requests is not None:
+        settled = runner.req_to_token_pool.size
     return types.SimpleNamespace(
         req_to_token_pool=runner.req_to_token_pool, token_to_kv_pool=runner.token_to_kv_pool,
         token_to_kv_pool_allocator=runner.token_to_kv_pool_allocator,
         max_total_num_tokens=runner.max_total_num_tokens,
-        max_running_requests=vars(runner).get("max_running_requests"),
+        max_running_requests=settled,
         full_max_total_num_tokens=runner.full_max_total_num_tokens,
         swa_max_total_num_tokens=runner.swa_max_total_num_tokens, sliding_window_size=runner.sliding_window_size)
