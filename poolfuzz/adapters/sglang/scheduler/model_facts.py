@@ -1,6 +1,6 @@
 """What a Scheduler built without its model is given of the model and the TpModelWorker, on either event loop: the
-vocabulary, the model config fields the scheduling methods read, the request length cap, the tokens per layer,
-an empty batch."""
+vocabulary, the model config fields the scheduling methods read, the request length cap, the tokens per layer, the
+running requests, an empty batch."""
 
 from __future__ import annotations
 
@@ -27,6 +27,12 @@ def tokens_per_layer(family) -> tuple[int | None, int | None]:
         return None, None
     sizes = family.served.sizes
     return sizes["full_max_total_num_tokens"], sizes["swa_max_total_num_tokens"]
+
+
+def worker_max_running(family) -> int:
+    """The running requests the TpModelWorker reports to its Scheduler (``init_model_worker`` reads them off it):
+    what SGLang's configurator (before 0.5.16 its model runner) settled for the pools it built, not the flag asked."""
+    return family.served.sizes["max_running_requests"]
 
 
 def model_config_standin(config: ModelConfig):

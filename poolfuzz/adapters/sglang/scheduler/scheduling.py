@@ -61,7 +61,7 @@ from poolfuzz.adapters.sglang.shims import cpu_server, root_warnings_off
 from poolfuzz.adapters.sglang.scheduler.runner import ModelRunner, RowGuard, deferred_cow_and_clear
 from poolfuzz.adapters.sglang.scheduler.model_facts import (MAMBA_CHUNK, VOCAB, empty_batch, max_req_len,
                                                             model_config_standin, schedule_batch_class,
-                                                            tokens_per_layer)
+                                                            tokens_per_layer, worker_max_running)
 from poolfuzz.adapters.sglang.scheduler.sessions import SessionClients
 from poolfuzz.adapters.sglang.scheduler.spec_worker import SpecWorker, speculative_flags, speculative_problem
 from poolfuzz.adapters.sglang.pools.environment import server_environment
@@ -287,6 +287,7 @@ class SglangSchedulerDriver:
         pd = getattr(m.DisaggregationMode, self.role)
         processor = compat.result_processor(m.ResultProcessor, tree=self.tree, req_to_token_pool=req_pool,
                                             allocator=allocator, model_config=model, disaggregation_mode=pd)
+        max_running = worker_max_running(self.family)
         flags = compat.publish_scheduler_context(max_running_requests=max_running)
         longest = max_req_len(config, capacity)
         self.server = marked_stand_in(object.__new__(m.Scheduler))  # a field SGLang reads and it lacks: drift

@@ -33,7 +33,7 @@ from poolfuzz.adapters.sglang import compat
 from poolfuzz.adapters.sglang.compat.drift import marked_stand_in
 from poolfuzz.adapters.sglang.host_tier import hicache
 from poolfuzz.adapters.sglang.scheduler.model_facts import (empty_batch, max_req_len, model_config_standin,
-                                                            tokens_per_layer)
+                                                            tokens_per_layer, worker_max_running)
 from poolfuzz.adapters.sglang.server_args import NO_MODEL
 from poolfuzz.adapters.sglang.tree.tree_build import runner_mamba_ratio, with_mamba_ratio
 from poolfuzz.pools.errors import ConfigError
@@ -69,7 +69,7 @@ def build_server(driver, config, max_running: int) -> "GlobalLoop":
     server.__dict__.update(compat.global_scheduler_state(
         server_args=server_args, model_config=model_config_standin(config), spec_algorithm=m.SpeculativeAlgorithm.NONE,
         disaggregation_mode=getattr(m.DisaggregationMode, driver.role), config=config, total=driver.total,
-        max_running=max_running, max_req_len=max_req_len(config, capacity), sent=driver._sent))
+        max_running=worker_max_running(driver.family), max_req_len=max_req_len(config, capacity), sent=driver._sent))
     try:
         driver.tree = build_tree(server, driver.family, server_args)
     except (AssertionError, ValueError) as exc:  # the tree's (or its host tier's) own refusal
