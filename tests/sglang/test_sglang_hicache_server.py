@@ -184,6 +184,24 @@ def test_prefixes_that_left_the_host_are_prefetched_from_storage_by_the_schedule
                    if t is not None)
 
 
+def test_a_server_with_storage_hashes_a_page_before_its_first_request(hicache_server, monkeypatch):
+    """SGLang compiles its page hash (a C++ extension, 0.5.16 on) the first time a process hashes. The server does that
+    before any request, so the build never runs on the prefetch thread under the storage deadline (stop 70: a 36 s build
+    there was reported as a StorageHang on 0.5.19)."""
+    if why := hicache_server.storage_problem(CONFIGS["dense"]):
+        pytest.skip(why)
+    from sglang.srt.mem_cache import utils
+
+    hashed = []
+    original = utils.get_hash_str
+    monkeypatch.setattr(utils, "get_hash_str", lambda *a, **k: hashed.append(a) or original(*a, **k))
+    driver = hicache_server.SglangHiCacheDriver(CONFIGS["dense"])
+    try:
+        assert hashed == [([0],)], hashed  # once, before the server took a request
+    finally:
+        driver.close()
+
+
 def test_a_page_storage_hands_back_wrong_is_caught_and_named(hicache_server, monkeypatch):
     """Storage that hands back a page of zeros (a backend that lost an object): the request admitted on the prefetched
     prefix finds zeros where its own K was, and the runner says which request, component, layer and position."""

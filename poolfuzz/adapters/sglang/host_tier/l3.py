@@ -144,6 +144,18 @@ def storage_arguments(config: ModelConfig, directory: str, layout: str):
         yield
 
 
+def warm_page_hash() -> None:
+    """SGLang's page hash computed once, on the main thread, before a server with an L3 tier takes its first request.
+
+    From 0.5.16 the hash is a C++ extension that torch compiles the first time a process hashes
+    (``mem_cache/utils.get_hash_str`` -> ``get_native_hash``): left to the prefetch thread, that build (over 30 s on a
+    loaded machine: stop 70 met it as a false ``StorageHang`` on 0.5.19) would run under :data:`SETTLE_SECONDS` and read
+    as a hang. Built here, a build that fails is a crash at the server's start, and the deadline times storage only."""
+    from sglang.srt.mem_cache.utils import get_hash_str
+
+    get_hash_str([0])
+
+
 def new_directory() -> str:
     return tempfile.mkdtemp(prefix="poolfuzz-l3-")
 

@@ -88,6 +88,7 @@ class SglangHiCacheDriver(SglangSchedulerDriver):
         if reason:
             raise ConfigError(f"the sglang HiCache server cannot build {config.name!r}: {reason}")
         if storage_problem(config) is None:
+            l3.warm_page_hash()  # a first hash compiles SGLang's extension: not on a storage thread, under its deadline
             self.storage_dir = l3.new_directory()
         try:
             super().__init__(config, backup_mode=backup_mode)
