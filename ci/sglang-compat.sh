@@ -76,7 +76,8 @@ for v in "${versions[@]}"; do
   # This checkout's poolfuzz, whatever poolfuzz the venv has installed.
   # each venv builds SGLang's page-hash extension into its own directory: releases run side by side would rebuild (and
   # race on) one shared ~/.cache/torch_extensions, each build naming its own torch
-  (cd "$repo" && TORCH_EXTENSIONS_DIR="$release_venv/torch-extensions" PYTHONPATH="$repo" "$release_venv/bin/python" - "$v" "$(dirname "$venv")/compat-$v-reach" "$(dirname "$venv")/compat-$v-artifacts" \
+  (cd "$repo" && TORCH_EXTENSIONS_DIR="$release_venv/torch-extensions" PYTHONPATH="$repo" "$release_venv/bin/python" - \
+    "$v" "$(dirname "$venv")/compat-$v-reach" "$(dirname "$venv")/compat-$v-artifacts" \
     "$(dirname "$venv")/compat-$v-declined.txt" <<'PY'
 import sys, time, warnings
 import torch
