@@ -107,16 +107,16 @@ for path in os.environ.get("POOLFUZZ_COMPAT_KNOWN", "").split():
 def judged(name, sig, fam):
     """Whether a known list names this verdict: on its family and config, or on its config alone."""
     return f"{fam} {name} {sig}" in KNOWN or f"{name} {sig}" in KNOWN
-def supported_by(reason):
-    """The named configs the release runs with a family whose probe is ``reason``."""
-    out = []
+def declines_of(reason):
+    """Each named config the release does not run with a family whose probe is ``reason``, with the reason."""
+    out = {}
     for name, config in CONFIGS.items():
         try:
             why = reason(config)
         except Exception as exc:
             why = f"{type(exc).__name__}: {exc}"
-        if not why:
-            out.append(name)
+        if why:
+            out[name] = why
     return out
 
 def unsupported_reason(config):
@@ -124,14 +124,10 @@ def unsupported_reason(config):
     reasons = [p.unsupported_reason(config) for p in servers]
     return None if None in reasons else "; ".join(f"{p.name}: {r}" for p, r in zip(servers, reasons))
 
-supported = supported_by(unsupported_reason)
-declined = [name for name in CONFIGS if name not in supported]
+declined = declines_of(unsupported_reason)
+supported = [name for name in CONFIGS if name not in declined]
 with open(declined_path, "w") as out:  # every server's reason, per config no server runs
-    for name in declined:
-        try:
-            why = unsupported_reason(CONFIGS[name]) or "-"
-        except Exception as exc:
-            why = f"{type(exc).__name__}: {exc}"
+    for name, why in declined.items():
         out.write(f"{name}\n  " + why.replace("; sglang:", "\n  sglang:") + "\n")
 
 class RunFailed(Exception):
